@@ -1,0 +1,55 @@
+"""The one switch that selects how a tensor-parallel reduction is performed."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Method = Literal["f32", "bf16", "bf16_ring", "int8"]
+Variant = Literal["full", "semi"]
+Phases = Literal["both", "rs", "ag"]
+
+METHODS = ("f32", "bf16", "bf16_ring", "int8")
+VARIANTS = ("full", "semi")
+PHASES = ("both", "rs", "ag")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceConfig:
+    """How `equarx.all_reduce` reduces.
+
+    method: "f32" (XLA psum in float32), "bf16" (XLA psum in bfloat16: today's baseline),
+      "bf16_ring" (our ring schedule, unquantized, bf16 on the wire), "int8" (EQuARX).
+    variant: "full" (full-loop ring, both directions) or "semi" (semi-loop, bidirectional chains).
+    phases: which phases are quantized for int8: "both", "rs" (reduce-scatter only), "ag".
+    minishards: scale blocks per shard; each minishard carries its own 8x128 float32 scales.
+    min_bytes: messages smaller than this (in bytes of the caller's dtype) use the bf16 psum.
+    """
+
+    method: Method = "bf16"
+    variant: Variant = "full"
+    phases: Phases = "both"
+    minishards: int = 4
+    min_bytes: int = 0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.phases not in PHASES:
+            raise ValueError(f"phases must be one of {PHASES}, got {self.phases!r}")
+        if int(self.minishards) < 1:
+            raise ValueError(f"minishards must be >= 1, got {self.minishards!r}")
+        if int(self.min_bytes) < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {self.min_bytes!r}")
+
+    @property
+    def label(self) -> str:
+        """Short name used in metrics labels, benchmark rows and /health."""
+        if self.method != "int8":
+            return self.method
+        suffix = "" if self.phases == "both" else f"-{self.phases}"
+        return f"int8-{self.variant}{suffix}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
