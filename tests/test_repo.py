@@ -1,0 +1,24 @@
+"""The repository promises a newcomer two set-up commands; CI must run the same test command."""
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_commands():
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.+?)\n```", setup, flags=re.S)
+
+
+def test_readme_has_exactly_two_setup_commands():
+    cmds = _readme_commands()
+    assert len(cmds) == 2, cmds
+    assert all("\n" not in c for c in cmds), "each set-up step is one command line"
+    assert cmds[0].rstrip().endswith("gemma3-serve")
+    assert "pytest" in cmds[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _readme_commands()[1] in ci.splitlines()
