@@ -1,0 +1,83 @@
+"""Dynamic block-wise symmetric int8 quantization with 8x128 scale tiles.
+
+A minishard of K * 1024 elements is viewed as K tiles of shape 8x128 (one TPU vector register
+each). Its scales form one 8x128 tile: scale[s, l] covers the strided set {x[k, s, l] : k < K},
+so computing them is an elementwise max over tiles (no cross-lane reduction, no relayout).
+
+The two passes are separate functions, as in the paper: Qp1 (`absmax`) only needs the data,
+Qp2 (`scale_round_cast`) needs Qp1's final result. Keeping them apart lets the schedule start Qp1
+on a partial sum while the next minishard is still on the wire.
+
+Non-finite input: rounding or casting NaN/Inf to int8 is undefined, so q is kept finite (0) and
+the non-finiteness travels in the block's float32 scale (NaN or Inf). Dequantization then yields a
+non-finite value for every element of that block, on every device that receives it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+TILE = (8, 128)
+TILE_ELEMENTS = TILE[0] * TILE[1]
+QMAX = 127.0
+SCALE_BYTES = TILE_ELEMENTS * 4  # one float32 8x128 tile per minishard
+
+
+def absmax(x: jax.Array) -> jax.Array:
+    """Qp1: per-lane absmax over the tiles. x: f32[K, 8, 128] -> f32[8, 128].
+
+    NaN propagates (XLA's max returns NaN if either operand is NaN), Inf gives an Inf absmax.
+    """
+    if x.ndim != 3 or x.shape[1:] != TILE:
+        raise ValueError(f"expected a [K, 8, 128] minishard, got shape {x.shape}")
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)
+
+
+def scale_round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Qp2: scale, round half to even, clip, cast. x: f32[K, 8, 128], amax: f32[8, 128].
+
+    Returns (q: int8[K, 8, 128], scale: f32[8, 128]) with x ~= q * scale.
+    A zero block gets scale 0 and q 0, so it dequantizes to exactly 0.
+    """
+    x = x.astype(jnp.float32)
+    scale = amax / QMAX
+    # Multiplying by the reciprocal is cheaper than dividing every element; the clip absorbs
+    # the last-ulp overshoot to 127.00001.
+    inv = jnp.where(amax > 0, QMAX / jnp.where(amax > 0, amax, 1.0), 0.0)
+    # A non-finite amax makes inv 0 (Inf) or NaN: q stays finite, the scale carries it.
+    inv = jnp.where(jnp.isfinite(amax), inv, 0.0)
+    q = jnp.clip(jnp.round(x * inv), -QMAX, QMAX)
+    return q.astype(jnp.int8), scale
+
+
+def quantize_blockwise(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Qp1 then Qp2. x: f32[K, 8, 128] -> (int8[K, 8, 128], f32[8, 128])."""
+    return scale_round_cast(x, absmax(x))
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """int8[K, 8, 128], f32[8, 128] -> f32[K, 8, 128]."""
+    return q.astype(jnp.float32) * scale
+
+
+# -- wire format: one int8 buffer per minishard, so one ppermute moves data and scales ---------
+
+def pack(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """(int8[K, 8, 128], f32[8, 128]) -> int8[K * 1024 + 4096]: payload then scale bytes."""
+    scale_bytes = jax.lax.bitcast_convert_type(scale.reshape(-1), jnp.int8).reshape(-1)
+    return jnp.concatenate([q.reshape(-1), scale_bytes])
+
+
+def unpack(buf: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of `pack`: int8[K * 1024 + 4096] -> (int8[K, 8, 128], f32[8, 128])."""
+    n = buf.shape[0] - SCALE_BYTES
+    if n < 0 or n % TILE_ELEMENTS:
+        raise ValueError(f"not a packed minishard: {buf.shape[0]} bytes")
+    q = buf[:n].reshape(-1, *TILE)
+    scale = jax.lax.bitcast_convert_type(buf[n:].reshape(TILE_ELEMENTS, 4), jnp.float32)
+    return q, scale.reshape(TILE)
+
+
+def packed_dequantize(buf: jax.Array) -> jax.Array:
+    """int8[K * 1024 + 4096] -> f32[K, 8, 128]."""
+    return dequantize(*unpack(buf))
