@@ -1,0 +1,48 @@
+"""Gemma's chat format, built as token ids.
+
+    <bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n{text}<end_of_turn>\n...
+    <start_of_turn>model\n
+
+Roles: "user" stays user, "assistant" becomes model. Gemma has no system role: system (and
+"developer") messages are joined and prepended to the first user turn, separated by a blank line
+(what Gemma 3's own template does). The turn markers are inserted as their token ids, never
+parsed from text, so a message that contains the literal text "<start_of_turn>" cannot forge a turn.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+
+class ChatTokenizer(Protocol):
+    bos_id: int
+    start_of_turn_id: int
+    end_of_turn_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+_ROLES = {"user": "user", "assistant": "model"}
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def render_chat(messages: Sequence[tuple[str, str]], tok: ChatTokenizer) -> list[int]:
+    """(role, text) pairs -> prompt ids ending with the model's turn opening. Raises ValueError
+    (with the message index) for an unknown role or a conversation without a user turn."""
+    system = [text for role, text in messages if role in _SYSTEM_ROLES]
+    turns = []
+    for i, (role, text) in enumerate(messages):
+        if role in _SYSTEM_ROLES:
+            continue
+        if role not in _ROLES:
+            raise ValueError(f"messages[{i}].role must be one of system, developer, user, assistant; got {role!r}")
+        turns.append((_ROLES[role], text))
+    if not turns or turns[0][0] != "user":
+        raise ValueError("the conversation must start with a user message (after any system message)")
+    if system:
+        turns[0] = ("user", "\n\n".join(system) + "\n\n" + turns[0][1])
+    ids = [tok.bos_id]
+    newline = tok.encode("\n")
+    for role, text in turns:
+        ids += [tok.start_of_turn_id, *tok.encode(f"{role}\n{text}"), tok.end_of_turn_id, *newline]
+    ids += [tok.start_of_turn_id, *tok.encode("model\n")]
+    return ids

@@ -1,0 +1,219 @@
+"""Command-line entry points: `gemma3-serve` (the HTTP server) and `gemma3-generate` (one prompt,
+streamed to the terminal).
+
+jax must not be imported before `_use_cpu_devices` has set XLA_FLAGS: on a CPU-only machine
+`--tp N` runs on N virtual CPU devices, which XLA only creates when the flag is set before it starts.
+So this module imports the serving stack (which imports jax) inside the functions.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import threading
+import time
+
+from serving.config import ServerConfig, add_arguments, from_sources
+
+log = logging.getLogger("serving")
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def _use_cpu_devices(n: int) -> None:
+    """Asks XLA's CPU backend for at least n devices (ignored by GPU/TPU backends)."""
+    if n <= 1:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    m = _DEVICE_COUNT_FLAG.search(flags)
+    if m and int(m.group(1)) >= n:
+        return
+    flags = _DEVICE_COUNT_FLAG.sub("", flags).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if "jax" in sys.modules:
+        log.warning("jax was imported before XLA_FLAGS was set; --tp %d may not find %d devices", n, n)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> ServerConfig:
+    values = {k: v for k, v in vars(args).items() if k not in extra}
+    try:
+        return from_sources(values)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+# ---- gemma3-serve ----
+
+def serve_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="gemma3-serve",
+        description="OpenAI-compatible server for Gemma 3 with an optional int8 (EQuARX) AllReduce. "
+                    "Settings also come from a config file (--config) or GEMMA3_* environment variables.")
+    add_arguments(parser)
+    config = _config(parser, parser.parse_args(argv))
+    _use_cpu_devices(config.tp)
+    _setup_logging(config.log_level)
+
+    import uvicorn
+
+    from serving.api import create_app
+    from serving.runtime import Runtime
+
+    runtime = Runtime(config)
+    app = create_app(runtime)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # SIGTERM/SIGINT: refuse new work at once; uvicorn then stops listening and gives
+            # in-flight requests `shutdown_timeout` seconds before cancelling them.
+            log.info("signal %s: shutting down", sig)
+            runtime.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                   timeout_graceful_shutdown=config.shutdown_timeout,
+                                   access_log=config.log_level == "debug"))
+    failed: list[str] = []
+
+    def on_load_failure(message: str) -> None:
+        failed.append(message)
+        server.should_exit = True
+
+    runtime.on_load_failure = on_load_failure
+    log.info("serving %s on http://%s:%d (/health turns 200 once the model is warmed up)",
+             config.model_name, config.host, config.port)
+    runtime.start_loading()
+    server.run()
+    runtime.shutdown(drain_timeout=0.0)
+    if failed:
+        log.error("the model failed to load: %s", failed[0])
+        sys.exit(1)
+    if not server.started:
+        sys.exit(1)  # e.g. the port was taken (uvicorn logged why)
+
+
+# ---- gemma3-generate ----
+
+_GENERATE_SETTINGS = ("model", "tp", "allreduce", "allreduce_variant", "allreduce_phases",
+                      "allreduce_minishards", "allreduce_min_bytes", "dtype", "max_seq_len",
+                      "compile_cache_dir", "log_level")
+
+
+def generate_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="gemma3-generate",
+        description="Generate a continuation of one prompt and stream it to the terminal.")
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in Gemma's chat template")
+    add_arguments(parser, only=_GENERATE_SETTINGS)
+    args = parser.parse_args(argv)
+    own = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat")
+    config = _config(parser, args, extra=own)
+    if config.log_level == "info":
+        config = ServerConfig(**{**config.__dict__, "log_level": "warning"})
+    _use_cpu_devices(config.tp)
+    _setup_logging(config.log_level)
+
+    from serving.sampling import InvalidParameter, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    except InvalidParameter as e:
+        parser.error(str(e))
+    if not args.prompt:
+        parser.error("the prompt is empty")
+    sys.exit(_generate(config, args.prompt, params, args.chat))
+
+
+def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
+    import numpy as np
+
+    from serving.chat_template import render_chat
+    from serving.engine import DecodeInputs, ModelEngine, pad_prefill_batch
+    from serving.runtime import configure_jax
+    from serving.sampling import SlotSampling
+    from serving.scheduler import Scheduler
+
+    t_start = time.perf_counter()
+    progress = _Progress(t_start)
+    progress(f"loading {config.model} ({config.dtype}, tp={config.tp}, allreduce={config.allreduce_config().label})")
+    configure_jax(config)
+    from models.gemma3 import load_model
+
+    model = load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(), dtype=config.dtype,
+                       max_seq_len=config.max_seq_len)
+    engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len, model_name=config.model_name)
+    tok = engine.tokenizer
+    ids = render_chat([("user", prompt)], tok) if chat else [tok.bos_id] + tok.encode(prompt)
+    scheduler = Scheduler(engine, max_waiting=1)
+    try:
+        scheduler.check(len(ids), params.max_tokens)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Compile the two programs this prompt needs, with progress, before timing the generation.
+    bucket = engine.bucket_for(len(ids))
+    progress(f"compiling prefill ({len(ids)}-token prompt, bucket {bucket})")
+    engine.run_prefill(pad_prefill_batch([([tok.bos_id], 0, SlotSampling.greedy(1))], bucket, 1))
+    progress("compiling decode step")
+    engine.run_decode(DecodeInputs(np.zeros(1, np.int32), np.zeros(1, np.int32), SlotSampling.greedy(1)))
+    progress("generating", done=True)
+
+    done = threading.Event()
+    result = {}
+
+    def sink(event) -> None:
+        if event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        if event.finish_reason is not None:
+            result.update(reason=event.finish_reason, n=event.num_generated, error=event.error)
+            done.set()
+
+    t0 = time.perf_counter()
+    scheduler.start()
+    scheduler.submit([(ids, params, sink)])
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        scheduler.shutdown()
+        return 130
+    elapsed = time.perf_counter() - t0
+    scheduler.shutdown()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if result.get("reason") == "error":
+        print(f"error: {result['error']}", file=sys.stderr)
+        return 1
+    print(f"[{result['n']} tokens in {elapsed:.2f}s, {result['n'] / max(elapsed, 1e-9):.1f} tokens/s, "
+          f"finish: {result['reason']}; start-up {t0 - t_start:.1f}s]", file=sys.stderr)
+    return 0
+
+
+class _Progress:
+    """Progress lines on stderr with the elapsed time (a terminal sees them as they happen)."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+
+    def __call__(self, message: str, done: bool = False) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {message}{'' if done else ' ...'}", file=sys.stderr,
+              flush=True)
+
+
+if __name__ == "__main__":
+    serve_main()

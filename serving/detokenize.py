@@ -1,0 +1,99 @@
+"""Incremental detokenization and stop strings, on the host.
+
+Gemma's tokenizer falls back to single bytes for rare characters, so one character can span
+several tokens; decoding such a partial sequence yields U+FFFD. `IncrementalDetokenizer` therefore
+only releases text once it no longer ends in U+FFFD (the prefix/read offsets of vLLM's and TGI's
+streaming decoders), and decodes a short window of tokens, not the whole sequence, at each step.
+
+`TextStream` adds stop strings on top: the text that could still be the start of a stop string is
+held back while streaming, and a match cuts the output before the stop string (OpenAI semantics).
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+_REPLACEMENT = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a character."""
+
+    def __init__(self, tokenizer: Decoder):
+        self._tok = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the decoding window (a few tokens of context)
+        self._read = 0  # tokens up to here have been released as text
+
+    def add(self, token_id: int) -> str:
+        """Appends a token; returns the newly complete text (possibly empty)."""
+        self.ids.append(int(token_id))
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """Releases whatever is left, incomplete characters included (end of the sequence)."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self._read == len(self.ids):
+            return ""
+        done = self._tok.decode(self.ids[self._prefix:self._read])
+        text = self._tok.decode(self.ids[self._prefix:])
+        if not final and (text.endswith(_REPLACEMENT) or len(text) <= len(done)):
+            return ""
+        # Decoding a window, not the whole sequence, can change how its first token renders; the
+        # text before `_read` was decoded with the same window start, so the difference is exact.
+        delta = text[len(done):] if text.startswith(done) else text[_common_prefix(text, done):]
+        self._prefix, self._read = self._read, len(self.ids)
+        return delta
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TextStream:
+    """Detokenizer plus stop strings. `add` returns (text delta to emit, stopped)."""
+
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # all text produced so far (up to a stop string, excluded)
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        if self.stopped:
+            raise RuntimeError("token added after a stop string matched")
+        self.text += self._detok.add(token_id)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """Ends the sequence (a token or length limit): releases the held-back text."""
+        if self.stopped:
+            return ""
+        self.text += self._detok.flush()
+        return self._emit(final=True)[0]
+
+    def _emit(self, final: bool) -> tuple[str, bool]:
+        if self._stop:
+            # A stop string can only newly appear in text not yet emitted, or straddle the boundary.
+            start = max(0, self._emitted - self._hold)
+            hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+                final = True
+        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta, self.stopped

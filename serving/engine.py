@@ -1,0 +1,201 @@
+"""The engine: the model's prefill and decode programs plus on-device sampling, over a fixed set of
+cache slots. It knows nothing about requests, queues or HTTP (that is `scheduler.py`).
+
+Every step takes one small plain structure of numpy arrays (`PrefillInputs`, `DecodeInputs`) and
+returns numpy arrays (`StepOutputs`): the chosen tokens and their logprobs, never full logits. A step
+is a pure function of its inputs and the cache, so several processes that receive the same inputs
+in the same order run the same programs (process 0 would broadcast them); `run_prefill` and
+`run_decode` are the only two entry points.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, NamedTuple, Protocol
+
+import numpy as np
+
+from serving.sampling import SlotSampling
+
+log = logging.getLogger(__name__)
+
+
+class PrefillInputs(NamedTuple):
+    tokens: np.ndarray  # int32 [B, Tb], right-padded to a prefill bucket Tb
+    lengths: np.ndarray  # int32 [B], real prompt lengths (>= 1)
+    slots: np.ndarray  # int32 [B], cache row of each prompt
+    sampling: SlotSampling  # [B]
+    prompt_logprobs: bool = False  # also return the logprobs of the prompt's own tokens
+
+
+class DecodeInputs(NamedTuple):
+    tokens: np.ndarray  # int32 [S], the last token of each slot (anything for an idle slot)
+    positions: np.ndarray  # int32 [S], tokens already in the slot = position of `tokens`
+    sampling: SlotSampling  # [S]
+
+
+class StepOutputs(NamedTuple):
+    tokens: np.ndarray  # int32 [B]
+    logprobs: np.ndarray  # float32 [B]
+    top_ids: np.ndarray  # int32 [B, K]
+    top_logprobs: np.ndarray  # float32 [B, K]
+    # With prompt_logprobs: logprob of prompt token t+1 given tokens <= t, and the top alternatives.
+    prompt_logprobs: np.ndarray | None = None  # float32 [B, Tb-1]
+    prompt_top_ids: np.ndarray | None = None  # int32 [B, Tb-1, K]
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [B, Tb-1, K]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the scheduler and the HTTP layer need to know about an engine."""
+
+    model_name: str
+    num_slots: int
+    max_seq_len: int
+    prefill_buckets: tuple[int, ...]
+    prefill_batch_sizes: tuple[int, ...]
+    vocab_size: int
+    eos_ids: tuple[int, ...]  # tokens that end a sequence (EOS, <end_of_turn>)
+    tp: int = 1
+    dtype: str = "bfloat16"
+    allreduce: dict = dataclasses.field(default_factory=dict)
+    allreduce_label: str = "bf16"
+
+
+class Engine(Protocol):
+    """What the scheduler drives (JetStream's split: a fake engine implements this in tests)."""
+
+    info: EngineInfo
+    tokenizer: object
+
+    def bucket_for(self, length: int) -> int: ...
+
+    def run_prefill(self, inputs: PrefillInputs) -> StepOutputs: ...
+
+    def run_decode(self, inputs: DecodeInputs) -> StepOutputs: ...
+
+
+def pad_prefill_batch(rows: list[tuple[list[int], int, SlotSampling]], bucket: int,
+                      batch: int) -> PrefillInputs:
+    """Builds prefill inputs from (prompt ids, slot, one-row sampling) with `batch` rows. Missing rows
+    repeat the last real one: it writes the same values into the same cache row, so padding needs no
+    spare slot and cannot touch another sequence."""
+    if not rows or len(rows) > batch:
+        raise ValueError(f"need 1..{batch} rows, got {len(rows)}")
+    rows = rows + [rows[-1]] * (batch - len(rows))
+    tokens = np.zeros((batch, bucket), np.int32)
+    for i, (ids, _, _) in enumerate(rows):
+        if not 1 <= len(ids) <= bucket:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit bucket {bucket}")
+        tokens[i, :len(ids)] = ids
+    sampling = SlotSampling(*(np.concatenate([getattr(r[2], f) for r in rows]) for f in SlotSampling._fields))
+    return PrefillInputs(tokens=tokens,
+                         lengths=np.array([len(r[0]) for r in rows], np.int32),
+                         slots=np.array([r[1] for r in rows], np.int32),
+                         sampling=sampling)
+
+
+class ModelEngine:
+    """Engine over a `models.gemma3` model: a KV cache of `num_slots` rows, the model's jitted
+    prefill/decode programs, and the jitted sampler applied to their logits on device."""
+
+    def __init__(self, model, num_slots: int, max_seq_len: int,
+                 prefill_batch_sizes: tuple[int, ...] = (1,), model_name: str = "gemma3-270m"):
+        import jax
+
+        from serving import sampling
+
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        buckets = tuple(b for b in model.prefill_buckets if b < max_seq_len)
+        # The largest bucket must hold the longest admissible prompt (max_seq_len - 1 tokens).
+        top = model.bucket_for(max_seq_len - 1)
+        buckets = tuple(sorted(set(buckets) | {top}))
+        cfg = model.config
+        self.info = EngineInfo(
+            model_name=model_name,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            prefill_buckets=buckets,
+            prefill_batch_sizes=tuple(sorted(set(prefill_batch_sizes))),
+            vocab_size=cfg.vocab_size,
+            eos_ids=(self.tokenizer.eos_id, self.tokenizer.end_of_turn_id),
+            tp=int(model.tp),
+            dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
+            allreduce=model.allreduce.to_dict(),
+            allreduce_label=model.allreduce.label,
+        )
+        self._jax = jax
+        self.cache = model.init_cache(num_slots, max_seq_len)
+        self._sample = jax.jit(sampling.sample)
+        self._prompt_logprobs = jax.jit(sampling.prompt_logprobs)
+        self._last_logits = jax.jit(_last_logits)
+
+    def bucket_for(self, length: int) -> int:
+        if length > self.info.prefill_buckets[-1]:
+            raise ValueError(f"prompt of {length} tokens exceeds the largest bucket {self.info.prefill_buckets[-1]}")
+        return next(b for b in self.info.prefill_buckets if b >= length)
+
+    def run_prefill(self, inputs: PrefillInputs) -> StepOutputs:
+        jnp = self._jax.numpy
+        tokens, lengths = jnp.asarray(inputs.tokens), jnp.asarray(inputs.lengths)
+        logits, self.cache = self.model.prefill(self.cache, tokens, lengths, jnp.asarray(inputs.slots),
+                                                return_all_logits=inputs.prompt_logprobs)
+        extra = ()
+        if inputs.prompt_logprobs:
+            extra = self._prompt_logprobs(logits, tokens)
+            logits = self._last_logits(logits, lengths)
+        out = self._sample(logits, _device_sampling(jnp, inputs.sampling), lengths)
+        return _to_host(self._jax, out, extra)
+
+    def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
+        jnp = self._jax.numpy
+        positions = jnp.asarray(inputs.positions)
+        logits, self.cache = self.model.decode_step(self.cache, jnp.asarray(inputs.tokens), positions)
+        out = self._sample(logits, _device_sampling(jnp, inputs.sampling), positions + 1)
+        return _to_host(self._jax, out, ())
+
+    def warmup(self, progress: Callable[[str], None] = log.info) -> float:
+        """Compiles (or loads from the persistent cache) and runs every prefill bucket at every
+        prefill batch size, and the decode step, so that no request waits for a compile. The
+        prompt-logprobs variant (echo with logprobs) compiles on first use. Returns seconds."""
+        t0 = time.perf_counter()
+        greedy1 = SlotSampling.greedy(1)
+        for batch in self.info.prefill_batch_sizes:
+            for bucket in self.info.prefill_buckets:
+                t = time.perf_counter()
+                self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
+                progress(f"prefill bucket {bucket} x{batch}: {time.perf_counter() - t:.1f}s")
+        s = self.info.num_slots
+        t = time.perf_counter()
+        self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
+        # A sampled step too: the sampler's random branch is part of the same program, but run it
+        # once so that its first use is not slower than the others.
+        sampled = SlotSampling(np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+                               np.zeros(s, np.uint32))
+        self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), sampled))
+        progress(f"decode step x{s}: {time.perf_counter() - t:.1f}s")
+        return time.perf_counter() - t0
+
+
+def _last_logits(logits, lengths):
+    """[B, T, V] logits at every position -> [B, V] at each prompt's last real token."""
+    return logits[np.arange(logits.shape[0]), lengths - 1]
+
+
+def _device_sampling(jnp, s: SlotSampling) -> SlotSampling:
+    return SlotSampling(*(jnp.asarray(a) for a in s))
+
+
+def _to_host(jax, out, extra) -> StepOutputs:
+    host = jax.device_get((tuple(out), tuple(extra)))
+    (tokens, logprobs, top_ids, top_lps), extra = host
+    if extra:
+        return StepOutputs(tokens, logprobs, top_ids, top_lps, *extra)
+    return StepOutputs(tokens, logprobs, top_ids, top_lps)
+

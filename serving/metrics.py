@@ -1,0 +1,83 @@
+"""Prometheus metrics with vLLM's names and meanings (prefix `gemma3:` for `vllm:`), every series
+labelled with the model and the AllReduce mode so that bf16 and int8 servers share a dashboard.
+
+One registry per server (not the global one), so several apps can live in one process.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client import disable_created_metrics
+
+# The *_created series double the output and no dashboard uses them (vLLM disables them too).
+disable_created_metrics()
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, allreduce: str, tp: int = 1, dtype: str = ""):
+        self.registry = r = CollectorRegistry()
+        labels = ("model_name", "allreduce")
+        self._values = (model_name, allreduce)
+
+        def hist(name, doc, buckets=_REQUEST_BUCKETS):
+            return Histogram(f"gemma3:{name}", doc, labels, buckets=buckets, registry=r).labels(*self._values)
+
+        self.running = Gauge("gemma3:num_requests_running", "Sequences in decode slots.", labels,
+                             registry=r).labels(*self._values)
+        self.waiting = Gauge("gemma3:num_requests_waiting", "Sequences waiting for a slot.", labels,
+                             registry=r).labels(*self._values)
+        self.kv_usage = Gauge("gemma3:kv_cache_usage_perc",
+                              "Fraction of the KV cache's token positions in use (1 = full).", labels,
+                              registry=r).labels(*self._values)
+        self.prompt_tokens = Counter("gemma3:prompt_tokens", "Prefilled prompt tokens.", labels,
+                                     registry=r).labels(*self._values)
+        self.generation_tokens = Counter("gemma3:generation_tokens", "Generated tokens.", labels,
+                                         registry=r).labels(*self._values)
+        self._success = Counter("gemma3:request_success", "Finished sequences by finish reason (stop, length, abort, error).",
+                                labels + ("finished_reason",), registry=r)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill_time = hist("request_prefill_time_seconds", "Duration of the request's prefill step.")
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
+        info = Gauge("gemma3:engine_info", "Engine configuration (value 1).",
+                     labels + ("tp", "dtype"), registry=r)
+        info.labels(*self._values, str(tp), dtype).set(1)
+
+    # The scheduler's observer interface (serving.scheduler.NullMetrics).
+
+    def on_scheduled(self, seq, queue_time: float) -> None:
+        self.queue_time.observe(queue_time)
+
+    def on_prefill(self, seqs, seconds: float) -> None:
+        for s in seqs:
+            self.prefill_time.observe(seconds)
+            self.prompt_tokens.inc(len(s.prompt))
+
+    def on_token(self, seq, now: float) -> None:
+        self.generation_tokens.inc()
+        if seq.first_token_at == now and len(seq.generated) == 1:
+            self.ttft.observe(now - seq.arrival)
+        elif seq.last_token_at is not None:
+            self.itl.observe(now - seq.last_token_at)
+
+    def on_finish(self, seq, reason: str, now: float) -> None:
+        self._success.labels(*self._values, reason).inc()
+        if reason in ("stop", "length"):
+            self.e2e.observe(now - seq.arrival)
+            if seq.first_token_at is not None:
+                self.decode_time.observe(now - seq.first_token_at)
+
+    def on_state(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

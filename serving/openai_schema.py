@@ -1,0 +1,91 @@
+"""OpenAI wire format: request models (strict types: "10" is not a number) and error bodies.
+
+Unknown fields are ignored (clients send many). Fields we cannot honour are rejected when set to a
+non-default value rather than silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Content parts of other types (images, audio) are rejected with a clear message by the app.
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+
+class GenerateRequest(_Strict):
+    """The native endpoint: a prompt string or token ids, the sampling fields, NDJSON streaming."""
+
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    stream: bool = False
+    add_bos: bool = True
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

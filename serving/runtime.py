@@ -1,0 +1,128 @@
+"""What a running server holds: its settings, the engine once loaded and warmed up, the scheduler
+and the metrics. Loading runs on a background thread so that /health answers 503 meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from serving.config import ServerConfig
+from serving.metrics import Metrics
+from serving.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[ServerConfig, Callable[[str], None]], object]
+
+
+class Runtime:
+    def __init__(self, config: ServerConfig, engine_factory: EngineFactory | None = None):
+        self.config = config
+        self.status = "loading"  # loading -> ready -> shutting_down; or error
+        self.error: str | None = None
+        self.engine = None
+        self.scheduler: Scheduler | None = None
+        self.metrics: Metrics | None = None
+        self.created = int(time.time())
+        self.load_seconds: float | None = None
+        self._factory = engine_factory or load_engine
+        self._thread: threading.Thread | None = None
+        self.on_load_failure: Callable[[str], None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    def start_loading(self) -> "Runtime":
+        self._thread = threading.Thread(target=self.load, name="model-loader", daemon=True)
+        self._thread.start()
+        return self
+
+    def load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = self._factory(self.config, lambda msg: log.info("%s", msg))
+        except Exception as e:
+            log.exception("loading the model failed")
+            self.status, self.error = "error", f"{type(e).__name__}: {e}"
+            if self.on_load_failure is not None:
+                self.on_load_failure(self.error)
+            return
+        self.attach(engine)
+        self.load_seconds = time.perf_counter() - t0
+        log.info("ready in %.1fs: %s", self.load_seconds, engine.info)
+
+    def attach(self, engine) -> None:
+        """Starts serving with an engine (loaded and warmed up)."""
+        info = engine.info
+        self.engine = engine
+        self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype)
+        self.scheduler = Scheduler(engine, max_waiting=self.config.max_waiting, metrics=self.metrics).start()
+        if self.status == "loading":
+            self.status = "ready"
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting new requests (running ones continue)."""
+        if self.status in ("loading", "ready"):
+            self.status = "shutting_down"
+        if self.scheduler is not None:
+            self.scheduler.stop_accepting()
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        self.begin_shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown(drain_timeout)
+
+    def describe(self) -> dict:
+        """Model, parallelism and AllReduce mode (shown by /health and /v1/models)."""
+        c = self.config
+        d = {"model": c.model_name, "source": c.model, "tp": c.tp, "dtype": c.dtype,
+             "allreduce": c.allreduce_config().to_dict(), "allreduce_label": c.allreduce_config().label,
+             "max_model_len": c.max_seq_len, "max_batch": c.max_batch}
+        if self.engine is not None:
+            info = self.engine.info
+            d.update(tp=info.tp, dtype=info.dtype, allreduce=info.allreduce,
+                     allreduce_label=info.allreduce_label, max_model_len=info.max_seq_len,
+                     max_batch=info.num_slots, prefill_buckets=list(info.prefill_buckets))
+        return d
+
+
+def configure_jax(config: ServerConfig) -> None:
+    """Persistent compilation cache: a restart (or the second server) loads compiled programs
+    instead of compiling them again, which is most of the start-up time on CPU."""
+    import jax
+
+    if config.compile_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def load_engine(config: ServerConfig, progress: Callable[[str], None]):
+    """The real engine: loads the model, allocates the cache, compiles and warms up."""
+    configure_jax(config)
+    import jax
+
+    from models.gemma3 import load_model
+    from serving.engine import ModelEngine
+
+    progress(f"loading {config.model} (tp={config.tp}, {config.dtype}, allreduce="
+             f"{config.allreduce_config().label}) on {len(jax.devices())} {jax.default_backend()} device(s)")
+    t = time.perf_counter()
+    model = load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(),
+                       dtype=config.dtype, max_seq_len=config.max_seq_len)
+    progress(f"weights loaded in {time.perf_counter() - t:.1f}s")
+    engine = ModelEngine(model, num_slots=config.max_batch, max_seq_len=config.max_seq_len,
+                         prefill_batch_sizes=_prefill_batch_sizes(config),
+                         model_name=config.model_name)
+    progress(f"compiling: prefill buckets {engine.info.prefill_buckets} x batch "
+             f"{engine.info.prefill_batch_sizes}, decode x{engine.info.num_slots}")
+    seconds = engine.warmup(progress)
+    progress(f"warm-up done in {seconds:.1f}s")
+    return engine
+
+
+def _prefill_batch_sizes(config: ServerConfig) -> tuple[int, ...]:
+    return tuple(sorted({1, min(config.prefill_batch, config.max_batch)}))
