@@ -26,27 +26,31 @@ SCALE_BYTES = TILE_ELEMENTS * 4  # one float32 8x128 tile per minishard
 def absmax(x: jax.Array) -> jax.Array:
     """Qp1: per-lane absmax over the tiles. x: f32[K, 8, 128] -> f32[8, 128].
 
-    NaN propagates (XLA's max returns NaN if either operand is NaN), Inf gives an Inf absmax.
+    A NaN anywhere in a block gives that block an Inf absmax. XLA's CPU max reduction drops NaN
+    (it behaves like fmax), so NaN is mapped to Inf explicitly instead of relying on max.
     """
     if x.ndim != 3 or x.shape[1:] != TILE:
         raise ValueError(f"expected a [K, 8, 128] minishard, got shape {x.shape}")
-    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)
+    mag = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isnan(mag), jnp.inf, mag), axis=0)
 
 
 def scale_round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Qp2: scale, round half to even, clip, cast. x: f32[K, 8, 128], amax: f32[8, 128].
 
     Returns (q: int8[K, 8, 128], scale: f32[8, 128]) with x ~= q * scale.
-    A zero block gets scale 0 and q 0, so it dequantizes to exactly 0.
+    A zero block gets scale 0 and q 0, so it dequantizes to exactly 0. A block with a
+    non-finite absmax gets q 0 and a non-finite scale: it dequantizes to NaN/Inf everywhere.
     """
     x = x.astype(jnp.float32)
     scale = amax / QMAX
+    usable = jnp.isfinite(amax) & (amax > 0)
     # Multiplying by the reciprocal is cheaper than dividing every element; the clip absorbs
     # the last-ulp overshoot to 127.00001.
-    inv = jnp.where(amax > 0, QMAX / jnp.where(amax > 0, amax, 1.0), 0.0)
-    # A non-finite amax makes inv 0 (Inf) or NaN: q stays finite, the scale carries it.
-    inv = jnp.where(jnp.isfinite(amax), inv, 0.0)
+    inv = jnp.where(usable, QMAX / jnp.where(usable, amax, 1.0), 0.0)
     q = jnp.clip(jnp.round(x * inv), -QMAX, QMAX)
+    # NaN * 0 is NaN, and casting NaN to int8 is undefined: force q to 0 in such blocks.
+    q = jnp.where(usable, q, 0.0)
     return q.astype(jnp.int8), scale
 
 

@@ -1,0 +1,194 @@
+"""equarx.all_reduce on 8 virtual CPU devices: sums, replicas, shapes, dtypes, edge values."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equarx import AllReduceConfig, all_reduce, collectives, plan_layout
+from equarx.collective import MIN_TILES_PER_MINISHARD
+
+ALL_METHODS = {
+    "f32": AllReduceConfig("f32"),
+    "bf16": AllReduceConfig("bf16"),
+    "bf16_ring-full": AllReduceConfig("bf16_ring", "full"),
+    "bf16_ring-semi": AllReduceConfig("bf16_ring", "semi"),
+    "int8-full": AllReduceConfig("int8", "full"),
+    "int8-semi": AllReduceConfig("int8", "semi"),
+    "int8-full-rs": AllReduceConfig("int8", "full", phases="rs"),
+    "int8-semi-ag": AllReduceConfig("int8", "semi", phases="ag"),
+}
+SHAPES = [(1,), (3, 1000), (5, 3, 129)]
+
+
+def _mesh(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("tp",))
+
+
+def reduce_everywhere(n: int, configs: list, inputs: list) -> list[list[np.ndarray]]:
+    """inputs[i]: [n, *shape], row d = device d's partial sum. Returns out[c][i]: [n, *shape],
+    row d = what device d holds after all_reduce with configs[c]. One jit for everything."""
+
+    def body(*xs):
+        return tuple(tuple(all_reduce(x[0], "tp", c)[None] for x in xs) for c in configs)
+
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(n), in_specs=(P("tp"),) * len(inputs),
+                              out_specs=P("tp")))
+    return jax.tree.map(np.asarray, f(*inputs))
+
+
+def _replicas_identical(out: np.ndarray) -> bool:
+    bits = out.view(np.uint16 if out.dtype.itemsize == 2 else np.uint32)
+    return all(np.array_equal(bits[0], bits[d]) for d in range(1, len(out)))
+
+
+def _quantizations(cfg: AllReduceConfig, n: int) -> int:
+    """Upper bound on how many times one element is quantized on its way (RS hops + 1 AG)."""
+    return (n if cfg.phases == "both" else 1 if cfg.phases == "ag" else n - 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_every_method_shape_and_axis_size(n):
+    rng = np.random.default_rng(n)
+    inputs = [rng.standard_normal((n,) + s).astype(np.float32) for s in SHAPES]
+    names, cfgs = zip(*ALL_METHODS.items())
+    outs = reduce_everywhere(n, list(cfgs), inputs)
+    for name, cfg, per_shape in zip(names, cfgs, outs):
+        for x, out in zip(inputs, per_shape):
+            where = f"{name} n={n} shape={x.shape[1:]}"
+            assert out.shape == x.shape and out.dtype == np.float32, where
+            assert _replicas_identical(out), where
+            if n == 1:
+                assert np.array_equal(out, x), where  # no communication, no rounding
+                continue
+            exact = x.astype(np.float64).sum(0)
+            err = np.abs(out[0] - exact)
+            if name == "f32":
+                np.testing.assert_allclose(out[0], exact, rtol=1e-6, atol=1e-5, err_msg=where)
+            elif name.startswith("bf16"):
+                # bf16 rounding of each partial sum: ~2^-8 relative, n roundings at most.
+                assert err.max() <= n * 2**-8 * np.abs(x).sum(0).max(), where
+            else:
+                # Each quantization errs by at most half a step, absmax/254, and no partial sum
+                # exceeds sum_d |x_d|; the rms error must also be small (a misrouted shard
+                # would be off by O(1)).
+                bound = _quantizations(cfg, n) * np.abs(x).sum(0).max() / 254
+                assert err.max() <= bound, where
+                assert np.sqrt(np.mean(err**2)) <= 0.02 * np.sqrt(np.mean(exact**2)), where
+
+
+@pytest.mark.parametrize("variant", ["full", "semi"])
+def test_ring_schedules_sum_the_right_shards_exactly(variant):
+    """Small integers are exact in bf16, so bf16_ring must reproduce the sum bit for bit; with
+    several minishards per shard (odd count: the full loop splits them 2/1 between directions)
+    this checks every chain of the schedule, which int8 shares."""
+    tiles = 3 * MIN_TILES_PER_MINISHARD
+    for n in (2, 3, 4, 8):
+        n_el = n * tiles * 1024 - 777  # not a multiple of anything: exercises the padding
+        cfg = AllReduceConfig("bf16_ring", variant, minishards=3)
+        assert plan_layout(n_el, n, 3).minishards == 3
+        x = np.random.default_rng(n).integers(-8, 9, size=(n, n_el)).astype(np.float32)
+        (out,), = reduce_everywhere(n, [cfg], [x])
+        assert np.array_equal(out, np.broadcast_to(x.sum(0), out.shape)), (variant, n)
+
+
+@pytest.mark.parametrize("variant", ["full", "semi"])
+def test_int8_error_against_float64_sum_with_several_minishards(variant):
+    n, m = 4, 2
+    n_el = n * m * MIN_TILES_PER_MINISHARD * 1024
+    x = np.random.default_rng(7).standard_normal((n, n_el)).astype(np.float32)
+    cfgs = [AllReduceConfig("int8", variant, minishards=m), AllReduceConfig("int8", variant,
+                                                                           phases="ag")]
+    (both,), (ag,) = reduce_everywhere(n, cfgs, [x])
+    exact = x.astype(np.float64).sum(0)
+    assert _replicas_identical(both) and _replicas_identical(ag)
+    mse_both = np.mean((both[0] - exact) ** 2)
+    mse_ag = np.mean((ag[0] - exact) ** 2)
+    # Uniform rounding error of one quantization: step^2 / 12 with step = absmax / 127; the
+    # absmax of 128 N(0, n) values is about 2.9 sqrt(n).
+    one_step = (2.9 * np.sqrt(n) / 127) ** 2 / 12
+    assert 0.5 * one_step < mse_ag < 1.5 * one_step
+    assert mse_ag < mse_both < n * one_step
+    assert abs(np.mean(both[0] - exact)) < 1e-3  # round half to even: no bias
+
+
+def test_bf16_in_bf16_out():
+    n = 4
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((n, 37, 300)), jnp.bfloat16)
+    cfgs = list(ALL_METHODS.values())
+    outs = reduce_everywhere(n, cfgs, [x])
+    exact = np.asarray(x, np.float64).sum(0)
+    for cfg, (out,) in zip(cfgs, outs):
+        assert out.dtype == jnp.bfloat16 and out.shape == x.shape, cfg.label
+        assert _replicas_identical(out), cfg.label
+        rel = np.sqrt(np.mean((out[0].astype(np.float64) - exact) ** 2) / np.mean(exact**2))
+        assert rel < 1e-2, (cfg.label, rel)
+
+
+def test_zeros_stay_exactly_zero():
+    n = 8
+    x = np.zeros((n, 3, 1000), np.float32)
+    x[:, 0, :5] = 1.0  # a few live values: the rest are all-zero blocks next to live ones
+    cfgs = list(ALL_METHODS.values())
+    for cfg, (out,) in zip(cfgs, reduce_everywhere(n, cfgs, [x])):
+        assert np.all(out[:, 1:] == 0) and np.all(out[:, 0, 5:] == 0), cfg.label
+        np.testing.assert_allclose(out[:, 0, :5], n, rtol=1e-2, err_msg=cfg.label)
+
+
+def test_nan_and_inf_come_out_non_finite_on_every_device():
+    n, m = 4, 2
+    n_el = n * m * MIN_TILES_PER_MINISHARD * 1024
+    layout = plan_layout(n_el, n, m)
+    x = np.random.default_rng(5).standard_normal((n, n_el)).astype(np.float32)
+    bad = {12345: np.nan, n_el - 3: np.inf}  # two different shards
+    x[1, 12345] = np.nan
+    x[3, n_el - 3] = np.inf
+    cfgs = list(ALL_METHODS.values())
+    block = layout.tiles * 1024  # elements of one minishard; lane = index % 1024
+    poisoned = np.zeros(n_el, bool)
+    for i in bad:
+        start = i - i % block
+        poisoned[start + (i % 1024)::1024][: layout.tiles] = True
+    for cfg, (out,) in zip(cfgs, reduce_everywhere(n, cfgs, [x])):
+        for i in bad:
+            assert not np.isfinite(out[:, i]).any(), (cfg.label, i)
+        # Nothing outside the two poisoned blocks is touched.
+        assert np.isfinite(out[:, ~poisoned]).all(), cfg.label
+
+
+def _compiled(n: int, cfg: AllReduceConfig, shape, dtype=jnp.bfloat16):
+    mesh = _mesh(n)
+    f = jax.jit(jax.shard_map(lambda a: all_reduce(a, "tp", cfg), mesh=mesh,
+                              in_specs=P("tp"), out_specs=P("tp")))
+    spec = jax.ShapeDtypeStruct((n * shape[0],) + shape[1:], dtype,
+                                sharding=NamedSharding(mesh, P("tp")))
+    return f.lower(spec).compile()
+
+
+def test_min_bytes_falls_back_to_the_bf16_psum():
+    n = 4
+    x = np.random.default_rng(9).standard_normal((n, 3, 1000)).astype(np.float32)  # 12000 B
+    small = AllReduceConfig("int8", min_bytes=12001)
+    (fallback,), (psum,) = reduce_everywhere(n, [small, AllReduceConfig("bf16")], [x])
+    assert np.array_equal(fallback, psum)
+    kinds = {op.kind for op in collectives(_compiled(n, small, (3, 1000), jnp.float32))}
+    assert kinds == {"all-reduce"}
+    kinds = {op.kind for op in collectives(
+        _compiled(n, AllReduceConfig("int8", min_bytes=12000), (3, 1000), jnp.float32))}
+    assert kinds == {"collective-permute"}
+
+
+def test_axis_of_one_device_communicates_nothing():
+    assert collectives(_compiled(1, AllReduceConfig("int8"), (64, 64))) == []
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(TypeError, match="floating"):
+        reduce_everywhere(2, [AllReduceConfig("int8")], [np.ones((2, 4), np.int32)])
+    with pytest.raises(TypeError, match="AllReduceConfig"):
+        reduce_everywhere(2, ["int8"], [np.ones((2, 4), np.float32)])
+    with pytest.raises(ValueError, match="method"):
+        AllReduceConfig("int4")
+    with pytest.raises(ValueError):
+        plan_layout(0, 4, 1)
