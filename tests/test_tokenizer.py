@@ -1,0 +1,130 @@
+"""Gemma 3 tokenizer rebuilt from the real 270M GGUF: special ids, round trips, byte fallback,
+whitespace handling, agreement with the official `gemma` tokenizer's ids, file loading and errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.gemma3 import tokenizer as T
+from models.gemma3.gguf import default_gguf_path
+from models.gemma3.tokenizer import Tokenizer, TokenizerError
+
+GOLDEN = Path(__file__).parent / "golden" / "gemma3_270m.npz"
+BYTE_BASE = 238  # id of the piece <0x00>; byte b is BYTE_BASE + b
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(default_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return np.load(GOLDEN)
+
+
+def test_special_tokens(tok):
+    assert tok.vocab_size == 262144
+    assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.unk_id) == (0, 1, 2, 3)
+    assert (tok.start_of_turn_id, tok.end_of_turn_id) == (105, 106)
+    assert [tok.id_to_piece(i) for i in (0, 1, 2, 3, 105, 106)] == [
+        "<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    assert tok.piece_to_id("<end_of_turn>") == 106
+    # Control tokens decode to nothing, as in SentencePiece; they are never produced from text.
+    assert tok.decode([tok.bos_id, tok.start_of_turn_id]) == ""
+    assert tok.decode([tok.start_of_turn_id] + tok.encode("hi") + [tok.end_of_turn_id]) == "hi"
+    assert 105 not in tok.encode("<start_of_turn>user\nhi")
+
+
+@pytest.mark.parametrize("text", [
+    "The capital of France is",
+    "naïve café, Straße, Ελληνικά, русский, 東京, 서울, हिन्दी",
+    "emoji 😀🚀 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "  leading, inner   and trailing spaces  ",
+    "tabs\tnew\nlines\n\n\nand\r\nCRLF",
+    "control \x00\x01\x7f bytes",
+    "",
+])
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
+    assert tok.bos_id not in ids
+    assert tok.decode(ids) == text
+    assert tok.decode(np.array(ids, np.int32)) == text  # arrays are accepted too
+
+
+def test_byte_fallback(tok):
+    # Mathematical fraktur letters are not in the vocabulary: each becomes its UTF-8 bytes.
+    for ch in "𝔘ꙮ":
+        ids = tok.encode(ch)
+        assert ids == [BYTE_BASE + b for b in ch.encode("utf-8")]
+        assert [tok.id_to_piece(i) for i in ids] == [f"<0x{b:02X}>" for b in ch.encode("utf-8")]
+        assert tok.decode(ids) == ch
+    assert tok.unk_id not in tok.encode("𝔘𝔫 ꙮ \x00")
+
+
+def test_multibyte_in_vocab(tok):
+    # Common non-ASCII words are whole pieces, not byte sequences.
+    for word in ("café", "東京"):
+        ids = tok.encode(" " + word)
+        assert len(ids) == 1 and tok.id_to_piece(ids[0]) == "▁" + word
+
+
+def test_whitespace(tok):
+    # No dummy prefix: the first word has no leading "▁"; spaces are kept, never collapsed.
+    assert [tok.id_to_piece(i) for i in tok.encode("Hello world")] == ["Hello", "▁world"]
+    assert tok.id_to_piece(tok.encode(" Hello")[0]).startswith("▁")
+    assert tok.encode("Hello world") != tok.encode(" Hello world")
+    assert tok.decode(tok.encode("a  b")) == "a  b" and len(tok.encode("a  b")) > len(tok.encode("a b"))
+    assert tok.encode("\n") == [107] and tok.encode("\n\n") == [108]
+
+
+def test_matches_official_tokenizer(tok, golden):
+    """Ids recorded with the official `gemma` package's Gemma3Tokenizer (see tests/golden)."""
+    for i, prompt in enumerate(golden["prompts"]):
+        expected = golden[f"tokens_{i}"]
+        assert expected[0] == tok.bos_id
+        assert tok.encode(str(prompt)) == expected[1:].tolist(), prompt
+    for j, text in enumerate(golden["tokenizer_texts"]):
+        assert tok.encode(str(text)) == golden[f"tokenizer_ids_{j}"].tolist(), text
+
+
+def test_from_file_and_cache(tok, tmp_path, monkeypatch):
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(tok.serialized_model())
+    from_file = Tokenizer.from_file(model)
+    text = "Round trip through a tokenizer.model file: 東京 😀"
+    assert from_file.encode(text) == tok.encode(text) and from_file.vocab_size == tok.vocab_size
+
+    # A rebuild writes the model to the cache; the next process reads it back unchanged.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    T._gguf_model_proto_cached.cache_clear()
+    rebuilt = Tokenizer.from_gguf(default_gguf_path())
+    cached = list((tmp_path / "cache").rglob("*.model"))
+    assert len(cached) == 1 and cached[0].read_bytes() == rebuilt.serialized_model()
+    T._gguf_model_proto_cached.cache_clear()
+    assert Tokenizer.from_gguf(default_gguf_path()).encode(text) == tok.encode(text)
+
+
+def test_errors(tok, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_file(tmp_path / "missing.model")
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"definitely not a protobuf")
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_file(junk)
+    # A valid SentencePiece model whose ids are not Gemma 3's.
+    pieces = ["<unk>", "<s>", "</s>", "<pad>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁a"]
+    types = [3, 3, 3, 3] + [6] * 256 + [1]
+    with pytest.raises(TokenizerError, match="not a Gemma 3 vocabulary"):
+        Tokenizer(T.build_model_proto(pieces, [0.0] * len(pieces), [2] + types[1:]))
+    with pytest.raises(TokenizerError, match="differ in length"):
+        T.build_model_proto(pieces, [0.0], types)
+    with pytest.raises(ValueError, match="out of range"):
+        tok.decode([tok.vocab_size])
+    with pytest.raises(ValueError, match="out of range"):
+        tok.id_to_piece(-1)
+    with pytest.raises(TypeError):
+        tok.encode(b"bytes")
