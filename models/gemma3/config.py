@@ -1,0 +1,141 @@
+"""Gemma 3 text configurations (the official sizes and tiny ones for tests)."""
+from __future__ import annotations
+
+import dataclasses
+import urllib.parse
+
+# Layer i is a global (full-context) layer when i % GLOBAL_EVERY == GLOBAL_EVERY - 1:
+# Gemma 3 repeats 5 local sliding-window layers then 1 global layer.
+GLOBAL_EVERY = 6
+LOCALS_PER_GROUP = GLOBAL_EVERY - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3Config:
+    """Architecture hyper-parameters of a Gemma 3 text model.
+
+    query_scale multiplies the queries after RoPE (the official `query_pre_attn_scalar`).
+    Global layers divide RoPE positions by `rope_global_scale` (linear scaling); local layers use
+    base `rope_local_base` and no scaling.
+    """
+
+    name: str
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    ffn_hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int
+    max_seq_len: int
+    query_scale: float
+    rope_local_base: float = 10_000.0
+    rope_global_base: float = 1_000_000.0
+    rope_global_scale: float = 1.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for field in ("vocab_size", "num_layers", "d_model", "ffn_hidden", "num_heads",
+                      "num_kv_heads", "head_dim", "sliding_window", "max_seq_len"):
+            if int(getattr(self, field)) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_global_scale < 1.0:
+            raise ValueError(f"rope_global_scale must be >= 1, got {self.rope_global_scale}")
+
+    # Layer layout. Weights and caches are stored as `num_groups` repeated (5 local + 1 global)
+    # groups plus `num_tail` trailing local layers, so that the forward pass can `lax.scan` over
+    # groups and compile one group body instead of one body per layer.
+    @property
+    def num_groups(self) -> int:
+        return self.num_layers // GLOBAL_EVERY
+
+    @property
+    def num_tail(self) -> int:
+        return self.num_layers % GLOBAL_EVERY
+
+    def is_global(self, layer: int) -> bool:
+        return layer % GLOBAL_EVERY == GLOBAL_EVERY - 1
+
+    @property
+    def num_global_layers(self) -> int:
+        return sum(self.is_global(i) for i in range(self.num_layers))
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.num_layers - self.num_global_layers
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once: the output logits are tied to it)."""
+        d, h, f = self.d_model, self.head_dim, self.ffn_hidden
+        attn = (self.num_heads * 2 + self.num_kv_heads * 2) * d * h + 2 * h
+        layer = attn + 3 * f * d + 4 * d
+        return self.vocab_size * d + d + self.num_layers * layer
+
+    def replace(self, **changes) -> "Gemma3Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _official(name, layers, d, ffn, heads, kv, head_dim, window, max_len, global_scale,
+              query_scale=None) -> Gemma3Config:
+    return Gemma3Config(
+        name=name, vocab_size=262_144, num_layers=layers, d_model=d, ffn_hidden=ffn,
+        num_heads=heads, num_kv_heads=kv, head_dim=head_dim, sliding_window=window,
+        max_seq_len=max_len, query_scale=query_scale or head_dim ** -0.5,
+        rope_global_scale=global_scale)
+
+
+CONFIGS: dict[str, Gemma3Config] = {
+    "270m": _official("gemma3-270m", 18, 640, 2048, 4, 1, 256, 512, 32_768, 1.0),
+    "1b": _official("gemma3-1b", 26, 1152, 6912, 4, 1, 256, 512, 32_768, 1.0),
+    "4b": _official("gemma3-4b", 34, 2560, 10240, 8, 4, 256, 1024, 131_072, 8.0),
+    "12b": _official("gemma3-12b", 48, 3840, 15360, 16, 8, 256, 1024, 131_072, 8.0),
+    "27b": _official("gemma3-27b", 62, 5376, 21504, 32, 16, 128, 1024, 131_072, 8.0,
+                     query_scale=(5376 / 32) ** -0.5),
+    # Tiny configs for tests: 8 layers = one (5 local + 1 global) group plus 2 tail layers, a
+    # window small enough that short prompts overflow it, 2 KV heads (sharded at tp=2,
+    # replicated at tp=4) and global RoPE scaling switched on.
+    "tiny": Gemma3Config(
+        name="tiny", vocab_size=512, num_layers=8, d_model=64, ffn_hidden=128, num_heads=4,
+        num_kv_heads=2, head_dim=16, sliding_window=8, max_seq_len=256, query_scale=16 ** -0.5,
+        rope_global_scale=8.0),
+    # Same vocabulary as the real tokenizer, so it can be driven by real text.
+    "tiny-262k": Gemma3Config(
+        name="tiny-262k", vocab_size=262_144, num_layers=6, d_model=64, ffn_hidden=128,
+        num_heads=4, num_kv_heads=1, head_dim=16, sliding_window=16, max_seq_len=512,
+        query_scale=16 ** -0.5),
+}
+
+# Short names accepted in query strings: "random:27b?layers=4".
+_ALIASES = {"layers": "num_layers", "window": "sliding_window", "heads": "num_heads",
+            "kv_heads": "num_kv_heads", "vocab": "vocab_size", "ffn": "ffn_hidden",
+            "d": "d_model", "max_len": "max_seq_len"}
+
+
+def get_config(spec: str) -> Gemma3Config:
+    """Config from a size name with optional overrides, e.g. "1b", "27b?layers=4",
+    "tiny?kv_heads=1&window=4" (any field name or alias is accepted)."""
+    name, _, query = spec.partition("?")
+    key = name.strip().lower().removeprefix("gemma3-")
+    if key not in CONFIGS:
+        raise ValueError(f"unknown Gemma 3 size {name!r}; known: {sorted(CONFIGS)}")
+    config = CONFIGS[key]
+    if not query:
+        return config
+    fields = {f.name: f.type for f in dataclasses.fields(Gemma3Config)}
+    changes = {}
+    for field, value in urllib.parse.parse_qsl(query, strict_parsing=True):
+        field = _ALIASES.get(field, field)
+        if field not in fields or field == "name":
+            raise ValueError(f"unknown config field {field!r} in {spec!r}")
+        current = getattr(config, field)
+        try:
+            changes[field] = int(value) if isinstance(current, int) else float(value)
+        except ValueError as e:
+            raise ValueError(f"bad value {value!r} for {field} in {spec!r}") from e
+    return config.replace(name=f"{config.name}?{query}", **changes)

@@ -1,0 +1,233 @@
+"""The parameter pytree: official per-tensor layouts, layers stacked in (5 local + 1 global) groups.
+
+Each tensor keeps the official Gemma layout (`q_einsum/w [N, D, H]`, `kv_einsum/w [2, K, D, H]`,
+`gating_einsum [2, F, D]`, ...), so converting from official checkpoints is a pure re-stacking.
+Layers are stacked so that the forward pass can `lax.scan` over them:
+  local   [G, 5, ...]  the 5 sliding-window layers of each of the G = num_layers // 6 groups
+  global_ [G, ...]     the global layer closing each group
+  tail    [R, ...]     the R = num_layers % 6 trailing (local) layers
+A part with no layers is None.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.gemma3.config import GLOBAL_EVERY, LOCALS_PER_GROUP, Gemma3Config
+
+Array = Any  # jax.Array, np.ndarray, or a ShapeDtypeStruct / PartitionSpec in parallel trees
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """One transformer block (or a stack of them, with leading layer dims)."""
+
+    q: Array  # [*L, N, D, H]      official attn/q_einsum/w
+    kv: Array  # [*L, 2, K, D, H]  official attn/kv_einsum/w (keys, values)
+    o: Array  # [*L, N, H, D]      official attn/attn_vec_einsum/w
+    q_norm: Array  # [*L, H]
+    k_norm: Array  # [*L, H]
+    pre_attn_norm: Array  # [*L, D]
+    post_attn_norm: Array  # [*L, D]
+    pre_ffw_norm: Array  # [*L, D]
+    post_ffw_norm: Array  # [*L, D]
+    gating: Array  # [*L, 2, F, D]  official mlp/gating_einsum (gate, up)
+    linear: Array  # [*L, F, D]     official mlp/linear (down projection)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    embed: Array  # [V, D], also the (tied) output projection
+    final_norm: Array  # [D]
+    local: LayerWeights | None  # [G, 5, ...]
+    global_: LayerWeights | None  # [G, ...]
+    tail: LayerWeights | None  # [R, ...]
+
+
+# Official per-layer path (below layer_{i}/) of each LayerWeights field.
+OFFICIAL_LAYER_PATHS: dict[str, tuple[str, ...]] = {
+    "q": ("attn", "q_einsum", "w"),
+    "kv": ("attn", "kv_einsum", "w"),
+    "o": ("attn", "attn_vec_einsum", "w"),
+    "q_norm": ("attn", "_query_norm", "scale"),
+    "k_norm": ("attn", "_key_norm", "scale"),
+    "pre_attn_norm": ("pre_attention_norm", "scale"),
+    "post_attn_norm": ("post_attention_norm", "scale"),
+    "pre_ffw_norm": ("pre_ffw_norm", "scale"),
+    "post_ffw_norm": ("post_ffw_norm", "scale"),
+    "gating": ("mlp", "gating_einsum"),
+    "linear": ("mlp", "linear"),
+}
+LAYER_FIELDS = tuple(OFFICIAL_LAYER_PATHS)
+
+
+def layer_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of one block."""
+    N, K, D, H, F = c.num_heads, c.num_kv_heads, c.d_model, c.head_dim, c.ffn_hidden
+    return {"q": (N, D, H), "kv": (2, K, D, H), "o": (N, H, D), "q_norm": (H,), "k_norm": (H,),
+            "pre_attn_norm": (D,), "post_attn_norm": (D,), "pre_ffw_norm": (D,),
+            "post_ffw_norm": (D,), "gating": (2, F, D), "linear": (F, D)}
+
+
+def part_prefixes(c: Gemma3Config) -> dict[str, tuple[int, ...] | None]:
+    """Leading (stacking) dims of each part; None where the part has no layers."""
+    G, R = c.num_groups, c.num_tail
+    return {"local": (G, LOCALS_PER_GROUP) if G else None, "global_": (G,) if G else None,
+            "tail": (R,) if R else None}
+
+
+def layer_location(c: Gemma3Config, layer: int) -> tuple[str, tuple[int, ...]]:
+    """(part, index within the part's stacking dims) holding layer `layer`."""
+    if not 0 <= layer < c.num_layers:
+        raise IndexError(f"layer {layer} out of range for {c.num_layers} layers")
+    g, j = divmod(layer, GLOBAL_EVERY)
+    if g < c.num_groups:
+        return ("global_", (g,)) if j == GLOBAL_EVERY - 1 else ("local", (g, j))
+    return "tail", (layer - c.num_groups * GLOBAL_EVERY,)
+
+
+def layers_of_part(c: Gemma3Config, part: str) -> np.ndarray:
+    """Layer numbers stored in `part`, shaped like its stacking dims."""
+    prefix = part_prefixes(c)[part]
+    out = np.zeros(prefix, np.int64)
+    for i in range(c.num_layers):
+        p, idx = layer_location(c, i)
+        if p == part:
+            out[idx] = i
+    return out
+
+
+def map_weights(c: Gemma3Config, fn: Callable[[str, str | None, tuple[int, ...]], Any]) -> Weights:
+    """Build a Weights tree: fn(part, field, full_shape) for every tensor (field None at top)."""
+    V, D = c.vocab_size, c.d_model
+    parts = {}
+    for part, prefix in part_prefixes(c).items():
+        parts[part] = None if prefix is None else LayerWeights(
+            **{f: fn(part, f, prefix + s) for f, s in layer_shapes(c).items()})
+    return Weights(embed=fn("embed", None, (V, D)), final_norm=fn("final_norm", None, (D,)), **parts)
+
+
+def weight_shapes(c: Gemma3Config, dtype) -> Weights:
+    """Abstract weights (ShapeDtypeStruct leaves): no memory is touched."""
+    return map_weights(c, lambda part, field, shape: jax.ShapeDtypeStruct(shape, dtype))
+
+
+def num_elements(weights: Weights) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(weights))
+
+
+# ---------------------------------------------------------------------------------------------
+# The official parameter tree (nested dicts, or flat "transformer/..." keys).
+
+
+def normalize_official_tree(tree: dict) -> dict:
+    """Nested official tree {"embedder": ..., "final_norm": ..., "layer_i": ...} from either
+    layout official checkpoints use: nested (optionally under "transformer"), or flat with keys
+    like "transformer/layer_0/attn/q_einsum" holding {"w": ...}."""
+    if "params" in tree and len(tree) == 1:
+        tree = tree["params"]
+    nested: dict = {}
+    for key, value in tree.items():
+        parts = [p for p in str(key).split("/") if p]
+        if parts and parts[0] == "transformer":
+            parts = parts[1:]
+        node = nested
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        if not parts:  # the "transformer" wrapper itself
+            _merge(nested, normalize_official_tree(value))
+        elif isinstance(value, dict):
+            _merge(node.setdefault(parts[-1], {}), normalize_official_tree(value))
+        else:
+            node[parts[-1]] = value
+    return nested
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _lookup(tree: dict, path: tuple[str, ...]):
+    node = tree
+    for p in path:
+        if not isinstance(node, dict) or p not in node:
+            raise KeyError("/".join(path))
+        node = node[p]
+    return node
+
+
+def official_tensor(tree: dict, c: Gemma3Config, part: str, field: str | None,
+                    index: tuple[int, ...] = ()) -> np.ndarray:
+    """The official array behind one of our tensors (one layer of a stacked part)."""
+    if part == "embed":
+        path = ("embedder", "input_embedding")
+    elif part == "final_norm":
+        path = ("final_norm", "scale")
+    else:
+        path = (f"layer_{int(layers_of_part(c, part)[index])}", *OFFICIAL_LAYER_PATHS[field])
+    try:
+        return _lookup(tree, path)
+    except KeyError:
+        raise KeyError(f"official parameter tree has no {'/'.join(path)}") from None
+
+
+def check_official_tree(tree: dict, c: Gemma3Config) -> None:
+    """Raise a clear error when a tree does not hold exactly config `c`'s tensors."""
+    expected = {("embedder", "input_embedding"): (c.vocab_size, c.d_model),
+                ("final_norm", "scale"): (c.d_model,)}
+    for i in range(c.num_layers):
+        for field, shape in layer_shapes(c).items():
+            expected[(f"layer_{i}", *OFFICIAL_LAYER_PATHS[field])] = shape
+    for path, shape in expected.items():
+        try:
+            got = tuple(np.shape(_lookup(tree, path)))
+        except KeyError:
+            raise ValueError(f"parameter {'/'.join(path)} is missing for {c.name}") from None
+        if got != shape:
+            raise ValueError(f"parameter {'/'.join(path)} has shape {got}, {c.name} needs {shape}")
+    extra = [k for k in tree if k.startswith("layer_") and int(k[6:]) >= c.num_layers]
+    if extra:
+        raise ValueError(f"tree has more layers than {c.name}: {sorted(extra)[:3]}")
+
+
+def infer_official_config(tree: dict) -> dict[str, int]:
+    """Sizes readable from an official tree's shapes (not windows, RoPE or query scale)."""
+    V, D = np.shape(_lookup(tree, ("embedder", "input_embedding")))
+    layers = sum(1 for k in tree if k.startswith("layer_"))
+    N, _, H = np.shape(_lookup(tree, ("layer_0", "attn", "q_einsum", "w")))
+    K = np.shape(_lookup(tree, ("layer_0", "attn", "kv_einsum", "w")))[1]
+    F = np.shape(_lookup(tree, ("layer_0", "mlp", "linear")))[0]
+    return dict(vocab_size=int(V), d_model=int(D), num_layers=layers, num_heads=int(N),
+                num_kv_heads=int(K), head_dim=int(H), ffn_hidden=int(F))
+
+
+def iter_official(weights: Weights, c: Gemma3Config) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(official path, array) for every tensor of `weights`, one layer at a time."""
+    yield ("embedder", "input_embedding"), weights.embed
+    yield ("final_norm", "scale"), weights.final_norm
+    for i in range(c.num_layers):
+        part, idx = layer_location(c, i)
+        stacked = getattr(weights, part)
+        for field, path in OFFICIAL_LAYER_PATHS.items():
+            yield (f"layer_{i}", *path), getattr(stacked, field)[idx]
+
+
+def to_official_tree(weights: Weights, c: Gemma3Config) -> dict:
+    """Nested official tree of numpy arrays (gathers every tensor to the host)."""
+    tree: dict = {}
+    for path, value in iter_official(weights, c):
+        node = tree
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = np.asarray(value)
+    return tree
