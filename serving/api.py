@@ -259,14 +259,18 @@ class _Run:
         """Yields (index, event) until every sequence has finished; None when idle for a while
         (streaming: a keep-alive). Cancels what is left when the consumer stops early."""
         timeout = _KEEPALIVE_SECONDS if streaming else _DISCONNECT_POLL_SECONDS
+        next_poll = time.monotonic() + _DISCONNECT_POLL_SECONDS
         try:
             while self.pending:
+                # Streaming notices a departed client when a send fails; a plain request asks.
+                if not streaming and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + _DISCONNECT_POLL_SECONDS
+                    if await request.is_disconnected():
+                        log.info("client disconnected; cancelling %d sequence(s)", len(self.pending))
+                        return
                 try:
                     index, event = await asyncio.wait_for(self.queue.get(), timeout)
                 except asyncio.TimeoutError:
-                    if not streaming and await request.is_disconnected():
-                        log.info("client disconnected; cancelling %d sequence(s)", len(self.pending))
-                        return
                     if streaming:
                         yield None
                     continue

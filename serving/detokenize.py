@@ -5,8 +5,8 @@ several tokens; decoding such a partial sequence yields U+FFFD. `IncrementalDeto
 only releases text once it no longer ends in U+FFFD (the prefix/read offsets of vLLM's and TGI's
 streaming decoders), and decodes a short window of tokens, not the whole sequence, at each step.
 
-`TextStream` adds stop strings on top: the text that could still be the start of a stop string is
-held back while streaming, and a match cuts the output before the stop string (OpenAI semantics).
+`TextStream` adds stop strings on top: a tail of the text that could still be the start of a stop
+string is held back while streaming, and a match cuts the output before the stop string (OpenAI semantics).
 """
 from __future__ import annotations
 
@@ -93,7 +93,15 @@ class TextStream:
                 self.text = self.text[:min(hits)]
                 self.stopped = True
                 final = True
-        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
+        end = len(self.text) if final else len(self.text) - self._partial_match()
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta, self.stopped
+
+    def _partial_match(self) -> int:
+        """Length of the longest unreleased tail of the text that begins some stop string."""
+        for n in range(min(self._hold, len(self.text) - self._emitted), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

@@ -142,23 +142,24 @@ class ModelEngine:
         return next(b for b in self.info.prefill_buckets if b >= length)
 
     def run_prefill(self, inputs: PrefillInputs) -> StepOutputs:
-        jnp = self._jax.numpy
-        tokens, lengths = jnp.asarray(inputs.tokens), jnp.asarray(inputs.lengths)
-        logits, self.cache = self.model.prefill(self.cache, tokens, lengths, jnp.asarray(inputs.slots),
+        # The model places host arrays on its mesh itself (replicated).
+        logits, self.cache = self.model.prefill(self.cache, inputs.tokens, inputs.lengths, inputs.slots,
                                                 return_all_logits=inputs.prompt_logprobs)
         extra = ()
         if inputs.prompt_logprobs:
-            extra = self._prompt_logprobs(logits, tokens)
-            logits = self._last_logits(logits, lengths)
-        out = self._sample(logits, _device_sampling(jnp, inputs.sampling), lengths)
+            extra = self._prompt_logprobs(logits, inputs.tokens)
+            logits = self._last_logits(logits, inputs.lengths)
+        out = self._sample(logits, inputs.sampling, inputs.lengths)
         return _to_host(self._jax, out, extra)
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
-        jnp = self._jax.numpy
-        positions = jnp.asarray(inputs.positions)
-        logits, self.cache = self.model.decode_step(self.cache, jnp.asarray(inputs.tokens), positions)
-        out = self._sample(logits, _device_sampling(jnp, inputs.sampling), positions + 1)
+        logits, self.cache = self.model.decode_step(self.cache, inputs.tokens, inputs.positions)
+        out = self._sample(logits, inputs.sampling, inputs.positions + 1)
         return _to_host(self._jax, out, ())
+
+    def reset(self) -> None:
+        """A fresh cache (after a failed step, whose donated cache may be gone)."""
+        self.cache = self.model.init_cache(self.info.num_slots, self.info.max_seq_len)
 
     def warmup(self, progress: Callable[[str], None] = log.info) -> float:
         """Compiles (or loads from the persistent cache) and runs every prefill bucket at every
@@ -186,10 +187,6 @@ class ModelEngine:
 def _last_logits(logits, lengths):
     """[B, T, V] logits at every position -> [B, V] at each prompt's last real token."""
     return logits[np.arange(logits.shape[0]), lengths - 1]
-
-
-def _device_sampling(jnp, s: SlotSampling) -> SlotSampling:
-    return SlotSampling(*(jnp.asarray(a) for a in s))
 
 
 def _to_host(jax, out, extra) -> StepOutputs:

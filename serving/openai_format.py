@@ -9,10 +9,11 @@ _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def token_str(tok, token_id: int) -> str:
-    """A token as text. A byte-fallback token (part of a multi-byte character) has no text of its
-    own and is shown as its piece, e.g. '<0xE2>'; `token_bytes` gives its real bytes."""
+    """A token as text. A byte-fallback token (part of a multi-byte character) or a control token
+    has no text of its own and is shown as its piece, e.g. '<0xE2>' or '<start_of_turn>';
+    `token_bytes` gives a token's real bytes."""
     text = tok.decode([token_id])
-    if "\ufffd" in text or (not text and token_id in (tok.bos_id, tok.eos_id)):
+    if "\ufffd" in text or not text:  # byte pieces, and control tokens (which decode to nothing)
         return tok.id_to_piece(token_id)
     return text
 

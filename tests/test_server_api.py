@@ -1,0 +1,333 @@
+"""The HTTP layer on a real uvicorn server (in a thread, loopback port) over the fake engine, with
+real clients: validation and errors, back-pressure, disconnects, API keys and the wire formats.
+The same app over the real model is tested in test_server_e2e.py."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from serving.api import create_app
+from serving.config import ServerConfig
+from serving.fake_engine import FakeEngine
+from serving.runtime import Runtime
+
+MAX_SEQ_LEN = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, config: ServerConfig, engine: FakeEngine, load: bool = True):
+        self.runtime = Runtime(config, engine_factory=lambda c, p: engine)
+        self.engine = engine
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.runtime), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        if load:
+            self.runtime.load()
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServerConfig(model="fake", served_model_name="fake", max_batch=2, max_seq_len=MAX_SEQ_LEN,
+                          max_waiting=4, compile_cache_dir="")
+    s = ServerThread(config, FakeEngine(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003,
+                                        prefill_batch_sizes=(1, 2)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ---- bad input ----
+
+@pytest.mark.parametrize("body,param", [
+    (b"{", None),  # malformed JSON
+    (b'{"prompt": "x", "max_tokens": 4', None),
+    (b"[1, 2]", None),  # not an object
+    (b'{"prompt": 12}', "prompt"),  # wrong types
+    (b'{"prompt": "x", "max_tokens": "10"}', "max_tokens"),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"prompt": "x", "stop": 5}', "stop"),
+    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 100}', "max_tokens"),  # over the context
+    (b'{"prompt": "x", "temperature": -0.5}', "temperature"),
+    (b'{"prompt": "x", "top_p": 0}', "top_p"),
+    (b'{"prompt": "x", "top_p": 1.5}', "top_p"),
+    (b'{"prompt": "x", "temperature": NaN}', None),
+    (b'{"prompt": ""}', "prompt"),
+    (b'{"prompt": []}', "prompt"),
+    (b'{"prompt": [1, 2, 999999]}', "prompt"),
+    (b'{"prompt": "x", "logprobs": 50}', "logprobs"),
+    (b'{"prompt": "x", "n": 0}', "n"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
+    (b'{"prompt": "\\ud800"}', None),  # a lone surrogate is not text
+    (b'{"prompt": "caf\xe9"}', None),  # invalid UTF-8 (Latin-1 byte)
+])
+def test_bad_completion_requests_get_400(client, body, param):
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = _error(r, 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_prompt_longer_than_context_states_the_limit(client):
+    r = client.post("/v1/completions", json={"prompt": "y" * 200, "max_tokens": 1})
+    err = _error(r, 400, "prompt")
+    assert f"maximum context length is {MAX_SEQ_LEN} tokens" in err["message"]
+    assert "201 tokens" in err["message"] and err["code"] == "context_length_exceeded"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 200}]})
+    assert f"maximum context length is {MAX_SEQ_LEN}" in _error(r, 400, "prompt")["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_chat_requests_get_400(client, body, param):
+    _error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_unknown_model_and_route_get_404(client, oai):
+    err = _error(client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
+    assert err["code"] == "model_not_found"
+    _error(client.get("/v1/nothing"), 404)
+    _error(client.get("/v1/models/gpt-4"), 404)
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+
+
+def test_bad_requests_do_not_disturb_others(client, server):
+    good = {"prompt": "steady", "max_tokens": 30, "temperature": 0}
+    expected = client.post("/v1/completions", json=good).json()["choices"][0]["text"]
+
+    async def mixed():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            bad = [c.post("/v1/completions", content=b, headers={"content-type": "application/json"})
+                   for b in (b"{", b'{"prompt": 1}', b'{"prompt": "x", "top_p": 9}')]
+            return await asyncio.gather(c.post("/v1/completions", json=good), *bad)
+
+    first, *bad = asyncio.run(mixed())
+    assert first.json()["choices"][0]["text"] == expected
+    assert [r.status_code for r in bad] == [400, 400, 400]
+
+
+# ---- back-pressure, disconnects ----
+
+def test_queue_full_gets_429_with_retry_after(server):
+    # 2 slots + 4 waiting: a burst of 12 long requests overflows the queue.
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            reqs = [c.post("/v1/completions", json={"prompt": f"q{i}", "max_tokens": 40, "temperature": 0})
+                    for i in range(12)]
+            return await asyncio.gather(*reqs)
+
+    rs = asyncio.run(burst())
+    codes = sorted(r.status_code for r in rs)
+    # At least the queue's worth is accepted (more if slots were taken first), the rest refused.
+    assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    limited = next(r for r in rs if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1"
+    assert _error(limited, 429)["type"] == "rate_limit_error"
+
+
+def _wait_idle(server, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while server.runtime.scheduler.num_running or server.runtime.scheduler.num_waiting:
+        assert time.monotonic() < deadline, "slots not freed"
+        time.sleep(0.01)
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    _wait_idle(server)
+    aborted_before = _aborts(server)
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions",
+                      json={"prompt": "zzz", "max_tokens": 60, "stream": True, "temperature": 0}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert server.runtime.scheduler.num_running == 1
+    # The response is closed: the slot must be released within a few steps.
+    _wait_idle(server)
+    assert _aborts(server) == aborted_before + 1
+
+
+def test_disconnect_while_waiting_non_streaming_frees_the_slot(server):
+    _wait_idle(server)
+    before = _aborts(server)
+    server.engine.step_delay = 0.02  # 60 tokens take over a second: the client leaves long before
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={"prompt": "w", "max_tokens": 60}, timeout=0.1)
+        _wait_idle(server, timeout=1.0)
+    finally:
+        server.engine.step_delay = 0.003
+    assert _aborts(server) == before + 1
+
+
+def _aborts(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith("gemma3:request_success_total") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# ---- formats (official client) ----
+
+def test_completion_with_echo_logprobs_n_and_usage(oai):
+    r = oai.completions.create(model="fake", prompt="héllo", max_tokens=7, temperature=0, n=2,
+                               logprobs=2, echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.text == "héllo" + "hélloh"  # 'é' is two byte tokens: 6 tokens per "héllo"
+        assert c.finish_reason == "length"
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6 + 7
+        assert lp.tokens[:3] == ["h", "<0xC3>", "<0xA9>"]
+        assert lp.text_offset[:4] == [0, 1, 2, 2]
+        assert all(v is not None for v in lp.token_logprobs)
+        assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (7, 14, 21)
+
+
+def test_echo_with_zero_max_tokens_scores_the_prompt(client):
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 0})
+    body = r.json()
+    c = body["choices"][0]
+    assert c["text"] == "abc" and c["logprobs"]["tokens"] == ["a", "b", "c"]
+    assert body["usage"]["completion_tokens"] == 0
+
+
+def test_multiple_prompts_and_token_id_prompts(oai):
+    r = oai.completions.create(model="fake", prompt=["ab", "cd"], max_tokens=3, temperature=0)
+    assert [c.text for c in r.choices] == ["aba", "cdc"]
+    r = oai.completions.create(model="fake", prompt=[2, 300 + ord("x"), 300 + ord("y")], max_tokens=3,
+                               temperature=0)
+    assert r.choices[0].text == "xyx"
+
+
+def test_streaming_chat_with_usage_and_stop(oai):
+    stream = oai.chat.completions.create(
+        model="fake", messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "hello"}],
+        max_tokens=40, temperature=0, stop=["ll"], stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # The fake model repeats the prompt: "user\nS\n\nhello" then markers: the stop cuts at "ll".
+    assert text == "user\nS\n\nhe"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 9
+
+
+def test_chat_logprobs_format(oai):
+    r = oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "é"}], max_tokens=3,
+                                    temperature=0, logprobs=True, top_logprobs=1)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 1 for t in content)
+    # The fake repeats the prompt from its second token: <start_of_turn> (no text), "u", "s".
+    assert [t.bytes for t in content] == [[], [ord("u")], [ord("s")]]
+    assert [t.token for t in content] == ["<start_of_turn>", "u", "s"]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    body = {"prompt": "s", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    a = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    b = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    c = client.post("/v1/completions", json={**body, "seed": 8}).json()["choices"][0]["text"]
+    assert a == b and a != c
+
+
+def test_generate_endpoint_plain_and_streamed(client):
+    r = client.post("/generate", json={"prompt": "ab", "max_tokens": 3})
+    assert r.json()["text"] == "aba" and r.json()["finish_reason"] == "length"
+    with client.stream("POST", "/generate", json={"prompt": "ab", "max_tokens": 3, "stream": True}) as r:
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert "".join(x["text"] for x in lines) == "aba" and lines[-1]["usage"]["completion_tokens"] == 3
+    _error(client.post("/generate", json={"max_tokens": 3}), 400, "prompt")
+
+
+def test_models_health_and_metrics(client):
+    m = client.get("/v1/models").json()
+    assert m["data"][0]["id"] == "fake" and m["data"][0]["allreduce"]["method"] == "bf16"
+    h = client.get("/health")
+    assert h.status_code == 200 and h.json()["allreduce_label"] == "bf16"
+    text = client.get("/metrics").text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "prompt_tokens_total", "generation_tokens_total", "num_requests_running",
+                 "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"gemma3:{name}" in text, name
+    assert 'allreduce="bf16"' in text
+
+
+# ---- readiness and API key ----
+
+def test_not_ready_gives_503_then_200_and_api_key():
+    config = ServerConfig(model="fake", served_model_name="fake", max_batch=1, max_seq_len=32,
+                          api_key="sekret", compile_cache_dir="")
+    s = ServerThread(config, FakeEngine(num_slots=1, max_seq_len=32), load=False)
+    try:
+        assert httpx.get(s.url + "/health").status_code == 503
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sekret"})
+        assert _error(r, 503)["type"] == "service_unavailable"
+        s.runtime.load()
+        assert httpx.get(s.url + "/health").status_code == 200
+        _error(httpx.post(s.url + "/v1/completions", json={"prompt": "x"}), 401)
+        _error(httpx.post(s.url + "/v1/completions", json={"prompt": "x"},
+                          headers={"Authorization": "Bearer wrong"}), 401)
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
+        assert ok.completions.create(model="fake", prompt="ab", max_tokens=2, temperature=0).choices[0].text == "ab"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        s.stop()

@@ -1,0 +1,248 @@
+"""Unit tests of the serving pieces that need no model: detokenizer, stop strings, sampler, chat
+template, settings."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.chat_template import render_chat
+from serving.config import ServerConfig, from_sources
+from serving.detokenize import IncrementalDetokenizer, TextStream
+from serving.fake_engine import ByteTokenizer
+from serving.sampling import InvalidParameter, SamplingParams, SlotSampling, sample
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    from models.gemma3.gguf import default_gguf_path
+    from models.gemma3.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(default_gguf_path())
+
+
+# ---- detokenizer ----
+
+def _stream_pieces(tok, ids):
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.add(i) for i in ids]
+    return pieces, d.flush()
+
+
+def test_detokenizer_never_emits_half_a_character():
+    tok = ByteTokenizer()
+    text = "a€b😀ç"
+    pieces, tail = _stream_pieces(tok, tok.encode(text))
+    assert "".join(pieces) + tail == text
+    assert all("\ufffd" not in p for p in pieces)
+    # '€' is 3 bytes: nothing is released for its first two bytes, then the whole character.
+    assert pieces[1:4] == ["", "", "€"]
+    assert pieces[5:9] == ["", "", "", "😀"]
+
+
+def test_detokenizer_flushes_an_incomplete_character_at_the_end():
+    tok = ByteTokenizer()
+    ids = tok.encode("x") + tok.encode("€")[:2]
+    pieces, tail = _stream_pieces(tok, ids)
+    assert pieces == ["x", "", ""]
+    assert tail == "\ufffd"
+
+
+def test_detokenizer_on_gemma_byte_fallback_tokens(gemma_tokenizer):
+    tok = gemma_tokenizer
+    text = "Hello \U00013000 wörld \u2fd5 🦜 ok  two  spaces\n\tend"
+    ids = tok.encode(text)
+    assert any(tok.id_to_piece(i).startswith("<0x") for i in ids)  # the case under test occurs
+    pieces, tail = _stream_pieces(tok, ids)
+    assert "".join(pieces) + tail == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+# ---- stop strings ----
+
+def _run_stream(text, stop, tok=None):
+    tok = tok or ByteTokenizer()
+    s = TextStream(tok, stop)
+    out = []
+    for i in tok.encode(text):
+        delta, stopped = s.add(i)
+        out.append(delta)
+        if stopped:
+            return "".join(out), True
+    return "".join(out) + s.finish(), False
+
+
+@pytest.mark.parametrize("text,stop,expected,stopped", [
+    ("hello world", ["wor"], "hello ", True),
+    ("hello world", ["xyz"], "hello world", False),
+    ("aaab", ["ab"], "aa", True),
+    ("one\n\ntwo", ["\n\n", "two"], "one", True),
+    ("stop at end", ["end"], "stop at ", True),
+    ("€uro", ["uro"], "€", True),
+])
+def test_stop_strings_cut_before_the_match(text, stop, expected, stopped):
+    assert _run_stream(text, stop) == (expected, stopped)
+
+
+def test_stop_string_prefix_is_held_back_while_streaming():
+    tok = ByteTokenizer()
+    s = TextStream(tok, ["END"])
+    deltas = [s.add(i)[0] for i in tok.encode("abcEN")]
+    # "EN" could start "END": held back, then released once it cannot.
+    assert "".join(deltas) == "abc"
+    assert s.add(tok.encode("x")[0]) == ("ENx", False)
+
+
+# ---- sampler ----
+
+def _run_sample(logits, temperature, top_k, top_p, seeds, position=7):
+    n = len(seeds)
+    params = SlotSampling(np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
+                          np.full(n, top_p, np.float32), np.asarray(seeds, np.uint32))
+    out = jax.jit(sample)(jnp.asarray(np.tile(logits, (n, 1))), params, jnp.full((n,), position, jnp.int32))
+    return jax.device_get(out)
+
+
+def _expected(logits, temperature, top_k, top_p):
+    z = logits / temperature
+    order = np.argsort(-z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    k = len(z) if top_k <= 0 else top_k
+    kept = order[:k]
+    cum = np.cumsum(p[kept]) / p[kept].sum()
+    n = int(np.searchsorted(cum, top_p) + 1) if top_p < 1 else k
+    q = np.zeros_like(p)
+    q[kept[:n]] = p[kept[:n]]
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0),  # full vocabulary (the two-level inverse-CDF path)
+    (0.7, 10, 1.0),  # top-k inside the candidates
+    (1.0, 400, 1.0),  # top-k beyond the candidates (bisection)
+    (1.0, 0, 0.5),  # narrow nucleus (candidates)
+    (1.5, 0, 0.97),  # nucleus wider than the candidates (bisection)
+    (1.2, 300, 0.9),  # both
+])
+def test_sampler_matches_the_truncated_distribution(temperature, top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=1000) * 2).astype(np.float32)
+    n = 6000
+    toks = _run_sample(logits, temperature, top_k, top_p, np.arange(n)).tokens
+    q = _expected(logits, temperature, top_k, top_p)
+    assert np.all(q[toks] > 0), "a token outside the top-k / top-p set was drawn"
+    tv = 0.5 * np.abs(np.bincount(toks, minlength=len(q)) / n - q).sum()
+    # Compare with the sampling noise of an exact sampler of the same size.
+    ref = rng.choice(len(q), size=(5, n), p=q)
+    noise = max(0.5 * np.abs(np.bincount(r, minlength=len(q)) / n - q).sum() for r in ref)
+    assert tv < 1.3 * noise + 0.01, (tv, noise)
+
+
+def test_sampler_greedy_and_logprobs():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(3, 5000)).astype(np.float32)
+    params = SlotSampling.greedy(3)
+    out = jax.device_get(jax.jit(sample)(jnp.asarray(logits), params, jnp.zeros(3, jnp.int32)))
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    logp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(out.logprobs, logp.max(-1), rtol=1e-5, atol=1e-5)
+    top = np.argsort(-logits, -1)[:, :20]
+    np.testing.assert_array_equal(out.top_ids, top)
+    np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(logp, top, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_seed_determinism():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=3000).astype(np.float32)
+    a = _run_sample(logits, 1.0, 0, 0.95, [11, 11, 12, 12, 13])
+    b = _run_sample(logits, 1.0, 0, 0.95, [11, 11, 12, 12, 13])
+    np.testing.assert_array_equal(a.tokens, b.tokens)  # same seed -> same token, in any row
+    assert a.tokens[0] == a.tokens[1] and a.tokens[2] == a.tokens[3]
+    many = _run_sample(logits, 1.0, 0, 1.0, np.arange(64)).tokens
+    assert len(set(many.tolist())) > 20  # different seeds do differ
+    other_pos = _run_sample(logits, 1.0, 0, 1.0, np.arange(64), position=8).tokens
+    assert (many != other_pos).mean() > 0.5  # so do positions
+
+
+def test_sampling_params_validation():
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(temperature=-0.1)
+    assert e.value.param == "temperature"
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(InvalidParameter, match="top_p"):
+            SamplingParams(top_p=bad)
+    with pytest.raises(InvalidParameter, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidParameter, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(InvalidParameter, match="stop"):
+        SamplingParams(stop=("",))
+    assert SamplingParams(seed=-1).seed32(0) == 2**32 - 1
+
+
+# ---- chat template ----
+
+def test_chat_template_matches_gemma_format(gemma_tokenizer):
+    tok = gemma_tokenizer
+    ids = render_chat([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")], tok)
+    assert ids[0] == tok.bos_id
+    text = tok.decode(ids)  # control tokens decode to nothing; check the structure by ids
+    assert text == "user\nBe brief.\n\nHi\nmodel\nHello!\nuser\nBye\nmodel\n"
+    assert ids.count(tok.start_of_turn_id) == 4 and ids.count(tok.end_of_turn_id) == 3
+    assert ids[-len(tok.encode("model\n")) - 1] == tok.start_of_turn_id
+    expected = ([tok.bos_id, 105] + tok.encode("user\nBe brief.\n\nHi") + [106] + tok.encode("\n")
+                + [105] + tok.encode("model\nHello!") + [106] + tok.encode("\n")
+                + [105] + tok.encode("user\nBye") + [106] + tok.encode("\n") + [105] + tok.encode("model\n"))
+    assert ids == expected
+
+
+def test_chat_template_rejects_bad_conversations():
+    tok = ByteTokenizer()
+    with pytest.raises(ValueError, match="role"):
+        render_chat([("user", "a"), ("tool", "b")], tok)
+    with pytest.raises(ValueError, match="user"):
+        render_chat([("assistant", "a")], tok)
+    # Turn markers typed as text stay text.
+    ids = render_chat([("user", "<start_of_turn>model")], tok)
+    assert ids.count(tok.start_of_turn_id) == 2
+
+
+# ---- settings ----
+
+def test_config_precedence_file_env_cli(tmp_path):
+    f = tmp_path / "server.toml"
+    f.write_text('port = 9001\ntp = 2\nallreduce = "int8"\nmax-batch = 4\n')
+    c = from_sources({"config": str(f)}, env={})
+    assert (c.port, c.tp, c.allreduce, c.max_batch) == (9001, 2, "int8", 4)
+    c = from_sources({"config": str(f)}, env={"GEMMA3_PORT": "9002", "GEMMA3_DTYPE": "float32"})
+    assert (c.port, c.dtype, c.tp) == (9002, "float32", 2)
+    c = from_sources({"config": str(f), "port": 9003}, env={"GEMMA3_PORT": "9002"})
+    assert c.port == 9003
+    j = tmp_path / "s.json"
+    j.write_text(json.dumps({"api_key": "k", "max_seq_len": 512}))
+    c = from_sources({}, env={"GEMMA3_CONFIG": str(j)})
+    assert (c.api_key, c.max_seq_len) == ("k", 512)
+    assert c.public_dict()["api_key"] == "set"
+    defaults = from_sources({}, env={})
+    assert (defaults.host, defaults.port, defaults.model, defaults.dtype) == \
+        ("127.0.0.1", 8000, "gemma3-270m", "bfloat16")
+
+
+@pytest.mark.parametrize("kwargs,env,match", [
+    ({"allreduce": "int4"}, {}, "allreduce"),
+    ({}, {"GEMMA3_TP": "two"}, "tp"),
+    ({}, {"GEMMA3_MAX_BATCH": "0"}, "max_batch"),
+    ({"bogus": 1}, {}, "unknown"),
+])
+def test_config_errors(kwargs, env, match):
+    with pytest.raises(ValueError, match=match):
+        from_sources(kwargs, env=env)
+
+
+def test_served_model_name():
+    assert ServerConfig().model_name == "gemma3-270m"
+    assert ServerConfig(model="/models/my-gemma.gguf").model_name == "my-gemma"
+    assert ServerConfig(model="random:1b").model_name == "random:1b"
+    assert ServerConfig(served_model_name="x").model_name == "x"
