@@ -90,11 +90,10 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig | None = No
 
 def _ring_all_reduce(x: jax.Array, axis_name: str, n: int, config: AllReduceConfig) -> jax.Array:
     layout = plan_layout(x.size, n, config.minishards)
-    flat = x.reshape(-1).astype(jnp.float32)
-    flat = jnp.pad(flat, (0, layout.padded_elements - x.size))
+    flat = jnp.pad(x.reshape(-1), (0, layout.padded_elements - x.size))
     buf = flat.reshape(n, layout.minishards, layout.tiles, *qz.TILE)
     rs_chains, ag_chains = ring.chains_for(config.variant, n, layout.minishards)
     rs_codec, ag_codec = _codecs(config, x.dtype)
     y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec)
-    out = ring.ring_all_gather(y, axis_name, n, ag_chains, ag_codec)
-    return out.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)
+    out = ring.ring_all_gather(y, axis_name, n, ag_chains, ag_codec, out_dtype=x.dtype)
+    return out.reshape(-1)[: x.size].reshape(x.shape)

@@ -26,8 +26,10 @@ SCALE_BYTES = TILE_ELEMENTS * 4  # one float32 8x128 tile per minishard
 def absmax(x: jax.Array) -> jax.Array:
     """Qp1: per-lane absmax over the tiles. x: f32[K, 8, 128] -> f32[8, 128].
 
-    A NaN anywhere in a block gives that block an Inf absmax. XLA's CPU max reduction drops NaN
-    (it behaves like fmax), so NaN is mapped to Inf explicitly instead of relying on max.
+    XLA's CPU max reduction drops NaN (fmax semantics), so NaN is mapped to Inf first: a NaN
+    or Inf anywhere in a block gives it an Inf absmax. The reduction (rather than, say, a tree
+    of elementwise maxima) also keeps XLA from fusing Qp1 into Qp2's elementwise loop, where
+    it would be recomputed for every element.
     """
     if x.ndim != 3 or x.shape[1:] != TILE:
         raise ValueError(f"expected a [K, 8, 128] minishard, got shape {x.shape}")
@@ -65,23 +67,28 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 # -- wire format: one int8 buffer per minishard, so one ppermute moves data and scales ---------
+# Rows of 1024 bytes: K rows of int8 values, then 4 rows holding the float32 scales' bytes.
+# Joining along the major axis keeps the copy two contiguous blocks (a flat 1-D concatenate
+# compiles to a per-element select on XLA:CPU and costs several times the quantization).
+SCALE_ROWS = SCALE_BYTES // TILE_ELEMENTS
+
 
 def pack(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """(int8[K, 8, 128], f32[8, 128]) -> int8[K * 1024 + 4096]: payload then scale bytes."""
-    scale_bytes = jax.lax.bitcast_convert_type(scale.reshape(-1), jnp.int8).reshape(-1)
-    return jnp.concatenate([q.reshape(-1), scale_bytes])
+    """(int8[K, 8, 128], f32[8, 128]) -> int8[K + 4, 1024]: payload rows then scale rows."""
+    scale_bytes = jax.lax.bitcast_convert_type(scale.reshape(-1), jnp.int8)  # [1024, 4]
+    return jnp.concatenate(
+        [q.reshape(-1, TILE_ELEMENTS), scale_bytes.reshape(SCALE_ROWS, TILE_ELEMENTS)], axis=0)
 
 
 def unpack(buf: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of `pack`: int8[K * 1024 + 4096] -> (int8[K, 8, 128], f32[8, 128])."""
-    n = buf.shape[0] - SCALE_BYTES
-    if n < 0 or n % TILE_ELEMENTS:
-        raise ValueError(f"not a packed minishard: {buf.shape[0]} bytes")
-    q = buf[:n].reshape(-1, *TILE)
-    scale = jax.lax.bitcast_convert_type(buf[n:].reshape(TILE_ELEMENTS, 4), jnp.float32)
-    return q, scale.reshape(TILE)
+    """Inverse of `pack`: int8[K + 4, 1024] -> (int8[K, 8, 128], f32[8, 128])."""
+    if buf.ndim != 2 or buf.shape[0] <= SCALE_ROWS or buf.shape[1] != TILE_ELEMENTS:
+        raise ValueError(f"not a packed minishard: shape {buf.shape}")
+    q = buf[:-SCALE_ROWS].reshape(-1, *TILE)
+    scale_bytes = buf[-SCALE_ROWS:].reshape(TILE_ELEMENTS, 4)
+    return q, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32).reshape(TILE)
 
 
 def packed_dequantize(buf: jax.Array) -> jax.Array:
-    """int8[K * 1024 + 4096] -> f32[K, 8, 128]."""
+    """int8[K + 4, 1024] -> f32[K, 8, 128]."""
     return dequantize(*unpack(buf))

@@ -4,8 +4,8 @@ Shards are addressed *relative* to this device d: relative row r is the shard ow
 (d + r) % N. With that convention the schedule is the same on every device, and it is plain
 Python loops that emit one `ppermute` per minishard per hop, so XLA sees independent
 collective-permutes it may overlap with the (de)quantization of other minishards. Only the row
-offsets into the local buffer depend on d; they are dynamic slices (reads) and in-place dynamic
-update slices (writes) of one minishard each, never a gather over the whole buffer.
+offsets into the local buffer depend on d: each read is a dynamic slice of one minishard, and
+the gathered result is put in absolute order by a `lax.switch` over N static concatenations.
 
 A *chain* moves a set of minishards in one ring direction for a number of hops:
 - reduce-scatter: at hop t a device sends the partial sum for owner d + s*(H - t) to d + s
@@ -115,14 +115,16 @@ def _row(d: jax.Array, r: int, n: int) -> jax.Array:
 def ring_reduce_scatter(
     x: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec
 ) -> jax.Array:
-    """x: f32[N, m, K, 8, 128], this device's partial sums of every shard -> f32[m, K, 8, 128],
+    """x: [N, m, K, 8, 128] (any float dtype), this device's partial sums of every shard -> f32[m, K, 8, 128],
     this device's fully reduced shard (row d). Partial sums are decoded to float32, the local
     minishard is added in float32, and the new partial is encoded afresh before the next hop."""
     n, m = x.shape[0], x.shape[1]
     d = lax.axis_index(axis_name)
 
     def local(r: int, j: int) -> jax.Array:
-        return lax.dynamic_index_in_dim(x[:, j], _row(d, r, n), keepdims=False)
+        # The caller's dtype stays in memory; the float32 view is made per minishard (fused).
+        start = (_row(d, r, n), j) + (0,) * (x.ndim - 2)
+        return lax.dynamic_slice(x, start, (1, 1) + x.shape[2:])[0, 0].astype(jnp.float32)
 
     in_flight: dict[tuple[int, int], jax.Array] = {}
     for t in range(max(c.hops for c in chains)):
@@ -147,35 +149,44 @@ def ring_reduce_scatter(
 
 
 def ring_all_gather(
-    y: jax.Array, axis_name: str, n_devices: int, chains: Sequence[Chain], codec: Codec
+    y: jax.Array, axis_name: str, n_devices: int, chains: Sequence[Chain], codec: Codec,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
-    """y: f32[m, K, 8, 128], this device's reduced shard -> f32[N, m, K, 8, 128], every shard.
-    Each owner encodes its shard once; receivers forward the wire bytes verbatim and decode
-    them. The owner keeps decode(encode(y)), so every device holds identical values."""
+    """y: f32[m, K, 8, 128], this device's reduced shard -> out_dtype[N, m, K, 8, 128], every
+    shard. Each owner encodes its shard once; receivers forward the wire bytes verbatim and
+    decode them. The owner keeps decode(encode(y)), so every device holds identical values."""
     n, m = n_devices, y.shape[0]
-    d = lax.axis_index(axis_name)
-    out = jnp.zeros((n,) + y.shape, jnp.float32)
-    filled: set[tuple[int, int]] = set()
-
-    def store(out: jax.Array, r: int, j: int, value: jax.Array) -> jax.Array:
-        filled.add((r % n, j))
-        start = (_row(d, r, n), j) + (0,) * value.ndim
-        return lax.dynamic_update_slice(out, value[None, None], start)
-
+    out: list[list[jax.Array | None]] = [[None] * m for _ in range(n)]  # relative rows
     wire = [codec.encode(y[j]) for j in range(m)]
     for j in range(m):
         # The barrier makes the owner decode the very bytes it sends: without it XLA folds
         # decode(encode(y)) algebraically and the owner's copy can differ by an ulp.
-        out = store(out, 0, j, codec.decode(lax.optimization_barrier(wire[j])))
+        out[0][j] = codec.decode(lax.optimization_barrier(wire[j]))
     in_flight = {(ci, j): wire[j] for ci, c in enumerate(chains) for j in c.minishards}
     for t in range(max(c.hops for c in chains)):
         for ci, chain in enumerate(chains):
             if t >= chain.hops:
                 continue
             perm = _ring_perm(n, chain.direction)
+            source = (-chain.direction * (t + 1)) % n
             for j in chain.minishards:
                 in_flight[ci, j] = lax.ppermute(in_flight[ci, j], axis_name, perm)
-                out = store(out, -chain.direction * (t + 1), j, codec.decode(in_flight[ci, j]))
-    if len(filled) != n * m:  # a schedule bug, not a user error
-        raise AssertionError(f"all-gather chains cover {len(filled)} of {n * m} minishards")
-    return out
+                out[source][j] = codec.decode(in_flight[ci, j])
+    missing = [(r, j) for r in range(n) for j in range(m) if out[r][j] is None]
+    if missing:  # a schedule bug, not a user error
+        raise AssertionError(f"all-gather chains leave minishards uncovered: {missing[:4]}")
+    pieces = [v.astype(out_dtype) for row in out for v in row]
+    d = lax.axis_index(axis_name)
+    return lax.switch(d, [_assemble_for(dd, n, m) for dd in range(n)], pieces)
+
+
+def _assemble_for(d: int, n: int, m: int):
+    """The absolute-order assembly on device d: a static concatenation (a copy per piece).
+    Selecting one of N such programs with lax.switch is far cheaper on CPU than a gather or a
+    chain of dynamic-update-slices, which XLA fuses into per-element selects over N*m pieces."""
+
+    def assemble(pieces: list[jax.Array]) -> jax.Array:
+        rows = [(c - d) % n for c in range(n)]  # absolute row c is relative row c - d
+        return jnp.stack([jnp.stack(pieces[r * m : (r + 1) * m]) for r in rows])
+
+    return assemble

@@ -1,0 +1,214 @@
+"""Benchmark equarx.all_reduce methods side by side: time, bytes per device, MSE.
+
+Two modes:
+  one process, D virtual CPU devices (default): a "collective" is a memcpy, so this shows
+    what quantization costs in compute, nothing more;
+  --processes N: one process per device on JAX's distributed runtime (gloo over TCP on
+    127.0.0.1), with --link-gbit X inside a network namespace whose loopback is shaped to X
+    Gbit/s, so that the link is the bottleneck (needs root).
+
+Methods are measured interleaved (A B C D, then rotated) after a warm-up; the table shows the
+median time, the min-max spread, the median of the per-repeat ratios against bf16 and
+bf16_ring, the bytes each device sends (read from the compiled program), that figure against
+an ideal bf16 ring AllReduce of the same message, and the MSE against the float32 sum of the
+same bf16 inputs.
+
+  python -m eval.bench_collective --sizes 64K,1M,16M --repeats 7 --out single.json
+  python -m eval.bench_collective --processes 4 --link-gbit 2 --out p4_2g.json
+
+Message size = bytes of the bf16 message each device contributes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equarx import AllReduceConfig, all_reduce, bytes_sent_per_device, ideal_ring_bytes
+
+DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
+DEFAULT_METHODS = "bf16,bf16_ring,int8-full,int8-semi"
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '4M' -> 4 MiB, '1000' -> 1000 bytes."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    value = float(text[:-1] if mult > 1 else text)
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * mult)
+
+
+def format_size(nbytes: int) -> str:
+    for unit, mult in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= mult and nbytes % mult == 0:
+            return f"{nbytes // mult} {unit}"
+    return f"{nbytes} B"
+
+
+def parse_method(name: str, minishards: int, min_bytes: int = 0):
+    """'bf16', 'f32', 'bf16_ring[-semi]', 'int8-full', 'int8-semi-ag', ... -> AllReduceConfig."""
+    parts = name.split("-")
+    method, rest = parts[0], parts[1:]
+    variant = rest[0] if rest else "full"
+    phases = rest[1] if len(rest) > 1 else "both"
+    if len(rest) > 2:
+        raise ValueError(f"cannot parse method {name!r}")
+    return AllReduceConfig(method, variant, phases, minishards, min_bytes)
+
+
+def _stats(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards: int,
+                  mse: bool = True, seed: int = 0) -> list[dict]:
+    """Measure every method at every size on all of jax.devices() (one mesh axis "tp").
+    Runs the same way in one process or in every process of a distributed run."""
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    sharding = NamedSharding(mesh, P("tp"))
+    local_devices = jax.local_device_count()
+    rows = []
+    for size in sizes:
+        n_el = size // 2
+        rng = np.random.default_rng(seed + 1000 * jax.process_index())
+        local = rng.standard_normal(local_devices * n_el, dtype=np.float32).astype(jnp.bfloat16)
+        x = jax.make_array_from_process_local_data(sharding, local, (n * n_el,))
+        configs = {m: parse_method(m, minishards) for m in methods}
+        compiled, compile_s, nbytes = {}, {}, {}
+        for name, cfg in configs.items():
+            f = jax.jit(jax.shard_map(lambda a, c=cfg: all_reduce(a, "tp", c), mesh=mesh,
+                                      in_specs=P("tp"), out_specs=P("tp")))
+            t0 = time.perf_counter()
+            compiled[name] = f.lower(x).compile()
+            compile_s[name] = time.perf_counter() - t0
+            nbytes[name] = bytes_sent_per_device(compiled[name])
+            compiled[name](x).block_until_ready()  # warm-up
+        errors = _mse(mesh, x, configs) if mse else {}
+        times = {name: [] for name in methods}
+        for r in range(repeats):
+            order = methods[r % len(methods):] + methods[: r % len(methods)]
+            for name in order:
+                t0 = time.perf_counter()
+                compiled[name](x).block_until_ready()
+                times[name].append(time.perf_counter() - t0)
+        ideal = ideal_ring_bytes(n_el, 2, n)
+        for name in methods:
+            row = {
+                "size_bytes": size, "method": name, "label": configs[name].label,
+                "devices": n, "times_s": times[name], **_stats(times[name]),
+                "bytes_per_device": nbytes[name], "bytes_vs_ideal_bf16_ring": nbytes[name] / ideal,
+                "compile_s": compile_s[name], "mse": errors.get(name),
+            }
+            for ref in ("bf16", "bf16_ring"):
+                if ref in times:
+                    ratios = [a / b for a, b in zip(times[ref], times[name])]
+                    row[f"speedup_vs_{ref}"] = statistics.median(ratios)
+            rows.append(row)
+        del x
+    return rows
+
+
+def _mse(mesh, x, configs: dict) -> dict:
+    """MSE of each method against the float32 sum of the same bf16 inputs."""
+    exact = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a.astype(jnp.float32), "tp"),
+                                  mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
+    out = {}
+    for name, cfg in configs.items():
+        def err(a, e, c=cfg):
+            y = all_reduce(a, "tp", c).astype(jnp.float32)
+            return jax.lax.pmean(jnp.mean((y - e) ** 2), "tp")
+
+        f = jax.jit(jax.shard_map(err, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P()))
+        out[name] = float(f(x, exact))
+    return out
+
+
+def worker(params: dict) -> dict:
+    """Entry point of each process in --processes mode (see eval.multiproc)."""
+    rows = bench_on_mesh(**params)
+    return {"process": jax.process_index(), "rows": rows}
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'size':>8}  {'method':<10} {'median ms':>10} {'[min, max] ms':>18} "
+            f"{'x bf16':>7} {'x ring':>7} {'bytes/dev':>11} {'/ideal':>7} {'MSE':>9}")
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in rows:
+        if last is not None and r["size_bytes"] != last:
+            lines.append("")
+        last = r["size_bytes"]
+        spread = f"[{r['min'] * 1e3:.2f}, {r['max'] * 1e3:.2f}]"
+        mse = "-" if r.get("mse") is None else f"{r['mse']:.2e}"
+        lines.append(
+            f"{format_size(r['size_bytes']):>8}  {r['method']:<10} {r['median'] * 1e3:>10.2f} "
+            f"{spread:>18} {r.get('speedup_vs_bf16', float('nan')):>7.2f} "
+            f"{r.get('speedup_vs_bf16_ring', float('nan')):>7.2f} "
+            f"{r['bytes_per_device']:>11.0f} {r['bytes_vs_ideal_bf16_ring']:>7.3f} {mse:>9}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="bf16 message bytes per device")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--minishards", type=int, default=4)
+    p.add_argument("--devices", type=int, default=8, help="virtual devices (one-process mode)")
+    p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
+    p.add_argument("--link-gbit", type=float, default=None, help="shape the loopback (root)")
+    p.add_argument("--no-mse", action="store_true", help="skip the MSE column")
+    p.add_argument("--out", default=None, help="write the rows and settings as JSON")
+    args = p.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        parse_method(m, args.minishards)  # fail early on a typo
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.link_gbit is not None and args.processes < 1:
+        p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
+    params = dict(sizes=sizes, methods=methods, repeats=args.repeats,
+                  minishards=args.minishards, mse=not args.no_mse)
+    if args.processes > 0:
+        from eval import multiproc
+
+        results = multiproc.run("eval.bench_collective:worker", args.processes, args=(params,),
+                                link_gbit=args.link_gbit)
+        rows = results[0]["rows"]
+        mode = f"{args.processes} processes (gloo, 127.0.0.1"
+        mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
+        for row, *others in zip(rows, *(r["rows"] for r in results[1:])):
+            row["median_by_process"] = [row["median"]] + [o["median"] for o in others]
+    else:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
+        rows = bench_on_mesh(**params)
+        mode = f"1 process, {rows[0]['devices']} virtual CPU devices"
+    report = {
+        "mode": mode, "settings": params, "jax": jax.__version__, "cpus": os.cpu_count(),
+        "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
+    }
+    print(f"# {mode}; minishards={args.minishards}; repeats={args.repeats}")
+    print(format_table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
