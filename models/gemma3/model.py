@@ -72,6 +72,9 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, ctx: Ctx) -> jax.Array:
         inside = (local >= 0) & (local < rows)
         x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
         x = lax.psum(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)), AXIS)
+        # The residual stream is typed device-varying from here on: a ring AllReduce returns
+        # varying values, and scan carries must keep one type across layers.
+        x = lax.pcast(x, AXIS, to="varying")
     return x * jnp.sqrt(ctx.config.d_model).astype(x.dtype)
 
 

@@ -1,0 +1,188 @@
+"""Gemma 3 model on tiny random configs: tensor-parallel equivalence, KV cache semantics
+(prefill + decode == full forward, local ring buffers, slot independence), generation, errors."""
+import numpy as np
+import pytest
+
+import jax
+from equarx import AllReduceConfig
+from models.gemma3 import load_model
+from models.gemma3.api import prefill_buckets
+
+F32 = AllReduceConfig(method="f32")
+# "tiny": 8 layers (one 5 local + 1 global group, then 2 tail layers), window 8, 2 KV heads
+# (sharded at tp=2, replicated at tp=4), vocabulary 512.
+TINY = "random:tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The same random tiny model (float32, exact AllReduce) at tp = 1, 2, 4."""
+    return {tp: load_model(TINY, tp=tp, dtype="float32", allreduce=F32) for tp in (1, 2, 4)}
+
+
+def _random_seqs(lengths, seed=0, vocab=512):
+    rng = np.random.default_rng(seed)
+    return [[2] + rng.integers(4, vocab, n - 1).tolist() for n in lengths]
+
+
+def test_weights_do_not_depend_on_tp(tiny):
+    for tp in (2, 4):
+        for a, b in zip(jax.tree.leaves(tiny[1].weights), jax.tree.leaves(tiny[tp].weights)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_weights_are_sharded_over_tp(tiny):
+    m = tiny[4]
+    embed_shards = m.weights.embed.addressable_shards
+    assert len(embed_shards) == 4 and embed_shards[0].data.shape == (512 // 4, 64)
+    q = m.weights.local.q  # [G, 5, N, D, H]: heads split
+    assert q.addressable_shards[0].data.shape == (1, 5, 1, 64, 16)
+    gating = m.weights.global_.gating  # [G, 2, F, D]: FFN hidden split
+    assert gating.addressable_shards[0].data.shape == (1, 2, 128 // 4, 64)
+    # 2 KV heads on 4 devices: the projection is replicated, the cache is still split.
+    assert m.weights.tail.kv.addressable_shards[0].data.shape == m.weights.tail.kv.shape
+    cache = m.init_cache(num_slots=3, max_seq_len=32)
+    assert cache.global_.k.shape == (1, 3, 32, 4, 16)
+    assert cache.global_.k.addressable_shards[0].data.shape == (1, 3, 32, 1, 16)
+    assert cache.local.k.shape == (1, 5, 3, 8, 4, 16)  # ring of sliding_window = 8 positions
+
+
+def test_tp_1_2_4_give_the_same_logits(tiny):
+    seqs = _random_seqs([5, 19, 12])
+    ref = tiny[1].score(seqs)
+    assert np.isfinite(ref[0, :5]).all() and np.isnan(ref[0, 5:]).all()
+    for tp in (2, 4):
+        np.testing.assert_allclose(tiny[tp].score(seqs), ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_prefill_then_decode_equals_full_forward(tiny, tp):
+    """Teacher-forced decoding after prompts shorter and longer than the window (8) and past
+    the bucket size must give the logits of one forward pass over the whole sequence."""
+    m = tiny[tp]
+    prompt_lens, steps = [3, 11, 20], 14
+    seqs = _random_seqs([n + steps for n in prompt_lens], seed=tp)
+    full = m.score(seqs)
+    bucket = m.bucket_for(max(prompt_lens))
+    tokens = np.zeros((3, bucket), np.int32)
+    for b, n in enumerate(prompt_lens):
+        tokens[b, :n] = seqs[b][:n]
+    lengths = np.array(prompt_lens, np.int32)
+    cache = m.init_cache(num_slots=3, max_seq_len=64)
+    logits, cache = m.prefill(cache, tokens, lengths, np.arange(3, dtype=np.int32))
+    np.testing.assert_allclose(np.asarray(logits), full[np.arange(3), lengths - 1], atol=2e-5)
+    for step in range(steps):
+        pos = lengths + step
+        next_tokens = np.array([seqs[b][p] for b, p in enumerate(pos)], np.int32)
+        logits, cache = m.decode_step(cache, next_tokens, pos)
+        np.testing.assert_allclose(np.asarray(logits), full[np.arange(3), pos], atol=2e-5,
+                                   err_msg=f"decode step {step}")
+
+
+def test_prefill_all_logits_equal_score(tiny):
+    m = tiny[2]
+    seqs = _random_seqs([7, 30])
+    tokens = np.zeros((2, 32), np.int32)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = s
+    cache = m.init_cache(num_slots=2, max_seq_len=32)
+    logits, _ = m.prefill(cache, tokens, np.array([7, 30], np.int32), np.array([1, 0], np.int32),
+                          return_all_logits=True)
+    assert logits.shape == (2, 32, 512)
+    full = m.score(seqs)
+    np.testing.assert_allclose(np.asarray(logits)[0, :7], full[0, :7], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(logits)[1, :30], full[1, :30], atol=2e-5)
+
+
+def test_slots_are_independent(tiny):
+    """A sequence decoded in slot 2 of a busy cache equals the same sequence alone; other
+    slots' prefills and idle slots (junk positions, even past the cache) do not disturb it."""
+    m = tiny[2]
+    a, b = _random_seqs([13, 21], seed=7)
+
+    def run(busy):
+        cache = m.init_cache(num_slots=4, max_seq_len=64)
+        if busy:
+            cache = m.prefill(cache, np.array([b[:16] + [0] * 16], np.int32),
+                              np.array([16], np.int32), np.array([0], np.int32))[1]
+        logits, cache = m.prefill(cache, np.array([a[:9] + [0] * 23], np.int32),
+                                  np.array([9], np.int32), np.array([2], np.int32))
+        out = [np.asarray(logits)[0]]
+        for step in range(4):
+            tokens = np.array([b[16 + step], 5, a[9 + step], 7], np.int32)
+            positions = np.array([16 + step, 1000, 9 + step, 3], np.int32)
+            logits, cache = m.decode_step(cache, tokens, positions)
+            out.append(np.asarray(logits)[2])
+        return np.stack(out)
+
+    np.testing.assert_allclose(run(busy=True), run(busy=False), atol=1e-6)
+
+
+def test_generate_is_greedy_and_uses_the_cache(tiny):
+    m = tiny[2]
+    seqs = _random_seqs([4, 10])
+    out = m.generate(seqs, max_new_tokens=12)
+    assert [len(o) for o in out] == [12, 12]
+    for s, new in zip(seqs, out):
+        logits = m.score([s + new])[0]
+        assert new == np.argmax(logits[len(s) - 1:-1], axis=-1).tolist()
+
+
+def test_sampling_is_seeded_and_bounded(tiny):
+    m = tiny[1]
+    seqs = _random_seqs([6, 6], seed=3)
+    a = m.generate(seqs, 8, temperature=1.0, seed=11)
+    assert a == m.generate(seqs, 8, temperature=1.0, seed=11)
+    assert a != m.generate(seqs, 8, temperature=1.0, seed=12)
+    assert m.generate(seqs, 8, temperature=0.7, top_k=1, seed=5) == m.generate(seqs, 8)
+    assert m.generate(seqs, 8, temperature=0.7, top_p=1e-6, seed=5) == m.generate(seqs, 8)
+
+
+def test_generate_stops_at_stop_ids(tiny):
+    m = tiny[1]
+    seqs = _random_seqs([5])
+    free = m.generate(seqs, 10)[0]
+    stop = free[3]
+    out = m.generate(seqs, 10, stop_ids=[stop])[0]
+    assert out == free[:free.index(stop) + 1]
+
+
+def test_buckets():
+    assert prefill_buckets(256) == (32, 64, 128, 256)
+    assert prefill_buckets(1000) == (32, 64, 128, 256, 512, 1000)
+
+
+def test_bad_input_gets_clear_errors(tiny):
+    m = tiny[1]
+    with pytest.raises(ValueError, match="token ids"):
+        m.score([[2, 512]])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m.score([[2] * 300])
+    with pytest.raises(ValueError, match="at least one token"):
+        m.score([[]])
+    cache = m.init_cache(num_slots=2, max_seq_len=32)
+    with pytest.raises(ValueError, match="one token and position per cache slot"):
+        m.decode_step(cache, np.array([1], np.int32), np.array([0], np.int32))
+    with pytest.raises(ValueError, match="exceeds"):
+        m.init_cache(num_slots=1, max_seq_len=10_000)
+
+
+def test_load_model_errors():
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        load_model("random:tiny?heads=16&vocab=1024&kv_heads=16", tp=16)
+    with pytest.raises(ValueError, match="must divide num_heads"):
+        load_model(TINY, tp=3)
+    with pytest.raises(ValueError, match="unknown Gemma 3 size"):
+        load_model("random:huge")
+    with pytest.raises(ValueError, match="unknown model source"):
+        load_model("no/such/thing")
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(TINY, dtype="float16")
+
+
+def test_byte_tokenizer_for_small_vocabularies(tiny):
+    tok = tiny[1].tokenizer
+    text = "héllo\n世界"
+    assert tok.decode(tok.encode(text)) == text
+    assert max(tok.encode(text)) < tiny[1].config.vocab_size
+    assert tok.decode([tok.bos_id] + tok.encode("a") + [tok.eos_id]) == "a"
