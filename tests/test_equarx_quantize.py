@@ -43,6 +43,15 @@ def test_rounds_half_to_even():
     assert list(np.asarray(q)[0].reshape(-1)[:7]) == [0, 2, 2, 4, 0, -2, -2]
 
 
+def test_tiny_blocks_flush_to_zero_without_overflow():
+    x = np.full((4, 8, 128), 1e-40, np.float32)  # 127 / 1e-40 overflows float32
+    x[:, 0, 0] = 1.0
+    q, scale = qz.quantize_blockwise(jnp.asarray(x))
+    deq = np.asarray(qz.dequantize(q, scale))
+    assert np.isfinite(deq).all() and np.abs(deq[:, 1:]).max() <= 1e-40
+    np.testing.assert_allclose(deq[:, 0, 0], 1.0)
+
+
 def test_zero_block_is_exact_and_scale_zero():
     x = np.zeros((2, 8, 128), np.float32)
     x[:, 0, 0] = [1.0, -2.0]  # one live lane, every other lane is an all-zero block
