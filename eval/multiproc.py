@@ -63,6 +63,9 @@ def run(
         port = _free_port() if ns is None else 23456  # a fresh namespace has every port free
         prefix = [] if ns is None else ["ip", "netns", "exec", ns]
         worker_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+        # Whatever the caller can import, the workers can import (entry modules included).
+        paths = [p for p in sys.path if p] + [os.getcwd()]
+        worker_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         # The parent may have asked for virtual devices; each worker decides its own count.
         worker_env["XLA_FLAGS"] = " ".join(
             f for f in worker_env.get("XLA_FLAGS", "").split()
