@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -73,9 +74,14 @@ def serve_main(argv: list[str] | None = None) -> None:
         def handle_exit(self, sig, frame):
             # SIGTERM/SIGINT: refuse new work at once; uvicorn then stops listening and gives
             # in-flight requests `shutdown_timeout` seconds before cancelling them.
+            # Unlike uvicorn's own handler, the signal is not re-raised after the graceful
+            # shutdown: a drained server exits with status 0.
             log.info("signal %s: shutting down", sig)
             runtime.begin_shutdown()
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C stops waiting for open requests
+            else:
+                self.should_exit = True
 
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                    timeout_graceful_shutdown=config.shutdown_timeout,

@@ -132,6 +132,9 @@ class ModelEngine:
         )
         self._jax = jax
         self.cache = model.init_cache(num_slots, max_seq_len)
+        # Sampling runs on one device: with tp > 1 the logits arrive split over the vocabulary, and
+        # XLA's CPU top-k on a partitioned operand fails to compile (and would gather it anyway).
+        self._sample_device = model.mesh.devices.flat[0]
         self._sample = jax.jit(sampling.sample)
         self._prompt_logprobs = jax.jit(sampling.prompt_logprobs)
         self._last_logits = jax.jit(_last_logits)
@@ -145,6 +148,7 @@ class ModelEngine:
         # The model places host arrays on its mesh itself (replicated).
         logits, self.cache = self.model.prefill(self.cache, inputs.tokens, inputs.lengths, inputs.slots,
                                                 return_all_logits=inputs.prompt_logprobs)
+        logits = self._jax.device_put(logits, self._sample_device)
         extra = ()
         if inputs.prompt_logprobs:
             extra = self._prompt_logprobs(logits, inputs.tokens)
@@ -154,6 +158,7 @@ class ModelEngine:
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
         logits, self.cache = self.model.decode_step(self.cache, inputs.tokens, inputs.positions)
+        logits = self._jax.device_put(logits, self._sample_device)
         out = self._sample(logits, inputs.sampling, inputs.positions + 1)
         return _to_host(self._jax, out, ())
 
