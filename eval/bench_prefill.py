@@ -1,0 +1,308 @@
+"""Prefill latency of Gemma 3 with each AllReduce method, side by side, with the cost model.
+
+What is timed is the model's own engine program (`Gemma3Model.lower_prefill(...).compile()`,
+the program `model.prefill` runs): ahead-of-time compiled, warmed up, then the methods are
+run interleaved (A B C, B C A, ...) with block_until_ready; each row gives the median and p90
+and the median of the per-iteration ratios against bf16. wire_bytes is what each device sends
+in one prefill, read from the compiled program (eval uses load_model(unroll_layers=True) so the
+program lists every layer's collectives instead of one loop body).
+
+Modes:
+  one process, --tp virtual CPU devices (default): collectives are memcpys; this measures the
+    compute, including the int8 methods' quantization work;
+  --processes N: one process per device on JAX's distributed runtime (gloo over TCP on
+    127.0.0.1), --link-gbit X inside a network namespace whose loopback is shaped to X Gbit/s
+    (needs root). Then the one-process run is made first (or read from --baseline) and the cost
+    model, calibrated by collective-only runs at --calibrate-gbit rates (or read from
+    --calibration), predicts each row: T = T_one_process + 2 x layers x t_comm(link).
+
+  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
+      --allreduce bf16,bf16_ring,int8-full --iters 5 --out single.json
+  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
+      --allreduce bf16,bf16_ring,int8-full --processes 2 --link-gbit 0.1 \
+      --calibrate-gbit 0.1,0.2,0.4 --baseline single.json --out p2.json --plot p2.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+from eval import cost_model, prefill_report
+
+DEFAULT_METHODS = "bf16,bf16_ring,int8-full"
+
+
+# ---------------------------------------------------------------------------------------------
+# Model spec
+
+
+def model_source(model: str, layers: int | None) -> tuple[str, int | None]:
+    """('random:1b?layers=4', 26) from ('1b' or 'random:1b', 4): the load_model source and the
+    full model's layer count (None when all layers are used)."""
+    from models.gemma3 import get_config
+
+    if model in ("gemma3-270m",) or model.endswith(".gguf"):
+        if layers is not None:
+            raise ValueError("--layers only applies to random-weight models")
+        return model, None
+    spec = model.removeprefix("random:")
+    full = get_config(spec).num_layers
+    if layers is not None:
+        if not 1 <= layers <= full:
+            raise ValueError(f"--layers must be in [1, {full}] for {spec}, got {layers}")
+        spec += ("&" if "?" in spec else "?") + f"layers={layers}"
+    used = get_config(spec).num_layers
+    return f"random:{spec}", (full if used != full else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement (runs the same way in one process or in every process of a distributed run)
+
+
+def _replicated(mesh, array: np.ndarray):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, P()),
+                                        lambda idx: array[idx])
+
+
+def _p90(samples: list[float]) -> float:
+    return float(np.percentile(samples, 90))
+
+
+def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[str],
+            iters: int, warmup: int = 1, minishards: int = 4, dtype: str = "bfloat16",
+            seed: int = 0, log=print) -> dict:
+    """Time every method at every length on the first `tp` devices; returns rows + facts."""
+    import jax
+
+    from eval.bench_collective import parse_method
+    from equarx import bytes_sent_per_device
+    from models.gemma3 import Gemma3Model, load_model
+
+    if iters < 1 or warmup < 0 or batch < 1:
+        raise ValueError(f"need iters >= 1, warmup >= 0, batch >= 1; got {iters}, {warmup}, "
+                         f"{batch}")
+    configs = {m: parse_method(m, minishards) for m in methods}
+    t0 = time.perf_counter()
+    base = load_model(source, tp=tp, allreduce=configs[methods[0]], dtype=dtype,
+                      max_seq_len=max(lengths), devices=jax.devices()[:tp], seed=seed,
+                      unroll_layers=True)
+    load_s = time.perf_counter() - t0
+    models = {m: Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=configs[m],
+                             dtype=base.dtype, tokenizer=None, unroll=True) for m in methods}
+    rng = np.random.default_rng(seed)
+    rows = []
+    for length in lengths:
+        bucket = base.bucket_for(length)
+        ids = np.zeros((batch, bucket), np.int32)
+        ids[:, :length] = rng.integers(4, base.config.vocab_size, (batch, length))
+        tokens = _replicated(base.mesh, ids)
+        lens = _replicated(base.mesh, np.full((batch,), length, np.int32))
+        slots = _replicated(base.mesh, np.arange(batch, dtype=np.int32))
+        compiled, wire, compile_s, caches = {}, {}, {}, {}
+        for m in methods:
+            t0 = time.perf_counter()
+            compiled[m] = models[m].lower_prefill(batch, bucket, batch, bucket).compile()
+            compile_s[m] = time.perf_counter() - t0
+            wire[m] = bytes_sent_per_device(compiled[m])
+            caches[m] = models[m].init_cache(batch, bucket)
+
+        def call(m):
+            logits, caches[m] = compiled[m](base.weights, caches[m], tokens, lens, slots)
+            jax.block_until_ready((logits, caches[m]))
+
+        for m in methods:
+            for _ in range(warmup):
+                call(m)
+        times = {m: [] for m in methods}
+        for i in range(iters):
+            for m in methods[i % len(methods):] + methods[:i % len(methods)]:
+                t0 = time.perf_counter()
+                call(m)
+                times[m].append(time.perf_counter() - t0)
+        log(f"  length {length}: " + ", ".join(
+            f"{m} {1e3 * statistics.median(times[m]):.1f} ms" for m in methods))
+        for m in methods:
+            row = {"length": length, "bucket": bucket, "batch": batch, "tp": tp, "method": m,
+                   "label": configs[m].label, "median_ms": 1e3 * statistics.median(times[m]),
+                   "p90_ms": 1e3 * _p90(times[m]), "times_ms": [1e3 * t for t in times[m]],
+                   "wire_bytes": wire[m], "compile_s": compile_s[m]}
+            for ref in ("bf16", "bf16_ring"):
+                row[f"speedup_vs_{ref}"] = (statistics.median(
+                    a / b for a, b in zip(times[ref], times[m])) if ref in times else None)
+            rows.append(row)
+        del compiled, caches
+    c = base.config
+    return {"config": {"name": c.name, "num_layers": c.num_layers, "d_model": c.d_model,
+                       "ffn_hidden": c.ffn_hidden, "num_heads": c.num_heads,
+                       "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                       "vocab_size": c.vocab_size},
+            "load_s": load_s, "rows": rows}
+
+
+def worker(params: dict) -> dict:
+    """Entry point of each process in --processes mode (see eval.multiproc)."""
+    import jax
+
+    result = measure(**params, log=lambda *_: None)
+    result["process"] = jax.process_index()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration of the link (collective-only runs)
+
+
+def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: list[str],
+              minishards: int, repeats: int, log=print) -> dict:
+    """Measure eval.bench_collective's AllReduce at each rate (N processes) and in one process;
+    the difference is communication. Returns the samples and the alpha-beta fit."""
+    from eval import bench_collective, multiproc
+
+    methods = [m for m in methods if cost_model.parse_label(m)[0] != "naive"]
+    params = dict(sizes=[2 * e for e in message_elements], methods=methods, repeats=repeats,
+                  minishards=minishards, mse=False)
+    one = {(r["size_bytes"], r["method"]): r["median"]
+           for r in bench_collective.bench_on_mesh(**params)}
+    samples = []
+    for gbit in gbits:
+        log(f"  calibrating at {gbit} Gbit/s ...")
+        rows = multiproc.run("eval.bench_collective:worker", n, args=(params,),
+                             link_gbit=gbit)[0]["rows"]
+        for r in rows:
+            samples.append(cost_model.CommSample(
+                label=r["method"], n_elements=r["size_bytes"] // 2, n_devices=n, link_gbit=gbit,
+                comm_s=r["median"] - one[(r["size_bytes"], r["method"])], minishards=minishards))
+    return {"samples": [s.__dict__ for s in samples], "one_process_s": {
+        f"{size}:{m}": t for (size, m), t in one.items()}}
+
+
+def fit_from(calibration: dict) -> cost_model.Fit:
+    return cost_model.fit_link([cost_model.CommSample(**s) for s in calibration["samples"]])
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _one_process(params: dict) -> dict:
+    from eval.devices import ensure_cpu_devices
+
+    ensure_cpu_devices(params["tp"])
+    return measure(**params)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:1b",
+                   help="gemma3-270m, a .gguf path, or random:<size>[?k=v] (270m/1b/4b/12b/27b)")
+    p.add_argument("--layers", type=int, default=None, help="use fewer layers (random weights)")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--lengths", default="256,512,1024", help="comma list of prompt lengths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--allreduce", default=DEFAULT_METHODS,
+                   help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--minishards", type=int, default=4)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
+    p.add_argument("--link-gbit", type=float, default=None, help="shape the loopback (root)")
+    p.add_argument("--baseline", default=None, help="one-process JSON of the same settings")
+    p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
+    p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
+    p.add_argument("--calibration-repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="write the report as JSON")
+    p.add_argument("--plot", default=None, help="write a PNG of speedup against prompt length")
+    p.add_argument("--no-tpu-prediction", action="store_true")
+    args = p.parse_args(argv)
+
+    from eval.bench_collective import parse_method
+
+    methods = [m.strip() for m in args.allreduce.split(",") if m.strip()]
+    for m in methods:
+        parse_method(m, args.minishards)  # fail early on a typo
+    lengths = sorted({int(v) for v in args.lengths.split(",")})
+    if args.link_gbit is not None and args.processes < 1:
+        p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
+    if args.processes and args.processes != args.tp:
+        p.error("--processes must equal --tp (one device per process)")
+    source, full_layers = model_source(args.model, args.layers)
+    params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
+                  iters=args.iters, warmup=args.warmup, minishards=args.minishards,
+                  dtype=args.dtype)
+    report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit},
+              "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
+              "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    baseline = None
+    if args.processes > 0:
+        from eval import multiproc
+        from eval.devices import ensure_cpu_devices
+
+        ensure_cpu_devices(args.tp)  # the one-process runs below use tp virtual devices
+        if args.baseline:
+            with open(args.baseline) as f:
+                baseline = json.load(f)
+        else:
+            print("# one-process run first (compute + quantization, no link) ...")
+            baseline = _one_process(params)
+        calibration = None
+        if args.calibration:
+            with open(args.calibration) as f:
+                calibration = json.load(f)["cost_model"]["calibration"]
+        elif args.calibrate_gbit:
+            # The messages the prefill's AllReduces carry: batch x padded bucket x d_model.
+            d_model = baseline["config"]["d_model"]
+            buckets = sorted({r["bucket"] for r in baseline["rows"]})
+            calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
+                                    [args.batch * b * d_model for b in buckets], methods,
+                                    args.minishards, args.calibration_repeats)
+        print(f"# {args.processes} processes ...")
+        results = multiproc.run("eval.bench_prefill:worker", args.processes, args=(params,),
+                                link_gbit=args.link_gbit)
+        result = results[0]
+        for row, *others in zip(result["rows"], *(r["rows"] for r in results[1:])):
+            row["median_ms_by_process"] = [row["median_ms"]] + [o["median_ms"] for o in others]
+        mode = f"{args.processes} processes (gloo over TCP on 127.0.0.1"
+        mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
+    else:
+        result = _one_process(params)
+        calibration = None
+        mode = f"1 process, {args.tp} virtual CPU devices"
+    rows = result["rows"]
+    cfg = result["config"]
+    if baseline is not None and calibration is not None and args.link_gbit:
+        fit = fit_from(calibration)
+        nolink = {(r["length"], r["batch"], r["method"]): r["median_ms"] for r in baseline["rows"]}
+        rows = cost_model.predict_rows(rows, nolink, fit, args.link_gbit,
+                                       d_model=cfg["d_model"], num_layers=cfg["num_layers"],
+                                       minishards=args.minishards)
+        report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
+                                "calibration": calibration}
+    report.update(mode=mode, model=source, config=cfg, full_layers=full_layers, rows=rows)
+    if not args.no_tpu_prediction:
+        report["tpu_predictions"] = cost_model.tpu_predictions()
+    print(prefill_report.header(report))
+    print(prefill_report.format_table(rows))
+    if "cost_model" in report:
+        print("# cost model fit: " + report["cost_model"]["describe"])
+    if "tpu_predictions" in report:
+        print(cost_model.format_tpu_predictions(report["tpu_predictions"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        prefill_report.plot(report, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

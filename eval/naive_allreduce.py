@@ -1,0 +1,50 @@
+"""The strawman: a naive per-tensor int8 AllReduce, for comparison with EQuARX.
+
+Each device quantizes its whole partial sum with ONE absmax scale, the int8 values and the scale
+are all-gathered, and every device dequantizes the N partials and sums them in float32. One
+outlier anywhere in the tensor sets the step size for every element, which is what block-wise
+scales avoid. (The paper's strawman is a naive fp8 AllReduce; per-tensor int8 is the same idea
+with this project's wire type.)
+
+The model calls `equarx.all_reduce` at every tensor-parallel reduction and offers no other hook,
+so `installed_in_model()` swaps the function the model's forward pass calls, for as long as a
+`with` block lasts. Programs traced inside the block keep the strawman after it ends; programs
+traced after it use EQuARX again.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+QMAX = 127.0
+
+
+def naive_all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
+    """Per-tensor int8 AllReduce of this device's partial `x` over `axis_name` (inside shard_map).
+    Returns x's shape and dtype; every device computes the same sum in the same order."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf))
+    scale = amax / QMAX
+    inv = jnp.where(amax > 0, QMAX / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = jnp.clip(jnp.round(xf * inv), -QMAX, QMAX).astype(jnp.int8)
+    qs = lax.all_gather(q, axis_name)           # [N, ...]
+    scales = lax.all_gather(scale, axis_name)   # [N]
+    parts = qs.astype(jnp.float32) * scales.reshape((-1,) + (1,) * x.ndim)
+    return jnp.sum(parts, axis=0).astype(x.dtype)
+
+
+@contextlib.contextmanager
+def installed_in_model() -> Iterator[None]:
+    """Within the block, Gemma 3's tensor-parallel reductions trace as `naive_all_reduce`."""
+    from models.gemma3 import model as forward
+
+    original = forward.all_reduce
+    forward.all_reduce = lambda x, axis_name, config=None: naive_all_reduce(x, axis_name)
+    try:
+        yield
+    finally:
+        forward.all_reduce = original

@@ -1,0 +1,69 @@
+"""Printing and plotting eval.bench_prefill reports."""
+from __future__ import annotations
+
+
+def header(report: dict) -> str:
+    cfg = report["config"]
+    layers = (f"layers: {cfg['num_layers']} of {report['full_layers']}"
+              if report.get("full_layers") else f"layers: {cfg['num_layers']} (all)")
+    s = report["settings"]
+    return (f"# {report['model']} ({cfg['name']}): d_model {cfg['d_model']}, {layers}; "
+            f"{s['dtype']}; batch {s['batch']}; {s['iters']} interleaved iterations after "
+            f"{s['warmup']} warm-up\n# {report['mode']}; {report['machine']}, "
+            f"{report['cpus']} CPUs, jax {report['jax']}")
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'length':>6} {'tp':>3} {'method':<14} {'median ms':>10} {'p90 ms':>9} "
+            f"{'x bf16':>7} {'predicted':>9} {'x ring':>7} {'wire MB':>8}")
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in rows:
+        if last is not None and r["length"] != last:
+            lines.append("")
+        last = r["length"]
+        lines.append(f"{r['length']:>6} {r['tp']:>3} {r['method']:<14} {r['median_ms']:>10.1f} "
+                     f"{r['p90_ms']:>9.1f} {_x(r.get('speedup_vs_bf16')):>7} "
+                     f"{_x(r.get('predicted_speedup_vs_bf16')):>9} "
+                     f"{_x(r.get('speedup_vs_bf16_ring')):>7} {r['wire_bytes'] / 1e6:>8.2f}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Speedup against bf16 per method over prompt length; predictions dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    methods = []
+    for r in report["rows"]:
+        if r["method"] not in methods and r["method"] != "bf16":
+            methods.append(r["method"])
+    for i, m in enumerate(methods):
+        rows = [r for r in report["rows"] if r["method"] == m and r.get("speedup_vs_bf16")]
+        if not rows:
+            continue
+        color = f"C{i}"
+        ax.plot([r["length"] for r in rows], [r["speedup_vs_bf16"] for r in rows], "o-",
+                color=color, label=f"{m} measured")
+        pred = [r for r in rows if r.get("predicted_speedup_vs_bf16")]
+        if pred:
+            ax.plot([r["length"] for r in pred], [r["predicted_speedup_vs_bf16"] for r in pred],
+                    "x--", color=color, label=f"{m} predicted")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("prefill speedup vs bf16 AllReduce")
+    cfg = report["config"]
+    ax.set_title(f"{cfg['name']}, {cfg['num_layers']} layers, tp={report['settings']['tp']}\n"
+                 f"{report['mode']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,230 @@
+"""What the int8 AllReduce costs in quality: Gemma 3 scored on real English text.
+
+For every AllReduce mode at every tensor-parallel degree, against the same model with an exact
+float32 AllReduce (the reference):
+  perplexity         of the corpus (next-token NLL over every scored position),
+  kl_to_f32          mean KL(p_f32 || p_mode) per position, in nats,
+  top1_agree_f32     fraction of positions whose argmax equals the reference's,
+  greedy_exact_match fraction of prompts whose greedy continuation equals the reference's,
+  greedy_prefix      mean number of leading continuation tokens equal to the reference's.
+
+Corpus: prose of the Python Language Reference shipped with Python (see eval.corpus).
+Modes: f32 (exact), bf16 (XLA psum), int8 full-loop, int8 semi-loop, int8 full-loop with only
+the reduce-scatter or only the all-gather quantized, and a naive per-tensor int8 AllReduce
+(eval.naive_allreduce). All modes share one copy of the weights per tp.
+
+  python -m eval.quality --out quality.json          # real Gemma 3 270M, tp 2 and 4
+  python -m eval.quality --model random:tiny --tokens 256 --window 64   # quick run
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import time
+
+import numpy as np
+
+from equarx import AllReduceConfig
+from eval import corpus
+
+NAIVE = "naive"
+# Mode name -> AllReduceConfig (None: the naive strawman).
+MODES: dict[str, AllReduceConfig | None] = {
+    "f32": AllReduceConfig("f32"),
+    "bf16": AllReduceConfig("bf16"),
+    "int8-full": AllReduceConfig("int8", "full"),
+    "int8-semi": AllReduceConfig("int8", "semi"),
+    "int8-full-rs": AllReduceConfig("int8", "full", "rs"),
+    "int8-full-ag": AllReduceConfig("int8", "full", "ag"),
+    NAIVE: None,
+}
+REFERENCE = "f32"
+_CHUNK = 64  # positions per numpy block: 64 x 262144 float32 = 64 MiB per temporary
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics on logits (numpy, float64 accumulators)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def compare_logits(ref: np.ndarray, out: np.ndarray, targets: np.ndarray) -> dict:
+    """Sums over positions. ref, out: float32 [T, V]; targets int [T] (the next token at each
+    position, -1 where none). Returns nll (of `out`), kl (ref || out), agree (argmax), count."""
+    if ref.shape != out.shape or ref.shape[0] != targets.shape[0]:
+        raise ValueError(f"shape mismatch: ref {ref.shape}, out {out.shape}, "
+                         f"targets {targets.shape}")
+    sums = {"nll": 0.0, "kl": 0.0, "agree": 0, "count": 0}
+    for start in range(0, ref.shape[0], _CHUNK):
+        sl = slice(start, start + _CHUNK)
+        keep = targets[sl] >= 0
+        if not keep.any():
+            continue
+        lr, lo = log_softmax(ref[sl][keep]), log_softmax(out[sl][keep])
+        t = targets[sl][keep]
+        sums["nll"] -= float(lo[np.arange(len(t)), t].sum(dtype=np.float64))
+        sums["kl"] += float((np.exp(lr) * (lr - lo)).sum(dtype=np.float64))
+        sums["agree"] += int((lr.argmax(-1) == lo.argmax(-1)).sum())
+        sums["count"] += int(keep.sum())
+    return sums
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the modes
+
+
+def mode_models(base, modes: list[str]) -> dict:
+    """One Gemma3Model per mode, all sharing `base`'s weights, mesh and tokenizer."""
+    from models.gemma3 import Gemma3Model
+
+    out = {}
+    for name in modes:
+        cfg = MODES[name] or AllReduceConfig("bf16")  # the strawman replaces the call itself
+        out[name] = Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=cfg,
+                                dtype=base.dtype, tokenizer=base.tokenizer)
+    return out
+
+
+def _scope(mode: str):
+    """Everything a mode traces must run inside this (the strawman swaps the model's call)."""
+    if mode == NAIVE:
+        from eval.naive_allreduce import installed_in_model
+
+        return installed_in_model()
+    return contextlib.nullcontext()
+
+
+def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[list[int]],
+                new_tokens: int, log=print) -> list[dict]:
+    """Metrics of every mode at base.tp (see the module docstring). f32 is scored twice, so its
+    own KL and agreement check that the reference is deterministic."""
+    models = mode_models(base, modes)
+    sums = {m: {"nll": 0.0, "kl": 0.0, "agree": 0, "count": 0} for m in modes}
+    seconds = {m: 0.0 for m in modes}
+    for wi, window in enumerate(windows):
+        targets = np.array(window[1:] + [-1])
+        ref = models[REFERENCE].score([window])[0]
+        for m in modes:
+            t0 = time.perf_counter()
+            with _scope(m):
+                out = models[m].score([window])[0]
+            seconds[m] += time.perf_counter() - t0
+            for k, v in compare_logits(ref, out, targets).items():
+                sums[m][k] += v
+        log(f"  tp={base.tp} window {wi + 1}/{len(windows)} done")
+    greedy = {}
+    bos = base.tokenizer.bos_id
+    for m in modes:
+        with _scope(m):
+            greedy[m] = models[m].generate([[bos] + p for p in prompts], new_tokens)
+    rows = []
+    for m in modes:
+        s = sums[m]
+        exact = [g == r for g, r in zip(greedy[m], greedy[REFERENCE])]
+        prefix = [common_prefix(g, r) for g, r in zip(greedy[m], greedy[REFERENCE])]
+        rows.append({
+            "tp": base.tp, "mode": m,
+            "allreduce": MODES[m].to_dict() if MODES[m] else {"method": NAIVE},
+            "tokens_scored": s["count"], "perplexity": math.exp(s["nll"] / s["count"]),
+            "kl_to_f32": s["kl"] / s["count"], "top1_agree_f32": s["agree"] / s["count"],
+            "greedy_exact_match": sum(exact) / len(exact),
+            "greedy_prefix": sum(prefix) / len(prefix), "score_s": seconds[m],
+        })
+    bf16 = next((r for r in rows if r["mode"] == "bf16"), None)
+    for r in rows:
+        r["perplexity_vs_bf16"] = r["perplexity"] / bf16["perplexity"] - 1 if bf16 else None
+    return rows
+
+
+def run(model: str = "gemma3-270m", tps: tuple[int, ...] = (2, 4), modes: list[str] | None = None,
+        n_tokens: int = 4096, window: int = 512, n_prompts: int = 16, prompt_tokens: int = 32,
+        new_tokens: int = 16, dtype: str = "bfloat16", log=print) -> dict:
+    """Evaluate every mode at every tp; returns the report (settings + rows)."""
+    from models.gemma3 import load_model
+
+    modes = list(modes or MODES)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; known: {list(MODES)}")
+    if REFERENCE not in modes:
+        modes.insert(0, REFERENCE)
+    rows, tokens = [], None
+    for tp in tps:
+        base = load_model(model, tp=tp, allreduce=MODES[REFERENCE], dtype=dtype,
+                          max_seq_len=max(window, prompt_tokens + new_tokens + 1))
+        tok = base.tokenizer
+        windows = corpus.token_windows(tok.encode, n_tokens, window, tok.bos_id)
+        prompts = corpus.prompt_set(tok.encode, n_prompts, prompt_tokens)
+        tokens = sum(len(w) - 1 for w in windows)
+        log(f"tp={tp}: {base}; {len(windows)} windows of {window} ({tokens} predictions), "
+            f"{len(prompts)} prompts")
+        rows += evaluate_tp(base, modes, windows, prompts, new_tokens, log=log)
+        del base
+    return {
+        "model": model, "dtype": dtype, "corpus": corpus.SOURCE, "tokens_scored": tokens,
+        "window": window, "prompts": n_prompts, "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens, "tp": list(tps), "modes": modes, "reference": REFERENCE,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'tp':>3} {'mode':<13} {'perplexity':>10} {'vs bf16':>8} {'KL to f32':>10} "
+            f"{'top-1 = f32':>11} {'greedy =':>9} {'prefix':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        vs = "-" if r["perplexity_vs_bf16"] is None else f"{100 * r['perplexity_vs_bf16']:+.2f}%"
+        lines.append(f"{r['tp']:>3} {r['mode']:<13} {r['perplexity']:>10.4f} {vs:>8} "
+                     f"{r['kl_to_f32']:>10.2e} {100 * r['top1_agree_f32']:>10.2f}% "
+                     f"{100 * r['greedy_exact_match']:>8.1f}% {r['greedy_prefix']:>7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gemma3-270m", help="load_model source")
+    p.add_argument("--tp", default="2,4", help="comma list of tensor-parallel degrees")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
+    p.add_argument("--tokens", type=int, default=4096, help="next-token predictions scored")
+    p.add_argument("--window", type=int, default=512, help="tokens per scored window (with BOS)")
+    p.add_argument("--prompts", type=int, default=16, help="greedy prompts")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy continuation length")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--out", default=None, help="write the report as JSON")
+    args = p.parse_args(argv)
+    tps = tuple(int(t) for t in args.tp.split(","))
+    from eval.devices import ensure_cpu_devices
+
+    ensure_cpu_devices(max(tps))
+    report = run(args.model, tps, [m.strip() for m in args.modes.split(",") if m.strip()],
+                 args.tokens, args.window, args.prompts, args.prompt_tokens, args.new_tokens,
+                 args.dtype)
+    print(f"# {report['model']} ({report['dtype']}), {report['tokens_scored']} tokens of "
+          f"{report['corpus']}; reference: f32 AllReduce at the same tp")
+    print(format_table(report["rows"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

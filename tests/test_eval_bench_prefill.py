@@ -1,0 +1,47 @@
+"""bench_prefill in one process on a tiny model: the report's schema, its byte counts, the plot."""
+import json
+
+import pytest
+
+from equarx import ideal_ring_bytes
+from eval import bench_prefill
+
+
+def test_model_source_says_how_many_layers_are_used():
+    assert bench_prefill.model_source("27b", 4) == ("random:27b?layers=4", 62)
+    assert bench_prefill.model_source("random:1b", None) == ("random:1b", None)
+    assert bench_prefill.model_source("gemma3-270m", None) == ("gemma3-270m", None)
+    with pytest.raises(ValueError):
+        bench_prefill.model_source("1b", 27)
+    with pytest.raises(ValueError):
+        bench_prefill.model_source("gemma3-270m", 4)
+
+
+def test_one_process_run_writes_rows_table_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    report = bench_prefill.main([
+        "--model", "random:tiny", "--tp", "2", "--lengths", "256", "--allreduce", "bf16,int8-full",
+        "--iters", "2", "--out", str(out), "--plot", str(png)])
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"bf16", "int8-full"}
+    for r in rows.values():
+        for key in ("length", "batch", "tp", "method", "median_ms", "p90_ms", "wire_bytes",
+                    "speedup_vs_bf16"):
+            assert key in r, key
+        assert r["length"] == 256 and r["batch"] == 1 and r["tp"] == 2
+        assert 0 < r["median_ms"] <= r["p90_ms"] and len(r["times_ms"]) == 2
+    assert rows["bf16"]["speedup_vs_bf16"] == 1.0
+    # 8 layers x 2 AllReduces of 256 x 64 values: int8 sends less than even an ideal bf16 ring.
+    ideal_bf16 = 16 * ideal_ring_bytes(256 * 64, 2, 2)
+    assert rows["int8-full"]["wire_bytes"] < min(ideal_bf16, rows["bf16"]["wire_bytes"])
+    text = capsys.readouterr().out
+    assert "layers: 8 (all)" in text and "PREDICTIONS" in text and "int8-full" in text
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench_prefill.main(["--link-gbit", "1"])  # a link needs processes
+    with pytest.raises(ValueError):
+        bench_prefill.main(["--allreduce", "bf16,int4"])

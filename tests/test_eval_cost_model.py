@@ -1,0 +1,114 @@
+"""Cost model: alpha-beta arithmetic on known inputs, the fit recovering known parameters, the
+byte schedule agreeing with the bytes equarx's compiled programs send, TPU predictions' shape."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from equarx import all_reduce, bytes_sent_per_device
+from eval import cost_model as cm
+from eval.bench_collective import parse_method
+from models.gemma3 import get_config
+
+
+def test_link_time_is_alpha_times_messages_plus_bytes_over_rate():
+    s = cm.Schedule(messages=6, steps=4, bytes_per_device=1e6)
+    link = cm.LinkModel(alpha_s=1e-4, rate_bytes_s=1e8, efficiency=0.5)
+    assert link.comm_time(s, 4) == pytest.approx(6e-4 + 1e6 / 5e7)
+    # A shared medium carries every device's bytes; per_step charges alpha per sequential step.
+    shared = cm.LinkModel(1e-4, 1e8, 0.5, shared=True, per_step=True)
+    assert shared.comm_time(s, 4) == pytest.approx(4e-4 + 4e6 / 5e7)
+    # The psum penalty applies to XLA's psum only.
+    psum = cm.Schedule(6, 6, 1e6, xla_psum=True)
+    assert cm.LinkModel(0.0, 1e8, psum_penalty=2.0).comm_time(psum, 4) == pytest.approx(0.02)
+    assert cm.LinkModel(0.0, 1e8, psum_penalty=2.0).comm_time(s, 4) == pytest.approx(0.01)
+
+
+def test_schedules_of_the_methods():
+    n_el, n = 4 * 8 * 128 * 1024, 4  # 4 shards x 1024 tiles: 4 minishards of 256 tiles each
+    bf16 = cm.allreduce_schedule("bf16", n_el, n)
+    assert bf16.xla_psum and bf16.messages == 6 and bf16.bytes_per_device == 1.5 * n_el * 2
+    ring = cm.allreduce_schedule("bf16_ring", n_el, n)
+    assert ring.bytes_per_device == pytest.approx(1.5 * n_el * 2) and ring.steps == 6
+    full = cm.allreduce_schedule("int8-full", n_el, n)
+    # int8 payload plus one 4 KiB float32 scale tile per 256-tile minishard, per hop.
+    assert full.bytes_per_device == pytest.approx(1.5 * n_el * (1 + 4 / 256))
+    semi = cm.allreduce_schedule("int8-semi", n_el, n)
+    assert semi.bytes_per_device == full.bytes_per_device and semi.steps == 4  # 2 hops a phase
+    rs = cm.allreduce_schedule("int8-full-rs", n_el, n)
+    assert rs.bytes_per_device == pytest.approx((full.bytes_per_device + ring.bytes_per_device) / 2)
+    assert cm.allreduce_schedule("int8-full", n_el, 1) == cm.Schedule(0, 0, 0.0)
+    assert cm.ring_hops("full", 4) == (3, 3) and cm.ring_hops("semi", 4) == (2, 3)
+    assert cm.ring_hops("semi", 5) == (2, 4)
+    for bad in ("int4", "int8-diagonal", "int8-full-both-x"):
+        with pytest.raises(ValueError):
+            cm.allreduce_schedule(bad, n_el, n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_schedule_bytes_match_the_compiled_program(n):
+    """Same bytes (and one collective-permute per message) as equarx's real compiled rings."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    n_el = 300_000
+    x = jax.ShapeDtypeStruct((n * n_el,), jnp.bfloat16)
+    for label in ("bf16_ring", "int8-full", "int8-semi-ag"):
+        cfg = parse_method(label, 4)
+        f = jax.jit(jax.shard_map(lambda a, c=cfg: all_reduce(a, "tp", c), mesh=mesh,
+                                  in_specs=P("tp"), out_specs=P("tp")))
+        compiled = f.lower(x).compile()
+        s = cm.allreduce_schedule(label, n_el, n, minishards=4)
+        assert bytes_sent_per_device(compiled) == pytest.approx(s.bytes_per_device), label
+        assert compiled.as_text().count("collective-permute-start(") in (0, s.messages)
+
+
+def test_fit_recovers_known_link_parameters():
+    truth = cm.LinkModel(alpha_s=3e-4, rate_bytes_s=0, efficiency=0.8, psum_penalty=2.5,
+                         shared=True)
+    samples = []
+    for gbit in (0.5, 1.0, 2.0):
+        link = cm.LinkModel(truth.alpha_s, cm.gbit_to_bytes_s(gbit), truth.efficiency,
+                            truth.psum_penalty, shared=True)
+        for label in ("bf16", "bf16_ring", "int8-full"):
+            for n_el in (1 << 16, 1 << 20, 1 << 22):
+                s = cm.allreduce_schedule(label, n_el, 4)
+                samples.append(cm.CommSample(label, n_el, 4, gbit, link.comm_time(s, 4)))
+    fit = cm.fit_link(samples)
+    assert fit.alpha_s == pytest.approx(3e-4, rel=1e-6)
+    assert fit.efficiency == pytest.approx(0.8, rel=1e-6)
+    assert fit.psum_penalty == pytest.approx(2.5, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0) and fit.max_rel_error < 1e-6
+    with pytest.raises(ValueError):
+        cm.fit_link(samples[:2])
+
+
+def test_prefill_prediction_adds_two_allreduces_per_layer():
+    link = cm.LinkModel(alpha_s=1e-3, rate_bytes_s=1e9)
+    s = cm.allreduce_schedule("int8-full", 512 * 1152, 2)
+    t = cm.predict_prefill_s(0.5, "int8-full", tokens=512, d_model=1152, num_layers=4,
+                             n_devices=2, link=link)
+    assert t == pytest.approx(0.5 + 8 * link.comm_time(s, 2))
+    fit = cm.Fit(0.0, 1.0, 1.0, 1.0, 3, 0.0)  # no latency: bytes alone decide
+    rows = [{"length": 512, "batch": 1, "tp": 2, "method": m, "median_ms": 0.0}
+            for m in ("bf16", "int8-full")]
+    out = cm.predict_rows(rows, {(512, 1, "bf16"): 500.0, (512, 1, "int8-full"): 500.0}, fit,
+                          8.0, d_model=1152, num_layers=4)
+    assert out[0]["predicted_speedup_vs_bf16"] == pytest.approx(1.0)
+    assert out[1]["predicted_speedup_vs_bf16"] > 1.0  # same compute, fewer bytes
+
+
+def test_flops_and_tpu_predictions():
+    cfg = get_config("27b")
+    per_token = cm.prefill_flops(cfg, 1) - 2 * cfg.d_model * cfg.vocab_size
+    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.d_model
+    assert per_token == pytest.approx(2 * matmul_params, rel=1e-3)  # norms are not matmuls
+    rows = cm.tpu_predictions()
+    assert {(r["model"], r["tp"], r["tokens"]) for r in rows} >= {
+        ("gemma3-27b", 16, 2048), ("gemma3-27b", 16, 8192), ("gemma3-12b", 4, 2048)}
+    for r in rows:
+        assert 1.0 < r["predicted_speedup"] < 2.0 and math.isfinite(r["bf16_ms"])
+        assert r["predicted_speedup_quant_exposed"] <= r["predicted_speedup"]
+    text = cm.format_tpu_predictions(rows)
+    assert "PREDICTIONS" in text and "paper" in text
