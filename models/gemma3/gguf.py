@@ -14,7 +14,6 @@ Conversion from llama.cpp's gemma3 conventions (see the official tree in the pro
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -81,13 +80,19 @@ class GGUFFile:
         """One tensor dequantized to a new float32 array in numpy order."""
         info = self._info(name)
         raw = self.raw(name)
+        if info.ggml_type in _PLAIN_DTYPES:
+            return raw.astype(np.float32)  # always a copy, never a view of the read-only map
         out = np.empty(info.shape, np.float32)
         rows_raw = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
         rows_out = out.reshape(rows_raw.shape[0], -1)
         step = max(1, _CHUNK_ELEMENTS // max(1, rows_out.shape[1]))
         for start in range(0, rows_raw.shape[0], step):
             part = np.asarray(rows_raw[start:start + step])
-            rows_out[start:start + step] = dequantize(part, info.ggml_type).reshape(part.shape[0], -1)
+            try:
+                values = dequantize(part, info.ggml_type)
+            except NotImplementedError as e:
+                raise GGUFError(f"{self.path}: cannot dequantize {name} ({info.ggml_type.name}): {e}") from e
+            rows_out[start:start + step] = values.reshape(part.shape[0], -1)
         return out
 
     def _info(self, name: str) -> TensorInfo:

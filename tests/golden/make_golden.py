@@ -16,7 +16,9 @@ How to run (the official package needs Python >= 3.12 and its own virtualenv, ou
     JAX_PLATFORMS=cpu /some/where/gemma-ref/bin/python tests/golden/make_golden.py
 
 (`uv` only because pip's resolver backtracks for a long time on gemma's dependency tree.) Made with
-gemma 4.0.1, jax 0.12.0.1, sentencepiece 0.2.2 on CPU; takes a few minutes.
+gemma 4.0.1, jax 0.12.0.1, sentencepiece 0.2.2 on CPU; takes about two minutes. The official
+package's speed on the same weights is measured by official_speed.py beside this file (figures in
+its docstring).
 
 Output keys (numpy .npz, no pickles):
   prompts                 str [P]
