@@ -92,7 +92,8 @@ def _ring_all_reduce(x: jax.Array, axis_name: str, n: int, config: AllReduceConf
     layout = plan_layout(x.size, n, config.minishards)
     flat = jnp.pad(x.reshape(-1), (0, layout.padded_elements - x.size))
     buf = flat.reshape(n, layout.minishards, layout.tiles, *qz.TILE)
-    rs_chains, ag_chains = ring.chains_for(config.variant, n, layout.minishards)
+    rs_chains, ag_chains = ring.chains_for(config.variant, n, layout.minishards,
+                                           config.pipelined)
     rs_codec, ag_codec = _codecs(config, x.dtype)
     y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec)
     out = ring.ring_all_gather(y, axis_name, n, ag_chains, ag_codec, out_dtype=x.dtype)

@@ -23,6 +23,10 @@ class AllReduceConfig:
     phases: which phases are quantized for int8: "both", "rs" (reduce-scatter only), "ag".
     minishards: scale blocks per shard; each minishard carries its own 8x128 float32 scales.
     min_bytes: messages smaller than this (in bytes of the caller's dtype) use the bf16 psum.
+    pipelined: True sends each minishard as its own ppermute (the paper's pipelining: XLA may
+      overlap one minishard's transfer with another's quantization); False sends all the
+      minishards a ring direction carries in one ppermute per hop (same bytes, same scales,
+      fewer messages: better where collectives block and never overlap compute, as on XLA:CPU).
     """
 
     method: Method = "bf16"
@@ -30,6 +34,7 @@ class AllReduceConfig:
     phases: Phases = "both"
     minishards: int = 4
     min_bytes: int = 0
+    pipelined: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:

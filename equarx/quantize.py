@@ -8,6 +8,9 @@ The two passes are separate functions, as in the paper: Qp1 (`absmax`) only need
 Qp2 (`scale_round_cast`) needs Qp1's final result. Keeping them apart lets the schedule start Qp1
 on a partial sum while the next minishard is still on the wire.
 
+Every function accepts leading batch dimensions ([..., K, 8, 128]): a batch of minishards,
+each with its own scales, is how several minishards travel in one message.
+
 Non-finite input: rounding or casting NaN/Inf to int8 is undefined, so q is kept finite (0) and
 the non-finiteness travels in the block's float32 scale (NaN or Inf). Dequantization then yields a
 non-finite value for every element of that block, on every device that receives it.
@@ -23,18 +26,22 @@ QMAX = 127.0
 SCALE_BYTES = TILE_ELEMENTS * 4  # one float32 8x128 tile per minishard
 
 
+def _check_minishards(x: jax.Array) -> None:
+    if x.ndim < 3 or x.shape[-2:] != TILE:
+        raise ValueError(f"expected [..., K, 8, 128] minishards, got shape {x.shape}")
+
+
 def absmax(x: jax.Array) -> jax.Array:
-    """Qp1: per-lane absmax over the tiles. x: f32[K, 8, 128] -> f32[8, 128].
+    """Qp1: per-lane absmax over the tiles. x: f32[..., K, 8, 128] -> f32[..., 8, 128].
 
     XLA's CPU max reduction drops NaN (fmax semantics), so NaN is mapped to Inf first: a NaN
     or Inf anywhere in a block gives it an Inf absmax. The reduction (rather than, say, a tree
     of elementwise maxima) also keeps XLA from fusing Qp1 into Qp2's elementwise loop, where
     it would be recomputed for every element.
     """
-    if x.ndim != 3 or x.shape[1:] != TILE:
-        raise ValueError(f"expected a [K, 8, 128] minishard, got shape {x.shape}")
+    _check_minishards(x)
     mag = jnp.abs(x.astype(jnp.float32))
-    return jnp.max(jnp.where(jnp.isnan(mag), jnp.inf, mag), axis=0)
+    return jnp.max(jnp.where(jnp.isnan(mag), jnp.inf, mag), axis=-3)
 
 
 # Adding 1.5 * 2^23 to a float32 of magnitude < 2^22 leaves round-half-to-even(v) in the low
@@ -44,9 +51,9 @@ _ROUNDING_MAGIC = 12582912.0
 
 
 def scale_round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Qp2: scale, round half to even, cast. x: f32[K, 8, 128], amax: f32[8, 128].
+    """Qp2: scale, round half to even, cast. x: f32[..., K, 8, 128], amax: f32[..., 8, 128].
 
-    Returns (q: int8[K, 8, 128], scale: f32[8, 128]) with x ~= q * scale. No clip is needed:
+    Returns (q: int8[..., K, 8, 128], scale: f32[..., 8, 128]) with x ~= q * scale. No clip is needed:
     |x| <= amax makes |x * 127 / amax| round to at most 127. A zero block gets scale 0 and
     q 0, so it dequantizes to exactly 0; so does a block too small for 127 / amax to be finite
     (|x| < 1e-36). A block with a non-finite absmax gets q 0 and a non-finite scale: it
@@ -57,21 +64,21 @@ def scale_round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Arra
     positive = jnp.isfinite(amax) & (amax > 0)
     inv = QMAX / jnp.where(positive, amax, 1.0)
     usable = positive & jnp.isfinite(inv)
-    inv = jnp.where(usable, inv, 0.0)
+    inv = jnp.where(usable, inv, 0.0)[..., None, :, :]
     bits = jax.lax.bitcast_convert_type(x * inv + _ROUNDING_MAGIC, jnp.int32)
     q = bits.astype(jnp.int8)  # integer narrowing keeps the low byte
     # Where x is NaN/Inf the sum is too and its low byte is meaningless: force q to 0.
-    return jnp.where(usable, q, jnp.int8(0)), scale
+    return jnp.where(usable[..., None, :, :], q, jnp.int8(0)), scale
 
 
 def quantize_blockwise(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Qp1 then Qp2. x: f32[K, 8, 128] -> (int8[K, 8, 128], f32[8, 128])."""
+    """Qp1 then Qp2. x: f32[..., K, 8, 128] -> (int8[..., K, 8, 128], f32[..., 8, 128])."""
     return scale_round_cast(x, absmax(x))
 
 
 def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """int8[K, 8, 128], f32[8, 128] -> f32[K, 8, 128]."""
-    return q.astype(jnp.float32) * scale
+    """int8[..., K, 8, 128], f32[..., 8, 128] -> f32[..., K, 8, 128]."""
+    return q.astype(jnp.float32) * scale[..., None, :, :]
 
 
 # -- wire format: one int8 buffer per minishard, so one ppermute moves data and scales ---------
@@ -82,21 +89,25 @@ SCALE_ROWS = SCALE_BYTES // TILE_ELEMENTS
 
 
 def pack(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """(int8[K, 8, 128], f32[8, 128]) -> int8[K + 4, 1024]: payload rows then scale rows."""
-    scale_bytes = jax.lax.bitcast_convert_type(scale.reshape(-1), jnp.int8)  # [1024, 4]
+    """(int8[..., K, 8, 128], f32[..., 8, 128]) -> int8[..., K + 4, 1024]: payload rows, then
+    the scale rows, per minishard."""
+    batch = q.shape[:-3]
+    scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.int8)  # [..., 8, 128, 4]
     return jnp.concatenate(
-        [q.reshape(-1, TILE_ELEMENTS), scale_bytes.reshape(SCALE_ROWS, TILE_ELEMENTS)], axis=0)
+        [q.reshape(*batch, -1, TILE_ELEMENTS),
+         scale_bytes.reshape(*batch, SCALE_ROWS, TILE_ELEMENTS)], axis=-2)
 
 
 def unpack(buf: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of `pack`: int8[K + 4, 1024] -> (int8[K, 8, 128], f32[8, 128])."""
-    if buf.ndim != 2 or buf.shape[0] <= SCALE_ROWS or buf.shape[1] != TILE_ELEMENTS:
-        raise ValueError(f"not a packed minishard: shape {buf.shape}")
-    q = buf[:-SCALE_ROWS].reshape(-1, *TILE)
-    scale_bytes = buf[-SCALE_ROWS:].reshape(TILE_ELEMENTS, 4)
-    return q, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32).reshape(TILE)
+    """Inverse of `pack`: int8[..., K + 4, 1024] -> (int8[..., K, 8, 128], f32[..., 8, 128])."""
+    if buf.ndim < 2 or buf.shape[-2] <= SCALE_ROWS or buf.shape[-1] != TILE_ELEMENTS:
+        raise ValueError(f"not packed minishards: shape {buf.shape}")
+    batch = buf.shape[:-2]
+    q = buf[..., :-SCALE_ROWS, :].reshape(*batch, -1, *TILE)
+    scale_bytes = buf[..., -SCALE_ROWS:, :].reshape(*batch, *TILE, 4)
+    return q, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
 
 
 def packed_dequantize(buf: jax.Array) -> jax.Array:
-    """int8[K + 4, 1024] -> f32[K, 8, 128]."""
+    """int8[..., K + 4, 1024] -> f32[..., K, 8, 128]."""
     return dequantize(*unpack(buf))

@@ -7,7 +7,13 @@ collective-permutes it may overlap with the (de)quantization of other minishards
 offsets into the local buffer depend on d: each read is a dynamic slice of one minishard, and
 the gathered result is put in absolute order by a `lax.switch` over N static concatenations.
 
-A *chain* moves a set of minishards in one ring direction for a number of hops:
+A *chain* moves a set of minishards in one ring direction for a number of hops, as *pieces*:
+each piece is a contiguous range of minishards that travels as one ppermute (each minishard
+keeps its own scales). With one minishard per piece (the default, as in the paper) XLA may
+overlap one minishard's transfer with the next one's quantization; runtimes whose collectives
+block and never overlap (XLA:CPU with gloo) are better served by one piece per chain, which
+sends fewer, larger messages.
+
 - reduce-scatter: at hop t a device sends the partial sum for owner d + s*(H - t) to d + s
   (s = direction, H = hops); after the last hop the partial for the device's own shard arrives.
 - all-gather: at hop t a device forwards to d + s the payload of owner d - s*t (its own at t=0);
@@ -33,7 +39,7 @@ from equarx import quantize as qz
 
 
 class Codec(Protocol):
-    """How a float32 minishard f32[K, 8, 128] travels on the wire (one array, one ppermute)."""
+    """How float32 minishards f32[g, K, 8, 128] travel on the wire (one array, one ppermute)."""
 
     def encode(self, x: jax.Array) -> jax.Array: ...
 
@@ -42,7 +48,8 @@ class Codec(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Int8Codec:
-    """EQuARX: int8 payload with its float32 8x128 scales appended (one int8 buffer)."""
+    """EQuARX: per minishard, int8 payload rows then its float32 8x128 scales (one int8
+    buffer [g, K + 4, 1024] for a piece of g minishards)."""
 
     def encode(self, x: jax.Array) -> jax.Array:
         return qz.pack(*qz.quantize_blockwise(x))
@@ -60,7 +67,7 @@ class FloatCodec:
     dtype: jnp.dtype
 
     def encode(self, x: jax.Array) -> jax.Array:
-        v = x.astype(self.dtype)
+        v = x.astype(self.dtype)  # [..., K, 8, 128]: any leading dims travel as they are
         if jnp.dtype(self.dtype).itemsize == 2:
             v = lax.bitcast_convert_type(v, jnp.uint16)
         return v
@@ -75,32 +82,46 @@ class FloatCodec:
 class Chain:
     direction: int  # +1: send to device d+1; -1: send to device d-1
     hops: int
-    minishards: tuple[int, ...]
+    pieces: tuple[tuple[int, int], ...]  # [start, stop) minishard ranges, one ppermute each
+
+    @property
+    def minishards(self) -> tuple[int, ...]:
+        return tuple(j for a, b in self.pieces for j in range(a, b))
 
 
-def full_loop_chains(n_devices: int, n_minishards: int) -> tuple[list[Chain], list[Chain]]:
+def _pieces(start: int, stop: int, pipelined: bool) -> tuple[tuple[int, int], ...]:
+    if start >= stop:
+        return ()
+    return tuple((j, j + 1) for j in range(start, stop)) if pipelined else ((start, stop),)
+
+
+def full_loop_chains(n_devices: int, n_minishards: int, pipelined: bool = True
+                     ) -> tuple[list[Chain], list[Chain]]:
     """(reduce-scatter chains, all-gather chains) of the full-loop ring, both directions."""
     half = (n_minishards + 1) // 2
-    groups = [tuple(range(half)), tuple(range(half, n_minishards))]
-    chains = [Chain(s, n_devices - 1, g) for s, g in zip((+1, -1), groups) if g]
+    ranges = [(0, half), (half, n_minishards)]
+    chains = [Chain(s, n_devices - 1, _pieces(a, b, pipelined))
+              for s, (a, b) in zip((+1, -1), ranges) if b > a]
     return chains, chains
 
 
-def semi_loop_chains(n_devices: int, n_minishards: int) -> tuple[list[Chain], list[Chain]]:
+def semi_loop_chains(n_devices: int, n_minishards: int, pipelined: bool = True
+                     ) -> tuple[list[Chain], list[Chain]]:
     """(reduce-scatter chains, all-gather chains) of the semi-loop (bidirectional chains)."""
     left = (n_devices - 1) // 2
     right = n_devices - 1 - left
-    every = tuple(range(n_minishards))
+    every = _pieces(0, n_minishards, pipelined)
     rs = [Chain(-1, right, every)] + ([Chain(+1, left, every)] if left else [])
     ag = [Chain(+1, right, every)] + ([Chain(-1, left, every)] if left else [])
     return rs, ag
 
 
-def chains_for(variant: str, n_devices: int, n_minishards: int) -> tuple[list[Chain], list[Chain]]:
+def chains_for(variant: str, n_devices: int, n_minishards: int, pipelined: bool = True
+               ) -> tuple[list[Chain], list[Chain]]:
     if variant == "full":
-        return full_loop_chains(n_devices, n_minishards)
+        return full_loop_chains(n_devices, n_minishards, pipelined)
     if variant == "semi":
-        return semi_loop_chains(n_devices, n_minishards)
+        return semi_loop_chains(n_devices, n_minishards, pipelined)
     raise ValueError(f"unknown ring variant {variant!r}")
 
 
@@ -108,44 +129,44 @@ def _ring_perm(n: int, direction: int) -> list[tuple[int, int]]:
     return [(i, (i + direction) % n) for i in range(n)]
 
 
-def _row(d: jax.Array, r: int, n: int) -> jax.Array:
-    return (d + r) % n
-
-
 def ring_reduce_scatter(
     x: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec
 ) -> jax.Array:
-    """x: [N, m, K, 8, 128] (any float dtype), this device's partial sums of every shard -> f32[m, K, 8, 128],
-    this device's fully reduced shard (row d). Partial sums are decoded to float32, the local
-    minishard is added in float32, and the new partial is encoded afresh before the next hop."""
+    """x: [N, m, K, 8, 128] (any float dtype), this device's partial sums of every shard ->
+    f32[m, K, 8, 128], this device's fully reduced shard (row d). Partial sums are decoded to
+    float32, the local minishards are added in float32, and the new partial is encoded afresh
+    before the next hop."""
     n, m = x.shape[0], x.shape[1]
     d = lax.axis_index(axis_name)
 
-    def local(r: int, j: int) -> jax.Array:
-        # The caller's dtype stays in memory; the float32 view is made per minishard (fused).
-        start = (_row(d, r, n), j) + (0,) * (x.ndim - 2)
-        return lax.dynamic_slice(x, start, (1, 1) + x.shape[2:])[0, 0].astype(jnp.float32)
+    def local(r: int, piece: tuple[int, int]) -> jax.Array:
+        # The caller's dtype stays in memory; the float32 view is made per piece (fused).
+        a, b = piece
+        start = ((d + r) % n, a) + (0,) * (x.ndim - 2)
+        return lax.dynamic_slice(x, start, (1, b - a) + x.shape[2:])[0].astype(jnp.float32)
 
-    in_flight: dict[tuple[int, int], jax.Array] = {}
+    in_flight: dict[tuple[int, tuple[int, int]], jax.Array] = {}
     for t in range(max(c.hops for c in chains)):
         for ci, chain in enumerate(chains):
             if t >= chain.hops:
                 continue
             owner = chain.direction * (chain.hops - t)
             perm = _ring_perm(n, chain.direction)
-            for j in chain.minishards:
-                partial = local(owner, j)
+            for piece in chain.pieces:
+                partial = local(owner, piece)
                 if t > 0:
-                    partial = codec.decode(in_flight[ci, j]) + partial
-                in_flight[ci, j] = lax.ppermute(codec.encode(partial), axis_name, perm)
-    reduced = []
-    for j in range(m):
-        acc = local(0, j)
-        for ci, chain in enumerate(chains):
-            if j in chain.minishards:
-                acc = acc + codec.decode(in_flight[ci, j])
-        reduced.append(acc)
-    return jnp.stack(reduced)
+                    partial = codec.decode(in_flight[ci, piece]) + partial
+                in_flight[ci, piece] = lax.ppermute(codec.encode(partial), axis_name, perm)
+    # The owner adds every chain's final partial to its own minishards.
+    pieces = sorted({p for c in chains for p in c.pieces})
+    if [j for a, b in pieces for j in range(a, b)] != list(range(m)):  # a schedule bug
+        raise AssertionError(f"reduce-scatter pieces {pieces} do not tile {m} minishards")
+    reduced: dict[tuple[int, int], jax.Array] = {}
+    for ci, chain in enumerate(chains):
+        for p in chain.pieces:
+            mine = reduced[p] if p in reduced else local(0, p)
+            reduced[p] = mine + codec.decode(in_flight[ci, p])
+    return jnp.concatenate([reduced[p] for p in pieces])
 
 
 def ring_all_gather(
@@ -156,37 +177,38 @@ def ring_all_gather(
     shard. Each owner encodes its shard once; receivers forward the wire bytes verbatim and
     decode them. The owner keeps decode(encode(y)), so every device holds identical values."""
     n, m = n_devices, y.shape[0]
-    out: list[list[jax.Array | None]] = [[None] * m for _ in range(n)]  # relative rows
-    wire = [codec.encode(y[j]) for j in range(m)]
-    for j in range(m):
+    pieces = sorted({p for c in chains for p in c.pieces})
+    wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
+    # out[r][p]: the decoded piece p of relative row r (the shard of device d + r).
+    out: list[dict] = [{} for _ in range(n)]
+    for p in pieces:
         # The barrier makes the owner decode the very bytes it sends: without it XLA folds
         # decode(encode(y)) algebraically and the owner's copy can differ by an ulp.
-        out[0][j] = codec.decode(lax.optimization_barrier(wire[j]))
-    in_flight = {(ci, j): wire[j] for ci, c in enumerate(chains) for j in c.minishards}
+        out[0][p] = codec.decode(lax.optimization_barrier(wire[p]))
+    in_flight = {(ci, p): wire[p] for ci, c in enumerate(chains) for p in c.pieces}
     for t in range(max(c.hops for c in chains)):
         for ci, chain in enumerate(chains):
             if t >= chain.hops:
                 continue
             perm = _ring_perm(n, chain.direction)
             source = (-chain.direction * (t + 1)) % n
-            for j in chain.minishards:
-                in_flight[ci, j] = lax.ppermute(in_flight[ci, j], axis_name, perm)
-                out[source][j] = codec.decode(in_flight[ci, j])
-    missing = [(r, j) for r in range(n) for j in range(m) if out[r][j] is None]
-    if missing:  # a schedule bug, not a user error
-        raise AssertionError(f"all-gather chains leave minishards uncovered: {missing[:4]}")
-    pieces = [v.astype(out_dtype) for row in out for v in row]
+            for p in chain.pieces:
+                in_flight[ci, p] = lax.ppermute(in_flight[ci, p], axis_name, perm)
+                out[source][p] = codec.decode(in_flight[ci, p])
+    if any(len(row) != len(pieces) for row in out):  # a schedule bug, not a user error
+        raise AssertionError("all-gather chains leave shards uncovered")
+    rows = [[row[p].astype(out_dtype) for p in pieces] for row in out]
     d = lax.axis_index(axis_name)
-    return lax.switch(d, [_assemble_for(dd, n, m) for dd in range(n)], pieces)
+    return lax.switch(d, [_assemble_for(dd, n) for dd in range(n)], rows)
 
 
-def _assemble_for(d: int, n: int, m: int):
+def _assemble_for(d: int, n: int):
     """The absolute-order assembly on device d: a static concatenation (a copy per piece).
     Selecting one of N such programs with lax.switch is far cheaper on CPU than a gather or a
-    chain of dynamic-update-slices, which XLA fuses into per-element selects over N*m pieces."""
+    chain of dynamic-update-slices, which XLA fuses into per-element selects over all pieces."""
 
-    def assemble(pieces: list[jax.Array]) -> jax.Array:
-        rows = [(c - d) % n for c in range(n)]  # absolute row c is relative row c - d
-        return jnp.stack([jnp.stack(pieces[r * m : (r + 1) * m]) for r in rows])
+    def assemble(rows: list[list[jax.Array]]) -> jax.Array:
+        # Absolute row c is relative row c - d.
+        return jnp.stack([jnp.concatenate(rows[(c - d) % n]) for c in range(n)])
 
     return assemble

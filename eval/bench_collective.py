@@ -56,7 +56,7 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def parse_method(name: str, minishards: int, min_bytes: int = 0):
+def parse_method(name: str, minishards: int, pipelined: bool = True):
     """'bf16', 'f32', 'bf16_ring[-semi]', 'int8-full', 'int8-semi-ag', ... -> AllReduceConfig."""
     parts = name.split("-")
     method, rest = parts[0], parts[1:]
@@ -64,7 +64,7 @@ def parse_method(name: str, minishards: int, min_bytes: int = 0):
     phases = rest[1] if len(rest) > 1 else "both"
     if len(rest) > 2:
         raise ValueError(f"cannot parse method {name!r}")
-    return AllReduceConfig(method, variant, phases, minishards, min_bytes)
+    return AllReduceConfig(method, variant, phases, minishards, pipelined=pipelined)
 
 
 def _stats(samples: list[float]) -> dict:
@@ -72,7 +72,7 @@ def _stats(samples: list[float]) -> dict:
 
 
 def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards: int,
-                  mse: bool = True, seed: int = 0) -> list[dict]:
+                  pipelined: bool = True, mse: bool = True, seed: int = 0) -> list[dict]:
     """Measure every method at every size on all of jax.devices() (one mesh axis "tp").
     Runs the same way in one process or in every process of a distributed run."""
     n = jax.device_count()
@@ -85,7 +85,7 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
         rng = np.random.default_rng(seed + 1000 * jax.process_index())
         local = rng.standard_normal(local_devices * n_el, dtype=np.float32).astype(jnp.bfloat16)
         x = jax.make_array_from_process_local_data(sharding, local, (n * n_el,))
-        configs = {m: parse_method(m, minishards) for m in methods}
+        configs = {m: parse_method(m, minishards, pipelined) for m in methods}
         compiled, compile_s, nbytes = {}, {}, {}
         for name, cfg in configs.items():
             f = jax.jit(jax.shard_map(lambda a, c=cfg: all_reduce(a, "tp", c), mesh=mesh,
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--minishards", type=int, default=4)
+    p.add_argument("--minishards", type=int, default=4, help="scale blocks per shard (upper bound)")
+    p.add_argument("--one-message-per-hop", action="store_true",
+                   help="pipelined=False: a ring direction's minishards share one ppermute")
     p.add_argument("--devices", type=int, default=8, help="virtual devices (one-process mode)")
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
     p.add_argument("--link-gbit", type=float, default=None, help="shape the loopback (root)")
@@ -181,8 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--repeats must be >= 1")
     if args.link_gbit is not None and args.processes < 1:
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
-    params = dict(sizes=sizes, methods=methods, repeats=args.repeats,
-                  minishards=args.minishards, mse=not args.no_mse)
+    params = dict(sizes=sizes, methods=methods, repeats=args.repeats, minishards=args.minishards,
+                  pipelined=not args.one_message_per_hop, mse=not args.no_mse)
     if args.processes > 0:
         from eval import multiproc
 
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
         "mode": mode, "settings": params, "jax": jax.__version__, "cpus": os.cpu_count(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
     }
-    print(f"# {mode}; minishards={args.minishards}; repeats={args.repeats}")
+    print(f"# {mode}; minishards={args.minishards}; pipelined={params['pipelined']}; "
+          f"repeats={args.repeats}")
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:

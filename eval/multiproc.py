@@ -44,6 +44,7 @@ def run(
     devices_per_process: int = 1,
     timeout_s: float = 1800.0,
     env: dict | None = None,
+    sysctls: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run `entry(*args, **kwargs)` in `n_processes` JAX processes; see the module docstring.
 
@@ -52,6 +53,8 @@ def run(
     devices_per_process: CPU devices each process contributes to the global device list.
     timeout_s: wall-clock limit for the whole run; the workers are killed when it passes.
     env: extra environment variables for the workers.
+    sysctls: kernel settings applied inside the namespace only (needs link_gbit), e.g.
+      {"net.ipv4.tcp_slow_start_after_idle": "0"}.
     """
     if ":" not in entry:
         raise ValueError(f"entry must be 'module:function', got {entry!r}")
@@ -59,7 +62,10 @@ def run(
         raise ValueError(f"need >= 1 process and device, got {n_processes}, {devices_per_process}")
     if link_gbit is not None and link_gbit <= 0:
         raise ValueError(f"link_gbit must be positive, got {link_gbit}")
-    with tempfile.TemporaryDirectory(prefix="multiproc-") as tmp, _namespace(link_gbit) as ns:
+    if sysctls and link_gbit is None:
+        raise ValueError("sysctls apply to the private namespace: they need link_gbit")
+    with (tempfile.TemporaryDirectory(prefix="multiproc-") as tmp,
+          _namespace(link_gbit, sysctls or {}) as ns):
         port = _free_port() if ns is None else 23456  # a fresh namespace has every port free
         prefix = [] if ns is None else ["ip", "netns", "exec", ns]
         worker_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
@@ -123,7 +129,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _namespace(link_gbit: float | None) -> Iterator[str | None]:
+def _namespace(link_gbit: float | None, sysctls: dict[str, str]) -> Iterator[str | None]:
     """A private network namespace with its loopback shaped to `link_gbit`, or None."""
     if link_gbit is None:
         yield None
@@ -137,6 +143,9 @@ def _namespace(link_gbit: float | None) -> Iterator[str | None]:
         subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root",
                         "tbf", "rate", f"{link_gbit}gbit", "burst", "256kb", "latency", "50ms"],
                        check=True)
+        for key, value in sysctls.items():
+            subprocess.run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", f"{key}={value}"],
+                           check=True)
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)

@@ -18,6 +18,7 @@ ALL_METHODS = {
     "int8-semi": AllReduceConfig("int8", "semi"),
     "int8-full-rs": AllReduceConfig("int8", "full", phases="rs"),
     "int8-semi-ag": AllReduceConfig("int8", "semi", phases="ag"),
+    "int8-semi-unpipelined": AllReduceConfig("int8", "semi", pipelined=False),
 }
 SHAPES = [(1,), (3, 1000), (5, 3, 129)]
 
@@ -78,19 +79,21 @@ def test_every_method_shape_and_axis_size(n):
                 assert np.sqrt(np.mean(err**2)) <= 0.02 * np.sqrt(np.mean(exact**2)), where
 
 
-@pytest.mark.parametrize("variant", ["full", "semi"])
-def test_ring_schedules_sum_the_right_shards_exactly(variant):
+@pytest.mark.parametrize("variant,pipelined,sizes", [
+    ("full", True, (2, 3, 4, 8)), ("semi", True, (2, 3, 4, 8)),
+    ("full", False, (3, 8)), ("semi", False, (3, 8))])
+def test_ring_schedules_sum_the_right_shards_exactly(variant, pipelined, sizes):
     """Small integers are exact in bf16, so bf16_ring must reproduce the sum bit for bit; with
     several minishards per shard (odd count: the full loop splits them 2/1 between directions)
     this checks every chain of the schedule, which int8 shares."""
     tiles = 3 * MIN_TILES_PER_MINISHARD
-    for n in (2, 3, 4, 8):
+    for n in sizes:
         n_el = n * tiles * 1024 - 777  # not a multiple of anything: exercises the padding
-        cfg = AllReduceConfig("bf16_ring", variant, minishards=3)
+        cfg = AllReduceConfig("bf16_ring", variant, minishards=3, pipelined=pipelined)
         assert plan_layout(n_el, n, 3).minishards == 3
         x = np.random.default_rng(n).integers(-8, 9, size=(n, n_el)).astype(np.float32)
         (out,), = reduce_everywhere(n, [cfg], [x])
-        assert np.array_equal(out, np.broadcast_to(x.sum(0), out.shape)), (variant, n)
+        assert np.array_equal(out, np.broadcast_to(x.sum(0), out.shape)), (variant, n, pipelined)
 
 
 @pytest.mark.parametrize("variant", ["full", "semi"])
@@ -98,9 +101,12 @@ def test_int8_error_against_float64_sum_with_several_minishards(variant):
     n, m = 4, 2
     n_el = n * m * MIN_TILES_PER_MINISHARD * 1024
     x = np.random.default_rng(7).standard_normal((n, n_el)).astype(np.float32)
-    cfgs = [AllReduceConfig("int8", variant, minishards=m), AllReduceConfig("int8", variant,
-                                                                           phases="ag")]
-    (both,), (ag,) = reduce_everywhere(n, cfgs, [x])
+    cfgs = [AllReduceConfig("int8", variant, minishards=m),
+            AllReduceConfig("int8", variant, phases="ag", minishards=m),
+            AllReduceConfig("int8", variant, minishards=m, pipelined=False)]
+    (both,), (ag,), (one_message,) = reduce_everywhere(n, cfgs, [x])
+    # Same blocks, same scales, same order of additions: only the message count differs.
+    assert np.array_equal(one_message, both)
     exact = x.astype(np.float64).sum(0)
     assert _replicas_identical(both) and _replicas_identical(ag)
     mse_both = np.mean((both[0] - exact) ** 2)

@@ -11,7 +11,7 @@ from equarx import ideal_ring_bytes, plan_layout
 from equarx.collective import MIN_TILES_PER_MINISHARD
 from equarx.quantize import SCALE_BYTES
 
-N, M = 8, 4
+N, M = 8, 2
 # Enough tiles per shard for M minishards of the minimum size, plus a ragged tail.
 LARGE = (N * M * MIN_TILES_PER_MINISHARD * 8 - 3, 128)
 
@@ -40,6 +40,16 @@ def test_one_ppermute_per_minishard_per_hop(large_programs, name):
     assert len(ops) == 2 * (N - 1) * M
     wire = {dtype for op in ops for dtype, _ in op.shapes}
     assert wire == ({"u16"} if name == "bf16_ring" else {"s8"})  # bf16 travels as uint16
+
+
+@pytest.mark.parametrize("variant,expected", [("full", 2 * 2 * (N - 1)), ("semi", 2 * (N - 1))])
+def test_one_message_per_hop_mode(variant, expected):
+    """pipelined=False: one ppermute per chain per hop, the same bytes as the pipelined run."""
+    cfg = AllReduceConfig("int8", variant, minishards=M, pipelined=False)
+    program = _compile(N, cfg, LARGE)
+    assert len(collectives(program)) == expected
+    layout = plan_layout(int(np.prod(LARGE)), N, M)
+    assert bytes_sent_per_device(program) == 2 * (N - 1) * M * (layout.tiles * 1024 + SCALE_BYTES)
 
 
 def test_int8_sends_at_most_0_52_of_an_ideal_bf16_ring(large_programs):
