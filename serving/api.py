@@ -1,48 +1,24 @@
-"""The HTTP app (FastAPI on uvicorn): OpenAI-compatible completions and chat, /generate, /health,
-/v1/models and /metrics. Requests are validated here; generation is the scheduler's.
-
-A request becomes one sequence per (prompt, n); their events arrive from the engine thread on an
-asyncio queue. When the client goes away (a failed send while streaming, or a disconnect noticed
-while waiting) the request's sequences are cancelled, which frees their slots before the next step.
+"""The HTTP app (FastAPI on uvicorn): routes, authentication, readiness, body parsing and
+OpenAI-style errors. The generation endpoints themselves are in `endpoints.py`.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
-import time
-import uuid
-from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving import openai_format as fmt
-from serving.chat_template import render_chat
+from serving import endpoints
+from serving.endpoints import ApiError
 from serving.metrics import CONTENT_TYPE_LATEST
-from serving.openai_schema import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                   error_body)
+from serving.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from serving.runtime import Runtime
-from serving.sampling import InvalidParameter, SamplingParams
-from serving.scheduler import Event, QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
-
-# While a request has nothing to send, an SSE comment this often notices a client that left.
-_KEEPALIVE_SECONDS = 2.0
-_DISCONNECT_POLL_SECONDS = 0.25
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
 
 def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
@@ -101,7 +77,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         req = await _parse(request, CompletionRequest)
         _check_ready(runtime)
         _check_model(runtime, req.model)
-        return await _completions(runtime, request, req)
+        return await endpoints.completions(runtime, request, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -109,14 +85,14 @@ def create_app(runtime: Runtime) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         _check_ready(runtime)
         _check_model(runtime, req.model)
-        return await _chat(runtime, request, req)
+        return await endpoints.chat(runtime, request, req)
 
     @app.post("/generate")
     async def generate(request: Request):
         _authorize(runtime, request)
         req = await _parse(request, GenerateRequest)
         _check_ready(runtime)
-        return await _generate(runtime, request, req)
+        return await endpoints.generate(runtime, request, req)
 
     return app
 
@@ -181,342 +157,6 @@ def _reject_constant(name: str):
 def _is_type_tag(p) -> bool:
     # pydantic names union branches in error locations ("str", "list[int]"): not part of the path.
     return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p)
-
-
-def _reject_unsupported(req) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name, None) not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
-    if getattr(req, "repetition_penalty", None) not in (None, 1, 1.0):
-        raise ApiError(400, "repetition_penalty is not supported by this server", param="repetition_penalty")
-    if getattr(req, "logit_bias", None):
-        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
-    if getattr(req, "best_of", None) not in (None, 1) and req.best_of != req.n:
-        raise ApiError(400, "best_of is not supported by this server", param="best_of")
-    if getattr(req, "suffix", None):
-        raise ApiError(400, "suffix is not supported by this server", param="suffix")
-    if getattr(req, "tools", None):
-        raise ApiError(400, "tools are not supported by this server", param="tools")
-    rf = getattr(req, "response_format", None)
-    if rf and rf.get("type") not in (None, "text"):
-        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
-
-
-def _sampling(req, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
-    stop = req.stop if req.stop is not None else ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            seed=None if req.seed is None else req.seed + seed_offset,
-            stop=stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            logprobs=logprobs,
-            ignore_eos=req.ignore_eos,
-        )
-    except InvalidParameter as e:
-        raise ApiError(400, str(e), param=e.param) from None
-
-
-def _check_ids(runtime: Runtime, ids: list[int], param: str) -> None:
-    vocab = runtime.engine.info.vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param=param)
-
-
-# ---- running sequences ----
-
-class _Run:
-    """The sequences of one request and the queue their events arrive on."""
-
-    def __init__(self, runtime: Runtime, prompts: list[list[int]], params: list[SamplingParams],
-                 prompt_logprobs: bool = False):
-        self.scheduler = runtime.scheduler
-        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        reqs = [(p, sp, self._sink(loop, i)) for i, (p, sp) in enumerate(zip(prompts, params))]
-        try:
-            self.ids = self.scheduler.submit(reqs, prompt_logprobs=prompt_logprobs)
-        except InvalidParameter as e:
-            raise ApiError(400, str(e), param=e.param, code="context_length_exceeded"
-                           if e.param in ("prompt", "max_tokens") else None) from None
-        except QueueFull as e:
-            raise ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-        except ShuttingDown as e:
-            raise ApiError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
-        self.pending = set(range(len(reqs)))
-
-    def _sink(self, loop, index):
-        def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
-        return sink
-
-    async def events(self, request: Request, streaming: bool) -> AsyncIterator[tuple[int, Event] | None]:
-        """Yields (index, event) until every sequence has finished; None when idle for a while
-        (streaming: a keep-alive). Cancels what is left when the consumer stops early."""
-        timeout = _KEEPALIVE_SECONDS if streaming else _DISCONNECT_POLL_SECONDS
-        next_poll = time.monotonic() + _DISCONNECT_POLL_SECONDS
-        try:
-            while self.pending:
-                # Streaming notices a departed client when a send fails; a plain request asks.
-                if not streaming and time.monotonic() >= next_poll:
-                    next_poll = time.monotonic() + _DISCONNECT_POLL_SECONDS
-                    if await request.is_disconnected():
-                        log.info("client disconnected; cancelling %d sequence(s)", len(self.pending))
-                        return
-                try:
-                    index, event = await asyncio.wait_for(self.queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    if streaming:
-                        yield None
-                    continue
-                if event.finish_reason is not None:
-                    self.pending.discard(index)
-                yield index, event
-        finally:
-            self.cancel()
-
-    def cancel(self) -> None:
-        if self.pending:
-            self.scheduler.cancel([self.ids[i] for i in self.pending])
-            self.pending = set()
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _stream_response(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-# ---- /v1/completions ----
-
-async def _completions(runtime: Runtime, request: Request, req: CompletionRequest):
-    _reject_unsupported(req)
-    tok = runtime.engine.tokenizer
-    prompts, texts, added_bos = _completion_prompts(runtime, req.prompt)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    if max_tokens < 0 or (max_tokens == 0 and not req.echo):
-        raise ApiError(400, f"max_tokens must be >= 1 (0 only with echo), got {max_tokens}", param="max_tokens")
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise ApiError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
-    scoring_only = max_tokens == 0  # echo of the prompt (with its logprobs): nothing generated
-    params = [_sampling(req, max(max_tokens, 1), req.logprobs, j) for _ in prompts for j in range(req.n)]
-    seq_prompts = [p for p in prompts for _ in range(req.n)]
-    run = _Run(runtime, seq_prompts, params, prompt_logprobs=req.echo and req.logprobs is not None)
-    rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), runtime.config.model_name
-    choices = [fmt.Choice(tok, i, req.logprobs) for i in range(len(seq_prompts))]
-    for i, c in enumerate(choices):
-        p = i // req.n
-        if req.echo:
-            c.echo(texts[p], prompts[p], skip_first=added_bos[p])
-    usage = lambda: fmt.usage(sum(len(p) for p in prompts),  # noqa: E731
-                              0 if scoring_only else sum(c.num_generated for c in choices))
-
-    def apply(index: int, event: Event) -> dict:
-        c = choices[index]
-        if scoring_only:
-            event = Event(text="", tokens=(), finish_reason=event.finish_reason and "length",
-                          prompt_logprobs=event.prompt_logprobs)
-        return c.add(event)
-
-    if not req.stream:
-        async for item in run.events(request, streaming=False):
-            apply(*item)
-        if run.pending or any(c.finish_reason is None for c in choices):
-            return Response(status_code=499)  # the client left; nobody reads this
-        _raise_if_failed(choices)
-        return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [c.completion_choice() for c in choices], "usage": usage()}
-
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    async def stream():
-        async for item in run.events(request, streaming=True):
-            if item is None:
-                yield ": keep-alive\n\n"
-                continue
-            delta = apply(*item)
-            if delta.get("error"):
-                yield _sse(error_body(delta["error"], "server_error"))
-                continue
-            if delta["text"] or delta["logprobs"] or delta["finish_reason"]:
-                yield _sse(fmt.completion_chunk(rid, created, name, item[0], delta["text"],
-                                                delta["logprobs"], delta["finish_reason"], include_usage))
-        if include_usage:
-            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                        "choices": [], "usage": usage()})
-        yield "data: [DONE]\n\n"
-
-    return _stream_response(stream())
-
-
-def _completion_prompts(runtime: Runtime, prompt) -> tuple[list[list[int]], list[str], list[bool]]:
-    """-> (token ids per prompt, prompt text per prompt, whether we added BOS)."""
-    tok = runtime.engine.tokenizer
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
-    if not prompt:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
-    ids, texts, bos = [], [], []
-    for p in prompt:
-        if isinstance(p, str):
-            if not p:
-                raise ApiError(400, "prompt must not be empty", param="prompt")
-            ids.append([tok.bos_id] + tok.encode(p))
-            texts.append(p)
-            bos.append(True)
-        else:
-            if not p:
-                raise ApiError(400, "prompt must not be empty", param="prompt")
-            _check_ids(runtime, p, "prompt")
-            ids.append(list(p))
-            texts.append(tok.decode(p))
-            bos.append(False)
-    return ids, texts, bos
-
-
-def _raise_if_failed(choices) -> None:
-    for c in choices:
-        if c.error:
-            raise ApiError(500, f"generation failed: {c.error}", "server_error")
-
-
-# ---- /v1/chat/completions ----
-
-async def _chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
-    _reject_unsupported(req)
-    tok = runtime.engine.tokenizer
-    if not req.messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
-    turns = []
-    for i, m in enumerate(req.messages):
-        turns.append((m.role, _message_text(m.content, i)))
-    try:
-        prompt = render_chat(turns, tok)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages") from None
-    if req.top_logprobs is not None and not req.logprobs:
-        raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    n_top = (req.top_logprobs or 0) if req.logprobs else None
-    if n_top is not None and not 0 <= n_top <= 20:
-        raise ApiError(400, f"top_logprobs must be in [0, 20], got {n_top}", param="top_logprobs")
-    limit = runtime.engine.info.max_seq_len
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is None:
-        max_tokens = max(limit - len(prompt), 1)  # the rest of the context (over-long prompts fail below)
-    elif max_tokens < 1:
-        raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
-    params = [_sampling(req, max_tokens, n_top, j) for j in range(req.n)]
-    run = _Run(runtime, [prompt] * req.n, params)
-    rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), runtime.config.model_name
-    choices = [fmt.Choice(tok, i, n_top) for i in range(req.n)]
-    usage = lambda: fmt.usage(len(prompt), sum(c.num_generated for c in choices))  # noqa: E731
-
-    if not req.stream:
-        async for item in run.events(request, streaming=False):
-            choices[item[0]].add(item[1])
-        if run.pending or any(c.finish_reason is None for c in choices):
-            return Response(status_code=499)
-        _raise_if_failed(choices)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [c.chat_choice() for c in choices], "usage": usage()}
-
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    async def stream():
-        for c in choices:
-            yield _sse(fmt.chat_chunk(rid, created, name, c.index, {"role": "assistant", "content": ""},
-                                      None, None, include_usage))
-        async for item in run.events(request, streaming=True):
-            if item is None:
-                yield ": keep-alive\n\n"
-                continue
-            delta = choices[item[0]].add(item[1])
-            if delta.get("error"):
-                yield _sse(error_body(delta["error"], "server_error"))
-                continue
-            if delta["text"] or delta["chat_logprobs"]:
-                yield _sse(fmt.chat_chunk(rid, created, name, item[0], {"content": delta["text"]},
-                                          delta["chat_logprobs"], None, include_usage))
-            if delta["finish_reason"]:
-                yield _sse(fmt.chat_chunk(rid, created, name, item[0], {}, None, delta["finish_reason"],
-                                          include_usage))
-        if include_usage:
-            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                        "choices": [], "usage": usage()})
-        yield "data: [DONE]\n\n"
-
-    return _stream_response(stream())
-
-
-def _message_text(content, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"messages[{index}].content[{j}]: only text parts are supported",
-                           param=f"messages.{index}.content")
-        parts.append(part["text"])
-    return "\n".join(parts)
-
-
-# ---- /generate (native) ----
-
-async def _generate(runtime: Runtime, request: Request, req: GenerateRequest):
-    tok = runtime.engine.tokenizer
-    if (req.prompt is None) == (req.prompt_ids is None):
-        raise ApiError(400, "give exactly one of prompt and prompt_ids", param="prompt")
-    if req.prompt is not None:
-        if not req.prompt:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
-        ids = ([tok.bos_id] if req.add_bos else []) + tok.encode(req.prompt)
-    else:
-        _check_ids(runtime, req.prompt_ids, "prompt_ids")
-        ids = list(req.prompt_ids)
-    params = _sampling(req, req.max_tokens, req.logprobs)
-    run = _Run(runtime, [ids], params=[params])
-    choice = fmt.Choice(tok, 0, req.logprobs)
-
-    def result() -> dict:
-        return {"text": choice.text, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
-                "usage": fmt.usage(len(ids), choice.num_generated),
-                **({"logprobs": choice.native_logprobs()} if req.logprobs is not None else {})}
-
-    if not req.stream:
-        async for item in run.events(request, streaming=False):
-            choice.add(item[1])
-        if choice.finish_reason is None:
-            return Response(status_code=499)
-        _raise_if_failed([choice])
-        return result()
-
-    async def stream():
-        async for item in run.events(request, streaming=True):
-            if item is None:
-                continue
-            delta = choice.add(item[1])
-            line = {"text": delta["text"], "token_ids": [t.id for t in item[1].tokens],
-                    "finish_reason": delta["finish_reason"]}
-            if delta.get("error"):
-                line["error"] = delta["error"]
-            if delta["finish_reason"]:
-                line["usage"] = fmt.usage(len(ids), choice.num_generated)
-            yield json.dumps(line, ensure_ascii=False) + "\n"
-
-    return StreamingResponse(stream(), media_type="application/x-ndjson")
 
 
 def _model_card(runtime: Runtime) -> dict:
