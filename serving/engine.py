@@ -61,6 +61,12 @@ class EngineInfo:
     dtype: str = "bfloat16"
     allreduce: dict = dataclasses.field(default_factory=dict)
     allreduce_label: str = "bf16"
+    # Prompts in buckets up to this length are prefilled several at a time; longer ones one by one
+    # (a long prompt already fills the machine, and each (batch, bucket) pair is one more compile).
+    batched_prefill_max_bucket: int = 256
+
+    def batch_sizes_for(self, bucket: int) -> tuple[int, ...]:
+        return self.prefill_batch_sizes if bucket <= self.batched_prefill_max_bucket else (1,)
 
 
 class Engine(Protocol):
@@ -172,8 +178,8 @@ class ModelEngine:
         prompt-logprobs variant (echo with logprobs) compiles on first use. Returns seconds."""
         t0 = time.perf_counter()
         greedy1 = SlotSampling.greedy(1)
-        for batch in self.info.prefill_batch_sizes:
-            for bucket in self.info.prefill_buckets:
+        for bucket in self.info.prefill_buckets:
+            for batch in self.info.batch_sizes_for(bucket):
                 t = time.perf_counter()
                 self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
                 progress(f"prefill bucket {bucket} x{batch}: {time.perf_counter() - t:.1f}s")

@@ -43,7 +43,8 @@ class ByteTokenizer:
 
 class FakeEngine:
     def __init__(self, num_slots: int = 4, max_seq_len: int = 64, step_delay: float = 0.0,
-                 prefill_buckets: tuple[int, ...] = (8, 16, 32, 64), prefill_batch_sizes=(1, 4)):
+                 prefill_buckets: tuple[int, ...] = (8, 16, 32, 64), prefill_batch_sizes=(1, 4),
+                 batched_prefill_max_bucket: int = 32):
         self.tokenizer = ByteTokenizer()
         buckets = tuple(b for b in prefill_buckets if b < max_seq_len)
         if not buckets or buckets[-1] < max_seq_len - 1:
@@ -51,7 +52,8 @@ class FakeEngine:
         self.info = EngineInfo(
             model_name="fake", num_slots=num_slots, max_seq_len=max_seq_len, prefill_buckets=buckets,
             prefill_batch_sizes=tuple(prefill_batch_sizes), vocab_size=self.tokenizer.vocab_size,
-            eos_ids=(1, 106), tp=1, dtype="float32", allreduce={"method": "bf16"}, allreduce_label="bf16")
+            eos_ids=(1, 106), tp=1, dtype="float32", allreduce={"method": "bf16"}, allreduce_label="bf16",
+            batched_prefill_max_bucket=batched_prefill_max_bucket)
         self.step_delay = step_delay
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
         self.prompt_len = [0] * num_slots
@@ -63,7 +65,7 @@ class FakeEngine:
     def run_prefill(self, inputs: PrefillInputs) -> StepOutputs:
         time.sleep(self.step_delay)
         b, bucket = inputs.tokens.shape
-        assert bucket in self.info.prefill_buckets and b in self.info.prefill_batch_sizes, (b, bucket)
+        assert bucket in self.info.prefill_buckets and b in self.info.batch_sizes_for(bucket), (b, bucket)
         self.steps.append(("prefill", b))
         for row in range(b):
             n = int(inputs.lengths[row])

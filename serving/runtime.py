@@ -117,8 +117,9 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
     engine = ModelEngine(model, num_slots=config.max_batch, max_seq_len=config.max_seq_len,
                          prefill_batch_sizes=_prefill_batch_sizes(config),
                          model_name=config.model_name)
-    progress(f"compiling: prefill buckets {engine.info.prefill_buckets} x batch "
-             f"{engine.info.prefill_batch_sizes}, decode x{engine.info.num_slots}")
+    info = engine.info
+    progress(f"compiling: prefill buckets {info.prefill_buckets} (batches of {info.prefill_batch_sizes} up to "
+             f"{info.batched_prefill_max_bucket} tokens), decode x{info.num_slots}")
     seconds = engine.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s")
     return engine

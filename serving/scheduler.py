@@ -242,7 +242,7 @@ class Scheduler:
         if head.want_prompt_logprobs:
             return [self._waiting.popleft()]
         bucket = self.engine.bucket_for(len(head.prompt))
-        limit = min(free, max(self.info.prefill_batch_sizes))
+        limit = min(free, max(self.info.batch_sizes_for(bucket)))
         group = []
         while self._waiting and len(group) < limit:
             s = self._waiting[0]
@@ -258,7 +258,7 @@ class Scheduler:
             self._slots[slot] = s
             self.metrics.on_scheduled(s, now - s.arrival)
         bucket = self.engine.bucket_for(max(len(s.prompt) for s in group))
-        batch = min(b for b in self.info.prefill_batch_sizes if b >= len(group))
+        batch = min(b for b in self.info.batch_sizes_for(bucket) if b >= len(group))
         rows = [(s.prompt, s.slot, SlotSampling.of([s.params], [s.seed])) for s in group]
         inputs = pad_prefill_batch(rows, bucket, batch)
         if group[0].want_prompt_logprobs:

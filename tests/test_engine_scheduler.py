@@ -99,6 +99,21 @@ def test_prompts_sharing_a_bucket_are_prefilled_together(engine):
     assert [c.text for c in cols] == [expected(f"abc{i}", 4) for i in range(3)]
 
 
+def test_long_prompts_are_prefilled_one_at_a_time(engine):
+    # Buckets above batched_prefill_max_bucket (32 in the fake) have batch size 1 only.
+    texts = [f"{i}" + "long prompt " * 3 for i in range(3)]
+    s = Scheduler(engine).start()
+    try:
+        cols = [Collector() for _ in texts]
+        s.submit([(prompt(t), greedy(2), c) for t, c in zip(texts, cols)])  # queued together
+        for c in cols:
+            c.wait()
+    finally:
+        s.shutdown()
+    assert engine.steps[:3] == [("prefill", 1)] * 3
+    assert [c.text for c in cols] == [t[:2] for t in texts]
+
+
 def test_stop_token_eos_and_stop_strings(engine):
     s = Scheduler(engine).start()
     try:
