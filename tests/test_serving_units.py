@@ -1,6 +1,7 @@
 """Unit tests of the serving pieces that need no model: detokenizer, stop strings, sampler, chat
 template, settings."""
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +247,42 @@ def test_served_model_name():
     assert ServerConfig(model="/models/my-gemma.gguf").model_name == "my-gemma"
     assert ServerConfig(model="random:1b").model_name == "random:1b"
     assert ServerConfig(served_model_name="x").model_name == "x"
+
+
+# ---- command line ----
+
+def test_tp_sets_virtual_cpu_devices_before_jax(monkeypatch):
+    from serving.cli import _use_cpu_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
+    _use_cpu_devices(4)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    _use_cpu_devices(2)  # enough devices already: unchanged
+    assert os.environ["XLA_FLAGS"].endswith("count=4")
+    monkeypatch.delenv("XLA_FLAGS")
+    _use_cpu_devices(1)
+    assert "XLA_FLAGS" not in os.environ
+
+
+@pytest.mark.parametrize("main,argv", [
+    ("serve_main", ["--allreduce", "int4"]),
+    ("serve_main", ["--tp", "two"]),
+    ("serve_main", ["--max-batch", "0"]),
+    ("generate_main", ["hello", "--temperature", "-1"]),
+    ("generate_main", ["hello", "--top-p", "2"]),
+    ("generate_main", [""]),
+])
+def test_cli_rejects_bad_settings_before_loading(main, argv, capsys):
+    import serving.cli
+
+    with pytest.raises(SystemExit) as e:
+        getattr(serving.cli, main)(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_allreduce_switch_reaches_the_model_config():
+    c = from_sources({"tp": 2, "allreduce": "int8", "allreduce_variant": "semi", "allreduce_min_bytes": 4096},
+                     env={})
+    cfg = c.allreduce_config()
+    assert (cfg.method, cfg.variant, cfg.min_bytes, cfg.label) == ("int8", "semi", 4096, "int8-semi")
