@@ -212,7 +212,8 @@ def read_official_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path).absolute()
     with ocp.PyTreeCheckpointer() as ckptr:
         meta = ckptr.metadata(path)
-        tree = meta.tree if hasattr(meta, "tree") else meta
+        tree = getattr(meta, "item_metadata", meta)
+        # Host numpy arrays: a device receives only its shards later, in place_official.
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         raw = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     return normalize_official_tree(raw)

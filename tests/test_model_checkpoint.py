@@ -1,0 +1,126 @@
+"""Weights: configs' shapes for every size (abstractly), the sharded layout's per-device share,
+converted orbax checkpoints (save sharded, restore sharded at another tp), and official
+Flax/orbax trees (nested and flat `transformer/...`)."""
+import numpy as np
+import pytest
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from equarx import AllReduceConfig
+from models.gemma3 import CONFIGS, bytes_per_sequence, get_config, load_model
+from models.gemma3.sharding import weight_specs
+from models.gemma3.weights import num_elements, to_official_tree, weight_shapes
+
+F32 = AllReduceConfig(method="f32")
+
+# Parameter counts of the published text models (embedding counted once: logits are tied).
+OFFICIAL_PARAMS = {"270m": 268_098_176, "1b": 999_885_952, "4b": 3_880_099_328,
+                   "12b": 11_765_788_416, "27b": 27_009_002_240}
+
+
+def per_device_elements(config, tp: int) -> int:
+    shapes = jax.tree.leaves(weight_shapes(config, np.float32))
+    specs = jax.tree.leaves(weight_specs(config, tp), is_leaf=lambda x: isinstance(x, P))
+    total = 0
+    for shape, spec in zip(shapes, specs):
+        n = int(np.prod(shape.shape))
+        total += n // tp if "tp" in tuple(spec) else n
+    return total
+
+
+@pytest.mark.parametrize("size", sorted(OFFICIAL_PARAMS))
+def test_every_size_has_the_official_shapes(size):
+    c = CONFIGS[size]
+    assert num_elements(weight_shapes(c, np.float32)) == OFFICIAL_PARAMS[size] == c.num_params()
+    assert c.num_global_layers == c.num_layers // 6
+    assert c.num_groups * 6 + c.num_tail == c.num_layers
+
+
+def test_27b_at_tp16_holds_a_sixteenth_per_device():
+    c = CONFIGS["27b"]
+    share = per_device_elements(c, 16) / c.num_params()
+    # Only norm scales (and q/k norms) stay replicated: a few per million.
+    assert 1 / 16 <= share < 1 / 16 * 1.001, share
+
+
+def test_ring_buffers_cut_the_27b_kv_cache_at_32k():
+    c = CONFIGS["27b"]
+    ring, full = bytes_per_sequence(c, 32_768), bytes_per_sequence(c, 32_768, ring=False)
+    per_position = 2 * c.num_kv_heads * c.head_dim * 2  # K and V, bf16
+    assert full == 62 * 32_768 * per_position
+    assert ring == (10 * 32_768 + 52 * 1024) * per_position
+    assert ring <= full / 4
+
+
+def test_config_specs():
+    c = get_config("27b?layers=4&window=256")
+    assert (c.num_layers, c.sliding_window, c.d_model) == (4, 256, 5376)
+    assert c.name == "gemma3-27b?layers=4&window=256"
+    with pytest.raises(ValueError, match="unknown config field"):
+        get_config("1b?colour=blue")
+    with pytest.raises(ValueError, match="bad value"):
+        get_config("1b?layers=many")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    m = load_model("random:tiny", tp=2, dtype="float32", allreduce=F32, seed=3)
+    seqs = [[2, 17, 99, 250, 3, 8, 77, 400, 12, 13, 14], [2, 5]]
+    return m, seqs, m.score(seqs)
+
+
+def test_orbax_round_trip_restores_sharded_at_another_tp(reference, tmp_path):
+    m, seqs, expected = reference
+    m.save(tmp_path / "ckpt")
+    restored = load_model(str(tmp_path / "ckpt"), tp=4, dtype="float32", allreduce=F32)
+    assert restored.config == m.config
+    assert restored.weights.embed.addressable_shards[0].data.shape == (512 // 4, 64)
+    for a, b in zip(jax.tree.leaves(m.weights), jax.tree.leaves(restored.weights)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(restored.score(seqs), expected, atol=2e-5)
+    as_bf16 = load_model(str(tmp_path / "ckpt"), tp=1, dtype="bfloat16")
+    assert as_bf16.weights.local.q.dtype == np.dtype("bfloat16")
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_official_orbax_checkpoint_loads(reference, tmp_path, layout):
+    import orbax.checkpoint as ocp
+
+    m, seqs, expected = reference
+    tree = to_official_tree(m.weights, m.config)
+    if layout == "nested":
+        saved = {"transformer": tree}
+    else:  # the flat form: {"transformer/layer_0/attn/q_einsum": {"w": ...}, ...}
+        saved = {}
+        for top, node in tree.items():
+            for path, leaf in _leaves(node, ("transformer", top)):
+                saved.setdefault("/".join(path[:-1]), {})[path[-1]] = leaf
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "official", saved)
+    # No config given: the size is recognised from the shapes.
+    loaded = load_model(str(tmp_path / "official"), tp=2, dtype="float32", allreduce=F32)
+    assert loaded.config == CONFIGS["tiny"]
+    np.testing.assert_allclose(loaded.score(seqs), expected, atol=2e-5)
+
+
+def test_official_tree_with_wrong_shapes_is_rejected(reference):
+    m, _, _ = reference
+    tree = to_official_tree(m.weights, m.config)
+    tree["layer_3"]["mlp"]["linear"] = tree["layer_3"]["mlp"]["linear"][:, :32]
+    with pytest.raises(ValueError, match="layer_3/mlp/linear has shape"):
+        load_model(tree, config="tiny")
+    tree = to_official_tree(m.weights, m.config)
+    del tree["layer_7"]
+    with pytest.raises(ValueError, match="layer_7/attn/q_einsum/w is missing"):
+        load_model(tree, config="tiny")
+    with pytest.raises(ValueError, match="match no known Gemma 3 size"):
+        load_model(tree)
+
+
+def _leaves(node, prefix):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, prefix + (k,))
+    else:
+        yield prefix, node
