@@ -24,6 +24,10 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
+# Far above any prompt that fits a context (a 32k-token prompt is ~150 KB of text).
+MAX_BODY_BYTES = 16 << 20
+
+
 def create_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(title="gemma3-equarx", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = runtime
@@ -125,7 +129,12 @@ def _check_model(runtime: Runtime, name: str | None) -> None:
 
 
 async def _parse(request: Request, model: type[BaseModel]):
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
     body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:

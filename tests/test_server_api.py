@@ -112,6 +112,14 @@ def test_bad_completion_requests_get_400(client, body, param):
     assert err["type"] == "invalid_request_error"
 
 
+def test_oversized_body_gets_413(client):
+    from serving.api import MAX_BODY_BYTES
+
+    r = client.post("/v1/completions", content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
+                    headers={"content-type": "application/json"})
+    assert _error(r, 413)["code"] == "request_too_large"
+
+
 def test_prompt_longer_than_context_states_the_limit(client):
     r = client.post("/v1/completions", json={"prompt": "y" * 200, "max_tokens": 1})
     err = _error(r, 400, "prompt")

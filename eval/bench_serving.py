@@ -1,0 +1,202 @@
+"""Serving benchmark: streams requests through the OpenAI-compatible server at several
+concurrency levels and reports time to first token (TTFT), inter-token latency (ITL), time per
+output token (TPOT), end-to-end latency (E2E) as mean / median / p99, and throughput.
+
+Definitions (vLLM's benchmark_serving):
+  TTFT  request sent -> first generated token received (includes queueing and prefill);
+  ITL   gap between consecutive tokens of a stream (every gap of every request);
+  TPOT  per request (E2E - TTFT) / (output tokens - 1): the first token is excluded;
+  E2E   request sent -> last token received;
+  throughput  generated tokens / wall time of the whole level (all streams together).
+Each stream sends its requests one after another (closed loop), so a level with 8 streams keeps
+8 requests in flight. Requests use greedy decoding with `ignore_eos`, so every request generates
+exactly --max-tokens tokens and levels are comparable.
+
+    python -m eval.bench_serving                       # starts gemma3-serve (270M, bf16) itself
+    python -m eval.bench_serving --url http://127.0.0.1:8000 --concurrency 1,8
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TOPICS = ["the sea", "a lighthouse keeper", "the first snow of winter", "a lost key", "a robot learning to paint",
+          "an old library", "the night train", "a garden on the moon", "two rival bakers", "a forgotten song",
+          "the last bookshop", "a storm at harvest", "a clock that runs backwards", "a letter never sent",
+          "the mountain village", "a city of bridges"]
+
+
+def prompt_for(i: int) -> str:
+    return (f"Write a short story about {TOPICS[i % len(TOPICS)]}. Describe the place, the people and "
+            f"what changes for them by the end.\n\nStory:")
+
+
+def summarize(xs) -> dict:
+    a = np.asarray(xs, dtype=np.float64)
+    if a.size == 0:
+        return {"mean": None, "median": None, "p99": None, "n": 0}
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99)),
+            "n": int(a.size)}
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "logprobs": 0}
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            lp = chunk["choices"][0]["logprobs"]
+            now = time.perf_counter()
+            times += [now] * (len(lp["tokens"]) if lp else 0)  # one chunk per token when logprobs are on
+    if not times:
+        raise RuntimeError("no tokens received")
+    ttft = times[0] - t0
+    e2e = times[-1] - t0
+    n = len(times)
+    return {"ttft": ttft, "e2e": e2e, "itl": list(np.diff(times)), "tokens": n,
+            "tpot": (e2e - ttft) / (n - 1) if n > 1 else None}
+
+
+async def run_level(url: str, model: str, concurrency: int, requests_per_stream: int, max_tokens: int) -> dict:
+    results = []
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        async def stream(k: int):
+            for j in range(requests_per_stream):
+                results.append(await one_request(client, model, prompt_for(k * requests_per_stream + j),
+                                                 max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream(k) for k in range(concurrency)))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
+        "output_tokens_per_s": tokens / wall, "requests_per_s": len(results) / wall,
+        "ttft_s": summarize([r["ttft"] for r in results]),
+        "tpot_s": summarize([r["tpot"] for r in results if r["tpot"] is not None]),
+        "itl_s": summarize([x for r in results for x in r["itl"]]),
+        "e2e_s": summarize([r["e2e"] for r in results]),
+    }
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port), "--model", args.model,
+           "--dtype", args.dtype, "--tp", str(args.tp), "--allreduce", args.allreduce,
+           "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len), *args.server_arg]
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{args.port}"
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode} (see --server-log)")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - t0 > args.startup_timeout:
+            proc.kill()
+            raise SystemExit("the server did not become ready in time")
+        time.sleep(1)
+    print(f"server ready in {time.perf_counter() - t0:.0f}s (load, compile, warm-up)", file=sys.stderr)
+    return proc, url
+
+
+def fmt_row(level: dict) -> str:
+    ms = lambda s, k: f"{1000 * level[s][k]:.0f}"  # noqa: E731
+    return (f"| {level['concurrency']} | {level['requests']} | {level['output_tokens_per_s']:.1f} | "
+            f"{ms('ttft_s', 'mean')} / {ms('ttft_s', 'median')} / {ms('ttft_s', 'p99')} | "
+            f"{ms('tpot_s', 'mean')} / {ms('tpot_s', 'median')} / {ms('tpot_s', 'p99')} | "
+            f"{ms('itl_s', 'mean')} / {ms('itl_s', 'median')} / {ms('itl_s', 'p99')} | "
+            f"{ms('e2e_s', 'mean')} / {ms('e2e_s', 'median')} / {ms('e2e_s', 'p99')} |")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="benchmark a running server instead of starting one")
+    p.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
+    p.add_argument("--requests-per-stream", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--out", help="write the results as JSON here")
+    g = p.add_argument_group("server started by the benchmark (ignored with --url)")
+    g.add_argument("--model", default="gemma3-270m")
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--allreduce", default="bf16")
+    g.add_argument("--max-batch", type=int, default=8)
+    g.add_argument("--max-seq-len", type=int, default=512)
+    g.add_argument("--port", type=int, default=8011)
+    g.add_argument("--server-log")
+    g.add_argument("--server-arg", action="append", default=[], help="extra gemma3-serve flag (repeatable)")
+    g.add_argument("--startup-timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args)
+    try:
+        info = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        model = info["id"]
+        if args.warmup_requests:
+            asyncio.run(run_level(url, model, 1, args.warmup_requests, 8))
+        levels = []
+        for c in (int(x) for x in args.concurrency.split(",")):
+            level = asyncio.run(run_level(url, model, c, args.requests_per_stream, args.max_tokens))
+            levels.append(level)
+            print(f"concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, median TTFT "
+                  f"{1000 * level['ttft_s']['median']:.0f} ms, median TPOT {1000 * level['tpot_s']['median']:.0f} ms",
+                  file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    result = {"server": {k: info.get(k) for k in ("id", "tp", "dtype", "allreduce_label", "max_model_len")},
+              "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream, "levels": levels}
+    if len(levels) >= 2 and levels[0]["concurrency"] == 1:
+        lone = levels[0]["ttft_s"]["median"]
+        result["ttft_median_ratio_vs_lone"] = {lv["concurrency"]: lv["ttft_s"]["median"] / lone for lv in levels[1:]}
+    print("| streams | requests | output tok/s | TTFT ms mean / median / p99 | TPOT ms mean / median / p99 "
+          "| ITL ms mean / median / p99 | E2E ms mean / median / p99 |")
+    print("|---|---|---|---|---|---|---|")
+    for level in levels:
+        print(fmt_row(level))
+    if "ttft_median_ratio_vs_lone" in result:
+        print("median TTFT / lone request's median TTFT: " +
+              ", ".join(f"{c} streams {r:.2f}x" for c, r in result["ttft_median_ratio_vs_lone"].items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
