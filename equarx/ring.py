@@ -5,7 +5,7 @@ Shards are addressed *relative* to this device d: relative row r is the shard ow
 Python loops that emit one `ppermute` per minishard per hop, so XLA sees independent
 collective-permutes it may overlap with the (de)quantization of other minishards. Only the row
 offsets into the local buffer depend on d: each read is a dynamic slice of one minishard, and
-the gathered result is put in absolute order by a `lax.switch` over N static concatenations.
+the gathered result is put in absolute order at the end (see SWITCH_MIN_ELEMENTS).
 
 A *chain* moves a set of minishards in one ring direction for a number of hops, as *pieces*:
 each piece is a contiguous range of minishards that travels as one ppermute (each minishard
@@ -199,13 +199,22 @@ def ring_all_gather(
         raise AssertionError("all-gather chains leave shards uncovered")
     rows = [[row[p].astype(out_dtype) for p in pieces] for row in out]
     d = lax.axis_index(axis_name)
-    return lax.switch(d, [_assemble_for(dd, n) for dd in range(n)], rows)
+    if n * y.size >= SWITCH_MIN_ELEMENTS:
+        return lax.switch(d, [_assemble_for(dd, n) for dd in range(n)], rows)
+    rel = jnp.stack([jnp.concatenate(row) for row in rows])
+    return jnp.take(rel, (jnp.arange(n) - d) % n, axis=0)
+
+
+# Putting relative rows in absolute order: XLA:CPU fuses a gather (or a chain of
+# dynamic-update-slices) over the stacked pieces into per-element selects, 2-3x slower than
+# selecting, with lax.switch, one of N static concatenations; but the N branches cost compile
+# time (about a third of the compile time of a model's worth of small all-reduces). Large
+# messages take the switch, small ones the gather.
+SWITCH_MIN_ELEMENTS = 1 << 20
 
 
 def _assemble_for(d: int, n: int):
-    """The absolute-order assembly on device d: a static concatenation (a copy per piece).
-    Selecting one of N such programs with lax.switch is far cheaper on CPU than a gather or a
-    chain of dynamic-update-slices, which XLA fuses into per-element selects over all pieces."""
+    """The absolute-order assembly on device d: a static concatenation (a copy per piece)."""
 
     def assemble(rows: list[list[jax.Array]]) -> jax.Array:
         # Absolute row c is relative row c - d.
