@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Literal
 
 Method = Literal["f32", "bf16", "bf16_ring", "int8"]
@@ -13,6 +14,14 @@ VARIANTS = ("full", "semi")
 PHASES = ("both", "rs", "ag")
 
 
+def _is_int(value) -> bool:
+    try:
+        operator.index(value)  # int, numpy integers; not float, str or bool-like floats
+    except TypeError:
+        return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class AllReduceConfig:
     """How `equarx.all_reduce` reduces.
@@ -21,7 +30,8 @@ class AllReduceConfig:
       "bf16_ring" (our ring schedule, unquantized, bf16 on the wire), "int8" (EQuARX).
     variant: "full" (full-loop ring, both directions) or "semi" (semi-loop, bidirectional chains).
     phases: which phases are quantized for int8: "both", "rs" (reduce-scatter only), "ag".
-    minishards: scale blocks per shard; each minishard carries its own 8x128 float32 scales.
+    minishards: scale blocks per shard, an upper bound (a minishard is never cut below 128
+      tiles of 8x128, see equarx.collective); each carries its own 8x128 float32 scales.
     min_bytes: messages smaller than this (in bytes of the caller's dtype) use the bf16 psum.
     pipelined: True sends each minishard as its own ppermute (the paper's pipelining: XLA may
       overlap one minishard's transfer with another's quantization); False sends all the
@@ -43,10 +53,15 @@ class AllReduceConfig:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.phases not in PHASES:
             raise ValueError(f"phases must be one of {PHASES}, got {self.phases!r}")
-        if int(self.minishards) < 1:
-            raise ValueError(f"minishards must be >= 1, got {self.minishards!r}")
-        if int(self.min_bytes) < 0:
-            raise ValueError(f"min_bytes must be >= 0, got {self.min_bytes!r}")
+        if not _is_int(self.minishards) or self.minishards < 1:
+            raise ValueError(f"minishards must be an integer >= 1, got {self.minishards!r}")
+        if not _is_int(self.min_bytes) or self.min_bytes < 0:
+            raise ValueError(f"min_bytes must be an integer >= 0, got {self.min_bytes!r}")
+        # Plain ints, so that to_dict() serialises (numpy integers are accepted above).
+        object.__setattr__(self, "minishards", operator.index(self.minishards))
+        object.__setattr__(self, "min_bytes", operator.index(self.min_bytes))
+        if not isinstance(self.pipelined, bool):
+            raise ValueError(f"pipelined must be a bool, got {self.pipelined!r}")
 
     @property
     def label(self) -> str:

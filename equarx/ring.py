@@ -2,10 +2,10 @@
 
 Shards are addressed *relative* to this device d: relative row r is the shard owned by device
 (d + r) % N. With that convention the schedule is the same on every device, and it is plain
-Python loops that emit one `ppermute` per minishard per hop, so XLA sees independent
-collective-permutes it may overlap with the (de)quantization of other minishards. Only the row
-offsets into the local buffer depend on d: each read is a dynamic slice of one minishard, and
-the gathered result is put in absolute order at the end (see SWITCH_MIN_ELEMENTS).
+Python loops that emit one `ppermute` per piece per hop (below), so XLA sees independent
+collective-permutes it may overlap with the (de)quantization of other pieces. Only the row
+offsets into the local buffer depend on d: each read is a dynamic slice of one piece, and the
+gathered result is put in absolute order at the end (see SWITCH_MIN_ELEMENTS).
 
 A *chain* moves a set of minishards in one ring direction for a number of hops, as *pieces*:
 each piece is a contiguous range of minishards that travels as one ppermute (each minishard
@@ -36,6 +36,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from equarx import quantize as qz
+
+# Putting relative rows in absolute order: XLA:CPU fuses a gather (or a chain of
+# dynamic-update-slices) over the stacked pieces into per-element selects, 2-3x slower than
+# selecting, with lax.switch, one of N static concatenations; but the N branches cost compile
+# time (about a third of the compile time of a model's worth of small all-reduces). Large
+# messages take the switch, small ones the gather.
+SWITCH_MIN_ELEMENTS = 1 << 20
 
 
 class Codec(Protocol):
@@ -176,7 +183,7 @@ def ring_all_gather(
     """y: f32[m, K, 8, 128], this device's reduced shard -> out_dtype[N, m, K, 8, 128], every
     shard. Each owner encodes its shard once; receivers forward the wire bytes verbatim and
     decode them. The owner keeps decode(encode(y)), so every device holds identical values."""
-    n, m = n_devices, y.shape[0]
+    n = n_devices
     pieces = sorted({p for c in chains for p in c.pieces})
     wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
     # out[r][p]: the decoded piece p of relative row r (the shard of device d + r).
@@ -203,14 +210,6 @@ def ring_all_gather(
         return lax.switch(d, [_assemble_for(dd, n) for dd in range(n)], rows)
     rel = jnp.stack([jnp.concatenate(row) for row in rows])
     return jnp.take(rel, (jnp.arange(n) - d) % n, axis=0)
-
-
-# Putting relative rows in absolute order: XLA:CPU fuses a gather (or a chain of
-# dynamic-update-slices) over the stacked pieces into per-element selects, 2-3x slower than
-# selecting, with lax.switch, one of N static concatenations; but the N branches cost compile
-# time (about a third of the compile time of a model's worth of small all-reduces). Large
-# messages take the switch, small ones the gather.
-SWITCH_MIN_ELEMENTS = 1 << 20
 
 
 def _assemble_for(d: int, n: int):

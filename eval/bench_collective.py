@@ -145,9 +145,28 @@ def worker(params: dict) -> dict:
     return {"process": jax.process_index(), "rows": rows}
 
 
+def alpha_beta_s(unshaped_row: dict, link_gbit: float) -> float:
+    """Predicted time on a shaped loopback: the same run on the unshaped loopback (per-message
+    latency, quantization compute, process skew) plus every device's bytes through the one
+    shared token bucket at the link rate. The unshaped run's own transfer time is counted
+    twice; at several GB/s on the unshaped loopback that is a few percent at most."""
+    medium_bytes = unshaped_row["bytes_per_device"] * unshaped_row["devices"]
+    return unshaped_row["median"] + medium_bytes * 8 / (link_gbit * 1e9)
+
+
+def add_predictions(rows: list[dict], unshaped_rows: list[dict], link_gbit: float) -> None:
+    base = {(r["size_bytes"], r["method"]): r for r in unshaped_rows}
+    for r in rows:
+        ref = base.get((r["size_bytes"], r["method"]))
+        if ref is not None and ref["devices"] == r["devices"]:
+            r["model_s"] = alpha_beta_s(ref, link_gbit)
+
+
 def format_table(rows: list[dict]) -> str:
+    model = any("model_s" in r for r in rows)
     head = (f"{'size':>8}  {'method':<10} {'median ms':>10} {'[min, max] ms':>18} "
-            f"{'x bf16':>7} {'x ring':>7} {'bytes/dev':>11} {'/ideal':>7} {'MSE':>9}")
+            f"{'x bf16':>7} {'x ring':>7} {'bytes/dev':>11} {'/ideal':>7} {'MSE':>9}"
+            + (f" {'model ms':>9}" if model else ""))
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
@@ -160,7 +179,8 @@ def format_table(rows: list[dict]) -> str:
             f"{format_size(r['size_bytes']):>8}  {r['method']:<10} {r['median'] * 1e3:>10.2f} "
             f"{spread:>18} {r.get('speedup_vs_bf16', float('nan')):>7.2f} "
             f"{r.get('speedup_vs_bf16_ring', float('nan')):>7.2f} "
-            f"{r['bytes_per_device']:>11.0f} {r['bytes_vs_ideal_bf16_ring']:>7.3f} {mse:>9}")
+            f"{r['bytes_per_device']:>11.0f} {r['bytes_vs_ideal_bf16_ring']:>7.3f} {mse:>9}"
+            + (f" {r['model_s'] * 1e3:>9.2f}" if "model_s" in r else ""))
     return "\n".join(lines)
 
 
@@ -178,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--link-gbit", type=float, default=None, help="shape the loopback (root)")
     p.add_argument("--no-mse", action="store_true", help="skip the MSE column")
     p.add_argument("--out", default=None, help="write the rows and settings as JSON")
+    p.add_argument("--predict-from", default=None, metavar="UNSHAPED.json",
+                   help="add the alpha-beta prediction from an unshaped run with as many "
+                        "processes (model ms column)")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -187,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--repeats must be >= 1")
     if args.link_gbit is not None and args.processes < 1:
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
+    if args.predict_from and args.link_gbit is None:
+        p.error("--predict-from needs --link-gbit")
     params = dict(sizes=sizes, methods=methods, repeats=args.repeats, minishards=args.minishards,
                   pipelined=not args.one_message_per_hop, mse=not args.no_mse)
     if args.processes > 0:
@@ -204,6 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
         jax.config.update("jax_num_cpu_devices", args.devices)
         rows = bench_on_mesh(**params)
         mode = f"1 process, {rows[0]['devices']} virtual CPU devices"
+    if args.predict_from:
+        with open(args.predict_from) as f:
+            add_predictions(rows, json.load(f)["rows"], args.link_gbit)
     report = {
         "mode": mode, "settings": params, "jax": jax.__version__, "cpus": os.cpu_count(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,

@@ -196,5 +196,10 @@ def test_bad_input_is_rejected():
         reduce_everywhere(2, ["int8"], [np.ones((2, 4), np.float32)])
     with pytest.raises(ValueError, match="method"):
         AllReduceConfig("int4")
+    with pytest.raises(ValueError, match="minishards"):
+        AllReduceConfig("int8", minishards=2.5)
+    with pytest.raises(ValueError, match="pipelined"):
+        AllReduceConfig("int8", pipelined="no")
+    assert type(AllReduceConfig("int8", minishards=np.int64(8)).minishards) is int
     with pytest.raises(ValueError):
         plan_layout(0, 4, 1)

@@ -1,0 +1,43 @@
+"""eval.bench_collective: parsing, the table, and one tiny in-process run on 8 virtual devices."""
+import pytest
+
+from eval import bench_collective as bench
+
+
+def test_sizes_and_methods_parse():
+    assert [bench.parse_size(s) for s in ("64K", "4M", "1MiB", "1000")] == [
+        65536, 4 << 20, 1 << 20, 1000]
+    assert bench.format_size(64 << 10) == "64 KiB" and bench.format_size(1000) == "1000 B"
+    cfg = bench.parse_method("int8-semi-ag", 16, pipelined=False)
+    assert (cfg.method, cfg.variant, cfg.phases, cfg.minishards, cfg.pipelined) == (
+        "int8", "semi", "ag", 16, False)
+    assert bench.parse_method("bf16_ring", 4).label == "bf16_ring"
+    with pytest.raises(ValueError):
+        bench.parse_method("int4", 4)
+    with pytest.raises(ValueError):
+        bench.parse_size("-1K")
+
+
+def test_a_tiny_run_reports_consistent_rows():
+    methods = ["bf16", "bf16_ring", "int8-semi"]
+    rows = bench.bench_on_mesh([256 << 10], methods, repeats=2, minishards=4)
+    by = {r["method"]: r for r in rows}
+    assert set(by) == set(methods) and all(r["devices"] == 8 for r in rows)
+    assert all(len(r["times_s"]) == 2 and r["min"] <= r["median"] <= r["max"] for r in rows)
+    assert by["bf16_ring"]["bytes_vs_ideal_bf16_ring"] == pytest.approx(1.0)
+    # 16 tiles per shard: one minishard whose 4 KiB of scales add 1/4 to the int8 payload.
+    assert by["int8-semi"]["bytes_vs_ideal_bf16_ring"] == pytest.approx((1 + 4 / 16) / 2)
+    # XLA:CPU promotes a bf16 all-reduce to float32: twice the ideal bf16 bytes.
+    assert by["bf16"]["bytes_vs_ideal_bf16_ring"] == pytest.approx(2.0)
+    assert 0 < by["bf16"]["mse"] < by["bf16_ring"]["mse"] < by["int8-semi"]["mse"] < 2e-3
+    assert by["bf16"]["speedup_vs_bf16"] == pytest.approx(1.0)
+    table = bench.format_table(rows)
+    assert all(m in table for m in methods) and "256 KiB" in table
+
+
+def test_alpha_beta_prediction_adds_the_shared_medium():
+    unshaped = [{"size_bytes": 1 << 20, "method": "int8-full", "median": 0.01,
+                 "bytes_per_device": 1e6, "devices": 4}]
+    rows = [dict(unshaped[0], median=0.05)]
+    bench.add_predictions(rows, unshaped, link_gbit=2.0)
+    assert rows[0]["model_s"] == pytest.approx(0.01 + 4e6 * 8 / 2e9)
