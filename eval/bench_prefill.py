@@ -215,11 +215,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--minishards", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
-    p.add_argument("--link-gbit", type=float, default=None, help="shape the loopback (root)")
+    p.add_argument("--link-gbit", default=None,
+                   help="shape the loopback to this many Gbit/s (root), or 'third': the rate at "
+                        "which the calibrated model puts bf16 communication at 1/3 of prefill "
+                        "at the longest length")
     p.add_argument("--baseline", default=None, help="one-process JSON of the same settings")
     p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
     p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
     p.add_argument("--calibration-repeats", type=int, default=5)
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="stop after the calibration (report the fit and the rate for 1/3)")
     p.add_argument("--out", default=None, help="write the report as JSON")
     p.add_argument("--plot", default=None, help="write a PNG of speedup against prompt length")
     p.add_argument("--no-tpu-prediction", action="store_true")
@@ -235,6 +240,16 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
     if args.processes and args.processes != args.tp:
         p.error("--processes must equal --tp (one device per process)")
+    if args.link_gbit not in (None, "third"):
+        try:
+            args.link_gbit = float(args.link_gbit)
+        except ValueError:
+            p.error(f"--link-gbit must be a number or 'third', got {args.link_gbit!r}")
+        if args.link_gbit <= 0:
+            p.error("--link-gbit must be positive")
+    if (args.link_gbit == "third" or args.calibrate_only) and not (
+            args.calibrate_gbit or args.calibration):
+        p.error("--link-gbit third and --calibrate-only need --calibrate-gbit or --calibration")
     source, full_layers = model_source(args.model, args.layers)
     params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
                   iters=args.iters, warmup=args.warmup, minishards=args.minishards,
@@ -265,6 +280,27 @@ def main(argv: list[str] | None = None) -> dict:
             calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
                                     [args.batch * b * d_model for b in buckets], methods,
                                     args.minishards, args.calibration_repeats)
+        if calibration is not None:
+            try:
+                fit = fit_from(calibration)
+            except ValueError as e:  # e.g. messages inside the token bucket's burst
+                raise SystemExit(f"cannot fit the link model: {e}; calibration samples: "
+                                 f"{json.dumps(calibration['samples'])}")
+            third = _link_for_third(baseline, fit, baseline["config"], args)
+            print(f"# cost model fit: {fit.describe()}")
+            if third:
+                print(f"# link at which {third['method']} communication is 1/3 of prefill at "
+                      f"length {third['length']}: {third['gbit']:.3g} Gbit/s")
+            if args.link_gbit == "third":
+                args.link_gbit = round(third["gbit"], 3)
+                report["settings"]["link_gbit"] = args.link_gbit
+            if args.calibrate_only:
+                report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
+                                        "calibration": calibration, "link_gbit_for_third": third}
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(report, f, indent=1)
+                return report
         print(f"# {args.processes} processes ...")
         results = multiproc.run("eval.bench_prefill:worker", args.processes, args=(params,),
                                 link_gbit=args.link_gbit)
@@ -286,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
                                        d_model=cfg["d_model"], num_layers=cfg["num_layers"],
                                        minishards=args.minishards)
         report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
-                                "calibration": calibration}
+                                "calibration": calibration,
+                                "link_gbit_for_third": _link_for_third(baseline, fit, cfg, args)}
     report.update(mode=mode, model=source, config=cfg, full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
@@ -294,6 +331,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(prefill_report.format_table(rows))
     if "cost_model" in report:
         print("# cost model fit: " + report["cost_model"]["describe"])
+        third = report["cost_model"]["link_gbit_for_third"]
+        if third:
+            print(f"# link at which {third['method']} communication is 1/3 of prefill at length "
+                  f"{third['length']}: {third['gbit']:.3g} Gbit/s (this run: {args.link_gbit})")
     if "tpu_predictions" in report:
         print(cost_model.format_tpu_predictions(report["tpu_predictions"]))
     if args.out:
@@ -302,6 +343,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         prefill_report.plot(report, args.plot)
     return report
+
+
+def _link_for_third(baseline: dict, fit: cost_model.Fit, cfg: dict, args) -> dict | None:
+    """The rate at which the baseline method's communication is a third of its prefill at the
+    longest length, by the fitted model (how the target run's --link-gbit is chosen)."""
+    rows = [r for r in baseline["rows"] if r["method"] in ("bf16", "bf16_ring")]
+    if not rows:
+        return None
+    r = max(rows, key=lambda r: (r["length"], r["method"] == "bf16"))
+    gbit = cost_model.link_for_comm_share(
+        1 / 3, r["median_ms"] / 1e3, r["method"], tokens=r["bucket"] * r["batch"],
+        d_model=cfg["d_model"], num_layers=cfg["num_layers"], n_devices=r["tp"], fit=fit,
+        minishards=args.minishards)
+    return {"method": r["method"], "length": r["length"], "gbit": gbit}
 
 
 if __name__ == "__main__":

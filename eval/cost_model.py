@@ -220,10 +220,35 @@ def allreduces_per_prefill(num_layers: int) -> int:
 
 
 def predict_prefill_s(nolink_s: float, label: str, *, tokens: int, d_model: int, num_layers: int,
-                      n_devices: int, link: LinkModel, minishards: int = 4) -> float:
-    """Prefill seconds on `link`: measured no-link time plus the modelled communication."""
+                      n_devices: int, link: LinkModel, minishards: int = 4,
+                      embed_psum: bool = True) -> float:
+    """Prefill seconds on `link`: measured no-link time plus the modelled communication.
+
+    embed_psum: the model's vocabulary-parallel embedding lookup ends with one exact XLA psum
+    of the same [tokens, d_model] shape, in every method's program.
+    """
     s = allreduce_schedule(label, tokens * d_model, n_devices, minishards)
-    return nolink_s + allreduces_per_prefill(num_layers) * link.comm_time(s, n_devices)
+    t = nolink_s + allreduces_per_prefill(num_layers) * link.comm_time(s, n_devices)
+    if embed_psum and n_devices > 1:
+        t += link.comm_time(allreduce_schedule("bf16", tokens * d_model, n_devices), n_devices)
+    return t
+
+
+def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: int, d_model: int,
+                        num_layers: int, n_devices: int, fit: "Fit", minishards: int = 4) -> float:
+    """The link rate (Gbit/s, shared loopback) at which communication is `share` of the
+    predicted prefill time of `label`: solves comm / (nolink + comm) = share for the rate."""
+    if not 0 < share < 1:
+        raise ValueError(f"share must be in (0, 1), got {share}")
+    want = share / (1 - share) * nolink_s  # seconds of communication
+    fast, slow = fit.link(1e6), fit.link(1.0)  # latency only / latency + 1 Gbit/s of bytes
+    kw = dict(tokens=tokens, d_model=d_model, num_layers=num_layers, n_devices=n_devices,
+              minishards=minishards)
+    latency = predict_prefill_s(0.0, label, link=fast, **kw)
+    per_gbit = predict_prefill_s(0.0, label, link=slow, **kw) - latency  # seconds x Gbit/s
+    if want <= latency:
+        raise ValueError("latency alone exceeds that share: no link rate gives it")
+    return per_gbit / (want - latency)
 
 
 def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: float, *,

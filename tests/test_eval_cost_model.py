@@ -89,7 +89,11 @@ def test_prefill_prediction_adds_two_allreduces_per_layer():
     s = cm.allreduce_schedule("int8-full", 512 * 1152, 2)
     t = cm.predict_prefill_s(0.5, "int8-full", tokens=512, d_model=1152, num_layers=4,
                              n_devices=2, link=link)
-    assert t == pytest.approx(0.5 + 8 * link.comm_time(s, 2))
+    embed = link.comm_time(cm.allreduce_schedule("bf16", 512 * 1152, 2), 2)  # the lookup's psum
+    assert t == pytest.approx(0.5 + 8 * link.comm_time(s, 2) + embed)
+    assert cm.predict_prefill_s(0.5, "int8-full", tokens=512, d_model=1152, num_layers=4,
+                                n_devices=2, link=link, embed_psum=False) == pytest.approx(
+        0.5 + 8 * link.comm_time(s, 2))
     fit = cm.Fit(0.0, 1.0, 1.0, 1.0, 3, 0.0)  # no latency: bytes alone decide
     rows = [{"length": 512, "batch": 1, "tp": 2, "method": m, "median_ms": 0.0}
             for m in ("bf16", "int8-full")]
@@ -97,6 +101,16 @@ def test_prefill_prediction_adds_two_allreduces_per_layer():
                           8.0, d_model=1152, num_layers=4)
     assert out[0]["predicted_speedup_vs_bf16"] == pytest.approx(1.0)
     assert out[1]["predicted_speedup_vs_bf16"] > 1.0  # same compute, fewer bytes
+
+
+def test_link_for_comm_share_inverts_the_prediction():
+    fit = cm.Fit(2e-4, 0.7, 2.0, 1.0, 3, 0.0)
+    kw = dict(tokens=1024, d_model=1152, num_layers=2, n_devices=2)
+    gbit = cm.link_for_comm_share(1 / 3, 6.0, "bf16", fit=fit, **kw)
+    total = cm.predict_prefill_s(6.0, "bf16", link=fit.link(gbit), **kw)
+    assert (total - 6.0) / total == pytest.approx(1 / 3, rel=1e-4)
+    with pytest.raises(ValueError):
+        cm.link_for_comm_share(0.999999, 1e-9, "bf16", fit=fit, **kw)  # latency alone is more
 
 
 def test_flops_and_tpu_predictions():
