@@ -59,11 +59,13 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, deadline: float) -> None:
+        self.health_codes = []  # what /health answered while the model loaded and compiled
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                self.health_codes.append(httpx.get(self.url + "/health", timeout=2).status_code)
+                if self.health_codes[-1] == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -140,6 +142,22 @@ def batch(tp1):
     responses = asyncio.run(run())
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     return [r.json() for r in responses]
+
+
+def test_health_is_503_until_warmed_up(servers):
+    for s in servers.values():
+        assert s.health_codes[-1] == 200 and 503 in s.health_codes and set(s.health_codes) <= {200, 503}
+
+
+def test_health_models_and_metrics_show_the_allreduce_mode(servers):
+    h1 = httpx.get(servers["tp1"].url + "/health").json()
+    h2 = httpx.get(servers["tp2"].url + "/health").json()
+    assert (h1["status"], h1["tp"], h1["dtype"], h1["allreduce_label"]) == ("ready", 1, "float32", "bf16")
+    assert (h2["tp"], h2["allreduce"]["method"]) == (2, "f32")
+    models = openai.OpenAI(base_url=servers["tp2"].url + "/v1", api_key="x").models.list()
+    assert [m.id for m in models.data] == ["gemma3-270m"]
+    assert models.data[0].model_extra["allreduce"]["method"] == "f32"
+    assert 'allreduce="f32"' in httpx.get(servers["tp2"].url + "/metrics").text
 
 
 def test_single_requests_match_the_official_implementation(tp1):
