@@ -78,8 +78,8 @@ def _p90(samples: list[float]) -> float:
 
 
 def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[str],
-            iters: int, warmup: int = 1, minishards: int = 4, dtype: str = "bfloat16",
-            seed: int = 0, log=print) -> dict:
+            iters: int, warmup: int = 1, minishards: int = 4, pipelined: bool = True,
+            dtype: str = "bfloat16", seed: int = 0, log=print) -> dict:
     """Time every method at every length on the first `tp` devices; returns rows + facts."""
     import jax
 
@@ -90,7 +90,7 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
     if iters < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need iters >= 1, warmup >= 0, batch >= 1; got {iters}, {warmup}, "
                          f"{batch}")
-    configs = {m: parse_method(m, minishards) for m in methods}
+    configs = {m: parse_method(m, minishards, pipelined) for m in methods}
     t0 = time.perf_counter()
     base = load_model(source, tp=tp, allreduce=configs[methods[0]], dtype=dtype,
                       max_seq_len=max(lengths), devices=jax.devices()[:tp], seed=seed,
@@ -162,14 +162,14 @@ def worker(params: dict) -> dict:
 
 
 def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: list[str],
-              minishards: int, repeats: int, log=print) -> dict:
+              minishards: int, repeats: int, pipelined: bool = True, log=print) -> dict:
     """Measure eval.bench_collective's AllReduce at each rate (N processes) and in one process;
     the difference is communication. Returns the samples and the alpha-beta fit."""
     from eval import bench_collective, multiproc
 
     methods = [m for m in methods if cost_model.parse_label(m)[0] != "naive"]
     params = dict(sizes=[2 * e for e in message_elements], methods=methods, repeats=repeats,
-                  minishards=minishards, mse=False)
+                  minishards=minishards, pipelined=pipelined, mse=False)
     one = {(r["size_bytes"], r["method"]): r["median"]
            for r in bench_collective.bench_on_mesh(**params)}
     samples = []
@@ -180,7 +180,8 @@ def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: 
         for r in rows:
             samples.append(cost_model.CommSample(
                 label=r["method"], n_elements=r["size_bytes"] // 2, n_devices=n, link_gbit=gbit,
-                comm_s=r["median"] - one[(r["size_bytes"], r["method"])], minishards=minishards))
+                comm_s=r["median"] - one[(r["size_bytes"], r["method"])], minishards=minishards,
+                pipelined=pipelined))
     return {"samples": [s.__dict__ for s in samples], "one_process_s": {
         f"{size}:{m}": t for (size, m), t in one.items()}}
 
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--minishards", type=int, default=4)
+    p.add_argument("--one-message-per-hop", action="store_true",
+                   help="pipelined=False: a ring direction's minishards share one ppermute")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
     p.add_argument("--link-gbit", default=None,
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     source, full_layers = model_source(args.model, args.layers)
     params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
                   iters=args.iters, warmup=args.warmup, minishards=args.minishards,
-                  dtype=args.dtype)
+                  pipelined=not args.one_message_per_hop, dtype=args.dtype)
     report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit},
               "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
               "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
             buckets = sorted({r["bucket"] for r in baseline["rows"]})
             calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
                                     [args.batch * b * d_model for b in buckets], methods,
-                                    args.minishards, args.calibration_repeats)
+                                    args.minishards, args.calibration_repeats,
+                                    pipelined=not args.one_message_per_hop)
         if calibration is not None:
             try:
                 fit = fit_from(calibration)
@@ -320,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
         nolink = {(r["length"], r["batch"], r["method"]): r["median_ms"] for r in baseline["rows"]}
         rows = cost_model.predict_rows(rows, nolink, fit, args.link_gbit,
                                        d_model=cfg["d_model"], num_layers=cfg["num_layers"],
-                                       minishards=args.minishards)
+                                       minishards=args.minishards,
+                                       pipelined=not args.one_message_per_hop)
         report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
                                 "calibration": calibration,
                                 "link_gbit_for_third": _link_for_third(baseline, fit, cfg, args)}
@@ -355,7 +360,7 @@ def _link_for_third(baseline: dict, fit: cost_model.Fit, cfg: dict, args) -> dic
     gbit = cost_model.link_for_comm_share(
         1 / 3, r["median_ms"] / 1e3, r["method"], tokens=r["bucket"] * r["batch"],
         d_model=cfg["d_model"], num_layers=cfg["num_layers"], n_devices=r["tp"], fit=fit,
-        minishards=args.minishards)
+        minishards=args.minishards, pipelined=not args.one_message_per_hop)
     return {"method": r["method"], "length": r["length"], "gbit": gbit}
 
 

@@ -71,12 +71,13 @@ def ring_hops(variant: str, n_devices: int) -> tuple[int, int]:
 
 
 def allreduce_schedule(label: str, n_elements: int, n_devices: int, minishards: int = 4,
-                       dtype_bytes: int = 2) -> Schedule:
+                       dtype_bytes: int = 2, pipelined: bool = True) -> Schedule:
     """What one device sends for one AllReduce of `n_elements` values of `dtype_bytes` bytes.
 
     Mirrors equarx's layout (padding to shards x minishards x 8x128 tiles, float32 scales per
-    minishard, one collective-permute per minishard per hop); XLA's psum is counted as a
-    bandwidth-optimal ring of 2 (N-1) steps, as equarx's accounting does.
+    minishard) and messages (pipelined: one collective-permute per minishard per chain and hop;
+    else one per chain and hop); XLA's psum is counted as a bandwidth-optimal ring of 2 (N-1)
+    steps, as equarx's accounting does.
     """
     if n_elements < 1 or n_devices < 1:
         raise ValueError(f"need n_elements >= 1 and n_devices >= 1, got {n_elements}, {n_devices}")
@@ -103,8 +104,10 @@ def allreduce_schedule(label: str, n_elements: int, n_devices: int, minishards: 
         total = 2 * phase(False)
     else:
         total = phase(phases in ("both", "rs")) + phase(phases in ("both", "ag"))
-    # One ppermute per minishard per chain per hop.
-    messages = 2 * all_hops * m if variant == "semi" else 2 * seq_hops * m
+    if variant == "semi":  # every chain carries every minishard
+        messages = 2 * all_hops * (m if pipelined else 1)
+    else:  # two chains (one if m == 1) share the minishards
+        messages = 2 * seq_hops * (m if pipelined else min(m, 2))
     return Schedule(messages, 2 * seq_hops, total)
 
 
@@ -169,6 +172,7 @@ class CommSample:
     link_gbit: float
     comm_s: float
     minishards: int = 4
+    pipelined: bool = True
 
 
 def fit_link(samples: Sequence[CommSample], shared: bool = True) -> Fit:
@@ -184,7 +188,8 @@ def fit_link(samples: Sequence[CommSample], shared: bool = True) -> Fit:
         raise ValueError(f"need at least 3 samples to fit 3 parameters, got {len(samples)}")
     rows, target = [], []
     for smp in samples:
-        s = allreduce_schedule(smp.label, smp.n_elements, smp.n_devices, smp.minishards)
+        s = allreduce_schedule(smp.label, smp.n_elements, smp.n_devices, smp.minishards,
+                               pipelined=smp.pipelined)
         per_byte = s.bytes_per_device * (smp.n_devices if shared else 1) / gbit_to_bytes_s(
             smp.link_gbit)
         rows.append([s.messages, 0.0 if s.xla_psum else per_byte, per_byte if s.xla_psum else 0.0])
@@ -221,13 +226,13 @@ def allreduces_per_prefill(num_layers: int) -> int:
 
 def predict_prefill_s(nolink_s: float, label: str, *, tokens: int, d_model: int, num_layers: int,
                       n_devices: int, link: LinkModel, minishards: int = 4,
-                      embed_psum: bool = True) -> float:
+                      embed_psum: bool = True, pipelined: bool = True) -> float:
     """Prefill seconds on `link`: measured no-link time plus the modelled communication.
 
     embed_psum: the model's vocabulary-parallel embedding lookup ends with one exact XLA psum
     of the same [tokens, d_model] shape, in every method's program.
     """
-    s = allreduce_schedule(label, tokens * d_model, n_devices, minishards)
+    s = allreduce_schedule(label, tokens * d_model, n_devices, minishards, pipelined=pipelined)
     t = nolink_s + allreduces_per_prefill(num_layers) * link.comm_time(s, n_devices)
     if embed_psum and n_devices > 1:
         t += link.comm_time(allreduce_schedule("bf16", tokens * d_model, n_devices), n_devices)
@@ -235,7 +240,8 @@ def predict_prefill_s(nolink_s: float, label: str, *, tokens: int, d_model: int,
 
 
 def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: int, d_model: int,
-                        num_layers: int, n_devices: int, fit: "Fit", minishards: int = 4) -> float:
+                        num_layers: int, n_devices: int, fit: "Fit", minishards: int = 4,
+                        pipelined: bool = True) -> float:
     """The link rate (Gbit/s, shared loopback) at which communication is `share` of the
     predicted prefill time of `label`: solves comm / (nolink + comm) = share for the rate."""
     if not 0 < share < 1:
@@ -243,7 +249,7 @@ def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: in
     want = share / (1 - share) * nolink_s  # seconds of communication
     fast, slow = fit.link(1e6), fit.link(1.0)  # latency only / latency + 1 Gbit/s of bytes
     kw = dict(tokens=tokens, d_model=d_model, num_layers=num_layers, n_devices=n_devices,
-              minishards=minishards)
+              minishards=minishards, pipelined=pipelined)
     latency = predict_prefill_s(0.0, label, link=fast, **kw)
     per_gbit = predict_prefill_s(0.0, label, link=slow, **kw) - latency  # seconds x Gbit/s
     if want <= latency:
@@ -253,7 +259,7 @@ def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: in
 
 def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: float, *,
                  d_model: int, num_layers: int, minishards: int = 4,
-                 baseline: str = "bf16") -> list[dict]:
+                 pipelined: bool = True, baseline: str = "bf16") -> list[dict]:
     """Add predicted_ms and predicted_speedup_vs_bf16 to benchmark rows.
 
     nolink_ms maps (length, batch, method) to the one-process median of the same program.
@@ -269,7 +275,8 @@ def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: flo
             tokens = r.get("bucket", r["length"]) * r["batch"]
             pred_ms[key] = 1e3 * predict_prefill_s(
                 nolink_ms[key] / 1e3, r["method"], tokens=tokens, d_model=d_model,
-                num_layers=num_layers, n_devices=r["tp"], link=link, minishards=minishards)
+                num_layers=num_layers, n_devices=r["tp"], link=link, minishards=minishards,
+                pipelined=pipelined)
     for r in rows:
         r = dict(r)
         key = (r["length"], r["batch"], r["method"])
