@@ -57,20 +57,17 @@ class ServerProcess:
                "--max-seq-len", str(max_seq_len), "--compile-cache-dir", str(cache_dir), *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.health_codes: list[int] = []
 
-    def wait_ready(self, deadline: float) -> None:
-        self.health_codes = []  # what /health answered while the model loaded and compiled
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                self.health_codes.append(httpx.get(self.url + "/health", timeout=2).status_code)
-                if self.health_codes[-1] == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"{self.name} not ready after {STARTUP_TIMEOUT}s:\n{self.tail()}")
+    def poll_ready(self) -> bool:
+        """One /health probe; records what it answered while the model loaded and compiled."""
+        if self.proc.poll() is not None:
+            pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+        try:
+            self.health_codes.append(httpx.get(self.url + "/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            return False
+        return self.health_codes[-1] == 200
 
     def tail(self) -> str:
         self.log.flush()
@@ -99,8 +96,12 @@ def servers(tmp_path_factory):
                         logs, cache, TP2_MAX_SEQ_LEN)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        tp1.wait_ready(deadline)
-        tp2.wait_ready(deadline)
+        waiting = [tp1, tp2]
+        while waiting:
+            waiting = [s for s in waiting if not s.poll_ready()]
+            if time.monotonic() > deadline:
+                pytest.fail(f"not ready after {STARTUP_TIMEOUT}s:\n" + "\n".join(s.tail() for s in waiting))
+            time.sleep(0.5)
         yield {"tp1": tp1, "tp2": tp2}
     finally:
         for s in (tp1, tp2):
