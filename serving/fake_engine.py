@@ -58,6 +58,7 @@ class FakeEngine:
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
         self.prompt_len = [0] * num_slots
         self.steps: list[tuple[str, int]] = []  # (kind, rows) of every step, for tests
+        self.prefill_buckets_used: list[int] = []
 
     def bucket_for(self, length: int) -> int:
         return next(b for b in self.info.prefill_buckets if b >= length)
@@ -67,6 +68,7 @@ class FakeEngine:
         b, bucket = inputs.tokens.shape
         assert bucket in self.info.prefill_buckets and b in self.info.batch_sizes_for(bucket), (b, bucket)
         self.steps.append(("prefill", b))
+        self.prefill_buckets_used.append(bucket)
         for row in range(b):
             n = int(inputs.lengths[row])
             self.slots[int(inputs.slots[row])] = [int(t) for t in inputs.tokens[row, :n]]

@@ -126,4 +126,5 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
 
 
 def _prefill_batch_sizes(config: ServerConfig) -> tuple[int, ...]:
+    # Two sizes: a lone arrival must not pay for a full batch, and a burst goes in one call.
     return tuple(sorted({1, min(config.prefill_batch, config.max_batch)}))

@@ -86,17 +86,19 @@ def test_continuous_batching_more_requests_than_slots(engine):
                                   for i in later_prefills)
 
 
-def test_prompts_sharing_a_bucket_are_prefilled_together(engine):
+def test_short_prompts_are_prefilled_together(engine):
+    texts = ["abc", "a longer one", "the longest: 20 chars"]  # buckets 8, 16 and 32
     s = Scheduler(engine).start()
     try:
-        cols = [Collector() for _ in range(3)]
-        s.submit([(prompt(f"abc{i}"), greedy(4), c) for i, c in enumerate(cols)])
+        cols = [Collector() for _ in texts]
+        s.submit([(prompt(t), greedy(4), c) for t, c in zip(texts, cols)])
         for c in cols:
             c.wait()
     finally:
         s.shutdown()
-    assert engine.steps[0] == ("prefill", 4)  # 3 prompts, padded to the batch size 4
-    assert [c.text for c in cols] == [expected(f"abc{i}", 4) for i in range(3)]
+    # One call for the 3 prompts: padded to the batch size 4 and to the longest prompt's bucket.
+    assert engine.steps[0] == ("prefill", 4) and engine.prefill_buckets_used[0] == 32
+    assert [c.text for c in cols] == [expected(t, 4) for t in texts]
 
 
 def test_long_prompts_are_prefilled_one_at_a_time(engine):
