@@ -1,0 +1,40 @@
+"""The serving benchmark's measurement code against a server with a known pace (the fake engine
+sleeps a fixed time per step), so its TTFT / TPOT / throughput arithmetic is checked."""
+import asyncio
+
+import pytest
+
+from eval.bench_serving import run_level, summarize
+from serving.config import ServerConfig
+from serving.fake_engine import FakeEngine
+from test_server_api import ServerThread
+
+STEP = 0.02
+
+
+@pytest.fixture(scope="module")
+def paced_server():
+    config = ServerConfig(model="fake", served_model_name="fake", max_batch=4, max_seq_len=256,
+                          compile_cache_dir="")
+    s = ServerThread(config, FakeEngine(num_slots=4, max_seq_len=256, step_delay=STEP, prefill_batch_sizes=(1, 4)))
+    yield s
+    s.stop()
+
+
+def test_summarize():
+    s = summarize([1.0, 2.0, 3.0, 10.0])
+    assert (s["mean"], s["median"], s["n"]) == (4.0, 2.5, 4) and 9.0 < s["p99"] <= 10.0
+    assert summarize([])["n"] == 0
+
+
+def test_levels_measure_the_engine_pace(paced_server):
+    lone = asyncio.run(run_level(paced_server.url, "fake", 1, 2, 10))
+    assert lone["requests"] == 2 and lone["output_tokens"] == 20
+    # One prefill step before the first token, then one decode step per token.
+    assert STEP <= lone["ttft_s"]["median"] < 4 * STEP
+    assert 0.8 * STEP < lone["tpot_s"]["median"] < 2 * STEP
+    assert lone["itl_s"]["n"] == 2 * 9
+    four = asyncio.run(run_level(paced_server.url, "fake", 4, 2, 10))
+    # Four streams share each step: about four times the throughput at the same TPOT.
+    assert four["output_tokens_per_s"] > 2.5 * lone["output_tokens_per_s"]
+    assert four["tpot_s"]["median"] < 2 * STEP
