@@ -145,28 +145,37 @@ def worker(params: dict) -> dict:
     return {"process": jax.process_index(), "rows": rows}
 
 
+def wire_s(row: dict, link_gbit: float) -> float:
+    """Lower bound on a shaped loopback: every device's bytes through the one shared token
+    bucket at the link rate, nothing else."""
+    return row["bytes_per_device"] * row["devices"] * 8 / (link_gbit * 1e9)
+
+
 def alpha_beta_s(unshaped_row: dict, link_gbit: float) -> float:
-    """Predicted time on a shaped loopback: the same run on the unshaped loopback (per-message
-    latency, quantization compute, process skew) plus every device's bytes through the one
-    shared token bucket at the link rate. The unshaped run's own transfer time is counted
-    twice; at several GB/s on the unshaped loopback that is a few percent at most."""
-    medium_bytes = unshaped_row["bytes_per_device"] * unshaped_row["devices"]
-    return unshaped_row["median"] + medium_bytes * 8 / (link_gbit * 1e9)
+    """Additive alpha-beta prediction on a shaped loopback: the same run on the unshaped
+    loopback (per-message latency, quantization and other host compute, process skew, the
+    kernel's own copies) plus the wire time. An upper bound where host work and transfers
+    overlap (other processes keep the link busy while one computes); the unshaped run's own
+    transfer time is counted twice, a few percent at most."""
+    return unshaped_row["median"] + wire_s(unshaped_row, link_gbit)
 
 
-def add_predictions(rows: list[dict], unshaped_rows: list[dict], link_gbit: float) -> None:
-    base = {(r["size_bytes"], r["method"]): r for r in unshaped_rows}
+def add_predictions(rows: list[dict], unshaped_rows: list[dict] | None, link_gbit: float) -> None:
+    """Adds wire_s to every row, and model_s where the unshaped run has the same row."""
+    base = {(r["size_bytes"], r["method"]): r for r in unshaped_rows or []}
     for r in rows:
+        r["wire_s"] = wire_s(r, link_gbit)
         ref = base.get((r["size_bytes"], r["method"]))
         if ref is not None and ref["devices"] == r["devices"]:
             r["model_s"] = alpha_beta_s(ref, link_gbit)
 
 
 def format_table(rows: list[dict]) -> str:
-    model = any("model_s" in r for r in rows)
+    extra = [k for k in ("wire_s", "model_s") if any(k in r for r in rows)]
+    names = {"wire_s": "wire ms", "model_s": "model ms"}
     head = (f"{'size':>8}  {'method':<10} {'median ms':>10} {'[min, max] ms':>18} "
             f"{'x bf16':>7} {'x ring':>7} {'bytes/dev':>11} {'/ideal':>7} {'MSE':>9}"
-            + (f" {'model ms':>9}" if model else ""))
+            + "".join(f" {names[k]:>9}" for k in extra))
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
@@ -180,7 +189,7 @@ def format_table(rows: list[dict]) -> str:
             f"{spread:>18} {r.get('speedup_vs_bf16', float('nan')):>7.2f} "
             f"{r.get('speedup_vs_bf16_ring', float('nan')):>7.2f} "
             f"{r['bytes_per_device']:>11.0f} {r['bytes_vs_ideal_bf16_ring']:>7.3f} {mse:>9}"
-            + (f" {r['model_s'] * 1e3:>9.2f}" if "model_s" in r else ""))
+            + "".join(f" {r[k] * 1e3:>9.2f}" if k in r else f" {'-':>9}" for k in extra))
     return "\n".join(lines)
 
 
@@ -201,7 +210,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--predict-from", default=None, metavar="UNSHAPED.json",
                    help="add the alpha-beta prediction from an unshaped run with as many "
                         "processes (model ms column)")
+    p.add_argument("--show", default=None, metavar="RUN.json",
+                   help="print a saved run's table (with --predict-from: and its model) instead "
+                        "of measuring")
     args = p.parse_args(argv)
+    if args.show:
+        with open(args.show) as f:
+            report = json.load(f)
+        link = report.get("link_gbit")
+        if link:
+            unshaped = None
+            if args.predict_from:
+                with open(args.predict_from) as f:
+                    unshaped = json.load(f)["rows"]
+            add_predictions(report["rows"], unshaped, link)
+        print(f"# {report['mode']}; {report['settings']}")
+        print(format_table(report["rows"]))
+        return report
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
@@ -229,11 +254,15 @@ def main(argv: list[str] | None = None) -> dict:
         jax.config.update("jax_num_cpu_devices", args.devices)
         rows = bench_on_mesh(**params)
         mode = f"1 process, {rows[0]['devices']} virtual CPU devices"
-    if args.predict_from:
-        with open(args.predict_from) as f:
-            add_predictions(rows, json.load(f)["rows"], args.link_gbit)
+    if args.link_gbit:
+        unshaped = None
+        if args.predict_from:
+            with open(args.predict_from) as f:
+                unshaped = json.load(f)["rows"]
+        add_predictions(rows, unshaped, args.link_gbit)
     report = {
-        "mode": mode, "settings": params, "jax": jax.__version__, "cpus": os.cpu_count(),
+        "mode": mode, "processes": args.processes, "link_gbit": args.link_gbit,
+        "settings": params, "jax": jax.__version__, "cpus": os.cpu_count(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
     }
     print(f"# {mode}; minishards={args.minishards}; pipelined={params['pipelined']}; "
