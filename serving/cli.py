@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from serving import distributed
 from serving.config import ServerConfig, add_arguments, from_sources
 
 log = logging.getLogger("serving")
@@ -58,16 +59,31 @@ def serve_main(argv: list[str] | None = None) -> None:
         description="OpenAI-compatible server for Gemma 3 with an optional int8 (EQuARX) AllReduce. "
                     "Settings also come from a config file (--config) or GEMMA3_* environment variables.")
     add_arguments(parser)
-    config = _config(parser, parser.parse_args(argv))
-    _use_cpu_devices(config.tp)
+    distributed.add_arguments(parser)
+    args = parser.parse_args(argv)
+    config = _config(parser, args, extra=distributed.FLAG_DESTS)
+    try:
+        group = distributed.settings_from(vars(args))
+        _use_cpu_devices(distributed.local_device_count(config.tp, group) if group.enabled else config.tp)
+    except ValueError as e:
+        parser.error(str(e))
     _setup_logging(config.log_level)
+    leader = None
+    if group.enabled:
+        # Before any other jax use. Processes other than 0 serve no HTTP: they follow its steps.
+        distributed.initialize(group)
+        import jax
+
+        if jax.process_index() != 0:
+            sys.exit(distributed.run_worker(config, group))
+        leader = distributed.leader_factory(group)
 
     import uvicorn
 
     from serving.api import create_app
     from serving.runtime import Runtime
 
-    runtime = Runtime(config)
+    runtime = Runtime(config, engine_factory=leader)
     app = create_app(runtime)
 
     class Server(uvicorn.Server):
@@ -98,6 +114,8 @@ def serve_main(argv: list[str] | None = None) -> None:
     runtime.start_loading()
     server.run()
     runtime.shutdown(drain_timeout=0.0)
+    if leader is not None and runtime.engine is not None:
+        runtime.engine.close()  # the other processes leave their step loops
     if failed:
         log.error("the model failed to load: %s", failed[0])
         sys.exit(1)

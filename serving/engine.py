@@ -140,7 +140,11 @@ class ModelEngine:
         self.cache = model.init_cache(num_slots, max_seq_len)
         # Sampling runs on one device: with tp > 1 the logits arrive split over the vocabulary, and
         # XLA's CPU top-k on a partitioned operand fails to compile (and would gather it anyway).
-        self._sample_device = model.mesh.devices.flat[0]
+        # With several processes (multi-host) each one samples on its own first device, from
+        # logits gathered to every process, so that all of them run the same programs.
+        self._sample_device = next(d for d in model.mesh.devices.flat if d.process_index == jax.process_index())
+        self._replicate = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
+            model.mesh, jax.sharding.PartitionSpec()))
         self._sample = jax.jit(sampling.sample)
         self._prompt_logprobs = jax.jit(sampling.prompt_logprobs)
         self._last_logits = jax.jit(_last_logits)
@@ -154,7 +158,7 @@ class ModelEngine:
         # The model places host arrays on its mesh itself (replicated).
         logits, self.cache = self.model.prefill(self.cache, inputs.tokens, inputs.lengths, inputs.slots,
                                                 return_all_logits=inputs.prompt_logprobs)
-        logits = self._jax.device_put(logits, self._sample_device)
+        logits = self._to_sample_device(logits)
         extra = ()
         if inputs.prompt_logprobs:
             extra = self._prompt_logprobs(logits, inputs.tokens)
@@ -164,9 +168,14 @@ class ModelEngine:
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
         logits, self.cache = self.model.decode_step(self.cache, inputs.tokens, inputs.positions)
-        logits = self._jax.device_put(logits, self._sample_device)
+        logits = self._to_sample_device(logits)
         out = self._sample(logits, inputs.sampling, inputs.positions + 1)
         return _to_host(self._jax, out, ())
+
+    def _to_sample_device(self, logits):
+        if not logits.is_fully_addressable:  # spread over processes: gather to all of them first
+            logits = self._replicate(logits).addressable_data(0)
+        return self._jax.device_put(logits, self._sample_device)
 
     def reset(self) -> None:
         """A fresh cache (after a failed step, whose donated cache may be gone)."""

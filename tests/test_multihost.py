@@ -1,0 +1,199 @@
+"""Multi-host serving: `gemma3-serve` as 2 processes on JAX's distributed runtime (gloo over
+127.0.0.1), tp=2 with one device in each process, the real Gemma 3 270M in float32.
+
+A real HTTP request to process 0 must return exactly the tokens of the single-process tp=2 model
+with the same AllReduce (computed here, in the test process, on 2 of its virtual devices), for the
+bf16 and the int8 AllReduce. Then the group must end cleanly on SIGTERM (bf16), and process 0 must
+exit with a clear error soon after process 1 is killed (int8).
+
+The wire format, settings and watchdog are checked without starting any process.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from serving import distributed as dist
+from serving.engine import DecodeInputs, PrefillInputs
+from serving.sampling import SlotSampling
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_SEQ_LEN = 32
+NEW_TOKENS = 6
+STARTUP_TIMEOUT = 600
+PEER_LOSS_DEADLINE = 30  # seconds process 0 may take to notice that process 1 is gone
+
+
+# ---- the step wire format, settings and watchdog ----
+
+def _sampling(n: int, rng) -> SlotSampling:
+    return SlotSampling(rng.random(n, dtype=np.float32), rng.integers(0, 50, n, dtype=np.int32),
+                        rng.random(n, dtype=np.float32), rng.integers(0, 2**32, n, dtype=np.uint32))
+
+
+def test_step_round_trip():
+    rng = np.random.default_rng(0)
+    pre = PrefillInputs(rng.integers(0, 262144, (2, 32), dtype=np.int32), np.array([5, 32], np.int32),
+                        np.array([1, 0], np.int32), _sampling(2, rng), True)
+    dec = DecodeInputs(rng.integers(0, 262144, 4, dtype=np.int32), np.array([3, 0, 31, 7], np.int32),
+                       _sampling(4, rng))
+    cap = dist.step_capacity(4, (16, 32), lambda b: (1, 2))
+    assert cap == 8 + 2 * 32 + 6 * 2
+    for kind, inputs in ((dist.PREFILL, pre), (dist.DECODE, dec)):
+        buf = dist.encode_step(kind, inputs, cap)
+        assert buf.shape == (cap,) and buf.dtype == np.int32
+        got_kind, got = dist.decode_step(buf)
+        assert got_kind == kind and type(got) is type(inputs)
+        for a, b in zip(got, inputs):
+            if isinstance(a, SlotSampling):
+                for x, y in zip(a, b):
+                    assert x.dtype == y.dtype and np.array_equal(x, y)  # bit-exact floats and seeds
+            else:
+                assert np.array_equal(a, b)
+    for kind in (dist.IDLE, dist.RESET, dist.SHUTDOWN):
+        assert dist.decode_step(dist.encode_step(kind, None, cap)) == (kind, None)
+    with pytest.raises(ValueError, match="exceeds the broadcast capacity"):
+        dist.encode_step(dist.PREFILL, pre, cap - 1)
+    bad = dist.encode_step(dist.DECODE, dec, cap)
+    bad[4] -= 1
+    with pytest.raises(ValueError, match="malformed step"):
+        dist.decode_step(bad)
+
+
+def test_settings_from_flags_and_env():
+    env = {"GEMMA3_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4", "GEMMA3_PROCESS_ID": "3"}
+    s = dist.settings_from({}, env)
+    assert (s.coordinator_address, s.num_processes, s.process_id, s.enabled) == ("10.0.0.2:1234", 4, 3, True)
+    s = dist.settings_from({"process_id": 1, "step_timeout": 20.0}, env)
+    assert s.process_id == 1 and s.step_timeout_s == 20.0 and s.heartbeat_s == 2.0
+    assert dist.local_device_count(16, s) == 4
+    assert not dist.settings_from({}, {}).enabled
+    assert dist.settings_from({"distributed": "auto"}, {}).enabled
+    with pytest.raises(ValueError, match="multiple of the number of processes"):
+        dist.local_device_count(6, s)
+    with pytest.raises(ValueError, match="process_id must be in"):
+        dist.settings_from({"process_id": 4}, env)
+    with pytest.raises(ValueError, match="need --coordinator-address"):
+        dist.settings_from({"num_processes": 2, "process_id": 1}, {})
+    with pytest.raises(ValueError, match="num_processes: cannot use"):
+        dist.settings_from({}, {**env, "JAX_NUM_PROCESSES": "two"})
+
+
+def test_watchdog_fires_only_when_armed_too_long():
+    exits = []
+    dog = dist.Watchdog(0.4, "testing", exit=exits.append)
+    dog.arm()
+    time.sleep(0.2)
+    dog.disarm()
+    time.sleep(0.6)
+    assert exits == []
+    dog.arm()
+    deadline = time.monotonic() + 5
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [dist.EXIT_PEER_LOST]
+    dog.close()
+
+
+# ---- two real processes ----
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_group(allreduce: str, log_dir: Path, cache_dir: Path):
+    port, coord = _free_port(), _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # One device per process: the test session's 8 virtual devices are not the servers' business.
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    procs = []
+    for pid in range(2):
+        cmd = [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
+               "--allreduce", allreduce, "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2",
+               "--prefill-batch", "1", "--compile-cache-dir", str(cache_dir),
+               "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(pid),
+               "--heartbeat-timeout", "10", "--step-timeout", "120"]
+        log = open(log_dir / f"{allreduce}-p{pid}.log", "w")
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    return f"http://127.0.0.1:{port}", procs
+
+
+def _wait_ready(url: str, procs) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        for i, (p, log) in enumerate(procs):
+            if p.poll() is not None:
+                pytest.fail(f"process {i} exited with {p.returncode}: {Path(log.name).read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail("the 2-process server did not become ready")
+
+
+def _reference(allreduce: str, ids: list[int]) -> list[int]:
+    from equarx import AllReduceConfig
+    from models.gemma3 import load_model
+
+    model = load_model("gemma3-270m", tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
+                       max_seq_len=MAX_SEQ_LEN)
+    return [int(t) for t in model.generate([ids], NEW_TOKENS)[0]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("allreduce", ["bf16", "int8"])
+def test_two_processes_match_one_process(allreduce, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp(f"multihost-{allreduce}")
+    cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
+    url, procs = _start_group(allreduce, log_dir, cache_dir)
+    try:
+        from models.gemma3.gguf import default_gguf_path
+        from models.gemma3.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf(default_gguf_path())
+        ids = [tok.bos_id] + tok.encode("The capital of France is")
+        want = _reference(allreduce, ids)  # while the servers start
+        _wait_ready(url, procs)
+        r = httpx.post(url + "/generate", json={"prompt_ids": ids, "max_tokens": NEW_TOKENS, "ignore_eos": True},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == want
+        health = httpx.get(url + "/health", timeout=5).json()
+        assert health["status"] == "ready" and health["tp"] == 2 and health["allreduce"]["method"] == allreduce
+
+        p0, p1 = procs[0][0], procs[1][0]
+        if allreduce == "bf16":
+            # Graceful: SIGTERM to process 0 ends the workers through the shutdown step.
+            p0.send_signal(signal.SIGTERM)
+            assert p0.wait(60) == 0
+            assert p1.wait(60) == 0
+        else:
+            p1.kill()
+            t0 = time.monotonic()
+            try:
+                code = p0.wait(PEER_LOSS_DEADLINE)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"process 0 still running {PEER_LOSS_DEADLINE}s after process 1 died")
+            log0 = Path(procs[0][1].name).read_text()
+            assert code == dist.EXIT_PEER_LOST, log0[-2000:]
+            assert "FATAL: multi-host serving failed in process 0 of 2" in log0
+            print(f"process 0 exited {time.monotonic() - t0:.1f}s after process 1 was killed")
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
