@@ -104,8 +104,11 @@ def _pieces(start: int, stop: int, pipelined: bool) -> tuple[tuple[int, int], ..
 
 def full_loop_chains(n_devices: int, n_minishards: int, pipelined: bool = True
                      ) -> tuple[list[Chain], list[Chain]]:
-    """(reduce-scatter chains, all-gather chains) of the full-loop ring, both directions."""
-    half = (n_minishards + 1) // 2
+    """(reduce-scatter chains, all-gather chains) of the full-loop ring, both directions.
+
+    With two devices the two directions are the same pair of links (each device's next is
+    also its previous), so a single chain already uses both, without a second message."""
+    half = n_minishards if n_devices == 2 else (n_minishards + 1) // 2
     ranges = [(0, half), (half, n_minishards)]
     chains = [Chain(s, n_devices - 1, _pieces(a, b, pipelined))
               for s, (a, b) in zip((+1, -1), ranges) if b > a]
