@@ -34,6 +34,9 @@ import time
 import numpy as np
 
 from eval import cost_model, prefill_report
+from serving import distributed
+
+GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
 DEFAULT_METHODS = "bf16,bf16_ring,int8-full"
 
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="write the report as JSON")
     p.add_argument("--plot", default=None, help="write a PNG of speedup against prompt length")
     p.add_argument("--no-tpu-prediction", action="store_true")
+    # One process of a multi-host group (e.g. each host of a TPU slice runs this command).
+    distributed.add_arguments(p, only=GROUP_FLAGS)
     args = p.parse_args(argv)
 
     from eval.bench_collective import parse_method
@@ -253,6 +258,14 @@ def main(argv: list[str] | None = None) -> dict:
     if (args.link_gbit == "third" or args.calibrate_only) and not (
             args.calibrate_gbit or args.calibration):
         p.error("--link-gbit third and --calibrate-only need --calibrate-gbit or --calibration")
+    try:
+        group = distributed.settings_from(vars(args))
+    except ValueError as e:
+        p.error(str(e))
+    if group.enabled and args.processes:
+        p.error("--processes launches local workers; --coordinator-address/--distributed join a group")
+    if group.enabled:
+        distributed.initialize(group)  # before any jax computation
     source, full_layers = model_source(args.model, args.layers)
     params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
                   iters=args.iters, warmup=args.warmup, minishards=args.minishards,
@@ -261,7 +274,15 @@ def main(argv: list[str] | None = None) -> dict:
               "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
               "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     baseline = None
-    if args.processes > 0:
+    if group.enabled:
+        import jax
+
+        result = worker(params)  # every process measures; process 0 reports
+        if jax.process_index() != 0:
+            return result
+        calibration = None
+        mode = f"{jax.process_count()} processes (jax.distributed, {jax.device_count()} devices)"
+    elif args.processes > 0:
         from eval import multiproc
         from eval.devices import ensure_cpu_devices
 

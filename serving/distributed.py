@@ -88,9 +88,11 @@ _FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
 FLAG_DESTS = tuple(_FLAGS)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser, only: tuple[str, ...] | None = None) -> None:
     group = parser.add_argument_group("multi-host (JAX distributed runtime)")
     for dest, (envs, kind, help) in _FLAGS.items():
+        if only is not None and dest not in only:
+            continue
         choices = ("auto", "off") if dest == "distributed" else None
         group.add_argument("--" + dest.replace("_", "-"), type=kind, default=None, choices=choices,
                            help=f"{help} (env {' or '.join(envs)})")

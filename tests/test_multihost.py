@@ -197,3 +197,35 @@ def test_two_processes_match_one_process(allreduce, tmp_path_factory):
                 p.kill()
                 p.wait()
             log.close()
+
+
+@pytest.mark.slow
+def test_bench_prefill_as_two_processes(tmp_path):
+    """eval.bench_prefill joined into a group by the same flags: both processes measure the tp=2
+    program spread over them; process 0 writes the report."""
+    coord = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    procs = []
+    for pid in range(2):
+        cmd = [sys.executable, "-m", "eval.bench_prefill", "--model", "random:tiny", "--tp", "2",
+               "--lengths", "16", "--allreduce", "int8-full", "--iters", "1", "--no-tpu-prediction",
+               "--out", str(tmp_path / f"report{pid}.json"), "--coordinator-address", f"127.0.0.1:{coord}",
+               "--num-processes", "2", "--process-id", str(pid)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    import json
+
+    report = json.loads((tmp_path / "report0.json").read_text())
+    assert not (tmp_path / "report1.json").exists()
+    assert report["mode"].startswith("2 processes (jax.distributed, 2 devices)")
+    [row] = report["rows"]
+    assert row["method"] == "int8-full" and row["tp"] == 2 and row["median_ms"] > 0
