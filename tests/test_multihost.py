@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -144,13 +145,14 @@ def _wait_ready(url: str, procs) -> None:
     pytest.fail("the 2-process server did not become ready")
 
 
-def _reference(allreduce: str, ids: list[int]) -> list[int]:
+def _reference(allreduce: str, prompts: list[list[int]]) -> list[list[int]]:
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
 
     model = load_model("gemma3-270m", tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
                        max_seq_len=MAX_SEQ_LEN)
-    return [int(t) for t in model.generate([ids], NEW_TOKENS)[0]]
+    # One prompt per call: the same compiled programs for both.
+    return [[int(t) for t in model.generate([ids], NEW_TOKENS)[0]] for ids in prompts]
 
 
 @pytest.mark.slow
@@ -164,13 +166,20 @@ def test_two_processes_match_one_process(allreduce, tmp_path_factory):
         from models.gemma3.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf(default_gguf_path())
-        ids = [tok.bos_id] + tok.encode("The capital of France is")
-        want = _reference(allreduce, ids)  # while the servers start
+        prompts = [[tok.bos_id] + tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+        want = _reference(allreduce, prompts)  # while the servers start
         _wait_ready(url, procs)
-        r = httpx.post(url + "/generate", json={"prompt_ids": ids, "max_tokens": NEW_TOKENS, "ignore_eos": True},
-                       timeout=120)
-        assert r.status_code == 200, r.text
-        assert r.json()["token_ids"] == want
+
+        def ask(ids):
+            r = httpx.post(url + "/generate", json={"prompt_ids": ids, "max_tokens": NEW_TOKENS, "ignore_eos": True},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["token_ids"]
+
+        # Two requests at once: both decode slots in use, in steps every process must follow.
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ask, prompts))
+        assert got == want
         health = httpx.get(url + "/health", timeout=5).json()
         assert health["status"] == "ready" and health["tp"] == 2 and health["allreduce"]["method"] == allreduce
 

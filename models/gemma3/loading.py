@@ -72,23 +72,46 @@ def config_for_official_tree(tree: dict, config: Gemma3Config | None) -> Gemma3C
 # Placement
 
 
+def storage_dtype(dtype, mesh: Mesh):
+    """dtype in which layer weights and KV caches are held (the embedding is held in `dtype`).
+
+    float32 for bfloat16 models on CPU: XLA:CPU's bfloat16 matmuls run several times slower than
+    float32 ones at decode sizes, and it upcasts whole bfloat16 operands around slicing and
+    scatter inside loops. The float32 arrays hold bfloat16-rounded values, so the model's
+    numerics are exactly those of bfloat16 (products of bf16 values are exact in float32, and
+    every result is rounded to bfloat16 as before), for twice the memory of those tensors.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def _leaf_dtypes(dtype, mesh: Mesh) -> tuple[np.dtype, np.dtype]:
+    """(dtype of the embedding, dtype of every other weight)."""
+    return np.dtype(dtype), np.dtype(storage_dtype(dtype, mesh))
+
+
 def place_official(tree: dict, c: Gemma3Config, dtype, mesh: Mesh, tp: int) -> Weights:
     """Sharded Weights from an official tree of host arrays, one device shard at a time."""
     shardings = named(mesh, weight_specs(c, tp))
-    np_dtype = np.dtype(dtype)
+    embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
     prefixes = part_prefixes(c)
 
     def make(part, field, shape):
+        np_dtype = embed_dtype if part == "embed" else layer_dtype
         prefix = prefixes[part] if field else ()
         sharding = getattr(getattr(shardings, part), field) if field else getattr(shardings, part)
 
         def shard(index):
             rest = index[len(prefix):]
             if not prefix:
-                return np.asarray(official_tensor(tree, c, part, None)[rest], np_dtype)
+                arr = np.asarray(official_tensor(tree, c, part, None)[rest], embed_dtype)
+                return arr.astype(np_dtype)
             layers = [np.asarray(official_tensor(tree, c, part, field, i))[rest]
                       for i in np.ndindex(*prefix)]
-            return np.stack(layers).astype(np_dtype).reshape(prefix + layers[0].shape)
+            stacked = np.stack(layers).astype(embed_dtype).astype(np_dtype)  # round to dtype
+            return stacked.reshape(prefix + layers[0].shape)
 
         return jax.make_array_from_callback(shape, sharding, shard)
 
@@ -105,7 +128,7 @@ def random_weights(c: Gemma3Config, dtype, mesh: Mesh, tp: int, seed: int = 0) -
     Norm scales get small random values so that the (1 + scale) path is exercised.
     """
     shardings = named(mesh, weight_specs(c, tp))
-    np_dtype = np.dtype(dtype)
+    embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
     prefixes = part_prefixes(c)
     fan_in = {"embed": c.d_model, "q": c.d_model, "kv": c.d_model,
               "o": c.num_heads * c.head_dim, "gating": c.d_model, "linear": c.ffn_hidden}
@@ -140,7 +163,8 @@ def random_weights(c: Gemma3Config, dtype, mesh: Mesh, tp: int, seed: int = 0) -
             start, stop, _ = rest[axis].indices(size)
             keep = tuple(slice(None) if i == axis else s for i, s in enumerate(rest))
             layers = [draw(layer, start, stop)[keep] for layer in range(int(np.prod(prefix)))]
-            return np.stack(layers).reshape(prefix + layers[0].shape).astype(np_dtype)
+            stacked = np.stack(layers).reshape(prefix + layers[0].shape).astype(embed_dtype)
+            return stacked if part == "embed" else stacked.astype(layer_dtype)
 
         return jax.make_array_from_callback(shape, sharding, shard)
 
@@ -198,11 +222,17 @@ def restore_checkpoint(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Me
     import orbax.checkpoint as ocp
 
     shardings = named(mesh, weight_specs(c, tp))
-    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
-                          weight_shapes(c, dtype), shardings)
+    embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
+    dtypes = map_weights(c, lambda part, field, shape: embed_dtype if part == "embed"
+                         else layer_dtype)
+    target = jax.tree.map(lambda s, sh, dt: jax.ShapeDtypeStruct(s.shape, dt, sharding=sh),
+                          weight_shapes(c, dtype), shardings, dtypes)
     with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(Path(path).absolute() / PARAMS_DIR, _to_tree(target))
-    return _from_tree(tree)
+        weights = _from_tree(ckptr.restore(Path(path).absolute() / PARAMS_DIR, _to_tree(target)))
+    if layer_dtype != embed_dtype:  # a float32 checkpoint restored for bfloat16 numerics
+        weights = jax.jit(lambda w: jax.tree.map(lambda a: a.astype(embed_dtype).astype(a.dtype), w),
+                          out_shardings=shardings, donate_argnums=0)(weights)
+    return weights
 
 
 def read_official_checkpoint(path: str | os.PathLike) -> dict:

@@ -21,8 +21,8 @@ AXIS = "tp"
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "d_model"),
     "final_norm": ("d_model",),
-    "q": ("heads", "d_model", "head_dim"),
-    "kv": (None, "kv_heads", "d_model", "head_dim"),
+    "q": ("d_model", "heads", "head_dim"),
+    "kv": ("d_model", None, "kv_heads", "head_dim"),
     "o": ("heads", "head_dim", "d_model"),
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
@@ -30,7 +30,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "post_attn_norm": ("d_model",),
     "pre_ffw_norm": ("d_model",),
     "post_ffw_norm": ("d_model",),
-    "gating": (None, "ffn", "d_model"),
+    "gating": ("d_model", None, "ffn"),
     "linear": ("ffn", "d_model"),
 }
 CACHE_AXES: tuple[str, ...] = ("slots", "seq", "cache_heads", "head_dim")

@@ -1,7 +1,9 @@
-"""The parameter pytree: official per-tensor layouts, layers stacked in (5 local + 1 global) groups.
+"""The parameter pytree: layers stacked in (5 local + 1 global) groups, matmul-friendly layouts.
 
-Each tensor keeps the official Gemma layout (`q_einsum/w [N, D, H]`, `kv_einsum/w [2, K, D, H]`,
-`gating_einsum [2, F, D]`, ...), so converting from official checkpoints is a pure re-stacking.
+Each projection is stored with its contracted dimension first ([D, N, H] for the query
+projection instead of the official [N, D, H], ...), the layout matmul kernels read without a
+transpose: with the official layouts XLA:CPU copied the q, kv and gating weights into that
+order on every step. Conversion from and to the official tree is a fixed transpose per tensor.
 Layers are stacked so that the forward pass can `lax.scan` over them:
   local   [G, 5, ...]  the 5 sliding-window layers of each of the G = num_layers // 6 groups
   global_ [G, ...]     the global layer closing each group
@@ -27,8 +29,8 @@ Array = Any  # jax.Array, np.ndarray, or a ShapeDtypeStruct / PartitionSpec in p
 class LayerWeights:
     """One transformer block (or a stack of them, with leading layer dims)."""
 
-    q: Array  # [*L, N, D, H]      official attn/q_einsum/w
-    kv: Array  # [*L, 2, K, D, H]  official attn/kv_einsum/w (keys, values)
+    q: Array  # [*L, D, N, H]      official attn/q_einsum/w [N, D, H]
+    kv: Array  # [*L, D, 2, K, H]  official attn/kv_einsum/w [2, K, D, H] (keys, values)
     o: Array  # [*L, N, H, D]      official attn/attn_vec_einsum/w
     q_norm: Array  # [*L, H]
     k_norm: Array  # [*L, H]
@@ -36,7 +38,7 @@ class LayerWeights:
     post_attn_norm: Array  # [*L, D]
     pre_ffw_norm: Array  # [*L, D]
     post_ffw_norm: Array  # [*L, D]
-    gating: Array  # [*L, 2, F, D]  official mlp/gating_einsum (gate, up)
+    gating: Array  # [*L, D, 2, F]  official mlp/gating_einsum [2, F, D] (gate, up)
     linear: Array  # [*L, F, D]     official mlp/linear (down projection)
 
 
@@ -65,14 +67,30 @@ OFFICIAL_LAYER_PATHS: dict[str, tuple[str, ...]] = {
     "linear": ("mlp", "linear"),
 }
 LAYER_FIELDS = tuple(OFFICIAL_LAYER_PATHS)
+# Our layout = np.transpose(official, FROM_OFFICIAL[field]) (identity for other fields).
+FROM_OFFICIAL: dict[str, tuple[int, ...]] = {"q": (1, 0, 2), "kv": (2, 0, 1, 3), "gating": (2, 0, 1)}
 
 
-def layer_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
-    """Shape of every tensor of one block."""
+def from_official(field: str | None, x):
+    return np.transpose(x, FROM_OFFICIAL[field]) if field in FROM_OFFICIAL else x
+
+
+def to_official(field: str | None, x):
+    return np.transpose(x, np.argsort(FROM_OFFICIAL[field])) if field in FROM_OFFICIAL else x
+
+
+def official_layer_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of one block in the official tree."""
     N, K, D, H, F = c.num_heads, c.num_kv_heads, c.d_model, c.head_dim, c.ffn_hidden
     return {"q": (N, D, H), "kv": (2, K, D, H), "o": (N, H, D), "q_norm": (H,), "k_norm": (H,),
             "pre_attn_norm": (D,), "post_attn_norm": (D,), "pre_ffw_norm": (D,),
             "post_ffw_norm": (D,), "gating": (2, F, D), "linear": (F, D)}
+
+
+def layer_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of one block, in our layout."""
+    return {f: tuple(from_official(f, np.empty(s, np.int8)).shape)
+            for f, s in official_layer_shapes(c).items()}
 
 
 def part_prefixes(c: Gemma3Config) -> dict[str, tuple[int, ...] | None]:
@@ -168,7 +186,7 @@ def _lookup(tree: dict, path: tuple[str, ...]):
 
 def official_tensor(tree: dict, c: Gemma3Config, part: str, field: str | None,
                     index: tuple[int, ...] = ()) -> np.ndarray:
-    """The official array behind one of our tensors (one layer of a stacked part)."""
+    """One of our tensors (one layer of a stacked part) from the official tree, in our layout."""
     if part == "embed":
         path = ("embedder", "input_embedding")
     elif part == "final_norm":
@@ -176,7 +194,7 @@ def official_tensor(tree: dict, c: Gemma3Config, part: str, field: str | None,
     else:
         path = (f"layer_{int(layers_of_part(c, part)[index])}", *OFFICIAL_LAYER_PATHS[field])
     try:
-        return _lookup(tree, path)
+        return from_official(field, np.asarray(_lookup(tree, path)))
     except KeyError:
         raise KeyError(f"official parameter tree has no {'/'.join(path)}") from None
 
@@ -186,7 +204,7 @@ def check_official_tree(tree: dict, c: Gemma3Config) -> None:
     expected = {("embedder", "input_embedding"): (c.vocab_size, c.d_model),
                 ("final_norm", "scale"): (c.d_model,)}
     for i in range(c.num_layers):
-        for field, shape in layer_shapes(c).items():
+        for field, shape in official_layer_shapes(c).items():
             expected[(f"layer_{i}", *OFFICIAL_LAYER_PATHS[field])] = shape
     for path, shape in expected.items():
         try:
@@ -219,7 +237,7 @@ def iter_official(weights: Weights, c: Gemma3Config) -> Iterator[tuple[tuple[str
         part, idx = layer_location(c, i)
         stacked = getattr(weights, part)
         for field, path in OFFICIAL_LAYER_PATHS.items():
-            yield (f"layer_{i}", *path), getattr(stacked, field)[idx]
+            yield (f"layer_{i}", *path), to_official(field, np.asarray(getattr(stacked, field)[idx]))
 
 
 def to_official_tree(weights: Weights, c: Gemma3Config) -> dict:
