@@ -79,7 +79,8 @@ _FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
     "num_processes": (("GEMMA3_NUM_PROCESSES", "JAX_NUM_PROCESSES"), int, "processes in the group"),
     "process_id": (("GEMMA3_PROCESS_ID", "JAX_PROCESS_ID"), int, "this process's index (0 serves HTTP)"),
     "distributed": (("GEMMA3_DISTRIBUTED",), str,
-                    "'auto': let jax detect the cluster (Cloud TPU VM slice); 'off' (default)"),
+                    "'auto': let jax detect the cluster (Cloud TPU VM slice; the default when "
+                    "TPU_WORKER_HOSTNAMES lists several hosts); 'off'"),
     "heartbeat_timeout": (("GEMMA3_HEARTBEAT_TIMEOUT",), int,
                           "seconds after which a silent process counts as dead (default 30)"),
     "step_timeout": (("GEMMA3_STEP_TIMEOUT",), float,
@@ -111,7 +112,10 @@ def settings_from(values: Mapping[str, object], env: Mapping[str, str] | None = 
                 merged[dest] = kind(v)
             except ValueError:
                 raise ValueError(f"{dest}: cannot use {v!r}") from None
-    mode = merged.pop("distributed", "off")
+    # GKE and some TPU VM images name every host of the slice: several hosts means multi-host.
+    multi_host_tpu = len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1
+    default = "auto" if multi_host_tpu and "coordinator_address" not in merged else "off"
+    mode = merged.pop("distributed", default)
     if mode not in ("auto", "off"):
         raise ValueError(f"distributed must be 'auto' or 'off', got {mode!r}")
     kw = {}

@@ -77,6 +77,9 @@ def test_settings_from_flags_and_env():
     assert dist.local_device_count(16, s) == 4
     assert not dist.settings_from({}, {}).enabled
     assert dist.settings_from({"distributed": "auto"}, {}).enabled
+    assert dist.settings_from({}, {"TPU_WORKER_HOSTNAMES": "t1v-0,t1v-1"}).auto
+    assert not dist.settings_from({}, {"TPU_WORKER_HOSTNAMES": "t1v-0"}).enabled
+    assert not dist.settings_from({"distributed": "off"}, {"TPU_WORKER_HOSTNAMES": "a,b"}).enabled
     with pytest.raises(ValueError, match="multiple of the number of processes"):
         dist.local_device_count(6, s)
     with pytest.raises(ValueError, match="process_id must be in"):
