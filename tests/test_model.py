@@ -35,10 +35,10 @@ def test_weights_are_sharded_over_tp(tiny):
     m = tiny[4]
     embed_shards = m.weights.embed.addressable_shards
     assert len(embed_shards) == 4 and embed_shards[0].data.shape == (512 // 4, 64)
-    q = m.weights.local.q  # [G, 5, N, D, H]: heads split
-    assert q.addressable_shards[0].data.shape == (1, 5, 1, 64, 16)
-    gating = m.weights.global_.gating  # [G, 2, F, D]: FFN hidden split
-    assert gating.addressable_shards[0].data.shape == (1, 2, 128 // 4, 64)
+    q = m.weights.local.q  # [G, 5, D, N, H]: heads split
+    assert q.addressable_shards[0].data.shape == (1, 5, 64, 1, 16)
+    gating = m.weights.global_.gating  # [G, D, 2, F]: FFN hidden split
+    assert gating.addressable_shards[0].data.shape == (1, 64, 2, 128 // 4)
     # 2 KV heads on 4 devices: the projection is replicated, the cache is still split.
     assert m.weights.tail.kv.addressable_shards[0].data.shape == m.weights.tail.kv.shape
     cache = m.init_cache(num_slots=3, max_seq_len=32)
