@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -80,10 +81,34 @@ def _p90(samples: list[float]) -> float:
     return float(np.percentile(samples, 90))
 
 
+def set_link(gbit: float) -> None:
+    """Change the rate of this network namespace's shaped loopback (run inside the namespace
+    eval.multiproc made; same token bucket settings as it uses)."""
+    subprocess.run(["tc", "qdisc", "change", "dev", "lo", "root", "tbf", "rate", f"{gbit}gbit",
+                    "burst", "256kb", "latency", "50ms"], check=True)
+
+
+def _switch_link(gbit: float, tag: str) -> None:
+    """Every process waits, process 0 changes the rate, every process waits again."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(f"before {tag}")
+    if jax.process_index() == 0:
+        set_link(gbit)
+    multihost_utils.sync_global_devices(f"after {tag}")
+
+
 def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[str],
             iters: int, warmup: int = 1, minishards: int = 4, pipelined: bool = True,
-            dtype: str = "bfloat16", seed: int = 0, log=print) -> dict:
-    """Time every method at every length on the first `tp` devices; returns rows + facts."""
+            dtype: str = "bfloat16", seed: int = 0, links: list[float] | None = None,
+            log=print) -> dict:
+    """Time every method at every length on the first `tp` devices; returns rows + facts.
+
+    links: in a shaped namespace, the link rates (Gbit/s) to alternate between within every
+    iteration (e.g. a fast base link and the target link), so that the rows at both rates are
+    measured in the same minutes of a shared machine. Rows then carry `link_gbit`.
+    """
     import jax
 
     from eval.bench_collective import parse_method
@@ -94,6 +119,7 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
         raise ValueError(f"need iters >= 1, warmup >= 0, batch >= 1; got {iters}, {warmup}, "
                          f"{batch}")
     configs = {m: parse_method(m, minishards, pipelined) for m in methods}
+    link_list = list(links) if links else [None]
     t0 = time.perf_counter()
     base = load_model(source, tp=tp, allreduce=configs[methods[0]], dtype=dtype,
                       max_seq_len=max(lengths), devices=jax.devices()[:tp], seed=seed,
@@ -125,23 +151,30 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
         for m in methods:
             for _ in range(warmup):
                 call(m)
-        times = {m: [] for m in methods}
+        times = {(lk, m): [] for lk in link_list for m in methods}
         for i in range(iters):
-            for m in methods[i % len(methods):] + methods[:i % len(methods)]:
-                t0 = time.perf_counter()
-                call(m)
-                times[m].append(time.perf_counter() - t0)
-        log(f"  length {length}: " + ", ".join(
-            f"{m} {1e3 * statistics.median(times[m]):.1f} ms" for m in methods))
-        for m in methods:
-            row = {"length": length, "bucket": bucket, "batch": batch, "tp": tp, "method": m,
-                   "label": configs[m].label, "median_ms": 1e3 * statistics.median(times[m]),
-                   "p90_ms": 1e3 * _p90(times[m]), "times_ms": [1e3 * t for t in times[m]],
-                   "wire_bytes": wire[m], "compile_s": compile_s[m]}
-            for ref in ("bf16", "bf16_ring"):
-                row[f"speedup_vs_{ref}"] = (statistics.median(
-                    a / b for a, b in zip(times[ref], times[m])) if ref in times else None)
-            rows.append(row)
+            for lk in link_list:
+                if lk is not None and len(link_list) > 1:
+                    _switch_link(lk, f"{length}/{i}/{lk}")
+                for m in methods[i % len(methods):] + methods[:i % len(methods)]:
+                    t0 = time.perf_counter()
+                    call(m)
+                    times[lk, m].append(time.perf_counter() - t0)
+        for lk in link_list:
+            log(f"  length {length}" + (f" at {lk} Gbit/s" if lk else "") + ": " + ", ".join(
+                f"{m} {1e3 * statistics.median(times[lk, m]):.1f} ms" for m in methods))
+            for m in methods:
+                t = times[lk, m]
+                row = {"length": length, "bucket": bucket, "batch": batch, "tp": tp, "method": m,
+                       "label": configs[m].label, "median_ms": 1e3 * statistics.median(t),
+                       "p90_ms": 1e3 * _p90(t), "times_ms": [1e3 * v for v in t],
+                       "wire_bytes": wire[m], "compile_s": compile_s[m]}
+                if lk is not None:
+                    row["link_gbit"] = lk
+                for ref in ("bf16", "bf16_ring"):
+                    row[f"speedup_vs_{ref}"] = (statistics.median(
+                        a / b for a, b in zip(times[lk, ref], t)) if ref in methods else None)
+                rows.append(row)
         del compiled, caches
     c = base.config
     return {"config": {"name": c.name, "num_layers": c.num_layers, "d_model": c.d_model,
@@ -225,6 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="shape the loopback to this many Gbit/s (root), or 'third': the rate at "
                         "which the calibrated model puts bf16 communication at 1/3 of prefill "
                         "at the longest length")
+    p.add_argument("--base-link-gbit", type=float, default=None,
+                   help="with --link-gbit X: alternate every iteration between this (fast) rate "
+                        "and X, and predict the X rows from the fast rows of the same run")
     p.add_argument("--baseline", default=None, help="one-process JSON of the same settings")
     p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
     p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
@@ -273,34 +309,32 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit},
               "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
               "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    baseline = None
+    baseline, calibration, fit = None, None, None
     if group.enabled:
         import jax
 
         result = worker(params)  # every process measures; process 0 reports
         if jax.process_index() != 0:
             return result
-        calibration = None
         mode = f"{jax.process_count()} processes (jax.distributed, {jax.device_count()} devices)"
     elif args.processes > 0:
         from eval import multiproc
         from eval.devices import ensure_cpu_devices
 
         ensure_cpu_devices(args.tp)  # the one-process runs below use tp virtual devices
+        paired = args.base_link_gbit is not None and args.link_gbit is not None
         if args.baseline:
             with open(args.baseline) as f:
                 baseline = json.load(f)
-        else:
+        elif args.link_gbit == "third" or (args.link_gbit is not None and not paired):
             print("# one-process run first (compute + quantization, no link) ...")
             baseline = _one_process(params)
-        calibration = None
         if args.calibration:
             with open(args.calibration) as f:
                 calibration = json.load(f)["cost_model"]["calibration"]
         elif args.calibrate_gbit:
             # The messages the prefill's AllReduces carry: batch x padded bucket x d_model.
-            d_model = baseline["config"]["d_model"]
-            buckets = sorted({r["bucket"] for r in baseline["rows"]})
+            d_model, buckets = _message_shape(source, lengths)
             calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
                                     [args.batch * b * d_model for b in buckets], methods,
                                     args.minishards, args.calibration_repeats,
@@ -311,45 +345,41 @@ def main(argv: list[str] | None = None) -> dict:
             except ValueError as e:  # e.g. messages inside the token bucket's burst
                 raise SystemExit(f"cannot fit the link model: {e}; calibration samples: "
                                  f"{json.dumps(calibration['samples'])}")
-            third = _link_for_third(baseline, fit, baseline["config"], args)
             print(f"# cost model fit: {fit.describe()}")
+            third = _link_for_third(baseline, fit, baseline["config"], args) if baseline else None
             if third:
                 print(f"# link at which {third['method']} communication is 1/3 of prefill at "
                       f"length {third['length']}: {third['gbit']:.3g} Gbit/s")
             if args.link_gbit == "third":
                 args.link_gbit = round(third["gbit"], 3)
                 report["settings"]["link_gbit"] = args.link_gbit
+            report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
+                                    "calibration": calibration, "link_gbit_for_third": third}
             if args.calibrate_only:
-                report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
-                                        "calibration": calibration, "link_gbit_for_third": third}
                 if args.out:
                     with open(args.out, "w") as f:
                         json.dump(report, f, indent=1)
                 return report
+        links = [args.base_link_gbit, args.link_gbit] if paired else None
         print(f"# {args.processes} processes ...")
-        results = multiproc.run("eval.bench_prefill:worker", args.processes, args=(params,),
-                                link_gbit=args.link_gbit)
+        results = multiproc.run("eval.bench_prefill:worker", args.processes,
+                                args=({**params, "links": links},), link_gbit=args.link_gbit)
         result = results[0]
         for row, *others in zip(result["rows"], *(r["rows"] for r in results[1:])):
             row["median_ms_by_process"] = [row["median_ms"]] + [o["median_ms"] for o in others]
         mode = f"{args.processes} processes (gloo over TCP on 127.0.0.1"
-        mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
+        if paired:
+            mode += (f", loopback shaped to {args.link_gbit} Gbit/s, alternating every "
+                     f"iteration with {args.base_link_gbit} Gbit/s)")
+        else:
+            mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
     else:
         result = _one_process(params)
-        calibration = None
         mode = f"1 process, {args.tp} virtual CPU devices"
     rows = result["rows"]
     cfg = result["config"]
-    if baseline is not None and calibration is not None and args.link_gbit:
-        fit = fit_from(calibration)
-        nolink = {(r["length"], r["batch"], r["method"]): r["median_ms"] for r in baseline["rows"]}
-        rows = cost_model.predict_rows(rows, nolink, fit, args.link_gbit,
-                                       d_model=cfg["d_model"], num_layers=cfg["num_layers"],
-                                       minishards=args.minishards,
-                                       pipelined=not args.one_message_per_hop)
-        report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
-                                "calibration": calibration,
-                                "link_gbit_for_third": _link_for_third(baseline, fit, cfg, args)}
+    if fit is not None and args.link_gbit:
+        rows = _predict(rows, baseline, fit, cfg, args)
     report.update(mode=mode, model=source, config=cfg, full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
@@ -369,6 +399,40 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         prefill_report.plot(report, args.plot)
     return report
+
+
+def _predict(rows: list[dict], baseline: dict | None, fit: cost_model.Fit, cfg: dict,
+             args) -> list[dict]:
+    """Predictions for the rows at the target link, from the fast-link rows of the same run
+    (--base-link-gbit) or else from the one-process run."""
+    if args.base_link_gbit is not None:
+        base_rows = [r for r in rows if r.get("link_gbit") == args.base_link_gbit]
+    else:
+        base_rows = baseline["rows"]
+    base_ms = {(r["length"], r["batch"], r["method"]): r["median_ms"] for r in base_rows}
+    target = [r for r in rows if r.get("link_gbit", args.link_gbit) == args.link_gbit]
+    predicted = cost_model.predict_rows(
+        target, base_ms, fit, args.link_gbit, d_model=cfg["d_model"],
+        num_layers=cfg["num_layers"], minishards=args.minishards,
+        pipelined=not args.one_message_per_hop, base_gbit=args.base_link_gbit)
+    by_id = {id(r): p for r, p in zip(target, predicted)}
+    return [by_id.get(id(r), r) for r in rows]
+
+
+def _message_shape(source: str, lengths: list[int]) -> tuple[int, list[int]]:
+    """(d_model, padded bucket of each length) without loading the model."""
+    from models.gemma3 import get_config
+    from models.gemma3.api import prefill_buckets
+
+    if source.startswith("random:"):
+        d_model = get_config(source.removeprefix("random:")).d_model
+    else:
+        from models.gemma3.gguf import default_gguf_path, read_gguf_config
+
+        path = default_gguf_path() if source == "gemma3-270m" else source
+        d_model = read_gguf_config(path)["d_model"]
+    buckets = prefill_buckets(max(lengths))
+    return d_model, sorted({next(b for b in buckets if b >= n) for n in lengths})
 
 
 def _link_for_third(baseline: dict, fit: cost_model.Fit, cfg: dict, args) -> dict | None:

@@ -226,17 +226,25 @@ def allreduces_per_prefill(num_layers: int) -> int:
 
 def predict_prefill_s(nolink_s: float, label: str, *, tokens: int, d_model: int, num_layers: int,
                       n_devices: int, link: LinkModel, minishards: int = 4,
-                      embed_psum: bool = True, pipelined: bool = True) -> float:
+                      embed_psum: bool = True, pipelined: bool = True,
+                      base_link: LinkModel | None = None) -> float:
     """Prefill seconds on `link`: measured no-link time plus the modelled communication.
 
     embed_psum: the model's vocabulary-parallel embedding lookup ends with one exact XLA psum
     of the same [tokens, d_model] shape, in every method's program.
+    base_link: `nolink_s` was measured on this link rather than without one; its modelled
+    communication is taken out.
     """
     s = allreduce_schedule(label, tokens * d_model, n_devices, minishards, pipelined=pipelined)
-    t = nolink_s + allreduces_per_prefill(num_layers) * link.comm_time(s, n_devices)
-    if embed_psum and n_devices > 1:
-        t += link.comm_time(allreduce_schedule("bf16", tokens * d_model, n_devices), n_devices)
-    return t
+    embed = allreduce_schedule("bf16", tokens * d_model, n_devices)
+
+    def comm(lk: LinkModel) -> float:
+        t = allreduces_per_prefill(num_layers) * lk.comm_time(s, n_devices)
+        if embed_psum and n_devices > 1:
+            t += lk.comm_time(embed, n_devices)
+        return t
+
+    return nolink_s + comm(link) - (comm(base_link) if base_link is not None else 0.0)
 
 
 def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: int, d_model: int,
@@ -259,13 +267,16 @@ def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: in
 
 def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: float, *,
                  d_model: int, num_layers: int, minishards: int = 4,
-                 pipelined: bool = True, baseline: str = "bf16") -> list[dict]:
+                 pipelined: bool = True, baseline: str = "bf16",
+                 base_gbit: float | None = None) -> list[dict]:
     """Add predicted_ms and predicted_speedup_vs_bf16 to benchmark rows.
 
-    nolink_ms maps (length, batch, method) to the one-process median of the same program.
+    nolink_ms maps (length, batch, method) to the one-process median of the same program, or
+    with base_gbit to the median of the same program on a link of that rate.
     An AllReduce carries batch x bucket (the padded length) x d_model values.
     """
     link = fit.link(link_gbit, shared=True)
+    base_link = fit.link(base_gbit, shared=True) if base_gbit is not None else None
     out = []
     pred_ms = {}
     rows = list(rows)
@@ -276,7 +287,7 @@ def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: flo
             pred_ms[key] = 1e3 * predict_prefill_s(
                 nolink_ms[key] / 1e3, r["method"], tokens=tokens, d_model=d_model,
                 num_layers=num_layers, n_devices=r["tp"], link=link, minishards=minishards,
-                pipelined=pipelined)
+                pipelined=pipelined, base_link=base_link)
     for r in rows:
         r = dict(r)
         key = (r["length"], r["batch"], r["method"])

@@ -18,15 +18,20 @@ def _x(v) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'length':>6} {'tp':>3} {'method':<14} {'median ms':>10} {'p90 ms':>9} "
+    links = any("link_gbit" in r for r in rows)
+    head = (f"{'length':>6} {'tp':>3} " + (f"{'Gbit/s':>6} " if links else "")
+            + f"{'method':<14} {'median ms':>10} {'p90 ms':>9} "
             f"{'x bf16':>7} {'predicted':>9} {'x ring':>7} {'wire MB':>8}")
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
-        if last is not None and r["length"] != last:
+        group = (r["length"], r.get("link_gbit"))
+        if last is not None and group != last:
             lines.append("")
-        last = r["length"]
-        lines.append(f"{r['length']:>6} {r['tp']:>3} {r['method']:<14} {r['median_ms']:>10.1f} "
+        last = group
+        link = f"{r['link_gbit']:>6g} " if links else ""
+        lines.append(f"{r['length']:>6} {r['tp']:>3} {link}{r['method']:<14} "
+                     f"{r['median_ms']:>10.1f} "
                      f"{r['p90_ms']:>9.1f} {_x(r.get('speedup_vs_bf16')):>7} "
                      f"{_x(r.get('predicted_speedup_vs_bf16')):>9} "
                      f"{_x(r.get('speedup_vs_bf16_ring')):>7} {r['wire_bytes'] / 1e6:>8.2f}")
@@ -45,8 +50,10 @@ def plot(report: dict, path: str) -> None:
     for r in report["rows"]:
         if r["method"] not in methods and r["method"] != "bf16":
             methods.append(r["method"])
+    target = report["settings"].get("link_gbit")
     for i, m in enumerate(methods):
-        rows = [r for r in report["rows"] if r["method"] == m and r.get("speedup_vs_bf16")]
+        rows = [r for r in report["rows"] if r["method"] == m and r.get("speedup_vs_bf16")
+                and r.get("link_gbit", target) == target]
         if not rows:
             continue
         color = f"C{i}"
