@@ -10,13 +10,21 @@ Two modes:
 Methods are measured interleaved (A B C D, then rotated) after a warm-up; the table shows the
 median time, the min-max spread, the median of the per-repeat ratios against bf16 and
 bf16_ring, the bytes each device sends (read from the compiled program), that figure against
-an ideal bf16 ring AllReduce of the same message, and the MSE against the float32 sum of the
-same bf16 inputs.
+an ideal bf16 ring AllReduce of the same message, and the MSE of the program's bf16 output
+against the float32 sum of the same bf16 inputs. On a shaped link two more columns: "wire",
+every device's bytes through the one shared token bucket at the link rate (a lower bound),
+and with --predict-from an unshaped run, "model" = that run's time + wire (the additive
+alpha-beta prediction, an upper bound where host work overlaps other processes' transfers).
 
   python -m eval.bench_collective --sizes 64K,1M,16M --repeats 7 --out single.json
-  python -m eval.bench_collective --processes 4 --link-gbit 2 --out p4_2g.json
+  python -m eval.bench_collective --processes 4 --one-message-per-hop --out p4.json
+  python -m eval.bench_collective --processes 4 --link-gbit 2 --one-message-per-hop \
+      --predict-from p4.json --out p4_2g.json
+  python -m eval.bench_collective --show p4_2g.json --predict-from p4.json
 
-Message size = bytes of the bf16 message each device contributes.
+Message size = bytes of the bf16 message each device contributes. --one-message-per-hop sets
+pipelined=False: XLA:CPU runs collectives synchronously, so pipelining cannot overlap
+anything there and each extra message only adds latency.
 """
 from __future__ import annotations
 
