@@ -9,8 +9,11 @@ Definitions (vLLM's benchmark_serving):
   E2E   request sent -> last token received;
   throughput  generated tokens / wall time of the whole level (all streams together).
 Each stream sends its requests one after another (closed loop), so a level with 8 streams keeps
-8 requests in flight. Requests use greedy decoding with `ignore_eos`, so every request generates
-exactly --max-tokens tokens and levels are comparable.
+8 requests in flight. Requests use greedy decoding with `ignore_eos`; request i generates a number
+of tokens drawn uniformly from [L(1 - r), L(1 + r)] (L = --max-tokens, r = --range-ratio, seeded,
+the same draws at every level; vLLM's random-dataset convention). With r = 0 every request has the
+same length, the streams finish together and all arrive again at once, so every request of a level
+meets 7 others in the same prefill burst; r > 0 lets them drift apart as in real traffic.
 
     python -m eval.bench_serving                       # starts gemma3-serve (270M, bf16) itself
     python -m eval.bench_serving --url http://127.0.0.1:8000 --concurrency 1,8
@@ -78,14 +81,22 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
             "tpot": (e2e - ttft) / (n - 1) if n > 1 else None}
 
 
-async def run_level(url: str, model: str, concurrency: int, requests_per_stream: int, max_tokens: int) -> dict:
+def output_len(i: int, max_tokens: int, range_ratio: float) -> int:
+    lo = max(1, round(max_tokens * (1 - range_ratio)))
+    hi = max(lo, round(max_tokens * (1 + range_ratio)))
+    return int(np.random.default_rng(i).integers(lo, hi + 1))
+
+
+async def run_level(url: str, model: str, concurrency: int, requests_per_stream: int, max_tokens: int,
+                    range_ratio: float = 0.0) -> dict:
     results = []
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         async def stream(k: int):
             for j in range(requests_per_stream):
-                results.append(await one_request(client, model, prompt_for(k * requests_per_stream + j),
-                                                 max_tokens))
+                i = k * requests_per_stream + j
+                results.append(await one_request(client, model, prompt_for(i),
+                                                 output_len(i, max_tokens, range_ratio)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(stream(k) for k in range(concurrency)))
@@ -141,7 +152,9 @@ def main(argv=None) -> None:
     p.add_argument("--url", help="benchmark a running server instead of starting one")
     p.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
     p.add_argument("--requests-per-stream", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (mean)")
+    p.add_argument("--range-ratio", type=float, default=0.5,
+                   help="output lengths uniform in [L(1-r), L(1+r)]; 0 = all equal")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
     g = p.add_argument_group("server started by the benchmark (ignored with --url)")
@@ -168,7 +181,8 @@ def main(argv=None) -> None:
             asyncio.run(run_level(url, model, 1, args.warmup_requests, 8))
         levels = []
         for c in (int(x) for x in args.concurrency.split(",")):
-            level = asyncio.run(run_level(url, model, c, args.requests_per_stream, args.max_tokens))
+            level = asyncio.run(run_level(url, model, c, args.requests_per_stream, args.max_tokens,
+                                          args.range_ratio))
             levels.append(level)
             print(f"concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, median TTFT "
                   f"{1000 * level['ttft_s']['median']:.0f} ms, median TPOT {1000 * level['tpot_s']['median']:.0f} ms",
@@ -182,7 +196,8 @@ def main(argv=None) -> None:
                 proc.kill()
 
     result = {"server": {k: info.get(k) for k in ("id", "tp", "dtype", "allreduce_label", "max_model_len")},
-              "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream, "levels": levels}
+              "max_tokens": args.max_tokens, "range_ratio": args.range_ratio,
+              "requests_per_stream": args.requests_per_stream, "levels": levels}
     if len(levels) >= 2 and levels[0]["concurrency"] == 1:
         lone = levels[0]["ttft_s"]["median"]
         result["ttft_median_ratio_vs_lone"] = {lv["concurrency"]: lv["ttft_s"]["median"] / lone for lv in levels[1:]}

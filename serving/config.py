@@ -43,7 +43,7 @@ class ServerConfig:
     port: int = _field(8000, "port to bind")
     max_batch: int = _field(8, "decode slots: sequences generated together")
     max_seq_len: int = _field(2048, "context length per sequence (prompt + generated tokens)")
-    prefill_batch: int = _field(8, "prompts of up to 256 tokens prefilled together in one step (at most "
+    prefill_batch: int = _field(2, "prompts of up to 256 tokens prefilled together in one step (at most "
                                    "max_batch)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
     api_key: str | None = _field(None, "require 'Authorization: Bearer <key>' on /v1 and /generate")

@@ -126,5 +126,6 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
 
 
 def _prefill_batch_sizes(config: ServerConfig) -> tuple[int, ...]:
-    # Two sizes: a lone arrival must not pay for a full batch, and a burst goes in one call.
+    # Two sizes: a lone arrival must not pay for a padded batch. Larger batches only pay while a
+    # prefill call costs more than its tokens (on CPU that stops at about 2 short prompts).
     return tuple(sorted({1, min(config.prefill_batch, config.max_batch)}))

@@ -21,6 +21,15 @@ def paced_server():
     s.stop()
 
 
+def test_output_lengths_follow_the_range_ratio():
+    from eval.bench_serving import output_len
+
+    lens = [output_len(i, 64, 0.5) for i in range(200)]
+    assert min(lens) >= 32 and max(lens) <= 96 and len(set(lens)) > 20
+    assert lens == [output_len(i, 64, 0.5) for i in range(200)]  # the same draws every time
+    assert {output_len(i, 64, 0.0) for i in range(50)} == {64}
+
+
 def test_summarize():
     s = summarize([1.0, 2.0, 3.0, 10.0])
     assert (s["mean"], s["median"], s["n"]) == (4.0, 2.5, 4) and 9.0 < s["p99"] <= 10.0
