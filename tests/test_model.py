@@ -35,16 +35,17 @@ def test_weights_are_sharded_over_tp(tiny):
     m = tiny[4]
     embed_shards = m.weights.embed.addressable_shards
     assert len(embed_shards) == 4 and embed_shards[0].data.shape == (512 // 4, 64)
-    q = m.weights.local.q  # [G, 5, D, N, H]: heads split
-    assert q.addressable_shards[0].data.shape == (1, 5, 64, 1, 16)
-    gating = m.weights.global_.gating  # [G, D, 2, F]: FFN hidden split
-    assert gating.addressable_shards[0].data.shape == (1, 64, 2, 128 // 4)
+    layer = m.weights.layers[3]
+    assert layer.q.addressable_shards[0].data.shape == (64, 1, 16)  # [D, N, H]: heads split
+    assert layer.gating.addressable_shards[0].data.shape == (64, 2, 128 // 4)  # FFN split
+    assert layer.linear.addressable_shards[0].data.shape == (128 // 4, 64)
     # 2 KV heads on 4 devices: the projection is replicated, the cache is still split.
-    assert m.weights.tail.kv.addressable_shards[0].data.shape == m.weights.tail.kv.shape
+    assert layer.kv.addressable_shards[0].data.shape == layer.kv.shape
     cache = m.init_cache(num_slots=3, max_seq_len=32)
-    assert cache.global_.k.shape == (1, 3, 32, 4, 16)
-    assert cache.global_.k.addressable_shards[0].data.shape == (1, 3, 32, 1, 16)
-    assert cache.local.k.shape == (1, 5, 3, 8, 4, 16)  # ring of sliding_window = 8 positions
+    assert [c.v.shape[2] for c in cache.layers] == [8, 8, 8, 8, 8, 32, 8, 8]  # rings of W = 8
+    glob = cache.layers[5]
+    assert glob.k.shape == (3, 4, 16, 32) and glob.v.shape == (3, 4, 32, 16)
+    assert glob.k.addressable_shards[0].data.shape == (3, 1, 16, 32)
 
 
 def test_tp_1_2_4_give_the_same_logits(tiny):

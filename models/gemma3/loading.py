@@ -20,7 +20,7 @@ from models.gemma3.config import CONFIGS, GLOBAL_EVERY, Gemma3Config
 from models.gemma3.sharding import PARAM_AXES, named, weight_specs
 from models.gemma3.weights import (
     LayerWeights, Weights, check_official_tree, infer_official_config, map_weights,
-    normalize_official_tree, official_tensor, part_prefixes, weight_shapes)
+    normalize_official_tree, official_tensor, weight_shapes)
 
 CONFIG_FILE = "gemma3_config.json"  # marks a checkpoint written by `save_checkpoint`
 PARAMS_DIR = "params"
@@ -92,28 +92,23 @@ def _leaf_dtypes(dtype, mesh: Mesh) -> tuple[np.dtype, np.dtype]:
     return np.dtype(dtype), np.dtype(storage_dtype(dtype, mesh))
 
 
+def _sharding(shardings: Weights, layer: int | None, name: str):
+    return getattr(shardings, name) if layer is None else getattr(shardings.layers[layer], name)
+
+
 def place_official(tree: dict, c: Gemma3Config, dtype, mesh: Mesh, tp: int) -> Weights:
     """Sharded Weights from an official tree of host arrays, one device shard at a time."""
     shardings = named(mesh, weight_specs(c, tp))
     embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
-    prefixes = part_prefixes(c)
 
-    def make(part, field, shape):
-        np_dtype = embed_dtype if part == "embed" else layer_dtype
-        prefix = prefixes[part] if field else ()
-        sharding = getattr(getattr(shardings, part), field) if field else getattr(shardings, part)
+    def make(layer, name, shape):
+        held = embed_dtype if name == "embed" else layer_dtype
 
         def shard(index):
-            rest = index[len(prefix):]
-            if not prefix:
-                arr = np.asarray(official_tensor(tree, c, part, None)[rest], embed_dtype)
-                return arr.astype(np_dtype)
-            layers = [np.asarray(official_tensor(tree, c, part, field, i))[rest]
-                      for i in np.ndindex(*prefix)]
-            stacked = np.stack(layers).astype(embed_dtype).astype(np_dtype)  # round to dtype
-            return stacked.reshape(prefix + layers[0].shape)
+            # Round to the model's dtype first, then widen to the storage dtype if it differs.
+            return np.asarray(official_tensor(tree, layer, name)[index], embed_dtype).astype(held)
 
-        return jax.make_array_from_callback(shape, sharding, shard)
+        return jax.make_array_from_callback(shape, _sharding(shardings, layer, name), shard)
 
     return map_weights(c, make)
 
@@ -129,44 +124,35 @@ def random_weights(c: Gemma3Config, dtype, mesh: Mesh, tp: int, seed: int = 0) -
     """
     shardings = named(mesh, weight_specs(c, tp))
     embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
-    prefixes = part_prefixes(c)
     fan_in = {"embed": c.d_model, "q": c.d_model, "kv": c.d_model,
               "o": c.num_heads * c.head_dim, "gating": c.d_model, "linear": c.ffn_hidden}
-    tensor_ids = {}
+    names = ("embed", "final_norm", *PARAM_AXES)
 
-    def make(part, field, shape):
-        name = field or part
-        tensor_id = tensor_ids.setdefault((part, name), len(tensor_ids))
-        prefix = prefixes[part] if field else ()
-        own_shape = shape[len(prefix):]
+    def make(layer, name, shape):
+        tensor_id = names.index(name)
         axes = PARAM_AXES[name]
         axis = next((i for i, a in enumerate(axes) if a in ("vocab", "heads", "kv_heads", "ffn")),
                     0)
-        size = own_shape[axis]
+        size = shape[axis]
         block = size // _largest_pow2_divisor(size, 64)
         std = fan_in[name] ** -0.5 if name in fan_in else 0.1
-        sharding = getattr(getattr(shardings, part), field) if field else getattr(shardings, part)
-
-        def draw(layer: int, start: int, stop: int) -> np.ndarray:
-            pieces = []
-            for b in range(start // block, -(-stop // block)):
-                rng = np.random.default_rng([seed, tensor_id, layer, b])
-                shp = list(own_shape)
-                shp[axis] = block
-                x = rng.standard_normal(shp, dtype=np.float32)
-                lo, hi = max(start - b * block, 0), min(stop - b * block, block)
-                pieces.append(np.take(x, np.arange(lo, hi), axis=axis))
-            return np.concatenate(pieces, axis=axis) * np.float32(std)
+        held = embed_dtype if name == "embed" else layer_dtype
 
         def shard(index):
-            rest = index[len(prefix):]
-            start, stop, _ = rest[axis].indices(size)
-            keep = tuple(slice(None) if i == axis else s for i, s in enumerate(rest))
-            layers = [draw(layer, start, stop)[keep] for layer in range(int(np.prod(prefix)))]
-            stacked = np.stack(layers).reshape(prefix + layers[0].shape).astype(embed_dtype)
-            return stacked if part == "embed" else stacked.astype(layer_dtype)
+            start, stop, _ = index[axis].indices(size)
+            pieces = []
+            for b in range(start // block, -(-stop // block)):
+                rng = np.random.default_rng([seed, tensor_id, 0 if layer is None else layer + 1, b])
+                block_shape = list(shape)
+                block_shape[axis] = block
+                x = rng.standard_normal(block_shape, dtype=np.float32)
+                lo, hi = max(start - b * block, 0), min(stop - b * block, block)
+                pieces.append(np.take(x, np.arange(lo, hi), axis=axis))
+            keep = tuple(slice(None) if i == axis else s for i, s in enumerate(index))
+            x = np.concatenate(pieces, axis=axis)[keep] * np.float32(std)
+            return x.astype(embed_dtype).astype(held)
 
-        return jax.make_array_from_callback(shape, sharding, shard)
+        return jax.make_array_from_callback(shape, _sharding(shardings, layer, name), shard)
 
     return map_weights(c, make)
 
@@ -183,18 +169,15 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 
 
 def _to_tree(weights: Weights) -> dict:
-    """Plain nested dict (orbax-friendly), parts without layers left out."""
-    out = {"embed": weights.embed, "final_norm": weights.final_norm}
-    for part in ("local", "global_", "tail"):
-        stacked = getattr(weights, part)
-        if stacked is not None:
-            out[part] = {f.name: getattr(stacked, f.name) for f in dataclasses.fields(LayerWeights)}
-    return out
+    """Plain nested dict (orbax-friendly)."""
+    layers = {f"layer_{i}": {f.name: getattr(layer, f.name) for f in dataclasses.fields(LayerWeights)}
+              for i, layer in enumerate(weights.layers)}
+    return {"embed": weights.embed, "final_norm": weights.final_norm, "layers": layers}
 
 
 def _from_tree(tree: dict) -> Weights:
-    parts = {p: LayerWeights(**tree[p]) if p in tree else None for p in ("local", "global_", "tail")}
-    return Weights(embed=tree["embed"], final_norm=tree["final_norm"], **parts)
+    layers = tuple(LayerWeights(**tree["layers"][f"layer_{i}"]) for i in range(len(tree["layers"])))
+    return Weights(embed=tree["embed"], final_norm=tree["final_norm"], layers=layers)
 
 
 def save_checkpoint(path: str | os.PathLike, weights: Weights, c: Gemma3Config) -> None:
@@ -223,7 +206,7 @@ def restore_checkpoint(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Me
 
     shardings = named(mesh, weight_specs(c, tp))
     embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
-    dtypes = map_weights(c, lambda part, field, shape: embed_dtype if part == "embed"
+    dtypes = map_weights(c, lambda layer, name, shape: embed_dtype if name == "embed"
                          else layer_dtype)
     target = jax.tree.map(lambda s, sh, dt: jax.ShapeDtypeStruct(s.shape, dt, sharding=sh),
                           weight_shapes(c, dtype), shardings, dtypes)

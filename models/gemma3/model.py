@@ -37,7 +37,6 @@ class Ctx:
     config: Gemma3Config
     tp: int
     allreduce: AllReduceConfig
-    unroll: bool = False  # unroll the layer scans (one HLO copy per layer) instead of looping
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,19 +138,41 @@ def project_qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, kind: str, 
     return q, k, v
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B, T, Nl, H]; k, v [B, S, Kl, H]; mask [B, T, S] (True =
-    attend) -> [B, T, Nl, H]. Local query head i uses local KV head i // (Nl / Kl)."""
+def attend(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array,
+           new_k_t: jax.Array | None = None, new_v: jax.Array | None = None) -> jax.Array:
+    """Grouped-query attention. q [B, T, Nl, H]; keys k_t [B, Kl, H, S] (transposed, as cached),
+    values v [B, Kl, S, H]; mask [B, T, S] (True = attend) -> [B, T, Nl, H]. Local query head i
+    uses local KV head i // (Nl / Kl). new_k_t [B, Kl, H, 1] / new_v [B, Kl, 1, H]: one more
+    key/value every query attends to (decode's own token, kept out of the cache read).
+
+    The cache layouts are the ones batched matmuls read directly: with keys cached [S, H] XLA
+    transposed every layer's whole key cache on every decode step.
+    """
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    kv_heads = k_t.shape[1]
+    g = n // kv_heads
+    q = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4)  # [B, Kl, G, T, H]
     # float32-output dots rounded to the activation dtype: the official numerics, without
     # XLA:CPU's slow bfloat16-output dot path.
-    logits = jnp.einsum("btkgh,bskh->btkgs", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, :, None, None, :], logits.astype(q.dtype), K_MASK)
+    logits = jnp.einsum("bkgth,bkhs->bkgts", q, k_t, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None], logits.astype(q.dtype), K_MASK)
+    if new_k_t is not None:
+        own = jnp.einsum("bkgth,bkhs->bkgts", q, new_k_t, preferred_element_type=jnp.float32)
+        logits = jnp.concatenate([logits, own.astype(q.dtype)], axis=-1)
     probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-    out = jnp.einsum("btkgs,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(b, t, n, h)
+    s = k_t.shape[-1]
+    out = jnp.einsum("bkgts,bksh->bkgth", probs[..., :s], v, preferred_element_type=jnp.float32)
+    if new_v is not None:
+        out = out + jnp.einsum("bkgts,bksh->bkgth", probs[..., s:], new_v,
+                               preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def output_projection(enc: jax.Array, w_o: jax.Array) -> jax.Array:
+    """[B, T, Nl, H] x [Nl, H, D] -> partial sums [B, T, D], as one 2-D matmul (heads and
+    head_dim flattened together: a two-dim contraction made XLA copy w_o into another order)."""
+    b, t, n, h = enc.shape
+    return matmul("btk,kd->btd", enc.reshape(b, t, n * h), w_o.reshape(n * h, w_o.shape[-1]))
 
 
 def mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
@@ -161,85 +182,41 @@ def mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
     return matmul("btf,fd->btd", hidden, w.linear)
 
 
-# attn(x, w, stack, index, kind) -> (partial output, stack): `stack` is the part of the KV cache
-# holding this layer (None without a cache) and `index` the layer's position in its stacking dims.
-AttnFn = Callable[[jax.Array, LayerWeights, "LayerCache | None", tuple, str],
-                  tuple[jax.Array, "LayerCache | None"]]
+# attn(x, w, layer, kind) -> (partial output, this layer's new keys and values): `layer` is the
+# layer's index, for reading its cache.
+AttnFn = Callable[[jax.Array, LayerWeights, int, str], tuple[jax.Array, "LayerCache"]]
 
 
-def block(x: jax.Array, w: LayerWeights, stack: LayerCache | None, index: tuple, kind: str,
-          attn: AttnFn, ctx: Ctx) -> tuple[jax.Array, LayerCache | None]:
+def block(x: jax.Array, w: LayerWeights, layer: int, kind: str, attn: AttnFn,
+          ctx: Ctx) -> tuple[jax.Array, LayerCache]:
     """One transformer block: (pre-norm, attention, post-norm, residual) then the same for the MLP."""
     eps = ctx.config.norm_eps
-    attn_out, stack = attn(rms_norm(x, w.pre_attn_norm, eps), w, stack, index, kind)
+    attn_out, new_kv = attn(rms_norm(x, w.pre_attn_norm, eps), w, layer, kind)
     x = rms_norm(_reduce(attn_out, ctx), w.post_attn_norm, eps) + x
     ffw_out = mlp(rms_norm(x, w.pre_ffw_norm, eps), w)
-    return rms_norm(_reduce(ffw_out, ctx), w.post_ffw_norm, eps) + x, stack
+    return rms_norm(_reduce(ffw_out, ctx), w.post_ffw_norm, eps) + x, new_kv
 
 
-def run_layers(x: jax.Array, weights: Weights, cache: KVCache | None, attn: AttnFn,
-               ctx: Ctx) -> tuple[jax.Array, KVCache | None]:
-    """All blocks in order: scan over (5 local + 1 global) groups, then the tail layers.
+def run_layers(x: jax.Array, weights: Weights, attn: AttnFn,
+               ctx: Ctx) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+    """All blocks in order (a Python loop: one HLO copy per layer, see weights.py for why).
+    Returns the activations and every layer's new keys and values."""
+    new_kv = []
+    for i, w in enumerate(weights.layers):
+        x, kv = block(x, w, i, _layer_kind(ctx, i), attn, ctx)
+        new_kv.append(kv)
+    return x, tuple(new_kv)
 
-    Scanning compiles one group body instead of one body per layer (18 to 62 layers, each with
-    its unrolled AllReduce schedules), which keeps cold-start compile time flat in depth. The
-    cache stacks ride in the scan carry and each layer updates its own entries in place: as
-    scanned-over inputs and outputs they were copied whole on every call.
-    """
-    unroll = ctx.unroll or 1
 
-    def local_layers(x, stack, w_stack, lead: tuple):
-        def step(carry, xs):
-            x, stack = carry
-            w, j = xs
-            return block(x, w, stack, lead + (j,), "local", attn, ctx), None
-
-        n = jax.tree.leaves(w_stack)[0].shape[0]
-        return lax.scan(step, (x, stack), (w_stack, jnp.arange(n)), unroll=unroll)[0]
-
-    local, global_, tail = (None, None, None) if cache is None else \
-        (cache.local, cache.global_, cache.tail)
-    if weights.local is not None:
-        def group(carry, xs):
-            x, local, global_ = carry
-            w_local, w_global, g = xs
-            x, local = local_layers(x, local, w_local, (g,))
-            x, global_ = block(x, w_global, global_, (g,), "global", attn, ctx)
-            return (x, local, global_), None
-
-        groups = jnp.arange(ctx.config.num_groups)
-        x, local, global_ = lax.scan(group, (x, local, global_),
-                                     (weights.local, weights.global_, groups), unroll=unroll)[0]
-    if weights.tail is not None:
-        x, tail = local_layers(x, tail, weights.tail, ())
-    return x, (None if cache is None else KVCache(local=local, global_=global_, tail=tail))
+def _layer_kind(ctx: Ctx, layer: int) -> str:
+    return "global" if ctx.config.is_global(layer) else "local"
 
 
 # ---------------------------------------------------------------------------------------------
-# Cache writes
-
-
-def _write_prompt(stack: LayerCache, index: tuple, k: jax.Array, v: jax.Array, kind: str,
-                  lengths: jax.Array, slots: jax.Array) -> LayerCache:
-    """Store a prompt's keys/values [B, T, Kl, H] (positions 0..T-1) into rows `slots` of the
-    layer at `index` of a cache stack.
-
-    Global rows take positions 0..T-1 as they are. A local ring row of W entries keeps, at index
-    s, the latest real position p < length with p % W == s: the last W positions of the prompt,
-    and never a padding position that would alias a real one.
-    """
-    t, length = k.shape[1], stack.k.shape[-3]
-    k, v = k.astype(stack.k.dtype), v.astype(stack.v.dtype)
-    if kind == "global":
-        n = min(t, length)
-        rows = (*index, slots, slice(0, n))
-        return LayerCache(k=stack.k.at[rows].set(k[:, :n]), v=stack.v.at[rows].set(v[:, :n]))
-    s = jnp.arange(length)
-    src = s[None, :] + length * jnp.floor_divide(lengths[:, None] - 1 - s[None, :], length)
-    src = jnp.clip(src, 0, t - 1)[:, :, None, None]  # [B, W, 1, 1]; never-filled entries: junk
-    rows = (*index, slots)
-    return LayerCache(k=stack.k.at[rows].set(jnp.take_along_axis(k, src, axis=1)),
-                      v=stack.v.at[rows].set(jnp.take_along_axis(v, src, axis=1)))
+# Cache writes. The forward passes only read the cache and return the new keys and values; these
+# write-only programs then store them. XLA:CPU copies a buffer that one program both reads and
+# updates in place (every layer's cache, twice, on every decode step); written alone, it is
+# updated in place.
 
 
 def _sequence_mask(t: int, window: int | None) -> jax.Array:
@@ -250,67 +227,114 @@ def _sequence_mask(t: int, window: int | None) -> jax.Array:
     return mask if window is None else mask & (kpos > q - window)
 
 
+def write_prompt(cache: KVCache, new_kv: tuple[LayerCache, ...], lengths: jax.Array,
+                 slots: jax.Array, *, ctx: Ctx) -> KVCache:
+    """Store prompts' keys/values (per layer [B, T, Kl, H], positions 0..T-1) into cache rows
+    `slots`.
+
+    Global rows take positions 0..T-1 as they are. A local ring row of W entries keeps, at index
+    s, the latest real position p < length with p % W == s: the last W positions of the prompt,
+    and never a padding position that would alias a real one.
+    """
+    layers = []
+    for i, (c, kv) in enumerate(zip(cache.layers, new_kv)):
+        k, v = kv.k.astype(c.k.dtype), kv.v.astype(c.v.dtype)
+        t, length = k.shape[1], c.v.shape[2]
+        if _layer_kind(ctx, i) == "global":
+            n = min(t, length)
+            k, v = k[:, :n], v[:, :n]
+        else:
+            s = jnp.arange(length)
+            src = s[None, :] + length * jnp.floor_divide(lengths[:, None] - 1 - s[None, :], length)
+            src = jnp.clip(src, 0, t - 1)[:, :, None, None]  # [B, W, 1, 1]; unfilled: junk
+            k, v = jnp.take_along_axis(k, src, axis=1), jnp.take_along_axis(v, src, axis=1)
+            n = length
+        layers.append(LayerCache(k=c.k.at[slots, :, :, :n].set(k.transpose(0, 2, 3, 1)),
+                                 v=c.v.at[slots, :, :n].set(v.transpose(0, 2, 1, 3))))
+    return KVCache(layers=tuple(layers))
+
+
+def write_token(cache: KVCache, new_kv: tuple[LayerCache, ...], positions: jax.Array, *,
+                ctx: Ctx) -> KVCache:
+    """Store one token per slot (per layer keys/values [S, Kl, H]) at global index `position`
+    and ring index position % W. Start indices are clamped into bounds, so a position past the
+    global length overwrites its own row's last entry and never another slot's row."""
+    ring = _ring_index(positions, ctx)
+    layers = []
+    for i, (c, kv) in enumerate(zip(cache.layers, new_kv)):
+        where = positions if _layer_kind(ctx, i) == "global" else ring
+        ck, cv = c.k, c.v
+        k, v = kv.k.astype(ck.dtype), kv.v.astype(cv.dtype)
+        # One in-place dynamic_update_slice per slot: XLA lowered the equivalent scatter to a
+        # select over the whole cache.
+        for b in range(k.shape[0]):
+            ck = lax.dynamic_update_slice(ck, k[b][None, :, :, None], (b, 0, 0, where[b]))
+            cv = lax.dynamic_update_slice(cv, v[b][None, :, None, :], (b, 0, where[b], 0))
+        layers.append(LayerCache(k=ck, v=cv))
+    return KVCache(layers=tuple(layers))
+
+
+def _ring_index(positions: jax.Array, ctx: Ctx) -> jax.Array:
+    # Positions are >= 0, so the C-style remainder is the ring index (a Python-style modulo
+    # fuses a sign fix-up into the cache updates, which XLA then does not do in place).
+    return lax.rem(positions, ctx.config.sliding_window)
+
+
 # ---------------------------------------------------------------------------------------------
-# Entry points (local shards in, local shards out)
+# Forward passes (local shards in, local shards out; the cache is only read)
 
 
-def prefill(weights: Weights, cache: KVCache | None, tokens: jax.Array, lengths: jax.Array,
-            slots: jax.Array, *, ctx: Ctx, return_all: bool) -> tuple[jax.Array, KVCache | None]:
+def prefill(weights: Weights, tokens: jax.Array, lengths: jax.Array, *, ctx: Ctx,
+            return_all: bool) -> tuple[jax.Array, tuple[LayerCache, ...]]:
     """Prompts tokens [B, T] (right-padded; real lengths [B]) at positions 0..T-1.
 
-    Writes each prompt's KV into cache row slots[b] (cache None: no cache, e.g. scoring).
-    Returns float32 logits over local vocabulary rows: [B, Vl] at each prompt's last real token,
-    or [B, T, Vl] with return_all.
+    Returns float32 logits over local vocabulary rows ([B, Vl] at each prompt's last real token,
+    or [B, T, Vl] with return_all) and every layer's keys/values [B, T, Kl, H] for write_prompt.
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     masks = {"global": _sequence_mask(t, None)[None],
              "local": _sequence_mask(t, ctx.config.sliding_window)[None]}
 
-    def attn(x, w, stack, index, kind):
+    def attn(x, w, layer, kind):
         q, k, v = project_qkv(x, w, positions, kind, ctx)
-        out = matmul("btnh,nhd->btd", attend(q, k, v, masks[kind]), w.o)
-        if stack is not None:
-            stack = _write_prompt(stack, index, k, v, kind, lengths, slots)
-        return out, stack
+        enc = attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), masks[kind])
+        return output_projection(enc, w.o), LayerCache(k=k, v=v)
 
     x = embed_tokens(weights.embed, tokens, ctx)
-    x, cache = run_layers(x, weights, cache, attn, ctx)
+    x, new_kv = run_layers(x, weights, attn, ctx)
     if not return_all:
         x = x[jnp.arange(b), lengths - 1]
     x = rms_norm(x, weights.final_norm, ctx.config.norm_eps)
-    return output_logits(x, weights.embed), cache
+    return output_logits(x, weights.embed), new_kv
 
 
 def decode_step(weights: Weights, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
-                ctx: Ctx) -> tuple[jax.Array, KVCache]:
-    """One token per cache slot: tokens, positions [S] -> float32 logits [S, Vl].
+                ctx: Ctx) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+    """One token per cache slot: tokens, positions [S] -> float32 logits [S, Vl] and every
+    layer's new keys/values [S, Kl, H] for write_token.
 
-    The new key/value is written first (global row index = position, ring index = position % W),
-    then each slot attends to its valid cached positions: global indices <= position; ring entry
-    s holds position p - ((p - s) mod W), valid when >= 0. Writes past the global length are
-    dropped, so a slot never touches another slot's row.
+    Each slot attends to its own new key/value plus the cached positions still in view: global
+    entries j < position; ring entry s holds position p - 1 - ((p - 1 - s) mod W), in view when
+    >= 0 and s != p mod W (that entry holds p - W, just out of the window).
     """
-    s = tokens.shape[0]
-    rows = jnp.arange(s)
     pos = positions[:, None]  # [S, 1]
+    ring = _ring_index(positions, ctx)
 
-    def attn(x, w, stack, index, kind):
-        q, k, v = project_qkv(x, w, pos, kind, ctx)
-        length = stack.k.shape[-3]
-        idx = jnp.arange(length)[None, :]
+    def attn(x, w, layer, kind):
+        q, k, v = project_qkv(x, w, pos, kind, ctx)  # k, v [S, 1, Kl, H]
+        c = cache.layers[layer]
+        idx = jnp.arange(c.v.shape[2])[None, :]
         if kind == "global":
-            where, valid = positions, idx <= pos
+            in_view = idx < pos
         else:
-            where, valid = positions % length, pos - jnp.mod(pos - idx, length) >= 0
-        at = (*index, rows, where)
-        stack = LayerCache(k=stack.k.at[at].set(k[:, 0].astype(stack.k.dtype), mode="drop"),
-                           v=stack.v.at[at].set(v[:, 0].astype(stack.v.dtype), mode="drop"))
-        keys, values = stack.k[index], stack.v[index]
-        out = matmul("btnh,nhd->btd", attend(q, keys, values, valid[:, None, :]), w.o)
-        return out, stack
+            window = c.v.shape[2]
+            in_view = (pos - 1 - jnp.mod(pos - 1 - idx, window) >= 0) & (idx != ring[:, None])
+        enc = attend(q, c.k, c.v, in_view[:, None, :],
+                     new_k_t=k.transpose(0, 2, 3, 1), new_v=v.transpose(0, 2, 1, 3))
+        return output_projection(enc, w.o), LayerCache(k=k[:, 0], v=v[:, 0])
 
     x = embed_tokens(weights.embed, tokens[:, None], ctx)
-    x, cache = run_layers(x, weights, cache, attn, ctx)
+    x, new_kv = run_layers(x, weights, attn, ctx)
     x = rms_norm(x[:, 0], weights.final_norm, ctx.config.norm_eps)
-    return output_logits(x, weights.embed), cache
+    return output_logits(x, weights.embed), new_kv

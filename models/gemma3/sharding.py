@@ -12,12 +12,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.gemma3.config import Gemma3Config
-from models.gemma3.kv_cache import KVCache, LayerCache, cache_part_prefixes
-from models.gemma3.weights import LayerWeights, Weights, part_prefixes
+from models.gemma3.kv_cache import KVCache, LayerCache
+from models.gemma3.weights import Weights, map_weights
 
 AXIS = "tp"
 
-# Logical axes of each tensor's own dims (stacking dims come first and are never sharded).
+# Logical axes of each tensor's dims.
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "d_model"),
     "final_norm": ("d_model",),
@@ -33,7 +33,8 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "gating": ("d_model", None, "ffn"),
     "linear": ("ffn", "d_model"),
 }
-CACHE_AXES: tuple[str, ...] = ("slots", "seq", "cache_heads", "head_dim")
+CACHE_AXES = {"k": ("slots", "cache_heads", "head_dim", "seq"),
+              "v": ("slots", "cache_heads", "seq", "head_dim")}
 
 
 def check_tp(c: Gemma3Config, tp: int) -> None:
@@ -63,28 +64,20 @@ def rules(c: Gemma3Config, tp: int) -> dict[str, str | None]:
             "kv_heads": AXIS if kv_sharded(c, tp) else None}
 
 
-def _spec(logical: tuple[str | None, ...], table: dict, prefix_len: int = 0) -> P:
-    return P(*([None] * prefix_len), *(table.get(a) if a else None for a in logical))
+def _spec(logical: tuple[str | None, ...], table: dict) -> P:
+    return P(*(table.get(a) if a else None for a in logical))
 
 
 def weight_specs(c: Gemma3Config, tp: int) -> Weights:
     """PartitionSpec of every weight, in a Weights tree."""
     table = rules(c, tp)
-    parts = {}
-    for part, prefix in part_prefixes(c).items():
-        parts[part] = None if prefix is None else LayerWeights(
-            **{f: _spec(PARAM_AXES[f], table, len(prefix)) for f in LayerWeights.__dataclass_fields__})
-    return Weights(embed=_spec(PARAM_AXES["embed"], table),
-                   final_norm=_spec(PARAM_AXES["final_norm"], table), **parts)
+    return map_weights(c, lambda layer, name, shape: _spec(PARAM_AXES[name], table))
 
 
 def cache_specs(c: Gemma3Config, tp: int) -> KVCache:
     table = rules(c, tp)
-    parts = {}
-    for part, prefix in cache_part_prefixes(c).items():
-        spec = None if prefix is None else _spec(CACHE_AXES, table, len(prefix))
-        parts[part] = None if spec is None else LayerCache(k=spec, v=spec)
-    return KVCache(**parts)
+    layer = LayerCache(k=_spec(CACHE_AXES["k"], table), v=_spec(CACHE_AXES["v"], table))
+    return KVCache(layers=(layer,) * c.num_layers)
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
