@@ -154,8 +154,10 @@ def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[
 
 def run(model: str = "gemma3-270m", tps: tuple[int, ...] = (2, 4), modes: list[str] | None = None,
         n_tokens: int = 4096, window: int = 512, n_prompts: int = 16, prompt_tokens: int = 32,
-        new_tokens: int = 16, dtype: str = "bfloat16", log=print) -> dict:
-    """Evaluate every mode at every tp; returns the report (settings + rows)."""
+        new_tokens: int = 16, dtype: str = "bfloat16", log=print,
+        checkpoint=None) -> dict:
+    """Evaluate every mode at every tp; returns the report (settings + rows).
+    checkpoint(report) is called after each tp with the rows so far (long runs keep them)."""
     from models.gemma3 import load_model
 
     modes = list(modes or MODES)
@@ -176,6 +178,15 @@ def run(model: str = "gemma3-270m", tps: tuple[int, ...] = (2, 4), modes: list[s
             f"{len(prompts)} prompts")
         rows += evaluate_tp(base, modes, windows, prompts, new_tokens, log=log)
         del base
+        if checkpoint is not None:
+            checkpoint(_report(model, dtype, tokens, window, n_prompts, prompt_tokens,
+                               new_tokens, tps, modes, rows))
+    return _report(model, dtype, tokens, window, n_prompts, prompt_tokens, new_tokens, tps,
+                   modes, rows)
+
+
+def _report(model, dtype, tokens, window, n_prompts, prompt_tokens, new_tokens, tps, modes,
+            rows) -> dict:
     return {
         "model": model, "dtype": dtype, "corpus": corpus.SOURCE, "tokens_scored": tokens,
         "window": window, "prompts": n_prompts, "prompt_tokens": prompt_tokens,
@@ -214,15 +225,18 @@ def main(argv: list[str] | None = None) -> dict:
     from eval.devices import ensure_cpu_devices
 
     ensure_cpu_devices(max(tps))
+    def save(report: dict) -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+
     report = run(args.model, tps, [m.strip() for m in args.modes.split(",") if m.strip()],
                  args.tokens, args.window, args.prompts, args.prompt_tokens, args.new_tokens,
-                 args.dtype)
+                 args.dtype, checkpoint=save)
     print(f"# {report['model']} ({report['dtype']}), {report['tokens_scored']} tokens of "
           f"{report['corpus']}; reference: f32 AllReduce at the same tp")
     print(format_table(report["rows"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    save(report)
     return report
 
 
