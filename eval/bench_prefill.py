@@ -82,9 +82,16 @@ def _p90(samples: list[float]) -> float:
 
 
 def set_link(gbit: float) -> None:
-    """Change the rate of this network namespace's shaped loopback (run inside the namespace
-    eval.multiproc made; same token bucket settings as it uses)."""
-    subprocess.run(["tc", "qdisc", "change", "dev", "lo", "root", "tbf", "rate", f"{gbit}gbit",
+    """Shape this network namespace's loopback to `gbit` (the token bucket eval.multiproc uses),
+    or with 0 remove the shaping. Run inside the namespace eval.multiproc made.
+
+    An unshaped loopback, not a high tbf rate, is the fast base: with a 256 KiB burst a token
+    bucket cannot exceed about burst x timer frequency (0.5-2 Gbit/s), whatever its rate."""
+    if gbit == 0:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False,
+                       stderr=subprocess.DEVNULL)
+        return
+    subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{gbit}gbit",
                     "burst", "256kb", "latency", "50ms"], check=True)
 
 
@@ -259,8 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "which the calibrated model puts bf16 communication at 1/3 of prefill "
                         "at the longest length")
     p.add_argument("--base-link-gbit", type=float, default=None,
-                   help="with --link-gbit X: alternate every iteration between this (fast) rate "
-                        "and X, and predict the X rows from the fast rows of the same run")
+                   help="with --link-gbit X: alternate every iteration between this rate (0: the "
+                        "unshaped loopback) and X, and predict the X rows from the base rows of "
+                        "the same run")
     p.add_argument("--baseline", default=None, help="one-process JSON of the same settings")
     p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
     p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
@@ -369,8 +377,10 @@ def main(argv: list[str] | None = None) -> dict:
             row["median_ms_by_process"] = [row["median_ms"]] + [o["median_ms"] for o in others]
         mode = f"{args.processes} processes (gloo over TCP on 127.0.0.1"
         if paired:
+            base = (f"{args.base_link_gbit} Gbit/s" if args.base_link_gbit
+                    else "the unshaped loopback (rows with Gbit/s 0)")
             mode += (f", loopback shaped to {args.link_gbit} Gbit/s, alternating every "
-                     f"iteration with {args.base_link_gbit} Gbit/s)")
+                     f"iteration with {base})")
         else:
             mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
     else:
@@ -414,7 +424,7 @@ def _predict(rows: list[dict], baseline: dict | None, fit: cost_model.Fit, cfg: 
     predicted = cost_model.predict_rows(
         target, base_ms, fit, args.link_gbit, d_model=cfg["d_model"],
         num_layers=cfg["num_layers"], minishards=args.minishards,
-        pipelined=not args.one_message_per_hop, base_gbit=args.base_link_gbit)
+        pipelined=not args.one_message_per_hop, base_gbit=args.base_link_gbit or None)
     by_id = {id(r): p for r, p in zip(target, predicted)}
     return [by_id.get(id(r), r) for r in rows]
 
