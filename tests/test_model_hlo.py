@@ -56,7 +56,7 @@ def test_two_equarx_all_reduces_per_layer_and_one_for_the_embedding(tp, method):
     layers, d = m.config.num_layers, m.config.d_model
     batch, bucket, slots = 2, 32, 3
     for name, lowered, act_shape in [
-        ("prefill", m.lower_prefill(batch, bucket), (batch, bucket, d)),
+        ("prefill", m.lower_prefill(batch, bucket, slots, 64), (batch, bucket, d)),
         ("decode", m.lower_decode(slots, 64), (slots, 1, d)),
     ]:
         ops = collectives(lowered.compile().as_text())

