@@ -46,6 +46,8 @@ class ServerConfig:
     prefill_batch: int = _field(2, "prompts of up to 256 tokens prefilled together in one step (at most "
                                    "max_batch)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
+    admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
+                                      "requests before the next decode step (0 disables)")
     api_key: str | None = _field(None, "require 'Authorization: Bearer <key>' on /v1 and /generate")
     compile_cache_dir: str = _field(default_compile_cache_dir(),
                                     "JAX persistent compilation cache ('' disables it)")
@@ -58,6 +60,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if not 0 <= self.admission_wait_ms <= 1000:
+            raise ValueError(f"admission_wait_ms must be in [0, 1000], got {self.admission_wait_ms}")
         if self.allreduce_min_bytes < 0:
             raise ValueError("allreduce_min_bytes must be >= 0")
         if not 0 <= self.port < 65536:

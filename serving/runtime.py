@@ -59,7 +59,8 @@ class Runtime:
         info = engine.info
         self.engine = engine
         self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype)
-        self.scheduler = Scheduler(engine, max_waiting=self.config.max_waiting, metrics=self.metrics).start()
+        self.scheduler = Scheduler(engine, max_waiting=self.config.max_waiting, metrics=self.metrics,
+                                   admission_wait=self.config.admission_wait_ms / 1000).start()
         if self.status == "loading":
             self.status = "ready"
 

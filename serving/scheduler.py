@@ -98,10 +98,12 @@ class NullMetrics:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None):
+    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0):
         self.engine = engine
         self.info = engine.info
         self.max_waiting = max_waiting
+        self.admission_wait = admission_wait
+        self._freed = 0  # slots freed by the last step
         self.metrics = metrics or NullMetrics()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
@@ -201,6 +203,7 @@ class Scheduler:
             with self._lock:
                 while not (self._stop or self._waiting or self._cancelled or self.num_running):
                     self._lock.wait()
+                self._await_replacements()
                 if self._stop:
                     break
                 cancelled, self._cancelled = self._cancelled, set()
@@ -214,6 +217,24 @@ class Scheduler:
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
             self.metrics.on_state(self.num_running, self.num_waiting, self.kv_usage())
         self._abort_everything()
+
+    def _await_replacements(self) -> None:
+        """After a step that freed slots, wait up to `admission_wait` seconds (lock held) for
+        requests to take them before starting the next decode step.
+
+        A client that sends its next request as soon as the last one finished (a chat turn, a
+        batch job, a benchmark stream) otherwise arrives just after the next decode step began and
+        waits for all of it before its prefill: its time to first token grows by a whole decode
+        step. The running streams pay the wait only on steps after a finish."""
+        freed, self._freed = self._freed, 0
+        if not (freed and self.admission_wait > 0 and self.num_running):
+            return
+        deadline = time.monotonic() + self.admission_wait
+        while len(self._waiting) < freed and not self._stop and not self._cancelled:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._lock.wait(left)
 
     def _drop(self, cancelled: set[int]) -> None:
         if not cancelled:
@@ -337,6 +358,7 @@ class Scheduler:
     def _release(self, s: Sequence) -> None:
         if 0 <= s.slot < len(self._slots) and self._slots[s.slot] is s:
             self._slots[s.slot] = None
+            self._freed += 1
 
     def _fail_all(self, message: str) -> None:
         """After an engine error the cache may be lost: every running sequence fails."""

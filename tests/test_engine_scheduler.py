@@ -243,3 +243,27 @@ def test_logprobs_are_reported_when_asked(engine):
     toks = [t for e in with_lp.events for t in e.tokens]
     assert len(toks) == 3 and all(t.logprob is not None and len(t.top) == 2 for t in toks)
     assert all(t.logprob is None for e in without.events for t in e.tokens)
+
+
+@pytest.mark.parametrize("admission_wait,next_step", [(1.0, "prefill"), (0.0, "decode")])
+def test_a_freed_slot_waits_briefly_for_the_next_request(admission_wait, next_step):
+    # A client sends its next request shortly after its previous one finished, while another
+    # stream keeps decoding. With an admission wait the newcomer is prefilled before the next decode
+    # step; without one the step starts at once and the newcomer waits for it.
+    engine = FakeEngine(num_slots=2, max_seq_len=64, step_delay=0.01)
+    s = Scheduler(engine, admission_wait=admission_wait).start()
+    try:
+        other, second = Collector(), Collector()
+        at_finish = []
+
+        def first(event):
+            if event.finish_reason is not None:
+                at_finish.append(len(engine.steps))
+                threading.Timer(0.1, lambda: s.submit([(prompt("next"), greedy(2), second)])).start()
+
+        s.submit([(prompt("other"), greedy(50), other), (prompt("first"), greedy(3), first)])
+        second.wait()
+        other.wait()
+    finally:
+        s.shutdown()
+    assert engine.steps[at_finish[0]][0] == next_step
