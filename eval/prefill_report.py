@@ -1,6 +1,8 @@
 """Printing and plotting eval.bench_prefill reports."""
 from __future__ import annotations
 
+import textwrap
+
 
 def header(report: dict) -> str:
     cfg = report["config"]
@@ -68,8 +70,9 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("prefill speedup vs bf16 AllReduce")
     cfg = report["config"]
+    mode = textwrap.fill(report["mode"], 90)
     ax.set_title(f"{cfg['name']}, {cfg['num_layers']} layers, tp={report['settings']['tp']}\n"
-                 f"{report['mode']}", fontsize=9)
+                 f"{mode}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
