@@ -79,13 +79,11 @@ def test_orbax_round_trip_restores_sharded_at_another_tp(reference, tmp_path):
     for a, b in zip(jax.tree.leaves(m.weights), jax.tree.leaves(restored.weights)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(restored.score(seqs), expected, atol=2e-5)
-    # Restored for bfloat16 numerics: values rounded to bf16 (held in float32 on CPU).
+    # Restored in bfloat16: the values rounded from the float32 checkpoint.
     as_bf16 = load_model(str(tmp_path / "ckpt"), tp=1, dtype="bfloat16")
-    assert as_bf16.weights.embed.dtype == np.dtype("bfloat16")
     q = np.asarray(as_bf16.weights.layers[2].q)
-    assert q.dtype == as_bf16.storage_dtype
-    np.testing.assert_array_equal(q, q.astype("bfloat16").astype(q.dtype))
-    np.testing.assert_allclose(q, np.asarray(m.weights.layers[2].q), rtol=2 ** -8)
+    assert q.dtype == np.dtype("bfloat16") == as_bf16.weights.embed.dtype
+    np.testing.assert_array_equal(q, np.asarray(m.weights.layers[2].q).astype("bfloat16"))
 
 
 @pytest.mark.parametrize("layout", ["nested", "flat"])

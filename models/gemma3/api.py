@@ -51,8 +51,8 @@ class Gemma3Model:
         self.tp = mesh.devices.size
         self.allreduce = allreduce
         self.dtype = jnp.dtype(dtype)
-        # Layer weights and KV caches may be held wider than the numerics' dtype (CPU).
-        self.storage_dtype = loading.storage_dtype(self.dtype, mesh)
+        # The KV cache may be held wider than the numerics' dtype (float32 on CPU).
+        self.cache_dtype = loading.cache_dtype(self.dtype, mesh)
         self._tokenizer = tokenizer
         self._ctx = fwd.Ctx(config=config, tp=self.tp, allreduce=allreduce)
         self.prefill_buckets = prefill_buckets(config.max_seq_len)
@@ -77,7 +77,7 @@ class Gemma3Model:
 
     def cache_shapes(self, num_slots: int, max_seq_len: int) -> KVCache:
         heads = local_kv_heads(self.config, self.tp) * self.tp
-        return cache_shapes(self.config, num_slots, max_seq_len, heads, self.storage_dtype)
+        return cache_shapes(self.config, num_slots, max_seq_len, heads, self.cache_dtype)
 
     def init_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         """Zeroed KV cache for num_slots sequences of up to max_seq_len tokens (sharded)."""

@@ -72,24 +72,19 @@ def config_for_official_tree(tree: dict, config: Gemma3Config | None) -> Gemma3C
 # Placement
 
 
-def storage_dtype(dtype, mesh: Mesh):
-    """dtype in which layer weights and KV caches are held (the embedding is held in `dtype`).
+def cache_dtype(dtype, mesh: Mesh):
+    """dtype in which the KV cache is held.
 
-    float32 for bfloat16 models on CPU: XLA:CPU's bfloat16 matmuls run several times slower than
-    float32 ones at decode sizes, and it upcasts whole bfloat16 operands around slicing and
-    scatter inside loops. The float32 arrays hold bfloat16-rounded values, so the model's
-    numerics are exactly those of bfloat16 (products of bf16 values are exact in float32, and
-    every result is rounded to bfloat16 as before), for twice the memory of those tensors.
+    float32 for bfloat16 models on CPU: XLA:CPU has no bfloat16 dynamic_update_slice and
+    converts the whole bfloat16 buffer to float32 and back around each one (measured: ~60 ms
+    per layer and step for the 270M at batch 8). The float32 cache holds bfloat16-rounded
+    values (keys and values are rounded before they are stored), so the numerics are those of
+    a bfloat16 cache, for twice its memory.
     """
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
         return jnp.dtype(jnp.float32)
     return dtype
-
-
-def _leaf_dtypes(dtype, mesh: Mesh) -> tuple[np.dtype, np.dtype]:
-    """(dtype of the embedding, dtype of every other weight)."""
-    return np.dtype(dtype), np.dtype(storage_dtype(dtype, mesh))
 
 
 def _sharding(shardings: Weights, layer: int | None, name: str):
@@ -99,14 +94,11 @@ def _sharding(shardings: Weights, layer: int | None, name: str):
 def place_official(tree: dict, c: Gemma3Config, dtype, mesh: Mesh, tp: int) -> Weights:
     """Sharded Weights from an official tree of host arrays, one device shard at a time."""
     shardings = named(mesh, weight_specs(c, tp))
-    embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
+    np_dtype = np.dtype(dtype)
 
     def make(layer, name, shape):
-        held = embed_dtype if name == "embed" else layer_dtype
-
         def shard(index):
-            # Round to the model's dtype first, then widen to the storage dtype if it differs.
-            return np.asarray(official_tensor(tree, layer, name)[index], embed_dtype).astype(held)
+            return np.asarray(official_tensor(tree, layer, name)[index], np_dtype)
 
         return jax.make_array_from_callback(shape, _sharding(shardings, layer, name), shard)
 
@@ -123,7 +115,7 @@ def random_weights(c: Gemma3Config, dtype, mesh: Mesh, tp: int, seed: int = 0) -
     Norm scales get small random values so that the (1 + scale) path is exercised.
     """
     shardings = named(mesh, weight_specs(c, tp))
-    embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
+    np_dtype = np.dtype(dtype)
     fan_in = {"embed": c.d_model, "q": c.d_model, "kv": c.d_model,
               "o": c.num_heads * c.head_dim, "gating": c.d_model, "linear": c.ffn_hidden}
     names = ("embed", "final_norm", *PARAM_AXES)
@@ -136,7 +128,6 @@ def random_weights(c: Gemma3Config, dtype, mesh: Mesh, tp: int, seed: int = 0) -
         size = shape[axis]
         block = size // _largest_pow2_divisor(size, 64)
         std = fan_in[name] ** -0.5 if name in fan_in else 0.1
-        held = embed_dtype if name == "embed" else layer_dtype
 
         def shard(index):
             start, stop, _ = index[axis].indices(size)
@@ -150,7 +141,7 @@ def random_weights(c: Gemma3Config, dtype, mesh: Mesh, tp: int, seed: int = 0) -
                 pieces.append(np.take(x, np.arange(lo, hi), axis=axis))
             keep = tuple(slice(None) if i == axis else s for i, s in enumerate(index))
             x = np.concatenate(pieces, axis=axis)[keep] * np.float32(std)
-            return x.astype(embed_dtype).astype(held)
+            return x.astype(np_dtype)
 
         return jax.make_array_from_callback(shape, _sharding(shardings, layer, name), shard)
 
@@ -205,17 +196,10 @@ def restore_checkpoint(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Me
     import orbax.checkpoint as ocp
 
     shardings = named(mesh, weight_specs(c, tp))
-    embed_dtype, layer_dtype = _leaf_dtypes(dtype, mesh)
-    dtypes = map_weights(c, lambda layer, name, shape: embed_dtype if name == "embed"
-                         else layer_dtype)
-    target = jax.tree.map(lambda s, sh, dt: jax.ShapeDtypeStruct(s.shape, dt, sharding=sh),
-                          weight_shapes(c, dtype), shardings, dtypes)
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                          weight_shapes(c, dtype), shardings)
     with ocp.StandardCheckpointer() as ckptr:
-        weights = _from_tree(ckptr.restore(Path(path).absolute() / PARAMS_DIR, _to_tree(target)))
-    if layer_dtype != embed_dtype:  # a float32 checkpoint restored for bfloat16 numerics
-        weights = jax.jit(lambda w: jax.tree.map(lambda a: a.astype(embed_dtype).astype(a.dtype), w),
-                          out_shardings=shardings, donate_argnums=0)(weights)
-    return weights
+        return _from_tree(ckptr.restore(Path(path).absolute() / PARAMS_DIR, _to_tree(target)))
 
 
 def read_official_checkpoint(path: str | os.PathLike) -> dict:

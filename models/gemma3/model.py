@@ -7,9 +7,9 @@ The only other collective is the exact reduction of the vocab-parallel embedding
 
 Numerics follow the official implementation (gemma/gm/nn/_modules.py), cast for cast: matmuls
 (float32 accumulation), norms, softmax and residuals round to the activation dtype; RoPE's sin/cos
-run in float32. Weights and caches may be *stored* wider than the activation dtype (float32
-holding bfloat16 values on CPU, see loading.storage_dtype): every product is then still exact
-and every result rounded as before, so the numerics do not change.
+run in float32. The KV cache may be *held* wider than the activation dtype (float32 holding
+bfloat16 values on CPU, see loading.cache_dtype): products with it are still exact and every
+result is rounded as before, so the numerics do not change.
 """
 from __future__ import annotations
 

@@ -1,0 +1,234 @@
+"""Gemma 3 model speed on this machine: prefill and decode throughput, KV cache size, cold start.
+
+  python -m eval.bench_model                      # everything, real 270M, bfloat16, tp 1 and 2
+  python -m eval.bench_model --only prefill,decode --tp 1,2 --batches 1,8 --repeats 7
+  python -m eval.bench_model --only kv            # 27B KV cache bytes per sequence at 32k
+  python -m eval.bench_model --only cold --cold-tp 2
+
+What is timed is the engine API a server calls (`Gemma3Model.prefill`, `.decode_step`), after
+compilation and a warm-up call, with block_until_ready; the tp settings are interleaved
+(A B A B ...) so that load from other processes hits them alike; medians and min-max are
+reported. Prefill: one prompt of --prefill-len tokens (bucket of the same size) written into a
+cache slot. Decode: every slot of a --cache-len cache decodes --steps tokens per repeat at
+positions from --start-pos on (attention over that many cached positions); tokens/s counts
+batch x steps. Cold start: a fresh process loads the weights and compiles one prefill bucket
+and the decode step (`Gemma3Model.warm_up`), without, then twice with, a persistent
+compilation cache (the first of those fills it, the second is the restart being measured).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SECTIONS = ("prefill", "decode", "kv", "cold")
+
+
+def _setup_devices(n: int) -> None:
+    """Ask XLA for n CPU devices; must run before jax is imported."""
+    if "jax" in sys.modules:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def _stats(times: list[float], work: float) -> dict:
+    med = statistics.median(times)
+    return {"median_s": med, "min_s": min(times), "max_s": max(times), "n": len(times),
+            "per_s": work / med, "per_s_range": [work / max(times), work / min(times)]}
+
+
+def bench_prefill(models: dict, length: int, repeats: int, log) -> list[dict]:
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = {}
+    caches = {}
+    for tp, m in models.items():
+        bucket = m.bucket_for(length)
+        ids = np.zeros((1, bucket), np.int32)
+        ids[0, :length] = [2] + rng.integers(4, m.config.vocab_size, length - 1).tolist()
+        tokens[tp] = ids
+        caches[tp] = m.init_cache(1, bucket)
+    lengths, slots = np.array([length], np.int32), np.array([0], np.int32)
+    times = {tp: [] for tp in models}
+
+    def run(tp):
+        t0 = time.perf_counter()
+        logits, caches[tp] = models[tp].prefill(caches[tp], tokens[tp], lengths, slots)
+        jax.block_until_ready((logits, caches[tp]))
+        return time.perf_counter() - t0
+
+    for tp in models:  # compile + warm-up
+        run(tp)
+        run(tp)
+    for _ in range(repeats):
+        for tp in models:
+            times[tp].append(run(tp))
+    rows = []
+    for tp in models:
+        row = {"section": "prefill", "tp": tp, "tokens": length, **_stats(times[tp], length)}
+        log(f"prefill {length} tok, tp={tp}: {row['per_s']:.0f} tok/s (median of {repeats}, "
+            f"{row['per_s_range'][0]:.0f}-{row['per_s_range'][1]:.0f})")
+        rows.append(row)
+    return rows
+
+
+def bench_decode(models: dict, batches: list[int], cache_len: int, start: int, steps: int,
+                 repeats: int, log) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for batch in batches:
+        caches, times = {}, {tp: [] for tp in models}
+        for tp, m in models.items():
+            caches[tp] = m.init_cache(batch, cache_len)
+        tokens = jnp.full((batch,), 1000, jnp.int32)
+
+        def run(tp, first):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                logits, caches[tp] = models[tp].decode_step(
+                    caches[tp], tokens, jnp.full((batch,), first + i, jnp.int32))
+            jax.block_until_ready((logits, caches[tp]))
+            return time.perf_counter() - t0
+
+        for tp in models:
+            run(tp, start)  # compile + warm-up
+        for r in range(repeats):
+            for tp in models:
+                times[tp].append(run(tp, start + r * steps))
+        for tp in models:
+            row = {"section": "decode", "tp": tp, "batch": batch, "steps": steps,
+                   "cache_len": cache_len, "start_pos": start,
+                   **_stats(times[tp], batch * steps)}
+            log(f"decode batch {batch}, tp={tp}: {row['per_s']:.1f} tok/s "
+                f"({1e3 * row['median_s'] / steps:.1f} ms/step; range "
+                f"{row['per_s_range'][0]:.1f}-{row['per_s_range'][1]:.1f} tok/s)")
+            rows.append(row)
+    return rows
+
+
+def bench_kv(log) -> list[dict]:
+    from models.gemma3 import CONFIGS, bytes_per_sequence
+
+    rows = []
+    for size in ("27b", "270m"):
+        c = CONFIGS[size]
+        ring = bytes_per_sequence(c, 32_768)
+        full = bytes_per_sequence(c, 32_768, ring=False)
+        rows.append({"section": "kv", "config": c.name, "seq_len": 32_768, "dtype": "bfloat16",
+                     "ring_bytes": ring, "full_bytes": full, "ratio": ring / full})
+        log(f"KV cache per sequence at 32k, {c.name} (bf16): ring buffers {ring / 2**30:.3f} GiB, "
+            f"full-length local layers {full / 2**30:.3f} GiB, ratio {ring / full:.3f}")
+    return rows
+
+
+def cold_child(args) -> None:
+    """One cold start, in this fresh process; prints a JSON line."""
+    t0 = time.perf_counter()
+    _setup_devices(args.cold_tp)
+    import jax
+
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from models.gemma3 import load_model
+
+    t_import = time.perf_counter()
+    model = load_model(args.source, tp=args.cold_tp, dtype=args.dtype, max_seq_len=args.cache_len)
+    t_load = time.perf_counter()
+    model.warm_up(num_slots=args.cold_slots, max_seq_len=args.cache_len,
+                  buckets=[model.bucket_for(args.prefill_len)])
+    t_ready = time.perf_counter()
+    print(json.dumps({"import_s": t_import - t0, "load_s": t_load - t_import,
+                      "compile_s": t_ready - t_load, "total_s": t_ready - t0}))
+
+
+def bench_cold(args, log) -> list[dict]:
+    def start(cache_dir):
+        cmd = [sys.executable, "-m", "eval.bench_model", "--cold-child", "--source", args.source,
+               "--dtype", args.dtype, "--cold-tp", str(args.cold_tp), "--cache-len",
+               str(args.cache_len), "--prefill-len", str(args.prefill_len), "--cold-slots",
+               str(args.cold_slots)] + (["--cache-dir", cache_dir] if cache_dir else [])
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rows = []
+    with tempfile.TemporaryDirectory() as cache_dir:
+        runs = [("no compilation cache", None), ("cache empty (fills it)", cache_dir),
+                ("cache warm (restart)", cache_dir)]
+        for name, d in runs:
+            r = start(d)
+            rows.append({"section": "cold", "run": name, "tp": args.cold_tp, **r})
+            log(f"cold start tp={args.cold_tp}, {name}: {r['total_s']:.1f} s (import "
+                f"{r['import_s']:.1f}, load {r['load_s']:.1f}, compile {r['compile_s']:.1f})")
+    speedup = rows[0]["total_s"] / rows[2]["total_s"]
+    rows.append({"section": "cold", "run": "speedup", "value": speedup})
+    log(f"cold start speed-up from the persistent cache: {speedup:.1f}x")
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--source", default="gemma3-270m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tp", default="1,2", help="comma-separated tp values (interleaved)")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"subset of {SECTIONS}")
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--cache-len", type=int, default=1024)
+    p.add_argument("--start-pos", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cold-tp", type=int, default=2)
+    p.add_argument("--cold-slots", type=int, default=8)
+    p.add_argument("--out", help="write all rows as JSON here")
+    p.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.cold_child:
+        return cold_child(args)
+
+    sections = [s for s in args.only.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    tps = [int(t) for t in args.tp.split(",")]
+    _setup_devices(max(tps + [args.cold_tp]))
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    rows = []
+    if "prefill" in sections or "decode" in sections:
+        from models.gemma3 import load_model
+
+        models = {tp: load_model(args.source, tp=tp, dtype=args.dtype,
+                                 max_seq_len=max(args.cache_len, args.prefill_len)) for tp in tps}
+        log(f"models: {', '.join(repr(m) for m in models.values())}; load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        if "prefill" in sections:
+            rows += bench_prefill(models, args.prefill_len, args.repeats, log)
+        if "decode" in sections:
+            rows += bench_decode(models, [int(b) for b in args.batches.split(",")],
+                                 args.cache_len, args.start_pos, args.steps, args.repeats, log)
+        del models
+    if "kv" in sections:
+        rows += bench_kv(log)
+    if "cold" in sections:
+        rows += bench_cold(args, log)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "load_average": os.getloadavg(), "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
