@@ -15,7 +15,7 @@ STEP = 0.02
 @pytest.fixture(scope="module")
 def paced_server():
     config = ServerConfig(model="fake", served_model_name="fake", max_batch=4, max_seq_len=256,
-                          compile_cache_dir="")
+                          compile_cache_dir="", admission_wait_ms=0)
     s = ServerThread(config, FakeEngine(num_slots=4, max_seq_len=256, step_delay=STEP, prefill_batch_sizes=(1, 4)))
     yield s
     s.stop()
@@ -44,6 +44,7 @@ def test_levels_measure_the_engine_pace(paced_server):
     assert 0.8 * STEP < lone["tpot_s"]["median"] < 2 * STEP
     assert lone["itl_s"]["n"] == 2 * 9
     four = asyncio.run(run_level(paced_server.url, "fake", 4, 2, 10))
-    # Four streams share each step: about four times the throughput at the same TPOT.
-    assert four["output_tokens_per_s"] > 2.5 * lone["output_tokens_per_s"]
+    # Four streams share each step: several times the throughput (4x when nothing else runs) at
+    # about the same TPOT.
+    assert four["output_tokens_per_s"] > 2 * lone["output_tokens_per_s"]
     assert four["tpot_s"]["median"] < 2 * STEP
