@@ -157,7 +157,7 @@ def test_cancel_frees_the_slot_at_once(engine):
             time.sleep(0.005)
         s.cancel(ids)
         long.wait(2.0)
-        assert long.finish == "abort" and len(long.events) < 10
+        assert long.finish == "abort" and len(long.events) < 20  # of 55
         assert s.num_running == 0
         after = Collector()
         s.submit([(prompt("next"), greedy(3), after)])

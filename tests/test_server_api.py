@@ -211,11 +211,11 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 def test_disconnect_while_waiting_non_streaming_frees_the_slot(server):
     _wait_idle(server)
     before = _aborts(server)
-    server.engine.step_delay = 0.02  # 60 tokens take over a second: the client leaves long before
+    server.engine.step_delay = 0.05  # 60 tokens take 3 seconds: the client leaves long before
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json={"prompt": "w", "max_tokens": 60}, timeout=0.1)
-        _wait_idle(server, timeout=1.0)
+        _wait_idle(server, timeout=2.0)
     finally:
         server.engine.step_delay = 0.003
     assert _aborts(server) == before + 1
