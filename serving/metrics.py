@@ -46,6 +46,13 @@ class Metrics:
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = hist("request_prefill_time_seconds", "Duration of the request's prefill step.")
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
+        # Prompts are padded to a bucket length (and a batch to a compiled size): how often each
+        # program runs and how many padding positions it computes.
+        self._prefill_steps = Counter("gemma3:prefill_steps", "Prefill calls by bucket length and batch size.",
+                                      labels + ("bucket", "batch"), registry=r)
+        self._prefill_padding = Counter("gemma3:prefill_padding_tokens",
+                                        "Token positions computed by prefill beyond the prompts.", labels,
+                                        registry=r).labels(*self._values)
         info = Gauge("gemma3:engine_info", "Engine configuration (value 1).",
                      labels + ("tp", "dtype"), registry=r)
         info.labels(*self._values, str(tp), dtype).set(1)
@@ -55,10 +62,12 @@ class Metrics:
     def on_scheduled(self, seq, queue_time: float) -> None:
         self.queue_time.observe(queue_time)
 
-    def on_prefill(self, seqs, seconds: float) -> None:
+    def on_prefill(self, seqs, seconds: float, bucket: int = 0, batch: int = 0) -> None:
         for s in seqs:
             self.prefill_time.observe(seconds)
             self.prompt_tokens.inc(len(s.prompt))
+        self._prefill_steps.labels(*self._values, str(bucket), str(batch)).inc()
+        self._prefill_padding.inc(bucket * batch - sum(len(s.prompt) for s in seqs))
 
     def on_token(self, seq, now: float) -> None:
         self.generation_tokens.inc()

@@ -88,7 +88,7 @@ class NullMetrics:
 
     def on_scheduled(self, seq: Sequence, queue_time: float) -> None: ...
 
-    def on_prefill(self, seqs: list[Sequence], seconds: float) -> None: ...
+    def on_prefill(self, seqs: list[Sequence], seconds: float, bucket: int = 0, batch: int = 0) -> None: ...
 
     def on_token(self, seq: Sequence, now: float) -> None: ...
 
@@ -290,7 +290,9 @@ class Scheduler:
         t0 = time.perf_counter()
         out = self.engine.run_prefill(inputs)
         now = time.perf_counter()
-        self.metrics.on_prefill(group, now - t0)
+        self.metrics.on_prefill(group, now - t0, bucket, batch)
+        log.debug("prefill of %d prompt(s), lengths %s, in bucket %d x%d: %.3fs", len(group),
+                  [len(s.prompt) for s in group], bucket, batch, now - t0)
         for row, s in enumerate(group):
             prompt_lps = _prompt_logprobs(out, row, s) if s.want_prompt_logprobs else None
             self._on_token(s, out, row, now, prompt_lps)

@@ -3,6 +3,7 @@ real clients: validation and errors, back-pressure, disconnects, API keys and th
 The same app over the real model is tested in test_server_e2e.py."""
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -313,9 +314,11 @@ def test_models_health_and_metrics(client):
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "prompt_tokens_total", "generation_tokens_total", "num_requests_running",
-                 "num_requests_waiting", "kv_cache_usage_perc"):
+                 "num_requests_waiting", "kv_cache_usage_perc", "prefill_steps_total",
+                 "prefill_padding_tokens_total"):
         assert f"gemma3:{name}" in text, name
     assert 'allreduce="bf16"' in text
+    assert re.search(r'gemma3:prefill_steps_total\{allreduce="bf16",batch="1",bucket="8",model_name="fake"\} [1-9]', text)
 
 
 # ---- readiness and API key ----
