@@ -3,7 +3,7 @@
   python -m eval.bench_model                      # everything, real 270M, bfloat16, tp 1 and 2
   python -m eval.bench_model --only prefill,decode --tp 1,2 --batches 1,8 --repeats 7
   python -m eval.bench_model --only kv            # 27B KV cache bytes per sequence at 32k
-  python -m eval.bench_model --only cold --cold-tp 2
+  python -m eval.bench_model --only cold --cold-tp 2 --cold-orbax
 
 What is timed is the engine API a server calls (`Gemma3Model.prefill`, `.decode_step`), after
 compilation and a warm-up call, with block_until_ready; the tp settings are interleaved
@@ -13,7 +13,8 @@ cache slot. Decode: every slot of a --cache-len cache decodes --steps tokens per
 positions from --start-pos on (attention over that many cached positions); tokens/s counts
 batch x steps. Cold start: a fresh process loads the weights and compiles one prefill bucket
 and the decode step (`Gemma3Model.warm_up`), without, then twice with, a persistent
-compilation cache (the first of those fills it, the second is the restart being measured).
+compilation cache (the first of those fills it, the second is the restart being measured);
+with --cold-orbax, once more from a converted orbax checkpoint instead of the GGUF file.
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def bench_decode(models: dict, batches: list[int], cache_len: int, start: int, s
                  repeats: int, log) -> list[dict]:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     rows = []
     for batch in batches:
@@ -92,12 +94,14 @@ def bench_decode(models: dict, batches: list[int], cache_len: int, start: int, s
         for tp, m in models.items():
             caches[tp] = m.init_cache(batch, cache_len)
         tokens = jnp.full((batch,), 1000, jnp.int32)
+        # Positions come from the host, as a server's scheduler sends them.
+        positions = [np.full((batch,), start + i, np.int32) for i in range(steps * (repeats + 1))]
 
         def run(tp, first):
             t0 = time.perf_counter()
             for i in range(steps):
-                logits, caches[tp] = models[tp].decode_step(
-                    caches[tp], tokens, jnp.full((batch,), first + i, jnp.int32))
+                logits, caches[tp] = models[tp].decode_step(caches[tp], tokens,
+                                                             positions[first + i - start])
             jax.block_until_ready((logits, caches[tp]))
             return time.perf_counter() - t0
 
@@ -155,8 +159,8 @@ def cold_child(args) -> None:
 
 
 def bench_cold(args, log) -> list[dict]:
-    def start(cache_dir):
-        cmd = [sys.executable, "-m", "eval.bench_model", "--cold-child", "--source", args.source,
+    def start(cache_dir, source):
+        cmd = [sys.executable, "-m", "eval.bench_model", "--cold-child", "--source", source,
                "--dtype", args.dtype, "--cold-tp", str(args.cold_tp), "--cache-len",
                str(args.cache_len), "--prefill-len", str(args.prefill_len), "--cold-slots",
                str(args.cold_slots)] + (["--cache-dir", cache_dir] if cache_dir else [])
@@ -164,18 +168,32 @@ def bench_cold(args, log) -> list[dict]:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     rows = []
-    with tempfile.TemporaryDirectory() as cache_dir:
-        runs = [("no compilation cache", None), ("cache empty (fills it)", cache_dir),
-                ("cache warm (restart)", cache_dir)]
-        for name, d in runs:
-            r = start(d)
+    with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as ckpt:
+        runs = [("no compilation cache", None, args.source),
+                ("cache empty (fills it)", cache_dir, args.source),
+                ("cache warm (restart)", cache_dir, args.source)]
+        if args.cold_orbax:
+            _convert(args.source, args.dtype, f"{ckpt}/model")
+            runs.append(("cache warm, converted orbax checkpoint", cache_dir, f"{ckpt}/model"))
+        for name, d, source in runs:
+            r = start(d, source)
             rows.append({"section": "cold", "run": name, "tp": args.cold_tp, **r})
             log(f"cold start tp={args.cold_tp}, {name}: {r['total_s']:.1f} s (import "
                 f"{r['import_s']:.1f}, load {r['load_s']:.1f}, compile {r['compile_s']:.1f})")
-    speedup = rows[0]["total_s"] / rows[2]["total_s"]
-    rows.append({"section": "cold", "run": "speedup", "value": speedup})
-    log(f"cold start speed-up from the persistent cache: {speedup:.1f}x")
+    for i, name in ((2, "persistent compilation cache"), (3, "cache + orbax checkpoint")):
+        if i < len(runs):
+            speedup = rows[0]["total_s"] / rows[i]["total_s"]
+            rows.append({"section": "cold", "run": f"speedup: {name}", "value": speedup})
+            log(f"cold start speed-up, {name}: {speedup:.1f}x")
     return rows
+
+
+def _convert(source: str, dtype: str, path: str) -> None:
+    """Write `source` as a converted orbax checkpoint (in a child process: its own devices)."""
+    code = ("import sys; from models.gemma3 import load_model; "
+            "load_model(sys.argv[1], dtype=sys.argv[2]).save(sys.argv[3])")
+    subprocess.run([sys.executable, "-c", code, source, dtype, path], check=True,
+                   capture_output=True)
 
 
 def main(argv=None) -> None:
@@ -192,6 +210,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cold-tp", type=int, default=2)
     p.add_argument("--cold-slots", type=int, default=8)
+    p.add_argument("--cold-orbax", action="store_true",
+                   help="also restart from a converted orbax checkpoint of --source")
     p.add_argument("--out", help="write all rows as JSON here")
     p.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)

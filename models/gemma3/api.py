@@ -136,9 +136,11 @@ class Gemma3Model:
 
     def _ids(self, x, ndim: int, name: str) -> jax.Array:
         if isinstance(x, jax.Array):
-            if x.ndim != ndim:
-                raise ValueError(f"{name} must have {ndim} dims, got shape {x.shape}")
-            return x.astype(jnp.int32)
+            if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
+                                 f"{x.dtype} {x.shape}")
+            # (An eager op on a mesh-sharded array costs milliseconds: convert only if needed.)
+            return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
         x = np.asarray(x)
         if x.ndim != ndim or not np.issubdtype(x.dtype, np.integer):
             raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
@@ -263,7 +265,7 @@ class Gemma3Model:
         cache = self.init_cache(b, self.bucket_for(max(need, tokens.shape[1])))
         logits, cache = self.prefill(cache, tokens, lengths, np.arange(b, dtype=np.int32))
         key = jax.random.key(seed)
-        positions = jax.device_put(lengths, self._replicated)
+        positions = lengths.copy()  # on the host: an eager add on device costs more
         stop = set(int(i) for i in stop_ids)
         done = np.zeros(b, bool)
         out = []
@@ -277,7 +279,7 @@ class Gemma3Model:
                     break
             if step + 1 < max_new_tokens:
                 logits, cache = self.decode_step(cache, next_ids, positions)
-                positions = positions + 1
+                positions += 1
         ids = np.stack([np.asarray(x) for x in out], axis=1)
         result = []
         for row in ids.tolist():
