@@ -187,3 +187,17 @@ def test_byte_tokenizer_for_small_vocabularies(tiny):
     assert tok.decode(tok.encode(text)) == text
     assert max(tok.encode(text)) < tiny[1].config.vocab_size
     assert tok.decode([tok.bos_id] + tok.encode("a") + [tok.eos_id]) == "a"
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_long_prompts_attend_in_chunks_with_the_same_result(monkeypatch, window):
+    import jax.numpy as jnp
+
+    from models.gemma3 import model as fwd
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in [(2, 64, 4, 8), (2, 64, 2, 8), (2, 64, 2, 8)])
+    whole = fwd.attend_prompt(q, k, v, window)
+    monkeypatch.setattr(fwd, "PROMPT_CHUNK", 16)
+    np.testing.assert_allclose(fwd.attend_prompt(q, k, v, window), whole, rtol=1e-6, atol=1e-6)

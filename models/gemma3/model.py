@@ -219,12 +219,35 @@ def _layer_kind(ctx: Ctx, layer: int) -> str:
 # not read the cache and stores its keys/values in the same program.
 
 
-def _sequence_mask(t: int, window: int | None) -> jax.Array:
-    """[T, T] causal mask, limited to keys in (q - window, q] when window is given."""
-    q = jnp.arange(t)[:, None]
+# Prompts longer than this attend in query chunks of this size, so the attention logits stay
+# [chunk, T] per head instead of [T, T] (32k tokens: 4 GiB per head and layer in float32).
+PROMPT_CHUNK = 1024
+
+
+def _sequence_mask(queries: jax.Array, t: int, window: int | None) -> jax.Array:
+    """[Q, T] mask for query positions `queries`: causal, and keys in (q - window, q] when
+    window is given."""
+    q = queries[:, None]
     kpos = jnp.arange(t)[None, :]
     mask = kpos <= q
     return mask if window is None else mask & (kpos > q - window)
+
+
+def attend_prompt(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+    """Causal (and sliding-window) self-attention of a prompt at positions 0..T-1.
+    q [B, T, Nl, H]; k, v [B, T, Kl, H] -> [B, T, Nl, H]."""
+    b, t, n, h = q.shape
+    k_t, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+    if t <= PROMPT_CHUNK or t % PROMPT_CHUNK:
+        return attend(q, k_t, v, _sequence_mask(jnp.arange(t), t, window)[None])
+
+    def chunk(i):
+        rows = lax.dynamic_slice_in_dim(q, i * PROMPT_CHUNK, PROMPT_CHUNK, axis=1)
+        queries = i * PROMPT_CHUNK + jnp.arange(PROMPT_CHUNK)
+        return attend(rows, k_t, v, _sequence_mask(queries, t, window)[None])
+
+    out = lax.map(chunk, jnp.arange(t // PROMPT_CHUNK))  # [C, B, chunk, Nl, H]
+    return out.transpose(1, 0, 2, 3, 4).reshape(b, t, n, h)
 
 
 def write_prompt(cache: KVCache, new_kv: tuple[LayerCache, ...], lengths: jax.Array,
@@ -296,12 +319,10 @@ def prefill(weights: Weights, cache: KVCache | None, tokens: jax.Array, lengths:
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    masks = {"global": _sequence_mask(t, None)[None],
-             "local": _sequence_mask(t, ctx.config.sliding_window)[None]}
 
     def attn(x, w, layer, kind):
         q, k, v = project_qkv(x, w, positions, kind, ctx)
-        enc = attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), masks[kind])
+        enc = attend_prompt(q, k, v, None if kind == "global" else ctx.config.sliding_window)
         return output_projection(enc, w.o), LayerCache(k=k, v=v)
 
     x = embed_tokens(weights.embed, tokens, ctx)
