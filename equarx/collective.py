@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx import hadamard
 from equarx import quantize as qz
 from equarx import ring
 from equarx.config import AllReduceConfig
@@ -59,7 +60,7 @@ def _codecs(config: AllReduceConfig, dtype) -> tuple[ring.Codec, ring.Codec]:
         bf16 = ring.FloatCodec(jnp.bfloat16)
         return bf16, bf16
     plain = ring.FloatCodec(jnp.dtype(dtype))
-    int8 = ring.Int8Codec()
+    int8 = ring.Int8RowCodec() if config.blocks == "hadamard" else ring.Int8Codec()
     rs = int8 if config.phases in ("both", "rs") else plain
     ag = int8 if config.phases in ("both", "ag") else plain
     return rs, ag
@@ -91,10 +92,17 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig | None = No
 def _ring_all_reduce(x: jax.Array, axis_name: str, n: int, config: AllReduceConfig) -> jax.Array:
     layout = plan_layout(x.size, n, config.minishards)
     flat = jnp.pad(x.reshape(-1), (0, layout.padded_elements - x.size))
+    rotate = config.method == "int8" and config.blocks == "hadamard"
+    if rotate:
+        flat = hadamard.rotate(flat)
     buf = flat.reshape(n, layout.minishards, layout.tiles, *qz.TILE)
     rs_chains, ag_chains = ring.chains_for(config.variant, n, layout.minishards,
                                            config.pipelined)
     rs_codec, ag_codec = _codecs(config, x.dtype)
     y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec)
-    out = ring.ring_all_gather(y, axis_name, n, ag_chains, ag_codec, out_dtype=x.dtype)
-    return out.reshape(-1)[: x.size].reshape(x.shape)
+    out = ring.ring_all_gather(y, axis_name, n, ag_chains, ag_codec,
+                               out_dtype=jnp.float32 if rotate else x.dtype)
+    out = out.reshape(-1)
+    if rotate:
+        out = hadamard.unrotate(out)
+    return out[: x.size].reshape(x.shape).astype(x.dtype)

@@ -50,6 +50,20 @@ def absmax(x: jax.Array) -> jax.Array:
 _ROUNDING_MAGIC = 12582912.0
 
 
+def _round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Qp2 for any block shape: amax broadcasts against x (same rank)."""
+    x = x.astype(jnp.float32)
+    scale = amax / QMAX
+    positive = jnp.isfinite(amax) & (amax > 0)
+    inv = QMAX / jnp.where(positive, amax, 1.0)
+    usable = positive & jnp.isfinite(inv)
+    inv = jnp.where(usable, inv, 0.0)
+    bits = jax.lax.bitcast_convert_type(x * inv + _ROUNDING_MAGIC, jnp.int32)
+    q = bits.astype(jnp.int8)  # integer narrowing keeps the low byte
+    # Where x is NaN/Inf the sum is too and its low byte is meaningless: force q to 0.
+    return jnp.where(usable, q, jnp.int8(0)), scale
+
+
 def scale_round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Qp2: scale, round half to even, cast. x: f32[..., K, 8, 128], amax: f32[..., 8, 128].
 
@@ -59,16 +73,8 @@ def scale_round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Arra
     (|x| < 1e-36). A block with a non-finite absmax gets q 0 and a non-finite scale: it
     dequantizes to NaN/Inf everywhere.
     """
-    x = x.astype(jnp.float32)
-    scale = amax / QMAX
-    positive = jnp.isfinite(amax) & (amax > 0)
-    inv = QMAX / jnp.where(positive, amax, 1.0)
-    usable = positive & jnp.isfinite(inv)
-    inv = jnp.where(usable, inv, 0.0)[..., None, :, :]
-    bits = jax.lax.bitcast_convert_type(x * inv + _ROUNDING_MAGIC, jnp.int32)
-    q = bits.astype(jnp.int8)  # integer narrowing keeps the low byte
-    # Where x is NaN/Inf the sum is too and its low byte is meaningless: force q to 0.
-    return jnp.where(usable[..., None, :, :], q, jnp.int8(0)), scale
+    q, scale = _round_cast(x, amax[..., None, :, :])
+    return q, scale[..., 0, :, :]
 
 
 def quantize_blockwise(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -111,3 +117,54 @@ def unpack(buf: jax.Array) -> tuple[jax.Array, jax.Array]:
 def packed_dequantize(buf: jax.Array) -> jax.Array:
     """int8[..., K + 4, 1024] -> f32[..., K, 8, 128]."""
     return dequantize(*unpack(buf))
+
+
+# -- row blocks (AllReduceConfig.blocks="hadamard"): one scale per 128 consecutive values --------
+# A cross-lane max per row (cheap on CPU and GPU; on TPU it is the relayout the tile layout
+# avoids). The values are meant to be Hadamard-rotated first (equarx.hadamard), so a row's
+# absmax reflects its bulk rather than one outlier channel.
+ROW_BYTES = 32  # wire rows of 32 bytes: a K-tile minishard is 32 K payload rows + K scale rows
+
+
+def absmax_rows(x: jax.Array) -> jax.Array:
+    """Qp1 for row blocks: f32[..., K, 8, 128] -> f32[..., K, 8] (NaN -> Inf, as `absmax`)."""
+    _check_minishards(x)
+    mag = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isnan(mag), jnp.inf, mag), axis=-1)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """f32[..., K, 8, 128] -> (int8[..., K, 8, 128], f32[..., K, 8]): Qp1 then Qp2 per row."""
+    q, scale = _round_cast(x, absmax_rows(x)[..., None])
+    return q, scale[..., 0]
+
+
+def dequantize_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """int8[..., K, 8, 128], f32[..., K, 8] -> f32[..., K, 8, 128]."""
+    return q.astype(jnp.float32) * scale[..., None]
+
+
+def pack_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """(int8[..., K, 8, 128], f32[..., K, 8]) -> int8[..., 33 K, 32]: payload, then scales.
+    Rows of 32 bytes keep the join a major-axis concatenate (see `pack`)."""
+    batch = q.shape[:-3]
+    scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.int8)  # [..., K, 8, 4]
+    return jnp.concatenate(
+        [q.reshape(*batch, -1, ROW_BYTES),
+         scale_bytes.reshape(*batch, -1, ROW_BYTES)], axis=-2)
+
+
+def unpack_rows(buf: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of `pack_rows`: int8[..., 33 K, 32] -> (int8[..., K, 8, 128], f32[..., K, 8])."""
+    if buf.ndim < 2 or buf.shape[-1] != ROW_BYTES or buf.shape[-2] % 33:
+        raise ValueError(f"not packed row-block minishards: shape {buf.shape}")
+    batch = buf.shape[:-2]
+    k = buf.shape[-2] // 33
+    q = buf[..., : 32 * k, :].reshape(*batch, k, *TILE)
+    scale_bytes = buf[..., 32 * k:, :].reshape(*batch, k, TILE[0], 4)
+    return q, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+
+
+def packed_dequantize_rows(buf: jax.Array) -> jax.Array:
+    """int8[..., 33 K, 32] -> f32[..., K, 8, 128]."""
+    return dequantize_rows(*unpack_rows(buf))

@@ -65,6 +65,17 @@ class Int8Codec:
         return qz.packed_dequantize(wire)
 
 
+class Int8RowCodec:
+    """Row blocks (blocks="hadamard"): one float32 scale per 128 consecutive values, packed
+    as int8 rows of 32 bytes [g, 33 K, 32] (the payload's 32 K rows, then K rows of scales)."""
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        return qz.pack_rows(*qz.quantize_rows(x))
+
+    def decode(self, wire: jax.Array) -> jax.Array:
+        return qz.packed_dequantize_rows(wire)
+
+
 @dataclasses.dataclass(frozen=True)
 class FloatCodec:
     """Unquantized: the values rounded to `dtype`. 16-bit floats travel bit-cast to uint16

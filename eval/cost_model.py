@@ -47,8 +47,12 @@ class Schedule:
 
 
 def parse_label(label: str) -> tuple[str, str, str]:
-    """'bf16' | 'f32' | 'bf16_ring[-semi]' | 'int8-full' | 'int8-semi-rs' -> (method, variant,
-    phases). Same spelling as `AllReduceConfig.label` and eval.bench_collective's methods."""
+    """'bf16' | 'f32' | 'bf16_ring[-semi]' | 'int8-full' | 'int8-semi-rs[+hadamard]' -> (method,
+    variant, phases). Same spelling as `AllReduceConfig.label` and eval.bench_collective's
+    methods; the block suffix only changes the scale bytes (see `allreduce_schedule`)."""
+    label, _, blocks = label.partition("+")
+    if blocks not in ("", "hadamard") or (blocks and not label.startswith("int8")):
+        raise ValueError(f"cannot parse AllReduce method {label}+{blocks!r}")
     parts = label.split("-")
     method = parts[0]
     if method not in ("f32", "bf16", "bf16_ring", "int8", "naive"):
@@ -94,7 +98,10 @@ def allreduce_schedule(label: str, n_elements: int, n_devices: int, minishards: 
     layout = plan_layout(n_elements, n, minishards)
     m, k = layout.minishards, layout.tiles
     seq_hops, all_hops = ring_hops(variant, n)
-    int8_bytes = (k + SCALE_ROWS) * TILE_ELEMENTS  # payload rows + 4 rows of scale bytes
+    if label.endswith("+hadamard"):  # a float32 scale per 128 values
+        int8_bytes = k * (TILE_ELEMENTS + TILE_ELEMENTS // 32)
+    else:
+        int8_bytes = (k + SCALE_ROWS) * TILE_ELEMENTS  # payload rows + 4 rows of scale bytes
     plain_bytes = k * TILE_ELEMENTS * (2 if method == "bf16_ring" else dtype_bytes)
 
     def phase(quantized: bool) -> float:

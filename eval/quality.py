@@ -40,6 +40,7 @@ MODES: dict[str, AllReduceConfig | None] = {
     "int8-semi": AllReduceConfig("int8", "semi"),
     "int8-full-rs": AllReduceConfig("int8", "full", "rs"),
     "int8-full-ag": AllReduceConfig("int8", "full", "ag"),
+    "int8-full+hadamard": AllReduceConfig("int8", "full", blocks="hadamard"),
     NAIVE: None,
 }
 REFERENCE = "f32"

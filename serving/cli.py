@@ -126,7 +126,8 @@ def serve_main(argv: list[str] | None = None) -> None:
 # ---- gemma3-generate ----
 
 _GENERATE_SETTINGS = ("model", "tp", "allreduce", "allreduce_variant", "allreduce_phases",
-                      "allreduce_minishards", "allreduce_min_bytes", "dtype", "max_seq_len",
+                      "allreduce_minishards", "allreduce_min_bytes", "allreduce_blocks", "dtype",
+                      "max_seq_len",
                       "compile_cache_dir", "log_level")
 
 

@@ -12,6 +12,7 @@ def test_sizes_and_methods_parse():
     assert (cfg.method, cfg.variant, cfg.phases, cfg.minishards, cfg.pipelined) == (
         "int8", "semi", "ag", 16, False)
     assert bench.parse_method("bf16_ring", 4).label == "bf16_ring"
+    assert bench.parse_method("int8-semi-rs+hadamard", 4).label == "int8-semi-rs+hadamard"
     with pytest.raises(ValueError):
         bench.parse_method("int4", 4)
     with pytest.raises(ValueError):

@@ -68,6 +68,13 @@ def test_int8_sends_at_most_0_52_of_an_ideal_bf16_ring(large_programs):
     assert padded <= 1.001 * ideal
 
 
+def test_hadamard_blocks_send_four_bytes_of_scale_per_128_values():
+    program = _compile(N, AllReduceConfig("int8", "full", minishards=M, blocks="hadamard"), LARGE)
+    layout = plan_layout(int(np.prod(LARGE)), N, M)
+    assert len(collectives(program)) == 2 * (N - 1) * M
+    assert bytes_sent_per_device(program) == 2 * (N - 1) * M * layout.tiles * (1024 + 32)
+
+
 def test_model_sized_message_reports_its_scale_overhead():
     """512 tokens x 640 d_model at tp=4: one minishard of 80 tiles per shard, so the scales
     cost 4/80 of the int8 payload: 0.525x the bf16 ring, honestly above the 0.52 target."""

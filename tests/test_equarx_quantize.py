@@ -85,11 +85,43 @@ def test_pack_roundtrip_is_bit_exact():
     assert np.array_equal(np.asarray(s2).view(np.uint32), np.asarray(scale).view(np.uint32))
 
 
+def test_row_blocks_quantize_pack_and_poison_one_row():
+    x = np.random.default_rng(4).standard_normal((6, 8, 128)).astype(np.float32)
+    x[2, 3, 7] = np.nan
+    q, scale = qz.quantize_rows(jnp.asarray(x))
+    assert q.shape == x.shape and scale.shape == (6, 8)
+    buf = qz.pack_rows(q, scale)
+    assert buf.dtype == jnp.int8 and buf.size == 6 * 1024 + 6 * 8 * 4  # 4 bytes per 128 values
+    deq = np.asarray(qz.packed_dequantize_rows(buf))
+    assert not np.isfinite(deq[2, 3]).any()
+    ok = np.ones((6, 8), bool)
+    ok[2, 3] = False
+    good = np.abs(x).max(-1)[ok] / 127
+    assert np.all(np.abs(deq[ok] - x[ok]).max(-1) <= good / 2 * (1 + 1e-5))
+    assert np.all(np.abs(np.asarray(q)[ok]).max(-1) == 127)
+
+
+def test_hadamard_rotation_is_exactly_invertible_and_orthogonal():
+    from equarx import hadamard
+    h = np.array([[1.0]])
+    for _ in range(7):
+        h = np.block([[h, h], [h, -h]])  # Sylvester's construction of the 128x128 matrix
+    x = np.random.default_rng(5).standard_normal(3 * 128).astype(np.float32)
+    r = np.asarray(hadamard.rotate(jnp.asarray(x))).reshape(3, 128)
+    np.testing.assert_allclose(r, (x.reshape(3, 128) * hadamard._SIGNS) @ h.T, atol=1e-4)
+    np.testing.assert_allclose(np.linalg.norm(r, axis=1),
+                               np.sqrt(128) * np.linalg.norm(x.reshape(3, 128), axis=1), rtol=1e-5)
+    back = np.asarray(hadamard.unrotate(jnp.asarray(r.reshape(-1))))
+    np.testing.assert_allclose(back, x, atol=1e-6)
+
+
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="8, 128"):
         qz.absmax(jnp.zeros((4, 128)))
     with pytest.raises(ValueError, match="packed"):
         qz.unpack(jnp.zeros((4, 1024), jnp.int8))
+    with pytest.raises(ValueError, match="packed"):
+        qz.unpack_rows(jnp.zeros((32, 32), jnp.int8))
 
 
 # -- byte accounting on HLO text ---------------------------------------------------------------

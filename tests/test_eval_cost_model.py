@@ -55,7 +55,7 @@ def test_schedule_bytes_match_the_compiled_program(n):
     n_el = 300_000
     x = jax.ShapeDtypeStruct((n * n_el,), jnp.bfloat16)
     for label, pipelined in (("bf16_ring", True), ("int8-full", True), ("int8-semi-ag", True),
-                             ("int8-semi", False)):
+                             ("int8-semi", False), ("int8-full+hadamard", True)):
         cfg = parse_method(label, 4, pipelined)
         f = jax.jit(jax.shard_map(lambda a, c=cfg: all_reduce(a, "tp", c), mesh=mesh,
                                   in_specs=P("tp"), out_specs=P("tp")))

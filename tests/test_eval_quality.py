@@ -66,7 +66,7 @@ def test_naive_strawman_is_identical_on_devices_and_worse_than_equarx_with_an_ou
 
 
 def test_tiny_quality_run():
-    modes = ["f32", "int8-full", "naive"]
+    modes = ["f32", "int8-full", "int8-full+hadamard", "naive"]
     report = quality.run("random:tiny", tps=(2,), modes=modes, n_tokens=126, window=64,
                          n_prompts=2, prompt_tokens=8, new_tokens=3, log=lambda *_: None)
     rows = {r["mode"]: r for r in report["rows"]}

@@ -286,3 +286,5 @@ def test_allreduce_switch_reaches_the_model_config():
                      env={})
     cfg = c.allreduce_config()
     assert (cfg.method, cfg.variant, cfg.min_bytes, cfg.label) == ("int8", "semi", 4096, "int8-semi")
+    cfg = from_sources({"allreduce": "int8"}, env={"GEMMA3_ALLREDUCE_BLOCKS": "hadamard"}).allreduce_config()
+    assert cfg.label == "int8-full+hadamard"
