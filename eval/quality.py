@@ -198,12 +198,12 @@ def _report(model, dtype, tokens, window, n_prompts, prompt_tokens, new_tokens, 
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'tp':>3} {'mode':<13} {'perplexity':>10} {'vs bf16':>8} {'KL to f32':>10} "
+    head = (f"{'tp':>3} {'mode':<18} {'perplexity':>10} {'vs bf16':>8} {'KL to f32':>10} "
             f"{'top-1 = f32':>11} {'greedy =':>9} {'prefix':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         vs = "-" if r["perplexity_vs_bf16"] is None else f"{100 * r['perplexity_vs_bf16']:+.2f}%"
-        lines.append(f"{r['tp']:>3} {r['mode']:<13} {r['perplexity']:>10.4f} {vs:>8} "
+        lines.append(f"{r['tp']:>3} {r['mode']:<18} {r['perplexity']:>10.4f} {vs:>8} "
                      f"{r['kl_to_f32']:>10.2e} {100 * r['top1_agree_f32']:>10.2f}% "
                      f"{100 * r['greedy_exact_match']:>8.1f}% {r['greedy_prefix']:>7.2f}")
     return "\n".join(lines)

@@ -98,15 +98,21 @@ def test_bfloat16_top1_agreement_target(bf16_top1, golden):
     assert _agreement(bf16_top1, golden["bf16_top1"]) >= 0.99
 
 
-def test_int8_allreduce_top1_at_tp4(params, golden):
+@pytest.mark.parametrize("blocks", ["tile", "hadamard"])
+def test_int8_allreduce_top1_at_tp4(params, golden, blocks):
     """EQuARX int8 (full-loop ring, both phases) at tp=4, float32 model, against the float32
     reference's top-1 (which the float32-AllReduce model reproduces, tests above).
 
-    The issue's target is >= 98%; the paper's block scales give 86-89% here (see README), so
-    this asserts a floor that only a broken ring would miss and marks the target xfail."""
-    m = load_model(params, tp=4, dtype="float32", allreduce=AllReduceConfig(method="int8"))
+    The issue's target is >= 98%. The paper's 8x128 tile scales give 86-89% here (see README):
+    for them this asserts a floor that only a broken ring would miss and marks the target
+    xfail. Rotated row blocks (blocks="hadamard") must meet the target."""
+    cfg = AllReduceConfig(method="int8", blocks=blocks)
+    m = load_model(params, tp=4, dtype="float32", allreduce=cfg)
     ours = _top1(m.score(golden["prompts"]), [len(t) for t in golden["tokens"]])
     agreement = _agreement(ours, [idx[:, 0] for idx in golden["top_idx"]])
+    if blocks == "hadamard":
+        assert agreement >= 0.98, agreement
+        return
     assert agreement >= 0.75, agreement
     if agreement < 0.98:
         pytest.xfail(f"int8 top-1 agreement {agreement:.3f} < 0.98 target")
