@@ -30,9 +30,12 @@ class PrefillInputs(NamedTuple):
 
 
 class DecodeInputs(NamedTuple):
-    tokens: np.ndarray  # int32 [S], the last token of each slot (anything for an idle slot)
-    positions: np.ndarray  # int32 [S], tokens already in the slot = position of `tokens`
-    sampling: SlotSampling  # [S]
+    """One token for each of the first R slots (R <= num_slots; slots from R on are idle and
+    not decoded: the scheduler sends R = last busy slot + 1)."""
+
+    tokens: np.ndarray  # int32 [R], the last token of each slot (anything for an idle slot)
+    positions: np.ndarray  # int32 [R], tokens already in the slot = position of `tokens`
+    sampling: SlotSampling  # [R]
 
 
 class StepOutputs(NamedTuple):
@@ -64,6 +67,14 @@ class EngineInfo:
     # Prompts in buckets up to this length are prefilled several at a time; longer ones one by one
     # (a long prompt already fills the machine, and each (batch, bucket) pair is one more compile).
     batched_prefill_max_bucket: int = 256
+    # Decode runs over the first R slots padded up to one of these counts (one program each), so
+    # a lone sequence's step does not cost a full batch's. Empty: always all slots.
+    decode_batch_sizes: tuple[int, ...] = ()
+
+    def decode_rows_for(self, rows: int) -> int:
+        if not 1 <= rows <= self.num_slots:
+            raise ValueError(f"decode needs 1..{self.num_slots} rows, got {rows}")
+        return next((n for n in self.decode_batch_sizes if n >= rows), self.num_slots)
 
     def batch_sizes_for(self, bucket: int) -> tuple[int, ...]:
         return self.prefill_batch_sizes if bucket <= self.batched_prefill_max_bucket else (1,)
@@ -107,7 +118,8 @@ class ModelEngine:
     prefill/decode programs, and the jitted sampler applied to their logits on device."""
 
     def __init__(self, model, num_slots: int, max_seq_len: int,
-                 prefill_batch_sizes: tuple[int, ...] = (1,), model_name: str = "gemma3-270m"):
+                 prefill_batch_sizes: tuple[int, ...] = (1,), model_name: str = "gemma3-270m",
+                 decode_batch_sizes: tuple[int, ...] | None = None):
         import jax
 
         from serving import sampling
@@ -135,6 +147,7 @@ class ModelEngine:
             dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
             allreduce=model.allreduce.to_dict(),
             allreduce_label=model.allreduce.label,
+            decode_batch_sizes=_decode_batch_sizes(num_slots, decode_batch_sizes),
         )
         self._jax = jax
         self.cache = model.init_cache(num_slots, max_seq_len)
@@ -167,10 +180,17 @@ class ModelEngine:
         return _to_host(self._jax, out, extra)
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
-        logits, self.cache = self.model.decode_step(self.cache, inputs.tokens, inputs.positions)
+        rows = len(inputs.tokens)
+        pad = self.info.decode_rows_for(rows) - rows
+        # Padding rows are idle slots (all slots from R on are): decoding them writes position 0
+        # of a free row, which the next prefill into it overwrites.
+        tokens = np.pad(np.asarray(inputs.tokens, np.int32), (0, pad))
+        positions = np.pad(np.asarray(inputs.positions, np.int32), (0, pad))
+        sampling = SlotSampling(*(np.concatenate([a, b]) for a, b in zip(inputs.sampling, SlotSampling.greedy(pad))))
+        logits, self.cache = self.model.decode_step(self.cache, tokens, positions)
         logits = self._to_sample_device(logits)
-        out = self._sample(logits, inputs.sampling, inputs.positions + 1)
-        return _to_host(self._jax, out, ())
+        out = self._sample(logits, sampling, positions + 1)
+        return StepOutputs(*(a[:rows] for a in _to_host(self._jax, out, ())[:4]))
 
     def _to_sample_device(self, logits):
         if not logits.is_fully_addressable:  # spread over processes: gather to all of them first
@@ -192,16 +212,27 @@ class ModelEngine:
                 t = time.perf_counter()
                 self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
                 progress(f"prefill bucket {bucket} x{batch}: {time.perf_counter() - t:.1f}s")
-        s = self.info.num_slots
-        t = time.perf_counter()
-        self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
-        # A sampled step too: the sampler's random branch is part of the same program, but run it
-        # once so that its first use is not slower than the others.
-        sampled = SlotSampling(np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
-                               np.zeros(s, np.uint32))
-        self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), sampled))
-        progress(f"decode step x{s}: {time.perf_counter() - t:.1f}s")
+        for s in self.info.decode_batch_sizes or (self.info.num_slots,):
+            t = time.perf_counter()
+            self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
+            # A sampled step too: the sampler's random branch is part of the same program, but run
+            # it once so that its first use is not slower than the others.
+            sampled = SlotSampling(np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+                                   np.zeros(s, np.uint32))
+            self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), sampled))
+            progress(f"decode step x{s}: {time.perf_counter() - t:.1f}s")
         return time.perf_counter() - t0
+
+
+def _decode_batch_sizes(num_slots: int, sizes) -> tuple[int, ...]:
+    """Default: powers of two below num_slots, then num_slots (vLLM's CUDA-graph batch sizes
+    play the same role). Always ends with num_slots."""
+    if sizes is None:
+        sizes = [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots]
+    sizes = sorted(set(int(n) for n in sizes) | {num_slots})
+    if sizes[0] < 1 or sizes[-1] > num_slots:
+        raise ValueError(f"decode batch sizes must lie in 1..{num_slots}, got {sizes}")
+    return tuple(sizes)
 
 
 def _last_logits(logits, lengths):

@@ -58,6 +58,7 @@ class FakeEngine:
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
         self.prompt_len = [0] * num_slots
         self.steps: list[tuple[str, int]] = []  # (kind, rows) of every step, for tests
+        self.decode_rows: list[int] = []  # leading slots each decode step was asked to run
         self.prefill_buckets_used: list[int] = []
 
     def bucket_for(self, length: int) -> int:
@@ -84,9 +85,12 @@ class FakeEngine:
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
         time.sleep(self.step_delay)
-        s = self.info.num_slots
+        s = len(inputs.tokens)
+        if not 1 <= s <= self.info.num_slots:
+            raise AssertionError(f"decode over {s} rows with {self.info.num_slots} slots")
         active = [i for i in range(s) if inputs.positions[i] > 0]
         self.steps.append(("decode", len(active)))
+        self.decode_rows.append(s)
         for i in active:
             seq, pos = self.slots[i], int(inputs.positions[i])
             if pos != len(seq):

@@ -298,11 +298,13 @@ class Scheduler:
             self._on_token(s, out, row, now, prompt_lps)
 
     def _decode(self) -> None:
-        n = self.info.num_slots
+        # Only the slots up to the last busy one decode (free slots are taken lowest first, so
+        # with few sequences this is a short prefix and the step is cheaper).
+        n = 1 + max(i for i, s in enumerate(self._slots) if s is not None)
         tokens = np.zeros(n, np.int32)
         positions = np.zeros(n, np.int32)
         params, seeds = [], []
-        for i, s in enumerate(self._slots):
+        for i, s in enumerate(self._slots[:n]):
             if s is None:
                 params.append(_IDLE)
                 seeds.append(0)

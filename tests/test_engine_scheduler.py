@@ -86,6 +86,22 @@ def test_continuous_batching_more_requests_than_slots(engine):
                                   for i in later_prefills)
 
 
+def test_decode_runs_only_up_to_the_last_busy_slot(engine):
+    """A lone sequence decodes one row, not all four slots; a sequence that sits in a higher
+    slot after a lower one finished still decodes, with the free slot below it padded."""
+    cols = run(engine, [("alone", greedy(6))])
+    assert cols[0].text == expected("alone", 6)
+    assert set(engine.decode_rows) == {1}
+    engine.decode_rows.clear()
+    engine.step_delay = 0.002
+    reqs = [("short", greedy(3)), ("longer one", greedy(30))]
+    cols = run(engine, reqs)  # both prefilled together: slots 0 and 1; slot 0 frees first
+    for (text, params), c in zip(reqs, cols):
+        assert c.text == expected(text, params.max_tokens)
+    assert max(engine.decode_rows) == 2 and engine.decode_rows[-1] == 2
+    assert [n for k, n in engine.steps if k == "decode"][-1] == 1  # one busy row of the two
+
+
 def test_short_prompts_are_prefilled_together(engine):
     texts = ["abc", "a longer one", "the longest: 20 chars"]  # buckets 8, 16 and 32
     s = Scheduler(engine).start()

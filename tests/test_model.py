@@ -119,6 +119,27 @@ def test_slots_are_independent(tiny):
     np.testing.assert_allclose(run(busy=True), run(busy=False), atol=1e-6)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decoding_the_first_slots_only(tiny, tp):
+    """decode_step with R < S tokens decodes slots 0..R-1 exactly as a full step does and
+    leaves the other slots' cache rows untouched."""
+    m = tiny[tp]
+    seqs = _random_seqs([7, 11, 5, 9], seed=5)
+    cache = m.init_cache(num_slots=4, max_seq_len=32)
+    tokens = np.array([s + [0] * (16 - len(s)) for s in seqs], np.int32)
+    _, cache = m.prefill(cache, tokens, np.array([len(s) for s in seqs], np.int32),
+                         np.arange(4, dtype=np.int32))
+    before = jax.tree.map(np.asarray, cache)
+    nxt, pos = np.array([11, 12, 13, 14], np.int32), np.array([7, 11, 5, 9], np.int32)
+    full_logits, full_cache = m.decode_step(jax.tree.map(jax.numpy.array, before), nxt, pos)
+    part_logits, part_cache = m.decode_step(cache, nxt[:2], pos[:2])
+    np.testing.assert_allclose(np.asarray(part_logits), np.asarray(full_logits)[:2], atol=1e-6)
+    for full, part, old in zip(jax.tree.leaves(full_cache), jax.tree.leaves(part_cache),
+                               jax.tree.leaves(before)):
+        np.testing.assert_array_equal(np.asarray(part)[:2], np.asarray(full)[:2])
+        np.testing.assert_array_equal(np.asarray(part)[2:], old[2:])
+
+
 def test_generate_is_greedy_and_uses_the_cache(tiny):
     m = tiny[2]
     seqs = _random_seqs([4, 10])
@@ -162,8 +183,10 @@ def test_bad_input_gets_clear_errors(tiny):
     with pytest.raises(ValueError, match="at least one token"):
         m.score([[]])
     cache = m.init_cache(num_slots=2, max_seq_len=32)
-    with pytest.raises(ValueError, match="one token and position per cache slot"):
-        m.decode_step(cache, np.array([1], np.int32), np.array([0], np.int32))
+    with pytest.raises(ValueError, match="leading cache slots"):
+        m.decode_step(cache, np.array([1, 1, 1], np.int32), np.array([0, 0, 0], np.int32))
+    with pytest.raises(ValueError, match="leading cache slots"):
+        m.decode_step(cache, np.array([1, 1], np.int32), np.array([0], np.int32))
     with pytest.raises(ValueError, match="exceeds"):
         m.init_cache(num_slots=1, max_seq_len=10_000)
 

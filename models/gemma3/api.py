@@ -169,12 +169,14 @@ class Gemma3Model:
                                                           slots)
 
     def decode_step(self, cache: KVCache, tokens, positions):
-        """One token per slot (tokens, positions [S], S = cache slots) -> (logits [S, V], cache)."""
+        """One token for each of the first R cache slots (tokens, positions [R], 1 <= R <= cache
+        slots) -> (logits [R, V], cache). The other slots are neither read nor written; each R
+        is its own program (a server compiles a few, e.g. 1, 2, 4, 8)."""
         self._check_token_range(tokens)
         tokens, positions = self._ids(tokens, 1, "tokens"), self._ids(positions, 1, "positions")
-        if not tokens.shape[0] == positions.shape[0] == cache.num_slots:
-            raise ValueError(f"decode_step needs one token and position per cache slot "
-                             f"({cache.num_slots}), got {tokens.shape[0]} and {positions.shape[0]}")
+        if not (tokens.shape[0] == positions.shape[0] and 1 <= tokens.shape[0] <= cache.num_slots):
+            raise ValueError(f"decode_step needs one token and position for each of 1..{cache.num_slots} "
+                             f"leading cache slots, got {tokens.shape[0]} and {positions.shape[0]}")
         logits, new_kv = self._decode_fn(self.weights, cache, tokens, positions)
         return logits, self._write_token_fn(cache, new_kv, positions)
 
@@ -201,27 +203,32 @@ class Gemma3Model:
         return self._prefill_fns[bool(return_all_logits)].lower(
             self._abstract_weights, self._abstract_cache(num_slots, max_seq_len), tokens, ids, ids)
 
-    def lower_decode(self, num_slots: int, max_seq_len: int) -> jax.stages.Lowered:
-        """The decode-step forward program for a (num_slots, max_seq_len) cache: (weights,
-        cache, tokens, positions) -> (logits, new keys/values); it holds all of decode's
-        communication. `decode_step` runs it, then the write-only cache update."""
-        ids = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
+    def lower_decode(self, num_slots: int, max_seq_len: int, rows: int | None = None
+                     ) -> jax.stages.Lowered:
+        """The decode-step forward program for a (num_slots, max_seq_len) cache and its first
+        `rows` slots (default all): (weights, cache, tokens, positions) -> (logits, new
+        keys/values); it holds all of decode's communication. `decode_step` runs it, then the
+        write-only cache update."""
+        ids = jax.ShapeDtypeStruct((rows or num_slots,), jnp.int32, sharding=self._replicated)
         return self._decode_fn.lower(self._abstract_weights,
                                      self._abstract_cache(num_slots, max_seq_len),
                                      ids, ids)
 
-    def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1) -> None:
+    def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
+                decode_rows=None) -> None:
         """Compile (without running) every program a server needs: prefill of `batch` prompts
-        per bucket (default: the buckets up to max_seq_len), the decode step and its cache
-        write. With a persistent compilation cache, a later start loads them instead."""
+        per bucket (default: the buckets up to max_seq_len), the decode step over each count of
+        leading slots in `decode_rows` (default: all slots) and its cache write. With a
+        persistent compilation cache, a later start loads them instead."""
         buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
         for bucket in buckets:
             self.lower_prefill(batch, bucket, num_slots, max_seq_len).compile()
-        lowered = self.lower_decode(num_slots, max_seq_len)
-        lowered.compile()
-        slots = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self._replicated)
-        self._write_token_fn.lower(self._abstract_cache(num_slots, max_seq_len),
-                                   _abstract(lowered.out_info[1]), slots).compile()
+        for rows in decode_rows or (num_slots,):
+            lowered = self.lower_decode(num_slots, max_seq_len, rows)
+            lowered.compile()
+            ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
+            self._write_token_fn.lower(self._abstract_cache(num_slots, max_seq_len),
+                                       _abstract(lowered.out_info[1]), ids).compile()
 
     # -- conveniences ------------------------------------------------------------------------
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -343,7 +343,13 @@ def decode_step(weights: Weights, cache: KVCache, tokens: jax.Array, positions: 
     Each slot attends to its own new key/value plus the cached positions still in view: global
     entries j < position; ring entry s holds position p - 1 - ((p - 1 - s) mod W), in view when
     >= 0 and s != p mod W (that entry holds p - W, just out of the window).
+
+    With fewer tokens than cache slots (R < S), only the first R slots decode: the step then
+    reads R rows of the cache, so a lone sequence does not pay for a full batch.
     """
+    rows = tokens.shape[0]
+    if rows < cache.num_slots:
+        cache = KVCache(tuple(LayerCache(k=c.k[:rows], v=c.v[:rows]) for c in cache.layers))
     pos = positions[:, None]  # [S, 1]
     ring = _ring_index(positions, ctx)
 
