@@ -12,13 +12,13 @@ Run in the official package's virtualenv (see make_golden.py for how to make it)
     JAX_PLATFORMS=cpu /some/where/gemma-ref/bin/python tests/golden/official_speed.py
     JAX_PLATFORMS=cpu /some/where/gemma-ref/bin/python tests/golden/official_speed.py --cache-length 1024
 
-Measured (gemma 4.0.1, jax 0.12.0.1, bfloat16, 2-core CPU VM that was shared with other heavy jobs:
-load average 7 to 11, so these vary 2-3x between runs; rerun on an idle machine before comparing):
+Measured (gemma 4.0.1, jax 0.12.0.1, bfloat16, the 2-core CPU VM otherwise idle):
 
     | run                              | prefill 512 tok | decode b=1 | decode b=8 |
-    | default (cache_length 4096), #1  | 815 tok/s       | 10.8 tok/s |  8.5 tok/s |
-    | default (cache_length 4096), #2  | 253 tok/s       |  4.6 tok/s |  5.5 tok/s |
-    | --cache-length 1024              | 231 tok/s       |  6.7 tok/s | 15.1 tok/s |
+    | default (cache_length 4096)      | 933 tok/s       | 19.6 tok/s | 29.5 tok/s |
+    | --cache-length 1024              | 855 tok/s       | 24.6 tok/s | 83.0 tok/s |
+
+(Earlier runs on the same VM under load average 7-11 gave 2-3x lower and erratic figures.)
 """
 from __future__ import annotations
 
