@@ -36,8 +36,11 @@ def _setup_devices(n: int) -> None:
     if "jax" in sys.modules:
         return
     flags = os.environ.get("XLA_FLAGS", "")
+    if "collective_call_terminate_timeout" not in flags:  # see eval/devices.py
+        flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        flags += f" --xla_force_host_platform_device_count={n}"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 
 def _stats(times: list[float], work: float) -> dict:

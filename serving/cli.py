@@ -33,6 +33,10 @@ def _use_cpu_devices(n: int) -> None:
     if m and int(m.group(1)) >= n:
         return
     flags = _DEVICE_COUNT_FLAG.sub("", flags).strip()
+    # Virtual devices share the host's cores: give a collective's device threads longer than
+    # XLA:CPU's default 40 s to meet before it aborts the process.
+    if "collective_call_terminate_timeout" not in flags:
+        flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     if "jax" in sys.modules:
         log.warning("jax was imported before XLA_FLAGS was set; --tp %d may not find %d devices", n, n)

@@ -256,7 +256,8 @@ def test_tp_sets_virtual_cpu_devices_before_jax(monkeypatch):
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
     _use_cpu_devices(4)
-    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    assert os.environ["XLA_FLAGS"] == ("--xla_cpu_foo=1 --xla_cpu_collective_call_terminate_timeout_seconds=600"
+                                       " --xla_force_host_platform_device_count=4")
     _use_cpu_devices(2)  # enough devices already: unchanged
     assert os.environ["XLA_FLAGS"].endswith("count=4")
     monkeypatch.delenv("XLA_FLAGS")
