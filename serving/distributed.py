@@ -29,8 +29,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # Step kinds (header[0]).
-IDLE, PREFILL, DECODE, RESET, SHUTDOWN = 0, 1, 2, 3, 4
-_KIND_NAMES = {IDLE: "idle", PREFILL: "prefill", DECODE: "decode", RESET: "reset", SHUTDOWN: "shutdown"}
+IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE = 0, 1, 2, 3, 4, 5
+_KIND_NAMES = {IDLE: "idle", PREFILL: "prefill", DECODE: "decode", RESET: "reset", SHUTDOWN: "shutdown",
+               MOVE: "move"}
 _HEADER = 8  # kind, rows, columns, prompt_logprobs, payload length, (spare)
 
 EXIT_PEER_LOST = 3  # exit status when the process group breaks
@@ -178,6 +179,8 @@ def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:
     elif kind == DECODE:
         header[1] = rows = inputs.tokens.shape[0]
         parts = [_words(inputs.tokens, np.int32), _words(inputs.positions, np.int32)]
+    elif kind == MOVE:
+        header[1:3] = inputs  # (src, dst) slots
     elif inputs is not None:
         raise ValueError(f"a {_KIND_NAMES.get(kind, kind)} step carries no inputs")
     if kind in (PREFILL, DECODE):
@@ -204,6 +207,8 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
     payload = buf[_HEADER:_HEADER + size]
     if kind not in _KIND_NAMES:
         raise ValueError(f"unknown step kind {kind}")
+    if kind == MOVE:
+        return kind, (rows, cols)
     if kind not in (PREFILL, DECODE):
         return kind, None
     pos = 0
@@ -320,6 +325,9 @@ class LeaderEngine:
     def run_decode(self, inputs):
         return self._step(DECODE, inputs, lambda: self.engine.run_decode(inputs))
 
+    def move_slot(self, src: int, dst: int) -> None:
+        self._step(MOVE, (src, dst), lambda: self.engine.move_slot(src, dst))
+
     def reset(self) -> None:
         self._step(RESET, None, self.engine.reset)
 
@@ -388,6 +396,8 @@ def worker_loop(engine, settings: DistributedSettings) -> int:
                 engine.run_prefill(inputs)
             elif kind == DECODE:
                 engine.run_decode(inputs)
+            elif kind == MOVE:
+                engine.move_slot(*inputs)
             elif kind == RESET:
                 engine.reset()
             elif kind == SHUTDOWN:

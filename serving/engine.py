@@ -92,6 +92,8 @@ class Engine(Protocol):
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs: ...
 
+    def move_slot(self, src: int, dst: int) -> None: ...
+
 
 def pad_prefill_batch(rows: list[tuple[list[int], int, SlotSampling]], bucket: int,
                       batch: int) -> PrefillInputs:
@@ -192,6 +194,10 @@ class ModelEngine:
         out = self._sample(logits, sampling, positions + 1)
         return StepOutputs(*(a[:rows] for a in _to_host(self._jax, out, ())[:4]))
 
+    def move_slot(self, src: int, dst: int) -> None:
+        """Copy slot src's KV cache rows into slot dst (the scheduler then treats src as free)."""
+        self.cache = self.model.move_slot(self.cache, src, dst)
+
     def _to_sample_device(self, logits):
         if not logits.is_fully_addressable:  # spread over processes: gather to all of them first
             logits = self._replicate(logits).addressable_data(0)
@@ -221,6 +227,8 @@ class ModelEngine:
                                    np.zeros(s, np.uint32))
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), sampled))
             progress(f"decode step x{s}: {time.perf_counter() - t:.1f}s")
+        if len(self.info.decode_batch_sizes) > 1:  # the scheduler packs slots only then
+            self.move_slot(0, 0)
         return time.perf_counter() - t0
 
 

@@ -44,7 +44,7 @@ class ByteTokenizer:
 class FakeEngine:
     def __init__(self, num_slots: int = 4, max_seq_len: int = 64, step_delay: float = 0.0,
                  prefill_buckets: tuple[int, ...] = (8, 16, 32, 64), prefill_batch_sizes=(1, 4),
-                 batched_prefill_max_bucket: int = 32):
+                 batched_prefill_max_bucket: int = 32, decode_batch_sizes: tuple[int, ...] = ()):
         self.tokenizer = ByteTokenizer()
         buckets = tuple(b for b in prefill_buckets if b < max_seq_len)
         if not buckets or buckets[-1] < max_seq_len - 1:
@@ -53,12 +53,14 @@ class FakeEngine:
             model_name="fake", num_slots=num_slots, max_seq_len=max_seq_len, prefill_buckets=buckets,
             prefill_batch_sizes=tuple(prefill_batch_sizes), vocab_size=self.tokenizer.vocab_size,
             eos_ids=(1, 106), tp=1, dtype="float32", allreduce={"method": "bf16"}, allreduce_label="bf16",
-            batched_prefill_max_bucket=batched_prefill_max_bucket)
+            batched_prefill_max_bucket=batched_prefill_max_bucket,
+            decode_batch_sizes=tuple(sorted(set(decode_batch_sizes) | {num_slots})) if decode_batch_sizes else ())
         self.step_delay = step_delay
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
         self.prompt_len = [0] * num_slots
         self.steps: list[tuple[str, int]] = []  # (kind, rows) of every step, for tests
         self.decode_rows: list[int] = []  # leading slots each decode step was asked to run
+        self.moves: list[tuple[int, int]] = []  # (src, dst) of every slot move
         self.prefill_buckets_used: list[int] = []
 
     def bucket_for(self, length: int) -> int:
@@ -99,6 +101,10 @@ class FakeEngine:
                 raise AssertionError(f"slot {i}: position {pos} beyond max_seq_len")
             seq.append(int(inputs.tokens[i]))
         return self._next(list(range(s)), inputs.positions + 1, inputs.sampling)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self.moves.append((src, dst))
+        self.slots[dst], self.prompt_len[dst] = list(self.slots[src]), self.prompt_len[src]
 
     def _next(self, slots, positions, sampling) -> StepOutputs:
         toks = []

@@ -210,6 +210,7 @@ class Scheduler:
             try:
                 self._drop(cancelled)
                 self._admit()
+                self._pack()
                 if self.num_running:
                     self._decode()
             except Exception as e:  # an engine failure must not kill the thread
@@ -296,6 +297,22 @@ class Scheduler:
         for row, s in enumerate(group):
             prompt_lps = _prompt_logprobs(out, row, s) if s.want_prompt_logprobs else None
             self._on_token(s, out, row, now, prompt_lps)
+
+    def _pack(self) -> None:
+        """Move sequences from high slots into free low ones when that lets decode run a smaller
+        program (the engine's decode batch sizes): e.g. two sequences left in slots 0 and 7 of 8
+        decode as 2 rows instead of 8. A move copies one slot's KV cache rows on the device."""
+        busy = [i for i, s in enumerate(self._slots) if s is not None]
+        if not busy:
+            return
+        rows = self.info.decode_rows_for(len(busy))
+        if self.info.decode_rows_for(busy[-1] + 1) <= rows:
+            return
+        free = [i for i in range(rows) if self._slots[i] is None]
+        for src, dst in zip(reversed([i for i in busy if i >= rows]), free):
+            self.engine.move_slot(src, dst)
+            s = self._slots[src]
+            self._slots[dst], self._slots[src], s.slot = s, None, dst
 
     def _decode(self) -> None:
         # Only the slots up to the last busy one decode (free slots are taken lowest first, so

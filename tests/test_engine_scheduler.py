@@ -102,6 +102,26 @@ def test_decode_runs_only_up_to_the_last_busy_slot(engine):
     assert [n for k, n in engine.steps if k == "decode"][-1] == 1  # one busy row of the two
 
 
+def test_busy_slots_are_packed_so_decode_runs_fewer_rows():
+    """With decode programs for 1, 2 and 4 rows, a sequence left alone in a high slot moves to
+    slot 0 (its cache rows with it) and decodes as one row; its text is unaffected."""
+    engine = FakeEngine(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4), decode_batch_sizes=(1, 2))
+    engine.step_delay = 0.002
+    reqs = [("aa", greedy(2)), ("bbb", greedy(3)), ("cccc", greedy(4)), ("the long one", greedy(40))]
+    s = Scheduler(engine).start()
+    try:
+        cols = [Collector() for _ in reqs]
+        s.submit([(prompt(t), p, c) for (t, p), c in zip(reqs, cols)])  # one prefill, slots 0-3
+        for c in cols:
+            c.wait()
+    finally:
+        s.shutdown()
+    for (text, params), c in zip(reqs, cols):
+        assert c.text == expected(text, params.max_tokens)
+    assert (3, 0) in engine.moves
+    assert engine.decode_rows[0] == 4 and engine.decode_rows[-1] == 1
+
+
 def test_short_prompts_are_prefilled_together(engine):
     texts = ["abc", "a longer one", "the longest: 20 chars"]  # buckets 8, 16 and 32
     s = Scheduler(engine).start()

@@ -60,6 +60,7 @@ def test_step_round_trip():
                 assert np.array_equal(a, b)
     for kind in (dist.IDLE, dist.RESET, dist.SHUTDOWN):
         assert dist.decode_step(dist.encode_step(kind, None, cap)) == (kind, None)
+    assert dist.decode_step(dist.encode_step(dist.MOVE, (3, 1), cap)) == (dist.MOVE, (3, 1))
     with pytest.raises(ValueError, match="exceeds the broadcast capacity"):
         dist.encode_step(dist.PREFILL, pre, cap - 1)
     bad = dist.encode_step(dist.DECODE, dec, cap)

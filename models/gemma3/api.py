@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from equarx import AllReduceConfig
 from models.gemma3 import loading, model as fwd
 from models.gemma3.config import Gemma3Config, get_config
-from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
+from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes, move_slot
 from models.gemma3.sampling import sample
 from models.gemma3.sharding import (
     AXIS, cache_specs, check_tp, local_kv_heads, make_mesh, named, weight_specs)
@@ -179,6 +179,18 @@ class Gemma3Model:
                              f"leading cache slots, got {tokens.shape[0]} and {positions.shape[0]}")
         logits, new_kv = self._decode_fn(self.weights, cache, tokens, positions)
         return logits, self._write_token_fn(cache, new_kv, positions)
+
+    @functools.cached_property
+    def _move_slot_fn(self):
+        return jax.jit(move_slot, donate_argnums=(0,))
+
+    def move_slot(self, cache: KVCache, src: int, dst: int) -> KVCache:
+        """The cache with slot src's keys and values copied into slot dst (for a server that
+        keeps its busy slots packed at the front, so that decode reads fewer rows)."""
+        for name, i in (("src", src), ("dst", dst)):
+            if not 0 <= int(i) < cache.num_slots:
+                raise ValueError(f"{name} slot {i} outside 0..{cache.num_slots - 1}")
+        return self._move_slot_fn(cache, np.int32(src), np.int32(dst))
 
     # -- ahead-of-time lowering (warm-up without running, HLO inspection) ----------------------
     # Lowering needs only the weights' shapes and shardings, so it can run while they load.
