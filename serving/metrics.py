@@ -53,6 +53,14 @@ class Metrics:
         self._prefill_padding = Counter("gemma3:prefill_padding_tokens",
                                         "Token positions computed by prefill beyond the prompts.", labels,
                                         registry=r).labels(*self._values)
+        # Decode runs a program of a fixed row count (the busy slots' prefix, rounded up).
+        self._decode_steps = Counter("gemma3:decode_steps", "Decode steps by compiled row count.",
+                                     labels + ("rows",), registry=r)
+        self._decode_padding = Counter("gemma3:decode_padding_rows",
+                                       "Rows computed by decode steps beyond the busy slots.", labels,
+                                       registry=r).labels(*self._values)
+        self.slot_moves = Counter("gemma3:slot_moves", "Sequences moved to a lower decode slot.", labels,
+                                  registry=r).labels(*self._values)
         info = Gauge("gemma3:engine_info", "Engine configuration (value 1).",
                      labels + ("tp", "dtype"), registry=r)
         info.labels(*self._values, str(tp), dtype).set(1)
@@ -87,6 +95,13 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
+
+    def on_decode(self, rows: int, busy: int) -> None:
+        self._decode_steps.labels(*self._values, str(rows)).inc()
+        self._decode_padding.inc(rows - busy)
+
+    def on_move(self) -> None:
+        self.slot_moves.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -96,6 +96,10 @@ class NullMetrics:
 
     def on_state(self, running: int, waiting: int, kv_usage: float) -> None: ...
 
+    def on_decode(self, rows: int, busy: int) -> None: ...
+
+    def on_move(self) -> None: ...
+
 
 class Scheduler:
     def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0):
@@ -311,6 +315,7 @@ class Scheduler:
         free = [i for i in range(rows) if self._slots[i] is None]
         for src, dst in zip(reversed([i for i in busy if i >= rows]), free):
             self.engine.move_slot(src, dst)
+            self.metrics.on_move()
             s = self._slots[src]
             self._slots[dst], self._slots[src], s.slot = s, None, dst
 
@@ -330,6 +335,7 @@ class Scheduler:
             positions[i] = s.length - 1
             params.append(s.params)
             seeds.append(s.seed)
+        self.metrics.on_decode(self.info.decode_rows_for(n), self.num_running)
         out = self.engine.run_decode(DecodeInputs(tokens, positions, SlotSampling.of(params, seeds)))
         now = time.perf_counter()
         for i, s in enumerate(self._slots):

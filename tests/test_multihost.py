@@ -184,6 +184,30 @@ def test_two_processes_match_one_process(allreduce, tmp_path_factory):
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(ask, prompts))
         assert got == want
+
+        # Both prompts in one request (slots 0 and 1), the first stopped early by a stop token:
+        # the second then moves to slot 0 (a MOVE step on every process) and decodes alone.
+        stop = next(t for t in want[0][1:] if t not in want[1] and t not in want[0][:1])
+        cut = want[0].index(stop) + 1
+
+        def complete(prompt, **kw):
+            r = httpx.post(url + "/v1/completions", json={
+                "model": "gemma3-270m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, **kw}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"]
+
+        pair = complete(prompts, stop_token_ids=[stop])
+        alone = complete(prompts[1])[0]
+        assert pair[0]["finish_reason"] == "stop" and len(pair[0]["logprobs"]["tokens"]) == cut - 1
+        # Same tokens; logprobs to float32 noise (a 2-row and a 1-row program round differently).
+        assert pair[1]["text"] == alone["text"]
+        assert pair[1]["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
+        np.testing.assert_allclose(pair[1]["logprobs"]["token_logprobs"], alone["logprobs"]["token_logprobs"],
+                                   atol=1e-4)
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+        moves = [line for line in metrics.splitlines() if line.startswith("gemma3:slot_moves_total")]
+        assert moves and float(moves[0].split()[-1]) >= 1, moves
         health = httpx.get(url + "/health", timeout=5).json()
         assert health["status"] == "ready" and health["tp"] == 2 and health["allreduce"]["method"] == allreduce
 
