@@ -394,7 +394,8 @@ def _resolve_source(source, config, dtype, tp: int, seed: int):
 
         path = default_gguf_path() if source == "gemma3-270m" else source
         return (loading.config_from_gguf(path),
-                lambda c, mesh: loading.place_official(load_gguf_params(path), c, dtype, mesh, tp),
+                lambda c, mesh: loading.place_official(load_gguf_params(path, np.dtype(dtype)), c,
+                                                       dtype, mesh, tp),
                 Tokenizer.from_gguf(path))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
         return (loading.read_checkpoint_config(source),
