@@ -34,6 +34,19 @@ def test_qp1_and_qp2_compose_to_quantize_blockwise():
     assert np.array_equal(np.asarray(s1), np.asarray(s2))
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 13])
+def test_absmax_is_the_exact_per_lane_max_for_any_tile_count(k):
+    """Qp1's tree of maxima (padded to a power of two) equals numpy's max of |x| per lane,
+    with leading batch dimensions, and a NaN or Inf anywhere makes that lane Inf."""
+    x = np.random.default_rng(k).standard_normal((2, k, 8, 128)).astype(np.float32)
+    x[1, k - 1, 3, 7] = np.nan
+    x[0, 0, 5, 9] = -np.inf
+    got = np.asarray(jax.jit(qz.absmax)(jnp.asarray(x)))
+    want = np.abs(x).max(axis=1)
+    want[np.isnan(want)] = np.inf
+    np.testing.assert_array_equal(got, want)
+
+
 def test_rounds_half_to_even():
     # Tile 1 puts 127 in every lane, so every scale is exactly 1 and q = round(tile 0).
     x = np.stack([_minishard([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5], k=1)[0],
