@@ -161,10 +161,12 @@ def ring_reduce_scatter(
     d = lax.axis_index(axis_name)
 
     def local(r: int, piece: tuple[int, int]) -> jax.Array:
-        # The caller's dtype stays in memory; the float32 view is made per piece (fused).
+        # In the caller's dtype: the codec and the float32 add convert where they read it, so
+        # XLA converts inside each consumer's loop (a float32 copy of a bfloat16 piece shared
+        # by Qp1 and Qp2 would be written out in full first).
         a, b = piece
         start = ((d + r) % n, a) + (0,) * (x.ndim - 2)
-        return lax.dynamic_slice(x, start, (1, b - a) + x.shape[2:])[0].astype(jnp.float32)
+        return lax.dynamic_slice(x, start, (1, b - a) + x.shape[2:])[0]
 
     in_flight: dict[tuple[int, tuple[int, int]], jax.Array] = {}
     for t in range(max(c.hops for c in chains)):
