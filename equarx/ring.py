@@ -198,16 +198,17 @@ def ring_all_gather(
 ) -> jax.Array:
     """y: f32[m, K, 8, 128], this device's reduced shard -> out_dtype[N, m, K, 8, 128], every
     shard. Each owner encodes its shard once; receivers forward the wire bytes verbatim and
-    decode them. The owner keeps decode(encode(y)), so every device holds identical values."""
+    decode them. The owner keeps decode(encode(y)), so every device holds identical values.
+
+    Pieces are decoded where the result is assembled (inside the switch branch for large
+    messages), so each decoded value is written once, into the output."""
     n = n_devices
     pieces = sorted({p for c in chains for p in c.pieces})
     wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
-    # out[r][p]: the decoded piece p of relative row r (the shard of device d + r).
-    out: list[dict] = [{} for _ in range(n)]
-    for p in pieces:
-        # The barrier makes the owner decode the very bytes it sends: without it XLA folds
-        # decode(encode(y)) algebraically and the owner's copy can differ by an ulp.
-        out[0][p] = codec.decode(lax.optimization_barrier(wire[p]))
+    # got[r][p]: the wire bytes of piece p of relative row r (the shard of device d + r).
+    # The barrier makes the owner decode the very bytes it sends: without it XLA folds
+    # decode(encode(y)) algebraically and the owner's copy can differ by an ulp.
+    got: list[dict] = [{p: lax.optimization_barrier(wire[p]) for p in pieces}] + [{} for _ in range(n - 1)]
     in_flight = {(ci, p): wire[p] for ci, c in enumerate(chains) for p in c.pieces}
     for t in range(max(c.hops for c in chains)):
         for ci, chain in enumerate(chains):
@@ -217,22 +218,25 @@ def ring_all_gather(
             source = (-chain.direction * (t + 1)) % n
             for p in chain.pieces:
                 in_flight[ci, p] = lax.ppermute(in_flight[ci, p], axis_name, perm)
-                out[source][p] = codec.decode(in_flight[ci, p])
-    if any(len(row) != len(pieces) for row in out):  # a schedule bug, not a user error
+                got[source][p] = in_flight[ci, p]
+    if any(len(row) != len(pieces) for row in got):  # a schedule bug, not a user error
         raise AssertionError("all-gather chains leave shards uncovered")
-    rows = [[row[p].astype(out_dtype) for p in pieces] for row in out]
+    rows = [[row[p] for p in pieces] for row in got]
     d = lax.axis_index(axis_name)
     if n * y.size >= SWITCH_MIN_ELEMENTS:
-        return lax.switch(d, [_assemble_for(dd, n) for dd in range(n)], rows)
-    rel = jnp.stack([jnp.concatenate(row) for row in rows])
+        return lax.switch(d, [_assemble_for(dd, n, codec, out_dtype) for dd in range(n)], rows)
+    rel = jnp.stack([jnp.concatenate([codec.decode(w).astype(out_dtype) for w in row])
+                     for row in rows])
     return jnp.take(rel, (jnp.arange(n) - d) % n, axis=0)
 
 
-def _assemble_for(d: int, n: int):
-    """The absolute-order assembly on device d: a static concatenation (a copy per piece)."""
+def _assemble_for(d: int, n: int, codec: Codec, out_dtype):
+    """The absolute-order assembly on device d: a static concatenation of decoded pieces
+    (the decode fuses into the copy)."""
 
     def assemble(rows: list[list[jax.Array]]) -> jax.Array:
         # Absolute row c is relative row c - d.
-        return jnp.stack([jnp.concatenate(rows[(c - d) % n]) for c in range(n)])
+        return jnp.stack([jnp.concatenate([codec.decode(w).astype(out_dtype)
+                                           for w in rows[(c - d) % n]]) for c in range(n)])
 
     return assemble
