@@ -34,15 +34,21 @@ def test_qp1_and_qp2_compose_to_quantize_blockwise():
     assert np.array_equal(np.asarray(s1), np.asarray(s2))
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 13])
-def test_absmax_is_the_exact_per_lane_max_for_any_tile_count(k):
-    """Qp1's tree of maxima (padded to a power of two) equals numpy's max of |x| per lane,
-    with leading batch dimensions, and a NaN or Inf anywhere makes that lane Inf."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 13, 40])
+def test_absmax_is_the_exact_per_lane_max_for_any_tile_count(k, dtype):
+    """Qp1 (float32: slices then a halving tree; 16-bit floats: a max over bit patterns) equals
+    numpy's max of |x| per lane, with leading batch dimensions, and a NaN or Inf anywhere makes
+    that lane Inf (NaN of either sign, Inf of either sign)."""
     x = np.random.default_rng(k).standard_normal((2, k, 8, 128)).astype(np.float32)
     x[1, k - 1, 3, 7] = np.nan
     x[0, 0, 5, 9] = -np.inf
-    got = np.asarray(jax.jit(qz.absmax)(jnp.asarray(x)))
-    want = np.abs(x).max(axis=1)
+    x[0, k // 2, 6, 1] = -np.nan
+    x[1, 0, 0, 0] = -1e4  # a negative absmax
+    xs = jnp.asarray(x, dtype)
+    got = np.asarray(jax.jit(qz.absmax)(xs))
+    assert got.dtype == np.float32
+    want = np.abs(np.asarray(xs.astype(jnp.float32))).max(axis=1)
     want[np.isnan(want)] = np.inf
     np.testing.assert_array_equal(got, want)
 
