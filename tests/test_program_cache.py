@@ -1,0 +1,124 @@
+"""The on-disk cache of traced programs: a second model instance runs the stored programs
+without tracing, gives bit-identical results, and never reuses a program across settings."""
+import pickle
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from equarx import AllReduceConfig
+from models.gemma3 import load_model
+from models.gemma3.program_cache import SUFFIX
+
+TINY = "random:tiny"
+INT8 = AllReduceConfig(method="int8", pipelined=False)
+
+
+def _prefill(model, slots=2):
+    cache = model.init_cache(num_slots=slots, max_seq_len=32)
+    tokens = np.array([[2, 7, 9, 11, 0, 0, 0, 0], [2, 5, 6, 0, 0, 0, 0, 0]], np.int32)
+    logits, cache = model.prefill(cache, tokens, np.array([4, 3]), np.array([0, 1]))
+    return np.asarray(logits), cache
+
+
+def _run(model):
+    """Prefill two prompts, decode 3 steps, score: every program kind the model has."""
+    logits, cache = _prefill(model)
+    steps = [logits]
+    ids, pos = np.argmax(logits, -1).astype(np.int32), np.array([4, 3], np.int32)
+    for _ in range(3):
+        logits, cache = model.decode_step(cache, ids, pos)
+        steps.append(np.asarray(logits))
+        ids, pos = np.argmax(steps[-1], -1).astype(np.int32), pos + 1
+    steps.append(model.score([[2, 7, 9, 11]]))
+    return steps
+
+
+def _load(directory, allreduce=INT8, tp=2):
+    return load_model(TINY, tp=tp, dtype="float32", allreduce=allreduce, max_seq_len=32,
+                      program_cache_dir=directory)
+
+
+def _stats(model):
+    return dict(model._program_cache.stats)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Results without a program cache."""
+    return _run(_load(None))
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, plain):
+    """A directory filled by one model instance (tp=2, int8 AllReduce), and its results."""
+    directory = tmp_path_factory.mktemp("programs")
+    model = _load(directory)
+    results = _run(model)
+    assert _stats(model) == {"exported": 4}  # prefill, decode, write_token, score
+    assert len(list(directory.glob(f"*{SUFFIX}"))) == 4
+    return directory, results
+
+
+def test_second_instance_loads_programs_and_matches(stored, plain):
+    directory, first = stored
+    second = _load(directory)
+    got = _run(second)
+    assert _stats(second) == {"loaded": 4}
+    for a, b, c in zip(plain, first, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+def test_other_settings_or_shapes_never_reuse_a_program(stored, tmp_path):
+    directory = tmp_path / "copy"
+    shutil.copytree(stored[0], directory)
+    other = _load(directory, allreduce=AllReduceConfig(method="f32"))
+    _prefill(other)
+    assert _stats(other) == {"exported": 1}
+    single = _load(directory, tp=1)
+    _prefill(single)
+    _prefill(single, slots=3)  # another cache shape: another program
+    assert _stats(single) == {"exported": 2}
+    assert len(list(directory.glob(f"*{SUFFIX}"))) == 7
+
+
+def test_unreadable_file_is_traced_again_and_replaced(stored, plain, tmp_path, caplog):
+    directory = tmp_path / "copy"
+    shutil.copytree(stored[0], directory)
+    (path,) = directory.glob(f"decode-*{SUFFIX}")
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    model = _load(directory)
+    got = _run(model)
+    assert _stats(model) == {"loaded": 3, "unreadable": 1, "exported": 1}
+    assert "cannot read" in caplog.text
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    _, _, blob = pickle.loads(path.read_bytes())  # rewritten whole
+    assert jax.export.deserialize(bytearray(blob)).nr_devices == 2
+
+
+def test_lowering_for_warm_up_goes_through_the_cache(tmp_path):
+    _load(tmp_path, tp=1).warm_up(num_slots=2, max_seq_len=32, buckets=[8])
+    model = _load(tmp_path, tp=1)
+    model.warm_up(num_slots=2, max_seq_len=32, buckets=[8])
+    assert _stats(model) == {"loaded": 3}  # prefill, decode, write_token
+    np.testing.assert_array_equal(_prefill(model)[0], _prefill(_load(None, tp=1))[0])
+
+
+def test_a_program_export_refuses_runs_uncached(tmp_path, caplog):
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from models.gemma3.program_cache import ProgramCache
+
+    cache = ProgramCache(tmp_path)
+    host_double = jax.jit(lambda x: jax.pure_callback(
+        lambda v: np.asarray(v) * 2, jax.ShapeDtypeStruct((3,), jnp.float32), x))
+    replicated = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("tp",)), P())
+    program = cache.wrap("host_double", host_double, default_sharding=replicated)
+    np.testing.assert_array_equal(program(np.ones(3, np.float32)), np.full(3, 2.0))
+    np.testing.assert_array_equal(program(np.arange(3, dtype=np.float32)), [0.0, 2.0, 4.0])
+    assert dict(cache.stats) == {"not_exportable": 1} and "cannot export" in caplog.text
+    assert not list(tmp_path.glob(f"*{SUFFIX}"))
