@@ -208,16 +208,23 @@ class ModelEngine:
         self.cache = self.model.init_cache(self.info.num_slots, self.info.max_seq_len)
 
     def warmup(self, progress: Callable[[str], None] = log.info) -> float:
-        """Compiles (or loads from the persistent cache) and runs every prefill bucket at every
-        prefill batch size, and the decode step, so that no request waits for a compile. The
-        prompt-logprobs variant (echo with logprobs) compiles on first use. Returns seconds."""
+        """Compiles (or loads from the persistent caches) every prefill bucket at every prefill
+        batch size, and runs the decode step at every decode row count, so that no request
+        waits for a compile. The prompt-logprobs variant (echo with logprobs) compiles on first
+        use. Returns seconds."""
         t0 = time.perf_counter()
         greedy1 = SlotSampling.greedy(1)
+        # Every prefill program is compiled ahead of time and kept by the model (no need to run
+        # a 2048-token prompt to warm it); one run per batch size, at the smallest bucket, warms
+        # the sampler's programs and checks the kept executables end to end.
         for bucket in self.info.prefill_buckets:
             for batch in self.info.batch_sizes_for(bucket):
                 t = time.perf_counter()
-                self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
+                self.model.compile_prefill(batch, bucket, self.info.num_slots, self.info.max_seq_len)
                 progress(f"prefill bucket {bucket} x{batch}: {time.perf_counter() - t:.1f}s")
+        for batch in self.info.prefill_batch_sizes:
+            bucket = next(b for b in self.info.prefill_buckets if batch in self.info.batch_sizes_for(b))
+            self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
         for s in self.info.decode_batch_sizes or (self.info.num_slots,):
             t = time.perf_counter()
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))

@@ -251,3 +251,24 @@ def test_compiles_while_loading():
                               np.array([3], np.int32), np.array([1], np.int32))
     full = m.score([[2, 7, 9]])[0, 2]
     np.testing.assert_allclose(np.asarray(logits)[0], full, atol=2e-5)
+
+
+def test_warmed_programs_run_without_tracing():
+    """warm_up keeps the executables it compiles: prefill and decode calls with those shapes run
+    them (the jitted functions are never traced) and agree with a model that traces."""
+    m = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
+    m.warm_up(num_slots=2, max_seq_len=32, buckets=[8], decode_rows=[1, 2])
+    ref = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
+    outs = []
+    for model in (m, ref):
+        cache = model.init_cache(2, 32)
+        logits, cache = model.prefill(cache, np.array([[2, 7, 9, 0, 0, 0, 0, 0]], np.int32),
+                                      np.array([3]), np.array([1]))
+        step, cache = model.decode_step(cache, np.array([5, 6], np.int32), np.array([0, 3], np.int32))
+        one, cache = model.decode_step(cache, np.array([8], np.int32), np.array([1], np.int32))
+        outs.append([np.asarray(x) for x in (logits, step, one)])
+    for fn in (m._prefill_fns[False], m._decode_fn, m._write_token_fn):
+        assert fn._cache_size() == 0  # never called: the kept executables ran
+    assert ref._decode_fn._cache_size() == 2  # rows 2 and 1
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -63,6 +63,9 @@ class Gemma3Model:
         self._cache_specs = cache_specs(config, self.tp)
         self._replicated = NamedSharding(mesh, P())
         self._program_cache = program_cache
+        # Executables compiled ahead of time (warm_up, compile_prefill), by program and shapes:
+        # calls with those shapes run them directly, with no tracing or cache lookup.
+        self._executables: dict[tuple, object] = {}
 
     # -- tokenizer ---------------------------------------------------------------------------
     @property
@@ -174,8 +177,9 @@ class Gemma3Model:
         if not tokens.shape[0] == lengths.shape[0] == slots.shape[0]:
             raise ValueError(f"tokens {tokens.shape}, lengths {lengths.shape} and slots "
                              f"{slots.shape} disagree on the batch size")
-        return self._prefill_fns[bool(return_all_logits)](self.weights, cache, tokens, lengths,
-                                                          slots)
+        key = ("prefill", bool(return_all_logits), *tokens.shape, _shapes(cache))
+        fn = self._executables.get(key) or self._prefill_fns[bool(return_all_logits)]
+        return fn(self.weights, cache, tokens, lengths, slots)
 
     def decode_step(self, cache: KVCache, tokens, positions):
         """One token for each of the first R cache slots (tokens, positions [R], 1 <= R <= cache
@@ -186,8 +190,11 @@ class Gemma3Model:
         if not (tokens.shape[0] == positions.shape[0] and 1 <= tokens.shape[0] <= cache.num_slots):
             raise ValueError(f"decode_step needs one token and position for each of 1..{cache.num_slots} "
                              f"leading cache slots, got {tokens.shape[0]} and {positions.shape[0]}")
-        logits, new_kv = self._decode_fn(self.weights, cache, tokens, positions)
-        return logits, self._write_token_fn(cache, new_kv, positions)
+        key = (tokens.shape[0], _shapes(cache))
+        decode = self._executables.get(("decode", *key)) or self._decode_fn
+        write = self._executables.get(("write_token", *key)) or self._write_token_fn
+        logits, new_kv = decode(self.weights, cache, tokens, positions)
+        return logits, write(cache, new_kv, positions)
 
     @functools.cached_property
     def _move_slot_fn(self):
@@ -243,21 +250,42 @@ class Gemma3Model:
             jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(self.mesh, spec))
             for o, spec in zip(leaves, specs, strict=True)])
 
+    def compile_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
+                        return_all_logits: bool = False) -> None:
+        """Compile the prefill program for these shapes without running it, and keep it:
+        `prefill` with these shapes then runs it directly."""
+        key = ("prefill", bool(return_all_logits), batch, bucket,
+               _shapes(self.cache_shapes(num_slots, max_seq_len)))
+        if key not in self._executables:
+            self._executables[key] = self.lower_prefill(batch, bucket, num_slots, max_seq_len,
+                                                        return_all_logits).compile()
+
+    def compile_decode(self, num_slots: int, max_seq_len: int, rows: int | None = None) -> None:
+        """Compile (without running) and keep the decode step over the first `rows` slots:
+        its forward program and its cache write."""
+        rows = rows or num_slots
+        key = (rows, _shapes(self.cache_shapes(num_slots, max_seq_len)))
+        if ("decode", *key) in self._executables:
+            return
+        lowered = self.lower_decode(num_slots, max_seq_len, rows)
+        ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
+        write = self._write_token_fn.lower(self._abstract_cache(num_slots, max_seq_len),
+                                           self._abstract_new_kv(lowered.out_info[1]), ids)
+        self._executables[("write_token", *key)] = write.compile()
+        self._executables[("decode", *key)] = lowered.compile()
+
     def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
                 decode_rows=None) -> None:
         """Compile (without running) every program a server needs: prefill of `batch` prompts
         per bucket (default: the buckets up to max_seq_len), the decode step over each count of
-        leading slots in `decode_rows` (default: all slots) and its cache write. With a
-        persistent compilation cache, a later start loads them instead."""
+        leading slots in `decode_rows` (default: all slots) and its cache write. The
+        executables are kept for calls with those shapes; with a persistent compilation cache
+        (and a program cache), a later start loads them instead of compiling."""
         buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
         for bucket in buckets:
-            self.lower_prefill(batch, bucket, num_slots, max_seq_len).compile()
+            self.compile_prefill(batch, bucket, num_slots, max_seq_len)
         for rows in decode_rows or (num_slots,):
-            lowered = self.lower_decode(num_slots, max_seq_len, rows)
-            lowered.compile()
-            ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
-            self._write_token_fn.lower(self._abstract_cache(num_slots, max_seq_len),
-                                       self._abstract_new_kv(lowered.out_info[1]), ids).compile()
+            self.compile_decode(num_slots, max_seq_len, rows)
 
     # -- conveniences ------------------------------------------------------------------------
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -341,6 +369,11 @@ class Gemma3Model:
                 f"allreduce={self.allreduce.label})")
 
 
+
+
+def _shapes(cache) -> tuple:
+    """A cache's (or its ShapeDtypeStructs') shapes: the part of a program's key it sets."""
+    return tuple(tuple(x.shape) for x in jax.tree.leaves(cache))
 
 
 def _default_tokenizer(vocab_size: int):

@@ -81,17 +81,34 @@ class _Entry:
 
 class _Lowered:
     """A `jax.stages.Lowered` of the flat program that answers `out_info` in the original
-    output structure (callers lower, read shapes, compile)."""
+    output structure and compiles to a `_Compiled` called with the original arguments."""
 
-    def __init__(self, lowered, out_tree):
-        self._lowered, self._out_tree = lowered, out_tree
+    def __init__(self, lowered, out_tree, default_sharding):
+        self._lowered, self._out_tree, self._default = lowered, out_tree, default_sharding
 
     @property
     def out_info(self):
         return jax.tree.unflatten(self._out_tree, self._lowered.out_info)
 
+    def compile(self, *args, **kwargs) -> "_Compiled":
+        return _Compiled(self._lowered.compile(*args, **kwargs), self._out_tree, self._default)
+
     def __getattr__(self, name):
         return getattr(self._lowered, name)
+
+
+class _Compiled:
+    """The compiled flat program, called like the original function (pytrees in and out)."""
+
+    def __init__(self, compiled, out_tree, default_sharding):
+        self._compiled, self._out_tree, self._default = compiled, out_tree, default_sharding
+
+    def __call__(self, *args):
+        leaves = [_placed(x, self._default) for x in jax.tree.leaves(args)]
+        return jax.tree.unflatten(self._out_tree, self._compiled(*leaves))
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)
 
 
 class CachedProgram:
@@ -116,7 +133,7 @@ class CachedProgram:
         leaves, entry = self._resolve(args)
         if entry.fallback is not None:
             return entry.fallback.lower(*args)
-        return _Lowered(entry.call.lower(*leaves), entry.out_tree)
+        return _Lowered(entry.call.lower(*leaves), entry.out_tree, self._default)
 
     def _resolve(self, args) -> tuple[list, _Entry]:
         leaves, in_tree = jax.tree.flatten(args)
