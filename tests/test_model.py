@@ -272,3 +272,18 @@ def test_warmed_programs_run_without_tracing():
     assert ref._decode_fn._cache_size() == 2  # rows 2 and 1
     for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_kept_executable_takes_ids_placed_anywhere():
+    """Token ids already on one device (not the mesh) are moved to the mesh for a kept
+    executable, as jit would do."""
+    m = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
+    m.warm_up(num_slots=2, max_seq_len=32, buckets=[8], decode_rows=[2])
+    one = jax.devices()[0]
+    cache = m.init_cache(2, 32)
+    tokens = jax.device_put(np.array([[2, 7, 9, 0, 0, 0, 0, 0]], np.int32), one)
+    logits, cache = m.prefill(cache, tokens, jax.device_put(np.array([3]), one),
+                              jax.device_put(np.array([0]), one))
+    ref = m.score([[2, 7, 9]])[0, 2]
+    np.testing.assert_allclose(np.asarray(logits)[0], ref, atol=2e-5)
+    assert m._prefill_fns[False]._cache_size() == 0

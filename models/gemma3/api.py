@@ -153,7 +153,11 @@ class Gemma3Model:
                 raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
                                  f"{x.dtype} {x.shape}")
             # (An eager op on a mesh-sharded array costs milliseconds: convert only if needed.)
-            return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+            x = x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+            # Replicated on the mesh, as the kept executables were compiled for.
+            if not x.sharding.is_equivalent_to(self._replicated, x.ndim):
+                x = jax.device_put(x, self._replicated)
+            return x
         x = np.asarray(x)
         if x.ndim != ndim or not np.issubdtype(x.dtype, np.integer):
             raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
