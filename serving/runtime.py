@@ -95,7 +95,7 @@ def configure_jax(config: ServerConfig) -> None:
     """Persistent compilation cache: a restart (or the second server) loads compiled programs
     instead of compiling them again, which is most of the start-up time on CPU. (The traced
     programs are kept beside it, see `load_engine`.) Every program is kept: even the small
-    ones take 0.1-0.5 s to compile and are read back in milliseconds."""
+    ones take 0.1-0.5 s to compile and read back faster."""
     import jax
 
     if config.compile_cache_dir:
