@@ -9,6 +9,8 @@ in the same order run the same programs (process 0 would broadcast them); `run_p
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 import dataclasses
 import logging
 import time
@@ -215,13 +217,20 @@ class ModelEngine:
         t0 = time.perf_counter()
         greedy1 = SlotSampling.greedy(1)
         # Every prefill program is compiled ahead of time and kept by the model (no need to run
-        # a 2048-token prompt to warm it); one run per batch size, at the smallest bucket, warms
-        # the sampler's programs and checks the kept executables end to end.
-        for bucket in self.info.prefill_buckets:
-            for batch in self.info.batch_sizes_for(bucket):
-                t = time.perf_counter()
-                self.model.compile_prefill(batch, bucket, self.info.num_slots, self.info.max_seq_len)
-                progress(f"prefill bucket {bucket} x{batch}: {time.perf_counter() - t:.1f}s")
+        # a 2048-token prompt to warm it), two at a time: XLA compiles (and reads back) with
+        # the GIL released, so one program's compilation overlaps the next one's tracing. One
+        # run per batch size, at the smallest bucket, then warms the sampler's programs and
+        # checks the kept executables end to end.
+        def compile_one(bucket: int, batch: int) -> str:
+            t = time.perf_counter()
+            self.model.compile_prefill(batch, bucket, self.info.num_slots, self.info.max_seq_len)
+            return f"prefill bucket {bucket} x{batch}: {time.perf_counter() - t:.1f}s"
+
+        jobs = [(bucket, batch) for bucket in self.info.prefill_buckets
+                for batch in self.info.batch_sizes_for(bucket)]
+        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile") as pool:
+            for message in pool.map(lambda job: compile_one(*job), jobs):
+                progress(message)
         for batch in self.info.prefill_batch_sizes:
             bucket = next(b for b in self.info.prefill_buckets if batch in self.info.batch_sizes_for(b))
             self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
