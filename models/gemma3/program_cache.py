@@ -14,10 +14,13 @@ the program's name and static settings (model config, AllReduce config, dtypes),
 abstract signature of its arguments (tree structure, shapes, dtypes, shardings). Anything
 else that changes what tracing produces must be part of `salt`. Single-process only: in a
 multi-process run every process must run the very same program, so the cache is bypassed.
+Each file is a pickle (the output tree structure and the serialized program): like the
+compilation cache's executables, it is code, so the directory must be writable by its user only.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import logging
 import os
@@ -34,6 +37,7 @@ SUFFIX = ".jaxprog"
 _FORMAT = 1  # bump when the file layout changes
 
 
+@functools.cache
 def source_fingerprint(packages: Sequence[str] = ("models", "equarx")) -> str:
     """sha256 over the Python sources of `packages` (paths and bytes), jax/jaxlib versions."""
     import importlib
