@@ -24,7 +24,6 @@ configurations; those are predictions, and the assumptions they rest on are prin
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable, Sequence
 
 from equarx import plan_layout

@@ -173,7 +173,7 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
 
     from serving.chat_template import render_chat
     from serving.engine import DecodeInputs, ModelEngine, pad_prefill_batch
-    from serving.runtime import configure_jax
+    from serving.runtime import configure_jax, load_configured_model
     from serving.sampling import SlotSampling
     from serving.scheduler import Scheduler
 
@@ -181,10 +181,7 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
     progress = _Progress(t_start)
     progress(f"loading {config.model} ({config.dtype}, tp={config.tp}, allreduce={config.allreduce_config().label})")
     configure_jax(config)
-    from models.gemma3 import load_model
-
-    model = load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(), dtype=config.dtype,
-                       max_seq_len=config.max_seq_len)
+    model = load_configured_model(config)
     engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len, model_name=config.model_name)
     tok = engine.tokenizer
     ids = render_chat([("user", prompt)], tok) if chat else [tok.bos_id] + tok.encode(prompt)

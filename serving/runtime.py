@@ -104,21 +104,28 @@ def configure_jax(config: ServerConfig) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+def load_configured_model(config: ServerConfig):
+    """The model a config names, with the traced programs kept beside the compilation cache
+    (call `configure_jax` first)."""
+    from models.gemma3 import load_model
+
+    programs = os.path.join(config.compile_cache_dir, "programs") if config.compile_cache_dir else None
+    return load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(),
+                      dtype=config.dtype, max_seq_len=config.max_seq_len,
+                      program_cache_dir=programs)
+
+
 def load_engine(config: ServerConfig, progress: Callable[[str], None]):
     """The real engine: loads the model, allocates the cache, compiles and warms up."""
     configure_jax(config)
     import jax
 
-    from models.gemma3 import load_model
     from serving.engine import ModelEngine
 
     progress(f"loading {config.model} (tp={config.tp}, {config.dtype}, allreduce="
              f"{config.allreduce_config().label}) on {len(jax.devices())} {jax.default_backend()} device(s)")
     t = time.perf_counter()
-    programs = os.path.join(config.compile_cache_dir, "programs") if config.compile_cache_dir else None
-    model = load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(),
-                       dtype=config.dtype, max_seq_len=config.max_seq_len,
-                       program_cache_dir=programs)
+    model = load_configured_model(config)
     progress(f"weights loaded in {time.perf_counter() - t:.1f}s")
     engine = ModelEngine(model, num_slots=config.max_batch, max_seq_len=config.max_seq_len,
                          prefill_batch_sizes=_prefill_batch_sizes(config),

@@ -122,3 +122,15 @@ def test_a_program_export_refuses_runs_uncached(tmp_path, caplog):
     np.testing.assert_array_equal(program(np.arange(3, dtype=np.float32)), [0.0, 2.0, 4.0])
     assert dict(cache.stats) == {"not_exportable": 1} and "cannot export" in caplog.text
     assert not list(tmp_path.glob(f"*{SUFFIX}"))
+
+
+def test_outputs_fed_back_reuse_the_program(tmp_path):
+    """A cache returned by a program (its sharding spelled differently: P() on a 1-device
+    mesh) has the signature of the one init_cache made: one stored program per kind."""
+    model = _load(tmp_path, tp=1)
+    cache = model.init_cache(num_slots=2, max_seq_len=32)
+    ids = np.array([5, 6], np.int32)
+    for step in range(3):  # first on init_cache's arrays, then on the step's own outputs
+        _, cache = model.decode_step(cache, ids, np.array([step, step], np.int32))
+    assert _stats(model) == {"exported": 2}  # decode, write_token
+    assert len(model._decode_fn._entries) == len(model._write_token_fn._entries) == 1

@@ -34,7 +34,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SUFFIX = ".jaxprog"
-_FORMAT = 1  # bump when the file layout changes
+_FORMAT = 2  # bump when the file layout or the signature changes
+_MEMO_MIN_LEAVES = 64
 
 
 @functools.cache
@@ -66,12 +67,16 @@ def _placed(leaf, default):
 
 
 def _leaf_signature(leaf) -> str:
+    """Shape, dtype and where the value lives, canonically: as the XLA sharding it lowers to
+    (a program's outputs may carry an equivalent sharding spelled differently, e.g. P() for
+    P(None, 'tp') on a 1-device mesh)."""
     sharding = leaf.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        mesh = sharding.mesh
-        where = f"{dict(zip(mesh.axis_names, mesh.devices.shape))}{sharding.spec}"
-    else:
+    try:
+        where = repr(sharding._to_xla_hlo_sharding(len(leaf.shape)))
+    except (AttributeError, TypeError, ValueError):
         where = repr(sharding)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        where = f"{sharding.mesh.devices.size}:{where}"
     return f"{tuple(leaf.shape)}:{np.dtype(leaf.dtype).name}:{where}"
 
 
@@ -124,6 +129,7 @@ class CachedProgram:
                  static: str, default_sharding):
         self._cache, self._name, self._fn, self._static = cache, name, fn, static
         self._default = default_sharding
+        self._memo: tuple | None = None  # (argument, its signature) for the last large argument
         self._donate = tuple(donate_argnums)
         self._entries: dict[str, _Entry] = {}
 
@@ -133,6 +139,18 @@ class CachedProgram:
             return entry.fallback(*args)
         return jax.tree.unflatten(entry.out_tree, entry.call(*leaves))
 
+    def _arg_signature(self, arg) -> str:
+        # The weights (hundreds of leaves) are the same object call after call: their part of
+        # the signature is kept, so a decode step does not pay to describe them again.
+        memo = self._memo
+        if memo is not None and memo[0] is arg:
+            return memo[1]
+        leaves, tree = jax.tree.flatten(arg)
+        sig = f"{tree}" + "".join(";" + _leaf_signature(_placed(x, self._default)) for x in leaves)
+        if len(leaves) >= _MEMO_MIN_LEAVES:
+            self._memo = (arg, sig)
+        return sig
+
     def lower(self, *args):
         leaves, entry = self._resolve(args)
         if entry.fallback is not None:
@@ -140,17 +158,15 @@ class CachedProgram:
         return _Lowered(entry.call.lower(*leaves), entry.out_tree, self._default)
 
     def _resolve(self, args) -> tuple[list, _Entry]:
-        leaves, in_tree = jax.tree.flatten(args)
-        leaves = [_placed(x, self._default) for x in leaves]
-        signature = "|".join([self._name, self._static, str(in_tree)]
-                             + [_leaf_signature(x) for x in leaves])
+        leaves = [_placed(x, self._default) for x in jax.tree.leaves(args)]
+        signature = "|".join([self._name, self._static] + [self._arg_signature(a) for a in args])
         entry = self._entries.get(signature)
         if entry is None:
             counts = [len(jax.tree.leaves(a)) for a in args]
             starts = [sum(counts[:i]) for i in range(len(args))]
             donated = tuple(j for i in self._donate for j in range(starts[i], starts[i] + counts[i]))
             entry = self._entries[signature] = self._cache._entry(
-                self._name, signature, self._fn, leaves, in_tree, donated)
+                self._name, signature, self._fn, leaves, jax.tree.structure(args), donated)
         return leaves, entry
 
 
