@@ -225,8 +225,7 @@ def ring_all_gather(
     d = lax.axis_index(axis_name)
     if n * y.size >= SWITCH_MIN_ELEMENTS:
         return lax.switch(d, [_assemble_for(dd, n, codec, out_dtype) for dd in range(n)], rows)
-    rel = jnp.stack([jnp.concatenate([codec.decode(w).astype(out_dtype) for w in row])
-                     for row in rows])
+    rel = jnp.stack([_decoded_row(row, codec, out_dtype) for row in rows])
     return jnp.take(rel, (jnp.arange(n) - d) % n, axis=0)
 
 
@@ -236,7 +235,11 @@ def _assemble_for(d: int, n: int, codec: Codec, out_dtype):
 
     def assemble(rows: list[list[jax.Array]]) -> jax.Array:
         # Absolute row c is relative row c - d.
-        return jnp.stack([jnp.concatenate([codec.decode(w).astype(out_dtype)
-                                           for w in rows[(c - d) % n]]) for c in range(n)])
+        return jnp.stack([_decoded_row(rows[(c - d) % n], codec, out_dtype) for c in range(n)])
 
     return assemble
+
+
+def _decoded_row(wires: list[jax.Array], codec: Codec, out_dtype) -> jax.Array:
+    """One shard from its pieces' wire bytes, decoded in place of the copy that joins them."""
+    return jnp.concatenate([codec.decode(w).astype(out_dtype) for w in wires])

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from serving.xla_flags import with_collective_timeout
+
 SECTIONS = ("prefill", "decode", "kv", "cold")
 
 
@@ -37,9 +39,7 @@ def _setup_devices(n: int) -> None:
     """Ask XLA for n CPU devices; must run before jax is imported."""
     if "jax" in sys.modules:
         return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "collective_call_terminate_timeout" not in flags:  # see eval/devices.py
-        flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    flags = with_collective_timeout(os.environ.get("XLA_FLAGS", ""))
     if "xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={n}"
     os.environ["XLA_FLAGS"] = flags.strip()

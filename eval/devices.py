@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from serving.xla_flags import with_collective_timeout
+
 
 def ensure_cpu_devices(n: int) -> None:
     """Make at least `n` CPU devices visible to this process, or raise a clear error.
@@ -10,11 +12,8 @@ def ensure_cpu_devices(n: int) -> None:
     If the count was already fixed (XLA_FLAGS=--xla_force_host_platform_device_count=N, or the
     backend has started), only checks it.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    # Virtual devices share the host's cores: give a collective's device threads longer than
-    # XLA:CPU's default 40 s to meet before it aborts (read when the backend starts).
-    if n > 1 and "collective_call_terminate_timeout" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_call_terminate_timeout_seconds=600".strip()
+    if n > 1:
+        os.environ["XLA_FLAGS"] = with_collective_timeout(os.environ.get("XLA_FLAGS", ""))
     import jax
 
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -18,6 +18,7 @@ import time
 
 from serving import distributed
 from serving.config import ServerConfig, add_arguments, from_sources
+from serving.xla_flags import with_collective_timeout
 
 log = logging.getLogger("serving")
 
@@ -32,11 +33,7 @@ def _use_cpu_devices(n: int) -> None:
     m = _DEVICE_COUNT_FLAG.search(flags)
     if m and int(m.group(1)) >= n:
         return
-    flags = _DEVICE_COUNT_FLAG.sub("", flags).strip()
-    # Virtual devices share the host's cores: give a collective's device threads longer than
-    # XLA:CPU's default 40 s to meet before it aborts the process.
-    if "collective_call_terminate_timeout" not in flags:
-        flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    flags = with_collective_timeout(_DEVICE_COUNT_FLAG.sub("", flags).strip())
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     if "jax" in sys.modules:
         log.warning("jax was imported before XLA_FLAGS was set; --tp %d may not find %d devices", n, n)

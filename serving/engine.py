@@ -151,7 +151,7 @@ class ModelEngine:
             dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
             allreduce=model.allreduce.to_dict(),
             allreduce_label=model.allreduce.label,
-            decode_batch_sizes=_decode_batch_sizes(num_slots, decode_batch_sizes),
+            decode_batch_sizes=decode_batch_sizes_for(num_slots, decode_batch_sizes),
         )
         self._jax = jax
         self.cache = model.init_cache(num_slots, max_seq_len)
@@ -236,6 +236,8 @@ class ModelEngine:
             self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
         for s in self.info.decode_batch_sizes or (self.info.num_slots,):
             t = time.perf_counter()
+            # Kept like the prefill programs, so that a step runs the executable directly.
+            self.model.compile_decode(self.info.num_slots, self.info.max_seq_len, s)
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
             # A sampled step too: the sampler's random branch is part of the same program, but run
             # it once so that its first use is not slower than the others.
@@ -248,7 +250,7 @@ class ModelEngine:
         return time.perf_counter() - t0
 
 
-def _decode_batch_sizes(num_slots: int, sizes) -> tuple[int, ...]:
+def decode_batch_sizes_for(num_slots: int, sizes) -> tuple[int, ...]:
     """Default: powers of two below num_slots, then num_slots (vLLM's CUDA-graph batch sizes
     play the same role). Always ends with num_slots."""
     if sizes is None:

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from serving.engine import DecodeInputs, EngineInfo, PrefillInputs, StepOutputs
+from serving.engine import DecodeInputs, EngineInfo, PrefillInputs, StepOutputs, decode_batch_sizes_for
 
 _BYTE0 = 300  # token id of byte 0
 _LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
@@ -54,7 +54,7 @@ class FakeEngine:
             prefill_batch_sizes=tuple(prefill_batch_sizes), vocab_size=self.tokenizer.vocab_size,
             eos_ids=(1, 106), tp=1, dtype="float32", allreduce={"method": "bf16"}, allreduce_label="bf16",
             batched_prefill_max_bucket=batched_prefill_max_bucket,
-            decode_batch_sizes=tuple(sorted(set(decode_batch_sizes) | {num_slots})) if decode_batch_sizes else ())
+            decode_batch_sizes=decode_batch_sizes_for(num_slots, decode_batch_sizes) if decode_batch_sizes else ())
         self.step_delay = step_delay
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
         self.prompt_len = [0] * num_slots

@@ -1,15 +1,13 @@
 """Test session set-up: 8 virtual CPU devices, configured before anything imports jax."""
 import os
 
+from serving.xla_flags import with_collective_timeout
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
-# 8 virtual devices share 2 cores: XLA:CPU aborts the process when a collective's device threads
-# have not all arrived after 40 s (its default), which an oversubscribed machine can exceed.
-if "collective_call_terminate_timeout" not in _flags:
-    _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
-os.environ["XLA_FLAGS"] = _flags.strip()
+os.environ["XLA_FLAGS"] = with_collective_timeout(_flags.strip())  # 8 devices on 2 cores
 
 
 import gc  # noqa: E402

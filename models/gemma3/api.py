@@ -373,8 +373,6 @@ class Gemma3Model:
                 f"allreduce={self.allreduce.label})")
 
 
-
-
 def _shapes(cache) -> tuple:
     """A cache's (or its ShapeDtypeStructs') shapes: the part of a program's key it sets."""
     return tuple(tuple(x.shape) for x in jax.tree.leaves(cache))

@@ -122,12 +122,7 @@ class GGUFFile:
             part = np.asarray(rows_raw[start:start + step])
             rows_out[start:start + step] = decode(part).reshape(part.shape[0], -1)
 
-        starts = range(0, rows_raw.shape[0], step)
-        if len(starts) == 1:
-            convert(0)
-        else:
-            for _ in _pool().map(convert, starts):
-                pass
+        list(_pool().map(convert, range(0, rows_raw.shape[0], step)))  # re-raises errors
         return out
 
     def _info(self, name: str) -> TensorInfo:
