@@ -83,5 +83,19 @@ class AllReduceConfig:
         blocks = "" if self.blocks == "tile" else f"+{self.blocks}"
         return f"int8-{self.variant}{suffix}{blocks}"
 
+    @classmethod
+    def from_label(cls, label: str, **fields) -> "AllReduceConfig":
+        """The inverse of `label`: "f32", "bf16", "bf16_ring[-semi]", "int8-full",
+        "int8-semi-rs+hadamard", ... The other fields (minishards, min_bytes, pipelined) come
+        from keyword arguments."""
+        base, plus, blocks = label.partition("+")
+        parts = base.split("-")
+        quantized = parts[0] == "int8"
+        if len(parts) > (3 if quantized else 2) or (plus and not (quantized and blocks)):
+            raise ValueError(f"cannot parse AllReduce label {label!r} (e.g. 'bf16', "
+                             f"'bf16_ring', 'int8-full', 'int8-semi-rs+hadamard')")
+        return cls(parts[0], parts[1] if len(parts) > 1 else "full",
+                   parts[2] if len(parts) > 2 else "both", blocks=blocks or "tile", **fields)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -67,15 +67,7 @@ def format_size(nbytes: int) -> str:
 def parse_method(name: str, minishards: int, pipelined: bool = True):
     """'bf16', 'f32', 'bf16_ring[-semi]', 'int8-full', 'int8-semi-ag', 'int8-full+hadamard', ...
     -> AllReduceConfig (the spelling of `AllReduceConfig.label`)."""
-    base, _, blocks = name.partition("+")
-    parts = base.split("-")
-    method, rest = parts[0], parts[1:]
-    variant = rest[0] if rest else "full"
-    phases = rest[1] if len(rest) > 1 else "both"
-    if len(rest) > 2:
-        raise ValueError(f"cannot parse method {name!r}")
-    return AllReduceConfig(method, variant, phases, minishards, pipelined=pipelined,
-                           blocks=blocks or "tile")
+    return AllReduceConfig.from_label(name, minishards=minishards, pipelined=pipelined)
 
 
 def _stats(samples: list[float]) -> dict:

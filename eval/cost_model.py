@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-from equarx import plan_layout
+from equarx import AllReduceConfig, plan_layout
 from equarx.quantize import SCALE_ROWS, TILE_ELEMENTS
 
 # ---------------------------------------------------------------------------------------------
@@ -46,21 +46,13 @@ class Schedule:
 
 
 def parse_label(label: str) -> tuple[str, str, str]:
-    """'bf16' | 'f32' | 'bf16_ring[-semi]' | 'int8-full' | 'int8-semi-rs[+hadamard]' -> (method,
-    variant, phases). Same spelling as `AllReduceConfig.label` and eval.bench_collective's
+    """'bf16' | 'f32' | 'bf16_ring[-semi]' | 'int8-full' | 'int8-semi-rs[+hadamard]' | 'naive' ->
+    (method, variant, phases). Same spelling as `AllReduceConfig.label` and eval.bench_collective's
     methods; the block suffix only changes the scale bytes (see `allreduce_schedule`)."""
-    label, _, blocks = label.partition("+")
-    if blocks not in ("", "hadamard") or (blocks and not label.startswith("int8")):
-        raise ValueError(f"cannot parse AllReduce method {label}+{blocks!r}")
-    parts = label.split("-")
-    method = parts[0]
-    if method not in ("f32", "bf16", "bf16_ring", "int8", "naive"):
-        raise ValueError(f"unknown AllReduce method {label!r}")
-    variant = parts[1] if len(parts) > 1 else "full"
-    phases = parts[2] if len(parts) > 2 else "both"
-    if variant not in ("full", "semi") or phases not in ("both", "rs", "ag") or len(parts) > 3:
-        raise ValueError(f"cannot parse AllReduce method {label!r}")
-    return method, variant, phases
+    if label == "naive":
+        return "naive", "full", "both"
+    cfg = AllReduceConfig.from_label(label)
+    return cfg.method, cfg.variant, cfg.phases
 
 
 def ring_hops(variant: str, n_devices: int) -> tuple[int, int]:

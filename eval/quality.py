@@ -32,18 +32,16 @@ from equarx import AllReduceConfig
 from eval import corpus
 
 NAIVE = "naive"
-# Mode name -> AllReduceConfig (None: the naive strawman).
-MODES: dict[str, AllReduceConfig | None] = {
-    "f32": AllReduceConfig("f32"),
-    "bf16": AllReduceConfig("bf16"),
-    "int8-full": AllReduceConfig("int8", "full"),
-    "int8-semi": AllReduceConfig("int8", "semi"),
-    "int8-full-rs": AllReduceConfig("int8", "full", "rs"),
-    "int8-full-ag": AllReduceConfig("int8", "full", "ag"),
-    "int8-full+hadamard": AllReduceConfig("int8", "full", blocks="hadamard"),
-    NAIVE: None,
-}
+# The modes a default run evaluates: any `AllReduceConfig.label` (e.g. "int8-semi-ag+hadamard")
+# or NAIVE, the per-tensor int8 strawman, may be asked for.
+MODES = ("f32", "bf16", "int8-full", "int8-semi", "int8-full-rs", "int8-full-ag",
+         "int8-full+hadamard", NAIVE)
 REFERENCE = "f32"
+
+
+def mode_config(name: str) -> AllReduceConfig | None:
+    """A mode's AllReduceConfig (None for the naive strawman); ValueError on an unknown name."""
+    return None if name == NAIVE else AllReduceConfig.from_label(name)
 _CHUNK = 64  # positions per numpy block: 64 x 262144 float32 = 64 MiB per temporary
 
 
@@ -96,7 +94,7 @@ def mode_models(base, modes: list[str]) -> dict:
 
     out = {}
     for name in modes:
-        cfg = MODES[name] or AllReduceConfig("bf16")  # the strawman replaces the call itself
+        cfg = mode_config(name) or AllReduceConfig("bf16")  # the strawman replaces the call itself
         out[name] = Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=cfg,
                                 dtype=base.dtype, tokenizer=base.tokenizer)
     return out
@@ -141,7 +139,7 @@ def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[
         prefix = [common_prefix(g, r) for g, r in zip(greedy[m], greedy[REFERENCE])]
         rows.append({
             "tp": base.tp, "mode": m,
-            "allreduce": MODES[m].to_dict() if MODES[m] else {"method": NAIVE},
+            "allreduce": mode_config(m).to_dict() if m != NAIVE else {"method": NAIVE},
             "tokens_scored": s["count"], "perplexity": math.exp(s["nll"] / s["count"]),
             "kl_to_f32": s["kl"] / s["count"], "top1_agree_f32": s["agree"] / s["count"],
             "greedy_exact_match": sum(exact) / len(exact),
@@ -162,14 +160,13 @@ def run(model: str = "gemma3-270m", tps: tuple[int, ...] = (2, 4), modes: list[s
     from models.gemma3 import load_model
 
     modes = list(modes or MODES)
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown modes {unknown}; known: {list(MODES)}")
+    for m in modes:
+        mode_config(m)  # fail on a typo before any model loads
     if REFERENCE not in modes:
         modes.insert(0, REFERENCE)
     rows, tokens = [], None
     for tp in tps:
-        base = load_model(model, tp=tp, allreduce=MODES[REFERENCE], dtype=dtype,
+        base = load_model(model, tp=tp, allreduce=mode_config(REFERENCE), dtype=dtype,
                           max_seq_len=max(window, prompt_tokens + new_tokens + 1))
         tok = base.tokenizer
         windows = corpus.token_windows(tok.encode, n_tokens, window, tok.bos_id)
@@ -213,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gemma3-270m", help="load_model source")
     p.add_argument("--tp", default="2,4", help="comma list of tensor-parallel degrees")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma list of AllReduce labels (e.g. int8-semi-ag+hadamard) or naive")
     p.add_argument("--tokens", type=int, default=4096, help="next-token predictions scored")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window (with BOS)")
     p.add_argument("--prompts", type=int, default=16, help="greedy prompts")

@@ -230,6 +230,20 @@ def test_bad_input_is_rejected():
         plan_layout(0, 4, 1)
 
 
+@pytest.mark.parametrize("label", ["f32", "bf16", "bf16_ring", "int8-full", "int8-semi",
+                                   "int8-full-ag", "int8-semi-rs+hadamard"])
+def test_config_from_label_inverts_label(label):
+    cfg = AllReduceConfig.from_label(label, minishards=16, min_bytes=1024)
+    assert cfg.label == label and (cfg.minishards, cfg.min_bytes) == (16, 1024)
+
+
+@pytest.mark.parametrize("label", ["int4", "int8-diagonal", "bf16+hadamard", "int8-full+",
+                                   "int8-full-rs-x", "bf16-full-rs", "int8-full+rows"])
+def test_config_from_label_rejects_typos(label):
+    with pytest.raises(ValueError):
+        AllReduceConfig.from_label(label)
+
+
 def test_hadamard_blocks_beat_tiles_on_outlier_channels():
     """Activations with a few huge channels (as transformer residuals have): tile scales are set
     by the outliers for every element sharing a lane, rotated row scales are not."""
