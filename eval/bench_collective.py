@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, bytes_sent_per_device, ideal_ring_bytes
+from serving.host_memory import keep_freed_memory, malloc_label
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 DEFAULT_METHODS = "bf16,bf16_ring,int8-full,int8-semi"
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
     p.add_argument("--link-gbit", type=float, default=None, help="shape the loopback (root)")
     p.add_argument("--no-mse", action="store_true", help="skip the MSE column")
+    p.add_argument("--plain-malloc", action="store_true",
+                   help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
+                        "pages for worker processes; see serving.host_memory)")
     p.add_argument("--out", default=None, help="write the rows and settings as JSON")
     p.add_argument("--predict-from", default=None, metavar="UNSHAPED.json",
                    help="add the alpha-beta prediction from an unshaped run with as many "
@@ -246,13 +250,15 @@ def main(argv: list[str] | None = None) -> dict:
         from eval import multiproc
 
         results = multiproc.run("eval.bench_collective:worker", args.processes, args=(params,),
-                                link_gbit=args.link_gbit)
+                                link_gbit=args.link_gbit, malloc_tunables=not args.plain_malloc)
         rows = results[0]["rows"]
         mode = f"{args.processes} processes (gloo, 127.0.0.1"
         mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
         for row, *others in zip(rows, *(r["rows"] for r in results[1:])):
             row["median_by_process"] = [row["median"]] + [o["median"] for o in others]
     else:
+        if not args.plain_malloc:
+            keep_freed_memory()
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
         rows = bench_on_mesh(**params)
@@ -265,11 +271,12 @@ def main(argv: list[str] | None = None) -> dict:
         add_predictions(rows, unshaped, args.link_gbit)
     report = {
         "mode": mode, "processes": args.processes, "link_gbit": args.link_gbit,
-        "settings": params, "jax": jax.__version__, "cpus": os.cpu_count(),
+        "settings": params, "malloc": malloc_label(args.plain_malloc, args.processes > 0),
+        "jax": jax.__version__, "cpus": os.cpu_count(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
     }
     print(f"# {mode}; minishards={args.minishards}; pipelined={params['pipelined']}; "
-          f"repeats={args.repeats}")
+          f"repeats={args.repeats}; malloc: {report['malloc']}")
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:

@@ -3,7 +3,7 @@
   python -m eval.bench_model                      # everything, real 270M, bfloat16, tp 1 and 2
   python -m eval.bench_model --only prefill,decode --tp 1,2 --batches 1,8 --repeats 7
   python -m eval.bench_model --only kv            # 27B KV cache bytes per sequence at 32k
-  python -m eval.bench_model --only cold --cold-tp 2 --cold-orbax [--overlap]
+  python -m eval.bench_model --only cold --cold-tp 2 --cold-orbax
 
 What is timed is the engine API a server calls (`Gemma3Model.prefill`, `.decode_step`), after
 compilation and a warm-up call, with block_until_ready; the tp settings are interleaved
@@ -16,8 +16,10 @@ and the decode step (`Gemma3Model.warm_up`), without, then twice with, the persi
 a server uses (JAX's compilation cache for the executables and our program cache for the traced
 programs, `models.gemma3.program_cache`; the first run fills them, the second is the restart
 being measured);
-with --cold-orbax, once more from a converted orbax checkpoint instead of the GGUF file; with
---overlap, the programs compile while the weights load.
+with --cold-orbax, once more from a converted orbax checkpoint instead of the GGUF file. Both
+ways of starting are measured (--cold-modes): "sequential" loads the weights, then compiles;
+"overlap" compiles on a thread while the weights load (`load_model(warm_up=...)`, what
+`gemma3-serve` and `gemma3-generate` do).
 """
 from __future__ import annotations
 
@@ -148,6 +150,9 @@ def cold_child(args) -> None:
     _setup_devices(args.cold_tp)
     import jax
 
+    from serving.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as gemma3-serve does (serving.runtime.configure_jax)
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -172,36 +177,47 @@ def cold_child(args) -> None:
                       "compile_s": t_ready - t_load, "total_s": t_ready - t0}))
 
 
+COLD_MODES = ("sequential", "overlap")
+
+
 def bench_cold(args, log) -> list[dict]:
-    def start(cache_dir, source):
+    def start(cache_dir, source, overlap):
         cmd = [sys.executable, "-m", "eval.bench_model", "--cold-child", "--source", source,
                "--dtype", args.dtype, "--cold-tp", str(args.cold_tp), "--cache-len",
                str(args.cache_len), "--prefill-len", str(args.prefill_len), "--cold-slots",
                str(args.cold_slots)] + (["--cache-dir", cache_dir] if cache_dir else []) + \
-            (["--overlap"] if args.overlap else [])
+            (["--overlap"] if overlap else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     rows = []
-    with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as ckpt:
-        runs = [("no compilation cache", None, args.source),
-                ("cache empty (fills it)", cache_dir, args.source),
-                ("cache warm (restart)", cache_dir, args.source)]
+    modes = [m for m in args.cold_modes.split(",") if m]
+    with tempfile.TemporaryDirectory() as ckpt:
         if args.cold_orbax:
             _convert(args.source, args.dtype, f"{ckpt}/model")
-            runs.append(("cache warm, converted orbax checkpoint", cache_dir, f"{ckpt}/model"))
-        for name, d, source in runs:
-            r = start(d, source)
-            rows.append({"section": "cold", "run": name, "tp": args.cold_tp, **r})
-            parts = (f"load and compile overlapped {r['load_s']:.1f}" if args.overlap else
-                     f"load {r['load_s']:.1f}, compile {r['compile_s']:.1f}")
-            log(f"cold start tp={args.cold_tp}, {name}: {r['total_s']:.1f} s (import "
-                f"{r['import_s']:.1f}, {parts})")
-    for i, name in ((2, "persistent compilation cache"), (3, "cache + orbax checkpoint")):
-        if i < len(runs):
-            speedup = rows[0]["total_s"] / rows[i]["total_s"]
-            rows.append({"section": "cold", "run": f"speedup: {name}", "value": speedup})
-            log(f"cold start speed-up, {name}: {speedup:.1f}x")
+        for mode in modes:
+            with tempfile.TemporaryDirectory() as cache_dir:
+                runs = [("no compilation cache", None, args.source),
+                        ("cache empty (fills it)", cache_dir, args.source),
+                        ("cache warm (restart)", cache_dir, args.source)]
+                if args.cold_orbax:
+                    runs.append(("cache warm, converted orbax checkpoint", cache_dir, f"{ckpt}/model"))
+                mode_rows = []
+                for name, d, source in runs:
+                    r = start(d, source, mode == "overlap")
+                    mode_rows.append({"section": "cold", "mode": mode, "run": name,
+                                      "tp": args.cold_tp, **r})
+                    parts = (f"load and compile overlapped {r['load_s']:.1f}" if mode == "overlap"
+                             else f"load {r['load_s']:.1f}, compile {r['compile_s']:.1f}")
+                    log(f"cold start tp={args.cold_tp}, {mode}, {name}: {r['total_s']:.1f} s "
+                        f"(import {r['import_s']:.1f}, {parts})")
+            for i, name in ((2, "persistent compilation cache"), (3, "cache + orbax checkpoint")):
+                if i < len(runs):
+                    speedup = mode_rows[0]["total_s"] / mode_rows[i]["total_s"]
+                    mode_rows.append({"section": "cold", "mode": mode, "run": f"speedup: {name}",
+                                      "value": speedup})
+                    log(f"cold start speed-up, {mode}, {name}: {speedup:.1f}x")
+            rows += mode_rows
     return rows
 
 
@@ -229,8 +245,10 @@ def main(argv=None) -> None:
     p.add_argument("--cold-slots", type=int, default=8)
     p.add_argument("--cold-orbax", action="store_true",
                    help="also restart from a converted orbax checkpoint of --source")
-    p.add_argument("--overlap", action="store_true",
-                   help="cold start: compile while the weights load (load_model(warm_up=...))")
+    p.add_argument("--cold-modes", default=",".join(COLD_MODES),
+                   help="cold start: 'sequential' (load, then compile) and/or 'overlap' (compile "
+                        "while the weights load)")
+    p.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)  # child: overlap
     p.add_argument("--out", help="write all rows as JSON here")
     p.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -238,6 +256,9 @@ def main(argv=None) -> None:
     if args.cold_child:
         return cold_child(args)
 
+    bad_modes = set(args.cold_modes.split(",")) - set(COLD_MODES)
+    if bad_modes:
+        p.error(f"unknown cold-start modes {sorted(bad_modes)}; choose from {COLD_MODES}")
     sections = [s for s in args.only.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:

@@ -36,6 +36,7 @@ import numpy as np
 
 from eval import cost_model, prefill_report
 from serving import distributed
+from serving.host_memory import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
@@ -205,7 +206,8 @@ def worker(params: dict) -> dict:
 
 
 def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: list[str],
-              minishards: int, repeats: int, pipelined: bool = True, log=print) -> dict:
+              minishards: int, repeats: int, pipelined: bool = True, log=print,
+              malloc_tunables: bool = True) -> dict:
     """Measure eval.bench_collective's AllReduce at each rate (N processes) and in one process;
     the difference is communication. Returns the samples and the alpha-beta fit."""
     from eval import bench_collective, multiproc
@@ -218,8 +220,8 @@ def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: 
     samples = []
     for gbit in gbits:
         log(f"  calibrating at {gbit} Gbit/s ...")
-        rows = multiproc.run("eval.bench_collective:worker", n, args=(params,),
-                             link_gbit=gbit)[0]["rows"]
+        rows = multiproc.run("eval.bench_collective:worker", n, args=(params,), link_gbit=gbit,
+                             malloc_tunables=malloc_tunables)[0]["rows"]
         for r in rows:
             samples.append(cost_model.CommSample(
                 label=r["method"], n_elements=r["size_bytes"] // 2, n_devices=n, link_gbit=gbit,
@@ -278,6 +280,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="write the report as JSON")
     p.add_argument("--plot", default=None, help="write a PNG of speedup against prompt length")
     p.add_argument("--no-tpu-prediction", action="store_true")
+    p.add_argument("--plain-malloc", action="store_true",
+                   help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
+                        "pages for worker processes; see serving.host_memory)")
     # One process of a multi-host group (e.g. each host of a TPU slice runs this command).
     distributed.add_arguments(p, only=GROUP_FLAGS)
     args = p.parse_args(argv)
@@ -314,7 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
     params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
                   iters=args.iters, warmup=args.warmup, minishards=args.minishards,
                   pipelined=not args.one_message_per_hop, dtype=args.dtype)
-    report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit},
+    if not args.plain_malloc:
+        keep_freed_memory()
+    report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit,
+                           "malloc": malloc_label(args.plain_malloc, args.processes > 0)},
               "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
               "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     baseline, calibration, fit = None, None, None
@@ -346,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
             calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
                                     [args.batch * b * d_model for b in buckets], methods,
                                     args.minishards, args.calibration_repeats,
-                                    pipelined=not args.one_message_per_hop)
+                                    pipelined=not args.one_message_per_hop,
+                                    malloc_tunables=not args.plain_malloc)
         if calibration is not None:
             try:
                 fit = fit_from(calibration)
@@ -371,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
         links = [args.base_link_gbit, args.link_gbit] if paired else None
         print(f"# {args.processes} processes ...")
         results = multiproc.run("eval.bench_prefill:worker", args.processes,
-                                args=({**params, "links": links},), link_gbit=args.link_gbit)
+                                args=({**params, "links": links},), link_gbit=args.link_gbit,
+                                malloc_tunables=not args.plain_malloc)
         result = results[0]
         for row, *others in zip(result["rows"], *(r["rows"] for r in results[1:])):
             row["median_ms_by_process"] = [row["median_ms"]] + [o["median_ms"] for o in others]

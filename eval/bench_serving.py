@@ -34,6 +34,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from serving.host_memory import with_malloc_tunables
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TOPICS = ["the sea", "a lighthouse keeper", "the first snow of winter", "a lost key", "a robot learning to paint",
@@ -113,7 +115,7 @@ async def run_level(url: str, model: str, concurrency: int, requests_per_stream:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ)
+    env = with_malloc_tunables(dict(os.environ))  # as the container image runs it
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port), "--model", args.model,
            "--dtype", args.dtype, "--tp", str(args.tp), "--allreduce", args.allreduce,

@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import Any, Iterator, Sequence
 
+from serving.host_memory import with_malloc_tunables
+
 
 def run(
     entry: str,
@@ -45,6 +47,7 @@ def run(
     timeout_s: float = 1800.0,
     env: dict | None = None,
     sysctls: dict[str, str] | None = None,
+    malloc_tunables: bool = True,
 ) -> list[Any]:
     """Run `entry(*args, **kwargs)` in `n_processes` JAX processes; see the module docstring.
 
@@ -55,6 +58,9 @@ def run(
     env: extra environment variables for the workers.
     sysctls: kernel settings applied inside the namespace only (needs link_gbit), e.g.
       {"net.ipv4.tcp_slow_start_after_idle": "0"}.
+    malloc_tunables: start the workers with glibc's malloc keeping freed blocks and using
+      transparent huge pages (`serving.host_memory`): XLA:CPU's per-execution buffers then
+      stop paying page faults on every run.
     """
     if ":" not in entry:
         raise ValueError(f"entry must be 'module:function', got {entry!r}")
@@ -69,6 +75,8 @@ def run(
         port = _free_port() if ns is None else 23456  # a fresh namespace has every port free
         prefix = [] if ns is None else ["ip", "netns", "exec", ns]
         worker_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+        if malloc_tunables:
+            worker_env = with_malloc_tunables(worker_env)
         # Whatever the caller can import, the workers can import (entry modules included).
         paths = [p for p in sys.path if p] + [os.getcwd()]
         worker_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

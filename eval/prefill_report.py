@@ -12,7 +12,8 @@ def header(report: dict) -> str:
     return (f"# {report['model']} ({cfg['name']}): d_model {cfg['d_model']}, {layers}; "
             f"{s['dtype']}; batch {s['batch']}; {s['iters']} interleaved iterations after "
             f"{s['warmup']} warm-up\n# {report['mode']}; {report['machine']}, "
-            f"{report['cpus']} CPUs, jax {report['jax']}")
+            f"{report['cpus']} CPUs, jax {report['jax']}"
+            + (f"; malloc: {s['malloc']}" if s.get("malloc") else ""))
 
 
 def _x(v) -> str:

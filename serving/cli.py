@@ -169,7 +169,7 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
     import numpy as np
 
     from serving.chat_template import render_chat
-    from serving.engine import DecodeInputs, ModelEngine, pad_prefill_batch
+    from serving.engine import DecodeInputs, ModelEngine, engine_info, pad_prefill_batch
     from serving.runtime import configure_jax, load_configured_model
     from serving.sampling import SlotSampling
     from serving.scheduler import Scheduler
@@ -178,21 +178,33 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
     progress = _Progress(t_start)
     progress(f"loading {config.model} ({config.dtype}, tp={config.tp}, allreduce={config.allreduce_config().label})")
     configure_jax(config)
-    model = load_configured_model(config)
+
+    def token_ids(tok) -> list[int]:
+        return render_chat([("user", prompt)], tok) if chat else [tok.bos_id] + tok.encode(prompt)
+
+    def compile_while_loading(model) -> None:
+        # The two programs this prompt needs; a prompt that does not fit is reported below.
+        info = engine_info(model, 1, config.max_seq_len, model_name=config.model_name)
+        n = len(token_ids(model.tokenizer))
+        if n < info.max_seq_len:
+            bucket = next(b for b in info.prefill_buckets if b >= n)
+            progress(f"compiling prefill ({n}-token prompt, bucket {bucket}) and decode step "
+                     "while the weights load")
+            model.warm_up(1, info.max_seq_len, buckets=[bucket], decode_rows=(1,))
+
+    model = load_configured_model(config, compile_while_loading)
     engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len, model_name=config.model_name)
     tok = engine.tokenizer
-    ids = render_chat([("user", prompt)], tok) if chat else [tok.bos_id] + tok.encode(prompt)
+    ids = token_ids(tok)
     scheduler = Scheduler(engine, max_waiting=1)
     try:
         scheduler.check(len(ids), params.max_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Compile the two programs this prompt needs, with progress, before timing the generation.
+    # Run the two programs once (the sampler's compile), before timing the generation.
     bucket = engine.bucket_for(len(ids))
-    progress(f"compiling prefill ({len(ids)}-token prompt, bucket {bucket})")
     engine.run_prefill(pad_prefill_batch([([tok.bos_id], 0, SlotSampling.greedy(1))], bucket, 1))
-    progress("compiling decode step")
     engine.run_decode(DecodeInputs(np.zeros(1, np.int32), np.zeros(1, np.int32), SlotSampling.greedy(1)))
     progress("generating", done=True)
 

@@ -9,7 +9,6 @@ in the same order run the same programs (process 0 would broadcast them); `run_p
 """
 from __future__ import annotations
 
-import concurrent.futures
 
 import dataclasses
 import logging
@@ -128,31 +127,10 @@ class ModelEngine:
 
         from serving import sampling
 
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        if max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.model = model
         self.tokenizer = model.tokenizer
-        buckets = tuple(b for b in model.prefill_buckets if b < max_seq_len)
-        # The largest bucket must hold the longest admissible prompt (max_seq_len - 1 tokens).
-        top = model.bucket_for(max_seq_len - 1)
-        buckets = tuple(sorted(set(buckets) | {top}))
-        cfg = model.config
-        self.info = EngineInfo(
-            model_name=model_name,
-            num_slots=num_slots,
-            max_seq_len=max_seq_len,
-            prefill_buckets=buckets,
-            prefill_batch_sizes=tuple(sorted(set(prefill_batch_sizes))),
-            vocab_size=cfg.vocab_size,
-            eos_ids=(self.tokenizer.eos_id, self.tokenizer.end_of_turn_id),
-            tp=int(model.tp),
-            dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
-            allreduce=model.allreduce.to_dict(),
-            allreduce_label=model.allreduce.label,
-            decode_batch_sizes=decode_batch_sizes_for(num_slots, decode_batch_sizes),
-        )
+        self.info = engine_info(model, num_slots, max_seq_len, prefill_batch_sizes, model_name,
+                                decode_batch_sizes)
         self._jax = jax
         self.cache = model.init_cache(num_slots, max_seq_len)
         # Sampling runs on one device: with tp > 1 the logits arrive split over the vocabulary, and
@@ -216,38 +194,65 @@ class ModelEngine:
         use. Returns seconds."""
         t0 = time.perf_counter()
         greedy1 = SlotSampling.greedy(1)
-        # Every prefill program is compiled ahead of time and kept by the model (no need to run
-        # a 2048-token prompt to warm it), two at a time: XLA compiles (and reads back) with
-        # the GIL released, so one program's compilation overlaps the next one's tracing. One
-        # run per batch size, at the smallest bucket, then warms the sampler's programs and
-        # checks the kept executables end to end.
-        def compile_one(bucket: int, batch: int) -> str:
-            t = time.perf_counter()
-            self.model.compile_prefill(batch, bucket, self.info.num_slots, self.info.max_seq_len)
-            return f"prefill bucket {bucket} x{batch}: {time.perf_counter() - t:.1f}s"
-
-        jobs = [(bucket, batch) for bucket in self.info.prefill_buckets
-                for batch in self.info.batch_sizes_for(bucket)]
-        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile") as pool:
-            for message in pool.map(lambda job: compile_one(*job), jobs):
-                progress(message)
+        # Every program is compiled ahead of time (compile_programs; a no-op for the ones the
+        # model already keeps). One run per batch size, at the smallest bucket, and a greedy and a
+        # sampled decode step at every row count, then warm the sampler's programs and check the
+        # kept executables end to end.
+        compile_programs(self.model, self.info, progress)
+        decode_rows = self.info.decode_batch_sizes or (self.info.num_slots,)
         for batch in self.info.prefill_batch_sizes:
             bucket = next(b for b in self.info.prefill_buckets if batch in self.info.batch_sizes_for(b))
             self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
-        for s in self.info.decode_batch_sizes or (self.info.num_slots,):
-            t = time.perf_counter()
-            # Kept like the prefill programs, so that a step runs the executable directly.
-            self.model.compile_decode(self.info.num_slots, self.info.max_seq_len, s)
+        for s in decode_rows:
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
-            # A sampled step too: the sampler's random branch is part of the same program, but run
-            # it once so that its first use is not slower than the others.
+            # The sampler's random branch is part of the same program, but run it once so that
+            # its first use is not slower than the others.
             sampled = SlotSampling(np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
                                    np.zeros(s, np.uint32))
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), sampled))
-            progress(f"decode step x{s}: {time.perf_counter() - t:.1f}s")
         if len(self.info.decode_batch_sizes) > 1:  # the scheduler packs slots only then
             self.move_slot(0, 0)
         return time.perf_counter() - t0
+
+
+def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tuple[int, ...] = (1,),
+                model_name: str = "gemma3-270m",
+                decode_batch_sizes: tuple[int, ...] | None = None) -> EngineInfo:
+    """The shapes and facts a ModelEngine over `model` serves with (no device work: it can be
+    computed, and its programs compiled, before the weights are loaded)."""
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    buckets = tuple(b for b in model.prefill_buckets if b < max_seq_len)
+    # The largest bucket must hold the longest admissible prompt (max_seq_len - 1 tokens).
+    top = model.bucket_for(max_seq_len - 1)
+    buckets = tuple(sorted(set(buckets) | {top}))
+    tokenizer = model.tokenizer
+    return EngineInfo(
+        model_name=model_name,
+        num_slots=num_slots,
+        max_seq_len=max_seq_len,
+        prefill_buckets=buckets,
+        prefill_batch_sizes=tuple(sorted(set(prefill_batch_sizes))),
+        vocab_size=model.config.vocab_size,
+        eos_ids=(tokenizer.eos_id, tokenizer.end_of_turn_id),
+        tp=int(model.tp),
+        dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
+        allreduce=model.allreduce.to_dict(),
+        allreduce_label=model.allreduce.label,
+        decode_batch_sizes=decode_batch_sizes_for(num_slots, decode_batch_sizes),
+    )
+
+
+def compile_programs(model, info: EngineInfo, progress: Callable[[str], None] = log.info) -> None:
+    """Compile, and keep in the model, every program an engine with `info` runs: prefill at
+    every (batch, bucket) it uses and the decode step at every row count. Needs only the
+    model's shapes, so it may run while the weights load."""
+    model.warm_up(info.num_slots, info.max_seq_len,
+                  prefill_shapes=[(batch, bucket) for bucket in info.prefill_buckets
+                                  for batch in info.batch_sizes_for(bucket)],
+                  decode_rows=info.decode_batch_sizes or (info.num_slots,), progress=progress)
 
 
 def decode_batch_sizes_for(num_slots: int, sizes) -> tuple[int, ...]:

@@ -95,8 +95,13 @@ def configure_jax(config: ServerConfig) -> None:
     """Persistent compilation cache: a restart (or the second server) loads compiled programs
     instead of compiling them again, which is most of the start-up time on CPU. (The traced
     programs are kept beside it, see `load_engine`.) Every program is kept: even the small
-    ones take 0.1-0.5 s to compile and read back faster."""
+    ones take 0.1-0.5 s to compile and read back faster. Also keeps freed host memory for
+    reuse (`serving.host_memory`: no page faults on every large temporary)."""
     import jax
+
+    from serving.host_memory import keep_freed_memory
+
+    keep_freed_memory()
 
     if config.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
@@ -104,15 +109,15 @@ def configure_jax(config: ServerConfig) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def load_configured_model(config: ServerConfig):
+def load_configured_model(config: ServerConfig, warm_up=None):
     """The model a config names, with the traced programs kept beside the compilation cache
-    (call `configure_jax` first)."""
+    (call `configure_jax` first). warm_up: as `load_model`'s (compiles while weights load)."""
     from models.gemma3 import load_model
 
     programs = os.path.join(config.compile_cache_dir, "programs") if config.compile_cache_dir else None
     return load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(),
                       dtype=config.dtype, max_seq_len=config.max_seq_len,
-                      program_cache_dir=programs)
+                      program_cache_dir=programs, warm_up=warm_up)
 
 
 def load_engine(config: ServerConfig, progress: Callable[[str], None]):
@@ -120,21 +125,30 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
     configure_jax(config)
     import jax
 
-    from serving.engine import ModelEngine
+    from serving.engine import ModelEngine, compile_programs, engine_info
 
     progress(f"loading {config.model} (tp={config.tp}, {config.dtype}, allreduce="
              f"{config.allreduce_config().label}) on {len(jax.devices())} {jax.default_backend()} device(s)")
+    shape = dict(num_slots=config.max_batch, max_seq_len=config.max_seq_len,
+                 prefill_batch_sizes=_prefill_batch_sizes(config), model_name=config.model_name)
+
+    def compile_while_loading(model) -> None:
+        info = engine_info(model, **shape)
+        progress(f"compiling while the weights load: prefill buckets {info.prefill_buckets} "
+                 f"(batches of {info.prefill_batch_sizes} up to {info.batched_prefill_max_bucket} "
+                 f"tokens), decode x{info.decode_batch_sizes or (info.num_slots,)}")
+        compile_programs(model, info, progress)
+
     t = time.perf_counter()
-    model = load_configured_model(config)
-    progress(f"weights loaded in {time.perf_counter() - t:.1f}s")
-    engine = ModelEngine(model, num_slots=config.max_batch, max_seq_len=config.max_seq_len,
-                         prefill_batch_sizes=_prefill_batch_sizes(config),
-                         model_name=config.model_name)
-    info = engine.info
-    progress(f"compiling: prefill buckets {info.prefill_buckets} (batches of {info.prefill_batch_sizes} up to "
-             f"{info.batched_prefill_max_bucket} tokens), decode x{info.num_slots}")
+    # One process: programs compile on a thread while the weights load. Several processes
+    # (multi-host) keep the two apart, so that every process issues its work in the same order.
+    overlap = jax.process_count() == 1
+    model = load_configured_model(config, compile_while_loading if overlap else None)
+    progress(f"weights loaded{' and programs compiled' if overlap else ''} in "
+             f"{time.perf_counter() - t:.1f}s")
+    engine = ModelEngine(model, **shape)
     seconds = engine.warmup(progress)
-    progress(f"warm-up done in {seconds:.1f}s")
+    progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
     return engine
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from serving import distributed
 from serving.config import ENV_PREFIX, ServerConfig
+from serving.host_memory import with_malloc_tunables
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -83,6 +84,7 @@ def test_dockerfile_settings_are_the_servers():
     assert re.search(r"^FROM python:3\.12-slim", text, re.M)
     assert re.search(r"^USER (?!root|0\b)", text, re.M)
     assert "--xla_enable_async_collective_permute=true" in d["env"]["LIBTPU_INIT_ARGS"]
+    assert d["env"]["GLIBC_TUNABLES"] == with_malloc_tunables({})["GLIBC_TUNABLES"]
 
 
 def _free_port() -> int:

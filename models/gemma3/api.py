@@ -5,7 +5,8 @@ import concurrent.futures
 import functools
 import math
 import os
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -279,17 +280,38 @@ class Gemma3Model:
         self._executables[("decode", *key)] = lowered.compile()
 
     def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
-                decode_rows=None) -> None:
+                decode_rows=None, prefill_shapes=None, workers: int = 2,
+                progress: Callable[[str], None] | None = None) -> None:
         """Compile (without running) every program a server needs: prefill of `batch` prompts
-        per bucket (default: the buckets up to max_seq_len), the decode step over each count of
-        leading slots in `decode_rows` (default: all slots) and its cache write. The
-        executables are kept for calls with those shapes; with a persistent compilation cache
-        (and a program cache), a later start loads them instead of compiling."""
-        buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
-        for bucket in buckets:
-            self.compile_prefill(batch, bucket, num_slots, max_seq_len)
-        for rows in decode_rows or (num_slots,):
-            self.compile_decode(num_slots, max_seq_len, rows)
+        per bucket (default: the buckets up to max_seq_len; or the (batch, bucket) pairs in
+        `prefill_shapes`), the decode step over each count of leading slots in `decode_rows`
+        (default: all slots) and its cache write. The executables are kept for calls with
+        those shapes; with a persistent compilation cache (and a program cache), a later start
+        loads them instead of compiling.
+
+        `workers` programs compile at a time: XLA compiles, and reads executables back from
+        its cache, with the GIL released, so one program's compilation overlaps the next one's
+        tracing. `progress` receives one line per program with its seconds."""
+        if prefill_shapes is None:
+            buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
+            prefill_shapes = [(batch, bucket) for bucket in buckets]
+        jobs = [(f"prefill bucket {bucket} x{n}",
+                 functools.partial(self.compile_prefill, n, bucket, num_slots, max_seq_len))
+                for n, bucket in prefill_shapes]
+        jobs += [(f"decode step x{rows}",
+                  functools.partial(self.compile_decode, num_slots, max_seq_len, rows))
+                 for rows in decode_rows or (num_slots,)]
+
+        def run(job) -> str:
+            t = time.perf_counter()
+            job[1]()
+            return f"{job[0]}: {time.perf_counter() - t:.1f}s"
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers),
+                                                   thread_name_prefix="compile") as pool:
+            for line in pool.map(run, jobs):
+                if progress is not None:
+                    progress(line)
 
     # -- conveniences ------------------------------------------------------------------------
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -403,8 +425,9 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
       parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
     max_seq_len: longest sequence served (default: the config's); sets the prefill buckets.
-    warm_up: keyword arguments of `Gemma3Model.warm_up` (num_slots, max_seq_len, buckets, batch):
-      compile those programs while the weights load (compilation needs only their shapes).
+    warm_up: keyword arguments of `Gemma3Model.warm_up` (num_slots, max_seq_len, buckets, batch,
+      ...), or a function of the model (whose weights are not there yet): compile those
+      programs on a thread while the weights load (compilation needs only their shapes).
     unroll_layers: accepted for callers written when layers could be scanned; layers are now
       always unrolled (one HLO copy per layer), so it has no effect.
     program_cache_dir: keep the traced programs there (`models.gemma3.program_cache`), so that
@@ -429,7 +452,10 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
     model = Gemma3Model(cfg, None, mesh=mesh, allreduce=allreduce, dtype=dtype,
                         tokenizer=tokenizer, program_cache=programs)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        compiling = None if warm_up is None else pool.submit(model.warm_up, **warm_up)
+        if warm_up is None or callable(warm_up):
+            compiling = warm_up and pool.submit(warm_up, model)
+        else:
+            compiling = pool.submit(model.warm_up, **warm_up)
         model.weights = place(cfg, mesh)
         if compiling is not None:
             compiling.result()

@@ -21,7 +21,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import gguf.quants
@@ -132,6 +132,43 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
 
 
+class StringArray(Sequence):
+    """A GGUF string array as a read-only sequence of str, decoded on first access.
+    `raw` is its bytes as stored (length-prefixed UTF-8): a cheap content key."""
+
+    def __init__(self, raw: memoryview, count: int):
+        self.raw, self._count, self._items = raw, count, None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            buf, pos, out = self.raw, 0, []
+            unpack_len = struct.Struct("<Q").unpack_from
+            for _ in range(self._count):  # bounds were checked when the header was parsed
+                (length,) = unpack_len(buf, pos)
+                pos += 8
+                out.append(str(buf[pos:pos + length], "utf-8", "surrogateescape"))
+                pos += length
+            self._items = out
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        return self._decoded()[index]
+
+    def __iter__(self):
+        return iter(self._decoded())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StringArray, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._count} strings)"
+
+
 class _Cursor:
     """Sequential little-endian reader over the header bytes."""
 
@@ -155,21 +192,20 @@ class _Cursor:
         self.pos = end
         return text
 
-    def _strings(self, count: int) -> list[str]:
-        # Hot loop: a Gemma vocabulary is 262,144 strings, so avoid per-item method calls.
-        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+    def _strings(self, count: int) -> "StringArray":
+        # Only walk the length prefixes here (a Gemma vocabulary is 262,144 strings, and loading
+        # the config or the weights never reads them); StringArray decodes on first use.
+        buf, pos, end = self.buf, self.pos, len(self.buf)
         unpack_len = struct.Struct("<Q").unpack_from
+        start = pos
         for _ in range(count):
             if pos + 8 > end:
                 raise GGUFError(f"{self.path}: truncated GGUF string array")
-            (length,) = unpack_len(buf, pos)
-            pos += 8
-            if pos + length > end:
-                raise GGUFError(f"{self.path}: truncated GGUF string array")
-            out.append(str(buf[pos:pos + length], "utf-8", "surrogateescape"))
-            pos += length
+            pos += 8 + unpack_len(buf, pos)[0]
+        if pos > end:
+            raise GGUFError(f"{self.path}: truncated GGUF string array")
         self.pos = pos
-        return out
+        return StringArray(buf[start:pos], count)
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALAR_FORMATS:

@@ -146,7 +146,9 @@ def _gguf_model_proto_cached(path: str, size: int, mtime_ns: int) -> bytes:
         raise TokenizerError(f"{path}: GGUF has no tokenizer metadata {e}") from None
     # The vocabulary's own hash names the cache entry, so an edited file never hits a stale one.
     digest = hashlib.sha256()
-    digest.update("\x00".join(pieces).encode("utf-8", "surrogateescape"))
+    # The pieces as stored (length-prefixed UTF-8): hashing them needs no decoding.
+    digest.update(pieces.raw if hasattr(pieces, "raw") else
+                  "\x00".join(pieces).encode("utf-8", "surrogateescape"))
     digest.update(np.ascontiguousarray(scores, np.float32).tobytes())
     digest.update(np.ascontiguousarray(types, np.int32).tobytes())
     cached = _cache_dir() / f"{digest.hexdigest()[:32]}.model"
