@@ -100,11 +100,14 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
             nbytes[name] = bytes_sent_per_device(compiled[name])
             compiled[name](x).block_until_ready()  # warm-up
         times = {name: [] for name in methods}
+        barrier = process_barrier(mesh)
         for r in range(repeats):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for name in order:
+                barrier()
                 t0 = time.perf_counter()
                 compiled[name](x).block_until_ready()
+                barrier()
                 times[name].append(time.perf_counter() - t0)
         errors = _mse(mesh, x, compiled) if mse else {}
         ideal = ideal_ring_bytes(n_el, 2, n)
@@ -122,6 +125,24 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
             rows.append(row)
         del x
     return rows
+
+
+def process_barrier(mesh: Mesh):
+    """With several processes: a function that returns once every process has called it (a
+    one-value psum over the mesh). A process's program returns when its own output is complete,
+    while its peers may still be receiving their last pieces, and without a barrier that tail
+    would be timed as part of whichever method runs next. Timing from a barrier to a barrier
+    charges each AllReduce with all of its traffic (plus one tiny collective, the same for every
+    method). One process: a no-op (its collectives are memory copies inside the program)."""
+    if jax.process_count() == 1:
+        return lambda: None
+    axis = mesh.axis_names[0]
+    local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    token = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P(axis)), np.zeros(local, np.float32), (mesh.size,))
+    sync = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, axis), mesh=mesh, in_specs=P(axis),
+                                 out_specs=P(axis))).lower(token).compile()
+    return lambda: sync(token).block_until_ready()
 
 
 def _mse(mesh, x, compiled: dict) -> dict:

@@ -119,7 +119,7 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
     """
     import jax
 
-    from eval.bench_collective import parse_method
+    from eval.bench_collective import parse_method, process_barrier
     from equarx import bytes_sent_per_device
     from models.gemma3 import Gemma3Model, load_model
 
@@ -160,13 +160,16 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
             for _ in range(warmup):
                 call(m)
         times = {(lk, m): [] for lk in link_list for m in methods}
+        barrier = process_barrier(base.mesh)  # see there: each prefill's traffic is its own
         for i in range(iters):
             for lk in link_list:
                 if lk is not None and len(link_list) > 1:
                     _switch_link(lk, f"{length}/{i}/{lk}")
                 for m in methods[i % len(methods):] + methods[:i % len(methods)]:
+                    barrier()
                     t0 = time.perf_counter()
                     call(m)
+                    barrier()
                     times[lk, m].append(time.perf_counter() - t0)
         for lk in link_list:
             log(f"  length {length}" + (f" at {lk} Gbit/s" if lk else "") + ": " + ", ".join(

@@ -42,3 +42,19 @@ def test_alpha_beta_prediction_adds_the_shared_medium():
     rows = [dict(unshaped[0], median=0.05)]
     bench.add_predictions(rows, unshaped, link_gbit=2.0)
     assert rows[0]["model_s"] == pytest.approx(0.01 + 4e6 * 8 / 2e9)
+
+
+def test_two_processes_time_each_call_between_barriers(tmp_path):
+    """The multi-process mode end to end (2 processes over gloo, no shaping): every timed call
+    sits between two barriers, so both processes time the same interval, and the report says
+    how memory was set up."""
+    out = tmp_path / "run.json"
+    report = bench.main(["--processes", "2", "--sizes", "256K", "--methods", "bf16_ring,int8-full",
+                         "--repeats", "3", "--no-mse", "--out", str(out)])
+    assert out.is_file() and report["malloc"].startswith("GLIBC_TUNABLES")
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"bf16_ring", "int8-full"} and all(r["devices"] == 2 for r in rows.values())
+    for r in rows.values():
+        first, second = r["median_by_process"]
+        # Barrier to barrier: the processes' medians differ by about one barrier's latency.
+        assert abs(first - second) < 0.5 * max(first, second) + 0.005, r["median_by_process"]
