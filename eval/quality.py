@@ -42,6 +42,8 @@ REFERENCE = "f32"
 def mode_config(name: str) -> AllReduceConfig | None:
     """A mode's AllReduceConfig (None for the naive strawman); ValueError on an unknown name."""
     return None if name == NAIVE else AllReduceConfig.from_label(name)
+
+
 _CHUNK = 64  # positions per numpy block: 64 x 262144 float32 = 64 MiB per temporary
 
 

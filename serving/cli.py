@@ -186,11 +186,13 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
         # The two programs this prompt needs; a prompt that does not fit is reported below.
         info = engine_info(model, 1, config.max_seq_len, model_name=config.model_name)
         n = len(token_ids(model.tokenizer))
-        if n < info.max_seq_len:
-            bucket = next(b for b in info.prefill_buckets if b >= n)
-            progress(f"compiling prefill ({n}-token prompt, bucket {bucket}) and decode step "
-                     "while the weights load")
-            model.warm_up(1, info.max_seq_len, buckets=[bucket], decode_rows=(1,))
+        try:
+            bucket = info.bucket_for(n)
+        except ValueError:
+            return
+        progress(f"compiling prefill ({n}-token prompt, bucket {bucket}) and decode step "
+                 "while the weights load")
+        model.warm_up(1, info.max_seq_len, buckets=[bucket], decode_rows=(1,))
 
     model = load_configured_model(config, compile_while_loading)
     engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len, model_name=config.model_name)

@@ -9,7 +9,6 @@ in the same order run the same programs (process 0 would broadcast them); `run_p
 """
 from __future__ import annotations
 
-
 import dataclasses
 import logging
 import time
@@ -80,6 +79,17 @@ class EngineInfo:
     def batch_sizes_for(self, bucket: int) -> tuple[int, ...]:
         return self.prefill_batch_sizes if bucket <= self.batched_prefill_max_bucket else (1,)
 
+    def bucket_for(self, length: int) -> int:
+        """The smallest prefill bucket that holds a prompt of `length` tokens."""
+        if length > self.prefill_buckets[-1]:
+            raise ValueError(f"prompt of {length} tokens exceeds the largest bucket {self.prefill_buckets[-1]}")
+        return next(b for b in self.prefill_buckets if b >= length)
+
+    @property
+    def decode_row_counts(self) -> tuple[int, ...]:
+        """The row counts the decode step is compiled for (all slots when not packed)."""
+        return self.decode_batch_sizes or (self.num_slots,)
+
 
 class Engine(Protocol):
     """What the scheduler drives (JetStream's split: a fake engine implements this in tests)."""
@@ -145,9 +155,7 @@ class ModelEngine:
         self._last_logits = jax.jit(_last_logits)
 
     def bucket_for(self, length: int) -> int:
-        if length > self.info.prefill_buckets[-1]:
-            raise ValueError(f"prompt of {length} tokens exceeds the largest bucket {self.info.prefill_buckets[-1]}")
-        return next(b for b in self.info.prefill_buckets if b >= length)
+        return self.info.bucket_for(length)
 
     def run_prefill(self, inputs: PrefillInputs) -> StepOutputs:
         # The model places host arrays on its mesh itself (replicated).
@@ -199,11 +207,10 @@ class ModelEngine:
         # sampled decode step at every row count, then warm the sampler's programs and check the
         # kept executables end to end.
         compile_programs(self.model, self.info, progress)
-        decode_rows = self.info.decode_batch_sizes or (self.info.num_slots,)
         for batch in self.info.prefill_batch_sizes:
             bucket = next(b for b in self.info.prefill_buckets if batch in self.info.batch_sizes_for(b))
             self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
-        for s in decode_rows:
+        for s in self.info.decode_row_counts:
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
             # The sampler's random branch is part of the same program, but run it once so that
             # its first use is not slower than the others.
@@ -252,7 +259,7 @@ def compile_programs(model, info: EngineInfo, progress: Callable[[str], None] = 
     model.warm_up(info.num_slots, info.max_seq_len,
                   prefill_shapes=[(batch, bucket) for bucket in info.prefill_buckets
                                   for batch in info.batch_sizes_for(bucket)],
-                  decode_rows=info.decode_batch_sizes or (info.num_slots,), progress=progress)
+                  decode_rows=info.decode_row_counts, progress=progress)
 
 
 def decode_batch_sizes_for(num_slots: int, sizes) -> tuple[int, ...]:

@@ -64,7 +64,7 @@ class FakeEngine:
         self.prefill_buckets_used: list[int] = []
 
     def bucket_for(self, length: int) -> int:
-        return next(b for b in self.info.prefill_buckets if b >= length)
+        return self.info.bucket_for(length)
 
     def run_prefill(self, inputs: PrefillInputs) -> StepOutputs:
         time.sleep(self.step_delay)

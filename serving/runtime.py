@@ -136,7 +136,7 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
         info = engine_info(model, **shape)
         progress(f"compiling while the weights load: prefill buckets {info.prefill_buckets} "
                  f"(batches of {info.prefill_batch_sizes} up to {info.batched_prefill_max_bucket} "
-                 f"tokens), decode x{info.decode_batch_sizes or (info.num_slots,)}")
+                 f"tokens), decode x{info.decode_row_counts}")
         compile_programs(model, info, progress)
 
     t = time.perf_counter()

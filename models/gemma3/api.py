@@ -452,10 +452,10 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
     model = Gemma3Model(cfg, None, mesh=mesh, allreduce=allreduce, dtype=dtype,
                         tokenizer=tokenizer, program_cache=programs)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        if warm_up is None or callable(warm_up):
-            compiling = warm_up and pool.submit(warm_up, model)
-        else:
+        if isinstance(warm_up, dict):
             compiling = pool.submit(model.warm_up, **warm_up)
+        else:
+            compiling = None if warm_up is None else pool.submit(warm_up, model)
         model.weights = place(cfg, mesh)
         if compiling is not None:
             compiling.result()

@@ -132,7 +132,7 @@ def _cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=4)
 def _gguf_model_proto_cached(path: str, size: int, mtime_ns: int) -> bytes:
-    from models.gemma3.gguf import open_gguf
+    from models.gemma3.gguf import StringArray, open_gguf
 
     md = open_gguf(path).metadata
     if md.get("tokenizer.ggml.model") != "llama":
@@ -144,11 +144,12 @@ def _gguf_model_proto_cached(path: str, size: int, mtime_ns: int) -> bytes:
         types = md["tokenizer.ggml.token_type"]
     except KeyError as e:
         raise TokenizerError(f"{path}: GGUF has no tokenizer metadata {e}") from None
+    if not isinstance(pieces, StringArray):
+        raise TokenizerError(f"{path}: tokenizer.ggml.tokens is not an array of strings")
     # The vocabulary's own hash names the cache entry, so an edited file never hits a stale one.
     digest = hashlib.sha256()
-    # The pieces as stored (length-prefixed UTF-8): hashing them needs no decoding.
-    digest.update(pieces.raw if hasattr(pieces, "raw") else
-                  "\x00".join(pieces).encode("utf-8", "surrogateescape"))
+    # The pieces as stored (a gguf.StringArray: length-prefixed UTF-8), hashed undecoded.
+    digest.update(pieces.raw)
     digest.update(np.ascontiguousarray(scores, np.float32).tobytes())
     digest.update(np.ascontiguousarray(types, np.int32).tobytes())
     cached = _cache_dir() / f"{digest.hexdigest()[:32]}.model"
