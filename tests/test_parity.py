@@ -6,6 +6,7 @@ most one model and the shared host copy of the weights are alive at a time.
 """
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -24,8 +25,11 @@ def golden():
     data = np.load(GOLDEN)
     n = len(data["prompts"])
     out = {key: [data[f"{key}_{i}"] for i in range(n)]
-           for key in ("tokens", "top_idx", "top_val", "greedy", "bf16_top1")}
+           for key in ("tokens", "top_idx", "top_val", "greedy", "bf16_top1", "bf16_rerun_top1")}
     out["prompts"] = [t.tolist() for t in out["tokens"]]
+    # The official bf16 run under two JAX releases (see golden/official_bf16_rerun.py).
+    out["bf16_by_jax"] = {str(data["bf16_jax"]): out["bf16_top1"],
+                          str(data["bf16_rerun_jax"]): out["bf16_rerun_top1"]}
     return out
 
 
@@ -91,37 +95,23 @@ def test_bfloat16_is_as_close_to_float32_as_official_bfloat16(bf16_top1, golden)
     assert _agreement(bf16_top1, golden["bf16_top1"]) >= official_noise
 
 
-@pytest.mark.xfail(strict=True, reason="measured 0.982 (164/167 positions): the 3 misses are "
-                   "near ties where the official bf16 run itself departs from float32")
+def test_bfloat16_agrees_with_official_as_well_as_official_agrees_with_itself(bf16_top1, golden):
+    """The official bf16 run is itself only reproducible up to near ties: under JAX 0.10.2 it
+    agrees with its own JAX 0.12.0.1 run on 0.982 of positions (XLA's matrix-product kernels sum
+    in another order). Ours, against the official run made by the same JAX release as this test's,
+    must agree at least that well."""
+    runs = list(golden["bf16_by_jax"].values())
+    official_self = _agreement(runs[0], runs[1])
+    same_release = golden["bf16_by_jax"].get(jax.__version__)
+    if same_release is None:
+        pytest.skip(f"no official bf16 run under jax {jax.__version__} in the golden file "
+                    "(tests/golden/official_bf16_rerun.py makes one)")
+    assert _agreement(bf16_top1, same_release) >= official_self
+
+
+@pytest.mark.xfail(strict=True, reason="measured 0.976-0.982 (3-4 of 167 positions) against the "
+                   "JAX 0.12 official run, 0.982 against the JAX 0.10.2 one: near ties that the "
+                   "official run itself flips between JAX releases (0.982 self-agreement)")
 def test_bfloat16_top1_agreement_target(bf16_top1, golden):
     """The issue's target: top-1 agreement with the official bf16 run >= 99%."""
     assert _agreement(bf16_top1, golden["bf16_top1"]) >= 0.99
-
-
-@pytest.mark.parametrize("variant,blocks", [("full", "tile"), ("full", "hadamard"),
-                                            ("semi", "hadamard")])
-def test_int8_allreduce_top1_at_tp4(params, golden, variant, blocks):
-    """EQuARX int8 (both phases) at tp=4, float32 model, against the float32 reference's top-1
-    (which the float32-AllReduce model reproduces, tests above).
-
-    The issue's target is >= 98%. The paper's 8x128 tile scales give 86-89% here (see README).
-    Rotated row blocks (blocks="hadamard") give 97.6-98.8% with the full-loop ring (163-165 of
-    167 positions; the count moves with the CPU's float summation order) and 99.4% with the
-    semi-loop (166), and every miss is a near tie: the reference's own top-1/top-2 logit gap
-    there is under 0.1 and we pick its second choice. So this asserts a floor only a broken
-    ring would miss, that hadamard's misses are near ties, and marks the 98% target xfail where
-    a run lands under it."""
-    cfg = AllReduceConfig(method="int8", variant=variant, blocks=blocks)
-    m = load_model(params, tp=4, dtype="float32", allreduce=cfg)
-    ours = _top1(m.score(golden["prompts"]), [len(t) for t in golden["tokens"]])
-    agreement = _agreement(ours, [idx[:, 0] for idx in golden["top_idx"]])
-    if blocks == "hadamard":
-        assert agreement >= 0.95, agreement
-        for top1, idx, val in zip(ours, golden["top_idx"], golden["top_val"]):
-            for pos in np.nonzero(top1 != idx[:, 0])[0]:
-                assert top1[pos] == idx[pos, 1], (pos, top1[pos], idx[pos, :3])
-                assert val[pos, 0] - val[pos, 1] < 0.1, (pos, val[pos, :2])
-    else:
-        assert agreement >= 0.75, agreement
-    if agreement < 0.98:
-        pytest.xfail(f"int8 ({variant}, {blocks}) top-1 agreement {agreement:.3f} < 0.98 target")

@@ -26,6 +26,7 @@ Output keys (numpy .npz, no pickles):
   top_idx_{i}, top_val_{i} int32/float32 [T, 20]  top-20 logits at every position, float32 run
   greedy_{i}              int32 [24]      greedy continuation, float32 run
   bf16_top1_{i}           int32 [T]       argmax at every position of a bfloat16 run
+  (official_bf16_rerun.py adds bf16_rerun_top1_{i}: the same bf16 run under another JAX release)
   tokenizer_texts         str [Q]         extra strings for tokenizer tests (whitespace, bytes, ...)
   tokenizer_ids_{j}       int32 [*]       the official tokenizer's encode(text), no BOS
 """
