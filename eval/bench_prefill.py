@@ -403,11 +403,16 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = result["config"]
     if fit is not None and args.link_gbit:
         rows = _predict(rows, baseline, fit, cfg, args)
+    if args.processes > 0 and args.base_link_gbit is not None and args.link_gbit:
+        rows = prefill_report.add_comm_share(rows, args.base_link_gbit, args.link_gbit)
     report.update(mode=mode, model=source, config=cfg, full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
     print(prefill_report.header(report))
     print(prefill_report.format_table(rows))
+    share = prefill_report.comm_share_line(rows)
+    if share:
+        print(share)
     if "cost_model" in report:
         print("# cost model fit: " + report["cost_model"]["describe"])
         third = report["cost_model"]["link_gbit_for_third"]

@@ -20,11 +20,38 @@ def _x(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def add_comm_share(rows: list[dict], base_gbit: float, link_gbit: float) -> list[dict]:
+    """Paired runs: give every row at the target link its measured communication share, (its
+    time minus the same method's time at the base link) / its time. This is the measured side
+    of "communication is a third of prefill", next to the cost model's estimate."""
+    base = {(r["length"], r["batch"], r["method"]): r["median_ms"]
+            for r in rows if r.get("link_gbit") == base_gbit}
+    out = []
+    for r in rows:
+        b = base.get((r["length"], r["batch"], r["method"]))
+        if r.get("link_gbit") == link_gbit and b is not None and r["median_ms"] > 0:
+            r = {**r, "comm_share": (r["median_ms"] - b) / r["median_ms"]}
+        out.append(r)
+    return out
+
+
+def comm_share_line(rows: list[dict], method: str = "bf16") -> str | None:
+    """'# measured: ...' for the method's row at the longest length, when it has a share."""
+    have = [r for r in rows if r["method"] == method and "comm_share" in r]
+    if not have:
+        return None
+    r = max(have, key=lambda r: r["length"])
+    return (f"# measured: {method} communication (time at {r['link_gbit']:g} Gbit/s minus time "
+            f"on the base link) is {100 * r['comm_share']:.0f}% of its prefill at length "
+            f"{r['length']}")
+
+
 def format_table(rows: list[dict]) -> str:
     links = any("link_gbit" in r for r in rows)
     head = (f"{'length':>6} {'tp':>3} " + (f"{'Gbit/s':>6} " if links else "")
             + f"{'method':<14} {'median ms':>10} {'p90 ms':>9} "
-            f"{'x bf16':>7} {'predicted':>9} {'x ring':>7} {'wire MB':>8}")
+            f"{'x bf16':>7} {'predicted':>9} {'x ring':>7} {'wire MB':>8}"
+            + (f" {'comm %':>6}" if any("comm_share" in r for r in rows) else ""))
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
@@ -37,7 +64,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['median_ms']:>10.1f} "
                      f"{r['p90_ms']:>9.1f} {_x(r.get('speedup_vs_bf16')):>7} "
                      f"{_x(r.get('predicted_speedup_vs_bf16')):>9} "
-                     f"{_x(r.get('speedup_vs_bf16_ring')):>7} {r['wire_bytes'] / 1e6:>8.2f}")
+                     f"{_x(r.get('speedup_vs_bf16_ring')):>7} {r['wire_bytes'] / 1e6:>8.2f}"
+                     + (f" {100 * r['comm_share']:>6.0f}" if "comm_share" in r else ""))
     return "\n".join(lines)
 
 

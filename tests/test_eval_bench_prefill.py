@@ -45,3 +45,25 @@ def test_bad_arguments_are_refused():
         bench_prefill.main(["--link-gbit", "1"])  # a link needs processes
     with pytest.raises(ValueError):
         bench_prefill.main(["--allreduce", "bf16,int4"])
+
+
+def test_measured_communication_share_of_paired_runs():
+    """Each row at the target link gets (its time - the same method's base-link time) / its
+    time; rows without a base partner are left alone, and the table shows the column."""
+    from eval import prefill_report
+
+    def row(length, method, link, ms):
+        return {"length": length, "batch": 1, "tp": 2, "method": method, "link_gbit": link,
+                "median_ms": ms, "p90_ms": ms, "wire_bytes": 1e6}
+
+    rows = [row(512, "bf16", 0, 300.0), row(512, "bf16", 1.5, 450.0),
+            row(1024, "bf16", 0, 400.0), row(1024, "bf16", 1.5, 600.0),
+            row(1024, "int8-full", 1.5, 480.0)]
+    out = prefill_report.add_comm_share(rows, 0, 1.5)
+    shares = {(r["length"], r["method"], r["link_gbit"]): r.get("comm_share") for r in out}
+    assert shares[(512, "bf16", 1.5)] == pytest.approx(1 / 3)
+    assert shares[(1024, "bf16", 1.5)] == pytest.approx(1 / 3)
+    assert shares[(1024, "bf16", 0)] is None and shares[(1024, "int8-full", 1.5)] is None
+    line = prefill_report.comm_share_line(out)
+    assert "33% of its prefill at length 1024" in line
+    assert "comm %" in prefill_report.format_table(out).splitlines()[0]
