@@ -41,9 +41,15 @@ def comm_share_line(rows: list[dict], method: str = "bf16") -> str | None:
     if not have:
         return None
     r = max(have, key=lambda r: r["length"])
-    return (f"# measured: {method} communication (time at {r['link_gbit']:g} Gbit/s minus time "
+    line = (f"# measured: {method} communication (time at {r['link_gbit']:g} Gbit/s minus time "
             f"on the base link) is {100 * r['comm_share']:.0f}% of its prefill at length "
             f"{r['length']}")
+    share = r["comm_share"]
+    if 0 < share < 1:
+        # Communication time ~ 1 / rate; a third of the total is half the base-link time.
+        third = r["link_gbit"] * (share / (1 - share)) / 0.5
+        line += f"; a third would take about {third:.2g} Gbit/s"
+    return line
 
 
 def format_table(rows: list[dict]) -> str:

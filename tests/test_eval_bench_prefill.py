@@ -65,5 +65,9 @@ def test_measured_communication_share_of_paired_runs():
     assert shares[(1024, "bf16", 1.5)] == pytest.approx(1 / 3)
     assert shares[(1024, "bf16", 0)] is None and shares[(1024, "int8-full", 1.5)] is None
     line = prefill_report.comm_share_line(out)
-    assert "33% of its prefill at length 1024" in line
+    assert "33% of its prefill at length 1024" in line and "about 1.5 Gbit/s" in line
+    # 75% communication at 1.5 Gbit/s: a third needs 6x less communication time, a 6x faster link.
+    slow = prefill_report.add_comm_share(
+        [row(1024, "bf16", 0, 400.0), row(1024, "bf16", 1.5, 1600.0)], 0, 1.5)
+    assert "about 9 Gbit/s" in prefill_report.comm_share_line(slow)
     assert "comm %" in prefill_report.format_table(out).splitlines()[0]
