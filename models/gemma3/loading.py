@@ -177,8 +177,10 @@ def save_checkpoint(path: str | os.PathLike, weights: Weights, c: Gemma3Config) 
 
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / PARAMS_DIR, _to_tree(weights), force=True)
+    # Uncompressed: bf16 weights shrink only to ~3/4 under orbax's default zstd, and decoding
+    # it is most of a restore (270M at tp=2: 1.22 -> 0.71 s restored, 397 -> 512 MB on disk).
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckptr:
+        ckptr.save(path / PARAMS_DIR, args=ocp.args.PyTreeSave(_to_tree(weights)), force=True)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(c), indent=1))
 
 
