@@ -1,5 +1,5 @@
-"""Command-line entry points: `gemma3-serve` (the HTTP server) and `gemma3-generate` (one prompt,
-streamed to the terminal).
+"""Command-line entry points: `gemma3-serve` (the HTTP server), `gemma3-generate` (one prompt,
+streamed to the terminal) and `gemma3-convert` (weights converted once, for fast restarts).
 
 jax must not be imported before `_use_cpu_devices` has set XLA_FLAGS: on a CPU-only machine
 `--tp N` runs on N virtual CPU devices, which XLA only creates when the flag is set before it starts.
@@ -254,3 +254,39 @@ class _Progress:
 
 if __name__ == "__main__":
     serve_main()
+
+
+# ---- gemma3-convert ----
+
+def convert_main(argv: list[str] | None = None) -> None:
+    """Convert weights once (GGUF dequantization, layout, dtype) into an orbax checkpoint that
+    `gemma3-serve --model DIR` and `load_model(DIR)` restore straight into the sharded layout."""
+    parser = argparse.ArgumentParser(
+        prog="gemma3-convert",
+        description="Convert a model source (gemma3-270m, a .gguf file, an official Flax/orbax "
+                    "checkpoint) into a converted checkpoint directory for fast restarts. The "
+                    "checkpoint restores at any --tp.")
+    parser.add_argument("source", help="'gemma3-270m', a .gguf path or an official checkpoint directory")
+    parser.add_argument("out", help="directory to write (created; an existing checkpoint there is replaced)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="dtype of the stored weights")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="devices to convert on (each writes its shards; on CPU: virtual devices)")
+    args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error("--tp must be >= 1")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"{args.out} exists and is not a directory")
+    _use_cpu_devices(args.tp)
+    _setup_logging("warning")
+
+    from models.gemma3 import load_model
+
+    t0 = time.perf_counter()
+    try:
+        model = load_model(args.source, tp=args.tp, dtype=args.dtype)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    model.save(args.out)
+    print(f"wrote {model.config.name} ({args.dtype}) to {args.out} in "
+          f"{time.perf_counter() - t0:.1f} s; serve it with: gemma3-serve --model {args.out}")

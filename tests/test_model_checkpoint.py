@@ -131,3 +131,66 @@ def _leaves(node, prefix):
             yield from _leaves(v, prefix + (k,))
     else:
         yield prefix, node
+
+
+def _small_vocabulary(size: int) -> bytes:
+    """A Gemma-shaped SentencePiece vocabulary of `size` pieces: the special ids where Gemma 3
+    has them, byte-fallback pieces, and a few words."""
+    from models.gemma3.tokenizer import build_model_proto
+
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"w{i}" for i in range(4, 105)]
+    pieces += ["<start_of_turn>", "<end_of_turn>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = ["▁hello", "▁world", "▁the", "he", "ll", "lo"]
+    pieces += words + [f"x{i}" for i in range(size - len(pieces) - len(words))]
+    types = [3, 3, 3, 3] + [1] * 101 + [3, 3] + [6] * 256 + [1] * (size - 363)
+    return build_model_proto(pieces, [0.0] * 363 + [-float(i) for i in range(size - 363)], types)
+
+
+def test_checkpoint_carries_the_models_own_vocabulary(tmp_path):
+    """A model's SentencePiece vocabulary is saved beside the weights and restored with them
+    (so a checkpoint of any GGUF keeps that file's tokenizer); a model without one restores
+    with the default."""
+    from models.gemma3.tokenizer import Tokenizer
+
+    m = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32)
+    vocab = _small_vocabulary(m.config.vocab_size)
+    m._tokenizer = Tokenizer(vocab)
+    m.save(tmp_path / "with")
+    restored = load_model(str(tmp_path / "with"), tp=1, dtype="float32", allreduce=F32)
+    assert restored.tokenizer.serialized_model() == vocab
+    ids = restored.tokenizer.encode("hello")
+    assert ids == m.tokenizer.encode("hello") and restored.tokenizer.decode(ids) == "hello"
+
+    plain = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32)
+    plain.save(tmp_path / "without")
+    assert not (tmp_path / "without" / "tokenizer.model").exists()
+    again = load_model(str(tmp_path / "without"), tp=1, dtype="float32", allreduce=F32)
+    assert type(again.tokenizer) is type(plain.tokenizer)
+
+
+@pytest.mark.slow
+def test_gemma3_convert_command_writes_a_checkpoint_of_the_real_weights(tmp_path):
+    """`gemma3-convert gemma3-270m DIR` (a real process): DIR restores to the same bf16 weights
+    and the GGUF's own tokenizer; a missing source is a usage error that writes nothing."""
+    import subprocess
+    import sys
+
+    from models.gemma3.gguf import default_gguf_path
+    from models.gemma3.tokenizer import Tokenizer
+
+    exe = [sys.executable, "-c", "from serving.cli import convert_main; convert_main()"]
+    done = subprocess.run(exe + ["gemma3-270m", str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "gemma3-serve --model" in done.stdout
+    restored = load_model(str(tmp_path / "ckpt"))
+    assert restored.tokenizer.serialized_model() == \
+        Tokenizer.from_gguf(default_gguf_path()).serialized_model()
+    direct = load_model("gemma3-270m")
+    for a, b in zip(jax.tree.leaves(direct.weights), jax.tree.leaves(restored.weights)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    bad = subprocess.run(exe + [str(tmp_path / "missing.gguf"), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not found" in bad.stderr
+    assert not (tmp_path / "out").exists()

@@ -387,8 +387,11 @@ class Gemma3Model:
         return result
 
     def save(self, path: str | os.PathLike) -> None:
-        """Save the converted, sharded weights for a fast restart (`load_model(path)`)."""
-        loading.save_checkpoint(path, self.weights, self.config)
+        """Save the converted, sharded weights (and the SentencePiece vocabulary, if the model
+        has one) for a fast restart (`load_model(path)`)."""
+        serialized = getattr(self.tokenizer, "serialized_model", None)
+        loading.save_checkpoint(path, self.weights, self.config,
+                                serialized() if serialized is not None else None)
 
     def __repr__(self) -> str:
         return (f"Gemma3Model({self.config.name}, tp={self.tp}, dtype={self.dtype.name}, "
@@ -482,8 +485,12 @@ def _resolve_source(source, config, dtype, tp: int, seed: int):
                                                        dtype, mesh, tp),
                 Tokenizer.from_gguf(path))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
+        from models.gemma3.tokenizer import Tokenizer
+
+        vocab = loading.checkpoint_tokenizer_path(source)
         return (loading.read_checkpoint_config(source),
-                lambda c, mesh: loading.restore_checkpoint(source, c, dtype, mesh, tp), None)
+                lambda c, mesh: loading.restore_checkpoint(source, c, dtype, mesh, tp),
+                Tokenizer.from_file(vocab) if vocab is not None else None)
     if os.path.isdir(source):
         tree = loading.read_official_checkpoint(source)
         return (loading.config_for_official_tree(tree, config),
