@@ -12,14 +12,15 @@ reported. Prefill: one prompt of --prefill-len tokens (bucket of the same size) 
 cache slot. Decode: every slot of a --cache-len cache decodes --steps tokens per repeat at
 positions from --start-pos on (attention over that many cached positions); tokens/s counts
 batch x steps. Cold start: a fresh process loads the weights and compiles one prefill bucket
-and the decode step (`Gemma3Model.warm_up`), without, then twice with, the persistent caches
-a server uses (JAX's compilation cache for the executables and our program cache for the traced
-programs, `models.gemma3.program_cache`; the first run fills them, the second is the restart
-being measured);
-with --cold-orbax, once more from a converted orbax checkpoint instead of the GGUF file. Both
-ways of starting are measured (--cold-modes): "sequential" loads the weights, then compiles;
-"overlap" compiles on a thread while the weights load (`load_model(warm_up=...)`, what
-`gemma3-serve` and `gemma3-generate` do).
+and the decode step (`Gemma3Model.warm_up`), without, then with, the persistent caches a server
+keeps (JAX's compilation cache for the executables, our program cache for the traced programs,
+`models.gemma3.program_cache`, and the GGUF file's decoded weights,
+`models.gemma3.weights_cache`): the first run with them fills them; the restarts are measured
+with the compilation caches alone (weights decoded from the GGUF file again) and with all of
+them; with --cold-orbax, once more from a converted orbax checkpoint instead of the GGUF file.
+Both ways of starting are measured (--cold-modes): "sequential" loads the weights, then
+compiles; "overlap" compiles on a thread while the weights load (`load_model(warm_up=...)`,
+what `gemma3-serve` and `gemma3-generate` do).
 """
 from __future__ import annotations
 
@@ -162,14 +163,18 @@ def cold_child(args) -> None:
     t_import = time.perf_counter()
     warm_up = dict(num_slots=args.cold_slots, max_seq_len=args.cache_len,
                    buckets=[args.prefill_len])
-    programs = os.path.join(args.cache_dir, "programs") if args.cache_dir else None
+    caches = {}
+    if args.cache_dir:  # as gemma3-serve keeps them (serving.runtime.load_configured_model)
+        caches["program_cache_dir"] = os.path.join(args.cache_dir, "programs")
+        if not args.no_weights_cache:
+            caches["weights_cache_dir"] = os.path.join(args.cache_dir, "weights")
     if args.overlap:  # compile while the weights load
         load_model(args.source, tp=args.cold_tp, dtype=args.dtype, max_seq_len=args.cache_len,
-                   warm_up=warm_up, program_cache_dir=programs)
+                   warm_up=warm_up, **caches)
         t_load = t_ready = time.perf_counter()
     else:
         model = load_model(args.source, tp=args.cold_tp, dtype=args.dtype,
-                           max_seq_len=args.cache_len, program_cache_dir=programs)
+                           max_seq_len=args.cache_len, **caches)
         t_load = time.perf_counter()
         model.warm_up(**warm_up)
         t_ready = time.perf_counter()
@@ -181,12 +186,12 @@ COLD_MODES = ("sequential", "overlap")
 
 
 def bench_cold(args, log) -> list[dict]:
-    def start(cache_dir, source, overlap):
+    def start(cache_dir, source, overlap, weights_cache=True):
         cmd = [sys.executable, "-m", "eval.bench_model", "--cold-child", "--source", source,
                "--dtype", args.dtype, "--cold-tp", str(args.cold_tp), "--cache-len",
                str(args.cache_len), "--prefill-len", str(args.prefill_len), "--cold-slots",
                str(args.cold_slots)] + (["--cache-dir", cache_dir] if cache_dir else []) + \
-            (["--overlap"] if overlap else [])
+            (["--overlap"] if overlap else []) + ([] if weights_cache else ["--no-weights-cache"])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -197,21 +202,26 @@ def bench_cold(args, log) -> list[dict]:
             _convert(args.source, args.dtype, f"{ckpt}/model")
         for mode in modes:
             with tempfile.TemporaryDirectory() as cache_dir:
-                runs = [("no compilation cache", None, args.source),
-                        ("cache empty (fills it)", cache_dir, args.source),
-                        ("cache warm (restart)", cache_dir, args.source)]
+                runs = [("no caches", None, args.source, False),
+                        ("caches empty (fills them)", cache_dir, args.source, True),
+                        ("compilation caches warm, weights decoded again", cache_dir,
+                         args.source, False),
+                        ("compilation and weights caches warm (restart)", cache_dir,
+                         args.source, True)]
                 if args.cold_orbax:
-                    runs.append(("cache warm, converted orbax checkpoint", cache_dir, f"{ckpt}/model"))
+                    runs.append(("compilation caches warm, converted orbax checkpoint", cache_dir,
+                                 f"{ckpt}/model", False))
                 mode_rows = []
-                for name, d, source in runs:
-                    r = start(d, source, mode == "overlap")
+                for name, d, source, weights_cache in runs:
+                    r = start(d, source, mode == "overlap", weights_cache)
                     mode_rows.append({"section": "cold", "mode": mode, "run": name,
                                       "tp": args.cold_tp, **r})
                     parts = (f"load and compile overlapped {r['load_s']:.1f}" if mode == "overlap"
                              else f"load {r['load_s']:.1f}, compile {r['compile_s']:.1f}")
                     log(f"cold start tp={args.cold_tp}, {mode}, {name}: {r['total_s']:.1f} s "
                         f"(import {r['import_s']:.1f}, {parts})")
-            for i, name in ((2, "persistent compilation cache"), (3, "cache + orbax checkpoint")):
+            for i, name in ((2, "compilation caches"), (3, "compilation and weights caches"),
+                            (4, "compilation caches + orbax checkpoint")):
                 if i < len(runs):
                     speedup = mode_rows[0]["total_s"] / mode_rows[i]["total_s"]
                     mode_rows.append({"section": "cold", "mode": mode, "run": f"speedup: {name}",
@@ -249,6 +259,7 @@ def main(argv=None) -> None:
                    help="cold start: 'sequential' (load, then compile) and/or 'overlap' (compile "
                         "while the weights load)")
     p.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)  # child: overlap
+    p.add_argument("--no-weights-cache", action="store_true", help=argparse.SUPPRESS)  # child
     p.add_argument("--out", help="write all rows as JSON here")
     p.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)

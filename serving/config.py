@@ -53,7 +53,8 @@ class ServerConfig:
                                       "requests before the next decode step (0 disables)")
     api_key: str | None = _field(None, "require 'Authorization: Bearer <key>' on /v1 and /generate")
     compile_cache_dir: str = _field(default_compile_cache_dir(),
-                                    "JAX persistent compilation cache ('' disables it)")
+                                    "JAX persistent compilation cache, with the traced programs and "
+                                    "a GGUF model's decoded weights beside it ('' disables them)")
     shutdown_timeout: float = _field(30.0, "seconds given to in-flight requests on SIGTERM")
     log_level: str = _field("info", "logging level", choices=("debug", "info", "warning", "error"))
 

