@@ -252,10 +252,6 @@ class _Progress:
               flush=True)
 
 
-if __name__ == "__main__":
-    serve_main()
-
-
 # ---- gemma3-convert ----
 
 def convert_main(argv: list[str] | None = None) -> None:
@@ -290,3 +286,7 @@ def convert_main(argv: list[str] | None = None) -> None:
     model.save(args.out)
     print(f"wrote {model.config.name} ({args.dtype}) to {args.out} in "
           f"{time.perf_counter() - t0:.1f} s; serve it with: gemma3-serve --model {args.out}")
+
+
+if __name__ == "__main__":
+    serve_main()

@@ -21,7 +21,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import gguf.quants
@@ -465,12 +465,17 @@ def iter_gguf_params(path: str | os.PathLike, dtype=np.float32
         yield (layer, "mlp", "linear"), np.ascontiguousarray(load(blk + "ffn_down.weight", (D, F)).T)
 
 
-def load_gguf_params(path: str | os.PathLike, dtype=np.float32) -> dict[str, Any]:
-    """The whole official parameter tree as nested dicts of numpy arrays (see `iter_gguf_params`)."""
+def nest_params(items: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+    """Nested dicts from (official path, array) items, e.g. those of `iter_gguf_params`."""
     tree: dict[str, Any] = {}
-    for keys, value in iter_gguf_params(path, dtype):
+    for keys, value in items:
         node = tree
         for key in keys[:-1]:
             node = node.setdefault(key, {})
         node[keys[-1]] = value
     return tree
+
+
+def load_gguf_params(path: str | os.PathLike, dtype=np.float32) -> dict[str, Any]:
+    """The whole official parameter tree as nested dicts of numpy arrays (see `iter_gguf_params`)."""
+    return nest_params(iter_gguf_params(path, dtype))

@@ -23,9 +23,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
+
+from models.gemma3.gguf import nest_params
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +73,14 @@ def load(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype) -> d
         data = np.memmap(entry / WEIGHTS_FILE, np.uint8, mode="r")
         if data.size != index["bytes"]:
             raise ValueError(f"{WEIGHTS_FILE} has {data.size} bytes, the index says {index['bytes']}")
-        tree: dict[str, Any] = {}
+        items = []
         for item in index["arrays"]:
             dt = _dtype(item["dtype"])
             count = int(np.prod(item["shape"], dtype=np.int64))
             start = item["offset"]
-            array = data[start:start + count * dt.itemsize].view(dt).reshape(item["shape"])
-            node = tree
-            for k in item["path"][:-1]:
-                node = node.setdefault(k, {})
-            node[item["path"][-1]] = array
-        return tree
+            items.append((item["path"],
+                          data[start:start + count * dt.itemsize].view(dt).reshape(item["shape"])))
+        return nest_params(items)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
