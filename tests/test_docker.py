@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from serving import distributed
 from serving.config import ENV_PREFIX, ServerConfig
 from serving.host_memory import with_malloc_tunables
+from testkit import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -87,10 +87,6 @@ def test_dockerfile_settings_are_the_servers():
     assert d["env"]["GLIBC_TUNABLES"] == with_malloc_tunables({})["GLIBC_TUNABLES"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _resolve(argv: list[str], path: str) -> list[str]:
@@ -102,7 +98,7 @@ def _resolve(argv: list[str], path: str) -> list[str]:
 @pytest.mark.slow
 def test_entrypoint_serves_and_passes_healthcheck(tmp_path):
     d = _dockerfile()
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env.update(d["env"])

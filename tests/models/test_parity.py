@@ -13,10 +13,11 @@ import pytest
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
 from models.gemma3.gguf import default_gguf_path, load_gguf_params
+from testkit import GOLDEN_NPZ
 
 pytestmark = pytest.mark.slow
 
-GOLDEN = pathlib.Path(__file__).parent / "golden" / "gemma3_270m.npz"
+GOLDEN = GOLDEN_NPZ
 F32_ALLREDUCE = AllReduceConfig(method="f32")
 
 

@@ -10,8 +10,9 @@ import pytest
 from models.gemma3 import tokenizer as T
 from models.gemma3.gguf import default_gguf_path
 from models.gemma3.tokenizer import Tokenizer, TokenizerError
+from testkit import GOLDEN_NPZ
 
-GOLDEN = Path(__file__).parent / "golden" / "gemma3_270m.npz"
+GOLDEN = GOLDEN_NPZ
 BYTE_BASE = 238  # id of the piece <0x00>; byte b is BYTE_BASE + b
 
 

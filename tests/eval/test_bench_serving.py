@@ -7,7 +7,7 @@ import pytest
 from eval.bench_serving import run_level, summarize
 from serving.config import ServerConfig
 from serving.fake_engine import FakeEngine
-from test_server_api import ServerThread
+from testkit import ServerThread
 
 # Long enough that scheduling noise on a busy 2-core machine stays small beside it.
 STEP = 0.05

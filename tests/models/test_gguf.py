@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from models.gemma3 import gguf as G
+from testkit import GOLDEN_NPZ
 
-GOLDEN = Path(__file__).parent / "golden" / "gemma3_270m.npz"
+GOLDEN = GOLDEN_NPZ
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 

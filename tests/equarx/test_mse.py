@@ -5,7 +5,7 @@ AG-only 0.0003. We must land within 20% and semi-loop must beat full-loop. The r
 float32 psum of the same inputs: its own error (~1e-14) is far below what is measured here.
 One jit per variant computes the MSE and the replica check on device, so the 512 MiB of inputs
 never come back to the host. The runs send one message per hop (pipelined=False): the blocks,
-scales and additions are those of the pipelined schedule (test_equarx.py checks the two agree
+scales and additions are those of the pipelined schedule (test_collective.py checks the two agree
 bit for bit), and the program compiles several times faster.
 """
 import jax

@@ -4,50 +4,17 @@ The same app over the real model is tested in test_server_e2e.py."""
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from serving.api import create_app
 from serving.config import ServerConfig
 from serving.fake_engine import FakeEngine
-from serving.runtime import Runtime
+from testkit import ServerThread
 
 MAX_SEQ_LEN = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    def __init__(self, config: ServerConfig, engine: FakeEngine, load: bool = True):
-        self.runtime = Runtime(config, engine_factory=lambda c, p: engine)
-        self.engine = engine
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.runtime), host="127.0.0.1",
-                                                    port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        if load:
-            self.runtime.load()
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.runtime.shutdown()
 
 
 @pytest.fixture(scope="module")

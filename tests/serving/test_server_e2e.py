@@ -21,10 +21,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from testkit import free_port
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = np.load(ROOT / "tests" / "golden" / "gemma3_270m.npz")
 PROMPTS = [str(p) for p in GOLDEN["prompts"]]
 MAX_SEQ_LEN = 64
@@ -34,18 +35,12 @@ TP2_PROMPTS = [i for i in range(len(PROMPTS)) if len(GOLDEN[f"tokens_{i}"]) + NE
 STARTUP_TIMEOUT = 900
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
     def __init__(self, name: str, args: list[str], log_dir: Path, cache_dir: Path, max_seq_len: int):
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         env = dict(os.environ)

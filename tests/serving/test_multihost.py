@@ -24,8 +24,9 @@ import pytest
 from serving import distributed as dist
 from serving.engine import DecodeInputs, PrefillInputs
 from serving.sampling import SlotSampling
+from testkit import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 32
 NEW_TOKENS = 6
 STARTUP_TIMEOUT = 600
@@ -109,16 +110,10 @@ def test_watchdog_fires_only_when_armed_too_long():
 
 # ---- two real processes ----
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_group(allreduce: str, log_dir: Path, cache_dir: Path):
-    port, coord = _free_port(), _free_port()
+    port, coord = free_port(), free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # One device per process: the test session's 8 virtual devices are not the servers' business.
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
@@ -240,7 +235,7 @@ def test_two_processes_match_one_process(allreduce, tmp_path_factory):
 def test_bench_prefill_as_two_processes(tmp_path):
     """eval.bench_prefill joined into a group by the same flags: both processes measure the tp=2
     program spread over them; process 0 writes the report."""
-    coord = _free_port()
+    coord = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     procs = []
