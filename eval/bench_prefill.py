@@ -4,8 +4,8 @@ What is timed is the model's own engine program (`Gemma3Model.lower_prefill(...)
 the program `model.prefill` runs): ahead-of-time compiled, warmed up, then the methods are
 run interleaved (A B C, B C A, ...) with block_until_ready; each row gives the median and p90
 and the median of the per-iteration ratios against bf16. wire_bytes is what each device sends
-in one prefill, read from the compiled program (eval uses load_model(unroll_layers=True) so the
-program lists every layer's collectives instead of one loop body).
+in one prefill, read from the compiled program (the layers are unrolled, so the program lists
+every layer's collectives).
 
 Modes:
   one process, --tp virtual CPU devices (default): collectives are memcpys; this measures the
@@ -130,11 +130,10 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
     link_list = list(links) if links else [None]
     t0 = time.perf_counter()
     base = load_model(source, tp=tp, allreduce=configs[methods[0]], dtype=dtype,
-                      max_seq_len=max(lengths), devices=jax.devices()[:tp], seed=seed,
-                      unroll_layers=True)
+                      max_seq_len=max(lengths), devices=jax.devices()[:tp], seed=seed)
     load_s = time.perf_counter() - t0
     models = {m: Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=configs[m],
-                             dtype=base.dtype, tokenizer=None, unroll=True) for m in methods}
+                             dtype=base.dtype, tokenizer=None) for m in methods}
     rng = np.random.default_rng(seed)
     rows = []
     for length in lengths:

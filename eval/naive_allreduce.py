@@ -6,15 +6,10 @@ outlier anywhere in the tensor sets the step size for every element, which is wh
 scales avoid. (The paper's strawman is a naive fp8 AllReduce; per-tensor int8 is the same idea
 with this project's wire type.)
 
-The model calls `equarx.all_reduce` at every tensor-parallel reduction and offers no other hook,
-so `installed_in_model()` swaps the function the model's forward pass calls, for as long as a
-`with` block lasts. Programs traced inside the block keep the strawman after it ends; programs
-traced after it use EQuARX again.
+It has the signature of the model's reduction hook, so a model runs it at every
+tensor-parallel reduction with `Gemma3Model(..., reduction=naive_all_reduce)`.
 """
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +30,3 @@ def naive_all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
     scales = lax.all_gather(scale, axis_name)   # [N]
     parts = qs.astype(jnp.float32) * scales.reshape((-1,) + (1,) * x.ndim)
     return jnp.sum(parts, axis=0).astype(x.dtype)
-
-
-@contextlib.contextmanager
-def installed_in_model() -> Iterator[None]:
-    """Within the block, Gemma 3's tensor-parallel reductions trace as `naive_all_reduce`."""
-    from models.gemma3 import model as forward
-
-    original = forward.all_reduce
-    forward.all_reduce = lambda x, axis_name, config=None: naive_all_reduce(x, axis_name)
-    try:
-        yield
-    finally:
-        forward.all_reduce = original

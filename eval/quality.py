@@ -91,23 +91,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def mode_models(base, modes: list[str]) -> dict:
-    """One Gemma3Model per mode, all sharing `base`'s weights, mesh and tokenizer."""
+    """One Gemma3Model per mode, all sharing `base`'s weights, mesh and tokenizer; the naive
+    strawman is plugged in as the model's tensor-parallel reduction."""
+    from eval.naive_allreduce import naive_all_reduce
     from models.gemma3 import Gemma3Model
 
     out = {}
     for name in modes:
-        cfg = mode_config(name) or AllReduceConfig("bf16")  # the strawman replaces the call itself
+        # With a reduction set, the forward pass never reads the config (it only labels the model).
+        cfg, reduction = ((AllReduceConfig("bf16"), naive_all_reduce) if name == NAIVE
+                          else (mode_config(name), None))
         out[name] = Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=cfg,
-                                dtype=base.dtype, tokenizer=base.tokenizer)
+                                dtype=base.dtype, tokenizer=base.tokenizer, reduction=reduction)
     return out
 
 
 def _scope(mode: str):
-    """Everything a mode traces must run inside this (the strawman swaps the model's call)."""
-    if mode == NAIVE:
-        from eval.naive_allreduce import installed_in_model
-
-        return installed_in_model()
+    """No mode needs a scope any more (the strawman is a model constructor argument, see
+    mode_models); evaluate_tp's `with _scope(m)` can go, and this function with it."""
     return contextlib.nullcontext()
 
 

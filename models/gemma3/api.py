@@ -42,12 +42,11 @@ class Gemma3Model:
 
     prefill and decode_step are the engine API (static shapes; a new prompt length only picks a
     bucket). score and generate are conveniences built on them. Both engine calls donate the
-    cache: never reuse a cache object after passing it in. (`unroll` is accepted and ignored,
-    like load_model's unroll_layers.)
+    cache: never reuse a cache object after passing it in.
     """
 
     def __init__(self, config: Gemma3Config, weights: Weights, *, mesh, allreduce: AllReduceConfig,
-                 dtype, tokenizer=None, unroll: bool = True,
+                 dtype, tokenizer=None, reduction: fwd.Reduction | None = None,
                  program_cache: ProgramCache | None = None):
         self.config = config
         self.weights = weights
@@ -58,7 +57,8 @@ class Gemma3Model:
         # The KV cache may be held wider than the numerics' dtype (float32 on CPU).
         self.cache_dtype = loading.cache_dtype(self.dtype, mesh)
         self._tokenizer = tokenizer
-        self._ctx = fwd.Ctx(config=config, tp=self.tp, allreduce=allreduce)
+        self.reduction = reduction
+        self._ctx = fwd.Ctx(config=config, tp=self.tp, allreduce=allreduce, reduction=reduction)
         self.prefill_buckets = prefill_buckets(config.max_seq_len)
         self._weight_specs = weight_specs(config, self.tp)
         self._cache_specs = cache_specs(config, self.tp)
@@ -110,7 +110,9 @@ class Gemma3Model:
                                    out_specs=out_specs), donate_argnums=donate)
         if self._program_cache is None:
             return fn
-        static = f"{self._ctx!r} dtype={self.dtype} cache_dtype={self.cache_dtype}"
+        static = (f"{self.config!r} tp={self.tp} {self.allreduce!r} "
+                  f"reduction={_qualified_name(self.reduction)} "
+                  f"dtype={self.dtype} cache_dtype={self.cache_dtype}")
         return self._program_cache.wrap(name, fn, donate, static, self._replicated)
 
     def _kv_specs(self, per_token: bool):
@@ -398,6 +400,10 @@ class Gemma3Model:
                 f"allreduce={self.allreduce.label})")
 
 
+def _qualified_name(fn) -> str | None:
+    return None if fn is None else f"{fn.__module__}.{fn.__qualname__}"
+
+
 def _shapes(cache) -> tuple:
     """A cache's (or its ShapeDtypeStructs') shapes: the part of a program's key it sets."""
     return tuple(tuple(x.shape) for x in jax.tree.leaves(cache))
@@ -418,7 +424,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
-               warm_up: dict | None = None, unroll_layers: bool = True,
+               warm_up: dict | None = None,
                program_cache_dir: str | os.PathLike | None = None,
                weights_cache_dir: str | os.PathLike | None = None) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
@@ -432,8 +438,6 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
     warm_up: keyword arguments of `Gemma3Model.warm_up` (num_slots, max_seq_len, buckets, batch,
       ...), or a function of the model (whose weights are not there yet): compile those
       programs on a thread while the weights load (compilation needs only their shapes).
-    unroll_layers: accepted for callers written when layers could be scanned; layers are now
-      always unrolled (one HLO copy per layer), so it has no effect.
     program_cache_dir: keep the traced programs there (`models.gemma3.program_cache`), so that
       a restart skips tracing; pair it with JAX's persistent compilation cache, which then
       supplies the executables. Ignored in multi-process runs.

@@ -30,6 +30,10 @@ from models.gemma3.weights import LayerWeights, Weights
 K_MASK = -2.3819763e38  # the official masked-logit value (finite, so no NaN on empty rows)
 
 
+# A tensor-parallel reduction: this device's partial sum and the mesh axis -> the sum.
+Reduction = Callable[[jax.Array, str], jax.Array]
+
+
 @dataclasses.dataclass(frozen=True)
 class Ctx:
     """Static facts a traced forward pass needs (hashable: part of the jit cache key)."""
@@ -37,6 +41,9 @@ class Ctx:
     config: Gemma3Config
     tp: int
     allreduce: AllReduceConfig
+    # Replaces `equarx.all_reduce(x, axis, allreduce)` at every layer's two reductions when set
+    # (eval's strawman comparison plugs in here); None is EQuARX.
+    reduction: Reduction | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,8 +110,12 @@ def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _reduce(x: jax.Array, ctx: Ctx) -> jax.Array:
-    """Sum this layer's tensor-parallel partial sums through EQuARX."""
-    return x if ctx.tp == 1 else all_reduce(x, AXIS, ctx.allreduce)
+    """Sum this layer's tensor-parallel partial sums through EQuARX (or ctx.reduction)."""
+    if ctx.tp == 1:
+        return x
+    if ctx.reduction is not None:
+        return ctx.reduction(x, AXIS)
+    return all_reduce(x, AXIS, ctx.allreduce)
 
 
 def _local_kv_weight(kv: jax.Array, ctx: Ctx) -> jax.Array:
