@@ -20,6 +20,7 @@ from serving.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+
 def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
@@ -52,16 +53,16 @@ def create_app(runtime: Runtime) -> FastAPI:
         if runtime.error:
             body["error"] = runtime.error
         if runtime.ready:
-            s = runtime.scheduler
-            body.update(running=s.num_running, waiting=s.num_waiting)
+            c = runtime.core
+            body.update(running=c.num_running, waiting=c.num_waiting)
         return JSONResponse(body, status_code=200 if runtime.ready else 503)
 
     @app.get("/metrics")
     async def metrics():
-        m, s = runtime.metrics, runtime.scheduler
+        m, c = runtime.metrics, runtime.core
         if m is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        m.on_state(s.num_running, s.num_waiting, s.kv_usage())
+        m.on_state(c.num_running, c.num_waiting, c.kv_usage())
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -1,6 +1,7 @@
 """The generation endpoints: OpenAI completions and chat, and the native /generate. Each request
-becomes one sequence per (prompt, n) in the scheduler; their events arrive from the engine thread on
-an asyncio queue. When the client goes away (a failed send while streaming, or a disconnect noticed
+becomes one sequence per (prompt, n) in the engine core; their events arrive from the engine thread
+on an asyncio queue. Completions and chat differ in how they build prompts and format choices;
+one loop (`_openai_reply`) answers both, whole or streamed. When the client goes away (a failed send while streaming, or a disconnect noticed
 while waiting) the request's sequences are cancelled, which frees their slots before the next step.
 """
 from __future__ import annotations
@@ -20,7 +21,9 @@ from serving.chat_template import render_chat
 from serving.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from serving.runtime import Runtime
 from serving.sampling import InvalidParameter, SamplingParams
-from serving.scheduler import Event, QueueFull, ShuttingDown
+from serving.engine_core import ShuttingDown
+from serving.output_processor import Event
+from serving.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +92,13 @@ class _Run:
 
     def __init__(self, runtime: Runtime, prompts: list[list[int]], params: list[SamplingParams],
                  prompt_logprobs: bool = False):
-        self.scheduler = runtime.scheduler
+        self.core = runtime.core
+        self.model_name = runtime.config.model_name
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         reqs = [(p, sp, self._sink(loop, i)) for i, (p, sp) in enumerate(zip(prompts, params))]
         try:
-            self.ids = self.scheduler.submit(reqs, prompt_logprobs=prompt_logprobs)
+            self.ids = self.core.submit(reqs, prompt_logprobs=prompt_logprobs)
         except InvalidParameter as e:
             raise ApiError(400, str(e), param=e.param, code="context_length_exceeded"
                            if e.param in ("prompt", "max_tokens") else None) from None
@@ -136,7 +140,7 @@ class _Run:
 
     def cancel(self) -> None:
         if self.pending:
-            self.scheduler.cancel([self.ids[i] for i in self.pending])
+            self.core.cancel([self.ids[i] for i in self.pending])
             self.pending = set()
 
 
@@ -147,6 +151,65 @@ def _sse(obj: Any) -> str:
 def _stream_response(gen: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---- the OpenAI reply, whole or streamed ----
+
+async def _openai_reply(run: _Run, request: Request, req, choices: list[fmt.Choice], usage, chat: bool,
+                        apply=None):
+    """Collects or streams the events of `run` into `choices`. usage(): the usage so far;
+    apply(index, event): adds an event to its choice and returns the delta (default
+    `fmt.Choice.add`)."""
+    apply = apply or (lambda index, event: choices[index].add(event))
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created, name = int(time.time()), run.model_name
+    if not req.stream:
+        async for item in run.events(request, streaming=False):
+            apply(*item)
+        if run.pending or any(c.finish_reason is None for c in choices):
+            return Response(status_code=499)  # the client left; nobody reads this
+        _raise_if_failed(choices)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": name, "choices": [c.chat_choice() if chat else c.completion_choice() for c in choices],
+                "usage": usage()}
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunks(index: int, delta: dict) -> list[dict]:
+        if not chat:
+            if not (delta["text"] or delta["logprobs"] or delta["finish_reason"]):
+                return []
+            return [fmt.completion_chunk(rid, created, name, index, delta["text"], delta["logprobs"],
+                                         delta["finish_reason"], include_usage)]
+        out = []
+        if delta["text"] or delta["chat_logprobs"]:
+            out.append(fmt.chat_chunk(rid, created, name, index, {"content": delta["text"]},
+                                      delta["chat_logprobs"], None, include_usage))
+        if delta["finish_reason"]:  # chat sends the finish reason in a chunk of its own
+            out.append(fmt.chat_chunk(rid, created, name, index, {}, None, delta["finish_reason"], include_usage))
+        return out
+
+    async def stream():
+        if chat:  # each choice opens with its role
+            for c in choices:
+                yield _sse(fmt.chat_chunk(rid, created, name, c.index, {"role": "assistant", "content": ""},
+                                          None, None, include_usage))
+        async for item in run.events(request, streaming=True):
+            if item is None:
+                yield ": keep-alive\n\n"
+                continue
+            delta = apply(*item)
+            if delta.get("error"):
+                yield _sse(error_body(delta["error"], "server_error"))
+                continue
+            for chunk in chunks(item[0], delta):
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": created, "model": name, "choices": [], "usage": usage()})
+        yield "data: [DONE]\n\n"
+
+    return _stream_response(stream())
 
 
 # ---- /v1/completions ----
@@ -164,7 +227,6 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
     params = [_sampling(req, max(max_tokens, 1), req.logprobs, j) for _ in prompts for j in range(req.n)]
     seq_prompts = [p for p in prompts for _ in range(req.n)]
     run = _Run(runtime, seq_prompts, params, prompt_logprobs=req.echo and req.logprobs is not None)
-    rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), runtime.config.model_name
     choices = [fmt.Choice(tok, i, req.logprobs) for i in range(len(seq_prompts))]
     for i, c in enumerate(choices):
         p = i // req.n
@@ -174,41 +236,12 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
                               0 if scoring_only else sum(c.num_generated for c in choices))
 
     def apply(index: int, event: Event) -> dict:
-        c = choices[index]
         if scoring_only:
             event = Event(text="", tokens=(), finish_reason=event.finish_reason and "length",
                           prompt_logprobs=event.prompt_logprobs)
-        return c.add(event)
+        return choices[index].add(event)
 
-    if not req.stream:
-        async for item in run.events(request, streaming=False):
-            apply(*item)
-        if run.pending or any(c.finish_reason is None for c in choices):
-            return Response(status_code=499)  # the client left; nobody reads this
-        _raise_if_failed(choices)
-        return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [c.completion_choice() for c in choices], "usage": usage()}
-
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    async def stream():
-        async for item in run.events(request, streaming=True):
-            if item is None:
-                yield ": keep-alive\n\n"
-                continue
-            delta = apply(*item)
-            if delta.get("error"):
-                yield _sse(error_body(delta["error"], "server_error"))
-                continue
-            if delta["text"] or delta["logprobs"] or delta["finish_reason"]:
-                yield _sse(fmt.completion_chunk(rid, created, name, item[0], delta["text"],
-                                                delta["logprobs"], delta["finish_reason"], include_usage))
-        if include_usage:
-            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                        "choices": [], "usage": usage()})
-        yield "data: [DONE]\n\n"
-
-    return _stream_response(stream())
+    return await _openai_reply(run, request, req, choices, usage, chat=False, apply=apply)
 
 
 def _completion_prompts(runtime: Runtime, prompt) -> tuple[list[list[int]], list[str], list[bool]]:
@@ -272,45 +305,9 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
     params = [_sampling(req, max_tokens, n_top, j) for j in range(req.n)]
     run = _Run(runtime, [prompt] * req.n, params)
-    rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), runtime.config.model_name
     choices = [fmt.Choice(tok, i, n_top) for i in range(req.n)]
     usage = lambda: fmt.usage(len(prompt), sum(c.num_generated for c in choices))  # noqa: E731
-
-    if not req.stream:
-        async for item in run.events(request, streaming=False):
-            choices[item[0]].add(item[1])
-        if run.pending or any(c.finish_reason is None for c in choices):
-            return Response(status_code=499)
-        _raise_if_failed(choices)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [c.chat_choice() for c in choices], "usage": usage()}
-
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    async def stream():
-        for c in choices:
-            yield _sse(fmt.chat_chunk(rid, created, name, c.index, {"role": "assistant", "content": ""},
-                                      None, None, include_usage))
-        async for item in run.events(request, streaming=True):
-            if item is None:
-                yield ": keep-alive\n\n"
-                continue
-            delta = choices[item[0]].add(item[1])
-            if delta.get("error"):
-                yield _sse(error_body(delta["error"], "server_error"))
-                continue
-            if delta["text"] or delta["chat_logprobs"]:
-                yield _sse(fmt.chat_chunk(rid, created, name, item[0], {"content": delta["text"]},
-                                          delta["chat_logprobs"], None, include_usage))
-            if delta["finish_reason"]:
-                yield _sse(fmt.chat_chunk(rid, created, name, item[0], {}, None, delta["finish_reason"],
-                                          include_usage))
-        if include_usage:
-            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                        "choices": [], "usage": usage()})
-        yield "data: [DONE]\n\n"
-
-    return _stream_response(stream())
+    return await _openai_reply(run, request, req, choices, usage, chat=True)
 
 
 def _message_text(content, index: int) -> str:

@@ -1,5 +1,6 @@
 """The engine: the model's prefill and decode programs plus on-device sampling, over a fixed set of
-cache slots. It knows nothing about requests, queues or HTTP (that is `scheduler.py`).
+cache slots. It knows nothing about requests, queues or HTTP (`scheduler.py` plans its steps,
+`engine_core.py` runs them).
 
 Every step takes one small plain structure of numpy arrays (`PrefillInputs`, `DecodeInputs`) and
 returns numpy arrays (`StepOutputs`): the chosen tokens and their logprobs, never full logits. A step
@@ -31,7 +32,7 @@ class PrefillInputs(NamedTuple):
 
 class DecodeInputs(NamedTuple):
     """One token for each of the first R slots (R <= num_slots; slots from R on are idle and
-    not decoded: the scheduler sends R = last busy slot + 1)."""
+    not decoded: the engine core sends R = last busy slot + 1)."""
 
     tokens: np.ndarray  # int32 [R], the last token of each slot (anything for an idle slot)
     positions: np.ndarray  # int32 [R], tokens already in the slot = position of `tokens`
@@ -92,7 +93,7 @@ class EngineInfo:
 
 
 class Engine(Protocol):
-    """What the scheduler drives (JetStream's split: a fake engine implements this in tests)."""
+    """What the engine core drives (JetStream's split: a fake engine implements this in tests)."""
 
     info: EngineInfo
     tokenizer: object

@@ -1,4 +1,4 @@
-"""A small deterministic engine with the real engine's interface, for testing the orchestrator and
+"""A small deterministic engine with the real engine's interface, for testing the engine core and
 the HTTP layer without a model (JetStream's fake engine idea).
 
 Its "model" repeats the prompt: the greedy token at position p is prompt[1 + (p - 1) % (n - 1)]

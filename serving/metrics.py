@@ -1,16 +1,13 @@
 """Prometheus metrics with vLLM's names and meanings (prefix `gemma3:` for `vllm:`), every series
 labelled with the model and the AllReduce mode so that bf16 and int8 servers share a dashboard.
 
-One registry per server (not the global one), so several apps can live in one process.
+One registry per server (not the global one), so several apps can live in one process, and no
+process-wide setting: the *_created series are left out when this registry is rendered.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
-from prometheus_client import disable_created_metrics
-
-# The *_created series double the output and no dashboard uses them (vLLM disables them too).
-disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -18,7 +15,28 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 
                     60.0, 120.0, 240.0, 480.0, 960.0)
 
 
-class Metrics:
+class NullMetrics:
+    """The observer interface that the engine core and the output processor report to, recording
+    nothing (`Metrics` records). Times are in seconds."""
+
+    def on_scheduled(self, queue_time: float) -> None: ...
+
+    def on_prefill(self, prompt_lengths: list[int], seconds: float, bucket: int, batch: int) -> None: ...
+
+    def on_first_token(self, since_arrival: float) -> None: ...
+
+    def on_next_token(self, since_last_token: float) -> None: ...
+
+    def on_finish(self, reason: str, since_arrival: float, since_first_token: float | None) -> None: ...
+
+    def on_state(self, running: int, waiting: int, kv_usage: float) -> None: ...
+
+    def on_decode(self, rows: int, busy: int) -> None: ...
+
+    def on_move(self) -> None: ...
+
+
+class Metrics(NullMetrics):
     def __init__(self, model_name: str, allreduce: str, tp: int = 1, dtype: str = ""):
         self.registry = r = CollectorRegistry()
         labels = ("model_name", "allreduce")
@@ -65,31 +83,30 @@ class Metrics:
                      labels + ("tp", "dtype"), registry=r)
         info.labels(*self._values, str(tp), dtype).set(1)
 
-    # The scheduler's observer interface (serving.scheduler.NullMetrics).
-
-    def on_scheduled(self, seq, queue_time: float) -> None:
+    def on_scheduled(self, queue_time: float) -> None:
         self.queue_time.observe(queue_time)
 
-    def on_prefill(self, seqs, seconds: float, bucket: int = 0, batch: int = 0) -> None:
-        for s in seqs:
+    def on_prefill(self, prompt_lengths: list[int], seconds: float, bucket: int, batch: int) -> None:
+        for n in prompt_lengths:
             self.prefill_time.observe(seconds)
-            self.prompt_tokens.inc(len(s.prompt))
+            self.prompt_tokens.inc(n)
         self._prefill_steps.labels(*self._values, str(bucket), str(batch)).inc()
-        self._prefill_padding.inc(bucket * batch - sum(len(s.prompt) for s in seqs))
+        self._prefill_padding.inc(bucket * batch - sum(prompt_lengths))
 
-    def on_token(self, seq, now: float) -> None:
+    def on_first_token(self, since_arrival: float) -> None:
         self.generation_tokens.inc()
-        if seq.first_token_at == now and len(seq.generated) == 1:
-            self.ttft.observe(now - seq.arrival)
-        elif seq.last_token_at is not None:
-            self.itl.observe(now - seq.last_token_at)
+        self.ttft.observe(since_arrival)
 
-    def on_finish(self, seq, reason: str, now: float) -> None:
+    def on_next_token(self, since_last_token: float) -> None:
+        self.generation_tokens.inc()
+        self.itl.observe(since_last_token)
+
+    def on_finish(self, reason: str, since_arrival: float, since_first_token: float | None) -> None:
         self._success.labels(*self._values, reason).inc()
         if reason in ("stop", "length"):
-            self.e2e.observe(now - seq.arrival)
-            if seq.first_token_at is not None:
-                self.decode_time.observe(now - seq.first_token_at)
+            self.e2e.observe(since_arrival)
+            if since_first_token is not None:
+                self.decode_time.observe(since_first_token)
 
     def on_state(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)
@@ -104,4 +121,18 @@ class Metrics:
         self.slot_moves.inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry's series less the *_created ones, which double the output and which no
+    dashboard uses (vLLM leaves them out too). prometheus_client's own switch for this,
+    `disable_created_metrics`, is process-wide."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self):
+        for metric in self._registry.collect():  # fresh objects on every collect
+            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
+            yield metric

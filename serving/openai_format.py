@@ -1,9 +1,9 @@
-"""Building OpenAI response bodies and stream chunks from scheduler events."""
+"""Building OpenAI response bodies and stream chunks from the output processor's events."""
 from __future__ import annotations
 
 import re
 
-from serving.scheduler import Event, TokenInfo
+from serving.output_processor import Event, TokenInfo
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

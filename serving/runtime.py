@@ -1,5 +1,5 @@
-"""What a running server holds: its settings, the engine once loaded and warmed up, the scheduler
-and the metrics. Loading runs on a background thread so that /health answers 503 meanwhile.
+"""What a running server holds: its settings, the engine once loaded and warmed up, the engine
+core that runs it and the metrics. Loading runs on a background thread so that /health answers 503 meanwhile.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable
 
 from serving.config import ServerConfig
 from serving.metrics import Metrics
-from serving.scheduler import Scheduler
+from serving.engine_core import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class Runtime:
         self.status = "loading"  # loading -> ready -> shutting_down; or error
         self.error: str | None = None
         self.engine = None
-        self.scheduler: Scheduler | None = None
+        self.core: EngineCore | None = None
         self.metrics: Metrics | None = None
         self.created = int(time.time())
         self.load_seconds: float | None = None
@@ -60,8 +60,8 @@ class Runtime:
         info = engine.info
         self.engine = engine
         self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype)
-        self.scheduler = Scheduler(engine, max_waiting=self.config.max_waiting, metrics=self.metrics,
-                                   admission_wait=self.config.admission_wait_ms / 1000).start()
+        self.core = EngineCore(engine, max_waiting=self.config.max_waiting, metrics=self.metrics,
+                               admission_wait=self.config.admission_wait_ms / 1000).start()
         if self.status == "loading":
             self.status = "ready"
 
@@ -69,13 +69,13 @@ class Runtime:
         """Stop accepting new requests (running ones continue)."""
         if self.status in ("loading", "ready"):
             self.status = "shutting_down"
-        if self.scheduler is not None:
-            self.scheduler.stop_accepting()
+        if self.core is not None:
+            self.core.stop_accepting()
 
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         self.begin_shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown(drain_timeout)
+        if self.core is not None:
+            self.core.shutdown(drain_timeout)
 
     def describe(self) -> dict:
         """Model, parallelism and AllReduce mode (shown by /health and /v1/models)."""

@@ -1,5 +1,6 @@
-"""The scheduler (continuous batching, stops, cancellation, back-pressure, failures) driven through
-the deterministic fake engine, which checks every step it receives."""
+"""The engine core with its scheduler and output processor (continuous batching, stops,
+cancellation, back-pressure, failures) driven through the deterministic fake engine, which checks
+every step it receives. The policy alone, on plain data, is tested in test_scheduler_policy.py."""
 import threading
 import time
 
@@ -7,7 +8,8 @@ import pytest
 
 from serving.fake_engine import ByteTokenizer, FakeEngine
 from serving.sampling import InvalidParameter, SamplingParams
-from serving.scheduler import QueueFull, Scheduler, ShuttingDown
+from serving.engine_core import EngineCore, ShuttingDown
+from serving.scheduler import QueueFull
 
 TOK = ByteTokenizer()
 
@@ -55,7 +57,7 @@ def engine():
 
 
 def run(engine, requests, **kw):
-    s = Scheduler(engine, **kw).start()
+    s = EngineCore(engine, **kw).start()
     try:
         cols = []
         for text, params in requests:
@@ -108,7 +110,7 @@ def test_busy_slots_are_packed_so_decode_runs_fewer_rows():
     engine = FakeEngine(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4), decode_batch_sizes=(1, 2))
     engine.step_delay = 0.002
     reqs = [("aa", greedy(2)), ("bbb", greedy(3)), ("cccc", greedy(4)), ("the long one", greedy(40))]
-    s = Scheduler(engine).start()
+    s = EngineCore(engine).start()
     try:
         cols = [Collector() for _ in reqs]
         s.submit([(prompt(t), p, c) for (t, p), c in zip(reqs, cols)])  # one prefill, slots 0-3
@@ -124,7 +126,7 @@ def test_busy_slots_are_packed_so_decode_runs_fewer_rows():
 
 def test_short_prompts_are_prefilled_together(engine):
     texts = ["abc", "a longer one", "the longest: 20 chars"]  # buckets 8, 16 and 32
-    s = Scheduler(engine).start()
+    s = EngineCore(engine).start()
     try:
         cols = [Collector() for _ in texts]
         s.submit([(prompt(t), greedy(4), c) for t, c in zip(texts, cols)])
@@ -140,7 +142,7 @@ def test_short_prompts_are_prefilled_together(engine):
 def test_long_prompts_are_prefilled_one_at_a_time(engine):
     # Buckets above batched_prefill_max_bucket (32 in the fake) have batch size 1 only.
     texts = [f"{i}" + "long prompt " * 3 for i in range(3)]
-    s = Scheduler(engine).start()
+    s = EngineCore(engine).start()
     try:
         cols = [Collector() for _ in texts]
         s.submit([(prompt(t), greedy(2), c) for t, c in zip(texts, cols)])  # queued together
@@ -153,7 +155,7 @@ def test_long_prompts_are_prefilled_one_at_a_time(engine):
 
 
 def test_stop_token_eos_and_stop_strings(engine):
-    s = Scheduler(engine).start()
+    s = EngineCore(engine).start()
     try:
         eos = Collector()
         s.submit([([TOK.bos_id] + TOK.encode("hello") + [TOK.eos_id], greedy(20), eos)])
@@ -174,7 +176,7 @@ def test_stop_token_eos_and_stop_strings(engine):
 
 
 def test_context_limit_is_checked_up_front(engine):
-    s = Scheduler(engine)
+    s = EngineCore(engine)
     with pytest.raises(InvalidParameter, match="maximum context length is 64") as e:
         s.submit([(list(range(300, 364)), greedy(1), Collector())])
     assert e.value.param == "prompt"
@@ -185,7 +187,7 @@ def test_context_limit_is_checked_up_front(engine):
 
 def test_cancel_frees_the_slot_at_once(engine):
     engine.step_delay = 0.02
-    s = Scheduler(engine).start()
+    s = EngineCore(engine).start()
     try:
         long = Collector()
         ids = s.submit([(prompt("long"), greedy(55), long)])
@@ -205,7 +207,7 @@ def test_cancel_frees_the_slot_at_once(engine):
 def test_queue_full_and_shutdown(engine):
     engine.step_delay = 0.01
     one_slot = FakeEngine(num_slots=1, max_seq_len=64, step_delay=0.01)
-    s = Scheduler(one_slot, max_waiting=2).start()
+    s = EngineCore(one_slot, max_waiting=2).start()
     try:
         cols = [Collector() for _ in range(3)]
         s.submit([(prompt("a"), greedy(30), cols[0])])
@@ -224,7 +226,7 @@ def test_queue_full_and_shutdown(engine):
 
 def test_shutdown_without_drain_aborts_in_flight(engine):
     engine.step_delay = 0.01
-    s = Scheduler(engine).start()
+    s = EngineCore(engine).start()
     c = Collector()
     s.submit([(prompt("z"), greedy(60), c)])
     while not c.events:
@@ -251,7 +253,7 @@ class FailingEngine(FakeEngine):
 
 def test_engine_failure_fails_running_sequences_and_keeps_serving():
     engine = FailingEngine()
-    s = Scheduler(engine).start()
+    s = EngineCore(engine).start()
     try:
         bad = Collector()
         s.submit([(prompt("q"), greedy(5), bad)])
@@ -287,7 +289,7 @@ def test_a_freed_slot_waits_briefly_for_the_next_request(admission_wait, next_st
     # stream keeps decoding. With an admission wait the newcomer is prefilled before the next decode
     # step; without one the step starts at once and the newcomer waits for it.
     engine = FakeEngine(num_slots=2, max_seq_len=64, step_delay=0.01)
-    s = Scheduler(engine, admission_wait=admission_wait).start()
+    s = EngineCore(engine, admission_wait=admission_wait).start()
     try:
         other, second = Collector(), Collector()
         at_finish = []

@@ -156,7 +156,7 @@ def test_queue_full_gets_429_with_retry_after(server):
 
 def _wait_idle(server, timeout=5.0):
     deadline = time.monotonic() + timeout
-    while server.runtime.scheduler.num_running or server.runtime.scheduler.num_waiting:
+    while server.runtime.core.num_running or server.runtime.core.num_waiting:
         assert time.monotonic() < deadline, "slots not freed"
         time.sleep(0.01)
 
@@ -170,7 +170,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
-            assert server.runtime.scheduler.num_running == 1
+            assert server.runtime.core.num_running == 1
     # The response is closed: the slot must be released within a few steps.
     _wait_idle(server)
     assert _aborts(server) == aborted_before + 1

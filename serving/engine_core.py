@@ -1,0 +1,215 @@
+"""The engine core: the thread that owns the engine and runs its steps, and the thread-safe face
+that consumers (the HTTP layer, the CLI) submit sequences to and cancel them through.
+
+Each step: the scheduler (`scheduler.py`) plans it, this module executes the plan on the engine
+(`engine.py`'s `run_prefill` / `run_decode` / `move_slot` over plain numpy inputs), and the output
+processor (`output_processor.py`) turns the engine's outputs into `Event`s, which reach each
+consumer through the callback it submitted, called on the engine thread (it must not block).
+Cancellations are applied between steps, so a cancelled sequence's slot is free for the next one.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from serving.engine import DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
+from serving.metrics import NullMetrics
+from serving.output_processor import Emitted, Event, OutputProcessor
+from serving.sampling import SamplingParams, SlotSampling
+from serving.scheduler import Plan, PrefillGroup, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class ShuttingDown(RuntimeError):
+    """The engine core no longer accepts work."""
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0):
+        self.engine = engine
+        self.metrics = metrics or NullMetrics()
+        self.scheduler = Scheduler(engine.info, max_waiting)
+        self.outputs = OutputProcessor(engine.tokenizer, engine.info, self.metrics)
+        self.admission_wait = admission_wait
+        self._freed = 0  # slots freed by the last step
+        self._ids = itertools.count(1)
+        # Guards the scheduler's waiting queue and the flags below between consumer threads and the
+        # engine thread (the slot table is the engine thread's alone; other threads only read it).
+        self._lock = threading.Condition()
+        self._cancelled: set[int] = set()
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- consumer side (any thread) ----
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raises InvalidParameter when a prompt (plus its max_tokens) does not fit the context."""
+        self.scheduler.check(prompt_len, max_tokens)
+
+    def submit(self, requests: list[tuple[list[int], SamplingParams, Callable[[Event], None]]],
+               prompt_logprobs: bool = False) -> list[int]:
+        """Queues sequences (all or none) and returns their ids. Raises QueueFull, ShuttingDown or
+        InvalidParameter (prompt too long for the context)."""
+        now = time.perf_counter()
+        seqs = [(Sequence(id=next(self._ids), prompt=list(prompt), params=params,
+                          seed=params.seed32(random.getrandbits(32)), want_prompt_logprobs=prompt_logprobs), sink)
+                for prompt, params, sink in requests]
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            self.scheduler.add([s for s, _ in seqs])
+            for s, sink in seqs:
+                self.outputs.add(s, sink, now)
+            self._lock.notify_all()
+        return [s.id for s, _ in seqs]
+
+    def cancel(self, seq_ids) -> None:
+        """Frees the sequences' slots before the next step (no further events after "abort")."""
+        with self._lock:
+            self._cancelled.update(seq_ids)
+            self._lock.notify_all()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def kv_usage(self) -> float:
+        return self.scheduler.kv_usage()
+
+    # ---- lifecycle ----
+
+    def start(self) -> "EngineCore":
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stops accepting; lets running and waiting sequences finish for up to `drain_timeout`
+        seconds, then aborts the rest and joins the engine thread."""
+        self.stop_accepting()
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline and (self.num_waiting or self.num_running):
+            time.sleep(0.02)
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stop or self.num_waiting or self._cancelled or self.num_running):
+                    self._lock.wait()
+                self._await_replacements()
+                if self._stop:
+                    break
+                cancelled, self._cancelled = self._cancelled, set()
+                dropped = self.scheduler.abort(cancelled)
+                plan = self.scheduler.schedule()
+            try:
+                self._publish(self.outputs.finish(dropped, "abort", None, time.perf_counter()))
+                self._execute(plan)
+            except Exception as e:  # an engine failure must not kill the thread
+                log.exception("engine step failed")
+                self._fail_running(f"engine error: {type(e).__name__}: {e}")
+            self.metrics.on_state(self.num_running, self.num_waiting, self.kv_usage())
+        with self._lock:
+            dropped = self.scheduler.abort_all()
+        self._publish(self.outputs.finish(dropped, "abort", "the server is shutting down", time.perf_counter()))
+
+    def _await_replacements(self) -> None:
+        """After a step that freed slots, wait up to `admission_wait` seconds (lock held) for
+        requests to take them before starting the next decode step.
+
+        A client that sends its next request as soon as the last one finished (a chat turn, a
+        batch job, a benchmark stream) otherwise arrives just after the next decode step began and
+        waits for all of it before its prefill: its time to first token grows by a whole decode
+        step. The running streams pay the wait only on steps after a finish."""
+        freed, self._freed = self._freed, 0
+        if not (freed and self.admission_wait > 0 and self.num_running):
+            return
+        deadline = time.monotonic() + self.admission_wait
+        while self.num_waiting < freed and not self._stop and not self._cancelled:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._lock.wait(left)
+
+    def _execute(self, plan: Plan) -> None:
+        for group in plan.prefills:
+            t0 = time.perf_counter()
+            out = self.engine.run_prefill(prefill_inputs(group))
+            now = time.perf_counter()
+            log.debug("prefill of %d prompt(s), lengths %s, in bucket %d x%d: %.3fs", len(group.seqs),
+                      [len(s.prompt) for s in group.seqs], group.bucket, group.batch, now - t0)
+            self._publish(self.outputs.on_prefill(group, out, t0, now))
+        if plan.decode:
+            for src, dst in plan.moves:
+                self.engine.move_slot(src, dst)
+            out = self.engine.run_decode(decode_inputs(plan))
+            self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
+
+    def _publish(self, events: list[Emitted]) -> None:
+        """Frees the slots of the sequences that ended, then delivers the events (so that a
+        consumer woken by a last event sees the slot free). Counts the slots freed, aborted
+        sequences' included (the scheduler took those out already; `finish` is idempotent)."""
+        for e in events:
+            if e.event.finish_reason is not None and e.seq.slot >= 0:
+                self.scheduler.finish(e.seq)
+                self._freed += 1
+        self.outputs.deliver(events)
+
+    def _fail_running(self, message: str) -> None:
+        """After an engine error the cache may be lost: every running sequence fails."""
+        with self._lock:
+            failed = self.scheduler.abort_running()
+        self._publish(self.outputs.finish(failed, "error", message, time.perf_counter()))
+        reset = getattr(self.engine, "reset", None)
+        if reset is not None:
+            try:
+                reset()
+            except Exception:
+                log.exception("engine reset failed")
+
+
+# An idle row of a decode step: greedy, so that it costs the sampler nothing.
+_IDLE = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def prefill_inputs(group: PrefillGroup) -> PrefillInputs:
+    rows = [(s.prompt, s.slot, SlotSampling.of([s.params], [s.seed])) for s in group.seqs]
+    inputs = pad_prefill_batch(rows, group.bucket, group.batch)
+    return inputs._replace(prompt_logprobs=group.prompt_logprobs)
+
+
+def decode_inputs(plan: Plan) -> DecodeInputs:
+    """Each busy row feeds its last token at its position (the tokens it holds before it)."""
+    n = len(plan.decode)
+    tokens = np.zeros(n, np.int32)
+    positions = np.zeros(n, np.int32)
+    for i, s in enumerate(plan.decode):
+        if s is not None:
+            tokens[i] = s.generated[-1]
+            positions[i] = s.length - 1
+    sampling = SlotSampling.of([_IDLE if s is None else s.params for s in plan.decode],
+                               [0 if s is None else s.seed for s in plan.decode])
+    return DecodeInputs(tokens, positions, sampling)

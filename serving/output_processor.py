@@ -1,0 +1,168 @@
+"""Output processing: the engine's step outputs (token ids, logprobs) become what a consumer sees.
+
+For every sequence it detokenizes (UTF-8 safe, `detokenize.TextStream`), decides when the
+sequence ends (EOS or a stop token, a stop string, max_tokens, the context), builds its `Event`s,
+records the per-token and per-request metrics and delivers the events to the sequence's sink.
+It knows nothing of slots or queues: the engine core frees the slots of the sequences it reports
+ended (vLLM v1's output processor; here it runs on the engine thread).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, NamedTuple
+
+from serving.detokenize import TextStream
+from serving.engine import EngineInfo, StepOutputs
+from serving.metrics import NullMetrics
+from serving.scheduler import Plan, PrefillGroup, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenInfo:
+    id: int
+    logprob: float | None = None  # None unless logprobs were requested
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """New output of one sequence. The last event of a sequence has `finish_reason` set:
+    "stop" (EOS, a stop token or string), "length" (max_tokens or the context), "abort"
+    (cancelled, or the server is stopping) or "error" (`error` says why)."""
+
+    text: str
+    tokens: tuple[TokenInfo, ...]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+    # First event only, when prompt logprobs were requested: one entry per prompt token after the
+    # first (the first token has no context to be scored in).
+    prompt_logprobs: tuple[TokenInfo, ...] | None = None
+    error: str | None = None
+
+
+Sink = Callable[[Event], None]
+
+
+class Emitted(NamedTuple):
+    """An event for a sequence's sink (not yet delivered)."""
+
+    seq: Sequence
+    event: Event
+    sink: Sink
+
+
+@dataclasses.dataclass(eq=False)
+class _Output:
+    """What the output side keeps per live sequence."""
+
+    seq: Sequence
+    sink: Sink
+    stream: TextStream
+    arrival: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class OutputProcessor:
+    """The step methods return the events they produced; `deliver` sends them (the engine core
+    first frees the slots of the sequences whose event ends them)."""
+
+    def __init__(self, tokenizer, info: EngineInfo, metrics=None):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = metrics or NullMetrics()
+        self._eos = set(info.eos_ids)
+        self._live: dict[int, _Output] = {}
+
+    def add(self, seq: Sequence, sink: Sink, arrival: float) -> None:
+        self._live[seq.id] = _Output(seq, sink, TextStream(self.tokenizer, seq.params.stop), arrival)
+
+    def on_prefill(self, group: PrefillGroup, out: StepOutputs, started: float,
+                   now: float) -> list[Emitted]:
+        """The first token of each sequence of a prefill call that began at `started`."""
+        for s in group.seqs:
+            self.metrics.on_scheduled(started - self._live[s.id].arrival)
+        self.metrics.on_prefill([len(s.prompt) for s in group.seqs], now - started, group.bucket, group.batch)
+        return [self._on_token(s, out, row, now, _prompt_logprobs(out, row, s) if group.prompt_logprobs else None)
+                for row, s in enumerate(group.seqs)]
+
+    def on_decode(self, plan: Plan, out: StepOutputs, now: float) -> list[Emitted]:
+        """The next token of every sequence of a decode step (after the plan's slot moves)."""
+        for _ in plan.moves:
+            self.metrics.on_move()
+        busy = [(row, s) for row, s in enumerate(plan.decode) if s is not None]
+        self.metrics.on_decode(plan.decode_rows, len(busy))
+        return [self._on_token(s, out, row, now, None) for row, s in busy]
+
+    def finish(self, seqs: list[Sequence], reason: str, error: str | None,
+               now: float) -> list[Emitted]:
+        """The last event of sequences ended from outside (cancelled, failed, shut down)."""
+        return [self._end(s, Event(text="", tokens=(), finish_reason=reason, num_prompt_tokens=len(s.prompt),
+                                   num_generated=len(s.generated), error=error), now)
+                for s in seqs if s.id in self._live]
+
+    @staticmethod
+    def deliver(events: list[Emitted]) -> None:
+        for e in events:
+            try:
+                e.sink(e.event)
+            except Exception:  # a consumer that went away must not stop the engine
+                log.exception("delivering an event for sequence %d failed", e.seq.id)
+
+    def _on_token(self, s: Sequence, out: StepOutputs, row: int, now: float,
+                  prompt_lps) -> Emitted:
+        o = self._live[s.id]
+        tok = int(out.tokens[row])
+        s.generated.append(tok)
+        if o.first_token_at is None:
+            o.first_token_at = now
+            self.metrics.on_first_token(now - o.arrival)
+        else:
+            self.metrics.on_next_token(now - o.last_token_at)
+        o.last_token_at = now
+        info = (_token_info(out, row, tok, s.params.logprobs),)
+        p = s.params
+        reason = None
+        if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            # The stop token counts as generated but is part of neither the text nor the logprobs.
+            text, info = o.stream.finish(), ()
+            reason = "stop"
+        else:
+            text, stopped = o.stream.add(tok)
+            if stopped:
+                reason = "stop"
+            elif len(s.generated) >= p.max_tokens or s.length >= self.info.max_seq_len:
+                text += o.stream.finish()
+                reason = "length"
+        event = Event(text=text, tokens=info, finish_reason=reason, num_prompt_tokens=len(s.prompt),
+                      num_generated=len(s.generated), prompt_logprobs=prompt_lps)
+        if reason is None:
+            return Emitted(s, event, o.sink)
+        return self._end(s, event, now)
+
+    def _end(self, s: Sequence, event: Event, now: float) -> Emitted:
+        o = self._live.pop(s.id)
+        self.metrics.on_finish(event.finish_reason, now - o.arrival,
+                               None if o.first_token_at is None else now - o.first_token_at)
+        return Emitted(s, event, o.sink)
+
+
+def _token_info(out: StepOutputs, row: int, tok: int, n_top: int | None) -> TokenInfo:
+    if n_top is None:
+        return TokenInfo(tok)
+    top = tuple((int(i), float(v)) for i, v in zip(out.top_ids[row, :n_top], out.top_logprobs[row, :n_top]))
+    return TokenInfo(tok, float(out.logprobs[row]), top)
+
+
+def _prompt_logprobs(out: StepOutputs, row: int, s: Sequence) -> tuple[TokenInfo, ...]:
+    n_top = s.params.logprobs or 0
+    res = []
+    for t in range(len(s.prompt) - 1):
+        top = tuple((int(i), float(v)) for i, v in
+                    zip(out.prompt_top_ids[row, t, :n_top], out.prompt_top_logprobs[row, t, :n_top]))
+        res.append(TokenInfo(s.prompt[t + 1], float(out.prompt_logprobs[row, t]), top))
+    return tuple(res)
