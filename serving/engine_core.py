@@ -14,13 +14,11 @@ import logging
 import random
 import threading
 import time
-from typing import Callable
-
 import numpy as np
 
 from serving.engine import DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
 from serving.metrics import NullMetrics
-from serving.output_processor import Emitted, Event, OutputProcessor
+from serving.output_processor import Emitted, OutputProcessor, Sink
 from serving.sampling import SamplingParams, SlotSampling
 from serving.scheduler import Plan, PrefillGroup, Scheduler, Sequence
 
@@ -54,7 +52,7 @@ class EngineCore:
         """Raises InvalidParameter when a prompt (plus its max_tokens) does not fit the context."""
         self.scheduler.check(prompt_len, max_tokens)
 
-    def submit(self, requests: list[tuple[list[int], SamplingParams, Callable[[Event], None]]],
+    def submit(self, requests: list[tuple[list[int], SamplingParams, Sink]],
                prompt_logprobs: bool = False) -> list[int]:
         """Queues sequences (all or none) and returns their ids. Raises QueueFull, ShuttingDown or
         InvalidParameter (prompt too long for the context)."""

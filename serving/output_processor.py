@@ -59,7 +59,6 @@ class Emitted(NamedTuple):
 class _Output:
     """What the output side keeps per live sequence."""
 
-    seq: Sequence
     sink: Sink
     stream: TextStream
     arrival: float
@@ -79,7 +78,7 @@ class OutputProcessor:
         self._live: dict[int, _Output] = {}
 
     def add(self, seq: Sequence, sink: Sink, arrival: float) -> None:
-        self._live[seq.id] = _Output(seq, sink, TextStream(self.tokenizer, seq.params.stop), arrival)
+        self._live[seq.id] = _Output(sink, TextStream(self.tokenizer, seq.params.stop), arrival)
 
     def on_prefill(self, group: PrefillGroup, out: StepOutputs, started: float,
                    now: float) -> list[Emitted]:

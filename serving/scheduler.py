@@ -72,10 +72,6 @@ class Plan:
     decode: tuple[Sequence | None, ...] = ()
     decode_rows: int = 0  # the compiled row count that runs them (>= len(decode))
 
-    @property
-    def empty(self) -> bool:
-        return not (self.prefills or self.decode)
-
 
 class Scheduler:
     def __init__(self, info: EngineInfo, max_waiting: int = 256):
