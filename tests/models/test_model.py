@@ -5,8 +5,7 @@ import pytest
 
 import jax
 from equarx import AllReduceConfig
-from models.gemma3 import load_model
-from models.gemma3.api import prefill_buckets
+from models.gemma3 import Program, ProgramKey, load_model, prefill_buckets
 
 F32 = AllReduceConfig(method="f32")
 # "tiny": 8 layers (one 5 local + 1 global group, then 2 tail layers), window 8, 2 KV heads
@@ -267,9 +266,13 @@ def test_warmed_programs_run_without_tracing():
         step, cache = model.decode_step(cache, np.array([5, 6], np.int32), np.array([0, 3], np.int32))
         one, cache = model.decode_step(cache, np.array([8], np.int32), np.array([1], np.int32))
         outs.append([np.asarray(x) for x in (logits, step, one)])
-    for fn in (m._prefill_fns[False], m._decode_fn, m._write_token_fn):
-        assert fn._cache_size() == 0  # never called: the kept executables ran
-    assert ref._decode_fn._cache_size() == 2  # rows 2 and 1
+    cache = m.cache_shapes(2, 32)
+    assert m.programs.kept() == {ProgramKey.prefill(1, 8, cache), ProgramKey.decode(1, cache),
+                                 ProgramKey.decode(2, cache), ProgramKey.write_token(1, cache),
+                                 ProgramKey.write_token(2, cache)}
+    for program in (Program.PREFILL, Program.DECODE, Program.WRITE_TOKEN):
+        assert m.programs.jitted(program)._cache_size() == 0  # never called: the kept ran
+    assert ref.programs.jitted(Program.DECODE)._cache_size() == 2  # rows 2 and 1
     for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -286,4 +289,48 @@ def test_kept_executable_takes_ids_placed_anywhere():
                               jax.device_put(np.array([0]), one))
     ref = m.score([[2, 7, 9]])[0, 2]
     np.testing.assert_allclose(np.asarray(logits)[0], ref, atol=2e-5)
-    assert m._prefill_fns[False]._cache_size() == 0
+    assert m.programs.jitted(Program.PREFILL)._cache_size() == 0
+
+
+def test_reduction_hook_runs_at_every_tensor_parallel_reduction(tiny):
+    """Gemma3Model(reduction=fn) traces fn at both reductions of every layer, in place of
+    equarx.all_reduce: an exact psum gives the f32 model's logits, a wrong sum other logits."""
+    from jax import lax
+
+    from models.gemma3 import Gemma3Model
+
+    base = tiny[2]
+    calls = []
+
+    def exact(x, axis_name):
+        calls.append(x.shape)
+        return lax.psum(x, axis_name)
+
+    def partial_only(x, axis_name):  # no communication: each device keeps its own part
+        return x
+
+    def model(reduction):
+        return Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=F32,
+                           dtype=base.dtype, tokenizer=base.tokenizer, reduction=reduction)
+
+    seqs = _random_seqs([7, 4])
+    want = base.score(seqs)
+    np.testing.assert_allclose(model(exact).score(seqs), want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 * base.config.num_layers
+    assert not np.allclose(model(partial_only).score(seqs)[0, :7], want[0, :7], atol=1e-2)
+    assert "partial_only" in repr(model(partial_only))
+
+
+def test_models_are_not_kept_alive_by_the_library():
+    """Nothing module- or class-level holds a model (and its weights) once it is dropped."""
+    import gc
+    import weakref
+
+    m = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
+    cache = m.init_cache(2, 32)
+    _, cache = m.prefill(cache, np.array([[2, 7, 9, 0]], np.int32), np.array([3]), np.array([0]))
+    m.generate([[2, 7]], 2)
+    refs = [weakref.ref(m), weakref.ref(m.programs), weakref.ref(m.weights)]
+    del m, cache
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]

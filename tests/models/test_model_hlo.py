@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce
-from models.gemma3 import load_model
+from models.gemma3 import ProgramKey, load_model
 from models.gemma3.sharding import make_mesh
 
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "all-to-all", "reduce-scatter",
@@ -77,10 +77,10 @@ def test_two_equarx_all_reduces_per_layer_and_one_for_the_embedding(tp, method):
 def test_cache_writes_communicate_nothing():
     """The write-only programs that store new keys/values touch each device's own shard."""
     m = load_model("random:tiny", tp=2, dtype="bfloat16")
-    cache = m._abstract_cache(3, 64)
-    ids = jax.ShapeDtypeStruct((3,), jnp.int32, sharding=m._replicated)
-    decode = m.lower_decode(3, 64)
-    new_kv = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
-                          decode.out_info[1])
-    hlo = m._write_token_fn.lower(cache, new_kv, ids).compile().as_text()
-    assert not collectives(hlo)
+    key = ProgramKey.write_token(3, m.cache_shapes(3, 64))
+    # The cache write is lowered for exactly what the decode program returns.
+    returned = jax.tree.leaves(m.lower_decode(3, 64).out_info[1])
+    expected = jax.tree.leaves(m.programs.abstract_args(key)[1])
+    assert len(returned) == len(expected) == 2 * m.config.num_layers
+    assert [(r.shape, r.dtype) for r in returned] == [(e.shape, e.dtype) for e in expected]
+    assert not collectives(m.programs.lower(key).compile().as_text())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from equarx import AllReduceConfig
-from models.gemma3 import load_model
+from models.gemma3 import Program, load_model
 from models.gemma3.program_cache import SUFFIX
 
 TINY = "random:tiny"
@@ -41,7 +41,7 @@ def _load(directory, allreduce=INT8, tp=2):
 
 
 def _stats(model):
-    return dict(model._program_cache.stats)
+    return dict(model.programs.program_cache.stats)
 
 
 @pytest.fixture(scope="module")
@@ -133,4 +133,5 @@ def test_outputs_fed_back_reuse_the_program(tmp_path):
     for step in range(3):  # first on init_cache's arrays, then on the step's own outputs
         _, cache = model.decode_step(cache, ids, np.array([step, step], np.int32))
     assert _stats(model) == {"exported": 2}  # decode, write_token
-    assert len(model._decode_fn._entries) == len(model._write_token_fn._entries) == 1
+    assert len(model.programs.jitted(Program.DECODE)._entries) == 1
+    assert len(model.programs.jitted(Program.WRITE_TOKEN)._entries) == 1

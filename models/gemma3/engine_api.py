@@ -1,0 +1,203 @@
+"""The engine API a server drives: `init_cache`, `prefill`, `decode_step`, `move_slot`, and the
+ahead-of-time half (`lower_*`, `compile_*`, `warm_up`) that needs no weights.
+
+`Gemma3Engine` is a model's programs (`ModelPrograms`) with its weights and tokenizer. Every call
+has static shapes: a new prompt length only picks a bucket, and a call whose shapes were
+compiled ahead of time runs the kept executable. Both `prefill` and `decode_step` donate the
+cache: never reuse a cache object after passing it in.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.gemma3.kv_cache import KVCache, move_slot
+from models.gemma3.programs import ModelPrograms, ProgramKey
+from models.gemma3.weights import Weights
+
+
+class Gemma3Engine:
+    """A model's programs, weights and tokenizer behind the engine API (module docstring).
+
+    The weights may be the programs' `abstract_weights` (ShapeDtypeStructs): such an engine
+    lowers, compiles and warms up, but cannot run, e.g. while the real weights load.
+    """
+
+    def __init__(self, programs: ModelPrograms, weights: Weights, tokenizer=None):
+        self.programs = programs
+        self.weights = weights
+        self.config = programs.config
+        self.mesh = programs.mesh
+        self.tp = programs.tp
+        self.allreduce = programs.allreduce
+        self.reduction = programs.reduction
+        self.dtype = programs.dtype
+        self.cache_dtype = programs.cache_dtype
+        self.prefill_buckets = programs.prefill_buckets
+        self._tokenizer = tokenizer
+        self._move_slot = jax.jit(move_slot, donate_argnums=(0,))
+
+    @property
+    def tokenizer(self):
+        """Real Gemma 3 tokenizer when the vocabulary matches it, else a byte-level one
+        (loaded on first use: most engine work needs none)."""
+        if self._tokenizer is None:
+            self._tokenizer = default_tokenizer(self.config.vocab_size)
+        return self._tokenizer
+
+    # -- shapes and caches ---------------------------------------------------------------------
+    def bucket_for(self, length: int) -> int:
+        return self.programs.bucket_for(length)
+
+    def cache_shapes(self, num_slots: int, max_seq_len: int) -> KVCache:
+        return self.programs.cache_shapes(num_slots, max_seq_len)
+
+    def init_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        """Zeroed KV cache for num_slots sequences of up to max_seq_len tokens (sharded)."""
+        if max_seq_len > self.config.max_seq_len:
+            raise ValueError(f"cache max_seq_len {max_seq_len} exceeds the model's "
+                             f"{self.config.max_seq_len}")
+        return self.programs.zeros_cache(num_slots, max_seq_len)
+
+    def move_slot(self, cache: KVCache, src: int, dst: int) -> KVCache:
+        """The cache with slot src's keys and values copied into slot dst (for a server that
+        keeps its busy slots packed at the front, so that decode reads fewer rows)."""
+        for name, i in (("src", src), ("dst", dst)):
+            if not 0 <= int(i) < cache.num_slots:
+                raise ValueError(f"{name} slot {i} outside 0..{cache.num_slots - 1}")
+        return self._move_slot(cache, np.int32(src), np.int32(dst))
+
+    # -- running -------------------------------------------------------------------------------
+    def prefill(self, cache: KVCache, tokens, lengths, slots, return_all_logits: bool = False):
+        """Run prompts tokens [B, Tb] (right-padded) at positions 0..len-1 into cache rows
+        slots [B]. Returns (float32 logits [B, V] at each last real token, or [B, Tb, V] with
+        return_all_logits; the new cache). Tb may exceed the cache length only by padding."""
+        check_token_range(tokens, self.config.vocab_size)
+        tokens = self._ids(tokens, 2, "tokens")
+        lengths, slots = self._ids(lengths, 1, "lengths"), self._ids(slots, 1, "slots")
+        if not tokens.shape[0] == lengths.shape[0] == slots.shape[0]:
+            raise ValueError(f"tokens {tokens.shape}, lengths {lengths.shape} and slots "
+                             f"{slots.shape} disagree on the batch size")
+        key = ProgramKey.prefill(*tokens.shape, cache, return_all_logits)
+        return self.programs.runnable(key)(self.weights, cache, tokens, lengths, slots)
+
+    def decode_step(self, cache: KVCache, tokens, positions):
+        """One token for each of the first R cache slots (tokens, positions [R], 1 <= R <= cache
+        slots) -> (logits [R, V], cache). The other slots are neither read nor written; each R
+        is its own program (a server compiles a few, e.g. 1, 2, 4, 8)."""
+        check_token_range(tokens, self.config.vocab_size)
+        tokens, positions = self._ids(tokens, 1, "tokens"), self._ids(positions, 1, "positions")
+        rows = tokens.shape[0]
+        if not (rows == positions.shape[0] and 1 <= rows <= cache.num_slots):
+            raise ValueError(f"decode_step needs one token and position for each of 1.."
+                             f"{cache.num_slots} leading cache slots, got {rows} and "
+                             f"{positions.shape[0]}")
+        decode = self.programs.runnable(ProgramKey.decode(rows, cache))
+        write = self.programs.runnable(ProgramKey.write_token(rows, cache))
+        logits, new_kv = decode(self.weights, cache, tokens, positions)
+        return logits, write(cache, new_kv, positions)
+
+    def _ids(self, x, ndim: int, name: str) -> jax.Array:
+        """Integer ids as int32, replicated on the mesh (as the kept executables expect)."""
+        replicated = self.programs.replicated
+        if isinstance(x, jax.Array):
+            if x.ndim != ndim or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
+                                 f"{x.dtype} {x.shape}")
+            # (An eager op on a mesh-sharded array costs milliseconds: convert only if needed.)
+            x = x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+            if not x.sharding.is_equivalent_to(replicated, x.ndim):
+                x = jax.device_put(x, replicated)
+            return x
+        x = np.asarray(x)
+        if x.ndim != ndim or not np.issubdtype(x.dtype, np.integer):
+            raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
+                             f"{x.dtype} {x.shape}")
+        return jax.device_put(x.astype(np.int32), replicated)
+
+    # -- ahead of time (warm-up without running, HLO inspection) -------------------------------
+    def lower_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
+                      return_all_logits: bool = False) -> jax.stages.Lowered:
+        """The prefill program for tokens [batch, bucket] into a (num_slots, max_seq_len) cache,
+        as `prefill` runs it: (weights, cache, tokens, lengths, slots) -> (logits, cache).
+        `.compile()` it to warm the compilation caches or to read its HLO."""
+        return self.programs.lower(self._prefill_key(batch, bucket, num_slots, max_seq_len,
+                                                     return_all_logits))
+
+    def lower_decode(self, num_slots: int, max_seq_len: int, rows: int | None = None
+                     ) -> jax.stages.Lowered:
+        """The decode-step forward program for a (num_slots, max_seq_len) cache and its first
+        `rows` slots (default all): (weights, cache, tokens, positions) -> (logits, new
+        keys/values); it holds all of decode's communication. `decode_step` runs it, then the
+        write-only cache update."""
+        return self.programs.lower(self._decode_keys(num_slots, max_seq_len, rows)[0])
+
+    def compile_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
+                        return_all_logits: bool = False) -> None:
+        """Compile the prefill program for these shapes without running it, and keep it:
+        `prefill` with these shapes then runs it directly."""
+        self.programs.compile(self._prefill_key(batch, bucket, num_slots, max_seq_len,
+                                                return_all_logits))
+
+    def compile_decode(self, num_slots: int, max_seq_len: int, rows: int | None = None) -> None:
+        """Compile (without running) and keep the decode step over the first `rows` slots:
+        its forward program and its cache write."""
+        for key in self._decode_keys(num_slots, max_seq_len, rows):
+            self.programs.compile(key)
+
+    def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
+                decode_rows=None, prefill_shapes=None, workers: int = 2,
+                progress: Callable[[str], None] | None = None) -> None:
+        """Compile (without running) every program a server needs: prefill of `batch` prompts
+        per bucket (default: the buckets up to max_seq_len; or the (batch, bucket) pairs in
+        `prefill_shapes`), the decode step over each count of leading slots in `decode_rows`
+        (default: all slots) and its cache write. The executables are kept for calls with
+        those shapes; with a persistent compilation cache (and a program cache), a later start
+        loads them instead of compiling. `workers` programs compile at a time (see
+        `ModelPrograms.compile_all`); `progress` receives one line per program with its
+        seconds."""
+        if prefill_shapes is None:
+            buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
+            prefill_shapes = [(batch, bucket) for bucket in buckets]
+        jobs = [(f"prefill bucket {bucket} x{n}",
+                 [self._prefill_key(n, bucket, num_slots, max_seq_len)])
+                for n, bucket in prefill_shapes]
+        jobs += [(f"decode step x{rows}", self._decode_keys(num_slots, max_seq_len, rows))
+                 for rows in decode_rows or (num_slots,)]
+        self.programs.compile_all(jobs, workers, progress)
+
+    def _prefill_key(self, batch, bucket, num_slots, max_seq_len, all_logits=False):
+        cache = self.programs.cache_shapes(num_slots, max_seq_len)
+        return ProgramKey.prefill(batch, bucket, cache, all_logits)
+
+    def _decode_keys(self, num_slots, max_seq_len, rows=None) -> list[ProgramKey]:
+        """The decode step's two programs: the forward pass, then the cache write."""
+        cache = self.programs.cache_shapes(num_slots, max_seq_len)
+        rows = rows or num_slots
+        return [ProgramKey.decode(rows, cache), ProgramKey.write_token(rows, cache)]
+
+
+def check_token_range(tokens, vocab_size: int) -> None:
+    """ValueError on host token ids outside the vocabulary (device arrays are not read back)."""
+    if not isinstance(tokens, jax.Array):
+        t = np.asarray(tokens)
+        if t.size and (t.min() < 0 or t.max() >= vocab_size):
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+
+
+@functools.cache
+def default_tokenizer(vocab_size: int):
+    """The real Gemma 3 tokenizer for its vocabulary size, else a byte-level one (one per
+    size and process: models of one vocabulary share it)."""
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+
+    if vocab_size == 262_144:
+        from models.gemma3.gguf import default_gguf_path
+        from models.gemma3.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(default_gguf_path())
+    return ByteTokenizer(vocab_size)

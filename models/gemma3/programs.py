@@ -1,0 +1,261 @@
+"""The model's device programs and the executables compiled ahead of time, by `ProgramKey`.
+
+`ModelPrograms` owns everything about one model setup that is not its weights: the config, the
+mesh, the AllReduce (or a plugged-in reduction), the dtypes. From those it builds the five
+jitted `shard_map` programs once, lowers any of them for a `ProgramKey` from abstract shapes
+alone (so compilation can run while the weights load), and keeps the executables it compiles:
+`runnable(key)` hands back the kept executable for a key, or the jitted program, which traces
+on its first call with new shapes.
+
+The decode step is two programs: a forward pass that only reads the cache and returns the new
+keys/values, then a write-only program (cache donated) that stores them in place: XLA:CPU
+copies a buffer that one program both reads and updates in place. Prefill never reads the
+cache, so it is one program.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import functools
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from equarx import AllReduceConfig
+from models.gemma3 import model as forward
+from models.gemma3.config import Gemma3Config
+from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
+from models.gemma3.loading import cache_dtype
+from models.gemma3.program_cache import ProgramCache
+from models.gemma3.sharding import AXIS, cache_specs, local_kv_heads, named, weight_specs
+from models.gemma3.weights import Weights, weight_shapes
+
+MIN_BUCKET = 32
+
+
+def prefill_buckets(max_seq_len: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Powers of two from `smallest`, ending with max_seq_len itself."""
+    out, b = [], smallest
+    while b < max_seq_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_seq_len,)
+
+
+class Program(enum.Enum):
+    """The device programs; the value names the program in the program cache's files."""
+
+    PREFILL = "prefill"              # (weights, cache, tokens, lengths, slots) -> (logits [B, V], cache)
+    PREFILL_ALL_LOGITS = "prefill_all"  # the same, logits [B, T, V] at every position
+    DECODE = "decode"                # (weights, cache, tokens, positions) -> (logits [R, V], new kv)
+    WRITE_TOKEN = "write_token"      # (cache, new kv, positions) -> cache
+    SCORE = "score"                  # (weights, tokens, lengths) -> logits [B, T, V]; no cache
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+    """One program at one set of shapes: what a kept executable was compiled for.
+
+    batch: prompts (prefill, score) or leading cache slots (decode, write_token).
+    tokens: tokens per prompt (the bucket); 1 for the decode step.
+    num_slots, max_seq_len: the KV cache the program reads or writes (0 for score: none).
+    """
+
+    program: Program
+    batch: int
+    tokens: int = 1
+    num_slots: int = 0
+    max_seq_len: int = 0
+
+    @classmethod
+    def prefill(cls, batch: int, bucket: int, cache: KVCache,
+                all_logits: bool = False) -> ProgramKey:
+        """`cache` may hold arrays or ShapeDtypeStructs: only its shape is read."""
+        program = Program.PREFILL_ALL_LOGITS if all_logits else Program.PREFILL
+        return cls(program, batch, bucket, cache.num_slots, cache.max_seq_len)
+
+    @classmethod
+    def decode(cls, rows: int, cache: KVCache) -> ProgramKey:
+        return cls(Program.DECODE, rows, 1, cache.num_slots, cache.max_seq_len)
+
+    @classmethod
+    def write_token(cls, rows: int, cache: KVCache) -> ProgramKey:
+        return cls(Program.WRITE_TOKEN, rows, 1, cache.num_slots, cache.max_seq_len)
+
+    @classmethod
+    def score(cls, batch: int, length: int) -> ProgramKey:
+        return cls(Program.SCORE, batch, length)
+
+
+class ModelPrograms:
+    """The jitted programs of one model setup and the executables compiled for it (see the
+    module docstring). Needs no weights, only their shapes.
+
+    reduction: called as `reduction(x, axis_name)` at every tensor-parallel reduction instead of
+      `equarx.all_reduce(x, axis_name, allreduce)` (the forward pass then never reads
+      `allreduce`, which only labels the model). For comparisons such as eval's strawman.
+    program_cache: keep the traced programs on disk (`models.gemma3.program_cache`); not used
+      with a reduction.
+    """
+
+    def __init__(self, config: Gemma3Config, *, mesh, allreduce: AllReduceConfig, dtype,
+                 reduction: forward.Reduction | None = None,
+                 program_cache: ProgramCache | None = None):
+        self.config = config
+        self.mesh = mesh
+        self.tp = mesh.devices.size
+        self.allreduce = allreduce
+        self.reduction = reduction
+        self.dtype = jnp.dtype(dtype)
+        # The KV cache may be held wider than the numerics' dtype (float32 on CPU).
+        self.cache_dtype = cache_dtype(self.dtype, mesh)
+        self.prefill_buckets = prefill_buckets(config.max_seq_len)
+        self.program_cache = program_cache
+        self.replicated = NamedSharding(mesh, P())
+        self._ctx = forward.Ctx(config=config, tp=self.tp, allreduce=allreduce,
+                                reduction=reduction)
+        self._weight_specs = weight_specs(config, self.tp)
+        self._cache_specs = cache_specs(config, self.tp)
+        # Lowering needs only the weights' shapes and shardings, so it can run while they load.
+        self.abstract_weights: Weights = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
+            weight_shapes(config, self.dtype), named(mesh, self._weight_specs))
+        self._jitted = self._build_programs()
+        self._zeros = jax.jit(self._zeros_cache, static_argnums=(0, 1),
+                              out_shardings=named(mesh, self._cache_specs))
+        # Executables compiled ahead of time (`compile`): calls with their key run them
+        # directly, with no tracing or cache lookup.
+        self._executables: dict[ProgramKey, Callable] = {}
+
+    # -- shapes --------------------------------------------------------------------------------
+    def bucket_for(self, length: int) -> int:
+        """The prefill bucket (padded prompt length) of a prompt of `length` tokens."""
+        if not 1 <= length <= self.config.max_seq_len:
+            raise ValueError(f"sequence length {length} is outside [1, max_seq_len="
+                             f"{self.config.max_seq_len}]")
+        return next(b for b in self.prefill_buckets if b >= length)
+
+    def cache_shapes(self, num_slots: int, max_seq_len: int) -> KVCache:
+        heads = local_kv_heads(self.config, self.tp) * self.tp
+        return cache_shapes(self.config, num_slots, max_seq_len, heads, self.cache_dtype)
+
+    def abstract_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        """The cache's ShapeDtypeStructs, with their shardings."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            self.cache_shapes(num_slots, max_seq_len),
+                            named(self.mesh, self._cache_specs))
+
+    def zeros_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        """A zeroed, sharded KV cache."""
+        return self._zeros(num_slots, max_seq_len)
+
+    def _zeros_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                            self.cache_shapes(num_slots, max_seq_len))
+
+    # -- building ------------------------------------------------------------------------------
+    def _build_programs(self) -> dict[Program, Callable]:
+        weights, cache, ids = self._weight_specs, self._cache_specs, P()
+        new_kv = self._new_kv_specs()
+        vocab_last, vocab_all = P(None, AXIS), P(None, None, AXIS)
+
+        def score(w, tokens, lengths):
+            return forward.prefill(w, None, tokens, lengths, None, ctx=self._ctx,
+                                   return_all=True)[0]
+
+        prefill = functools.partial(forward.prefill, ctx=self._ctx, return_all=False)
+        prefill_all = functools.partial(forward.prefill, ctx=self._ctx, return_all=True)
+        return {
+            Program.PREFILL: self._jit(Program.PREFILL, prefill, (weights, cache, ids, ids, ids),
+                                       (vocab_last, cache), donate=(1,)),
+            Program.PREFILL_ALL_LOGITS: self._jit(
+                Program.PREFILL_ALL_LOGITS, prefill_all, (weights, cache, ids, ids, ids),
+                (vocab_all, cache), donate=(1,)),
+            Program.DECODE: self._jit(
+                Program.DECODE, functools.partial(forward.decode_step, ctx=self._ctx),
+                (weights, cache, ids, ids), (vocab_last, new_kv)),
+            Program.WRITE_TOKEN: self._jit(
+                Program.WRITE_TOKEN, functools.partial(forward.write_token, ctx=self._ctx),
+                (cache, new_kv, ids), cache, donate=(0,)),
+            Program.SCORE: self._jit(Program.SCORE, score, (weights, ids, ids), vocab_all),
+        }
+
+    def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                                   out_specs=out_specs), donate_argnums=donate)
+        # A plugged-in reduction's source is outside the program cache's fingerprint (models/,
+        # equarx/), so a stored program could outlive an edit to it: such programs are traced.
+        if self.program_cache is None or self.reduction is not None:
+            return fn
+        # Everything besides the arguments' shapes that changes what tracing produces.
+        static = (f"{self.config!r} tp={self.tp} {self.allreduce!r} "
+                  f"dtype={self.dtype} cache_dtype={self.cache_dtype}")
+        return self.program_cache.wrap(program.value, fn, donate, static, self.replicated)
+
+    def _new_kv_specs(self) -> tuple[LayerCache, ...]:
+        """The decode step's new keys/values: per layer [R, Kc, H], split over KV heads."""
+        spec = P(None, AXIS, None)
+        return tuple(LayerCache(k=spec, v=spec) for _ in range(self.config.num_layers))
+
+    def jitted(self, program: Program) -> Callable:
+        """The jitted program (a `CachedProgram` with a program cache)."""
+        return self._jitted[program]
+
+    # -- lowering, compiling, running ------------------------------------------------------------
+    def abstract_args(self, key: ProgramKey) -> tuple:
+        """ShapeDtypeStructs (with shardings) of the arguments of `key`'s program."""
+        def ids(*shape):
+            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
+
+        if key.program is Program.SCORE:
+            return self.abstract_weights, ids(key.batch, key.tokens), ids(key.batch)
+        cache = self.abstract_cache(key.num_slots, key.max_seq_len)
+        if key.program in (Program.PREFILL, Program.PREFILL_ALL_LOGITS):
+            return (self.abstract_weights, cache, ids(key.batch, key.tokens), ids(key.batch),
+                    ids(key.batch))
+        if key.program is Program.DECODE:
+            return self.abstract_weights, cache, ids(key.batch), ids(key.batch)
+        heads = local_kv_heads(self.config, self.tp) * self.tp
+        kv = jax.ShapeDtypeStruct((key.batch, heads, self.config.head_dim), self.dtype,
+                                  sharding=NamedSharding(self.mesh, P(None, AXIS, None)))
+        new_kv = tuple(LayerCache(k=kv, v=kv) for _ in range(self.config.num_layers))
+        return cache, new_kv, ids(key.batch)
+
+    def lower(self, key: ProgramKey) -> jax.stages.Lowered:
+        """`key`'s program lowered from abstract arguments: `.compile()` it, or read its HLO."""
+        return self._jitted[key.program].lower(*self.abstract_args(key))
+
+    def compile(self, key: ProgramKey) -> None:
+        """Compile `key`'s program (without running it) and keep the executable."""
+        if key not in self._executables:
+            self._executables[key] = self.lower(key).compile()
+
+    def compile_all(self, jobs: Iterable[tuple[str, Iterable[ProgramKey]]], workers: int = 2,
+                    progress: Callable[[str], None] | None = None) -> None:
+        """Compile and keep each job's programs; `workers` jobs at a time: XLA compiles (and
+        reads executables back from its cache) with the GIL released, so one program's
+        compilation overlaps the next one's tracing. `progress` gets one line per job."""
+        def run(job) -> str:
+            name, keys = job
+            t = time.perf_counter()
+            for key in keys:
+                self.compile(key)
+            return f"{name}: {time.perf_counter() - t:.1f}s"
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers),
+                                                   thread_name_prefix="compile") as pool:
+            for line in pool.map(run, jobs):
+                if progress is not None:
+                    progress(line)
+
+    def runnable(self, key: ProgramKey) -> Callable:
+        """The executable kept for `key`, else the jitted program (traced on first use)."""
+        return self._executables.get(key) or self._jitted[key.program]
+
+    def kept(self) -> frozenset[ProgramKey]:
+        """The keys whose executables are kept."""
+        return frozenset(self._executables)
