@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, bytes_sent_per_device, ideal_ring_bytes
-from serving.host_memory import keep_freed_memory, malloc_label
+from serving.jax_platform import ensure_cpu_devices, keep_freed_memory, malloc_label
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 DEFAULT_METHODS = "bf16,bf16_ring,int8-full,int8-semi"
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-mse", action="store_true", help="skip the MSE column")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
-                        "pages for worker processes; see serving.host_memory)")
+                        "pages for worker processes; see serving.jax_platform)")
     p.add_argument("--out", default=None, help="write the rows and settings as JSON")
     p.add_argument("--predict-from", default=None, metavar="UNSHAPED.json",
                    help="add the alpha-beta prediction from an unshaped run with as many "
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.plain_malloc:
             keep_freed_memory()
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.devices)
+        ensure_cpu_devices(args.devices, exact=True)
         rows = bench_on_mesh(**params)
         mode = f"1 process, {rows[0]['devices']} virtual CPU devices"
     if args.link_gbit:

@@ -34,9 +34,11 @@ import time
 
 import numpy as np
 
+from equarx import AllReduceConfig
 from eval import cost_model, prefill_report
-from serving import distributed
-from serving.host_memory import keep_freed_memory, malloc_label
+from eval.quality import mode_config
+from serving import jax_platform
+from serving.jax_platform import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
@@ -119,14 +121,15 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
     """
     import jax
 
-    from eval.bench_collective import parse_method, process_barrier
+    from eval.bench_collective import process_barrier
     from equarx import bytes_sent_per_device
     from models.gemma3 import Gemma3Model, load_model
 
     if iters < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need iters >= 1, warmup >= 0, batch >= 1; got {iters}, {warmup}, "
                          f"{batch}")
-    configs = {m: parse_method(m, minishards, pipelined) for m in methods}
+    configs = {m: AllReduceConfig.from_label(m, minishards=minishards, pipelined=pipelined)
+               for m in methods}
     link_list = list(links) if links else [None]
     t0 = time.perf_counter()
     base = load_model(source, tp=tp, allreduce=configs[methods[0]], dtype=dtype,
@@ -214,7 +217,7 @@ def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: 
     the difference is communication. Returns the samples and the alpha-beta fit."""
     from eval import bench_collective, multiproc
 
-    methods = [m for m in methods if cost_model.parse_label(m)[0] != "naive"]
+    methods = [m for m in methods if mode_config(m) is not None]  # not the naive strawman
     params = dict(sizes=[2 * e for e in message_elements], methods=methods, repeats=repeats,
                   minishards=minishards, pipelined=pipelined, mse=False)
     one = {(r["size_bytes"], r["method"]): r["median"]
@@ -242,9 +245,7 @@ def fit_from(calibration: dict) -> cost_model.Fit:
 
 
 def _one_process(params: dict) -> dict:
-    from eval.devices import ensure_cpu_devices
-
-    ensure_cpu_devices(params["tp"])
+    jax_platform.ensure_cpu_devices(params["tp"])
     return measure(**params)
 
 
@@ -284,16 +285,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-tpu-prediction", action="store_true")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
-                        "pages for worker processes; see serving.host_memory)")
+                        "pages for worker processes; see serving.jax_platform)")
     # One process of a multi-host group (e.g. each host of a TPU slice runs this command).
-    distributed.add_arguments(p, only=GROUP_FLAGS)
+    jax_platform.add_group_arguments(p, only=GROUP_FLAGS)
     args = p.parse_args(argv)
-
-    from eval.bench_collective import parse_method
 
     methods = [m.strip() for m in args.allreduce.split(",") if m.strip()]
     for m in methods:
-        parse_method(m, args.minishards)  # fail early on a typo
+        try:
+            AllReduceConfig.from_label(m, minishards=args.minishards)  # fail early on a typo
+        except ValueError as e:
+            p.error(str(e))
     lengths = sorted({int(v) for v in args.lengths.split(",")})
     if args.link_gbit is not None and args.processes < 1:
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
@@ -310,13 +312,13 @@ def main(argv: list[str] | None = None) -> dict:
             args.calibrate_gbit or args.calibration):
         p.error("--link-gbit third and --calibrate-only need --calibrate-gbit or --calibration")
     try:
-        group = distributed.settings_from(vars(args))
+        group = jax_platform.group_from(vars(args))
     except ValueError as e:
         p.error(str(e))
     if group.enabled and args.processes:
         p.error("--processes launches local workers; --coordinator-address/--distributed join a group")
     if group.enabled:
-        distributed.initialize(group)  # before any jax computation
+        jax_platform.join_process_group(group)  # before any jax computation
     source, full_layers = model_source(args.model, args.layers)
     params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
                   iters=args.iters, warmup=args.warmup, minishards=args.minishards,
@@ -337,9 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
         mode = f"{jax.process_count()} processes (jax.distributed, {jax.device_count()} devices)"
     elif args.processes > 0:
         from eval import multiproc
-        from eval.devices import ensure_cpu_devices
 
-        ensure_cpu_devices(args.tp)  # the one-process runs below use tp virtual devices
+        jax_platform.ensure_cpu_devices(args.tp)  # the one-process runs below use tp virtual devices
         paired = args.base_link_gbit is not None and args.link_gbit is not None
         if args.baseline:
             with open(args.baseline) as f:

@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 from equarx import AllReduceConfig, plan_layout
 from equarx.quantize import SCALE_ROWS, TILE_ELEMENTS
+from eval.quality import mode_config
 
 # ---------------------------------------------------------------------------------------------
 # What each method sends
@@ -43,16 +44,6 @@ class Schedule:
     steps: int
     bytes_per_device: float
     xla_psum: bool = False
-
-
-def parse_label(label: str) -> tuple[str, str, str]:
-    """'bf16' | 'f32' | 'bf16_ring[-semi]' | 'int8-full' | 'int8-semi-rs[+hadamard]' | 'naive' ->
-    (method, variant, phases). Same spelling as `AllReduceConfig.label` and eval.bench_collective's
-    methods; the block suffix only changes the scale bytes (see `allreduce_schedule`)."""
-    if label == "naive":
-        return "naive", "full", "both"
-    cfg = AllReduceConfig.from_label(label)
-    return cfg.method, cfg.variant, cfg.phases
 
 
 def ring_hops(variant: str, n_devices: int) -> tuple[int, int]:
@@ -79,17 +70,18 @@ def allreduce_schedule(label: str, n_elements: int, n_devices: int, minishards: 
     n = n_devices
     if n == 1:
         return Schedule(0, 0, 0.0)
-    method, variant, phases = parse_label(label)
+    cfg = mode_config(label)  # None: the naive strawman
+    if cfg is None:  # all-gather of int8 values plus one float32 scale per device
+        return Schedule(n - 1, n - 1, (n - 1) * (n_elements + 4))
+    method, variant, phases = cfg.method, cfg.variant, cfg.phases
     if method in ("f32", "bf16"):
         width = 4 if method == "f32" else 2
         steps = 2 * (n - 1)
         return Schedule(steps, steps, 2 * (n - 1) / n * n_elements * width, xla_psum=True)
-    if method == "naive":  # all-gather of int8 values plus one float32 scale per device
-        return Schedule(n - 1, n - 1, (n - 1) * (n_elements + 4))
     layout = plan_layout(n_elements, n, minishards)
     m, k = layout.minishards, layout.tiles
     seq_hops, all_hops = ring_hops(variant, n)
-    if label.endswith("+hadamard"):  # a float32 scale per 128 values
+    if cfg.blocks == "hadamard":  # a float32 scale per 128 values
         int8_bytes = k * (TILE_ELEMENTS + TILE_ELEMENTS // 32)
     else:
         int8_bytes = (k + SCALE_ROWS) * TILE_ELEMENTS  # payload rows + 4 rows of scale bytes
@@ -359,9 +351,9 @@ def predict_accelerator(cfg, tp: int, tokens: int, label: str, acc: Accelerator 
     link = LinkModel(acc.alpha_s, acc.link_bytes_s * acc.ring_links, per_step=True)
     comm = link.comm_time(s, tp)
     quant = 0.0
-    method, variant, phases = parse_label(label)
-    if method == "int8" and phases in ("both", "rs"):
-        _, all_hops = ring_hops(variant, tp)
+    ar = mode_config(label)  # None: the naive strawman
+    if ar is not None and ar.method == "int8" and ar.phases in ("both", "rs"):
+        _, all_hops = ring_hops(ar.variant, tp)
         quant = all_hops * (n_el / tp) * INT8_EXTRA_HBM_BYTES_PER_ELEMENT_HOP / acc.hbm_bytes_s
     n_ar = allreduces_per_prefill(cfg.num_layers)
     return {"tokens": tokens, "tp": tp, "method": label, "compute_ms": compute * 1e3,

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="write the report as JSON")
     args = p.parse_args(argv)
     tps = tuple(int(t) for t in args.tp.split(","))
-    from eval.devices import ensure_cpu_devices
+    from serving.jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(max(tps))
     def save(report: dict) -> None:
