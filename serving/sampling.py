@@ -1,4 +1,5 @@
-"""Per-request sampling: host-side parameters and the on-device sampler.
+"""Per-request sampling: host-side parameters and the on-device sampler. (The server samples only
+here; `models/gemma3/sampling.py` is the simpler sampler of the model's own offline `generate`.)
 
 The sampler runs inside one jitted function over every slot of a step at once, each slot with its
 own temperature, top-k, top-p and seed, so that a batch can mix greedy and sampled requests without
@@ -80,10 +81,6 @@ class SamplingParams:
             _check_int("stop_token_ids", t, low=0, high=_MAX_INT32)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_TOP_LOGPROBS)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
     def seed32(self, fallback: int) -> int:
         """The 32-bit seed used on device; `fallback` (random) when the request gave none."""
