@@ -33,7 +33,7 @@ RUN python -c "from models.gemma3.gguf import default_gguf_path; print(default_g
 
 # Serve on every interface inside the container (the CLI's own default is 127.0.0.1).
 # GLIBC_TUNABLES: malloc keeps freed blocks up to 32 MiB and backs large ones with huge pages, so
-# host buffers are not page-faulted afresh on every step (serving/host_memory.py).
+# host buffers are not page-faulted afresh on every step (serving/jax_platform.py).
 ENV GEMMA3_HOST=0.0.0.0 \
     GEMMA3_PORT=8000 \
     GEMMA3_COMPILE_CACHE_DIR=/home/gemma/.cache/jax \

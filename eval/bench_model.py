@@ -33,19 +33,9 @@ import sys
 import tempfile
 import time
 
-from serving.xla_flags import with_collective_timeout
+from serving import jax_platform
 
 SECTIONS = ("prefill", "decode", "kv", "cold")
-
-
-def _setup_devices(n: int) -> None:
-    """Ask XLA for n CPU devices; must run before jax is imported."""
-    if "jax" in sys.modules:
-        return
-    flags = with_collective_timeout(os.environ.get("XLA_FLAGS", ""))
-    if "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={n}"
-    os.environ["XLA_FLAGS"] = flags.strip()
 
 
 def _stats(times: list[float], work: float) -> dict:
@@ -148,16 +138,10 @@ def bench_kv(log) -> list[dict]:
 def cold_child(args) -> None:
     """One cold start, in this fresh process; prints a JSON line."""
     t0 = time.perf_counter()
-    _setup_devices(args.cold_tp)
-    import jax
-
-    from serving.host_memory import keep_freed_memory
-
-    keep_freed_memory()  # as gemma3-serve does (serving.runtime.configure_jax)
-    if args.cache_dir:
-        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax_platform.request_cpu_devices(args.cold_tp)
+    # As gemma3-serve sets itself up: malloc keeps freed blocks, every program is cached.
+    jax_platform.keep_freed_memory()
+    jax_platform.enable_compilation_cache(args.cache_dir)
     from models.gemma3 import load_model
 
     t_import = time.perf_counter()
@@ -192,7 +176,9 @@ def bench_cold(args, log) -> list[dict]:
                str(args.cache_len), "--prefill-len", str(args.prefill_len), "--cold-slots",
                str(args.cold_slots)] + (["--cache-dir", cache_dir] if cache_dir else []) + \
             (["--overlap"] if overlap else []) + ([] if weights_cache else ["--no-weights-cache"])
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        # The child asks for its own --cold-tp devices, not this process's count.
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                             env=jax_platform.child_environment(malloc_tunables=False))
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     rows = []
@@ -275,7 +261,7 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     tps = [int(t) for t in args.tp.split(",")]
-    _setup_devices(max(tps + [args.cold_tp]))
+    jax_platform.request_cpu_devices(max(tps))
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     rows = []
     if "prefill" in sections or "decode" in sections:

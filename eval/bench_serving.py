@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from serving.host_memory import with_malloc_tunables
+from serving import jax_platform
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,8 +114,8 @@ async def run_level(url: str, model: str, concurrency: int, requests_per_stream:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    env = with_malloc_tunables(dict(os.environ))  # as the container image runs it
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    # Malloc tunables as the container image runs it; the server asks for its own --tp devices.
+    env = jax_platform.child_environment()
     cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port), "--model", args.model,
            "--dtype", args.dtype, "--tp", str(args.tp), "--allreduce", args.allreduce,
            "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len), *args.server_arg]
@@ -163,7 +162,8 @@ def main(argv=None) -> None:
     g.add_argument("--model", default="gemma3-270m")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--allreduce", default="bf16")
+    g.add_argument("--allreduce", default="bf16",
+                   help="the server's AllReduce label (e.g. int8-semi+hadamard), passed on as is")
     g.add_argument("--max-batch", type=int, default=8)
     g.add_argument("--max-seq-len", type=int, default=512)
     g.add_argument("--port", type=int, default=8011)

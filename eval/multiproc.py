@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any, Iterator, Sequence
 
-from serving.host_memory import with_malloc_tunables
+from serving import jax_platform
 
 
 def run(
@@ -59,7 +59,7 @@ def run(
     sysctls: kernel settings applied inside the namespace only (needs link_gbit), e.g.
       {"net.ipv4.tcp_slow_start_after_idle": "0"}.
     malloc_tunables: start the workers with glibc's malloc keeping freed blocks and using
-      transparent huge pages (`serving.host_memory`): XLA:CPU's per-execution buffers then
+      transparent huge pages (`serving.jax_platform`): XLA:CPU's per-execution buffers then
       stop paying page faults on every run.
     """
     if ":" not in entry:
@@ -74,16 +74,12 @@ def run(
           _namespace(link_gbit, sysctls or {}) as ns):
         port = _free_port() if ns is None else 23456  # a fresh namespace has every port free
         prefix = [] if ns is None else ["ip", "netns", "exec", ns]
-        worker_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
-        if malloc_tunables:
-            worker_env = with_malloc_tunables(worker_env)
+        # Not the parent's virtual device count: each worker asks for its own.
+        worker_env = jax_platform.child_environment(
+            dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})), malloc_tunables=malloc_tunables)
         # Whatever the caller can import, the workers can import (entry modules included).
         paths = [p for p in sys.path if p] + [os.getcwd()]
         worker_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        # The parent may have asked for virtual devices; each worker decides its own count.
-        worker_env["XLA_FLAGS"] = " ".join(
-            f for f in worker_env.get("XLA_FLAGS", "").split()
-            if "xla_force_host_platform_device_count" not in f)
         procs = []
         try:
             for pid in range(n_processes):
@@ -162,15 +158,14 @@ def _namespace(link_gbit: float | None, sysctls: dict[str, str]) -> Iterator[str
 def _worker(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
-    count = spec["devices_per_process"]
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={count}").strip()
+    jax_platform.request_cpu_devices(spec["devices_per_process"], exact=True)
     import importlib
 
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(spec["coordinator"], spec["num_processes"], spec["process_id"])
+    jax_platform.join_process_group(jax_platform.ProcessGroup(
+        spec["coordinator"], spec["num_processes"], spec["process_id"],
+        heartbeat_timeout_s=100))  # jax's own default: a loaded machine may stall a worker
     module, _, name = spec["entry"].partition(":")
     fn = getattr(importlib.import_module(module), name)
     result = fn(*spec["args"], **spec["kwargs"])

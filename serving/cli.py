@@ -1,42 +1,28 @@
 """Command-line entry points: `gemma3-serve` (the HTTP server), `gemma3-generate` (one prompt,
 streamed to the terminal) and `gemma3-convert` (weights converted once, for fast restarts).
 
-jax must not be imported before `_use_cpu_devices` has set XLA_FLAGS: on a CPU-only machine
-`--tp N` runs on N virtual CPU devices, which XLA only creates when the flag is set before it starts.
-So this module imports the serving stack (which imports jax) inside the functions.
+Process set-up comes from `serving.jax_platform`. On a CPU-only machine `--tp N` runs on N
+virtual CPU devices, which XLA only creates when they are asked for before its backend starts;
+so each entry point reads its settings, asks for the devices, and only then imports the serving
+stack (inside the functions).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 import threading
 import time
 
-from serving import distributed
+from serving import jax_platform
 from serving.config import ServerConfig, add_arguments, from_sources
-from serving.xla_flags import with_collective_timeout
+
+# Old name, still imported by tests/serving/test_serving_units.py; use jax_platform's.
+_use_cpu_devices = jax_platform.request_cpu_devices
 
 log = logging.getLogger("serving")
-
-_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
-
-
-def _use_cpu_devices(n: int) -> None:
-    """Asks XLA's CPU backend for at least n devices (ignored by GPU/TPU backends)."""
-    if n <= 1:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    m = _DEVICE_COUNT_FLAG.search(flags)
-    if m and int(m.group(1)) >= n:
-        return
-    flags = with_collective_timeout(_DEVICE_COUNT_FLAG.sub("", flags).strip())
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    if "jax" in sys.modules:
-        log.warning("jax was imported before XLA_FLAGS was set; --tp %d may not find %d devices", n, n)
 
 
 def _setup_logging(level: str) -> None:
@@ -60,19 +46,21 @@ def serve_main(argv: list[str] | None = None) -> None:
         description="OpenAI-compatible server for Gemma 3 with an optional int8 (EQuARX) AllReduce. "
                     "Settings also come from a config file (--config) or GEMMA3_* environment variables.")
     add_arguments(parser)
-    distributed.add_arguments(parser)
+    jax_platform.add_group_arguments(parser)
     args = parser.parse_args(argv)
-    config = _config(parser, args, extra=distributed.FLAG_DESTS)
+    config = _config(parser, args, extra=tuple(jax_platform.GROUP_FLAGS))
     try:
-        group = distributed.settings_from(vars(args))
-        _use_cpu_devices(distributed.local_device_count(config.tp, group) if group.enabled else config.tp)
+        group = jax_platform.group_from(vars(args))
+        jax_platform.request_cpu_devices(group.local_device_count(config.tp))
     except ValueError as e:
         parser.error(str(e))
     _setup_logging(config.log_level)
     leader = None
     if group.enabled:
         # Before any other jax use. Processes other than 0 serve no HTTP: they follow its steps.
-        distributed.initialize(group)
+        from serving import distributed
+
+        jax_platform.join_process_group(group)
         import jax
 
         if jax.process_index() != 0:
@@ -126,10 +114,8 @@ def serve_main(argv: list[str] | None = None) -> None:
 
 # ---- gemma3-generate ----
 
-_GENERATE_SETTINGS = ("model", "tp", "allreduce", "allreduce_variant", "allreduce_phases",
-                      "allreduce_minishards", "allreduce_min_bytes", "allreduce_blocks", "dtype",
-                      "max_seq_len",
-                      "compile_cache_dir", "log_level")
+_GENERATE_SETTINGS = ("model", "tp", "allreduce", "allreduce_minishards", "allreduce_min_bytes",
+                      "dtype", "max_seq_len", "compile_cache_dir", "log_level")
 
 
 def generate_main(argv: list[str] | None = None) -> None:
@@ -150,7 +136,7 @@ def generate_main(argv: list[str] | None = None) -> None:
     config = _config(parser, args, extra=own)
     if config.log_level == "info":
         config = ServerConfig(**{**config.__dict__, "log_level": "warning"})
-    _use_cpu_devices(config.tp)
+    jax_platform.request_cpu_devices(config.tp)
     _setup_logging(config.log_level)
 
     from serving.sampling import InvalidParameter, SamplingParams
@@ -273,7 +259,7 @@ def convert_main(argv: list[str] | None = None) -> None:
         parser.error("--tp must be >= 1")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"{args.out} exists and is not a directory")
-    _use_cpu_devices(args.tp)
+    jax_platform.request_cpu_devices(args.tp)
     _setup_logging("warning")
 
     from models.gemma3 import load_model

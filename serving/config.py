@@ -1,25 +1,59 @@
 """Server settings from, in increasing precedence: defaults, a config file (TOML or JSON), environment
-variables `GEMMA3_<NAME>` (e.g. GEMMA3_PORT=9000, GEMMA3_ALLREDUCE=int8) and command-line flags.
+variables `GEMMA3_<NAME>` (e.g. GEMMA3_PORT=9000, GEMMA3_ALLREDUCE=int8-semi+hadamard) and
+command-line flags.
 
-No jax import here: the CLI must set XLA_FLAGS (virtual CPU devices for --tp) before jax loads.
+The AllReduce is one setting, `allreduce`: an `equarx.AllReduceConfig.label` (`bf16`, `f32`,
+`bf16_ring`, `int8-full`, `int8-semi-rs+hadamard`, ...; `int8` is `int8-full`), the spelling
+used by /health, metrics labels and the benchmarks, plus the numeric `allreduce_minishards` and
+`allreduce_min_bytes`. The older `allreduce_variant` / `allreduce_phases` / `allreduce_blocks`
+settings are still read (flags, environment, file) as aliases that rewrite the label given in
+the same source, e.g. `--allreduce int8 --allreduce-blocks hadamard` is `int8-full+hadamard`.
+
+Nothing here starts JAX's backend: the CLI asks for virtual CPU devices after reading settings
+(validating a label imports equarx, hence jax, which is fine before the backend starts).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
+from serving.jax_platform import default_compilation_cache_dir
+
 ENV_PREFIX = "GEMMA3_"
 DEFAULT_MODEL = "gemma3-270m"
 
+# Old spellings of the AllReduce switch -> the AllReduceConfig field each one sets in the label.
+ALLREDUCE_ALIASES = {"allreduce_variant": "variant", "allreduce_phases": "phases",
+                     "allreduce_blocks": "blocks"}
 
-def default_compile_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gemma3-equarx", "jax-compile-cache")
+
+@functools.lru_cache(maxsize=1)
+def allreduce_labels() -> tuple[str, ...]:
+    """Every AllReduce label, built from equarx's own lists of methods, variants, phases and blocks."""
+    from equarx import AllReduceConfig
+    from equarx.config import BLOCKS, METHODS, PHASES, VARIANTS
+
+    labels = [m for m in METHODS if m != "int8"]
+    labels += [AllReduceConfig("int8", v, p, blocks=b).label
+               for b in BLOCKS for v in VARIANTS for p in PHASES]
+    return tuple(labels)
+
+
+def allreduce_config(label: str, minishards: int = 4, min_bytes: int = 0):
+    """The `equarx.AllReduceConfig` a label names; ValueError listing the labels otherwise."""
+    from equarx import AllReduceConfig
+
+    try:
+        return AllReduceConfig.from_label(label, minishards=minishards, min_bytes=min_bytes)
+    except ValueError:
+        raise ValueError(f"allreduce must be an AllReduce label, one of {', '.join(allreduce_labels())}"
+                         f" ('int8' = 'int8-full'); got {label!r}") from None
 
 
 def _field(default, help: str, choices=None, **kw):
@@ -32,15 +66,12 @@ class ServerConfig:
                         "checkpoint directory, or 'random:<size>' (e.g. random:1b) for benchmarks")
     served_model_name: str | None = _field(None, "model id clients use (default: derived from --model)")
     tp: int = _field(1, "tensor-parallel devices (on a CPU-only machine: virtual CPU devices)")
-    allreduce: str = _field("bf16", "AllReduce of the tensor-parallel layers",
-                            choices=("bf16", "int8", "f32", "bf16_ring"))
-    allreduce_variant: str = _field("full", "EQuARX ring variant", choices=("full", "semi"))
-    allreduce_phases: str = _field("both", "phases quantized by int8", choices=("both", "rs", "ag"))
+    allreduce: str = _field("bf16", "AllReduce of the tensor-parallel layers: an equarx "
+                            "AllReduceConfig label, e.g. bf16 (XLA's psum), int8-full (EQuARX, the "
+                            "paper's 8x128 scale tiles), int8-semi+hadamard (rotated rows of 128: "
+                            "~14x lower KL on Gemma 3); one of {labels}", metavar="LABEL")
     allreduce_minishards: int = _field(4, "scale blocks per shard (int8)")
     allreduce_min_bytes: int = _field(0, "messages smaller than this use the bf16 psum")
-    allreduce_blocks: str = _field("tile", "int8 scale blocks: 'tile' (the paper's 8x128 tiles) or "
-                                   "'hadamard' (rotated rows of 128: ~14x lower KL on Gemma 3)",
-                                   choices=("tile", "hadamard"))
     dtype: str = _field("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
     host: str = _field("127.0.0.1", "address to bind (loopback by default)")
     port: int = _field(8000, "port to bind")
@@ -52,9 +83,11 @@ class ServerConfig:
     admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
                                       "requests before the next decode step (0 disables)")
     api_key: str | None = _field(None, "require 'Authorization: Bearer <key>' on /v1 and /generate")
-    compile_cache_dir: str = _field(default_compile_cache_dir(),
-                                    "JAX persistent compilation cache, with the traced programs and "
-                                    "a GGUF model's decoded weights beside it ('' disables them)")
+    compile_cache_dir: str | None = _field(None,
+                                           "JAX persistent compilation cache, with the traced programs "
+                                           "and a GGUF model's decoded weights beside it ('' disables "
+                                           "them; unset: $XDG_CACHE_HOME or ~/.cache, "
+                                           "/gemma3-equarx/jax-compile-cache)")
     shutdown_timeout: float = _field(30.0, "seconds given to in-flight requests on SIGTERM")
     log_level: str = _field("info", "logging level", choices=("debug", "info", "warning", "error"))
 
@@ -74,6 +107,9 @@ class ServerConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+        self.allreduce_config()  # a label equarx parses
+        if self.compile_cache_dir is None:  # resolved per config, never at import
+            object.__setattr__(self, "compile_cache_dir", default_compilation_cache_dir())
 
     @property
     def model_name(self) -> str:
@@ -84,11 +120,8 @@ class ServerConfig:
         return Path(self.model.rstrip("/")).stem or self.model
 
     def allreduce_config(self):
-        from equarx import AllReduceConfig
-
-        return AllReduceConfig(method=self.allreduce, variant=self.allreduce_variant,
-                               phases=self.allreduce_phases, minishards=self.allreduce_minishards,
-                               min_bytes=self.allreduce_min_bytes, blocks=self.allreduce_blocks)
+        """The `equarx.AllReduceConfig` these settings select."""
+        return allreduce_config(self.allreduce, self.allreduce_minishards, self.allreduce_min_bytes)
 
     def public_dict(self) -> dict:
         """Settings safe to show (the API key is not)."""
@@ -113,6 +146,8 @@ def _convert(name: str, value: Any) -> Any:
 
 
 def _kind(name: str) -> type:
+    if name in ALLREDUCE_ALIASES:
+        return str
     t = _FIELDS[name].type  # a string: annotations are postponed
     return int if t == "int" else float if t == "float" else str
 
@@ -131,22 +166,38 @@ def load_config_file(path: str | os.PathLike) -> dict:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
+def _fold_aliases(merged: dict[str, Any]) -> None:
+    """Rewrites the old AllReduce spellings (ALLREDUCE_ALIASES) in `merged` into its `allreduce`
+    label: each alias replaces its part of the label (from whichever source set each, as when
+    they were settings of their own)."""
+    given = {ALLREDUCE_ALIASES[k]: str(merged.pop(k)) for k in list(merged) if k in ALLREDUCE_ALIASES}
+    if not given:
+        return
+    base = allreduce_config(str(merged.get("allreduce", _FIELDS["allreduce"].default)))
+    try:
+        merged["allreduce"] = dataclasses.replace(base, **given).label
+    except ValueError as e:
+        raise ValueError(f"allreduce: {e}") from None
+
+
 def from_sources(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  config_file: str | None = None) -> ServerConfig:
     """Merges file < environment < CLI (CLI values of None mean "not given")."""
     env = os.environ if env is None else env
     cli = {k: v for k, v in (cli or {}).items() if v is not None}
     config_file = cli.pop("config", None) or config_file or env.get(ENV_PREFIX + "CONFIG")
+    known = set(_FIELDS) | set(ALLREDUCE_ALIASES)
     merged: dict[str, Any] = {}
     if config_file:
         merged.update(load_config_file(config_file))
-    for name in _FIELDS:
+    for name in sorted(known):
         if ENV_PREFIX + name.upper() in env:
             merged[name] = env[ENV_PREFIX + name.upper()]
     merged.update(cli)
-    unknown = sorted(set(merged) - set(_FIELDS))
+    unknown = sorted(set(merged) - known)
     if unknown:
         raise ValueError(f"unknown settings: {', '.join(unknown)}")
+    _fold_aliases(merged)
     values = {}
     for k, v in merged.items():
         try:
@@ -157,12 +208,23 @@ def from_sources(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | 
 
 
 def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """One flag per setting (`--max-batch` for max_batch); unset flags stay None."""
+    """One flag per setting (`--max-batch` for max_batch); unset flags stay None. With
+    `allreduce`, the old `--allreduce-variant/-phases/-blocks` too (aliases, see above)."""
+    from equarx.config import BLOCKS, PHASES, VARIANTS
+
     parser.add_argument("--config", help="TOML or JSON file of settings (env: GEMMA3_CONFIG)")
     for name, f in _FIELDS.items():
         if only is not None and name not in only:
             continue
         default = f.default
+        help = f.metadata["help"]
+        if name == "allreduce":
+            help = help.format(labels=", ".join(allreduce_labels()))
         parser.add_argument("--" + name.replace("_", "-"), type=_kind(name), default=None,
-                            choices=f.metadata.get("choices"),
-                            help=f"{f.metadata['help']} (default: {default!r}; env {ENV_PREFIX}{name.upper()})")
+                            choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"),
+                            help=f"{help} (default: {default!r}; env {ENV_PREFIX}{name.upper()})")
+    if only is None or "allreduce" in only:
+        for name, choices in zip(ALLREDUCE_ALIASES, (VARIANTS, PHASES, BLOCKS)):
+            parser.add_argument("--" + name.replace("_", "-"), default=None, choices=choices,
+                                help=f"old spelling: sets the {ALLREDUCE_ALIASES[name]} part of "
+                                     f"the --allreduce label")

@@ -12,19 +12,21 @@ every `heartbeat_s` seconds, so a worker that hears nothing for `step_timeout_s`
 the process with a clear error: the processes can no longer be kept in step, so serving on is not
 an option.
 
-No jax import at module level: `initialize` must run before jax creates its backends.
+No jax import at module level (the process joins its group, `serving.jax_platform.join_process_group`,
+before jax creates its backends).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 import numpy as np
+
+from serving.jax_platform import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -37,119 +39,8 @@ _HEADER = 8  # kind, rows, columns, prompt_logprobs, payload length, (spare)
 EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
 
-# ---- settings ----
-
-@dataclasses.dataclass(frozen=True)
-class DistributedSettings:
-    """How this process joins the group. `coordinator_address=None` with `auto=True` lets jax
-    detect the cluster itself (Cloud TPU VM slices, SLURM, ...)."""
-
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    auto: bool = False
-    heartbeat_timeout_s: int = 30  # jax's coordination service declares a silent process dead
-    step_timeout_s: float = 600.0  # watchdog: longest wait for (or run of) one step
-    heartbeat_s: float = 2.0  # process 0 broadcasts an idle step this often when nothing runs
-
-    def __post_init__(self):
-        if self.num_processes is not None and self.num_processes < 1:
-            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
-        if self.process_id is not None and self.num_processes is not None \
-                and not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
-        if self.coordinator_address is not None and (self.num_processes is None or self.process_id is None):
-            raise ValueError("--coordinator-address needs --num-processes and --process-id")
-        if self.coordinator_address is None and not self.auto and (
-                self.num_processes not in (None, 1) or self.process_id not in (None, 0)):
-            raise ValueError("--num-processes/--process-id need --coordinator-address (or --distributed auto)")
-        if self.heartbeat_timeout_s < 1 or self.step_timeout_s <= 0 or self.heartbeat_s <= 0:
-            raise ValueError("timeouts must be positive")
-        if self.heartbeat_s >= self.step_timeout_s:
-            raise ValueError("heartbeat_s must be shorter than step_timeout_s")
-
-    @property
-    def enabled(self) -> bool:
-        return self.auto or (self.coordinator_address is not None and (self.num_processes or 1) > 1)
-
-
-# flag dest -> (environment variables, most specific first; type; help)
-_FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
-    "coordinator_address": (("GEMMA3_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS"), str,
-                            "host:port of process 0's coordination service (multi-host)"),
-    "num_processes": (("GEMMA3_NUM_PROCESSES", "JAX_NUM_PROCESSES"), int, "processes in the group"),
-    "process_id": (("GEMMA3_PROCESS_ID", "JAX_PROCESS_ID"), int, "this process's index (0 serves HTTP)"),
-    "distributed": (("GEMMA3_DISTRIBUTED",), str,
-                    "'auto': let jax detect the cluster (Cloud TPU VM slice; the default when "
-                    "TPU_WORKER_HOSTNAMES lists several hosts); 'off'"),
-    "heartbeat_timeout": (("GEMMA3_HEARTBEAT_TIMEOUT",), int,
-                          "seconds after which a silent process counts as dead (default 30)"),
-    "step_timeout": (("GEMMA3_STEP_TIMEOUT",), float,
-                     "watchdog: seconds a process may wait for or run one step (default 600)"),
-}
-FLAG_DESTS = tuple(_FLAGS)
-
-
-def add_arguments(parser, only: tuple[str, ...] | None = None) -> None:
-    group = parser.add_argument_group("multi-host (JAX distributed runtime)")
-    for dest, (envs, kind, help) in _FLAGS.items():
-        if only is not None and dest not in only:
-            continue
-        choices = ("auto", "off") if dest == "distributed" else None
-        group.add_argument("--" + dest.replace("_", "-"), type=kind, default=None, choices=choices,
-                           help=f"{help} (env {' or '.join(envs)})")
-
-
-def settings_from(values: Mapping[str, object], env: Mapping[str, str] | None = None) -> DistributedSettings:
-    """Flags (None = not given) over environment variables over defaults."""
-    env = os.environ if env is None else env
-    merged: dict[str, object] = {}
-    for dest, (envs, kind, _) in _FLAGS.items():
-        v = values.get(dest)
-        if v is None:
-            v = next((env[e] for e in envs if env.get(e)), None)
-        if v is not None:
-            try:
-                merged[dest] = kind(v)
-            except ValueError:
-                raise ValueError(f"{dest}: cannot use {v!r}") from None
-    # GKE and some TPU VM images name every host of the slice: several hosts means multi-host.
-    multi_host_tpu = len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1
-    default = "auto" if multi_host_tpu and "coordinator_address" not in merged else "off"
-    mode = merged.pop("distributed", default)
-    if mode not in ("auto", "off"):
-        raise ValueError(f"distributed must be 'auto' or 'off', got {mode!r}")
-    kw = {}
-    if "heartbeat_timeout" in merged:
-        kw["heartbeat_timeout_s"] = merged.pop("heartbeat_timeout")
-    if "step_timeout" in merged:
-        kw["step_timeout_s"] = merged.pop("step_timeout")
-        kw["heartbeat_s"] = min(2.0, kw["step_timeout_s"] / 4)
-    return DistributedSettings(auto=mode == "auto", **merged, **kw)
-
-
-def local_device_count(tp: int, settings: DistributedSettings) -> int:
-    """Virtual CPU devices this process should create: its share of the tp mesh."""
-    n = settings.num_processes or 1
-    if tp % n:
-        raise ValueError(f"tp={tp} must be a multiple of the number of processes ({n})")
-    return tp // n
-
-
-def initialize(settings: DistributedSettings) -> None:
-    """Joins the group; must run before any other jax use. CPU collectives between processes go
-    through gloo (TCP); TPU/GPU backends use their own interconnect."""
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if settings.auto and settings.coordinator_address is None:
-        jax.distributed.initialize(heartbeat_timeout_seconds=settings.heartbeat_timeout_s)
-    else:
-        jax.distributed.initialize(settings.coordinator_address, settings.num_processes, settings.process_id,
-                                   heartbeat_timeout_seconds=settings.heartbeat_timeout_s)
-    log.info("process %d of %d joined: %d local / %d global %s devices", jax.process_index(),
-             jax.process_count(), jax.local_device_count(), jax.device_count(), jax.default_backend())
-
+# The group's settings and how a process joins it are process set-up, shared with eval:
+# `serving.jax_platform` (ProcessGroup, add_group_arguments, group_from, join_process_group).
 
 # ---- the step wire format ----
 
@@ -301,7 +192,7 @@ class LeaderEngine:
     """Process 0's engine: the scheduler drives it exactly like the local engine it wraps; each
     step is broadcast to the workers first. Idle heartbeats keep the workers' watchdogs quiet."""
 
-    def __init__(self, engine, settings: DistributedSettings):
+    def __init__(self, engine, settings: ProcessGroup):
         self.engine = engine
         self.info = engine.info
         self.tokenizer = engine.tokenizer
@@ -381,7 +272,7 @@ class LeaderEngine:
                 self._lock.release()
 
 
-def worker_loop(engine, settings: DistributedSettings) -> int:
+def worker_loop(engine, settings: ProcessGroup) -> int:
     """A non-zero process's life after warm-up: run process 0's steps until it says shutdown."""
     info = engine.info
     capacity = step_capacity(info.num_slots, info.prefill_buckets, info.batch_sizes_for)
@@ -410,7 +301,7 @@ def worker_loop(engine, settings: DistributedSettings) -> int:
         steps += kind in (PREFILL, DECODE)
 
 
-def leader_factory(settings: DistributedSettings):
+def leader_factory(settings: ProcessGroup):
     """Runtime engine factory for process 0: the usual load and warm-up, then broadcast steps."""
     from serving.runtime import load_engine
 
@@ -420,7 +311,7 @@ def leader_factory(settings: DistributedSettings):
     return factory
 
 
-def run_worker(config, settings: DistributedSettings) -> int:
+def run_worker(config, settings: ProcessGroup) -> int:
     """A non-zero process: load and warm up exactly as process 0 does (the same programs in the
     same order), then follow its steps. Returns the exit status."""
     from serving.runtime import load_engine

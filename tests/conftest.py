@@ -1,18 +1,17 @@
-"""Test session set-up: 8 virtual CPU devices, configured before anything imports jax."""
-import os
+"""Test session set-up: 8 virtual CPU devices on the CPU backend, asked for (through
+`serving.jax_platform`, the same set-up the CLI and eval use) before any test starts JAX."""
+import gc
 
-from serving.xla_flags import with_collective_timeout
+import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    _flags += " --xla_force_host_platform_device_count=8"
-os.environ["XLA_FLAGS"] = with_collective_timeout(_flags.strip())  # 8 devices on 2 cores
+from serving import jax_platform
 
 
-import gc  # noqa: E402
+def pytest_configure(config):
+    import os
 
-import pytest  # noqa: E402
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    jax_platform.request_cpu_devices(8)  # 8 devices on 2 cores: with the longer collective timeout
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from serving import distributed
-from serving.config import ENV_PREFIX, ServerConfig
-from serving.host_memory import with_malloc_tunables
+from serving import jax_platform
+from serving.config import ALLREDUCE_ALIASES, ENV_PREFIX, ServerConfig
 from testkit import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +71,8 @@ def test_hadolint_finds_nothing():
 
 def test_dockerfile_settings_are_the_servers():
     d = _dockerfile()
-    settings = {ENV_PREFIX + name.upper() for name in ServerConfig.__dataclass_fields__}
-    settings |= {e for envs, _, _ in distributed._FLAGS.values() for e in envs}
+    settings = {ENV_PREFIX + name.upper() for name in [*ServerConfig.__dataclass_fields__, *ALLREDUCE_ALIASES]}
+    settings |= {e for envs, _, _ in jax_platform.GROUP_FLAGS.values() for e in envs}
     unknown = sorted(k for k in d["env"] if k.startswith(ENV_PREFIX) and k not in settings)
     assert not unknown, f"the Dockerfile sets variables the server does not read: {unknown}"
     assert d["env"]["GEMMA3_HOST"] == "0.0.0.0"
@@ -84,7 +83,20 @@ def test_dockerfile_settings_are_the_servers():
     assert re.search(r"^FROM python:3\.12-slim", text, re.M)
     assert re.search(r"^USER (?!root|0\b)", text, re.M)
     assert "--xla_enable_async_collective_permute=true" in d["env"]["LIBTPU_INIT_ARGS"]
-    assert d["env"]["GLIBC_TUNABLES"] == with_malloc_tunables({})["GLIBC_TUNABLES"]
+    assert d["env"]["GLIBC_TUNABLES"] == jax_platform.with_malloc_tunables({})["GLIBC_TUNABLES"]
+
+
+def test_image_installs_the_jax_release_pyproject_pins():
+    """The image's JAX_VERSION is inside the range pyproject.toml pins (the tested release)."""
+    from packaging.requirements import Requirement
+
+    m = re.search(r"^ARG JAX_VERSION=(\S+)$", DOCKERFILE.read_text(), re.M)
+    assert m, "the Dockerfile has no ARG JAX_VERSION"
+    deps = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    pins = {r.name: r.specifier for r in deps if r.name in ("jax", "jaxlib")}
+    assert set(pins) == {"jax", "jaxlib"} and all(any(s.operator in ("<", "<=", "==") for s in spec)
+                                                  for spec in pins.values()), pins
+    assert all(spec.contains(m.group(1)) for spec in pins.values()), (m.group(1), pins)
 
 
 
@@ -99,8 +111,7 @@ def _resolve(argv: list[str], path: str) -> list[str]:
 def test_entrypoint_serves_and_passes_healthcheck(tmp_path):
     d = _dockerfile()
     port = free_port()
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env = jax_platform.child_environment(malloc_tunables=False)  # the image sets its own tunables
     env.update(d["env"])
     # Outside the container: loopback, a free port, a writable cache and a tiny model so it starts fast.
     env.update(GEMMA3_HOST="127.0.0.1", GEMMA3_PORT=str(port), GEMMA3_COMPILE_CACHE_DIR=str(tmp_path / "cache"),

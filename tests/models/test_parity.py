@@ -103,10 +103,12 @@ def test_bfloat16_agrees_with_official_as_well_as_official_agrees_with_itself(bf
     must agree at least that well."""
     runs = list(golden["bf16_by_jax"].values())
     official_self = _agreement(runs[0], runs[1])
+    # pyproject pins jax to the releases the golden file has a run of; any other one fails here
+    # instead of skipping the comparison.
     same_release = golden["bf16_by_jax"].get(jax.__version__)
-    if same_release is None:
-        pytest.skip(f"no official bf16 run under jax {jax.__version__} in the golden file "
-                    "(tests/golden/official_bf16_rerun.py makes one)")
+    assert same_release is not None, (
+        f"no official bf16 run under jax {jax.__version__} in the golden file (it has "
+        f"{sorted(golden['bf16_by_jax'])}); tests/golden/official_bf16_rerun.py makes one")
     assert _agreement(bf16_top1, same_release) >= official_self
 
 
@@ -120,30 +122,52 @@ def test_bfloat16_top1_agreement_target(bf16_top1, golden):
     assert _agreement(bf16_top1, golden["bf16_top1"]) >= 0.99
 
 
-@pytest.mark.parametrize("variant,blocks", [("full", "tile"), ("full", "hadamard"),
-                                            ("semi", "hadamard")])
-def test_int8_allreduce_top1_at_tp4(params, golden, variant, blocks):
-    """EQuARX int8 (both phases) at tp=4, float32 model, against the float32 reference's top-1
-    (which the float32-AllReduce model reproduces, tests above).
+@pytest.fixture(scope="module")
+def int8_tp4(params, golden):
+    """(variant, blocks) -> (our top-1 at every prompt position, its agreement with the float32
+    reference's top-1, which the float32-AllReduce model reproduces: tests above) for EQuARX
+    int8 (both phases) at tp=4 on a float32 model. Each run once; its model is dropped."""
+    runs = {}
 
-    The issue's target is >= 98%. The paper's 8x128 tile scales give 86-89% here (see README).
-    Rotated row blocks (blocks="hadamard") give 97.6-98.8% with the full-loop ring (163-165 of
-    167 positions; the count moves with the CPU's float summation order) and 99.4% with the
-    semi-loop (166), and every miss is a near tie: the reference's own top-1/top-2 logit gap
-    there is under 0.1 and we pick its second choice. So this asserts a floor only a broken
-    ring would miss, that hadamard's misses are near ties, and marks the 98% target xfail where
-    a run lands under it."""
-    cfg = AllReduceConfig(method="int8", variant=variant, blocks=blocks)
-    m = load_model(params, tp=4, dtype="float32", allreduce=cfg)
-    ours = _top1(m.score(golden["prompts"]), [len(t) for t in golden["tokens"]])
-    agreement = _agreement(ours, [idx[:, 0] for idx in golden["top_idx"]])
+    def run(variant: str, blocks: str):
+        if (variant, blocks) not in runs:
+            cfg = AllReduceConfig(method="int8", variant=variant, blocks=blocks)
+            m = load_model(params, tp=4, dtype="float32", allreduce=cfg)
+            ours = _top1(m.score(golden["prompts"]), [len(t) for t in golden["tokens"]])
+            runs[variant, blocks] = ours, _agreement(ours, [idx[:, 0] for idx in golden["top_idx"]])
+        return runs[variant, blocks]
+
+    return run
+
+
+# Floors a couple of positions (of 167) under today's measured agreement on this machine, so a
+# regression shows at once (the count moves by a position or two with the CPU's summation order):
+#   full + tile (the paper's scales)  measured 0.886 (148 of 167)   floor 0.87 (146)
+#   full + hadamard                   measured 0.976-0.988 (163-165)  floor 0.97 (162)
+#   semi + hadamard                   measured 0.994 (166)            floor 0.985 (165)
+# (docs/parity.md has the measurements.)
+INT8_TP4_FLOORS = {("full", "tile"): 0.87, ("full", "hadamard"): 0.97, ("semi", "hadamard"): 0.985}
+
+
+@pytest.mark.parametrize("variant,blocks", list(INT8_TP4_FLOORS))
+def test_int8_allreduce_top1_at_tp4(int8_tp4, golden, variant, blocks):
+    """Top-1 agreement at or above its floor (INT8_TP4_FLOORS). With rotated row blocks
+    (blocks="hadamard") every miss is also a near tie: the reference's own top-1/top-2 logit
+    gap there is under 0.1 and we pick its second choice."""
+    ours, agreement = int8_tp4(variant, blocks)
+    assert agreement >= INT8_TP4_FLOORS[variant, blocks], agreement
     if blocks == "hadamard":
-        assert agreement >= 0.95, agreement
         for top1, idx, val in zip(ours, golden["top_idx"], golden["top_val"]):
             for pos in np.nonzero(top1 != idx[:, 0])[0]:
                 assert top1[pos] == idx[pos, 1], (pos, top1[pos], idx[pos, :3])
                 assert val[pos, 0] - val[pos, 1] < 0.1, (pos, val[pos, :2])
-    else:
-        assert agreement >= 0.75, agreement
-    if agreement < 0.98:
-        pytest.xfail(f"int8 ({variant}, {blocks}) top-1 agreement {agreement:.3f} < 0.98 target")
+
+
+@pytest.mark.xfail(strict=True, reason="the paper's 8x128 tile scales: measured 0.886 (148 of 167); "
+                   "an int8 step of (block max)/127 flips near ties (see README, Quality). Rotated "
+                   "blocks meet it with the semi-loop ring (0.994), see the floors above")
+def test_int8_allreduce_top1_target(int8_tp4):
+    """The issue's target: top-1 agreement >= 98% with EQuARX int8 (the paper's configuration:
+    full-loop ring, tile scales) at tp=4."""
+    _, agreement = int8_tp4("full", "tile")
+    assert agreement >= 0.98, agreement

@@ -9,7 +9,6 @@ exit with a clear error soon after process 1 is killed (int8).
 The wire format, settings and watchdog are checked without starting any process.
 """
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from serving import distributed as dist
+from serving import jax_platform
 from serving.engine import DecodeInputs, PrefillInputs
 from serving.sampling import SlotSampling
 from testkit import free_port
@@ -70,26 +70,26 @@ def test_step_round_trip():
         dist.decode_step(bad)
 
 
-def test_settings_from_flags_and_env():
+def test_process_group_from_flags_and_env():
     env = {"GEMMA3_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4", "GEMMA3_PROCESS_ID": "3"}
-    s = dist.settings_from({}, env)
+    s = jax_platform.group_from({}, env)
     assert (s.coordinator_address, s.num_processes, s.process_id, s.enabled) == ("10.0.0.2:1234", 4, 3, True)
-    s = dist.settings_from({"process_id": 1, "step_timeout": 20.0}, env)
+    s = jax_platform.group_from({"process_id": 1, "step_timeout": 20.0}, env)
     assert s.process_id == 1 and s.step_timeout_s == 20.0 and s.heartbeat_s == 2.0
-    assert dist.local_device_count(16, s) == 4
-    assert not dist.settings_from({}, {}).enabled
-    assert dist.settings_from({"distributed": "auto"}, {}).enabled
-    assert dist.settings_from({}, {"TPU_WORKER_HOSTNAMES": "t1v-0,t1v-1"}).auto
-    assert not dist.settings_from({}, {"TPU_WORKER_HOSTNAMES": "t1v-0"}).enabled
-    assert not dist.settings_from({"distributed": "off"}, {"TPU_WORKER_HOSTNAMES": "a,b"}).enabled
+    assert s.local_device_count(16) == 4
+    assert not jax_platform.group_from({}, {}).enabled
+    assert jax_platform.group_from({"distributed": "auto"}, {}).enabled
+    assert jax_platform.group_from({}, {"TPU_WORKER_HOSTNAMES": "t1v-0,t1v-1"}).auto
+    assert not jax_platform.group_from({}, {"TPU_WORKER_HOSTNAMES": "t1v-0"}).enabled
+    assert not jax_platform.group_from({"distributed": "off"}, {"TPU_WORKER_HOSTNAMES": "a,b"}).enabled
     with pytest.raises(ValueError, match="multiple of the number of processes"):
-        dist.local_device_count(6, s)
+        s.local_device_count(6)
     with pytest.raises(ValueError, match="process_id must be in"):
-        dist.settings_from({"process_id": 4}, env)
+        jax_platform.group_from({"process_id": 4}, env)
     with pytest.raises(ValueError, match="need --coordinator-address"):
-        dist.settings_from({"num_processes": 2, "process_id": 1}, {})
+        jax_platform.group_from({"num_processes": 2, "process_id": 1}, {})
     with pytest.raises(ValueError, match="num_processes: cannot use"):
-        dist.settings_from({}, {**env, "JAX_NUM_PROCESSES": "two"})
+        jax_platform.group_from({}, {**env, "JAX_NUM_PROCESSES": "two"})
 
 
 def test_watchdog_fires_only_when_armed_too_long():
@@ -114,9 +114,8 @@ def test_watchdog_fires_only_when_armed_too_long():
 
 def _start_group(allreduce: str, log_dir: Path, cache_dir: Path):
     port, coord = free_port(), free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     # One device per process: the test session's 8 virtual devices are not the servers' business.
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
     procs = []
     for pid in range(2):
         cmd = [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
@@ -236,8 +235,7 @@ def test_bench_prefill_as_two_processes(tmp_path):
     """eval.bench_prefill joined into a group by the same flags: both processes measure the tp=2
     program spread over them; process 0 writes the report."""
     coord = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
     procs = []
     for pid in range(2):
         cmd = [sys.executable, "-m", "eval.bench_prefill", "--model", "random:tiny", "--tp", "2",

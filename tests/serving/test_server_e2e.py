@@ -21,6 +21,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+
+from serving import jax_platform
 from testkit import free_port
 
 pytestmark = pytest.mark.slow
@@ -43,11 +45,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
-        env = dict(os.environ)
         # The test session's 8 virtual devices are not the server's business: --tp decides.
-        env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                                  env.get("XLA_FLAGS", "")).strip()
-        env["JAX_PLATFORMS"] = "cpu"
+        env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
         cmd = [sys.executable, "-m", "serving.cli", "--port", str(self.port), "--dtype", "float32",
                "--max-seq-len", str(max_seq_len), "--compile-cache-dir", str(cache_dir), *args]
         self.log = open(self.log_path, "w")
