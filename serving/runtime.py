@@ -94,19 +94,12 @@ class Runtime:
 def configure_jax(config: ServerConfig) -> None:
     """Persistent compilation cache: a restart (or the second server) loads compiled programs
     instead of compiling them again, which is most of the start-up time on CPU. (The traced
-    programs are kept beside it, see `load_engine`.) Every program is kept: even the small
-    ones take 0.1-0.5 s to compile and read back faster. Also keeps freed host memory for
-    reuse (`serving.host_memory`: no page faults on every large temporary)."""
-    import jax
+    programs are kept beside it, see `load_engine`.) Also keeps freed host memory for reuse (no
+    page faults on every large temporary). Both from `serving.jax_platform`."""
+    from serving import jax_platform
 
-    from serving.host_memory import keep_freed_memory
-
-    keep_freed_memory()
-
-    if config.compile_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax_platform.keep_freed_memory()
+    jax_platform.enable_compilation_cache(config.compile_cache_dir)
 
 
 def load_configured_model(config: ServerConfig, warm_up=None):
