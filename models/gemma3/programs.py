@@ -47,13 +47,20 @@ def prefill_buckets(max_seq_len: int, smallest: int = MIN_BUCKET) -> tuple[int, 
 
 
 class Program(enum.Enum):
-    """The device programs; the value names the program in the program cache's files."""
+    """The device programs; the value names the program in the program cache's files.
 
-    PREFILL = "prefill"              # (weights, cache, tokens, lengths, slots) -> (logits [B, V], cache)
-    PREFILL_ALL_LOGITS = "prefill_all"  # the same, logits [B, T, V] at every position
-    DECODE = "decode"                # (weights, cache, tokens, positions) -> (logits [R, V], new kv)
-    WRITE_TOKEN = "write_token"      # (cache, new kv, positions) -> cache
-    SCORE = "score"                  # (weights, tokens, lengths) -> logits [B, T, V]; no cache
+    PREFILL:            (weights, cache, tokens, lengths, slots) -> (logits [B, V], cache)
+    PREFILL_ALL_LOGITS: the same with logits [B, T, V] at every position
+    DECODE:             (weights, cache, tokens, positions) -> (logits [R, V], new keys/values)
+    WRITE_TOKEN:        (cache, new keys/values, positions) -> cache
+    SCORE:              (weights, tokens, lengths) -> logits [B, T, V], with no cache
+    """
+
+    PREFILL = "prefill"
+    PREFILL_ALL_LOGITS = "prefill_all"
+    DECODE = "decode"
+    WRITE_TOKEN = "write_token"
+    SCORE = "score"
 
 
 @dataclasses.dataclass(frozen=True)
