@@ -1,19 +1,24 @@
-"""The one switch that selects how a tensor-parallel reduction is performed."""
+"""The one switch that selects how a tensor-parallel reduction is performed, and its label."""
 from __future__ import annotations
 
 import dataclasses
 import operator
 from typing import Literal
 
-Method = Literal["f32", "bf16", "bf16_ring", "int8"]
-Variant = Literal["full", "semi"]
+Method = Literal["f32", "bf16", "bf16_ring", "int8", "int4", "fp8"]
+Variant = Literal["auto", "full", "semi", "twoshot"]
 Phases = Literal["both", "rs", "ag"]
-Blocks = Literal["tile", "hadamard"]
+Blocks = Literal["group", "tile", "hadamard"]
+Topology = Literal["auto", "ring", "switched"]
 
-METHODS = ("f32", "bf16", "bf16_ring", "int8")
-VARIANTS = ("full", "semi")
+METHODS = ("f32", "bf16", "bf16_ring", "int8", "int4", "fp8")
+QUANTIZED = ("int8", "int4", "fp8")  # methods with a quantizing codec
+RING_METHODS = ("bf16_ring",) + QUANTIZED  # methods that run this package's schedules
+VARIANTS = ("auto", "full", "semi", "twoshot")
 PHASES = ("both", "rs", "ag")
-BLOCKS = ("tile", "hadamard")
+BLOCKS = ("group", "tile", "hadamard")
+TOPOLOGIES = ("auto", "ring", "switched")
+GROUP_SIZES = (16, 32, 64, 128)
 
 
 def _is_int(value) -> bool:
@@ -28,74 +33,114 @@ def _is_int(value) -> bool:
 class AllReduceConfig:
     """How `equarx.all_reduce` reduces.
 
-    method: "f32" (XLA psum in float32), "bf16" (XLA psum in bfloat16: today's baseline),
-      "bf16_ring" (our ring schedule, unquantized, bf16 on the wire), "int8" (EQuARX).
-    variant: "full" (full-loop ring, both directions) or "semi" (semi-loop, bidirectional chains).
-    phases: which phases are quantized for int8: "both", "rs" (reduce-scatter only), "ag".
-    minishards: scale blocks per shard, an upper bound (a minishard is never cut below 128
-      tiles of 8x128, see equarx.collective); each carries its own 8x128 float32 scales.
+    method: "f32" (XLA psum in float32), "bf16" (XLA psum in bfloat16), "bf16_ring" (this
+      package's schedules, unquantized, bf16 on the wire), or a quantized wire type: "int8"
+      (EQuARX), "int4" (two values per byte) or "fp8" (float8 e4m3 with a block scale).
+    variant: the schedule. "full" (full-loop ring, both directions), "semi" (semi-loop:
+      bidirectional chains of about N/2 hops), "twoshot" (reduce-scatter as direct sends to
+      each owner, then a direct all-gather: every value quantized exactly twice whatever N),
+      or "auto" (picked per message from the axis size, its bytes and `topology`; see
+      equarx.schedule).
+    phases: which phases are quantized: "both", "rs" (reduce-scatter only), "ag".
+    blocks: how quantized values share scales.
+      "group" (default): the token-local layout (every row of the message split by columns
+        across the shards) and, within a row, runs of `group_size` values rotated by a
+        randomized Hadamard transform and given one bfloat16 scale. A row's result depends on
+        that row alone, bitwise.
+      "tile" (the paper's): the message flattened, per minishard one float32 8x128 scale tile,
+        scale[s, l] covering the K values at that tile position (mixes tokens).
+      "hadamard": the flattened message rotated in runs of 128, one float32 scale per 128.
+    group_size: values per scale (and per rotation) with blocks="group".
+    topology: how the devices are linked, for variant="auto": "ring" (a torus' ring, where
+      sends to far devices cross several links: TPU), "switched" (every pair one hop: GPUs
+      behind NVSwitch, hosts behind a network switch), or "auto" (ring on TPU, else switched).
+    minishards: an upper bound on how many pieces a shard is cut into for pipelining (each
+      travels as its own ppermute when `pipelined`).
     min_bytes: messages smaller than this (in bytes of the caller's dtype) use the bf16 psum.
-    pipelined: True sends each minishard as its own ppermute (the paper's pipelining: XLA may
-      overlap one minishard's transfer with another's quantization); False sends all the
-      minishards a ring direction carries in one ppermute per hop (same bytes, same scales,
-      fewer messages: better where collectives block and never overlap compute, as on XLA:CPU).
-    blocks: how int8 values share scales. "tile" (the paper's): per minishard one 8x128 scale
-      tile, scale[s, l] covering the K elements at that tile position. "hadamard": each run of
-      128 consecutive elements is rotated by a randomized Hadamard transform (once before the
-      reduce-scatter, undone once after the all-gather) and gets its own float32 scale. It
-      costs two cheap transforms and the same wire bytes (4 bytes per 128 values), and is far
-      more accurate on activations with outlier channels (see equarx.hadamard).
+    pipelined: True sends each minishard as its own ppermute (XLA may overlap one minishard's
+      transfer with another's quantization); False sends all the minishards of a chain in one
+      ppermute per hop (fewer, larger messages: better where collectives block, as on XLA:CPU).
     """
 
     method: Method = "bf16"
-    variant: Variant = "full"
+    variant: Variant = "auto"
     phases: Phases = "both"
     minishards: int = 4
     min_bytes: int = 0
     pipelined: bool = True
-    blocks: Blocks = "tile"
+    blocks: Blocks = "group"
+    group_size: int = 32
+    topology: Topology = "auto"
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.phases not in PHASES:
-            raise ValueError(f"phases must be one of {PHASES}, got {self.phases!r}")
-        if self.blocks not in BLOCKS:
-            raise ValueError(f"blocks must be one of {BLOCKS}, got {self.blocks!r}")
+        for name, choices in (("method", METHODS), ("variant", VARIANTS), ("phases", PHASES),
+                              ("blocks", BLOCKS), ("topology", TOPOLOGIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if not _is_int(self.minishards) or self.minishards < 1:
             raise ValueError(f"minishards must be an integer >= 1, got {self.minishards!r}")
         if not _is_int(self.min_bytes) or self.min_bytes < 0:
             raise ValueError(f"min_bytes must be an integer >= 0, got {self.min_bytes!r}")
+        if not _is_int(self.group_size) or self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
         # Plain ints, so that to_dict() serialises (numpy integers are accepted above).
-        object.__setattr__(self, "minishards", operator.index(self.minishards))
-        object.__setattr__(self, "min_bytes", operator.index(self.min_bytes))
+        for name in ("minishards", "min_bytes", "group_size"):
+            object.__setattr__(self, name, operator.index(getattr(self, name)))
         if not isinstance(self.pipelined, bool):
             raise ValueError(f"pipelined must be a bool, got {self.pipelined!r}")
+        if self.method in ("int4", "fp8") and self.blocks != "group":
+            raise ValueError(f"{self.method} needs blocks='group', got {self.blocks!r}")
+
+    @property
+    def token_local(self) -> bool:
+        """Whether a row's result depends on that row's partial sums alone, bitwise (the
+        layout and the scales keep to one row; XLA's psums reduce each value on its own)."""
+        if self.method in ("f32", "bf16"):
+            return True
+        return self.blocks == "group"
 
     @property
     def label(self) -> str:
-        """Short name used in metrics labels, benchmark rows and /health."""
-        if self.method != "int8":
+        """Short name used in metrics labels, benchmark rows, /health and on the command line:
+        method, then -variant, -phases, +blocks where they differ from the defaults, then the
+        group size where it is not 32 (e.g. "int8", "int8-full+tile", "int4-twoshot/64")."""
+        if self.method in ("f32", "bf16"):
             return self.method
-        suffix = "" if self.phases == "both" else f"-{self.phases}"
-        blocks = "" if self.blocks == "tile" else f"+{self.blocks}"
-        return f"int8-{self.variant}{suffix}{blocks}"
+        label = self.method
+        if self.variant != "auto":
+            label += f"-{self.variant}"
+        if self.method != "bf16_ring":
+            if self.phases != "both":
+                label += f"-{self.phases}"
+            if self.blocks != "group":
+                label += f"+{self.blocks}"
+            elif self.group_size != 32:
+                label += f"/{self.group_size}"
+        return label
 
     @classmethod
     def from_label(cls, label: str, **fields) -> "AllReduceConfig":
-        """The inverse of `label`: "f32", "bf16", "bf16_ring[-semi]", "int8-full",
-        "int8-semi-rs+hadamard", ... The other fields (minishards, min_bytes, pipelined) come
-        from keyword arguments."""
-        base, plus, blocks = label.partition("+")
+        """The inverse of `label`: "f32", "bf16", "bf16_ring[-full|-semi|-twoshot]", "int8",
+        "int8-semi", "int8-full+tile", "int8-semi-ag+hadamard", "int4-twoshot/64", ... Other
+        fields (minishards, min_bytes, pipelined, topology) come from keyword arguments."""
+        example = ("e.g. 'bf16', 'bf16_ring', 'int8', 'int8-semi', 'int8-full+tile', "
+                   "'int8-twoshot-ag', 'int4/64'")
+        base, _, group = label.partition("/")
+        base, plus, blocks = base.partition("+")
         parts = base.split("-")
-        quantized = parts[0] == "int8"
-        if len(parts) > (3 if quantized else 2) or (plus and not (quantized and blocks)):
-            raise ValueError(f"cannot parse AllReduce label {label!r} (e.g. 'bf16', "
-                             f"'bf16_ring', 'int8-full', 'int8-semi-rs+hadamard')")
-        return cls(parts[0], parts[1] if len(parts) > 1 else "full",
-                   parts[2] if len(parts) > 2 else "both", blocks=blocks or "tile", **fields)
+        method = parts[0]
+        rest = parts[1:]
+        variant = rest.pop(0) if rest and rest[0] in VARIANTS else "auto"
+        phases = rest.pop(0) if rest and rest[0] in PHASES else "both"
+        bad = (method not in METHODS or rest or (plus and not blocks)
+               or (method in ("f32", "bf16") and (base != method or plus or group))
+               or (method == "bf16_ring" and (plus or group or phases != "both"))
+               or (group and not group.isdigit()) or (group and blocks not in ("", "group")))
+        if bad:
+            raise ValueError(f"cannot parse AllReduce label {label!r} ({example})")
+        if group:
+            fields["group_size"] = int(group)
+        return cls(method, variant, phases, blocks=blocks or "group", **fields)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

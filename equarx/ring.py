@@ -29,13 +29,13 @@ Variants:
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx import quantize as qz
+from equarx.codecs import Codec
 
 # Putting relative rows in absolute order: XLA:CPU fuses a gather (or a chain of
 # dynamic-update-slices) over the stacked pieces into per-element selects, 2-3x slower than
@@ -43,57 +43,6 @@ from equarx import quantize as qz
 # time (about a third of the compile time of a model's worth of small all-reduces). Large
 # messages take the switch, small ones the gather.
 SWITCH_MIN_ELEMENTS = 1 << 20
-
-
-class Codec(Protocol):
-    """How float32 minishards f32[g, K, 8, 128] travel on the wire (one array, one ppermute)."""
-
-    def encode(self, x: jax.Array) -> jax.Array: ...
-
-    def decode(self, wire: jax.Array) -> jax.Array: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Int8Codec:
-    """EQuARX: per minishard, int8 payload rows then its float32 8x128 scales (one int8
-    buffer [g, K + 4, 1024] for a piece of g minishards)."""
-
-    def encode(self, x: jax.Array) -> jax.Array:
-        return qz.pack(*qz.quantize_blockwise(x))
-
-    def decode(self, wire: jax.Array) -> jax.Array:
-        return qz.packed_dequantize(wire)
-
-
-class Int8RowCodec:
-    """Row blocks (blocks="hadamard"): one float32 scale per 128 consecutive values, packed
-    as int8 rows of 32 bytes [g, 33 K, 32] (the payload's 32 K rows, then K rows of scales)."""
-
-    def encode(self, x: jax.Array) -> jax.Array:
-        return qz.pack_rows(*qz.quantize_rows(x))
-
-    def decode(self, wire: jax.Array) -> jax.Array:
-        return qz.packed_dequantize_rows(wire)
-
-
-@dataclasses.dataclass(frozen=True)
-class FloatCodec:
-    """Unquantized: the values rounded to `dtype`. 16-bit floats travel bit-cast to uint16
-    because gloo moves bfloat16 at about half the bytes/s of integer types; the cast is pure
-    data movement and changes nothing numerically."""
-
-    dtype: jnp.dtype
-
-    def encode(self, x: jax.Array) -> jax.Array:
-        v = x.astype(self.dtype)  # [..., K, 8, 128]: any leading dims travel as they are
-        if jnp.dtype(self.dtype).itemsize == 2:
-            v = lax.bitcast_convert_type(v, jnp.uint16)
-        return v
-
-    def decode(self, wire: jax.Array) -> jax.Array:
-        if wire.dtype == jnp.uint16:
-            wire = lax.bitcast_convert_type(wire, self.dtype)
-        return wire.astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,22 +100,20 @@ def _ring_perm(n: int, direction: int) -> list[tuple[int, int]]:
 
 
 def ring_reduce_scatter(
-    x: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec
+    buf: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec, layout
 ) -> jax.Array:
-    """x: [N, m, K, 8, 128] (any float dtype), this device's partial sums of every shard ->
-    f32[m, K, 8, 128], this device's fully reduced shard (row d). Partial sums are decoded to
-    float32, the local minishards are added in float32, and the new partial is encoded afresh
-    before the next hop."""
-    n, m = x.shape[0], x.shape[1]
+    """buf: this device's partial sums of every shard in `layout`'s buffer (any float dtype)
+    -> f32[pieces, *piece], this device's fully reduced shard. Partial sums are decoded to
+    float32, the local piece is added in float32, and the new partial is encoded afresh before
+    the next hop."""
+    n, m = layout.n_devices, layout.pieces
     d = lax.axis_index(axis_name)
 
     def local(r: int, piece: tuple[int, int]) -> jax.Array:
         # In the caller's dtype: the codec and the float32 add convert where they read it, so
         # XLA converts inside each consumer's loop (a float32 copy of a bfloat16 piece shared
         # by Qp1 and Qp2 would be written out in full first).
-        a, b = piece
-        start = ((d + r) % n, a) + (0,) * (x.ndim - 2)
-        return lax.dynamic_slice(x, start, (1, b - a) + x.shape[2:])[0]
+        return layout.piece(buf, (d + r) % n, *piece)
 
     in_flight: dict[tuple[int, tuple[int, int]], jax.Array] = {}
     for t in range(max(c.hops for c in chains)):
@@ -193,16 +140,14 @@ def ring_reduce_scatter(
 
 
 def ring_all_gather(
-    y: jax.Array, axis_name: str, n_devices: int, chains: Sequence[Chain], codec: Codec,
+    y: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec, layout,
     out_dtype=jnp.float32,
 ) -> jax.Array:
-    """y: f32[m, K, 8, 128], this device's reduced shard -> out_dtype[N, m, K, 8, 128], every
-    shard. Each owner encodes its shard once; receivers forward the wire bytes verbatim and
-    decode them. The owner keeps decode(encode(y)), so every device holds identical values.
-
-    Pieces are decoded where the result is assembled (inside the switch branch for large
-    messages), so each decoded value is written once, into the output."""
-    n = n_devices
+    """y: f32[pieces, *piece], this device's reduced shard -> every shard, in `layout`'s buffer
+    order and `out_dtype`. Each owner encodes its shard once; receivers forward the wire bytes
+    verbatim and decode them. The owner keeps decode(encode(y)), so every device holds
+    identical values."""
+    n = layout.n_devices
     pieces = sorted({p for c in chains for p in c.pieces})
     wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
     # got[r][p]: the wire bytes of piece p of relative row r (the shard of device d + r).
@@ -221,23 +166,33 @@ def ring_all_gather(
                 got[source][p] = in_flight[ci, p]
     if any(len(row) != len(pieces) for row in got):  # a schedule bug, not a user error
         raise AssertionError("all-gather chains leave shards uncovered")
+    return assemble(got, pieces, axis_name, codec, layout, out_dtype)
+
+
+def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_dtype):
+    """got[r][p]: the wire bytes of piece p of relative shard r (device d + r's) -> the decoded
+    buffer in absolute order. Pieces are decoded where the result is assembled (inside the
+    switch branch for large messages), so each decoded value is written once."""
+    n = layout.n_devices
     rows = [[row[p] for p in pieces] for row in got]
     d = lax.axis_index(axis_name)
-    if n * y.size >= SWITCH_MIN_ELEMENTS:
-        return lax.switch(d, [_assemble_for(dd, n, codec, out_dtype) for dd in range(n)], rows)
+    if layout.padded_elements >= SWITCH_MIN_ELEMENTS:
+        return lax.switch(d, [_assemble_for(dd, n, codec, layout, out_dtype)
+                              for dd in range(n)], rows)
     rel = jnp.stack([_decoded_row(row, codec, out_dtype) for row in rows])
-    return jnp.take(rel, (jnp.arange(n) - d) % n, axis=0)
+    return layout.assemble(jnp.take(rel, (jnp.arange(n) - d) % n, axis=0))
 
 
-def _assemble_for(d: int, n: int, codec: Codec, out_dtype):
+def _assemble_for(d: int, n: int, codec: Codec, layout, out_dtype):
     """The absolute-order assembly on device d: a static concatenation of decoded pieces
     (the decode fuses into the copy)."""
 
-    def assemble(rows: list[list[jax.Array]]) -> jax.Array:
-        # Absolute row c is relative row c - d.
-        return jnp.stack([_decoded_row(rows[(c - d) % n], codec, out_dtype) for c in range(n)])
+    def assemble_d(rows: list[list[jax.Array]]) -> jax.Array:
+        # Absolute shard c is relative row c - d.
+        return layout.assemble(jnp.stack([_decoded_row(rows[(c - d) % n], codec, out_dtype)
+                                          for c in range(n)]))
 
-    return assemble
+    return assemble_d
 
 
 def _decoded_row(wires: list[jax.Array], codec: Codec, out_dtype) -> jax.Array:

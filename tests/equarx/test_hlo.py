@@ -7,8 +7,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, bytes_sent_per_device, collectives
-from equarx import ideal_ring_bytes, plan_layout
-from equarx.collective import MIN_TILES_PER_MINISHARD
+from equarx import ideal_ring_bytes, plan_for, plan_layout, resolved_variant
+from equarx.layout import MIN_TILES_PER_MINISHARD
 from equarx.quantize import SCALE_BYTES
 
 N, M = 8, 2
@@ -27,9 +27,9 @@ def _compile(n, cfg, shape, dtype=jnp.bfloat16):
 
 @pytest.fixture(scope="module")
 def large_programs():
-    return {v: _compile(N, AllReduceConfig("int8", v, minishards=M), LARGE)
+    return {v: _compile(N, AllReduceConfig("int8", v, minishards=M, blocks="tile"), LARGE)
             for v in ("full", "semi")} | {
-        "bf16_ring": _compile(N, AllReduceConfig("bf16_ring", minishards=M), LARGE)}
+        "bf16_ring": _compile(N, AllReduceConfig("bf16_ring", "full", minishards=M), LARGE)}
 
 
 @pytest.mark.parametrize("name", ["full", "semi", "bf16_ring"])
@@ -45,7 +45,7 @@ def test_one_ppermute_per_minishard_per_hop(large_programs, name):
 @pytest.mark.parametrize("variant,expected", [("full", 2 * 2 * (N - 1)), ("semi", 2 * (N - 1))])
 def test_one_message_per_hop_mode(variant, expected):
     """pipelined=False: one ppermute per chain per hop, the same bytes as the pipelined run."""
-    cfg = AllReduceConfig("int8", variant, minishards=M, pipelined=False)
+    cfg = AllReduceConfig("int8", variant, minishards=M, pipelined=False, blocks="tile")
     program = _compile(N, cfg, LARGE)
     assert len(collectives(program)) == expected
     layout = plan_layout(int(np.prod(LARGE)), N, M)
@@ -63,7 +63,8 @@ def test_int8_sends_at_most_0_52_of_an_ideal_bf16_ring(large_programs):
         assert sent == expected
         assert sent <= 0.52 * ideal, (variant, sent / ideal)
     # The unquantized ring moves exactly the ideal bytes (up to the padding).
-    padded = ideal_ring_bytes(layout.padded_elements, 2, N)
+    ring_layout = plan_for(AllReduceConfig("bf16_ring", "full", minishards=M), LARGE, N, "full")
+    padded = ideal_ring_bytes(ring_layout.padded_elements, 2, N)
     assert bytes_sent_per_device(large_programs["bf16_ring"]) == pytest.approx(padded)
     assert padded <= 1.001 * ideal
 
@@ -81,7 +82,7 @@ def test_model_sized_message_reports_its_scale_overhead():
     n, shape = 4, (512, 640)
     layout = plan_layout(512 * 640, n, 4)
     assert (layout.minishards, layout.tiles) == (1, 80)
-    sent = bytes_sent_per_device(_compile(n, AllReduceConfig("int8", "semi"), shape))
+    sent = bytes_sent_per_device(_compile(n, AllReduceConfig("int8", "semi", blocks="tile"), shape))
     assert sent / ideal_ring_bytes(512 * 640, 2, n) == pytest.approx((1 + 4 / 80) / 2)
 
 
@@ -92,3 +93,26 @@ def test_layout_never_cuts_below_the_minimum_minishard():
     assert plan_layout(8 * 1024 * 64 * tiles, 8, 16).minishards == 16
     small = plan_layout(1, 8, 16)
     assert (small.minishards, small.tiles, small.padded_elements) == (1, 1, 8 * 1024)
+
+
+@pytest.mark.parametrize("label,per_value", [
+    ("int8", 1 + 2 / 32), ("int8-full", 1 + 2 / 32), ("int8-semi/64", 1 + 2 / 64),
+    ("int4", 0.5 + 2 / 32), ("fp8", 1 + 2 / 32), ("bf16_ring", 2), ("bf16_ring-full", 2)])
+def test_token_layout_sends_payload_plus_bf16_scales(label, per_value):
+    """The token layout at the model's message (512 tokens x 640 at tp=4): every schedule sends
+    2 (N-1) shards of the (padded) message; the group codecs add one bfloat16 scale per group."""
+    n, shape = 4, (512, 640)
+    cfg = AllReduceConfig.from_label(label)
+    program = _compile(n, cfg, shape)
+    assert {op.kind for op in collectives(program)} == {"collective-permute"}
+    layout = plan_for(cfg, shape, n, resolved_variant(cfg, n, 512 * 640 * 2))
+    assert bytes_sent_per_device(program) == pytest.approx(
+        2 * (n - 1) / n * layout.padded_elements * per_value)
+
+
+def test_two_shot_sends_directly_to_every_device():
+    """Two-shot at N=8: 2 (N-1) ppermutes, each a shift by k = 1..N-1 (no forwarding hops)."""
+    n = 8
+    ops = collectives(_compile(n, AllReduceConfig("int8", "twoshot"), (64, 640)))
+    assert len(ops) == 2 * (n - 1)
+    assert all(set(op.bytes_by_device) == set(range(n)) for op in ops)

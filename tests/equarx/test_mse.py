@@ -20,9 +20,9 @@ from equarx import AllReduceConfig, all_reduce
 N, SIDE, MINISHARDS = 8, 4096, 16
 PAPER = {"full": 0.0014, "semi": 0.0010, "ag": 0.0003}
 CONFIGS = {
-    "full": AllReduceConfig("int8", "full", "both", MINISHARDS, pipelined=False),
-    "semi": AllReduceConfig("int8", "semi", "both", MINISHARDS, pipelined=False),
-    "ag": AllReduceConfig("int8", "full", "ag", MINISHARDS, pipelined=False),
+    "full": AllReduceConfig("int8", "full", "both", MINISHARDS, pipelined=False, blocks="tile"),
+    "semi": AllReduceConfig("int8", "semi", "both", MINISHARDS, pipelined=False, blocks="tile"),
+    "ag": AllReduceConfig("int8", "full", "ag", MINISHARDS, pipelined=False, blocks="tile"),
 }
 
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from equarx import AllReduceConfig, all_reduce
 from eval import multiproc
 
-CONFIGS = [AllReduceConfig("bf16_ring"), AllReduceConfig("int8", "full"),
+CONFIGS = [AllReduceConfig("bf16_ring"), AllReduceConfig("int8"), AllReduceConfig("int8", "full"),
            AllReduceConfig("int8", "semi")]
 SHAPE = (3, 70_000)  # ragged: exercises padding; large enough for real (non-trivial) blocks
 

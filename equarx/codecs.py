@@ -1,0 +1,100 @@
+"""Codecs: how float32 pieces f32[g, *piece] travel on the wire as one array (one ppermute).
+
+A schedule encodes a partial sum before each send and decodes what it receives; the codec
+decides the wire type and where scales go. Choosing one from an AllReduceConfig is `for_phases`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from equarx import groups
+from equarx import quantize as qz
+
+
+class Codec(Protocol):
+    def encode(self, x: jax.Array) -> jax.Array: ...
+
+    def decode(self, wire: jax.Array) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Codec:
+    """The paper's tile scales (flat layout): per minishard, int8 payload rows then its float32
+    8x128 scales (one int8 buffer [g, K + 4, 1024] for a piece of g minishards)."""
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        return qz.pack(*qz.quantize_blockwise(x))
+
+    def decode(self, wire: jax.Array) -> jax.Array:
+        return qz.packed_dequantize(wire)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8RowCodec:
+    """blocks="hadamard" (flat layout): one float32 scale per 128 consecutive values, packed
+    as int8 rows of 32 bytes [g, 33 K, 32] (the payload's 32 K rows, then K rows of scales)."""
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        return qz.pack_rows(*qz.quantize_rows(x))
+
+    def decode(self, wire: jax.Array) -> jax.Array:
+        return qz.packed_dequantize_rows(wire)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCodec:
+    """blocks="group" (token layout): runs of `group` values of one row, one bfloat16 scale
+    each, `code` payload ("int8", "int4", "fp8"); see equarx.groups."""
+
+    group: int
+    code: str
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        return groups.encode(x, self.group, self.code)
+
+    def decode(self, wire: jax.Array) -> jax.Array:
+        return groups.decode(wire, self.group, self.code)
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatCodec:
+    """Unquantized: the values rounded to `dtype`. 16-bit floats travel bit-cast to uint16
+    because gloo moves bfloat16 at about half the bytes/s of integer types; the cast is pure
+    data movement and changes nothing numerically."""
+
+    dtype: jnp.dtype
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        v = x.astype(self.dtype)
+        if jnp.dtype(self.dtype).itemsize == 2:
+            v = lax.bitcast_convert_type(v, jnp.uint16)
+        return v
+
+    def decode(self, wire: jax.Array) -> jax.Array:
+        if wire.dtype == jnp.uint16:
+            wire = lax.bitcast_convert_type(wire, self.dtype)
+        return wire.astype(jnp.float32)
+
+
+def for_phases(config, dtype) -> tuple[Codec, Codec]:
+    """(reduce-scatter codec, all-gather codec) of a ring method. An unquantized phase of a
+    quantized method moves the caller's own precision (bf16 -> bf16, f32 -> f32), so it adds no
+    error beyond the input's."""
+    if config.method == "bf16_ring":
+        bf16 = FloatCodec(jnp.bfloat16)
+        return bf16, bf16
+    plain = FloatCodec(jnp.dtype(dtype))
+    if config.blocks == "group":
+        quantized = GroupCodec(config.group_size, config.method)
+    elif config.blocks == "hadamard":
+        quantized = Int8RowCodec()
+    else:
+        quantized = Int8Codec()
+    rs = quantized if config.phases in ("both", "rs") else plain
+    ag = quantized if config.phases in ("both", "ag") else plain
+    return rs, ag

@@ -1,0 +1,137 @@
+"""The token-local codecs (blocks="group"): rotated runs of `group_size` values of one row, one
+bfloat16 scale per run, int8 / int4 / float8 payload.
+
+Why this shape of block:
+- A scale covers values of one token only (a run of consecutive columns of one row), so a
+  token's quantization never depends on the other tokens of the batch (the paper's 8x128 tiles
+  mix the values of many tokens at one tile position).
+- Gemma's partial sums have outlier values that differ from token to token (a per-channel
+  smoothing does not tame them, measured on the 270M's real partials: docs/quality.md). A
+  randomized Hadamard rotation of each run spreads an outlier over its run, so the run's scale
+  follows its bulk (QuaRot, THC). Runs of 32 halve the error of the paper-sized runs of 128 at
+  the same rotation, and a 32x32 rotation is one small matmul (on TPU one MXU pass; on CPU ~2
+  float32 reads and writes of the message).
+- The scale travels as bfloat16, rounded up so that no value exceeds the code's range: 2 bytes
+  per 32 values (int8 then moves 0.53x the bytes of bf16). Its 8-bit mantissa costs nothing
+  measurable: the step it sets is within 2^-8 of the float32 one.
+
+Every function takes f32[..., R] with R a multiple of the group size (the last axis is a row's
+columns); encoded pieces are one int8 array so that one ppermute moves payload and scales.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+CODES = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}  # the largest code of each payload type
+_ROUNDING_MAGIC = 12582912.0  # 1.5 * 2^23: see equarx.quantize
+
+
+def _hadamard(g: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < g:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rotation(g: int) -> np.ndarray:
+    """M = D H (D fixed random signs, H the g x g Sylvester Hadamard matrix): M M^T = g I.
+    Seeded, so every device and every program uses the same matrix."""
+    signs = np.where(np.random.default_rng(0x5EED + g).random(g) < 0.5, -1.0, 1.0)
+    return (signs[:, None] * _hadamard(g)).astype(np.float32)
+
+
+def rotate(x: jax.Array, g: int) -> jax.Array:
+    """f[..., R] -> f32[..., R]: each run of g values times M (unnormalized: |.| grows by
+    sqrt(g)). HIGHEST precision keeps TPUs from rounding the operands to bfloat16."""
+    shape = x.shape
+    v = x.astype(jnp.float32).reshape(-1, g)
+    v = jnp.dot(v, jnp.asarray(rotation(g)), precision=lax.Precision.HIGHEST)
+    return v.reshape(shape)
+
+
+def unrotate(y: jax.Array, g: int) -> jax.Array:
+    """Inverse of `rotate`: each run times M^T / g (g a power of two: the division is exact)."""
+    shape = y.shape
+    v = y.astype(jnp.float32).reshape(-1, g)
+    v = jnp.dot(v, jnp.asarray(rotation(g).T / g), precision=lax.Precision.HIGHEST)
+    return v.reshape(shape)
+
+
+def _bf16_scale_up(s: jax.Array) -> jax.Array:
+    """float32 scales rounded UP to the nearest bfloat16 (so |x| / scale stays within the code's
+    range), returned as bfloat16. Non-finite scales pass through (NaN stays NaN)."""
+    bits = lax.bitcast_convert_type(s, jnp.uint32)
+    up = lax.bitcast_convert_type((bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000),
+                                  jnp.float32)
+    return jnp.where(jnp.isfinite(s), up, s).astype(jnp.bfloat16)
+
+
+def _scales(v: jax.Array, code_max: float) -> tuple[jax.Array, jax.Array]:
+    """v: f32[..., n, g] -> (bf16 scale [..., n], f32 1/scale [..., n, 1]); NaN/Inf anywhere in a
+    group makes its scale non-finite and its inverse 0 (q = 0, decoded NaN/Inf)."""
+    mag = jnp.abs(v)
+    amax = jnp.max(jnp.where(jnp.isnan(mag), jnp.inf, mag), axis=-1)
+    scale = _bf16_scale_up(amax / code_max)
+    s32 = scale.astype(jnp.float32)
+    inv = 1.0 / jnp.where(s32 > 0, s32, 1.0)
+    usable = jnp.isfinite(s32) & (s32 > 0) & jnp.isfinite(inv)
+    tiny = jnp.isfinite(s32) & ~usable  # 0, or so small that 1/scale overflows: decodes to 0
+    return jnp.where(tiny, jnp.bfloat16(0), scale), jnp.where(usable, inv, 0.0)[..., None]
+
+
+def _round_int(v: jax.Array) -> jax.Array:
+    """Round half to even into int8 for |v| <= 127 (the float adder rounds, see quantize)."""
+    bits = lax.bitcast_convert_type(v + _ROUNDING_MAGIC, jnp.int32)
+    return bits.astype(jnp.int8)
+
+
+def encode(x: jax.Array, g: int, code: str) -> jax.Array:
+    """f32[..., R] -> int8[..., rows, L]: payload rows then one row of scale bytes per leading
+    index (L = the scale bytes' count; the payload is a whole number of such rows)."""
+    lead, r = x.shape[:-1], x.shape[-1]
+    v = x.astype(jnp.float32).reshape(*lead, r // g, g)
+    scale, inv = _scales(v, CODES[code])
+    scaled = v * inv
+    if code == "fp8":
+        payload = lax.bitcast_convert_type(scaled.astype(jnp.float8_e4m3fn), jnp.int8)
+    else:
+        q = _round_int(scaled)
+        if code == "int4":  # two values per byte: the run's first half low, second half high
+            half = g // 2
+            q = (q[..., :half] & jnp.int8(0x0F)) | (q[..., half:] << 4)
+        payload = q
+    scale_bytes = lax.bitcast_convert_type(scale, jnp.int8)  # [..., n, 2]
+    n_lead = math.prod(lead)
+    s = scale_bytes.reshape(n_lead, -1)
+    p = payload.reshape(n_lead, -1, s.shape[-1])
+    return jnp.concatenate([p, s[:, None, :]], axis=-2).reshape(*lead, -1, s.shape[-1])
+
+
+def decode(wire: jax.Array, g: int, code: str) -> jax.Array:
+    """Inverse of `encode`: int8[..., rows, L] -> f32[..., R]."""
+    lead = wire.shape[:-2]
+    payload, scale_bytes = wire[..., :-1, :], wire[..., -1, :]
+    scale = lax.bitcast_convert_type(scale_bytes.reshape(*lead, -1, 2), jnp.bfloat16)
+    n = scale.shape[-1]
+    s32 = scale.astype(jnp.float32)[..., None]
+    if code == "fp8":
+        v = lax.bitcast_convert_type(payload, jnp.float8_e4m3fn).astype(jnp.float32)
+        v = v.reshape(*lead, n, g)
+    elif code == "int4":
+        b = payload.reshape(*lead, n, g // 2)
+        lo = (b << 4) >> 4  # arithmetic shifts sign-extend each nibble
+        hi = b >> 4
+        v = jnp.concatenate([lo, hi], axis=-1).astype(jnp.float32)
+    else:
+        v = payload.reshape(*lead, n, g).astype(jnp.float32)
+    return (v * s32).reshape(*lead, n * g)
+
+
+def wire_bytes_per_value(g: int, code: str) -> float:
+    """Bytes on the wire per value: payload plus the bfloat16 scale's share."""
+    return (0.5 if code == "int4" else 1.0) + 2.0 / g

@@ -1,0 +1,46 @@
+"""variant="auto": which schedule a message takes, from the axis size, its bytes and the
+topology. The same alpha-beta reasoning as eval/cost_model.py, reduced to a comparison.
+
+- Two devices: every schedule makes the same sends; two-shot.
+- Switched (every pair one hop: GPUs behind NVSwitch, hosts behind a switch): two-shot sends
+  the ring's bytes from every device in 2 steps instead of 2 (N-1), and quantizes each value
+  twice instead of N times. It wins at every size.
+- Ring-connected (a TPU torus axis, links only to the two neighbours): a two-shot send to
+  device d + k crosses min(k, N-k) links, so the busiest link carries sum_k min(k, N-k) / 2
+  shards per phase against the bidirectional ring's (N-1) / 2; from N = 4 on that is more
+  bytes per link (N=4: 4/3 of the ring's, N=16: 4.3x), which only pays where the ring's
+  2 (N-1) hop latencies dominate. The ring keeps large messages on a torus, the paper's case.
+"""
+from __future__ import annotations
+
+# A TPU v5e ICI link: ~45 GB/s per direction and ~2 us per hop (published figures, rounded).
+RING_LINK_BYTES_PER_S = 45e9
+RING_HOP_S = 2e-6
+
+
+def two_shot_link_load(n: int) -> float:
+    """Shards per phase on the busiest link of a bidirectional ring when every device sends one
+    shard straight to each other device along the shorter way."""
+    return sum(min(k, n - k) for k in range(1, n)) / 2
+
+
+def choose(n_devices: int, message_bytes: float, topology: str) -> str:
+    """The variant ("full" or "twoshot") for a message of `message_bytes` on `n_devices`."""
+    if n_devices <= 2 or topology == "switched":
+        return "twoshot"
+    if topology != "ring":
+        raise ValueError(f"topology must be 'ring' or 'switched' here, got {topology!r}")
+    shard = message_bytes / n_devices
+    ring = 2 * (n_devices - 1) * (RING_HOP_S + shard / 2 / RING_LINK_BYTES_PER_S)
+    two_shot = 2 * ((n_devices // 2) * RING_HOP_S
+                    + two_shot_link_load(n_devices) * shard / RING_LINK_BYTES_PER_S)
+    return "twoshot" if two_shot < ring else "full"
+
+
+def resolve_topology(topology: str) -> str:
+    """"auto" -> "ring" on TPU (torus links), "switched" elsewhere."""
+    if topology != "auto":
+        return topology
+    import jax
+
+    return "ring" if jax.devices()[0].platform == "tpu" else "switched"

@@ -1,0 +1,63 @@
+"""The two-shot schedule: reduce-scatter as direct sends to each shard's owner, then a direct
+all-gather (QuickReduce, FlashInfer, Flash Communication use it on GPUs).
+
+Reduce-scatter: device d encodes its partial of every other shard once and sends the one for
+owner d + k straight to it (one ppermute per k = 1..N-1, all independent); the owner decodes
+the N-1 arrivals and adds them to its own partial in float32, in the order k = 1..N-1.
+All-gather: the owner encodes its reduced shard once and sends the same bytes to every other
+device (again one ppermute per k); like the ring, it keeps decode(encode(y)) itself.
+
+Each value is therefore quantized exactly twice whatever N (the ring re-quantizes a growing
+partial sum N-1 times), and every device sends the ring's bytes, 2 (N-1)/N of the message.
+What it gives up: on a ring-connected topology (a TPU torus axis) the send to device d + k
+crosses min(k, N-k) links, so the links carry about N^2/8 / (N-1)/2 times the ring's load
+(equarx.schedule weighs that); on a switched network every send is one hop.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from equarx.codecs import Codec
+from equarx.ring import _pieces, assemble
+
+
+def _shift(n: int, k: int) -> list[tuple[int, int]]:
+    return [(i, (i + k) % n) for i in range(n)]
+
+
+def pieces_for(n_pieces: int, pipelined: bool) -> tuple[tuple[int, int], ...]:
+    return _pieces(0, n_pieces, pipelined)
+
+
+def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout) -> jax.Array:
+    """buf: this device's partials in `layout`'s buffer -> f32[pieces, *piece], its reduced
+    shard."""
+    n = layout.n_devices
+    d = lax.axis_index(axis_name)
+    reduced = []
+    for p in pieces:
+        total = layout.piece(buf, d, *p).astype(jnp.float32)
+        arrivals = [lax.ppermute(codec.encode(layout.piece(buf, (d + k) % n, *p)), axis_name,
+                                 _shift(n, k)) for k in range(1, n)]
+        for wire in arrivals:  # from device d - k, k = 1..N-1: a fixed order
+            total = total + codec.decode(wire)
+        reduced.append(total)
+    return jnp.concatenate(reduced)
+
+
+def all_gather(y: jax.Array, axis_name: str, pieces, codec: Codec, layout,
+               out_dtype=jnp.float32) -> jax.Array:
+    """y: f32[pieces, *piece], this device's reduced shard -> every shard in `layout`'s buffer
+    order, decoded to `out_dtype`."""
+    n = layout.n_devices
+    wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
+    # The barrier makes the owner decode the very bytes it sends (see ring.ring_all_gather).
+    got: list[dict] = [{p: lax.optimization_barrier(wire[p]) for p in pieces}]
+    got += [{} for _ in range(n - 1)]
+    for k in range(1, n):
+        for p in pieces:
+            # What arrives from device d - k is the shard of relative row -k.
+            got[(-k) % n][p] = lax.ppermute(wire[p], axis_name, _shift(n, k))
+    return assemble(got, pieces, axis_name, codec, layout, out_dtype)
