@@ -192,8 +192,11 @@ class ModelPrograms:
         }
 
     def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
-        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
-                                   out_specs=out_specs), donate_argnums=donate)
+        # A plugged-in reduction may run collectives over axes of its own (eval.quality_scaling
+        # vmaps equarx.all_reduce over emulated devices), which shard_map's varying-axes check
+        # cannot type; the model's own reductions keep the check.
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                   check_vma=self.reduction is None), donate_argnums=donate)
         # A plugged-in reduction's source is outside the program cache's fingerprint (models/,
         # equarx/), so a stored program could outlive an edit to it: such programs are traced.
         if self.program_cache is None or self.reduction is not None:
