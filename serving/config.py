@@ -3,7 +3,7 @@ variables `GEMMA3_<NAME>` (e.g. GEMMA3_PORT=9000, GEMMA3_ALLREDUCE=int8-semi+had
 command-line flags.
 
 The AllReduce is one setting, `allreduce`: an `equarx.AllReduceConfig.label` (`bf16`, `f32`,
-`bf16_ring`, `int8-full`, `int8-semi-rs+hadamard`, ...; `int8` is `int8-full`), the spelling
+`bf16_ring`, `int8-full`, `int8-semi-rs+hadamard`, ...), the spelling
 used by /health, metrics labels and the benchmarks, plus the numeric `allreduce_minishards` and
 `allreduce_min_bytes`. The older `allreduce_variant` / `allreduce_phases` / `allreduce_blocks`
 settings are still read (flags, environment, file) as aliases that rewrite the label given in
@@ -35,13 +35,19 @@ ALLREDUCE_ALIASES = {"allreduce_variant": "variant", "allreduce_phases": "phases
 
 @functools.lru_cache(maxsize=1)
 def allreduce_labels() -> tuple[str, ...]:
-    """Every AllReduce label, built from equarx's own lists of methods, variants, phases and blocks."""
+    """Every AllReduce label: `AllReduceConfig.label` of each valid combination of equarx's own
+    methods, variants, phases and blocks (other fields at their defaults)."""
+    import itertools
+
     from equarx import AllReduceConfig
     from equarx.config import BLOCKS, METHODS, PHASES, VARIANTS
 
-    labels = [m for m in METHODS if m != "int8"]
-    labels += [AllReduceConfig("int8", v, p, blocks=b).label
-               for b in BLOCKS for v in VARIANTS for p in PHASES]
+    labels: dict[str, None] = {}
+    for method, variant, phases, blocks in itertools.product(METHODS, VARIANTS, PHASES, BLOCKS):
+        try:
+            labels.setdefault(AllReduceConfig(method, variant, phases, blocks=blocks).label)
+        except ValueError:  # a combination equarx does not offer
+            pass
     return tuple(labels)
 
 
@@ -52,8 +58,8 @@ def allreduce_config(label: str, minishards: int = 4, min_bytes: int = 0):
     try:
         return AllReduceConfig.from_label(label, minishards=minishards, min_bytes=min_bytes)
     except ValueError:
-        raise ValueError(f"allreduce must be an AllReduce label, one of {', '.join(allreduce_labels())}"
-                         f" ('int8' = 'int8-full'); got {label!r}") from None
+        raise ValueError(f"allreduce must be an AllReduce label, one of "
+                         f"{', '.join(allreduce_labels())}; got {label!r}") from None
 
 
 def _field(default, help: str, choices=None, **kw):
@@ -67,9 +73,9 @@ class ServerConfig:
     served_model_name: str | None = _field(None, "model id clients use (default: derived from --model)")
     tp: int = _field(1, "tensor-parallel devices (on a CPU-only machine: virtual CPU devices)")
     allreduce: str = _field("bf16", "AllReduce of the tensor-parallel layers: an equarx "
-                            "AllReduceConfig label, e.g. bf16 (XLA's psum), int8-full (EQuARX, the "
-                            "paper's 8x128 scale tiles), int8-semi+hadamard (rotated rows of 128: "
-                            "~14x lower KL on Gemma 3); one of {labels}", metavar="LABEL")
+                            "AllReduceConfig label (method[-variant][-phases][+blocks], as /health "
+                            "and the metrics show it), e.g. bf16 (XLA's psum) or int8-semi+hadamard "
+                            "(EQuARX); one of {labels}", metavar="LABEL")
     allreduce_minishards: int = _field(4, "scale blocks per shard (int8)")
     allreduce_min_bytes: int = _field(0, "messages smaller than this use the bf16 psum")
     dtype: str = _field("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
@@ -86,8 +92,8 @@ class ServerConfig:
     compile_cache_dir: str | None = _field(None,
                                            "JAX persistent compilation cache, with the traced programs "
                                            "and a GGUF model's decoded weights beside it ('' disables "
-                                           "them; unset: $XDG_CACHE_HOME or ~/.cache, "
-                                           "/gemma3-equarx/jax-compile-cache)")
+                                           "them; unset: $XDG_CACHE_HOME/gemma3-equarx/jax-compile-cache, "
+                                           "with ~/.cache when XDG_CACHE_HOME is not set)")
     shutdown_timeout: float = _field(30.0, "seconds given to in-flight requests on SIGTERM")
     log_level: str = _field("info", "logging level", choices=("debug", "info", "warning", "error"))
 
