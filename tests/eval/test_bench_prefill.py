@@ -44,7 +44,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         bench_prefill.main(["--link-gbit", "1"])  # a link needs processes
     with pytest.raises(SystemExit):
-        bench_prefill.main(["--allreduce", "bf16,int4"])  # not an AllReduceConfig label
+        bench_prefill.main(["--allreduce", "bf16,int3"])  # not an AllReduceConfig label
 
 
 def test_measured_communication_share_of_paired_runs():
