@@ -157,8 +157,8 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
     from serving.chat_template import render_chat
     from serving.engine import DecodeInputs, ModelEngine, engine_info, pad_prefill_batch
     from serving.runtime import configure_jax, load_configured_model
+    from serving.engine_core import EngineCore
     from serving.sampling import SlotSampling
-    from serving.scheduler import Scheduler
 
     t_start = time.perf_counter()
     progress = _Progress(t_start)
@@ -184,9 +184,9 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
     engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len, model_name=config.model_name)
     tok = engine.tokenizer
     ids = token_ids(tok)
-    scheduler = Scheduler(engine, max_waiting=1)
+    core = EngineCore(engine, max_waiting=1)
     try:
-        scheduler.check(len(ids), params.max_tokens)
+        core.check(len(ids), params.max_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -208,15 +208,15 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
             done.set()
 
     t0 = time.perf_counter()
-    scheduler.start()
-    scheduler.submit([(ids, params, sink)])
+    core.start()
+    core.submit([(ids, params, sink)])
     try:
         done.wait()
     except KeyboardInterrupt:
-        scheduler.shutdown()
+        core.shutdown()
         return 130
     elapsed = time.perf_counter() - t0
-    scheduler.shutdown()
+    core.shutdown()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if result.get("reason") == "error":
