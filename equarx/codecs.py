@@ -53,12 +53,13 @@ class GroupCodec:
 
     group: int
     code: str
+    piece_shape: tuple[int, ...]  # the shape of one minishard: [rows, width]
 
     def encode(self, x: jax.Array) -> jax.Array:
         return groups.encode(x, self.group, self.code)
 
     def decode(self, wire: jax.Array) -> jax.Array:
-        return groups.decode(wire, self.group, self.code)
+        return groups.decode(wire, self.group, self.code, (wire.shape[0], *self.piece_shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class FloatCodec:
         return wire.astype(jnp.float32)
 
 
-def for_phases(config, dtype) -> tuple[Codec, Codec]:
+def for_phases(config, dtype, piece_shape: tuple[int, ...]) -> tuple[Codec, Codec]:
     """(reduce-scatter codec, all-gather codec) of a ring method. An unquantized phase of a
     quantized method moves the caller's own precision (bf16 -> bf16, f32 -> f32), so it adds no
     error beyond the input's."""
@@ -90,7 +91,7 @@ def for_phases(config, dtype) -> tuple[Codec, Codec]:
         return bf16, bf16
     plain = FloatCodec(jnp.dtype(dtype))
     if config.blocks == "group":
-        quantized = GroupCodec(config.group_size, config.method)
+        quantized = GroupCodec(config.group_size, config.method, tuple(piece_shape))
     elif config.blocks == "hadamard":
         quantized = Int8RowCodec()
     else:

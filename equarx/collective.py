@@ -79,7 +79,7 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
         buf = groups.rotate(buf, config.group_size)
     elif rotation == "hadamard":
         buf = hadamard.rotate(buf.reshape(-1)).reshape(buf.shape)
-    rs_codec, ag_codec = codecs.for_phases(config, x.dtype)
+    rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
     out_dtype = jnp.float32 if rotation else x.dtype
     if variant == "twoshot":
         pieces = two_shot.pieces_for(layout.pieces, config.pipelined)

@@ -9,14 +9,13 @@ Why this shape of block:
   smoothing does not tame them, measured on the 270M's real partials: docs/quality.md). A
   randomized Hadamard rotation of each run spreads an outlier over its run, so the run's scale
   follows its bulk (QuaRot, THC). Runs of 32 halve the error of the paper-sized runs of 128 at
-  the same rotation, and a 32x32 rotation is one small matmul (on TPU one MXU pass; on CPU ~2
-  float32 reads and writes of the message).
+  the same rotation, and a 32x32 rotation is 32 multiply-adds per value.
 - The scale travels as bfloat16, rounded up so that no value exceeds the code's range: 2 bytes
   per 32 values (int8 then moves 0.53x the bytes of bf16). Its 8-bit mantissa costs nothing
   measurable: the step it sets is within 2^-8 of the float32 one.
 
-Every function takes f32[..., R] with R a multiple of the group size (the last axis is a row's
-columns); encoded pieces are one int8 array so that one ppermute moves payload and scales.
+Groups run along a row's columns (the last axis, a multiple of the group size); encoded pieces
+are one int8 array so that one ppermute moves payload and scales.
 """
 from __future__ import annotations
 
@@ -45,21 +44,23 @@ def rotation(g: int) -> np.ndarray:
     return (signs[:, None] * _hadamard(g)).astype(np.float32)
 
 
+def _times(v: jax.Array, m: np.ndarray) -> jax.Array:
+    """f32[n, g] times the g x g matrix m, written as a broadcast product summed over a fixed
+    axis rather than as a dot: XLA:CPU picks a different dot kernel (and summation order) for
+    a few rows than for many, which would make a row's result depend on the message's length;
+    an elementwise product and a reduce add in the same order whatever the row count."""
+    return jnp.sum(v[:, :, None] * jnp.asarray(m)[None], axis=1)
+
+
 def rotate(x: jax.Array, g: int) -> jax.Array:
     """f[..., R] -> f32[..., R]: each run of g values times M (unnormalized: |.| grows by
-    sqrt(g)). HIGHEST precision keeps TPUs from rounding the operands to bfloat16."""
-    shape = x.shape
-    v = x.astype(jnp.float32).reshape(-1, g)
-    v = jnp.dot(v, jnp.asarray(rotation(g)), precision=lax.Precision.HIGHEST)
-    return v.reshape(shape)
+    sqrt(g))."""
+    return _times(x.astype(jnp.float32).reshape(-1, g), rotation(g)).reshape(x.shape)
 
 
 def unrotate(y: jax.Array, g: int) -> jax.Array:
     """Inverse of `rotate`: each run times M^T / g (g a power of two: the division is exact)."""
-    shape = y.shape
-    v = y.astype(jnp.float32).reshape(-1, g)
-    v = jnp.dot(v, jnp.asarray(rotation(g).T / g), precision=lax.Precision.HIGHEST)
-    return v.reshape(shape)
+    return _times(y.astype(jnp.float32).reshape(-1, g), rotation(g).T / g).reshape(y.shape)
 
 
 def _bf16_scale_up(s: jax.Array) -> jax.Array:
@@ -91,10 +92,12 @@ def _round_int(v: jax.Array) -> jax.Array:
 
 
 def encode(x: jax.Array, g: int, code: str) -> jax.Array:
-    """f32[..., R] -> int8[..., rows, L]: payload rows then one row of scale bytes per leading
-    index (L = the scale bytes' count; the payload is a whole number of such rows)."""
-    lead, r = x.shape[:-1], x.shape[-1]
-    v = x.astype(jnp.float32).reshape(*lead, r // g, g)
+    """f32[B, ..., R] (R a multiple of g) -> int8[B, rows, L]: per leading index, the payload
+    as rows of L bytes, then one row of bfloat16 scale bytes (L = their count). Rows this wide
+    keep the join two contiguous copies: a per-token join of payload and scales compiles to
+    a per-element select on XLA:CPU and costs more than the quantization."""
+    b = x.shape[0]
+    v = x.astype(jnp.float32).reshape(b, -1, g)
     scale, inv = _scales(v, CODES[code])
     scaled = v * inv
     if code == "fp8":
@@ -105,31 +108,30 @@ def encode(x: jax.Array, g: int, code: str) -> jax.Array:
             half = g // 2
             q = (q[..., :half] & jnp.int8(0x0F)) | (q[..., half:] << 4)
         payload = q
-    scale_bytes = lax.bitcast_convert_type(scale, jnp.int8)  # [..., n, 2]
-    n_lead = math.prod(lead)
-    s = scale_bytes.reshape(n_lead, -1)
-    p = payload.reshape(n_lead, -1, s.shape[-1])
-    return jnp.concatenate([p, s[:, None, :]], axis=-2).reshape(*lead, -1, s.shape[-1])
+    scale_bytes = lax.bitcast_convert_type(scale, jnp.int8).reshape(b, 1, -1)  # [B, 1, L]
+    return jnp.concatenate([payload.reshape(b, -1, scale_bytes.shape[-1]), scale_bytes], axis=1)
 
 
-def decode(wire: jax.Array, g: int, code: str) -> jax.Array:
-    """Inverse of `encode`: int8[..., rows, L] -> f32[..., R]."""
-    lead = wire.shape[:-2]
-    payload, scale_bytes = wire[..., :-1, :], wire[..., -1, :]
-    scale = lax.bitcast_convert_type(scale_bytes.reshape(*lead, -1, 2), jnp.bfloat16)
+def decode(wire: jax.Array, g: int, code: str, shape: tuple[int, ...] | None = None
+           ) -> jax.Array:
+    """Inverse of `encode`: int8[B, rows, L] -> f32[B, n] (or `shape`, the encoded one)."""
+    b = wire.shape[0]
+    payload, scale_bytes = wire[:, :-1, :], wire[:, -1, :]
+    scale = lax.bitcast_convert_type(scale_bytes.reshape(b, -1, 2), jnp.bfloat16)
     n = scale.shape[-1]
     s32 = scale.astype(jnp.float32)[..., None]
     if code == "fp8":
         v = lax.bitcast_convert_type(payload, jnp.float8_e4m3fn).astype(jnp.float32)
-        v = v.reshape(*lead, n, g)
+        v = v.reshape(b, n, g)
     elif code == "int4":
-        b = payload.reshape(*lead, n, g // 2)
-        lo = (b << 4) >> 4  # arithmetic shifts sign-extend each nibble
-        hi = b >> 4
+        packed = payload.reshape(b, n, g // 2)
+        lo = (packed << 4) >> 4  # arithmetic shifts sign-extend each nibble
+        hi = packed >> 4
         v = jnp.concatenate([lo, hi], axis=-1).astype(jnp.float32)
     else:
-        v = payload.reshape(*lead, n, g).astype(jnp.float32)
-    return (v * s32).reshape(*lead, n * g)
+        v = payload.reshape(b, n, g).astype(jnp.float32)
+    out = (v * s32).reshape(b, n * g)
+    return out if shape is None else out.reshape(shape)
 
 
 def wire_bytes_per_value(g: int, code: str) -> float:

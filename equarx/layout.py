@@ -54,6 +54,10 @@ class Layout:
     def pieces(self) -> int:
         return self.minishards
 
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        return (self.tiles, *qz.TILE)
+
     def split(self, x: jax.Array) -> jax.Array:
         flat = jnp.pad(x.reshape(-1), (0, self.padded_elements - x.size))
         return flat.reshape(self.n_devices, self.minishards, self.tiles, *qz.TILE)
@@ -107,6 +111,10 @@ class TokenLayout:
     @property
     def pieces(self) -> int:
         return self.halves * self.minishards
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        return (self.rows_per_minishard, self.width)
 
     @property
     def padded_elements(self) -> int:

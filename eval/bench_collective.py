@@ -45,7 +45,10 @@ from equarx import AllReduceConfig, all_reduce, bytes_sent_per_device, ideal_rin
 from serving.jax_platform import ensure_cpu_devices, keep_freed_memory, malloc_label
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
-DEFAULT_METHODS = "bf16,bf16_ring,int8-full,int8-semi"
+DEFAULT_METHODS = "bf16,bf16_ring,int8,int8-full+tile"
+# Message rows: a model's activations are [tokens, d_model]; the token-local layouts split every
+# row across the devices. 4096 divides every power-of-two size here into whole tokens.
+DEFAULT_ROW = 4096
 
 
 def parse_size(text: str) -> int:
@@ -76,7 +79,8 @@ def _stats(samples: list[float]) -> dict:
 
 
 def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards: int,
-                  pipelined: bool = True, mse: bool = True, seed: int = 0) -> list[dict]:
+                  pipelined: bool = True, mse: bool = True, seed: int = 0,
+                  row_width: int = DEFAULT_ROW) -> list[dict]:
     """Measure every method at every size on all of jax.devices() (one mesh axis "tp").
     Runs the same way in one process or in every process of a distributed run."""
     n = jax.device_count()
@@ -86,9 +90,12 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
     rows = []
     for size in sizes:
         n_el = size // 2
+        width = row_width if n_el % row_width == 0 else n_el  # [tokens, row], or one row
+        tokens = n_el // width
         rng = np.random.default_rng(seed + 1000 * jax.process_index())
-        local = rng.standard_normal(local_devices * n_el, dtype=np.float32).astype(jnp.bfloat16)
-        x = jax.make_array_from_process_local_data(sharding, local, (n * n_el,))
+        local = rng.standard_normal((local_devices * tokens, width),
+                                    dtype=np.float32).astype(jnp.bfloat16)
+        x = jax.make_array_from_process_local_data(sharding, local, (n * tokens, width))
         configs = {m: parse_method(m, minishards, pipelined) for m in methods}
         compiled, compile_s, nbytes = {}, {}, {}
         for name, cfg in configs.items():
@@ -224,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--row", type=int, default=DEFAULT_ROW,
+                   help="values per message row (d_model): messages are [tokens, row]")
     p.add_argument("--minishards", type=int, default=4, help="scale blocks per shard (upper bound)")
     p.add_argument("--one-message-per-hop", action="store_true",
                    help="pipelined=False: a ring direction's minishards share one ppermute")
@@ -265,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
     if args.predict_from and args.link_gbit is None:
         p.error("--predict-from needs --link-gbit")
-    params = dict(sizes=sizes, methods=methods, repeats=args.repeats, minishards=args.minishards,
+    params = dict(sizes=sizes, methods=methods, repeats=args.repeats, minishards=args.minishards, row_width=args.row,
                   pipelined=not args.one_message_per_hop, mse=not args.no_mse)
     if args.processes > 0:
         from eval import multiproc

@@ -1,0 +1,91 @@
+"""The group codec's kernels against the memory bandwidth of the device they run on.
+
+Quantization and dequantize-add are memory-bound: their physical limit is the bytes they must
+move divided by the memory bandwidth. This times, on the default JAX device:
+  copy         y = x + 1 over float32 (reads 4, writes 4 bytes a value): the achievable bandwidth
+  rotate       f32 runs of 32 times the 32x32 rotation (reads 4, writes 4)
+  encode       rotated f32 partial -> int8 payload + bf16 scales (reads 4, writes 1 + 2/32)
+  decode_add   wire + local f32 partial -> f32 sum (reads 1 + 2/32 + 4, writes 4)
+  hop          decode_add then encode, as one reduce-scatter hop runs them (reads 1 + 2/32 + 4,
+               writes 1 + 2/32)
+and reports each one's bytes / time as GB/s and as a fraction of the copy's.
+
+  python -m eval.bench_codec --values 64M --repeats 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from equarx import groups
+
+
+def _time(fn, *args, repeats: int) -> float:
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20) -> dict:
+    rows = n_values // 1024
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (rows, 1024), jnp.float32)
+    local = jax.random.normal(jax.random.PRNGKey(1), (rows, 1024), jnp.float32)
+    wire_bytes = groups.wire_bytes_per_value(group, code)
+    encode = jax.jit(lambda v: groups.encode(v, group, code))
+    wire = encode(x)
+    kernels = {
+        "copy": (jax.jit(lambda v: v + 1.0), (x,), 8.0),
+        "rotate": (jax.jit(lambda v: groups.rotate(v, group)), (x,), 8.0),
+        "encode": (encode, (x,), 4.0 + wire_bytes),
+        "decode_add": (jax.jit(lambda w, v: groups.decode(w, group, code, v.shape) + v),
+                       (wire, local),
+                       wire_bytes + 8.0),
+        "hop": (jax.jit(lambda w, v: groups.encode(groups.decode(w, group, code, v.shape) + v, group,
+                                                   code)), (wire, local), 2 * wire_bytes + 4.0),
+    }
+    out = {"device": str(jax.devices()[0].device_kind), "platform": jax.devices()[0].platform,
+           "values": rows * 1024, "group": group, "code": code, "kernels": {}}
+    for name, (fn, args, bytes_per_value) in kernels.items():
+        s = _time(fn, *args, repeats=repeats)
+        out["kernels"][name] = {"ms": s * 1e3, "GB/s": bytes_per_value * rows * 1024 / s / 1e9}
+    copy = out["kernels"]["copy"]["GB/s"]
+    for k in out["kernels"].values():
+        k["of_copy"] = k["GB/s"] / copy
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--values", default="64M", help="values per array (K/M suffixes)")
+    p.add_argument("--group", type=int, default=32)
+    p.add_argument("--code", default="int8", choices=sorted(groups.CODES))
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(args.values[-1:].upper(), 1)
+    n = int(float(args.values.rstrip("KkMm")) * mult)
+    report = run(n, args.group, args.code, args.repeats)
+    print(f"# {report['device']} ({report['platform']}), {report['values']} values, "
+          f"{report['code']} groups of {report['group']}")
+    print(f"{'kernel':<11} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
+    for name, k in report["kernels"].items():
+        print(f"{name:<11} {k['ms']:>8.3f} {k['GB/s']:>8.1f} {100 * k['of_copy']:>7.1f}%")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""How the AllReduce's error grows with the number of devices: real activations, emulated axes.
+
+The paper's flagship runs at tp=16; this machine runs the 270M at tp=4. To see each schedule's
+error at 8 and 16 devices on real activations, the model runs at tp=4 with a reduction hook
+(`Gemma3Model(reduction=...)`) that, at every tensor-parallel reduction:
+  1. gathers the 4 real partial sums (exactly, in float32);
+  2. splits each into k = N/4 random parts that sum to it (each part = partial / k + noise,
+     the noise summing to zero over the k parts and sized so that a part's rms is the
+     partial's / sqrt(k), as independent contributions of 1/N of the heads or FFN would be);
+     the same fixed key on every device, so every device builds the same N parts;
+  3. runs the real `equarx.all_reduce` over an axis of N emulated devices (`jax.vmap` with an
+     axis name: the same schedules, codecs, ppermutes and additions as on N devices) and keeps
+     emulated device 0's result (every replica is identical).
+With k = 1 (N = 4) step 2 leaves the real partials, so the N = 4 row is the real tp=4 result.
+The metrics are eval.quality's, against the same model with an exact float32 AllReduce.
+
+  python -m eval.quality_scaling --devices 4,8,16 --modes int8,int8-full,int8-semi --tokens 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+
+from equarx import AllReduceConfig
+from eval import corpus
+from eval.quality import REFERENCE, compare_logits, mode_config
+
+TP = 4
+SPLIT_SEED = 20250617
+
+
+def split_parts(partials, k: int, key):
+    """partials f32[4, ...] -> f32[4 k, ...]: each real partial split into k parts summing to
+    it (see the module docstring). k = 1 returns the partials themselves."""
+    import jax
+    import jax.numpy as jnp
+
+    if k == 1:
+        return partials
+    noise = jax.random.normal(key, (partials.shape[0], k) + partials.shape[1:], jnp.float32)
+    noise = noise - noise.mean(axis=1, keepdims=True)
+    # Per row (token): a part's variance = partial's / k  ->  noise var = var (1/k - 1/k^2).
+    rms = jnp.sqrt(jnp.mean(partials**2, axis=-1, keepdims=True))[:, None]
+    parts = partials[:, None] / k + noise * rms * math.sqrt(1 / k - 1 / k**2)
+    return parts.reshape((-1,) + partials.shape[1:])
+
+
+def emulated_reduction(config: AllReduceConfig, n_devices: int):
+    """A model reduction hook (x, axis) -> x: the all-reduce of `config` over `n_devices`
+    emulated devices built from the real partials (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from equarx import all_reduce
+
+    if n_devices % TP:
+        raise ValueError(f"emulated devices must be a multiple of {TP}, got {n_devices}")
+    k = n_devices // TP
+
+    def reduce(x, axis):
+        partials = lax.all_gather(x.astype(jnp.float32), axis)  # [4, ...], the same everywhere
+        parts = split_parts(partials, k, jax.random.PRNGKey(SPLIT_SEED)).astype(x.dtype)
+        out = jax.vmap(lambda p: all_reduce(p, "emulated", config), axis_name="emulated")(parts)
+        return out[0]
+
+    return reduce
+
+
+def run(model: str, devices: list[int], modes: list[str], n_tokens: int, window: int,
+        dtype: str, log=print) -> dict:
+    from models.gemma3 import Gemma3Model, load_model
+
+    configs = {m: mode_config(m) for m in modes}
+    if any(c is None for c in configs.values()):
+        raise ValueError("the naive strawman has no schedule to scale; leave it out")
+    base = load_model(model, tp=TP, allreduce=AllReduceConfig(REFERENCE), dtype=dtype,
+                      max_seq_len=window)
+    tok = base.tokenizer
+    windows = corpus.token_windows(tok.encode, n_tokens, window, tok.bos_id)
+    variants = {(m, n): Gemma3Model(base.config, base.weights, mesh=base.mesh,
+                                    allreduce=AllReduceConfig(REFERENCE), dtype=base.dtype,
+                                    tokenizer=tok, reduction=emulated_reduction(configs[m], n))
+                for m in modes for n in devices}
+    sums = {key: {"nll": 0.0, "kl": 0.0, "agree": 0, "count": 0} for key in variants}
+    for wi, w in enumerate(windows):
+        targets = np.array(w[1:] + [-1])
+        ref = base.score([w])[0]
+        for key, mdl in variants.items():
+            for name, v in compare_logits(ref, mdl.score([w])[0], targets).items():
+                sums[key][name] += v
+        log(f"  window {wi + 1}/{len(windows)} done")
+    rows = []
+    for (m, n), s in sums.items():
+        rows.append({"mode": m, "devices": n, "emulated": n != TP,
+                     "variant": variant_at(configs[m], n, window * base.config.d_model * 4),
+                     "kl_to_f32": s["kl"] / s["count"], "top1_agree_f32": s["agree"] / s["count"],
+                     "perplexity": math.exp(s["nll"] / s["count"]), "tokens": s["count"]})
+    for r in rows:
+        at_tp = next(x for x in rows if x["mode"] == r["mode"] and x["devices"] == TP)
+        r["kl_vs_4"] = r["kl_to_f32"] / at_tp["kl_to_f32"] if at_tp["kl_to_f32"] else None
+    return {"model": model, "dtype": dtype, "corpus": corpus.SOURCE, "window": window,
+            "tokens_scored": rows[0]["tokens"] if rows else 0, "devices": devices,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+
+
+def variant_at(config: AllReduceConfig, n: int, message_bytes: int) -> str:
+    from equarx import resolved_variant
+
+    return resolved_variant(config, n, message_bytes)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'mode':<16} {'N':>3} {'schedule':<8} {'KL to f32':>10} {'x N=4':>6} {'top-1 = f32':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = "-" if r["kl_vs_4"] is None else f"{r['kl_vs_4']:.2f}"
+        lines.append(f"{r['mode']:<16} {r['devices']:>3} {r['variant']:<8} "
+                     f"{r['kl_to_f32']:>10.2e} {ratio:>6} {100 * r['top1_agree_f32']:>10.2f}%")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--devices", default="4,8,16", help="emulated axis sizes (multiples of 4)")
+    p.add_argument("--modes", default="int8,int8-full,int8-semi,bf16_ring",
+                   help="comma list of AllReduce labels")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from serving.jax_platform import ensure_cpu_devices
+
+    ensure_cpu_devices(TP)
+    report = run(args.model, [int(v) for v in args.devices.split(",")],
+                 [m.strip() for m in args.modes.split(",") if m.strip()], args.tokens,
+                 args.window, args.dtype)
+    print(f"# {report['model']} ({report['dtype']}) at tp={TP}, {report['tokens_scored']} "
+          f"predictions; N > 4 emulated from the real partials (eval/quality_scaling.py)")
+    print(format_table(report["rows"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
