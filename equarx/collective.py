@@ -74,10 +74,14 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
     layout = plan_for(config, x.shape, n, variant)
     quantized = config.method in QUANTIZED
     rotation = config.blocks if quantized and config.blocks in ("group", "hadamard") else None
-    buf = layout.split(x)
     if rotation == "group":
-        buf = groups.rotate(buf, config.group_size)
-    elif rotation == "hadamard":
+        # Rotate the caller's rows as they are (contiguous, runs of g from column 0; the shard
+        # width is a multiple of g, so the runs are the codec's groups), not the strided buffer.
+        x_in = groups.rotate_rows(x, config.group_size)
+    else:
+        x_in = x
+    buf = layout.split(x_in)
+    if rotation == "hadamard":
         buf = hadamard.rotate(buf.reshape(-1)).reshape(buf.shape)
     rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
     out_dtype = jnp.float32 if rotation else x.dtype
@@ -90,7 +94,8 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
         y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec, layout)
         out = ring.ring_all_gather(y, axis_name, ag_chains, ag_codec, layout, out_dtype)
     if rotation == "group":
-        out = groups.unrotate(out, config.group_size)
-    elif rotation == "hadamard":
+        return groups.unrotate_rows(layout.join_rows(out), config.group_size,
+                                    x.shape).astype(x.dtype)
+    if rotation == "hadamard":
         out = hadamard.unrotate(out.reshape(-1)).reshape(out.shape)
     return layout.join(out, x.shape).astype(x.dtype)

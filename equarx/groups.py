@@ -45,11 +45,15 @@ def rotation(g: int) -> np.ndarray:
 
 
 def _times(v: jax.Array, m: np.ndarray) -> jax.Array:
-    """f32[n, g] times the g x g matrix m, written as a broadcast product summed over a fixed
-    axis rather than as a dot: XLA:CPU picks a different dot kernel (and summation order) for
-    a few rows than for many, which would make a row's result depend on the message's length;
-    an elementwise product and a reduce add in the same order whatever the row count."""
-    return jnp.sum(v[:, :, None] * jnp.asarray(m)[None], axis=1)
+    """f32[n, g] times the g x g matrix m, as a kernel of its own.
+
+    Written as a broadcast product summed over a fixed axis, not as a dot: XLA:CPU picks a
+    different dot kernel (and summation order) for a few rows than for many, which would make a
+    row's result depend on the message's length; the product and the reduce add in the same
+    order whatever the row count. The barriers keep XLA from fusing it into the layout's
+    slices and copies around it (fused, it ran several times slower on CPU)."""
+    v = lax.optimization_barrier(v)
+    return lax.optimization_barrier(jnp.sum(v[:, :, None] * jnp.asarray(m)[None], axis=1))
 
 
 def rotate(x: jax.Array, g: int) -> jax.Array:
@@ -61,6 +65,22 @@ def rotate(x: jax.Array, g: int) -> jax.Array:
 def unrotate(y: jax.Array, g: int) -> jax.Array:
     """Inverse of `rotate`: each run times M^T / g (g a power of two: the division is exact)."""
     return _times(y.astype(jnp.float32).reshape(-1, g), rotation(g).T / g).reshape(y.shape)
+
+
+def rotate_rows(x: jax.Array, g: int) -> jax.Array:
+    """A message's rows (its last axis), zero-padded to a multiple of g, rotated:
+    f[..., D] -> f32[T, ceil(D / g) g]."""
+    d = x.shape[-1] if x.ndim else 1
+    rows = x.reshape(-1, d)
+    rows = jnp.pad(rows, ((0, 0), (0, -d % g)))
+    return rotate(rows, g)
+
+
+def unrotate_rows(rows: jax.Array, g: int, shape: tuple[int, ...]) -> jax.Array:
+    """f32[T, >= ceil(D / g) g] -> f32 of `shape` (D = shape[-1]): the inverse of rotate_rows."""
+    d = shape[-1] if shape else 1
+    width = d + (-d % g)
+    return unrotate(rows[:, :width], g)[:, :d].reshape(shape)
 
 
 def _bf16_scale_up(s: jax.Array) -> jax.Array:

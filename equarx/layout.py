@@ -121,10 +121,11 @@ class TokenLayout:
         return (self.minishards * self.rows_per_minishard * self.n_devices * self.shard_width)
 
     def split(self, x: jax.Array) -> jax.Array:
-        t, d = self.rows, self.columns
-        rows = x.reshape(t, d)
+        t = self.rows
+        rows = x.reshape(t, -1)  # the caller's columns, or more (already padded, <= N w)
         m, tm = self.minishards, self.rows_per_minishard
-        rows = jnp.pad(rows, ((0, m * tm - t), (0, self.n_devices * self.shard_width - d)))
+        pad = self.n_devices * self.shard_width - rows.shape[1]
+        rows = jnp.pad(rows, ((0, m * tm - t), (0, pad)))
         return rows.reshape(m, tm, self.n_devices, self.halves, self.width)
 
     def piece(self, buf: jax.Array, shard, j0: int, j1: int) -> jax.Array:
@@ -141,6 +142,12 @@ class TokenLayout:
         n, h, m = self.n_devices, self.halves, self.minishards
         v = stacked.reshape(n, h, m, self.rows_per_minishard, self.width)
         return v.transpose(2, 3, 0, 1, 4)
+
+    def join_rows(self, buf: jax.Array) -> jax.Array:
+        """The buffer back to the caller's rows [T, N w] (column padding kept)."""
+        rows = buf.reshape(self.minishards * self.rows_per_minishard,
+                           self.n_devices * self.shard_width)
+        return rows[: self.rows]
 
     def join(self, buf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         t, d = self.rows, self.columns

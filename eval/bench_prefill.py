@@ -17,9 +17,9 @@ Modes:
     --calibration), predicts each row: T = T_one_process + 2 x layers x t_comm(link).
 
   python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8-full --iters 5 --out single.json
+      --allreduce bf16,bf16_ring,int8 --iters 5 --out single.json
   python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8-full --processes 2 --link-gbit 0.1 \
+      --allreduce bf16,bf16_ring,int8 --processes 2 --link-gbit 0.1 \
       --calibrate-gbit 0.1,0.2,0.4 --baseline single.json --out p2.json --plot p2.png
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from serving.jax_platform import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
-DEFAULT_METHODS = "bf16,bf16_ring,int8-full"
+DEFAULT_METHODS = "bf16,bf16_ring,int8"
 
 
 # ---------------------------------------------------------------------------------------------
