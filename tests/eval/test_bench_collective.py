@@ -14,23 +14,27 @@ def test_sizes_and_methods_parse():
     assert bench.parse_method("bf16_ring", 4).label == "bf16_ring"
     assert bench.parse_method("int8-semi-rs+hadamard", 4).label == "int8-semi-rs+hadamard"
     with pytest.raises(ValueError):
-        bench.parse_method("int4", 4)
+        bench.parse_method("int3", 4)
     with pytest.raises(ValueError):
         bench.parse_size("-1K")
 
 
 def test_a_tiny_run_reports_consistent_rows():
-    methods = ["bf16", "bf16_ring", "int8-semi"]
+    methods = ["bf16", "bf16_ring", "int8-semi+tile", "int8"]
     rows = bench.bench_on_mesh([256 << 10], methods, repeats=2, minishards=4)
     by = {r["method"]: r for r in rows}
     assert set(by) == set(methods) and all(r["devices"] == 8 for r in rows)
     assert all(len(r["times_s"]) == 2 and r["min"] <= r["median"] <= r["max"] for r in rows)
     assert by["bf16_ring"]["bytes_vs_ideal_bf16_ring"] == pytest.approx(1.0)
     # 16 tiles per shard: one minishard whose 4 KiB of scales add 1/4 to the int8 payload.
-    assert by["int8-semi"]["bytes_vs_ideal_bf16_ring"] == pytest.approx((1 + 4 / 16) / 2)
+    assert by["int8-semi+tile"]["bytes_vs_ideal_bf16_ring"] == pytest.approx((1 + 4 / 16) / 2)
+    # The group codec: a bfloat16 scale per 32 values (the 256 KiB message is 32 rows of 4096).
+    assert by["int8"]["bytes_vs_ideal_bf16_ring"] == pytest.approx((1 + 2 / 32) / 2)
     # XLA:CPU promotes a bf16 all-reduce to float32: twice the ideal bf16 bytes.
     assert by["bf16"]["bytes_vs_ideal_bf16_ring"] == pytest.approx(2.0)
-    assert 0 < by["bf16"]["mse"] < by["bf16_ring"]["mse"] < by["int8-semi"]["mse"] < 2e-3
+    # Two-shot bf16: exact bf16 inputs summed in float32, one rounding, as the psum.
+    assert 0 < by["bf16"]["mse"] <= by["bf16_ring"]["mse"] < by["int8"]["mse"] < 2e-3
+    assert by["bf16_ring"]["mse"] < by["int8-semi+tile"]["mse"] < 2e-3
     assert by["bf16"]["speedup_vs_bf16"] == pytest.approx(1.0)
     table = bench.format_table(rows)
     assert all(m in table for m in methods) and "256 KiB" in table

@@ -31,19 +31,25 @@ def test_schedules_of_the_methods():
     n_el, n = 4 * 8 * 128 * 1024, 4  # 4 shards x 1024 tiles: 4 minishards of 256 tiles each
     bf16 = cm.allreduce_schedule("bf16", n_el, n)
     assert bf16.xla_psum and bf16.messages == 6 and bf16.bytes_per_device == 1.5 * n_el * 2
-    ring = cm.allreduce_schedule("bf16_ring", n_el, n)
+    ring = cm.allreduce_schedule("bf16_ring-full", n_el, n)
     assert ring.bytes_per_device == pytest.approx(1.5 * n_el * 2) and ring.steps == 6
-    full = cm.allreduce_schedule("int8-full", n_el, n)
+    full = cm.allreduce_schedule("int8-full+tile", n_el, n)
     # int8 payload plus one 4 KiB float32 scale tile per 256-tile minishard, per hop.
     assert full.bytes_per_device == pytest.approx(1.5 * n_el * (1 + 4 / 256))
-    semi = cm.allreduce_schedule("int8-semi", n_el, n)
+    semi = cm.allreduce_schedule("int8-semi+tile", n_el, n)
     assert semi.bytes_per_device == full.bytes_per_device and semi.steps == 4  # 2 hops a phase
-    rs = cm.allreduce_schedule("int8-full-rs", n_el, n)
+    rs = cm.allreduce_schedule("int8-full-rs+tile", n_el, n)
     assert rs.bytes_per_device == pytest.approx((full.bytes_per_device + ring.bytes_per_device) / 2)
     assert cm.allreduce_schedule("int8-full", n_el, 1) == cm.Schedule(0, 0, 0.0)
     assert cm.ring_hops("full", 4) == (3, 3) and cm.ring_hops("semi", 4) == (2, 3)
     assert cm.ring_hops("semi", 5) == (2, 4)
-    for bad in ("int4", "int8-diagonal", "int8-full-both-x"):
+    # The token layout's group codec: payload plus a bfloat16 scale per 32 values; two-shot
+    # sends the ring's bytes in 2 steps (auto on this machine: switched).
+    group = cm.allreduce_schedule("int8", n_el, n)
+    assert group.bytes_per_device == pytest.approx(1.5 * n_el * (1 + 2 / 32)) and group.steps == 2
+    int4 = cm.allreduce_schedule("int4-full", n_el, n)
+    assert int4.bytes_per_device == pytest.approx(1.5 * n_el * (0.5 + 2 / 32)) and int4.steps == 6
+    for bad in ("int2", "int8-diagonal", "int8-full-both-x"):
         with pytest.raises(ValueError):
             cm.allreduce_schedule(bad, n_el, n)
 
@@ -54,8 +60,10 @@ def test_schedule_bytes_match_the_compiled_program(n):
     mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
     n_el = 300_000
     x = jax.ShapeDtypeStruct((n * n_el,), jnp.bfloat16)
-    for label, pipelined in (("bf16_ring", True), ("int8-full", True), ("int8-semi-ag", True),
-                             ("int8-semi", False), ("int8-full+hadamard", True)):
+    for label, pipelined in (("bf16_ring", True), ("int8-full+tile", True),
+                             ("int8-semi-ag+tile", True), ("int8-semi+tile", False),
+                             ("int8-full+hadamard", True), ("int8", True), ("int8-full", False),
+                             ("int4-semi", True), ("bf16_ring-full", False)):
         cfg = parse_method(label, 4, pipelined)
         f = jax.jit(jax.shard_map(lambda a, c=cfg: all_reduce(a, "tp", c), mesh=mesh,
                                   in_specs=P("tp"), out_specs=P("tp")))

@@ -232,7 +232,7 @@ def test_config_precedence_file_env_cli(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,env,match", [
-    ({"allreduce": "int4"}, {}, "allreduce"),
+    ({"allreduce": "int3"}, {}, "allreduce"),
     ({}, {"GEMMA3_TP": "two"}, "tp"),
     ({}, {"GEMMA3_MAX_BATCH": "0"}, "max_batch"),
     ({"bogus": 1}, {}, "unknown"),
@@ -266,7 +266,7 @@ def test_tp_sets_virtual_cpu_devices_before_jax(monkeypatch):
 
 
 @pytest.mark.parametrize("main,argv", [
-    ("serve_main", ["--allreduce", "int4"]),
+    ("serve_main", ["--allreduce", "int3"]),
     ("serve_main", ["--tp", "two"]),
     ("serve_main", ["--max-batch", "0"]),
     ("generate_main", ["hello", "--temperature", "-1"]),
@@ -288,4 +288,4 @@ def test_allreduce_switch_reaches_the_model_config():
     cfg = c.allreduce_config()
     assert (cfg.method, cfg.variant, cfg.min_bytes, cfg.label) == ("int8", "semi", 4096, "int8-semi")
     cfg = from_sources({"allreduce": "int8"}, env={"GEMMA3_ALLREDUCE_BLOCKS": "hadamard"}).allreduce_config()
-    assert cfg.label == "int8-full+hadamard"
+    assert cfg.label == "int8+hadamard"
