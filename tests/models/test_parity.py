@@ -152,18 +152,25 @@ def int8_tp4(params, golden):
 #   semi + hadamard                   measured 0.988-0.994 (165-166)         floor 0.98 (164)
 # Hadamard misses are near ties: the reference's top-1/top-2 gap there measured up to 0.037
 # (full) and 0.131 (semi) on logits around 20.
-INT8_TP4_FLOORS = {("full", "tile"): 0.88, ("full", "hadamard"): 0.97, ("semi", "hadamard"): 0.98}
+#   auto + group (the default int8:     measured 0.982 (164)                   floor 0.976 (163)
+#     two-shot here, token-local groups of 32; the issue's target is >= 0.97)
+INT8_TP4_FLOORS = {("full", "tile"): 0.88, ("full", "hadamard"): 0.97, ("semi", "hadamard"): 0.98,
+                   ("auto", "group"): 0.976}
+DEFAULT_INT8_TARGET = 0.97
 NEAR_TIE = 0.2
 
 
 @pytest.mark.parametrize("variant,blocks", list(INT8_TP4_FLOORS))
 def test_int8_allreduce_top1_at_tp4(int8_tp4, golden, variant, blocks):
-    """Top-1 agreement at or above its floor (INT8_TP4_FLOORS). With rotated row blocks
-    (blocks="hadamard") every miss is also a near tie: the reference's own top-1/top-2 logit
+    """Top-1 agreement at or above its floor (INT8_TP4_FLOORS); the default int8 also meets
+    the stated target (DEFAULT_INT8_TARGET). With rotated blocks every miss is also a near tie: the reference's own top-1/top-2 logit
     gap there is under NEAR_TIE and we pick its second choice."""
     ours, agreement = int8_tp4(variant, blocks)
     assert agreement >= INT8_TP4_FLOORS[variant, blocks], agreement
-    if blocks == "hadamard":
+    if (variant, blocks) == ("auto", "group"):
+        assert AllReduceConfig("int8") == AllReduceConfig("int8", variant, blocks=blocks)
+        assert agreement >= DEFAULT_INT8_TARGET, agreement
+    if blocks != "tile":
         for top1, idx, val in zip(ours, golden["top_idx"], golden["top_val"]):
             for pos in np.nonzero(top1 != idx[:, 0])[0]:
                 assert top1[pos] == idx[pos, 1], (pos, top1[pos], idx[pos, :3])
