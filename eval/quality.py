@@ -19,7 +19,6 @@ the reduce-scatter or only the all-gather quantized, and a naive per-tensor int8
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -106,12 +105,6 @@ def mode_models(base, modes: list[str]) -> dict:
     return out
 
 
-def _scope(mode: str):
-    """No mode needs a scope any more (the strawman is a model constructor argument, see
-    mode_models); evaluate_tp's `with _scope(m)` can go, and this function with it."""
-    return contextlib.nullcontext()
-
-
 def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[list[int]],
                 new_tokens: int, log=print) -> list[dict]:
     """Metrics of every mode at base.tp (see the module docstring). f32 is scored twice, so its
@@ -124,8 +117,7 @@ def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[
         ref = models[REFERENCE].score([window])[0]
         for m in modes:
             t0 = time.perf_counter()
-            with _scope(m):
-                out = models[m].score([window])[0]
+            out = models[m].score([window])[0]
             seconds[m] += time.perf_counter() - t0
             for k, v in compare_logits(ref, out, targets).items():
                 sums[m][k] += v
@@ -133,8 +125,7 @@ def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[
     greedy = {}
     bos = base.tokenizer.bos_id
     for m in modes:
-        with _scope(m):
-            greedy[m] = models[m].generate([[bos] + p for p in prompts], new_tokens)
+        greedy[m] = models[m].generate([[bos] + p for p in prompts], new_tokens)
     rows = []
     for m in modes:
         s = sums[m]
