@@ -9,9 +9,10 @@ float32 AllReduce (the reference):
   greedy_prefix      mean number of leading continuation tokens equal to the reference's.
 
 Corpus: prose of the Python Language Reference shipped with Python (see eval.corpus).
-Modes: f32 (exact), bf16 (XLA psum), int8 full-loop, int8 semi-loop, int8 full-loop with only
-the reduce-scatter or only the all-gather quantized, and a naive per-tensor int8 AllReduce
-(eval.naive_allreduce). All modes share one copy of the weights per tp.
+Modes (by default): f32 (exact), bf16 (XLA psum), the bf16 schedules unquantized (bf16_ring,
+bf16_ring-full), the default int8 and its full-loop ring, the paper's tile codec
+(int8-full+tile), int4, fp8, and a naive per-tensor int8 AllReduce (eval.naive_allreduce); any
+AllReduce label may be asked for. All modes share one copy of the weights per tp.
 
   python -m eval.quality --out quality.json          # real Gemma 3 270M, tp 2 and 4
   python -m eval.quality --model random:tiny --tokens 256 --window 64   # quick run
@@ -33,8 +34,8 @@ from eval import corpus
 NAIVE = "naive"
 # The modes a default run evaluates: any `AllReduceConfig.label` (e.g. "int8-semi-ag+hadamard")
 # or NAIVE, the per-tensor int8 strawman, may be asked for.
-MODES = ("f32", "bf16", "int8-full", "int8-semi", "int8-full-rs", "int8-full-ag",
-         "int8-full+hadamard", NAIVE)
+MODES = ("f32", "bf16", "bf16_ring", "bf16_ring-full", "int8", "int8-full", "int8-full+tile",
+         "int4", "fp8", NAIVE)
 REFERENCE = "f32"
 
 
