@@ -9,6 +9,11 @@ import urllib.parse
 GLOBAL_EVERY = 6
 
 
+def is_global_layer(layer: int) -> bool:
+    """Whether layer `layer` is a global (full-context) one; the others are sliding-window."""
+    return layer % GLOBAL_EVERY == GLOBAL_EVERY - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Gemma3Config:
     """Architecture hyper-parameters of a Gemma 3 text model.
@@ -48,7 +53,7 @@ class Gemma3Config:
             raise ValueError(f"rope_global_scale must be >= 1, got {self.rope_global_scale}")
 
     def is_global(self, layer: int) -> bool:
-        return layer % GLOBAL_EVERY == GLOBAL_EVERY - 1
+        return is_global_layer(layer)
 
     @property
     def num_global_layers(self) -> int:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gemma3.config import Gemma3Config
+from models.gemma3.config import Gemma3Config, is_global_layer
 
 Array = Any
 
@@ -39,8 +39,11 @@ class KVCache:
 
     @property
     def max_seq_len(self) -> int:
-        """Positions per slot (the global layers' length; the window if there are none)."""
-        return max(layer.v.shape[2] for layer in self.layers)
+        """Positions per slot: the global layers' length (the window if there are none), which
+        `cache_shapes` rebuilds this cache from. Not the longest layer: a cache shorter than the
+        sliding window has local layers longer than its global ones."""
+        lengths = [layer.v.shape[2] for i, layer in enumerate(self.layers) if is_global_layer(i)]
+        return lengths[0] if lengths else self.layers[0].v.shape[2]
 
     @property
     def nbytes(self) -> int:

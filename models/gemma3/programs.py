@@ -69,7 +69,9 @@ class ProgramKey:
 
     batch: prompts (prefill, score) or leading cache slots (decode, write_token).
     tokens: tokens per prompt (the bucket); 1 for the decode step.
-    num_slots, max_seq_len: the KV cache the program reads or writes (0 for score: none).
+    num_slots, max_seq_len: the KV cache the program reads or writes (0 for score: none), as
+      `cache_shapes` takes them (max_seq_len is the global layers' length, which may be shorter
+      than the local layers' window): `abstract_args` lowers the program from them.
     """
 
     program: Program

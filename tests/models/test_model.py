@@ -6,6 +6,7 @@ import pytest
 import jax
 from equarx import AllReduceConfig
 from models.gemma3 import Program, ProgramKey, load_model, prefill_buckets
+from models.gemma3.kv_cache import KVCache
 
 F32 = AllReduceConfig(method="f32")
 # "tiny": 8 layers (one 5 local + 1 global group, then 2 tail layers), window 8, 2 KV heads
@@ -275,6 +276,32 @@ def test_warmed_programs_run_without_tracing():
     assert ref.programs.jitted(Program.DECODE)._cache_size() == 2  # rows 2 and 1
     for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_warmed_programs_for_a_cache_shorter_than_the_window():
+    """A cache shorter than the sliding window has local layers longer than its global ones:
+    its program key must still name that cache (not the window's), so that warm_up compiles
+    for it and prefill/decode run those executables. (The kept executables were once compiled
+    for global layers as long as the window, and the first prefill failed.)"""
+    m = load_model(TINY + "?window=64", tp=2, dtype="float32", allreduce=F32)
+    for length in (4, 32, 64, 128):
+        cache = m.cache_shapes(2, length)
+        for key in (ProgramKey.prefill(1, 32, cache), ProgramKey.decode(2, cache),
+                    ProgramKey.write_token(2, cache)):
+            assert key.max_seq_len == length
+            abstract = next(a for a in m.programs.abstract_args(key) if isinstance(a, KVCache))
+            assert jax.tree.map(lambda x: x.shape, abstract) == jax.tree.map(
+                lambda x: x.shape, cache)
+    m.warm_up(num_slots=2, max_seq_len=32, buckets=[32], decode_rows=[2])
+    cache = m.init_cache(2, 32)
+    logits, cache = m.prefill(cache, np.array([[2, 7, 9] + [0] * 29], np.int32), np.array([3]),
+                              np.array([0]))
+    step, cache = m.decode_step(cache, np.array([5, 6], np.int32), np.array([3, 0], np.int32))
+    for program in (Program.PREFILL, Program.DECODE, Program.WRITE_TOKEN):
+        assert m.programs.jitted(program)._cache_size() == 0  # the kept executables ran
+    full = m.score([[2, 7, 9, 5]])[0]
+    np.testing.assert_allclose(np.asarray(logits)[0], full[2], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(step)[0], full[3], atol=2e-5)
 
 
 def test_kept_executable_takes_ids_placed_anywhere():
