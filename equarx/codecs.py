@@ -23,27 +23,22 @@ class Codec(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8Codec:
-    """The paper's tile scales (flat layout): per minishard, int8 payload rows then its float32
-    8x128 scales (one int8 buffer [g, K + 4, 1024] for a piece of g minishards)."""
+class FlatInt8Codec:
+    """The flat layout's int8 codecs. rows=False: the paper's tile scales, per minishard int8
+    payload rows then its float32 8x128 scales (one int8 buffer [g, K + 4, 1024] for a piece of
+    g minishards). rows=True (blocks="hadamard"): one float32 scale per 128 consecutive values,
+    packed as int8 rows of 32 bytes [g, 33 K, 32] (the payload's 32 K rows, then K rows of
+    scales)."""
+
+    rows: bool = False
 
     def encode(self, x: jax.Array) -> jax.Array:
+        if self.rows:
+            return qz.pack_rows(*qz.quantize_rows(x))
         return qz.pack(*qz.quantize_blockwise(x))
 
     def decode(self, wire: jax.Array) -> jax.Array:
-        return qz.packed_dequantize(wire)
-
-
-@dataclasses.dataclass(frozen=True)
-class Int8RowCodec:
-    """blocks="hadamard" (flat layout): one float32 scale per 128 consecutive values, packed
-    as int8 rows of 32 bytes [g, 33 K, 32] (the payload's 32 K rows, then K rows of scales)."""
-
-    def encode(self, x: jax.Array) -> jax.Array:
-        return qz.pack_rows(*qz.quantize_rows(x))
-
-    def decode(self, wire: jax.Array) -> jax.Array:
-        return qz.packed_dequantize_rows(wire)
+        return qz.packed_dequantize_rows(wire) if self.rows else qz.packed_dequantize(wire)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +87,8 @@ def for_phases(config, dtype, piece_shape: tuple[int, ...]) -> tuple[Codec, Code
     plain = FloatCodec(jnp.dtype(dtype))
     if config.blocks == "group":
         quantized = GroupCodec(config.group_size, config.method, tuple(piece_shape))
-    elif config.blocks == "hadamard":
-        quantized = Int8RowCodec()
     else:
-        quantized = Int8Codec()
+        quantized = FlatInt8Codec(rows=config.blocks == "hadamard")
     rs = quantized if config.phases in ("both", "rs") else plain
     ag = quantized if config.phases in ("both", "ag") else plain
     return rs, ag

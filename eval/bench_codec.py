@@ -15,7 +15,6 @@ and reports each one's bytes / time as GB/s and as a fraction of the copy's.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from equarx import groups
+from eval.reports import write_json
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -81,9 +81,7 @@ def main(argv=None) -> dict:
     print(f"{'kernel':<11} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
     for name, k in report["kernels"].items():
         print(f"{name:<11} {k['ms']:>8.3f} {k['GB/s']:>8.1f} {100 * k['of_copy']:>7.1f}%")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     return report
 
 

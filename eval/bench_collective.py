@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, bytes_sent_per_device, ideal_ring_bytes
+from eval.reports import write_json
 from serving.jax_platform import ensure_cpu_devices, keep_freed_memory, malloc_label
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
@@ -308,9 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# {mode}; minishards={args.minishards}; pipelined={params['pipelined']}; "
           f"repeats={args.repeats}; malloc: {report['malloc']}")
     print(format_table(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     return report
 
 

@@ -19,7 +19,6 @@ The metrics are eval.quality's, against the same model with an exact float32 All
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
@@ -28,6 +27,7 @@ import numpy as np
 from equarx import AllReduceConfig
 from eval import corpus
 from eval.quality import REFERENCE, compare_logits, mode_config
+from eval.reports import write_json
 
 TP = 4
 SPLIT_SEED = 20250617
@@ -144,9 +144,7 @@ def main(argv=None) -> dict:
     print(f"# {report['model']} ({report['dtype']}) at tp={TP}, {report['tokens_scored']} "
           f"predictions; N > 4 emulated from the real partials (eval/quality_scaling.py)")
     print(format_table(report["rows"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     return report
 
 
