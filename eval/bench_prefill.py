@@ -450,7 +450,7 @@ def _predict(rows: list[dict], baseline: dict | None, fit: cost_model.Fit, cfg: 
 def _message_shape(source: str, lengths: list[int]) -> tuple[int, list[int]]:
     """(d_model, padded bucket of each length) without loading the model."""
     from models.gemma3 import get_config
-    from models.gemma3.api import prefill_buckets
+    from models.gemma3 import prefill_buckets
 
     if source.startswith("random:"):
         d_model = get_config(source.removeprefix("random:")).d_model
