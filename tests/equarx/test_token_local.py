@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, groups, resolved_variant, schedule
 
-TOKEN_LOCAL = ["bf16_ring", "bf16_ring-full", "bf16_ring-semi", "int8", "int8-full", "int8-semi",
-               "int8-twoshot-rs", "int4", "fp8-full", "int8-semi/64", "f32", "bf16"]
+TOKEN_LOCAL = ["bf16_ring", "bf16_ring-semi", "int8", "int8-full", "int8-twoshot-rs", "int4",
+               "int8-semi/64", "bf16"]
 
 
 def _reduce(n: int, cfgs: list, x: np.ndarray) -> list[np.ndarray]:
@@ -21,8 +21,8 @@ def _reduce(n: int, cfgs: list, x: np.ndarray) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("n,labels", [
-    (2, TOKEN_LOCAL), (4, ["bf16_ring", "int8", "int8-full", "int8-semi", "int4"]),
-    (8, ["bf16_ring-full", "int8", "int8-semi", "fp8-full"])])
+    (2, TOKEN_LOCAL), (4, ["bf16_ring-full", "int8", "int8-semi"]),
+    (8, ["int8", "fp8-full"])])
 def test_a_rows_result_does_not_depend_on_the_other_rows(n, labels):
     """Rows 0..5 of a 40-row message, of a 9-row message whose other rows differ, and one row
     alone: bitwise the same result for every token-local config."""
