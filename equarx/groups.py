@@ -19,7 +19,6 @@ are one int8 array so that one ppermute moves payload and scales.
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

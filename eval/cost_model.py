@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-from equarx import AllReduceConfig, plan_for, plan_layout, resolved_variant
+from equarx import plan_for, plan_layout, resolved_variant
 from equarx.config import QUANTIZED
 from equarx.groups import wire_bytes_per_value
 from equarx.quantize import SCALE_ROWS, TILE_ELEMENTS
