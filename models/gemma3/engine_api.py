@@ -101,6 +101,33 @@ class Gemma3Engine:
         logits, new_kv = decode(self.weights, cache, tokens, positions)
         return logits, write(cache, new_kv, positions)
 
+    def prefill_chunk(self, cache: KVCache, tokens, start: int, length: int, slot: int):
+        """One chunk of a prompt: tokens [1, T] (the first `length` real) at positions
+        start..start+T-1 of the sequence in cache row `slot`, whose earlier positions are in the
+        cache. Returns (float32 logits [1, V] at the chunk's last real token, the chunk's keys and
+        values for `write_chunk`); the cache is only read (not donated)."""
+        check_token_range(tokens, self.config.vocab_size)
+        tokens = self._ids(tokens, 2, "tokens")
+        t = tokens.shape[1]
+        if tokens.shape[0] != 1 or not 1 <= int(length) <= t:
+            raise ValueError(f"a chunk is one row of 1..{t} real tokens, got {tokens.shape} "
+                             f"with length {length}")
+        if t > cache.max_seq_len or not 0 <= int(slot) < cache.num_slots:
+            raise ValueError(f"chunk of {t} tokens into slot {slot} of a cache of "
+                             f"{cache.num_slots} x {cache.max_seq_len}")
+        args = [self._ids(np.array([v], np.int32), 1, n)
+                for v, n in ((start, "start"), (length, "length"), (slot, "slot"))]
+        key = ProgramKey.chunk(t, cache)
+        return self.programs.runnable(key)(self.weights, cache, tokens, *args)
+
+    def write_chunk(self, cache: KVCache, kv, start: int, length: int, slot: int) -> KVCache:
+        """Store a chunk's keys/values (from `prefill_chunk`, or a prefix cache's copy of them)
+        at positions start..start+length-1 of cache row `slot`. Donates the cache."""
+        t = kv[0].k.shape[1]
+        args = [self._ids(np.array([v], np.int32), 1, n)
+                for v, n in ((start, "start"), (length, "length"), (slot, "slot"))]
+        return self.programs.runnable(ProgramKey.write_chunk(t, cache))(cache, kv, *args)
+
     def _ids(self, x, ndim: int, name: str) -> jax.Array:
         """Integer ids as int32, replicated on the mesh (as the kept executables expect)."""
         replicated = self.programs.replicated
@@ -151,7 +178,7 @@ class Gemma3Engine:
 
     def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
                 decode_rows=None, prefill_shapes=None, workers: int = 2,
-                progress: Callable[[str], None] | None = None) -> None:
+                progress: Callable[[str], None] | None = None, chunk_sizes=()) -> None:
         """Compile (without running) every program a server needs: prefill of `batch` prompts
         per bucket (default: the buckets up to max_seq_len; or the (batch, bucket) pairs in
         `prefill_shapes`), the decode step over each count of leading slots in `decode_rows`
@@ -159,7 +186,7 @@ class Gemma3Engine:
         those shapes; with a persistent compilation cache (and a program cache), a later start
         loads them instead of compiling. `workers` programs compile at a time (see
         `ModelPrograms.compile_all`); `progress` receives one line per program with its
-        seconds."""
+        seconds. `chunk_sizes`: prefill chunk lengths (`prefill_chunk` and `write_chunk`)."""
         if prefill_shapes is None:
             buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
             prefill_shapes = [(batch, bucket) for bucket in buckets]
@@ -168,6 +195,10 @@ class Gemma3Engine:
                 for n, bucket in prefill_shapes]
         jobs += [(f"decode step x{rows}", self._decode_keys(num_slots, max_seq_len, rows))
                  for rows in decode_rows or (num_slots,)]
+        cache = self.programs.cache_shapes(num_slots, max_seq_len)
+        jobs += [(f"prefill chunk of {t}", [ProgramKey.chunk(t, cache),
+                                            ProgramKey.write_chunk(t, cache)])
+                 for t in chunk_sizes]
         self.programs.compile_all(jobs, workers, progress)
 
     def _prefill_key(self, batch, bucket, num_slots, max_seq_len, all_logits=False):

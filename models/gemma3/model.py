@@ -150,11 +150,13 @@ def project_qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, kind: str, 
 
 
 def attend(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array,
-           new_k_t: jax.Array | None = None, new_v: jax.Array | None = None) -> jax.Array:
+           new_k_t: jax.Array | None = None, new_v: jax.Array | None = None,
+           new_mask: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention. q [B, T, Nl, H]; keys k_t [B, Kl, H, S] (transposed, as cached),
     values v [B, Kl, S, H]; mask [B, T, S] (True = attend) -> [B, T, Nl, H]. Local query head i
-    uses local KV head i // (Nl / Kl). new_k_t [B, Kl, H, 1] / new_v [B, Kl, 1, H]: one more
-    key/value every query attends to (decode's own token, kept out of the cache read).
+    uses local KV head i // (Nl / Kl). new_k_t [B, Kl, H, N] / new_v [B, Kl, N, H]: N more
+    keys/values kept out of the cache read (decode's own token, N = 1, which every query attends
+    to; or a prefill chunk's own tokens, with new_mask [B, T, N] saying which).
 
     The cache layouts are the ones batched matmuls read directly: with keys cached [S, H] XLA
     transposed every layer's whole key cache on every decode step.
@@ -168,8 +170,11 @@ def attend(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array,
     logits = jnp.einsum("bkgth,bkhs->bkgts", q, k_t, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None], logits.astype(q.dtype), K_MASK)
     if new_k_t is not None:
-        own = jnp.einsum("bkgth,bkhs->bkgts", q, new_k_t, preferred_element_type=jnp.float32)
-        logits = jnp.concatenate([logits, own.astype(q.dtype)], axis=-1)
+        own = jnp.einsum("bkgth,bkhs->bkgts", q, new_k_t,
+                         preferred_element_type=jnp.float32).astype(q.dtype)
+        if new_mask is not None:
+            own = jnp.where(new_mask[:, None, None], own, K_MASK)
+        logits = jnp.concatenate([logits, own], axis=-1)
     probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
     s = k_t.shape[-1]
     out = jnp.einsum("bkgts,bksh->bkgth", probs[..., :s], v, preferred_element_type=jnp.float32)
@@ -308,6 +313,50 @@ def write_token(cache: KVCache, new_kv: tuple[LayerCache, ...], positions: jax.A
     return KVCache(layers=tuple(layers))
 
 
+def write_chunk(cache: KVCache, new_kv: tuple[LayerCache, ...], start: jax.Array,
+                length: jax.Array, slot: jax.Array, *, ctx: Ctx) -> KVCache:
+    """Store one prefill chunk's keys/values (per layer [1, T, Kl, H], positions start..start+T-1,
+    the first `length` of them real) into cache row `slot` ([1]-shaped start, length, slot).
+
+    Only that row's window is read and written back (in place), never the whole cache. A global
+    row takes positions start..start+length-1; its window is T entries from start, moved back to
+    end at the row's last entry when it would run past it (the entries before `start` then keep
+    their old values). A local ring row keeps, at index s, the latest real position p <= start +
+    length - 1 with p % W == s if p >= start, else its old entry, so that a chunk longer than the
+    window, or one that wraps around the ring, leaves the ring as one prefill of the whole prompt
+    would. Positions past `length` (the chunk's padding) are never stored in a ring; in a global
+    row they lie beyond the sequence, where nothing reads before a later write.
+    """
+    start, length, slot = start[0], length[0], slot[0]
+    layers = []
+    for i, (c, kv) in enumerate(zip(cache.layers, new_kv)):
+        k, v = kv.k[0].astype(c.k.dtype), kv.v[0].astype(c.v.dtype)  # [T, Kl, H]
+        t, n = k.shape[0], c.v.shape[2]
+        if _layer_kind(ctx, i) == "global":
+            first = jnp.minimum(start, n - t)
+            pos = first + jnp.arange(t)
+        else:
+            first = jnp.zeros((), start.dtype)
+            s = jnp.arange(n)
+            last = start + length - 1
+            pos = s + n * jnp.floor_divide(last - s, n)  # latest position <= last at index s
+            t = n
+        rel = pos - start
+        take = (rel >= 0) & (rel < length)
+        src = jnp.clip(rel, 0, k.shape[0] - 1)
+        new_k = jnp.take(k, src, axis=0).transpose(1, 2, 0)[None]  # [1, Kl, H, t]
+        new_v = jnp.take(v, src, axis=0).transpose(1, 0, 2)[None]  # [1, Kl, t, H]
+        kl, h = c.k.shape[1], c.k.shape[2]
+        old_k = lax.dynamic_slice(c.k, (slot, 0, 0, first), (1, kl, h, t))
+        old_v = lax.dynamic_slice(c.v, (slot, 0, first, 0), (1, kl, t, h))
+        ck = lax.dynamic_update_slice(c.k, jnp.where(take[None, None, None, :], new_k, old_k),
+                                      (slot, 0, 0, first))
+        cv = lax.dynamic_update_slice(c.v, jnp.where(take[None, None, :, None], new_v, old_v),
+                                      (slot, 0, first, 0))
+        layers.append(LayerCache(k=ck, v=cv))
+    return KVCache(layers=tuple(layers))
+
+
 def _ring_index(positions: jax.Array, ctx: Ctx) -> jax.Array:
     # Positions are >= 0, so the C-style remainder is the ring index (a Python-style modulo
     # fuses a sign fix-up into the cache updates, which XLA then does not do in place).
@@ -380,4 +429,58 @@ def decode_step(weights: Weights, cache: KVCache, tokens: jax.Array, positions: 
     x = embed_tokens(weights.embed, tokens[:, None], ctx)
     x, new_kv = run_layers(x, weights, attn, ctx)
     x = rms_norm(x[:, 0], weights.final_norm, ctx.config.norm_eps)
+    return output_logits(x, weights.embed), new_kv
+
+
+def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
+                  length: jax.Array, slot: jax.Array, *,
+                  ctx: Ctx) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+    """One chunk of a prompt: tokens [1, T] at positions start..start+T-1 (the first `length`
+    real, the rest padding) of the sequence in cache row `slot`, whose positions before `start`
+    are in the cache ([1]-shaped start, length, slot).
+
+    Returns float32 logits [1, Vl] at the chunk's last real token and every layer's keys/values
+    of the chunk [1, T, Kl, H] in the cache's dtype, for `write_chunk` (a second program, as
+    for decode: the cache is only read here). Each query attends to the cached positions still
+    in its view (global: < start; ring entry s holds start - 1 - ((start - 1 - s) mod W), in view
+    when >= 0 and within the window) and causally to the chunk's own keys (within the window).
+    The ring is read before the chunk's own positions are written, so it needs W entries
+    whatever the chunk length.
+
+    A chunk's result depends on its request alone (its tokens, start, length and the cache row
+    it reads): chunk boundaries at 0, C, 2C, ... make a prompt's cache and logits a function of
+    the prompt, and a chunk-aligned prefix bitwise what any other prompt with that prefix holds.
+    """
+    t = tokens.shape[1]
+    qpos = start[0] + jnp.arange(t, dtype=jnp.int32)  # [T]
+    positions = qpos[None, :]
+    rows = tuple(LayerCache(k=lax.dynamic_slice_in_dim(c.k, slot[0], 1, axis=0),
+                            v=lax.dynamic_slice_in_dim(c.v, slot[0], 1, axis=0))
+                 for c in cache.layers)
+
+    def attn(x, w, layer, kind):
+        q, k, v = project_qkv(x, w, positions, kind, ctx)  # k, v [1, T, Kl, H]
+        c = rows[layer]
+        n = c.v.shape[2]
+        idx = jnp.arange(n)
+        window = None if kind == "global" else ctx.config.sliding_window
+        if kind == "global":
+            cached = idx
+            valid = idx < start[0]
+        else:
+            cached = start[0] - 1 - jnp.mod(start[0] - 1 - idx, n)
+            valid = cached >= 0
+        mask = valid[None, :] & (cached[None, :] <= qpos[:, None])
+        if window is not None:
+            mask = mask & (cached[None, :] > qpos[:, None] - window)
+        own = _sequence_mask(jnp.arange(t), t, window)
+        enc = attend(q, c.k, c.v, mask[None], new_k_t=k.transpose(0, 2, 3, 1),
+                     new_v=v.transpose(0, 2, 1, 3), new_mask=own[None])
+        kv = LayerCache(k=k.astype(c.k.dtype), v=v.astype(c.v.dtype))
+        return output_projection(enc, w.o), kv
+
+    x = embed_tokens(weights.embed, tokens, ctx)
+    x, new_kv = run_layers(x, weights, attn, ctx)
+    x = x[jnp.arange(1), length - 1]
+    x = rms_norm(x, weights.final_norm, ctx.config.norm_eps)
     return output_logits(x, weights.embed), new_kv

@@ -54,6 +54,9 @@ class Program(enum.Enum):
     DECODE:             (weights, cache, tokens, positions) -> (logits [R, V], new keys/values)
     WRITE_TOKEN:        (cache, new keys/values, positions) -> cache
     SCORE:              (weights, tokens, lengths) -> logits [B, T, V], with no cache
+    CHUNK:              (weights, cache, tokens [1, T], start, length, slot) -> (logits [1, V],
+                        the chunk's keys/values): one chunk of a prompt, reading the cache
+    WRITE_CHUNK:        (cache, chunk keys/values, start, length, slot) -> cache
     """
 
     PREFILL = "prefill"
@@ -61,6 +64,8 @@ class Program(enum.Enum):
     DECODE = "decode"
     WRITE_TOKEN = "write_token"
     SCORE = "score"
+    CHUNK = "chunk"
+    WRITE_CHUNK = "write_chunk"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +99,14 @@ class ProgramKey:
     @classmethod
     def write_token(cls, rows: int, cache: KVCache) -> ProgramKey:
         return cls(Program.WRITE_TOKEN, rows, 1, cache.num_slots, cache.max_seq_len)
+
+    @classmethod
+    def chunk(cls, tokens: int, cache: KVCache) -> ProgramKey:
+        return cls(Program.CHUNK, 1, tokens, cache.num_slots, cache.max_seq_len)
+
+    @classmethod
+    def write_chunk(cls, tokens: int, cache: KVCache) -> ProgramKey:
+        return cls(Program.WRITE_CHUNK, 1, tokens, cache.num_slots, cache.max_seq_len)
 
     @classmethod
     def score(cls, batch: int, length: int) -> ProgramKey:
@@ -170,6 +183,7 @@ class ModelPrograms:
     def _build_programs(self) -> dict[Program, Callable]:
         weights, cache, ids = self._weight_specs, self._cache_specs, P()
         new_kv = self._new_kv_specs()
+        chunk_kv = self._chunk_kv_specs()
         vocab_last, vocab_all = P(None, AXIS), P(None, None, AXIS)
 
         def score(w, tokens, lengths):
@@ -191,6 +205,12 @@ class ModelPrograms:
                 Program.WRITE_TOKEN, functools.partial(forward.write_token, ctx=self._ctx),
                 (cache, new_kv, ids), cache, donate=(0,)),
             Program.SCORE: self._jit(Program.SCORE, score, (weights, ids, ids), vocab_all),
+            Program.CHUNK: self._jit(
+                Program.CHUNK, functools.partial(forward.prefill_chunk, ctx=self._ctx),
+                (weights, cache, ids, ids, ids, ids), (vocab_last, chunk_kv)),
+            Program.WRITE_CHUNK: self._jit(
+                Program.WRITE_CHUNK, functools.partial(forward.write_chunk, ctx=self._ctx),
+                (cache, chunk_kv, ids, ids, ids), cache, donate=(0,)),
         }
 
     def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
@@ -213,6 +233,18 @@ class ModelPrograms:
         spec = P(None, AXIS, None)
         return tuple(LayerCache(k=spec, v=spec) for _ in range(self.config.num_layers))
 
+    def _chunk_kv_specs(self) -> tuple[LayerCache, ...]:
+        """A prefill chunk's keys/values: per layer [1, T, Kc, H], split over KV heads."""
+        spec = P(None, None, AXIS, None)
+        return tuple(LayerCache(k=spec, v=spec) for _ in range(self.config.num_layers))
+
+    def chunk_kv_shapes(self, tokens: int) -> tuple[LayerCache, ...]:
+        """ShapeDtypeStructs (with shardings) of a `tokens`-long chunk's keys/values."""
+        heads = local_kv_heads(self.config, self.tp) * self.tp
+        kv = jax.ShapeDtypeStruct((1, tokens, heads, self.config.head_dim), self.cache_dtype,
+                                  sharding=NamedSharding(self.mesh, P(None, None, AXIS, None)))
+        return tuple(LayerCache(k=kv, v=kv) for _ in range(self.config.num_layers))
+
     def jitted(self, program: Program) -> Callable:
         """The jitted program (a `CachedProgram` with a program cache)."""
         return self._jitted[program]
@@ -231,6 +263,10 @@ class ModelPrograms:
                     ids(key.batch))
         if key.program is Program.DECODE:
             return self.abstract_weights, cache, ids(key.batch), ids(key.batch)
+        if key.program is Program.CHUNK:
+            return self.abstract_weights, cache, ids(1, key.tokens), ids(1), ids(1), ids(1)
+        if key.program is Program.WRITE_CHUNK:
+            return cache, self.chunk_kv_shapes(key.tokens), ids(1), ids(1), ids(1)
         heads = local_kv_heads(self.config, self.tp) * self.tp
         kv = jax.ShapeDtypeStruct((key.batch, heads, self.config.head_dim), self.dtype,
                                   sharding=NamedSharding(self.mesh, P(None, AXIS, None)))
