@@ -7,6 +7,7 @@ Roles: "user" stays user, "assistant" becomes model. Gemma has no system role: s
 "developer") messages are joined and prepended to the first user turn, separated by a blank line
 (what Gemma 3's own template does). The turn markers are inserted as their token ids, never
 parsed from text, so a message that contains the literal text "<start_of_turn>" cannot forge a turn.
+A checkpoint's own Jinja template, when the tokenizer carries one, replaces this format.
 """
 from __future__ import annotations
 
@@ -27,7 +28,15 @@ _SYSTEM_ROLES = ("system", "developer")
 
 def render_chat(messages: Sequence[tuple[str, str]], tok: ChatTokenizer) -> list[int]:
     """(role, text) pairs -> prompt ids ending with the model's turn opening. Raises ValueError
-    (with the message index) for an unknown role or a conversation without a user turn."""
+    (with the message index) for an unknown role or a conversation without a user turn.
+    A tokenizer that carries its checkpoint's own template (`chat_template`) is rendered with
+    that instead (serving.chat_jinja), as transformers would."""
+    template = getattr(tok, "chat_template", None)
+    if template is not None:
+        from serving.chat_jinja import render_template
+
+        return render_template(template.source, template.variables,
+                               [{"role": role, "content": text} for role, text in messages], tok)
     system = [text for role, text in messages if role in _SYSTEM_ROLES]
     turns = []
     for i, (role, text) in enumerate(messages):
