@@ -120,7 +120,7 @@ def pad_prefill_batch(rows: list[tuple[list[int], int, SlotSampling]], bucket: i
         if not 1 <= len(ids) <= bucket:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit bucket {bucket}")
         tokens[i, :len(ids)] = ids
-    sampling = SlotSampling(*(np.concatenate([getattr(r[2], f) for r in rows]) for f in SlotSampling._fields))
+    sampling = SlotSampling.concat([r[2] for r in rows])
     return PrefillInputs(tokens=tokens,
                          lengths=np.array([len(r[0]) for r in rows], np.int32),
                          slots=np.array([r[1] for r in rows], np.int32),
@@ -167,7 +167,7 @@ class ModelEngine:
         if inputs.prompt_logprobs:
             extra = self._prompt_logprobs(logits, inputs.tokens)
             logits = self._last_logits(logits, inputs.lengths)
-        out = self._sample(logits, inputs.sampling, inputs.lengths)
+        out = self._sample(logits, inputs.sampling.resolve(), inputs.lengths)
         return _to_host(self._jax, out, extra)
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
@@ -177,9 +177,10 @@ class ModelEngine:
         # of a free row, which the next prefill into it overwrites.
         tokens = np.pad(np.asarray(inputs.tokens, np.int32), (0, pad))
         positions = np.pad(np.asarray(inputs.positions, np.int32), (0, pad))
-        sampling = SlotSampling(*(np.concatenate([a, b]) for a, b in zip(inputs.sampling, SlotSampling.greedy(pad))))
         logits, self.cache = self.model.decode_step(self.cache, tokens, positions)
         logits = self._to_sample_device(logits)
+        # After the dispatch: waiting for a grammar's masks overlaps the device's step.
+        sampling = inputs.sampling.padded(rows + pad).resolve()
         out = self._sample(logits, sampling, positions + 1)
         return StepOutputs(*(a[:rows] for a in _to_host(self._jax, out, ())[:4]))
 

@@ -17,9 +17,10 @@ import time
 import numpy as np
 
 from serving.engine import DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
+from serving.logits_processing import step_extras
 from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
-from serving.sampling import SamplingParams, SlotSampling
+from serving.sampling import LogitsExtras, SamplingParams, SlotSampling
 from serving.scheduler import Plan, PrefillGroup, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class EngineCore:
     def _execute(self, plan: Plan) -> None:
         for group in plan.prefills:
             t0 = time.perf_counter()
-            out = self.engine.run_prefill(prefill_inputs(group))
+            out = self.engine.run_prefill(prefill_inputs(group, self._extras))
             now = time.perf_counter()
             log.debug("prefill of %d prompt(s), lengths %s, in bucket %d x%d: %.3fs", len(group.seqs),
                       [len(s.prompt) for s in group.seqs], group.bucket, group.batch, now - t0)
@@ -163,8 +164,12 @@ class EngineCore:
         if plan.decode:
             for src, dst in plan.moves:
                 self.engine.move_slot(src, dst)
-            out = self.engine.run_decode(decode_inputs(plan))
+            out = self.engine.run_decode(decode_inputs(plan, self._extras))
             self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
+
+    def _extras(self, seqs) -> LogitsExtras | None:
+        """The logits processing of a step's rows (penalties, bias, grammar masks), None if none."""
+        return step_extras(seqs, self.outputs.structured, self.engine.info.eos_ids)
 
     def _publish(self, events: list[Emitted]) -> None:
         """Frees the slots of the sequences that ended, then delivers the events (so that a
@@ -193,13 +198,18 @@ class EngineCore:
 _IDLE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def prefill_inputs(group: PrefillGroup) -> PrefillInputs:
+def prefill_inputs(group: PrefillGroup, extras=None) -> PrefillInputs:
+    """extras(rows) -> LogitsExtras | None: the logits processing of the rows (padding rows
+    repeat the last sequence, as `pad_prefill_batch` does)."""
     rows = [(s.prompt, s.slot, SlotSampling.of([s.params], [s.seed])) for s in group.seqs]
     inputs = pad_prefill_batch(rows, group.bucket, group.batch)
+    if extras is not None:
+        seqs = list(group.seqs) + [group.seqs[-1]] * (group.batch - len(group.seqs))
+        inputs = inputs._replace(sampling=inputs.sampling._replace(extras=extras(seqs)))
     return inputs._replace(prompt_logprobs=group.prompt_logprobs)
 
 
-def decode_inputs(plan: Plan) -> DecodeInputs:
+def decode_inputs(plan: Plan, extras=None) -> DecodeInputs:
     """Each busy row feeds its last token at its position (the tokens it holds before it)."""
     n = len(plan.decode)
     tokens = np.zeros(n, np.int32)
@@ -210,4 +220,6 @@ def decode_inputs(plan: Plan) -> DecodeInputs:
             positions[i] = s.length - 1
     sampling = SlotSampling.of([_IDLE if s is None else s.params for s in plan.decode],
                                [0 if s is None else s.seed for s in plan.decode])
+    if extras is not None:
+        sampling = sampling._replace(extras=extras(plan.decode))
     return DecodeInputs(tokens, positions, sampling)

@@ -16,6 +16,7 @@ from serving.detokenize import TextStream
 from serving.engine import EngineInfo, StepOutputs
 from serving.metrics import NullMetrics
 from serving.scheduler import Plan, PrefillGroup, Sequence
+from serving.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,12 @@ class OutputProcessor:
         self.metrics = metrics or NullMetrics()
         self._eos = set(info.eos_ids)
         self._live: dict[int, _Output] = {}
+        # Grammar matchers of the live sequences that have one (structured output, tool calls).
+        self.structured = StructuredOutputs(info.vocab_size, info.eos_ids, info.max_seq_len, tokenizer)
 
     def add(self, seq: Sequence, sink: Sink, arrival: float) -> None:
         self._live[seq.id] = _Output(sink, TextStream(self.tokenizer, seq.params.stop), arrival)
+        self.structured.add(seq)
 
     def on_prefill(self, group: PrefillGroup, out: StepOutputs, started: float,
                    now: float) -> list[Emitted]:
@@ -86,8 +90,10 @@ class OutputProcessor:
         for s in group.seqs:
             self.metrics.on_scheduled(started - self._live[s.id].arrival)
         self.metrics.on_prefill([len(s.prompt) for s in group.seqs], now - started, group.bucket, group.batch)
-        return [self._on_token(s, out, row, now, _prompt_logprobs(out, row, s) if group.prompt_logprobs else None)
-                for row, s in enumerate(group.seqs)]
+        events = [self._on_token(s, out, row, now, _prompt_logprobs(out, row, s) if group.prompt_logprobs else None)
+                  for row, s in enumerate(group.seqs)]
+        self.structured.prefetch()  # the next step's grammar masks, while the events go out
+        return events
 
     def on_decode(self, plan: Plan, out: StepOutputs, now: float) -> list[Emitted]:
         """The next token of every sequence of a decode step (after the plan's slot moves)."""
@@ -95,7 +101,9 @@ class OutputProcessor:
             self.metrics.on_move()
         busy = [(row, s) for row, s in enumerate(plan.decode) if s is not None]
         self.metrics.on_decode(plan.decode_rows, len(busy))
-        return [self._on_token(s, out, row, now, None) for row, s in busy]
+        events = [self._on_token(s, out, row, now, None) for row, s in busy]
+        self.structured.prefetch()  # the next step's grammar masks, while the events go out
+        return events
 
     def finish(self, seqs: list[Sequence], reason: str, error: str | None,
                now: float) -> list[Emitted]:
@@ -125,26 +133,34 @@ class OutputProcessor:
         o.last_token_at = now
         info = (_token_info(out, row, tok, s.params.logprobs),)
         p = s.params
-        reason = None
+        reason = error = None
         if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
             # The stop token counts as generated but is part of neither the text nor the logprobs.
             text, info = o.stream.finish(), ()
             reason = "stop"
         else:
             text, stopped = o.stream.add(tok)
-            if stopped:
+            # A grammar that can take nothing more ends the sequence (no step spent on EOS).
+            grammar_end = p.grammar is not None and self.structured.accept(s.id, tok)
+            if grammar_end == "error":
+                reason, error = "error", f"the grammar rejected token {tok}: {self.structured.error(s.id)}"
+            elif stopped:
+                reason = "stop"
+            elif grammar_end == "stop":
+                text += o.stream.finish()
                 reason = "stop"
             elif len(s.generated) >= p.max_tokens or s.length >= self.info.max_seq_len:
                 text += o.stream.finish()
                 reason = "length"
         event = Event(text=text, tokens=info, finish_reason=reason, num_prompt_tokens=len(s.prompt),
-                      num_generated=len(s.generated), prompt_logprobs=prompt_lps)
+                      num_generated=len(s.generated), prompt_logprobs=prompt_lps, error=error)
         if reason is None:
             return Emitted(s, event, o.sink)
         return self._end(s, event, now)
 
     def _end(self, s: Sequence, event: Event, now: float) -> Emitted:
         o = self._live.pop(s.id)
+        self.structured.remove(s.id)
         self.metrics.on_finish(event.finish_reason, now - o.arrival,
                                None if o.first_token_at is None else now - o.first_token_at)
         return Emitted(s, event, o.sink)

@@ -28,6 +28,9 @@ import numpy as np
 
 NUM_CANDIDATES = 256
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+# A token id no vocabulary reaches: padding entries of LogitsExtras, dropped by the scatters.
+UNUSED_ID = 2**30
 _BLOCK = 512
 _BISECT_STEPS = 40
 # Seeds are accepted as signed 64-bit integers and reduced to 32 bits on device.
@@ -50,6 +53,13 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. logprobs: None
     for none, else the number of alternatives (0..20) reported beside each chosen token's logprob.
     seed None draws a fresh seed per request.
+
+    Logits processing (vLLM's meaning, applied in this order before temperature): penalties over
+    the tokens seen so far (repetition_penalty over prompt and output, presence and frequency over
+    the output), logit_bias ({token id: bias}, -100..100; -100 bans a token in effect), tokens
+    banned while fewer than min_tokens were generated (EOS and stop_token_ids), the grammar's
+    allowed tokens (`grammar`, see serving.structured_output); after temperature, min_p drops the
+    tokens less likely than min_p times the most likely one.
     """
 
     max_tokens: int = 16
@@ -61,6 +71,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # A compiled grammar (serving.structured_output.Grammar) the output must match, or None.
+    grammar: object | None = None
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, low=1, high=_MAX_INT32)
@@ -81,10 +99,39 @@ class SamplingParams:
             _check_int("stop_token_ids", t, low=0, high=_MAX_INT32)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParameter("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        for t, b in self.logit_bias:
+            _check_int("logit_bias", t, low=0, high=_MAX_INT32)
+            _check_float("logit_bias", b, -100.0, 100.0)
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidParameter("logit_bias", "logit_bias names a token twice")
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
 
     def seed32(self, fallback: int) -> int:
         """The 32-bit seed used on device; `fallback` (random) when the request gave none."""
         return (fallback if self.seed is None else self.seed) % (2**32)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_extras(self) -> bool:
+        """Whether this sequence's rows need the logits-processing inputs (`LogitsExtras`)."""
+        return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.min_p > 0
+                    or self.grammar is not None)
+
+
+def _check_float(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not np.isfinite(value) \
+            or value > high or value < low or (low_open and value == low):
+        raise InvalidParameter(name, f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                               f"got {value!r}")
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
@@ -96,6 +143,33 @@ def _check_int(name: str, value, low: int | None = None, high: int | None = None
         raise InvalidParameter(name, f"{name} must be <= {high}, got {value}")
 
 
+class LogitsExtras(NamedTuple):
+    """Per-row logits processing of a step, present only when some row of the step needs it (the
+    sampler then runs its processing variant; rows that need nothing carry neutral values).
+
+    Shapes are padded to a few sizes so that the variants stay few: K (bias entries) and L (tokens
+    seen, for penalties; 0 when no row has a penalty) to powers of two."""
+
+    mask: np.ndarray | None  # int32 [B, ceil(V/32)] allowed-token bits (grammar), or None: no grammar row
+    bias_ids: np.ndarray  # int32 [B, K]; UNUSED_ID marks an unused entry
+    bias_vals: np.ndarray  # float32 [B, K] added to the logits (-inf: banned)
+    min_p: np.ndarray  # float32 [B]
+    presence: np.ndarray  # float32 [B]
+    frequency: np.ndarray  # float32 [B]
+    repetition: np.ndarray  # float32 [B]
+    seen_ids: np.ndarray  # int32 [B, L] prompt and output tokens; UNUSED_ID is padding
+    seen_output: np.ndarray  # bool [B, L] whether the entry is an output token
+
+    @staticmethod
+    def neutral(n: int, k: int = 1, length: int = 0, mask_words: int | None = None) -> "LogitsExtras":
+        return LogitsExtras(
+            mask=None if mask_words is None else np.full((n, mask_words), -1, np.int32),
+            bias_ids=np.full((n, k), UNUSED_ID, np.int32), bias_vals=np.zeros((n, k), np.float32),
+            min_p=np.zeros(n, np.float32), presence=np.zeros(n, np.float32),
+            frequency=np.zeros(n, np.float32), repetition=np.ones(n, np.float32),
+            seen_ids=np.full((n, length), UNUSED_ID, np.int32), seen_output=np.zeros((n, length), bool))
+
+
 class SlotSampling(NamedTuple):
     """Sampling parameters of every row of a step, as plain arrays (the device program's input)."""
 
@@ -103,6 +177,10 @@ class SlotSampling(NamedTuple):
     top_k: np.ndarray  # int32 [B]; 0 = off
     top_p: np.ndarray  # float32 [B]
     seed: np.ndarray  # uint32 [B]
+    # Logits processing, None when no row needs it. Its mask may still be a pending computation
+    # (an object with `result()`): `resolve` waits for it; the engine calls it after dispatching
+    # the model's step, so that the grammar's host work overlaps the device's.
+    extras: LogitsExtras | None = None
 
     @staticmethod
     def of(params: list[SamplingParams], seeds: list[int]) -> "SlotSampling":
@@ -118,6 +196,45 @@ class SlotSampling(NamedTuple):
         return SlotSampling(np.zeros(n, np.float32), np.zeros(n, np.int32),
                             np.ones(n, np.float32), np.zeros(n, np.uint32))
 
+    @staticmethod
+    def concat(parts: list["SlotSampling"]) -> "SlotSampling":
+        """Rows of several (resolved) samplings, in order."""
+        base = [np.concatenate([getattr(p, f) for p in parts]) for f in SlotSampling._fields[:4]]
+        if all(p.extras is None for p in parts):
+            return SlotSampling(*base)
+        n_rows = [len(p.temperature) for p in parts]
+        extras = [p.extras for p in parts]
+        extras = [LogitsExtras.neutral(n) if e is None else e for n, e in zip(n_rows, extras)]
+        k = max(e.bias_ids.shape[1] for e in extras)
+        length = max(e.seen_ids.shape[1] for e in extras)
+        words = next((e.mask.shape[1] for e in extras if e.mask is not None), None)
+        cat = []
+        for name in LogitsExtras._fields:
+            arrays = []
+            for n, e in zip(n_rows, extras):
+                a = getattr(e, name)
+                if name == "mask":
+                    a = None if words is None else (np.full((n, words), -1, np.int32) if a is None else a)
+                elif name in ("bias_ids", "bias_vals", "seen_ids", "seen_output"):
+                    width = k if name.startswith("bias") else length
+                    fill = UNUSED_ID if name in ("bias_ids", "seen_ids") else 0
+                    a = np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+                arrays.append(a)
+            cat.append(None if arrays[0] is None else np.concatenate(arrays))
+        return SlotSampling(*base, LogitsExtras(*cat))
+
+    def padded(self, n: int) -> "SlotSampling":
+        """These rows then greedy idle rows up to n in all."""
+        pad = n - len(self.temperature)
+        return self if pad <= 0 else SlotSampling.concat([self.resolve(), SlotSampling.greedy(pad)])
+
+    def resolve(self) -> "SlotSampling":
+        """The same rows with a pending grammar mask computed (waits for it)."""
+        e = self.extras
+        if e is None or e.mask is None or isinstance(e.mask, np.ndarray):
+            return self
+        return self._replace(extras=e._replace(mask=e.mask.result()))
+
 
 class SampleOutput(NamedTuple):
     tokens: jax.Array  # int32 [B]
@@ -132,8 +249,13 @@ _K_OFF = np.iinfo(np.int32).max
 
 def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array) -> SampleOutput:
     """Draws one token per row. logits float32 [B, V]; positions int32 [B]: the position the drawn
-    token will occupy (with the seed it selects the random stream)."""
+    token will occupy (with the seed it selects the random stream). With `params.extras`, the
+    logits are processed first (`process_logits`); reported logprobs are those of the processed
+    distribution before temperature."""
     logits = logits.astype(jnp.float32)
+    ex = params.extras
+    if ex is not None:
+        logits = process_logits(logits, ex)
     b, v = logits.shape
     lse = jax.nn.logsumexp(logits, axis=-1)
     cand_vals, cand_ids = _top_k(logits, min(NUM_CANDIDATES, v))
@@ -146,8 +268,13 @@ def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array) -> Sam
         u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
         top_k = jnp.where((params.top_k <= 0) | (params.top_k >= v), _K_OFF, params.top_k)
         z = logits / temp
+        zc = cand_vals / temp
+        if ex is not None:  # min_p: keep tokens with p >= min_p * p_max (log 0 = -inf keeps all)
+            floor = zc[:, :1] + jnp.log(ex.min_p)[:, None]
+            z = jnp.where(z >= floor, z, -jnp.inf)
+            zc = jnp.where(zc >= floor, zc, -jnp.inf)
         lse_z = jax.nn.logsumexp(z, axis=-1)
-        fast_ok, fast_tok = _sample_candidates(cand_vals / temp, cand_ids, lse_z, top_k, params.top_p, u)
+        fast_ok, fast_tok = _sample_candidates(zc, cand_ids, lse_z, top_k, params.top_p, u)
         full = do_sample & ~fast_ok
         full_tok = jax.lax.cond(
             jnp.any(full),
@@ -161,6 +288,28 @@ def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array) -> Sam
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     k = min(MAX_TOP_LOGPROBS, cand_vals.shape[1])
     return SampleOutput(tokens, chosen, cand_ids[:, :k].astype(jnp.int32), cand_vals[:, :k] - lse[:, None])
+
+
+def process_logits(logits: jax.Array, ex: LogitsExtras) -> jax.Array:
+    """Penalties, logit bias and the grammar's mask (float32 [B, V] in and out; a removed token's
+    logit is -inf). Each part costs only when its inputs exist: penalties when L > 0 (dense
+    per-row counts built by one scatter), the mask when some row has a grammar."""
+    b, v = logits.shape
+    rows = jnp.arange(b)[:, None]
+    if ex.seen_ids.shape[1]:
+        ones = jnp.ones(ex.seen_ids.shape, jnp.float32)
+        seen = jnp.zeros((b, v), jnp.float32).at[rows, ex.seen_ids].max(ones, mode="drop") > 0
+        out_counts = jnp.zeros((b, v), jnp.float32).at[rows, ex.seen_ids].add(
+            ex.seen_output.astype(jnp.float32), mode="drop")
+        rep = ex.repetition[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - ex.frequency[:, None] * out_counts - ex.presence[:, None] * (out_counts > 0)
+    logits = logits.at[rows, ex.bias_ids].add(ex.bias_vals, mode="drop")
+    if ex.mask is not None:
+        bits = (ex.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(b, -1)[:, :v].astype(bool)
+        logits = jnp.where(allowed, logits, -jnp.inf)
+    return logits
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -187,7 +336,8 @@ def _sample_candidates(zc, ids, lse_z, top_k, top_p, u):
     mass_k = jnp.where(k_inside, cum[:, -1], 1.0)
     reach = cum >= top_p[:, None] * mass_k[:, None]
     nucleus_inside = (top_p < 1.0) & jnp.any(reach, axis=-1)
-    ok = k_inside | ((top_k == _K_OFF) & nucleus_inside)
+    # A row whose last candidate is -inf (a grammar, min_p) has all of its tokens among them.
+    ok = k_inside | ((top_k == _K_OFF) & nucleus_inside) | (zc[:, -1] == -jnp.inf)
     keep = jnp.where(top_p >= 1.0, jnp.minimum(top_k, n), jnp.argmax(reach, axis=-1) + 1)
     j = _inverse_cdf(jnp.where(idx < keep[:, None], probs, 0.0), u)
     return ok, jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0]
@@ -196,7 +346,7 @@ def _sample_candidates(zc, ids, lse_z, top_k, top_p, u):
 def _sample_full(z, lse_z, top_k, top_p, u):
     """Exact top-k / top-p sampling over the full vocabulary. The cut-offs are found by bisection
     on the logit value (each step one pass over the vocabulary), skipped when no row needs them."""
-    lo0 = jnp.min(z, axis=-1)
+    lo0 = jnp.min(jnp.where(z > -jnp.inf, z, jnp.inf), axis=-1)  # removed tokens (-inf) aside
     hi0 = jnp.max(z, axis=-1) + 1.0
     probs = jnp.exp(z - lse_z[:, None])
 

@@ -1,0 +1,364 @@
+"""Structured output: grammars compiled with llguidance, and the per-sequence matchers whose
+allowed-token masks the sampler applies on device (`serving.sampling.process_logits`).
+
+Why llguidance (docs/structured_output.md has the comparison): it has no run-time dependencies
+(xgrammar needs torch and transformers), takes JSON schema, regular expressions and Lark
+context-free grammars (outlines-core has no CFG), computes a 262k-token mask in microseconds to a
+fraction of a millisecond, and writes masks for a whole batch into one numpy array from its own
+threads with the GIL released.
+
+Flow: the HTTP layer compiles a request's `Grammar` (errors are 400s) off the event loop. The
+engine core's output processor gives each sequence its own matcher (`StructuredOutputs.add`),
+feeds it every sampled token (`accept`) and, after each step, starts the masks of the next step
+for all sequences at once on a worker thread (`prefetch`). The next step's sampling inputs carry a
+pending mask (`masks`), which the engine waits for only after it has dispatched the model's step,
+so the grammar's host work overlaps the device's. EOS is allowed only where the grammar accepts;
+once the grammar can take nothing more the sequence ends ("stop") without spending a step on EOS.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import threading
+import weakref
+
+import numpy as np
+
+from serving.sampling import InvalidParameter
+
+log = logging.getLogger(__name__)
+
+# Base models ramble inside free whitespace; JSON output is compact (what OpenAI returns too).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_MAX_GRAMMAR_BYTES = 1 << 20
+
+
+def _llg():
+    import llguidance
+
+    return llguidance
+
+
+# ---- the tokenizer as llguidance sees it ----
+
+_TOKENIZERS: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def token_bytes_table(tok) -> tuple[list[bytes], list[int]]:
+    """(bytes of every token, ids of special tokens) for a SentencePiece vocabulary with byte
+    fallback: '<0xNN>' pieces are byte NN, U+2581 is a space, control/unknown/unused pieces are
+    special (never text). Works for `models.gemma3.tokenizer.Tokenizer` and for any tokenizer with
+    `id_to_piece` and `vocab_size` whose special pieces look like '<name>'."""
+    sp = getattr(tok, "_sp", None)
+    out, special = [], []
+    for i in range(tok.vocab_size):
+        piece = tok.id_to_piece(i)
+        if sp is not None:
+            is_byte, is_special = sp.IsByte(i), sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i)
+        else:
+            is_byte = len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+            is_special = not is_byte and piece.startswith("<") and piece.endswith(">")
+        if is_byte:
+            out.append(bytes([int(piece[3:5], 16)]))
+        elif is_special:
+            out.append(piece.encode("utf-8"))
+            special.append(i)
+        else:
+            out.append(piece.replace("\u2581", " ").encode("utf-8"))
+    return out, special
+
+
+def grammar_tokenizer(tok, eos_ids: tuple[int, ...]):
+    """The llguidance tokenizer of `tok` (built once per tokenizer object: about a second for
+    262k tokens)."""
+    with _TOKENIZERS_LOCK:
+        cached = _TOKENIZERS.get(tok)
+        if cached is not None:
+            return cached
+        llg = _llg()
+        table, special = token_bytes_table(tok)
+
+        class _Wrapped:
+            eos_token_id = eos_ids[0]
+            bos_token_id = getattr(tok, "bos_id", None)
+            tokens = table
+            special_token_ids = special
+
+            def __call__(self, s):
+                return tok.encode(s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s)
+
+        built = llg.LLTokenizer(llg.TokenizerWrapper(_Wrapped()), n_vocab=tok.vocab_size, eos_token=list(eos_ids))
+        _TOKENIZERS[tok] = built
+        return built
+
+
+# ---- grammars ----
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled, validated grammar: `kind` says where it came from (json_schema, json_object,
+    regex, choice, grammar, tool_call); each sequence gets a copy of `matcher` in its start state."""
+
+    kind: str
+    source: str  # llguidance's serialized grammar
+    matcher: object  # llguidance.LLMatcher in its start state (never advanced)
+
+    def new_matcher(self):
+        return self.matcher.deep_copy()
+
+
+def json_schema_grammar_source(schema: dict | bool) -> str:
+    llg = _llg()
+    if schema is True or schema == {}:
+        schema = {}
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise InvalidParameter("response_format", f"invalid JSON schema: {e}") from None
+
+
+def grammar_source(kind: str, spec, param: str) -> str:
+    """llguidance's grammar for one of: json_schema (a dict), json_object (spec unused), regex,
+    choice (a list of strings), grammar (Lark or GBNF text). Raises InvalidParameter(param)."""
+    llg = _llg()
+    if kind == "json_schema":
+        if not isinstance(spec, (dict, bool)):
+            raise InvalidParameter(param, "a JSON schema must be an object")
+        return json_schema_grammar_source(spec)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise InvalidParameter(param, "a regular expression must be a non-empty string")
+        return llg.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+            raise InvalidParameter(param, "choices must be a non-empty list of non-empty strings")
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+    if kind in ("grammar", "lark"):
+        if not isinstance(spec, str) or not spec.strip():
+            raise InvalidParameter(param, "a grammar must be a non-empty string")
+        try:
+            return llg.grammar_from("grammar", spec)
+        except ValueError as e:
+            raise InvalidParameter(param, f"invalid grammar: {e}") from None
+    raise InvalidParameter(param, f"unknown grammar kind {kind!r}")
+
+
+def compile_grammar(kind: str, source: str, tok, eos_ids: tuple[int, ...], param: str) -> Grammar:
+    """Validates `source` against the tokenizer and returns its Grammar (InvalidParameter(param)
+    when the grammar or schema is not valid). Can take a while for a large grammar: call it off
+    the event loop."""
+    if len(source) > _MAX_GRAMMAR_BYTES:
+        raise InvalidParameter(param, f"the grammar is too large (over {_MAX_GRAMMAR_BYTES} bytes compiled)")
+    llg = _llg()
+    lt = grammar_tokenizer(tok, eos_ids)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source, lt)
+    if is_error:
+        raise InvalidParameter(param, f"invalid {kind.replace('_', ' ')}: {_short(messages[0])}")
+    matcher = llg.LLMatcher(lt, source, log_level=0)
+    if matcher.is_error():
+        raise InvalidParameter(param, f"invalid {kind.replace('_', ' ')}: {_short(matcher.get_error())}")
+    return Grammar(kind, source, matcher)
+
+
+def _short(message: str, limit: int = 400) -> str:
+    message = " ".join(str(message).split())
+    return message if len(message) <= limit else message[:limit] + "..."
+
+
+# ---- finishing within the token budget ----
+
+# How close to the end of its budget a sequence starts checking that it can still complete, and
+# how many tokens early it takes the closing path (one sampled token can open more to close).
+CLOSING_WINDOW = 48
+CLOSING_MARGIN = 4
+# Short texts, most useful first, to end whatever is open: close strings, arrays, objects and
+# calls, end a number (a comma before a digit, or numbers never end), then the shortest values.
+_CLOSING_TEXTS = ('"', "}", "]", ")", ",", "0", ":", "[", "{", "a", "true", "null", " ", "\n")
+
+
+def _closing_preference(tok, eos_ids: tuple[int, ...]) -> list[int]:
+    """Token ids in the order the closing path tries them: EOS first, then `_CLOSING_TEXTS`."""
+    ids = list(eos_ids)
+    for text in _CLOSING_TEXTS:
+        enc = tok.encode(text)
+        if len(enc) == 1 and enc[0] not in ids:
+            ids.append(enc[0])
+    return ids
+
+
+def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int) -> list[int] | None:
+    """A short token path that completes the grammar from the matcher's state (ending with EOS,
+    which is allowed only where the grammar accepts), found greedily: at each step the first
+    allowed token of `preference`, else the lowest allowed id. None when none is found within
+    `limit` tokens. Works on a copy of the matcher."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    m = matcher.deep_copy()
+    mask = np.zeros((1, words), np.int32)
+    eos = set(eos_ids)
+    path: list[int] = []
+    while len(path) < limit:
+        if m.is_stopped():
+            return path  # the sequence ends here, no EOS needed
+        fill_next_token_bitmask(m, mask)
+        bits = mask[0].view(np.uint32)
+        tok = next((t for t in preference if bits[t // 32] >> (t % 32) & 1), None)
+        if tok is None:
+            nz = np.flatnonzero(bits)
+            if not len(nz):
+                return None
+            w = int(nz[0])
+            tok = w * 32 + (int(bits[w]) & -int(bits[w])).bit_length() - 1
+        path.append(tok)
+        if tok in eos:
+            return path
+        if not m.consume_token(tok):
+            return None
+    return None
+
+
+# ---- per-sequence matchers and masks ----
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    matcher: object
+    budget: int  # tokens this sequence may still generate (max_tokens, the context)
+    # Where this sequence's mask for its next token is, once computed: (job, row in the job).
+    job: "_MaskJob | None" = None
+    job_index: int = 0
+    dirty: bool = True  # the matcher advanced (or is new) since its mask was computed
+
+
+class _MaskJob:
+    """The masks of several sequences, computed in one pass on the worker thread."""
+
+    def __init__(self, n: int, words: int):
+        self.masks = np.zeros((n, words), np.int32)
+        self.future: concurrent.futures.Future | None = None
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+class PendingMask:
+    """The mask rows of one step; `result()` waits for their jobs and gathers them ([B, words])."""
+
+    def __init__(self, rows: list[tuple[int, _Row]], n: int, words: int):
+        self._rows, self._n, self.words = rows, n, words
+
+    def result(self) -> np.ndarray:
+        out = np.full((self._n, self.words), -1, np.int32)
+        for i, row in self._rows:
+            row.job.wait()
+            out[i] = row.job.masks[row.job_index]
+        return out
+
+
+class StructuredOutputs:
+    """The matchers of the live sequences that have a grammar, keyed by sequence id. Used from the
+    engine thread only; the masks are computed on one worker thread (llguidance's executor
+    releases the GIL and may use more threads for a large batch)."""
+
+    def __init__(self, vocab_size: int, eos_ids: tuple[int, ...], max_seq_len: int | None = None,
+                 tokenizer=None):
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.eos_ids = tuple(eos_ids)
+        self.max_seq_len = max_seq_len
+        self._closers = _closing_preference(tokenizer, self.eos_ids) if tokenizer is not None else list(self.eos_ids)
+        self._rows: dict[int, _Row] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, seq) -> None:
+        grammar = getattr(seq.params, "grammar", None)
+        if grammar is not None:
+            budget = seq.params.max_tokens - len(seq.generated)
+            if self.max_seq_len is not None:
+                budget = min(budget, self.max_seq_len - seq.length)
+            self._rows[seq.id] = _Row(grammar.new_matcher(), budget)
+
+    def remove(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._rows
+
+    def accept(self, seq_id: int, token: int) -> str | None:
+        """Advances a sequence's matcher by its sampled token. Returns None while the grammar goes
+        on, "stop" when it can take nothing more (complete), "error" when the token broke it."""
+        row = self._rows.get(seq_id)
+        if row is None:
+            return None
+        if row.job is not None:
+            row.job.wait()  # never advance a matcher while its mask is being computed
+        ok = row.matcher.consume_token(int(token))
+        row.dirty = True
+        row.budget -= 1
+        if not ok or row.matcher.is_error():
+            log.warning("sequence %d: token %d rejected by its grammar: %s", seq_id, token,
+                        row.matcher.get_error())
+            return "error"
+        if row.matcher.is_stopped():
+            return "stop"
+        return None
+
+    def error(self, seq_id: int) -> str:
+        row = self._rows.get(seq_id)
+        return "" if row is None else row.matcher.get_error()
+
+    def prefetch(self) -> None:
+        """Starts the masks of every sequence whose matcher moved (one job, worker thread)."""
+        dirty = [r for r in self._rows.values() if r.dirty]
+        if not dirty:
+            return
+        job = _MaskJob(len(dirty), self.words)
+        for i, r in enumerate(dirty):
+            r.job, r.job_index, r.dirty = job, i, False
+        matchers = [(r.matcher, i) for i, r in enumerate(dirty)]
+        closing = [(i, r.matcher, r.budget) for i, r in enumerate(dirty) if r.budget <= CLOSING_WINDOW]
+        job.future = self._worker().submit(self._compute, matchers, job.masks, closing)
+
+    def masks(self, seq_ids: list[int | None]) -> PendingMask | None:
+        """The pending mask of a step's rows (a row without a grammar allows everything), or None
+        when no row has a grammar."""
+        rows = [(i, self._rows[s]) for i, s in enumerate(seq_ids) if s is not None and s in self._rows]
+        if not rows:
+            return None
+        if any(r.dirty for _, r in rows):
+            self.prefetch()
+        return PendingMask(rows, len(seq_ids), self.words)
+
+    def _compute(self, matchers, out: np.ndarray, closing) -> None:
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(self._executor, matchers, out)
+        for i, matcher, budget in closing:
+            self._close_in_time(matcher, budget, out[i])
+
+    def _close_in_time(self, matcher, budget: int, mask: np.ndarray) -> None:
+        """Near the end of a sequence's token budget: when the shortest way we know to complete
+        the grammar (`closing_path`) needs all the tokens left, allow only its first token, so
+        that output cut by max_tokens still parses (finish_reason "stop", not "length")."""
+        path = closing_path(matcher, self._closers, self.eos_ids, self.words, budget + 1)
+        if path and len(path) + CLOSING_MARGIN >= budget:
+            mask[:] = 0
+            mask[path[0] // 32] = np.int32(np.uint32(1 << (path[0] % 32)).view(np.int32))
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._executor = _llg().LLExecutor()
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
