@@ -86,6 +86,18 @@ class ServerConfig:
     prefill_batch: int = _field(2, "prompts of up to 256 tokens prefilled together in one step (at most "
                                    "max_batch)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
+    deterministic: bool = _field(True, "batch-invariant mode: a request's tokens do not depend on "
+                                 "what else is batched (every prompt prefilled alone in chunks of "
+                                 "--prefill-chunk tokens, every decode step over all slots); "
+                                 "--no-deterministic packs decode rows and batches short prompts")
+    prefill_chunk: int = _field(128, "prefill chunk length: longer prompts (all prompts when "
+                                "deterministic) are prefilled in chunks of this many tokens, each "
+                                "followed by a decode step of the running sequences (0: no chunks, "
+                                "which needs --no-deterministic and --no-prefix-caching)")
+    prefix_caching: bool = _field(True, "keep prompts' full chunks and reuse them for later prompts "
+                                  "that start with the same tokens (--no-prefix-caching: off)")
+    prefix_cache_mb: int = _field(512, "memory for the prefix cache's blocks (least recently used "
+                                  "blocks give way)")
     admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
                                       "requests before the next decode step (0 disables)")
     api_key: str | None = _field(None, "require 'Authorization: Bearer <key>' on /v1 and /generate")
@@ -101,6 +113,11 @@ class ServerConfig:
         for name in ("tp", "max_batch", "max_seq_len", "prefill_batch", "max_waiting", "allreduce_minishards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk < 0 or self.prefix_cache_mb < 0:
+            raise ValueError("prefill_chunk and prefix_cache_mb must be >= 0")
+        if not self.prefill_chunk and (self.deterministic or self.prefix_caching):
+            raise ValueError("prefill_chunk 0 (no chunked prefill) needs --no-deterministic and "
+                             "--no-prefix-caching")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not 0 <= self.admission_wait_ms <= 1000:
@@ -144,6 +161,8 @@ def _convert(name: str, value: Any) -> Any:
     kind = _kind(name)
     if value is None:
         return None
+    if kind is bool:
+        return _boolean(value)
     if isinstance(value, bool) and kind is not str:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if kind is int and isinstance(value, float) and not value.is_integer():
@@ -151,11 +170,22 @@ def _convert(name: str, value: Any) -> Any:
     return kind(value)
 
 
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
 def _kind(name: str) -> type:
     if name in ALLREDUCE_ALIASES:
         return str
     t = _FIELDS[name].type  # a string: annotations are postponed
-    return int if t == "int" else float if t == "float" else str
+    return {"int": int, "float": float, "bool": bool}.get(t, str)
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
@@ -226,6 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
         help = f.metadata["help"]
         if name == "allreduce":
             help = help.format(labels=", ".join(allreduce_labels()))
+        if _kind(name) is bool:  # --deterministic / --no-deterministic
+            parser.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                                default=None,
+                                help=f"{help} (default: {'on' if default else 'off'}; env "
+                                     f"{ENV_PREFIX}{name.upper()}=1/0)")
+            continue
         parser.add_argument("--" + name.replace("_", "-"), type=_kind(name), default=None,
                             choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"),
                             help=f"{help} (default: {default!r}; env {ENV_PREFIX}{name.upper()})")

@@ -31,9 +31,9 @@ from serving.jax_platform import ProcessGroup
 log = logging.getLogger(__name__)
 
 # Step kinds (header[0]).
-IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE = 0, 1, 2, 3, 4, 5
+IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE, CHUNK = 0, 1, 2, 3, 4, 5, 6
 _KIND_NAMES = {IDLE: "idle", PREFILL: "prefill", DECODE: "decode", RESET: "reset", SHUTDOWN: "shutdown",
-               MOVE: "move"}
+               MOVE: "move", CHUNK: "chunk"}
 _HEADER = 8  # kind, rows, columns, prompt_logprobs, payload length, (spare)
 
 EXIT_PEER_LOST = 3  # exit status when the process group breaks
@@ -44,13 +44,21 @@ EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
 # ---- the step wire format ----
 
-def step_capacity(num_slots: int, buckets: tuple[int, ...], batch_sizes_for: Callable[[int], tuple[int, ...]]) -> int:
+def step_capacity(num_slots: int, buckets: tuple[int, ...], batch_sizes_for: Callable[[int], tuple[int, ...]],
+                  chunk_size: int = 0, max_seq_len: int = 0) -> int:
     """Int32 words of the largest step an engine can be asked to run (header included)."""
     need = _HEADER + 6 * num_slots  # decode: tokens, positions and 4 sampling fields per slot
     for bucket in buckets:
         for batch in batch_sizes_for(bucket):
             need = max(need, _HEADER + batch * bucket + 6 * batch)
+    if chunk_size:  # tokens, start/length/slot/save_block, the blocks to restore, 1 sampling row
+        need = max(need, _HEADER + chunk_size + 4 + max_seq_len // chunk_size + 4)
     return need
+
+
+def _capacity(info) -> int:
+    return step_capacity(info.num_slots, info.prefill_buckets, info.batch_sizes_for,
+                         info.chunk_size, info.max_seq_len)
 
 
 def _words(a: np.ndarray, dtype) -> np.ndarray:
@@ -72,9 +80,14 @@ def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:
         parts = [_words(inputs.tokens, np.int32), _words(inputs.positions, np.int32)]
     elif kind == MOVE:
         header[1:3] = inputs  # (src, dst) slots
+    elif kind == CHUNK:
+        header[1:4] = len(inputs.tokens), len(inputs.restore), int(bool(inputs.final))
+        parts = [_words(inputs.tokens, np.int32),
+                 _words([inputs.start, inputs.length, inputs.slot, inputs.save_block], np.int32),
+                 _words(np.asarray(inputs.restore, np.int32), np.int32)]
     elif inputs is not None:
         raise ValueError(f"a {_KIND_NAMES.get(kind, kind)} step carries no inputs")
-    if kind in (PREFILL, DECODE):
+    if kind in (PREFILL, DECODE, CHUNK):
         s = inputs.sampling
         parts += [_words(s.temperature, np.float32), _words(s.top_k, np.int32),
                   _words(s.top_p, np.float32), _words(s.seed, np.uint32)]
@@ -90,7 +103,7 @@ def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:
 
 def decode_step(buf: np.ndarray) -> tuple[int, object]:
     """Inverse of `encode_step`: (kind, PrefillInputs | DecodeInputs | None)."""
-    from serving.engine import DecodeInputs, PrefillInputs
+    from serving.engine import ChunkInputs, DecodeInputs, PrefillInputs
     from serving.sampling import SlotSampling
 
     buf = np.asarray(buf, np.int32)
@@ -100,7 +113,7 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
         raise ValueError(f"unknown step kind {kind}")
     if kind == MOVE:
         return kind, (rows, cols)
-    if kind not in (PREFILL, DECODE):
+    if kind not in (PREFILL, DECODE, CHUNK):
         return kind, None
     pos = 0
 
@@ -110,7 +123,11 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
         pos += n
         return chunk.view(dtype).copy()
 
-    if kind == PREFILL:
+    if kind == CHUNK:
+        tokens, (start, length, slot, save) = take(rows, np.int32), take(4, np.int32)
+        restore = tuple(int(b) for b in take(cols, np.int32))
+        rows = 1
+    elif kind == PREFILL:
         tokens = take(rows * cols, np.int32).reshape(rows, cols)
         lengths, slots = take(rows, np.int32), take(rows, np.int32)
     else:
@@ -119,6 +136,9 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
                             take(rows, np.uint32))
     if pos != size:
         raise ValueError(f"malformed step: {size} payload words, {pos} used")
+    if kind == CHUNK:
+        return kind, ChunkInputs(tokens, int(start), int(length), int(slot), sampling,
+                                 bool(prompt_lps), restore, int(save))
     if kind == PREFILL:
         return kind, PrefillInputs(tokens, lengths, slots, sampling, bool(prompt_lps))
     return kind, DecodeInputs(tokens, positions, sampling)
@@ -197,7 +217,7 @@ class LeaderEngine:
         self.info = engine.info
         self.tokenizer = engine.tokenizer
         self.settings = settings
-        self.capacity = step_capacity(self.info.num_slots, self.info.prefill_buckets, self.info.batch_sizes_for)
+        self.capacity = _capacity(self.info)
         self._bcast = _Broadcaster(self.capacity)
         self._lock = threading.Lock()  # one step at a time: broadcasts must keep their order
         self._last = time.monotonic()
@@ -215,6 +235,9 @@ class LeaderEngine:
 
     def run_decode(self, inputs):
         return self._step(DECODE, inputs, lambda: self.engine.run_decode(inputs))
+
+    def run_chunk(self, inputs):
+        return self._step(CHUNK, inputs, lambda: self.engine.run_chunk(inputs))
 
     def move_slot(self, src: int, dst: int) -> None:
         self._step(MOVE, (src, dst), lambda: self.engine.move_slot(src, dst))
@@ -275,7 +298,7 @@ class LeaderEngine:
 def worker_loop(engine, settings: ProcessGroup) -> int:
     """A non-zero process's life after warm-up: run process 0's steps until it says shutdown."""
     info = engine.info
-    capacity = step_capacity(info.num_slots, info.prefill_buckets, info.batch_sizes_for)
+    capacity = _capacity(info)
     bcast = _Broadcaster(capacity)
     watchdog = Watchdog(settings.step_timeout_s, "waiting for process 0's next step")
     steps = 0
@@ -287,6 +310,8 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
                 engine.run_prefill(inputs)
             elif kind == DECODE:
                 engine.run_decode(inputs)
+            elif kind == CHUNK:
+                engine.run_chunk(inputs)
             elif kind == MOVE:
                 engine.move_slot(*inputs)
             elif kind == RESET:
@@ -298,7 +323,7 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
         except Exception as e:
             fatal(f"worker step failed (process 0 has died?): {type(e).__name__}: {e}")
             return EXIT_PEER_LOST
-        steps += kind in (PREFILL, DECODE)
+        steps += kind in (PREFILL, DECODE, CHUNK)
 
 
 def leader_factory(settings: ProcessGroup):

@@ -2,11 +2,20 @@
 cache slots. It knows nothing about requests, queues or HTTP (`scheduler.py` plans its steps,
 `engine_core.py` runs them).
 
-Every step takes one small plain structure of numpy arrays (`PrefillInputs`, `DecodeInputs`) and
-returns numpy arrays (`StepOutputs`): the chosen tokens and their logprobs, never full logits. A step
-is a pure function of its inputs and the cache, so several processes that receive the same inputs
-in the same order run the same programs (process 0 would broadcast them); `run_prefill` and
-`run_decode` are the only two entry points.
+Every step takes one small plain structure of numpy arrays (`PrefillInputs`, `ChunkInputs`,
+`DecodeInputs`) and returns numpy arrays (`StepOutputs`): the chosen tokens and their logprobs,
+never full logits. A step is a pure function of its inputs and the cache (and the prefix cache's
+blocks, which steps alone fill), so several processes that receive the same inputs in the same
+order run the same programs (process 0 would broadcast them); `run_prefill`, `run_chunk` and
+`run_decode` are the entry points.
+
+Chunked prefill and determinism (docs/engine.md): with `chunk_size` C a prompt may be prefilled in
+chunks of C tokens at positions 0, C, 2C, ... (`run_chunk`, one row, each chunk attending to the
+cache written so far), interleaved with decode steps. Deterministic (batch-invariant) mode
+prefills every prompt that way and decodes every step over all slots with one program, so every
+program a request runs has shapes that depend on that request alone: its tokens do not depend on
+what else is batched. Full chunks can be kept as prefix-cache blocks (`ChunkInputs.save_block`)
+and copied into another slot for a prompt that starts with the same blocks (`restore`).
 """
 from __future__ import annotations
 
@@ -28,6 +37,22 @@ class PrefillInputs(NamedTuple):
     slots: np.ndarray  # int32 [B], cache row of each prompt
     sampling: SlotSampling  # [B]
     prompt_logprobs: bool = False  # also return the logprobs of the prompt's own tokens
+
+
+class ChunkInputs(NamedTuple):
+    """One chunk of one prompt: `length` real tokens at positions start..start+length-1 of the
+    sequence in cache row `slot` (positions before `start` are in the cache)."""
+
+    tokens: np.ndarray  # int32 [T], right-padded to a chunk bucket T
+    start: int
+    length: int
+    slot: int
+    sampling: SlotSampling  # [1]
+    final: bool  # the prompt's last chunk: sample its first token (else no outputs)
+    # Prefix-cache blocks copied into the slot first, at positions 0, C, 2C, ... (start is then
+    # len(restore) * C), and the block this chunk's keys/values are kept as (-1: none).
+    restore: tuple[int, ...] = ()
+    save_block: int = -1
 
 
 class DecodeInputs(NamedTuple):
@@ -71,6 +96,31 @@ class EngineInfo:
     # Decode runs over the first R slots padded up to one of these counts (one program each), so
     # a lone sequence's step does not cost a full batch's. Empty: always all slots.
     decode_batch_sizes: tuple[int, ...] = ()
+    # Chunked prefill (0: off): chunks of chunk_size tokens, the last one padded to one of
+    # chunk_buckets. Prompts longer than chunk_size are chunked (every prompt when deterministic).
+    chunk_size: int = 0
+    chunk_buckets: tuple[int, ...] = ()
+    deterministic: bool = False
+    prefix_blocks: int = 0  # prefix-cache blocks (of chunk_size tokens) kept; 0: no prefix cache
+
+    def chunked(self, prompt_len: int, prompt_logprobs: bool = False) -> bool:
+        """Whether a prompt is prefilled in chunks (prompts whose own logprobs are wanted need
+        every position's logits: one-shot prefill)."""
+        return bool(self.chunk_size) and not prompt_logprobs and (
+            self.deterministic or prompt_len > self.chunk_size)
+
+    def chunk_bucket_for(self, length: int) -> int:
+        return next(b for b in self.chunk_buckets if b >= length)
+
+    @property
+    def warm_buckets(self) -> tuple[int, ...]:
+        """The one-shot prefill buckets compiled ahead (longer ones compile on first use: only
+        prompts that want their own logprobs reach them when prompts are chunked)."""
+        if self.deterministic:
+            return ()
+        if self.chunk_size:
+            return tuple(b for b in self.prefill_buckets if b <= self.chunk_size)
+        return self.prefill_buckets
 
     def decode_rows_for(self, rows: int) -> int:
         if not 1 <= rows <= self.num_slots:
@@ -104,6 +154,8 @@ class Engine(Protocol):
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs: ...
 
+    def run_chunk(self, inputs: ChunkInputs) -> StepOutputs | None: ...
+
     def move_slot(self, src: int, dst: int) -> None: ...
 
 
@@ -133,7 +185,8 @@ class ModelEngine:
 
     def __init__(self, model, num_slots: int, max_seq_len: int,
                  prefill_batch_sizes: tuple[int, ...] = (1,), model_name: str = "gemma3-270m",
-                 decode_batch_sizes: tuple[int, ...] | None = None):
+                 decode_batch_sizes: tuple[int, ...] | None = None, chunk_size: int = 0,
+                 deterministic: bool = False, prefix_blocks: int = 0):
         import jax
 
         from serving import sampling
@@ -141,7 +194,10 @@ class ModelEngine:
         self.model = model
         self.tokenizer = model.tokenizer
         self.info = engine_info(model, num_slots, max_seq_len, prefill_batch_sizes, model_name,
-                                decode_batch_sizes)
+                                decode_batch_sizes, chunk_size, deterministic, prefix_blocks)
+        # Prefix-cache blocks: id -> one full chunk's keys/values (device arrays, every layer),
+        # at most info.prefix_blocks of them (the scheduler picks the ids and evicts).
+        self._blocks: dict[int, object] = {}
         self._jax = jax
         self.cache = model.init_cache(num_slots, max_seq_len)
         # Sampling runs on one device: with tp > 1 the logits arrive split over the vocabulary, and
@@ -184,6 +240,31 @@ class ModelEngine:
         out = self._sample(logits, sampling, positions + 1)
         return StepOutputs(*(a[:rows] for a in _to_host(self._jax, out, ())[:4]))
 
+    def run_chunk(self, inputs: ChunkInputs) -> StepOutputs | None:
+        """Copies the prefix blocks to restore into the slot, runs the chunk and stores its keys
+        and values (kept as a prefix block too when asked). Returns the first generated token's
+        outputs for the prompt's last chunk, else None (no device-to-host wait)."""
+        c = self.info.chunk_size
+        for i, block in enumerate(inputs.restore):
+            self.cache = self.model.write_chunk(self.cache, self._blocks[block], i * c, c, inputs.slot)
+        tokens = np.asarray(inputs.tokens, np.int32)[None]
+        logits, kv = self.model.prefill_chunk(self.cache, tokens, inputs.start, inputs.length,
+                                              inputs.slot)
+        self.cache = self.model.write_chunk(self.cache, kv, inputs.start, inputs.length, inputs.slot)
+        if inputs.save_block >= 0:
+            if inputs.length != c or tokens.shape[1] != c:
+                raise ValueError("only a full chunk can be kept as a prefix block")
+            self._blocks[inputs.save_block] = kv
+        if not inputs.final:
+            return None
+        logits = self._to_sample_device(logits)
+        out = self._sample(logits, inputs.sampling.resolve(), np.array([inputs.start + inputs.length], np.int32))
+        return _to_host(self._jax, out, ())
+
+    def drop_blocks(self) -> None:
+        """Forget every prefix-cache block (the scheduler's table was cleared)."""
+        self._blocks.clear()
+
     def move_slot(self, src: int, dst: int) -> None:
         """Copy slot src's KV cache rows into slot dst (the scheduler then treats src as free)."""
         self.cache = self.model.move_slot(self.cache, src, dst)
@@ -194,8 +275,9 @@ class ModelEngine:
         return self._jax.device_put(logits, self._sample_device)
 
     def reset(self) -> None:
-        """A fresh cache (after a failed step, whose donated cache may be gone)."""
+        """A fresh cache (after a failed step, whose donated cache may be gone), no prefix blocks."""
         self.cache = self.model.init_cache(self.info.num_slots, self.info.max_seq_len)
+        self._blocks.clear()
 
     def warmup(self, progress: Callable[[str], None] = log.info) -> float:
         """Compiles (or loads from the persistent caches) every prefill bucket at every prefill
@@ -209,9 +291,13 @@ class ModelEngine:
         # sampled decode step at every row count, then warm the sampler's programs and check the
         # kept executables end to end.
         compile_programs(self.model, self.info, progress)
-        for batch in self.info.prefill_batch_sizes:
-            bucket = next(b for b in self.info.prefill_buckets if batch in self.info.batch_sizes_for(b))
+        for batch in self.info.prefill_batch_sizes if self.info.warm_buckets else ():
+            bucket = next(b for b in self.info.warm_buckets if batch in self.info.batch_sizes_for(b))
             self.run_prefill(pad_prefill_batch([([self.tokenizer.bos_id], 0, greedy1)], bucket, batch))
+        for t in self.info.chunk_buckets:
+            tokens = np.zeros(t, np.int32)
+            tokens[0] = self.tokenizer.bos_id
+            self.run_chunk(ChunkInputs(tokens, 0, 1, 0, greedy1, final=True))
         for s in self.info.decode_row_counts:
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
             # The sampler's random branch is part of the same program, but run it once so that
@@ -226,9 +312,15 @@ class ModelEngine:
 
 def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tuple[int, ...] = (1,),
                 model_name: str = "gemma3-270m",
-                decode_batch_sizes: tuple[int, ...] | None = None) -> EngineInfo:
+                decode_batch_sizes: tuple[int, ...] | None = None, chunk_size: int = 0,
+                deterministic: bool = False, prefix_blocks: int = 0) -> EngineInfo:
     """The shapes and facts a ModelEngine over `model` serves with (no device work: it can be
-    computed, and its programs compiled, before the weights are loaded)."""
+    computed, and its programs compiled, before the weights are loaded).
+
+    chunk_size: prefill chunk length C (0: no chunked prefill), at most max_seq_len; the last
+    chunk of a prompt is padded to the smallest prefill bucket below C that holds it, or C.
+    deterministic: batch-invariant mode (needs chunks): every prompt chunked, prompts one at a
+    time, decode always over all slots. prefix_blocks: prefix-cache capacity (needs chunks)."""
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     if max_seq_len < 2:
@@ -237,6 +329,18 @@ def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tu
     # The largest bucket must hold the longest admissible prompt (max_seq_len - 1 tokens).
     top = model.bucket_for(max_seq_len - 1)
     buckets = tuple(sorted(set(buckets) | {top}))
+    chunk_size = min(int(chunk_size), max_seq_len)
+    if chunk_size < 0 or prefix_blocks < 0:
+        raise ValueError("chunk_size and prefix_blocks must be >= 0")
+    if (deterministic or prefix_blocks) and not chunk_size:
+        raise ValueError("deterministic mode and the prefix cache need chunked prefill (chunk_size > 0)")
+    chunk_buckets = ()
+    if chunk_size:
+        chunk_buckets = tuple(b for b in model.prefill_buckets if b < chunk_size) + (chunk_size,)
+        buckets = tuple(sorted(set(buckets) | {chunk_size}))
+    if deterministic:
+        # One program per step kind whatever the batch: prompts one at a time, all slots decode.
+        prefill_batch_sizes, decode_batch_sizes = (1,), (num_slots,)
     tokenizer = model.tokenizer
     return EngineInfo(
         model_name=model_name,
@@ -251,6 +355,10 @@ def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tu
         allreduce=model.allreduce.to_dict(),
         allreduce_label=model.allreduce.label,
         decode_batch_sizes=decode_batch_sizes_for(num_slots, decode_batch_sizes),
+        chunk_size=chunk_size,
+        chunk_buckets=chunk_buckets,
+        deterministic=bool(deterministic),
+        prefix_blocks=int(prefix_blocks),
     )
 
 
@@ -259,9 +367,10 @@ def compile_programs(model, info: EngineInfo, progress: Callable[[str], None] = 
     every (batch, bucket) it uses and the decode step at every row count. Needs only the
     model's shapes, so it may run while the weights load."""
     model.warm_up(info.num_slots, info.max_seq_len,
-                  prefill_shapes=[(batch, bucket) for bucket in info.prefill_buckets
+                  prefill_shapes=[(batch, bucket) for bucket in info.warm_buckets
                                   for batch in info.batch_sizes_for(bucket)],
-                  decode_rows=info.decode_row_counts, progress=progress)
+                  decode_rows=info.decode_row_counts, progress=progress,
+                  chunk_sizes=info.chunk_buckets)
 
 
 def decode_batch_sizes_for(num_slots: int, sizes) -> tuple[int, ...]:

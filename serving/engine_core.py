@@ -16,12 +16,12 @@ import threading
 import time
 import numpy as np
 
-from serving.engine import DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
+from serving.engine import ChunkInputs, DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
 from serving.logits_processing import step_extras
 from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
 from serving.sampling import LogitsExtras, SamplingParams, SlotSampling
-from serving.scheduler import Plan, PrefillGroup, Scheduler, Sequence
+from serving.scheduler import ChunkStep, Plan, PrefillGroup, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,14 @@ class EngineCore:
             self._lock.wait(left)
 
     def _execute(self, plan: Plan) -> None:
+        if plan.chunk is not None:
+            step = plan.chunk
+            t0 = time.perf_counter()
+            out = self.engine.run_chunk(chunk_inputs(step, self._extras))
+            now = time.perf_counter()
+            if step.lookup is not None:
+                self.metrics.on_prefix_cache(*step.lookup)
+            self._publish(self.outputs.on_chunk(step, out, t0, now))
         for group in plan.prefills:
             t0 = time.perf_counter()
             out = self.engine.run_prefill(prefill_inputs(group, self._extras))
@@ -186,6 +194,8 @@ class EngineCore:
         with self._lock:
             failed = self.scheduler.abort_running()
         self._publish(self.outputs.finish(failed, "error", message, time.perf_counter()))
+        with self._lock:
+            self.scheduler.reset_prefix_cache()
         reset = getattr(self.engine, "reset", None)
         if reset is not None:
             try:
@@ -209,11 +219,25 @@ def prefill_inputs(group: PrefillGroup, extras=None) -> PrefillInputs:
     return inputs._replace(prompt_logprobs=group.prompt_logprobs)
 
 
+def chunk_inputs(step: ChunkStep, extras=None) -> ChunkInputs:
+    s = step.seq
+    tokens = np.zeros(step.bucket, np.int32)
+    tokens[:step.length] = s.prompt[step.start:step.start + step.length]
+    sampling = SlotSampling.of([s.params], [s.seed])
+    if extras is not None and step.final:
+        sampling = sampling._replace(extras=extras([s]))
+    return ChunkInputs(tokens, step.start, step.length, step.slot, sampling, step.final,
+                       step.restore, step.save_block)
+
+
 def decode_inputs(plan: Plan, extras=None) -> DecodeInputs:
-    """Each busy row feeds its last token at its position (the tokens it holds before it)."""
+    """Each busy row feeds its last token at its position (the tokens it holds before it); an
+    idle row writes its discarded token where the plan says it harms nothing."""
     n = len(plan.decode)
     tokens = np.zeros(n, np.int32)
     positions = np.zeros(n, np.int32)
+    if plan.idle_positions:
+        positions[:] = plan.idle_positions
     for i, s in enumerate(plan.decode):
         if s is not None:
             tokens[i] = s.generated[-1]

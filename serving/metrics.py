@@ -35,6 +35,8 @@ class NullMetrics:
 
     def on_move(self) -> None: ...
 
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None: ...
+
 
 class Metrics(NullMetrics):
     def __init__(self, model_name: str, allreduce: str, tp: int = 1, dtype: str = ""):
@@ -77,6 +79,13 @@ class Metrics(NullMetrics):
         self._decode_padding = Counter("gemma3:decode_padding_rows",
                                        "Rows computed by decode steps beyond the busy slots.", labels,
                                        registry=r).labels(*self._values)
+        # vLLM's prefix-cache counters: prompt tokens looked up, and those found in the cache.
+        self.prefix_queries = Counter("gemma3:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", labels,
+                                      registry=r).labels(*self._values)
+        self.prefix_hits = Counter("gemma3:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache (not prefilled).", labels,
+                                   registry=r).labels(*self._values)
         self.slot_moves = Counter("gemma3:slot_moves", "Sequences moved to a lower decode slot.", labels,
                                   registry=r).labels(*self._values)
         info = Gauge("gemma3:engine_info", "Engine configuration (value 1).",
@@ -119,6 +128,10 @@ class Metrics(NullMetrics):
 
     def on_move(self) -> None:
         self.slot_moves.inc()
+
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries.inc(queried_tokens)
+        self.prefix_hits.inc(hit_tokens)
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))

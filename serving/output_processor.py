@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 from serving.detokenize import TextStream
 from serving.engine import EngineInfo, StepOutputs
 from serving.metrics import NullMetrics
-from serving.scheduler import Plan, PrefillGroup, Sequence
+from serving.scheduler import ChunkStep, Plan, PrefillGroup, Sequence
 from serving.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,19 @@ class OutputProcessor:
         events = [self._on_token(s, out, row, now, _prompt_logprobs(out, row, s) if group.prompt_logprobs else None)
                   for row, s in enumerate(group.seqs)]
         self.structured.prefetch()  # the next step's grammar masks, while the events go out
+        return events
+
+    def on_chunk(self, step: ChunkStep, out: StepOutputs | None, started: float,
+                 now: float) -> list[Emitted]:
+        """A prefill chunk that began at `started`: the sequence's first token after its last."""
+        s = step.seq
+        if step.lookup is not None or step.start == 0:
+            self.metrics.on_scheduled(started - self._live[s.id].arrival)
+        self.metrics.on_prefill([step.length], now - started, step.bucket, 1)
+        if not step.final:
+            return []
+        events = [self._on_token(s, out, 0, now, None)]
+        self.structured.prefetch()
         return events
 
     def on_decode(self, plan: Plan, out: StepOutputs, now: float) -> list[Emitted]:

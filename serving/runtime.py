@@ -87,7 +87,9 @@ class Runtime:
             info = self.engine.info
             d.update(tp=info.tp, dtype=info.dtype, allreduce=info.allreduce,
                      allreduce_label=info.allreduce_label, max_model_len=info.max_seq_len,
-                     max_batch=info.num_slots, prefill_buckets=list(info.prefill_buckets))
+                     max_batch=info.num_slots, prefill_buckets=list(info.prefill_buckets),
+                     deterministic=info.deterministic, prefill_chunk=info.chunk_size,
+                     prefix_cache_blocks=info.prefix_blocks)
         return d
 
 
@@ -126,10 +128,11 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
     progress(f"loading {config.model} (tp={config.tp}, {config.dtype}, allreduce="
              f"{config.allreduce_config().label}) on {len(jax.devices())} {jax.default_backend()} device(s)")
     shape = dict(num_slots=config.max_batch, max_seq_len=config.max_seq_len,
-                 prefill_batch_sizes=_prefill_batch_sizes(config), model_name=config.model_name)
+                 prefill_batch_sizes=_prefill_batch_sizes(config), model_name=config.model_name,
+                 chunk_size=config.prefill_chunk, deterministic=config.deterministic)
 
     def compile_while_loading(model) -> None:
-        info = engine_info(model, **shape)
+        info = engine_info(model, **shape, prefix_blocks=prefix_blocks(config, model))
         progress(f"compiling while the weights load: prefill buckets {info.prefill_buckets} "
                  f"(batches of {info.prefill_batch_sizes} up to {info.batched_prefill_max_bucket} "
                  f"tokens), decode x{info.decode_row_counts}")
@@ -142,10 +145,24 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
     model = load_configured_model(config, compile_while_loading if overlap else None)
     progress(f"weights loaded{' and programs compiled' if overlap else ''} in "
              f"{time.perf_counter() - t:.1f}s")
-    engine = ModelEngine(model, **shape)
+    engine = ModelEngine(model, **shape, prefix_blocks=prefix_blocks(config, model))
     seconds = engine.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
     return engine
+
+
+def prefix_blocks(config: ServerConfig, model) -> int:
+    """Prefix-cache blocks that fit `prefix_cache_mb`: a block is one chunk's keys and values in
+    every layer (in the cache's dtype), 0 with the prefix cache off."""
+    import numpy as np
+
+    if not config.prefix_caching or not config.prefill_chunk:
+        return 0
+    c = model.config
+    chunk = min(config.prefill_chunk, config.max_seq_len)
+    heads = max(c.num_kv_heads, config.tp)  # KV heads are replicated when tp exceeds them
+    block = 2 * c.num_layers * chunk * heads * c.head_dim * np.dtype(model.cache_dtype).itemsize
+    return int(config.prefix_cache_mb * 2**20 // block)
 
 
 def _prefill_batch_sizes(config: ServerConfig) -> tuple[int, ...]:

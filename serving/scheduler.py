@@ -13,12 +13,27 @@ before it, sequences in high slots move into free low ones when that lets decode
 compiled program. Prefill first keeps the time to first token low at the cost of one longer gap
 for the running streams (vLLM's default policy without chunked prefill).
 
+Chunked prefill (when the engine has a chunk size C): a prompt longer than C (every prompt in
+deterministic mode) takes a slot and is then prefilled one chunk per step, oldest prompt first,
+each chunk followed in the same step by the decode step of the running sequences, so that a long
+prompt delays each of their tokens by one chunk instead of stalling them for its whole prefill.
+Chunk boundaries lie at 0, C, 2C, ... of the prompt, whatever else runs.
+
+Prefix cache (`PrefixCache`): before a chunked prompt's first chunk, the longest run of its full
+C-token blocks already kept (hashed by the parent block's hash and the block's tokens) is copied
+into its slot instead of being computed; each full chunk computed is kept as a block, the least
+recently used block giving way when the cache is full. At least the prompt's last token is
+always computed (it yields the first generated token).
+
 Not thread-safe: the engine core serialises every call (a lock around the waiting queue).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+
+import numpy as np
 
 from serving.engine import EngineInfo
 from serving.sampling import InvalidParameter, SamplingParams
@@ -39,6 +54,13 @@ class Sequence:
     want_prompt_logprobs: bool = False
     slot: int = -1  # its cache row while running
     generated: list[int] = dataclasses.field(default_factory=list)
+    chunked: bool = False  # prefilled in chunks (decided on admission)
+    computed: int = 0  # prompt tokens in (or being written to) its cache row, when chunked
+
+    @property
+    def prefilling(self) -> bool:
+        """Holds a slot but has no token yet (a chunked prompt between its chunks)."""
+        return self.chunked and not self.generated
 
     @property
     def length(self) -> int:
@@ -61,16 +83,90 @@ class PrefillGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkStep:
+    """One prefill chunk: prompt tokens start..start+length-1 of `seq` into cache row `slot`,
+    padded to `bucket` tokens; before it, prefix-cache blocks `restore` are copied into the slot
+    (positions 0, C, ...), and after it the chunk is kept as block `save_block` (-1: not)."""
+
+    seq: Sequence
+    slot: int
+    start: int
+    length: int
+    bucket: int
+    final: bool  # the prompt's last chunk: it yields the first generated token
+    restore: tuple[int, ...] = ()
+    save_block: int = -1
+    lookup: tuple[int, int] | None = None  # (prompt tokens looked up, tokens found) on a first chunk
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    """One step: either prefills, or slot moves followed by one decode step (or nothing)."""
+    """One step: either prefills, or a prefill chunk and/or slot moves followed by one decode
+    step (or nothing)."""
 
     prefills: tuple[PrefillGroup, ...] = ()
+    chunk: ChunkStep | None = None  # runs first
     # (src, dst): copy slot src's cache rows into the free slot dst, before the decode step.
     moves: tuple[tuple[int, int], ...] = ()
     # The first R slots after the moves (R = last busy slot + 1): the decode step's rows, None
     # for an idle slot among them.
     decode: tuple[Sequence | None, ...] = ()
     decode_rows: int = 0  # the compiled row count that runs them (>= len(decode))
+    # For each idle row of `decode`, the position its (discarded) token is written at: 0 for a
+    # free slot; for a chunked prompt between chunks, the start of its next chunk (that chunk
+    # overwrites the global entry, and the ring entry there holds a position already out of
+    # its window), so the write harms nothing.
+    idle_positions: tuple[int, ...] = ()
+
+
+def block_hashes(tokens: list[int], block: int) -> list[bytes]:
+    """The hash of every full `block`-token block of `tokens`, each over its parent's hash and
+    its own token ids (so a hash names the whole prefix up to its block's end)."""
+    out, parent = [], b""
+    for i in range(len(tokens) // block):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(np.asarray(tokens[i * block:(i + 1) * block], "<i4").tobytes())
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """Which prefix blocks are kept, under which engine block id: hash -> id, least recently used
+    first. Plain bookkeeping: the engine holds the blocks' keys and values."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._ids: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._free = list(range(num_blocks))[::-1]
+        self.queries = self.hits = 0  # tokens looked up and found (the metrics' counters)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The ids of the longest run of leading blocks kept (marked recently used)."""
+        found = []
+        for h in hashes:
+            i = self._ids.get(h)
+            if i is None:
+                break
+            self._ids.move_to_end(h)
+            found.append(i)
+        return found
+
+    def allocate(self, h: bytes) -> int:
+        """An id to keep block `h` under (evicting the least recently used block when full), or
+        -1 when it is kept already or the cache holds no blocks."""
+        if h in self._ids or not self.num_blocks:
+            return -1
+        i = self._free.pop() if self._free else self._ids.popitem(last=False)[1]
+        self._ids[h] = i
+        return i
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self._free = list(range(self.num_blocks))[::-1]
 
 
 class Scheduler:
@@ -79,6 +175,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.slots: list[Sequence | None] = [None] * info.num_slots
+        self.prefix_cache = PrefixCache(info.prefix_blocks if info.chunk_size else 0)
 
     # ---- admission ----
 
@@ -157,6 +254,12 @@ class Scheduler:
         groups = []
         free = [i for i, s in enumerate(self.slots) if s is None]
         while free and self.waiting:
+            s = self.waiting[0]
+            if self.info.chunked(len(s.prompt), s.want_prompt_logprobs):
+                self.waiting.popleft()
+                s.slot, s.chunked, s.computed = free.pop(0), True, 0
+                self.slots[s.slot] = s
+                continue
             group = self._take_group(len(free))
             for s in group:
                 s.slot = free.pop(0)
@@ -168,11 +271,46 @@ class Scheduler:
             return Plan(prefills=tuple(groups))
         if not self.num_running:
             return Plan()
+        chunk = self._next_chunk()
+        if not any(s is not None and not s.prefilling for s in self.slots):
+            return Plan(chunk=chunk)
         moves = self._pack()
         # Only the slots up to the last busy one decode (free slots are taken lowest first, so
         # with few sequences this is a short prefix and the step is cheaper).
         n = 1 + max(i for i, s in enumerate(self.slots) if s is not None)
-        return Plan(moves=moves, decode=tuple(self.slots[:n]), decode_rows=self.info.decode_rows_for(n))
+        rows = tuple(None if s is None or s.prefilling else s for s in self.slots[:n])
+        idle = tuple(s.computed if s is not None and s.prefilling else 0 for s in self.slots[:n])
+        return Plan(chunk=chunk, moves=moves, decode=rows, decode_rows=self.info.decode_rows_for(n),
+                    idle_positions=idle)
+
+    def _next_chunk(self) -> ChunkStep | None:
+        """The next chunk of the oldest prompt still being prefilled (with its prefix-cache
+        lookup when it is the first), or None."""
+        pending = [s for s in self.slots if s is not None and s.prefilling and s.computed < len(s.prompt)]
+        if not pending:
+            return None
+        s = min(pending, key=lambda q: q.id)
+        c, n = self.info.chunk_size, len(s.prompt)
+        cache = self.prefix_cache
+        restore, lookup = (), None
+        hashes = block_hashes(s.prompt, c) if cache.num_blocks else []
+        if s.computed == 0 and cache.num_blocks:
+            # The last prompt token is always computed: it yields the first generated token.
+            restore = tuple(cache.lookup(hashes[:(n - 1) // c]))
+            s.computed = len(restore) * c
+            lookup = (n, s.computed)
+            cache.queries += n
+            cache.hits += s.computed
+        start = s.computed
+        length = min(c, n - start)
+        save = cache.allocate(hashes[start // c]) if length == c and cache.num_blocks else -1
+        s.computed += length
+        return ChunkStep(s, s.slot, start, length, self.info.chunk_bucket_for(length),
+                         final=s.computed == n, restore=restore, save_block=save, lookup=lookup)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix block (after an engine failure: its blocks may be lost)."""
+        self.prefix_cache.clear()
 
     def _take_group(self, free: int) -> list[Sequence]:
         """The oldest waiting sequences that can share one prefill call: short prompts (buckets
