@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving import endpoints
 from serving.endpoints import ApiError
 from serving.metrics import CONTENT_TYPE_LATEST
-from serving.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
+from serving.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    GenerateRequest, TokenizeRequest, error_body)
 from serving.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,22 @@ def create_app(runtime: Runtime) -> FastAPI:
         _check_ready(runtime)
         _check_model(runtime, req.model)
         return await endpoints.chat(runtime, request, req)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _authorize(runtime, request)
+        req = await _parse(request, TokenizeRequest)
+        _check_ready(runtime)
+        _check_model(runtime, req.model)
+        return endpoints.tokenize(runtime, req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        _authorize(runtime, request)
+        req = await _parse(request, DetokenizeRequest)
+        _check_ready(runtime)
+        _check_model(runtime, req.model)
+        return endpoints.detokenize(runtime, req)
 
     @app.post("/generate")
     async def generate(request: Request):

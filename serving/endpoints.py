@@ -17,8 +17,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from serving import openai_format as fmt
+from serving import structured_output, tools as tool_calls
 from serving.chat_template import render_chat
-from serving.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
+from serving.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    GenerateRequest, TokenizeRequest, error_body)
 from serving.runtime import Runtime
 from serving.sampling import InvalidParameter, SamplingParams
 from serving.engine_core import ShuttingDown
@@ -41,25 +43,14 @@ class ApiError(Exception):
 
 
 def _reject_unsupported(req) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name, None) not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
-    if getattr(req, "repetition_penalty", None) not in (None, 1, 1.0):
-        raise ApiError(400, "repetition_penalty is not supported by this server", param="repetition_penalty")
-    if getattr(req, "logit_bias", None):
-        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
     if getattr(req, "best_of", None) not in (None, 1) and req.best_of != req.n:
         raise ApiError(400, "best_of is not supported by this server", param="best_of")
     if getattr(req, "suffix", None):
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
-    if getattr(req, "tools", None):
-        raise ApiError(400, "tools are not supported by this server", param="tools")
-    rf = getattr(req, "response_format", None)
-    if rf and rf.get("type") not in (None, "text"):
-        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
 
-def _sampling(req, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+def _sampling(req, max_tokens: int, logprobs: int | None, seed_offset: int = 0, grammar=None,
+              vocab_size: int | None = None) -> SamplingParams:
     stop = req.stop if req.stop is not None else ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     try:
@@ -73,7 +64,50 @@ def _sampling(req, max_tokens: int, logprobs: int | None, seed_offset: int = 0) 
             stop_token_ids=tuple(req.stop_token_ids or ()),
             logprobs=logprobs,
             ignore_eos=req.ignore_eos,
+            min_p=_number(getattr(req, "min_p", None), 0.0),
+            presence_penalty=_number(getattr(req, "presence_penalty", None), 0.0),
+            frequency_penalty=_number(getattr(req, "frequency_penalty", None), 0.0),
+            repetition_penalty=_number(getattr(req, "repetition_penalty", None), 1.0),
+            logit_bias=_logit_bias(getattr(req, "logit_bias", None), vocab_size),
+            min_tokens=getattr(req, "min_tokens", 0),
+            grammar=grammar,
         )
+    except InvalidParameter as e:
+        raise ApiError(400, str(e), param=e.param) from None
+
+
+def _number(value, default: float) -> float:
+    return default if value is None else value
+
+
+def _logit_bias(bias: dict | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as a string": bias} -> ((id, bias), ...), ids checked against the vocabulary."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        t = int(key)
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise InvalidParameter("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), got {t}")
+        out.append((t, value))
+    return tuple(out)
+
+
+async def _grammar(runtime: Runtime, spec: tuple[str, object, str] | None):
+    """The compiled grammar of (kind, spec, param), off the event loop (a large grammar, or the
+    first one, which builds the tokenizer's table, takes a while); 400 when it is not valid."""
+    if spec is None:
+        return None
+    tok, eos = runtime.engine.tokenizer, runtime.engine.info.eos_ids
+    try:
+        return await asyncio.to_thread(structured_output.build_grammar, *spec, tok, eos)
+    except InvalidParameter as e:
+        raise ApiError(400, str(e), param=e.param) from None
+
+
+def _request_grammar_spec(req):
+    try:
+        return structured_output.request_grammar(req)
     except InvalidParameter as e:
         raise ApiError(400, str(e), param=e.param) from None
 
@@ -156,10 +190,11 @@ def _stream_response(gen: AsyncIterator[str]) -> StreamingResponse:
 # ---- the OpenAI reply, whole or streamed ----
 
 async def _openai_reply(run: _Run, request: Request, req, choices: list[fmt.Choice], usage, chat: bool,
-                        apply=None):
+                        apply=None, tool_streams=None):
     """Collects or streams the events of `run` into `choices`. usage(): the usage so far;
     apply(index, event): adds an event to its choice and returns the delta (default
-    `fmt.Choice.add`)."""
+    `fmt.Choice.add`). tool_streams (chat with tools): one `tools.ToolStream` per choice, which
+    turns text that is a list of calls into tool_calls."""
     apply = apply or (lambda index, event: choices[index].add(event))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, name = int(time.time()), run.model_name
@@ -169,9 +204,11 @@ async def _openai_reply(run: _Run, request: Request, req, choices: list[fmt.Choi
         if run.pending or any(c.finish_reason is None for c in choices):
             return Response(status_code=499)  # the client left; nobody reads this
         _raise_if_failed(choices)
+        bodies = [c.chat_choice() if chat else c.completion_choice() for c in choices]
+        for body, ts in zip(bodies, tool_streams or ()):
+            ts.finish_choice(body)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": name, "choices": [c.chat_choice() if chat else c.completion_choice() for c in choices],
-                "usage": usage()}
+                "model": name, "choices": bodies, "usage": usage()}
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -182,6 +219,16 @@ async def _openai_reply(run: _Run, request: Request, req, choices: list[fmt.Choi
             return [fmt.completion_chunk(rid, created, name, index, delta["text"], delta["logprobs"],
                                          delta["finish_reason"], include_usage)]
         out = []
+        if tool_streams is not None:
+            deltas, reason = tool_streams[index].feed(delta["text"], delta["finish_reason"])
+            if delta["chat_logprobs"] and not deltas:
+                deltas = [{}]
+            for i, d in enumerate(deltas):
+                out.append(fmt.chat_chunk(rid, created, name, index, d, delta["chat_logprobs"] if i == 0 else None,
+                                          None, include_usage))
+            if reason:
+                out.append(fmt.chat_chunk(rid, created, name, index, {}, None, reason, include_usage))
+            return out
         if delta["text"] or delta["chat_logprobs"]:
             out.append(fmt.chat_chunk(rid, created, name, index, {"content": delta["text"]},
                                       delta["chat_logprobs"], None, include_usage))
@@ -224,7 +271,9 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise ApiError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
     scoring_only = max_tokens == 0  # echo of the prompt (with its logprobs): nothing generated
-    params = [_sampling(req, max(max_tokens, 1), req.logprobs, j) for _ in prompts for j in range(req.n)]
+    grammar = await _grammar(runtime, _request_grammar_spec(req))
+    vocab = runtime.engine.info.vocab_size
+    params = [_sampling(req, max(max_tokens, 1), req.logprobs, j, grammar, vocab) for _ in prompts for j in range(req.n)]
     seq_prompts = [p for p in prompts for _ in range(req.n)]
     run = _Run(runtime, seq_prompts, params, prompt_logprobs=req.echo and req.logprobs is not None)
     choices = [fmt.Choice(tok, i, req.logprobs) for i in range(len(seq_prompts))]
@@ -284,13 +333,29 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     tok = runtime.engine.tokenizer
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    turns = []
-    for i, m in enumerate(req.messages):
-        turns.append((m.role, _message_text(m.content, i)))
+    try:
+        tools = tool_calls.parse_tools(req.tools) if req.tools is not None else []
+        mode = tool_calls.tool_mode(req.tool_choice, tools)
+    except InvalidParameter as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    turns = _chat_turns(req.messages)
+    if mode != "none":  # the tools are described first, as a system message
+        turns.insert(0, ("system", tool_calls.preamble(tools)))
     try:
         prompt = render_chat(turns, tok)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
+    spec = _request_grammar_spec(req)
+    if mode not in ("none", "auto"):
+        if spec is not None:
+            raise ApiError(400, f"tool_choice {req.tool_choice!r} constrains the output already; it cannot "
+                           f"be combined with {spec[2]}", param=spec[2])
+        try:
+            source = tool_calls.call_grammar(tools, mode, req.parallel_tool_calls)
+        except InvalidParameter as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        spec = ("tool_call", source, "tools")
+    grammar = await _grammar(runtime, spec)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     n_top = (req.top_logprobs or 0) if req.logprobs else None
@@ -303,11 +368,34 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
         max_tokens = max(limit - len(prompt), 1)  # the rest of the context (over-long prompts fail below)
     elif max_tokens < 1:
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
-    params = [_sampling(req, max_tokens, n_top, j) for j in range(req.n)]
+    vocab = runtime.engine.info.vocab_size
+    params = [_sampling(req, max_tokens, n_top, j, grammar, vocab) for j in range(req.n)]
     run = _Run(runtime, [prompt] * req.n, params)
     choices = [fmt.Choice(tok, i, n_top) for i in range(req.n)]
     usage = lambda: fmt.usage(len(prompt), sum(c.num_generated for c in choices))  # noqa: E731
-    return await _openai_reply(run, request, req, choices, usage, chat=True)
+    streams = None
+    if mode != "none":
+        streams = [tool_calls.ToolStream(tools, constrained=mode != "auto") for _ in choices]
+    return await _openai_reply(run, request, req, choices, usage, chat=True, tool_streams=streams)
+
+
+def _chat_turns(messages) -> list[tuple[str, str]]:
+    """(role, text) turns for the chat template: an assistant turn that called tools reads as the
+    calls in Gemma's format, a tool's result as a user turn (serving.tools)."""
+    turns = []
+    for i, m in enumerate(messages):
+        text = _message_text(m.content, i)
+        if m.role == "assistant" and m.tool_calls:
+            try:
+                calls = tool_calls.assistant_calls_text(m.tool_calls, i)
+            except InvalidParameter as e:
+                raise ApiError(400, str(e), param=e.param) from None
+            text = (text + "\n" if text else "") + calls
+        elif m.role == "tool":
+            turns.append(("user", tool_calls.tool_result_text(text)))
+            continue
+        turns.append((m.role, text))
+    return turns
 
 
 def _message_text(content, index: int) -> str:
@@ -370,3 +458,31 @@ async def generate(runtime: Runtime, request: Request, req: GenerateRequest):
     return StreamingResponse(stream(), media_type="application/x-ndjson")
 
 
+
+
+# ---- /tokenize, /detokenize (vLLM's shapes) ----
+
+def tokenize(runtime: Runtime, req: TokenizeRequest) -> dict:
+    tok = runtime.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+    if req.prompt is not None:
+        ids = ([tok.bos_id] if req.add_special_tokens else []) + tok.encode(req.prompt)
+    else:
+        if not req.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        try:
+            ids = render_chat(_chat_turns(req.messages), tok)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        opening = [tok.start_of_turn_id] + tok.encode("model\n")
+        if not req.add_generation_prompt and ids[-len(opening):] == opening:
+            ids = ids[:-len(opening)]
+    body = {"count": len(ids), "max_model_len": runtime.engine.info.max_seq_len, "tokens": ids,
+            "token_strs": [fmt.token_str(tok, i) for i in ids] if req.return_token_strs else None}
+    return body
+
+
+def detokenize(runtime: Runtime, req: DetokenizeRequest) -> dict:
+    _check_ids(runtime, req.tokens, "tokens")
+    return {"prompt": runtime.engine.tokenizer.decode(req.tokens)}

@@ -34,7 +34,15 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
     user: str | None = None
+    # Structured output: OpenAI's response_format, and vLLM's guided_* extra body fields.
+    response_format: dict | None = None
+    guided_json: dict | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -56,6 +64,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -65,7 +76,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
-    response_format: dict | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 class GenerateRequest(_Strict):
@@ -84,6 +96,22 @@ class GenerateRequest(_Strict):
     logprobs: int | None = None
     stream: bool = False
     add_bos: bool = True
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt: prepend BOS
+    add_generation_prompt: bool = True  # messages: end with the model's turn opening
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

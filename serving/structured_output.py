@@ -110,14 +110,14 @@ class Grammar:
         return self.matcher.deep_copy()
 
 
-def json_schema_grammar_source(schema: dict | bool) -> str:
+def json_schema_grammar_source(schema: dict | bool, param: str = "response_format") -> str:
     llg = _llg()
-    if schema is True or schema == {}:
+    if schema is True:
         schema = {}
     try:
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
     except (ValueError, TypeError) as e:
-        raise InvalidParameter("response_format", f"invalid JSON schema: {e}") from None
+        raise InvalidParameter(param, f"invalid JSON schema: {_short(str(e))}") from None
 
 
 def grammar_source(kind: str, spec, param: str) -> str:
@@ -127,7 +127,7 @@ def grammar_source(kind: str, spec, param: str) -> str:
     if kind == "json_schema":
         if not isinstance(spec, (dict, bool)):
             raise InvalidParameter(param, "a JSON schema must be an object")
-        return json_schema_grammar_source(spec)
+        return json_schema_grammar_source(spec, param)
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
     if kind == "regex":
@@ -231,6 +231,9 @@ class _Row:
     # Where this sequence's mask for its next token is, once computed: (job, row in the job).
     job: "_MaskJob | None" = None
     job_index: int = 0
+    # Length of its closing path when last computed (-1: never yet): the check runs while the
+    # budget is within CLOSING_WINDOW of it.
+    closing_len: int = -1
     dirty: bool = True  # the matcher advanced (or is new) since its mask was computed
 
 
@@ -324,7 +327,7 @@ class StructuredOutputs:
         for i, r in enumerate(dirty):
             r.job, r.job_index, r.dirty = job, i, False
         matchers = [(r.matcher, i) for i, r in enumerate(dirty)]
-        closing = [(i, r.matcher, r.budget) for i, r in enumerate(dirty) if r.budget <= CLOSING_WINDOW]
+        closing = [(i, r) for i, r in enumerate(dirty) if r.closing_len < 0 or r.budget <= r.closing_len + CLOSING_WINDOW]
         job.future = self._worker().submit(self._compute, matchers, job.masks, closing)
 
     def masks(self, seq_ids: list[int | None]) -> PendingMask | None:
@@ -341,14 +344,17 @@ class StructuredOutputs:
         from llguidance.numpy import fill_next_token_bitmask_par
 
         fill_next_token_bitmask_par(self._executor, matchers, out)
-        for i, matcher, budget in closing:
-            self._close_in_time(matcher, budget, out[i])
+        for i, row in closing:
+            self._close_in_time(row, out[i])
 
-    def _close_in_time(self, matcher, budget: int, mask: np.ndarray) -> None:
+    def _close_in_time(self, row: _Row, mask: np.ndarray) -> None:
         """Near the end of a sequence's token budget: when the shortest way we know to complete
         the grammar (`closing_path`) needs all the tokens left, allow only its first token, so
         that output cut by max_tokens still parses (finish_reason "stop", not "length")."""
-        path = closing_path(matcher, self._closers, self.eos_ids, self.words, budget + 1)
+        budget = row.budget
+        path = closing_path(row.matcher, self._closers, self.eos_ids, self.words,
+                            max(budget, 0) + CLOSING_WINDOW)
+        row.closing_len = len(path) if path is not None else max(row.closing_len, budget)
         if path and len(path) + CLOSING_MARGIN >= budget:
             mask[:] = 0
             mask[path[0] // 32] = np.int32(np.uint32(1 << (path[0] % 32)).view(np.int32))
@@ -362,3 +368,59 @@ class StructuredOutputs:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- what a request asks for ----
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def request_grammar(req) -> tuple[str, object, str] | None:
+    """(kind, spec, param) of the structure an OpenAI / vLLM request asks for, or None: OpenAI's
+    `response_format` (text, json_object, json_schema) or one of vLLM's guided_* fields. Raises
+    InvalidParameter for a malformed or ambiguous request."""
+    asked = [name for name in _GUIDED if getattr(req, name, None) is not None]
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.get("type", "text") != "text":
+        asked.insert(0, "response_format")
+    if len(asked) > 1:
+        raise InvalidParameter(asked[1], f"give at most one of response_format and {', '.join(_GUIDED)}; "
+                               f"got {' and '.join(asked)}")
+    if rf is not None:
+        kind = rf.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise InvalidParameter("response_format", "response_format.type must be 'text', 'json_object' "
+                                   f"or 'json_schema', got {kind!r}")
+    if not asked:
+        return None
+    name = asked[0]
+    if name == "response_format":
+        if rf["type"] == "json_object":
+            return "json_object", None, "response_format"
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+            raise InvalidParameter("response_format", "response_format json_schema needs "
+                                   "{'json_schema': {'name': ..., 'schema': {...}}}")
+        if "name" in js and not isinstance(js["name"], str):
+            raise InvalidParameter("response_format", "response_format.json_schema.name must be a string")
+        return "json_schema", js.get("schema", {}), "response_format"
+    value = getattr(req, name)
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidParameter(name, f"guided_json is not valid JSON: {e}") from None
+        return "json_schema", value, name
+    return {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}[name], value, name
+
+
+def build_grammar(kind: str, spec, param: str, tok, eos_ids: tuple[int, ...]) -> Grammar:
+    """`grammar_source` then `compile_grammar` (InvalidParameter(param) for a bad one)."""
+    try:
+        source = _llg().LLMatcher.grammar_from_lark(spec) if kind == "tool_call" else grammar_source(kind, spec, param)
+    except InvalidParameter:
+        raise
+    except (ValueError, TypeError) as e:
+        raise InvalidParameter(param, f"invalid {kind.replace('_', ' ')}: {_short(str(e))}") from None
+    return compile_grammar(kind, source, tok, eos_ids, param)

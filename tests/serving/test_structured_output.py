@@ -1,0 +1,228 @@
+"""Structured output and the sampling parameters, through the real HTTP app and the official
+`openai` client, on a real engine: a tiny random model (byte tokenizer) whose output is noise, so
+every valid JSON document it returns is the grammar's doing; validated with `jsonschema`."""
+import json
+import re
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from serving.config import ServerConfig
+from serving.sampling import SamplingParams, SlotSampling, sample
+from testkit import ServerThread
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "score", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+MODES = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=0.8, top_p=0.9, seed=2, extra_body={"top_k": 40})]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from models.gemma3 import load_model
+    from serving.engine import ModelEngine
+
+    model = load_model("random:tiny", tp=1, dtype="float32", seed=5)
+    engine = ModelEngine(model, num_slots=4, max_seq_len=256, prefill_batch_sizes=(1,))
+    engine.warmup(lambda _: None)
+    config = ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=256,
+                          compile_cache_dir="")
+    s = ServerThread(config, engine)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def _response_format(schema=SCHEMA):
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["greedy", "sampled", "top_k_top_p"])
+def test_json_schema_chat_validates(oai, mode):
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A person as JSON"}],
+                                    response_format=_response_format(), max_tokens=150, n=2, **mode)
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+        assert c.finish_reason == "stop"
+
+
+def test_json_schema_streamed_and_completions(oai):
+    stream = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON"}],
+                                         response_format=_response_format(), max_tokens=150, temperature=1.0,
+                                         seed=7, stream=True)
+    text, reasons = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert reasons[-1] == "stop"
+    r = oai.completions.create(model="tiny", prompt="Person:", max_tokens=150, temperature=1.0, seed=3,
+                               extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
+def test_short_budget_still_parses(oai):
+    """max_tokens too short for free text: the grammar closes in time (finish_reason stop); with
+    less than the shortest document the output is cut, and finish_reason says length."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["a", "b"]}
+    for seed in range(3):
+        r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=24,
+                                        temperature=1.0, seed=seed, response_format=_response_format(schema))
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        assert r.choices[0].finish_reason == "stop"
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                    response_format=_response_format(schema))
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_json_object_regex_choice_grammar(oai):
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=60,
+                                    temperature=1.0, seed=4, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = oai.completions.create(model="tiny", prompt="phone:", max_tokens=20, temperature=1.0, seed=1,
+                               extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(model="tiny", prompt="pick:", max_tokens=20, temperature=1.0, seed=2, n=3,
+                               extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert all(c.text in ("red", "green", "blue") for c in r.choices)
+    grammar = 'start: "(" expr ")"\nexpr: NUM ("+" NUM)*\nNUM: /[0-9]{1,3}/'
+    r = oai.completions.create(model="tiny", prompt="sum:", max_tokens=30, temperature=1.0, seed=3,
+                               extra_body={"guided_grammar": grammar})
+    assert re.fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", r.choices[0].text), r.choices[0].text
+
+
+def test_grammar_rows_beside_plain_rows(http):
+    """A batch mixing constrained and free requests: each gets what it asked for."""
+    import concurrent.futures
+
+    def one(i):
+        body = {"prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": i}
+        if i % 2:
+            body["guided_choice"] = ["yes", "no"]
+        return i, http.post("/v1/completions", json=body).json()["choices"][0]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for i, c in pool.map(one, range(8)):
+            if i % 2:
+                assert c["text"] in ("yes", "no")
+            else:
+                assert c["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+])
+def test_bad_structured_and_sampling_fields_are_400(http, body, param):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_logit_bias_min_tokens_stop_token_ids(http):
+    tok_a = 107 + ord("a")  # the byte tokenizer's id of "a"
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0,
+                                           "logit_bias": {str(tok_a): 100}}).json()
+    assert r["choices"][0]["text"] == "aaaaa"
+    # A stop token id that greedy would pick at once, held off by min_tokens.
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "temperature": 0,
+                                           "logit_bias": {str(tok_a): 100}, "stop_token_ids": [tok_a],
+                                           "min_tokens": 3}).json()
+    # "a" is banned for 3 tokens, then ends the sequence at once.
+    assert r["choices"][0]["finish_reason"] == "stop" and len(r["choices"][0]["text"]) == 3
+    assert r["usage"]["completion_tokens"] == 4 and "a" not in r["choices"][0]["text"]
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "temperature": 0, "logit_bias": {
+        str(tok_a): 100}, "stop_token_ids": [tok_a]}).json()["usage"]["completion_tokens"] == 1
+
+
+def test_penalties_change_greedy_repeats(http):
+    body = {"prompt": "the the the", "max_tokens": 40, "temperature": 0}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    pen = http.post("/v1/completions", json={**body, "frequency_penalty": 2.0, "presence_penalty": 2.0,
+                                             "repetition_penalty": 1.5}).json()["choices"][0]["text"]
+    assert len(set(pen)) >= len(set(plain)) and pen != plain
+
+
+def test_tokenize_detokenize(http):
+    r = http.post("/tokenize", json={"prompt": "hé", "return_token_strs": True}).json()
+    assert r["tokens"] == [2, 107 + 0x68, 107 + 0xC3, 107 + 0xA9] and r["count"] == 4 and r["max_model_len"] == 256
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hé"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"][:2] == [2, 105] and chat["token_strs"] is None
+    assert http.post("/detokenize", json={"tokens": [999999]}).status_code == 400
+    assert http.post("/tokenize", json={}).status_code == 400
+
+
+def test_sampler_processing_units():
+    """The device sampler's processing: mask, bias, min_p and penalties, on small logits."""
+    from serving.logits_processing import step_extras
+    from serving.scheduler import Sequence
+
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 3, np.float32))
+    seqs = [Sequence(1, [0], SamplingParams(temperature=0.0, logit_bias=((2, 100.0),)), 1),
+            Sequence(2, [0], SamplingParams(temperature=0.0, min_tokens=2), 1, generated=[]),
+            Sequence(3, [0, 0], SamplingParams(temperature=0.0, repetition_penalty=2.0), 1)]
+    import jax
+
+    sample_jit = jax.jit(sample)
+    ex = step_extras(seqs, None, eos_ids=(0,))
+    params = SlotSampling.of([s.params for s in seqs], [1, 1, 1])._replace(extras=ex)
+    out = sample_jit(logits, params, np.ones(3, np.int32))
+    # bias picks 2; min_tokens bans EOS (0) so 1 wins; token 0 seen -> log(.5)*2 < log(.3) -> 1
+    assert out.tokens.tolist() == [2, 1, 1]
+    mask = np.zeros((3, 1), np.int32)
+    mask[:, 0] = 1 << 3
+    params = SlotSampling.greedy(3)._replace(extras=ex._replace(mask=mask))
+    assert sample_jit(logits, params, np.ones(3, np.int32)).tokens.tolist() == [3, 3, 3]
+    sampled = SlotSampling(np.ones(3, np.float32), np.zeros(3, np.int32), np.ones(3, np.float32),
+                           np.arange(3, dtype=np.uint32), ex._replace(mask=mask))
+    assert sample_jit(logits, sampled, np.ones(3, np.int32)).tokens.tolist() == [3, 3, 3]
+    min_p = ex._replace(min_p=np.full(3, 0.9, np.float32), bias_vals=np.zeros_like(ex.bias_vals),
+                        repetition=np.ones(3, np.float32))
+    draws = [sample_jit(logits, SlotSampling(np.ones(3, np.float32), np.zeros(3, np.int32), np.ones(3, np.float32),
+                                         np.full(3, s, np.uint32), min_p), np.ones(3, np.int32)).tokens[0]
+             for s in range(20)]
+    assert set(int(t) for t in draws) == {0}
