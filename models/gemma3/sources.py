@@ -1,5 +1,6 @@
 """What `load_model`'s `source` names, and how to place its weights: the real 270M, a GGUF
-file, our own or an official checkpoint, random weights, or an official tree in memory.
+file, a Hugging Face directory, our own or an official checkpoint, random weights, or an
+official tree in memory.
 
 `resolve_source` only reads what a source says about shapes (config, vocabulary) up front;
 placing the weights is the returned function, so that programs can compile meanwhile.
@@ -12,7 +13,7 @@ from typing import Callable
 import numpy as np
 from jax.sharding import Mesh
 
-from models.gemma3 import loading
+from models.gemma3 import hf_checkpoint, loading
 from models.gemma3.config import Gemma3Config, get_config
 from models.gemma3.weights import Weights
 
@@ -39,6 +40,12 @@ def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: in
                 lambda c, mesh: loading.place_official(_gguf_tree(path, dtype, weights_cache_dir),
                                                        c, dtype, mesh, tp),
                 Tokenizer.from_gguf(path))
+    if os.path.isdir(source) and hf_checkpoint.is_hf_checkpoint(source):
+        from models.gemma3.hf_tokenizer import read_tokenizer
+
+        return (hf_checkpoint.read_config(source),
+                lambda c, mesh: hf_checkpoint.place_hf(source, c, dtype, mesh, tp),
+                read_tokenizer(source))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
         from models.gemma3.tokenizer import Tokenizer
 
@@ -51,7 +58,8 @@ def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: in
         return (loading.config_for_official_tree(tree, config),
                 lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp), None)
     raise ValueError(f"unknown model source {source!r}: expected 'gemma3-270m', a .gguf file, a "
-                     "checkpoint directory, 'random:<size>' or an official parameter tree")
+                     "checkpoint directory (Hugging Face or orbax), 'random:<size>' or an official "
+                     "parameter tree")
 
 
 def _gguf_tree(path: str, dtype, cache_dir) -> dict:

@@ -24,6 +24,7 @@ import sentencepiece as spm
 _SPECIAL_PIECES = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>", 106: "<end_of_turn>"}
 
 _UNKNOWN_TYPE = 2  # SentencePiece ModelProto.SentencePiece.Type.UNKNOWN (same code in GGUF)
+_CONTROL_TYPE = 3
 _VALID_TYPES = {1, 2, 3, 4, 5, 6}  # NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE
 
 
@@ -40,6 +41,10 @@ class Tokenizer:
     unk_id = 3
     start_of_turn_id = 105
     end_of_turn_id = 106
+    # What ends a generation, and the model's own chat template (`hf_tokenizer.ChatTemplate`;
+    # None: serving's built-in Gemma format). A checkpoint's files may set both per instance.
+    eos_ids: tuple[int, ...] = (eos_id, end_of_turn_id)
+    chat_template = None
 
     def __init__(self, model_proto: bytes):
         self._sp = spm.SentencePieceProcessor()
@@ -48,6 +53,7 @@ class Tokenizer:
         except (RuntimeError, OSError) as e:
             raise TokenizerError(f"not a valid SentencePiece model: {e}") from e
         self._model_proto = bytes(model_proto)
+        self._control: dict[str, int] | None = None
         self.vocab_size: int = self._sp.GetPieceSize()
         for i, piece in _SPECIAL_PIECES.items():
             if i >= self.vocab_size or self._sp.IdToPiece(i) != piece:
@@ -86,6 +92,18 @@ class Tokenizer:
     def piece_to_id(self, piece: str) -> int:
         """The id of a piece; `unk_id` when the vocabulary does not have it."""
         return self._sp.PieceToId(piece)
+
+    def control_tokens(self) -> dict[str, int]:
+        """Control pieces (text -> id), which `encode` never produces from text: what a chat
+        template writes as special tokens."""
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        if self._control is None:
+            m = pb.ModelProto()
+            m.ParseFromString(self._model_proto)
+            self._control = {p.piece: i for i, p in enumerate(m.pieces)
+                             if p.type in (_UNKNOWN_TYPE, _CONTROL_TYPE)}
+        return self._control
 
     def serialized_model(self) -> bytes:
         """The SentencePiece model proto, e.g. to save as a `tokenizer.model`."""

@@ -1,0 +1,443 @@
+"""Hugging Face checkpoints: config.json and safetensors weights, read into the sharded layout and
+written back.
+
+Owns the mapping between a Hugging Face Gemma 3 directory and our `Gemma3Config` and `Weights`:
+`Gemma3ForCausalLM` (`model.*` names) and the text part of `Gemma3ForConditionalGeneration`
+(`language_model.model.*`, or `model.language_model.*` as transformers >= 4.52 saves it; the
+vision tower and projector are skipped). The tokenizer, EOS ids and chat template of such a
+directory are `hf_tokenizer`'s.
+
+Safetensors files are read by a reader of our own: the format is an 8-byte header length, a JSON
+header and raw little-endian tensors, so a `numpy.memmap` of the file gives every tensor as a
+zero-copy view in any dtype, bfloat16 included (ml_dtypes), which `safetensors`' numpy backend
+cannot return. Each device's shard is then read straight from the mapped file by
+`jax.make_array_from_callback`, so no device (and no host buffer) holds a whole tensor it does not
+need, and a checkpoint larger than host memory still loads at tp > 1.
+
+Layouts: Hugging Face stores each projection as PyTorch's (out_features, in_features), heads
+major (q_proj [N*H, D], k_proj / v_proj [K*H, D], o_proj [D, N*H], gate_proj / up_proj [F, D],
+down_proj [D, F]); norms store the same `scale` as the official tree (Gemma3RMSNorm computes
+x * (1 + weight), like ours); RoPE is the half-rotation layout (no permutation); the output
+projection is tied to embed_tokens.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh
+
+from models.gemma3.config import CONFIGS, GLOBAL_EVERY, Gemma3Config, is_global_layer
+from models.gemma3.sharding import named, weight_specs
+from models.gemma3.weights import Weights, layer_shapes, map_weights
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 << 30
+
+# Safetensors dtype names <-> numpy dtypes (only float types: a Gemma checkpoint holds nothing else).
+_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+           "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64)}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+# Prefixes of the text model's tensors: Gemma3ForCausalLM, then Gemma3ForConditionalGeneration
+# as transformers 4.50 (and the published 4B-27B checkpoints) and >= 4.52 write it.
+TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+
+# Our per-layer fields <- the Hugging Face names below `layers.{i}.`.
+_HF_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+             "pre_attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "pre_ffw_norm": "pre_feedforward_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"}
+
+# Gemma3TextConfig's defaults: the published multimodal configs' text_config leaves most fields out.
+_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": GLOBAL_EVERY,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+}
+
+
+class HFCheckpointError(ValueError):
+    """A directory that is not a Gemma 3 text checkpoint this model can run."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Safetensors
+
+
+class SafetensorsFile:
+    """One .safetensors file, memory-mapped: `tensor(name)` is a read-only view, no copy."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries: dict[str, dict] = header
+        self._base = 8 + n
+        self._map = np.memmap(self.path, np.uint8, mode="r") if header else None
+        for name, e in header.items():
+            if e["dtype"] not in _DTYPES:
+                raise HFCheckpointError(f"{self.path}: {name} has dtype {e['dtype']}, expected "
+                                        f"one of {sorted(_DTYPES)}")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def tensor(self, name: str) -> np.ndarray:
+        e = self.entries[name]
+        begin, end = e["data_offsets"]
+        raw = self._map[self._base + begin:self._base + end]
+        return raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"])
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray] | None = None, *,
+                      shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None,
+                      produce: Callable[[str], np.ndarray] | None = None,
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a .safetensors file, either from `tensors`, or from `shapes` (name -> (shape,
+    dtype)) and `produce(name)`, called one tensor at a time so that only one is in memory."""
+    if tensors is not None:
+        shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}
+        produce = tensors.__getitem__
+    header, offset = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        dtype = np.dtype(dtype)
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{name}: cannot store dtype {dtype} in safetensors here")
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, (shape, dtype) in shapes.items():
+            x = np.ascontiguousarray(produce(name), dtype=dtype)
+            if x.shape != tuple(shape):
+                raise ValueError(f"{name}: produced shape {x.shape}, declared {tuple(shape)}")
+            f.write(memoryview(x.reshape(-1).view(np.uint8)))
+    os.replace(tmp, path)
+
+
+class SafetensorsDir:
+    """The safetensors files of a directory: through model.safetensors.index.json when there is
+    one, else every *.safetensors file in it. Tensor names map to their file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise HFCheckpointError(f"{self.path}: no .safetensors files")
+        self.files = {f: SafetensorsFile(self.path / f) for f in files}
+        self.where: dict[str, SafetensorsFile] = {}
+        for f in self.files.values():
+            for name in f.entries:
+                self.where[name] = f
+        if weight_map is not None:
+            missing = sorted(k for k in weight_map if k not in self.where)
+            if missing:
+                raise HFCheckpointError(f"{index}: tensors listed but not stored: {missing[:3]}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].shape(name)
+
+    def tensor(self, name: str) -> np.ndarray:
+        return self.where[name].tensor(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+
+
+def is_hf_checkpoint(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return (p / CONFIG_FILE).is_file() and (
+        (p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")))
+
+
+def text_config(raw: dict) -> dict:
+    """The text model's fields (Gemma3TextConfig's defaults filled in) of a config.json."""
+    if "text_config" in raw:  # Gemma3ForConditionalGeneration
+        text = dict(raw["text_config"] or {})
+        if "tie_word_embeddings" in raw:
+            text.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
+    else:
+        text = dict(raw)
+    model_type = text.get("model_type", "gemma3_text")
+    if model_type not in ("gemma3_text", "gemma3"):
+        raise HFCheckpointError(f"model_type is {model_type!r}, expected a Gemma 3 text model")
+    return {**_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None
+                                 or k in ("final_logit_softcapping", "attn_logit_softcapping")}}
+
+
+def _rope(text: dict) -> tuple[float, float, float]:
+    """(local base, global base, global linear scale) from either spelling: transformers 4.x
+    (rope_theta, rope_local_base_freq, rope_scaling for global layers) or 5.x (rope_parameters
+    per layer type)."""
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, sliding = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", _TEXT_DEFAULTS["rope_theta"])
+        sliding.setdefault("rope_theta", _TEXT_DEFAULTS["rope_local_base_freq"])
+    else:
+        full = {**(text.get("rope_scaling") or {}), "rope_theta": text["rope_theta"]}
+        sliding = {"rope_theta": text["rope_local_base_freq"]}
+    scale = 1.0
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind == "linear":
+        scale = float(full["factor"])
+    elif kind != "default":
+        raise HFCheckpointError(f"global RoPE scaling {kind!r} is not supported (only linear)")
+    if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+        raise HFCheckpointError("sliding-window layers must use plain RoPE")
+    return float(sliding["rope_theta"]), float(full["rope_theta"]), scale
+
+
+def config_from_hf(raw: dict) -> Gemma3Config:
+    """Our config from a config.json's contents; raises for what our model does not implement."""
+    t = text_config(raw)
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if t.get(key) is not None:
+            raise HFCheckpointError(f"{key}={t[key]} is not supported (Gemma 3 has none)")
+    if t.get("hidden_activation", t.get("hidden_act")) not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise HFCheckpointError(f"hidden activation {t.get('hidden_activation')!r}: Gemma 3 "
+                                "uses gelu_pytorch_tanh")
+    if t.get("use_bidirectional_attention") or t.get("attention_bias"):
+        raise HFCheckpointError("bidirectional attention and attention biases are not supported")
+    if not t["tie_word_embeddings"]:
+        raise HFCheckpointError("untied output embeddings are not supported (Gemma 3 ties them)")
+    layers = int(t["num_hidden_layers"])
+    kinds = t.get("layer_types")
+    if kinds is None:
+        if int(t["sliding_window_pattern"]) != GLOBAL_EVERY:
+            raise HFCheckpointError(f"sliding_window_pattern {t['sliding_window_pattern']}: our "
+                                    f"model has Gemma 3's {GLOBAL_EVERY}")
+    elif [k == "full_attention" for k in kinds] != [is_global_layer(i) for i in range(layers)]:
+        raise HFCheckpointError(f"layer_types {kinds} differ from Gemma 3's pattern (every "
+                                f"{GLOBAL_EVERY}th layer global)")
+    local_base, global_base, global_scale = _rope(t)
+    sizes = dict(vocab_size=int(t["vocab_size"]), num_layers=layers, d_model=int(t["hidden_size"]),
+                 ffn_hidden=int(t["intermediate_size"]), num_heads=int(t["num_attention_heads"]),
+                 num_kv_heads=int(t["num_key_value_heads"]), head_dim=int(t["head_dim"]))
+    known = next((c.name for c in CONFIGS.values()
+                  if all(getattr(c, k) == v for k, v in sizes.items())), None)
+    return Gemma3Config(
+        name=known or "gemma3", **sizes, sliding_window=int(t["sliding_window"]),
+        max_seq_len=int(t["max_position_embeddings"]),
+        query_scale=float(t["query_pre_attn_scalar"]) ** -0.5, rope_local_base=local_base,
+        rope_global_base=global_base, rope_global_scale=global_scale,
+        norm_eps=float(t["rms_norm_eps"]))
+
+
+def config_to_hf(c: Gemma3Config, dtype) -> dict:
+    """A Gemma3ForCausalLM config.json (transformers 4.x spelling, which 5.x also reads)."""
+    scalar = c.query_scale ** -2
+    scalar = round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-9) else scalar
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.ffn_hidden,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps, "query_pre_attn_scalar": scalar,
+        "sliding_window": c.sliding_window, "sliding_window_pattern": GLOBAL_EVERY,
+        "layer_types": ["full_attention" if c.is_global(i) else "sliding_attention"
+                        for i in range(c.num_layers)],
+        "rope_theta": c.rope_global_base, "rope_local_base_freq": c.rope_local_base,
+        "rope_scaling": (None if c.rope_global_scale == 1.0
+                         else {"rope_type": "linear", "factor": c.rope_global_scale}),
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+        "torch_dtype": np.dtype(dtype).name,
+    }
+
+
+def read_config(path: str | os.PathLike) -> Gemma3Config:
+    return config_from_hf(json.loads((Path(path) / CONFIG_FILE).read_text()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Our tensors as views of the Hugging Face ones
+
+
+class _View:
+    """One of our tensors as lazily transformed views of stored ones: `parts` (each already in
+    our layout, minus the stacked axis) stacked along `axis`, or the single part."""
+
+    def __init__(self, parts: list[np.ndarray], axis: int | None = None):
+        self.parts, self.axis = parts, axis
+        first = parts[0].shape
+        self.shape = first if axis is None else (*first[:axis], len(parts), *first[axis:])
+
+    def read(self, index: tuple[slice, ...], dtype) -> np.ndarray:
+        if self.axis is None:
+            return np.asarray(self.parts[0][index], dtype)
+        rest = index[:self.axis] + index[self.axis + 1:]
+        picked = self.parts[index[self.axis]]
+        return np.stack([np.asarray(p[rest], dtype) for p in picked], axis=self.axis)
+
+
+def _heads(x: np.ndarray, n: int, h: int) -> np.ndarray:
+    """[n*h, D] -> [D, n, h] (a view)."""
+    return x.reshape(n, h, -1).transpose(2, 0, 1)
+
+
+class HFWeights:
+    """The text model's tensors of a checkpoint directory, checked against a config."""
+
+    def __init__(self, path: str | os.PathLike, c: Gemma3Config):
+        self.files = SafetensorsDir(path)
+        self.prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in self.files),
+                           None)
+        if self.prefix is None:
+            raise HFCheckpointError(f"{path}: no embed_tokens.weight under any of {TEXT_PREFIXES}")
+        self.c = c
+        for layer, name, shape in _our_tensors(c):
+            got = self.view(layer, name).shape
+            if tuple(got) != tuple(shape):
+                raise HFCheckpointError(f"{path}: {name} of layer {layer} has shape {got}, "
+                                        f"config implies {shape}")
+
+    def _t(self, name: str) -> np.ndarray:
+        full = self.prefix + name
+        if full not in self.files:
+            raise HFCheckpointError(f"{self.files.path}: tensor {full} is missing")
+        return self.files.tensor(full)
+
+    def view(self, layer: int | None, name: str) -> _View:
+        c = self.c
+        if layer is None:
+            return _View([self._t("embed_tokens.weight" if name == "embed" else "norm.weight")])
+        t = lambda n: self._t(f"layers.{layer}.{n}.weight")  # noqa: E731
+        if name == "q":
+            return _View([_heads(t("self_attn.q_proj"), c.num_heads, c.head_dim)])
+        if name == "kv":
+            return _View([_heads(t(f"self_attn.{x}_proj"), c.num_kv_heads, c.head_dim)
+                          for x in "kv"], axis=1)
+        if name == "o":  # [D, N*H] -> [N, H, D]
+            return _View([t("self_attn.o_proj").reshape(c.d_model, c.num_heads, c.head_dim)
+                          .transpose(1, 2, 0)])
+        if name == "gating":
+            return _View([t(f"mlp.{x}_proj").T for x in ("gate", "up")], axis=1)
+        if name == "linear":
+            return _View([t("mlp.down_proj").T])
+        return _View([t(_HF_NORMS[name])])
+
+
+def _our_tensors(c: Gemma3Config) -> Iterator[tuple[int | None, str, tuple[int, ...]]]:
+    yield None, "embed", (c.vocab_size, c.d_model)
+    yield None, "final_norm", (c.d_model,)
+    for i in range(c.num_layers):
+        for name, shape in layer_shapes(c).items():
+            yield i, name, shape
+
+
+def place_hf(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Mesh, tp: int) -> Weights:
+    """Sharded Weights from a checkpoint directory: each device's shard read from the mapped
+    files (and converted to `dtype`) by its own callback."""
+    from models.gemma3.loading import _sharding
+
+    hf = HFWeights(path, c)
+    shardings = named(mesh, weight_specs(c, tp))
+    np_dtype = np.dtype(dtype)
+
+    def make(layer, name, shape):
+        view = hf.view(layer, name)
+        return jax.make_array_from_callback(shape, _sharding(shardings, layer, name),
+                                            lambda index: view.read(index, np_dtype))
+
+    return map_weights(c, make)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def hf_tensors(weights: Weights, c: Gemma3Config, prefix: str = "model."
+               ) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """Hugging Face name -> (shape, function gathering that tensor to the host in its layout).
+    Shapes come without touching the arrays; each function gathers one tensor."""
+    N, K, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.d_model
+    host = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
+    out = {f"{prefix}embed_tokens.weight": ((c.vocab_size, D), lambda: host(weights.embed))}
+    for i, lw in enumerate(weights.layers):
+        p = f"{prefix}layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = (
+            (N * H, D), lambda lw=lw: host(lw.q).transpose(1, 2, 0).reshape(N * H, D))
+        for j, x in enumerate("kv"):
+            out[p + f"self_attn.{x}_proj.weight"] = (
+                (K * H, D), lambda lw=lw, j=j: host(lw.kv)[:, j].transpose(1, 2, 0).reshape(K * H, D))
+        out[p + "self_attn.o_proj.weight"] = (
+            (D, N * H), lambda lw=lw: host(lw.o).transpose(2, 0, 1).reshape(D, N * H))
+        for field, hf in _HF_NORMS.items():
+            size = H if field in ("q_norm", "k_norm") else D
+            out[p + hf + ".weight"] = ((size,), lambda lw=lw, f=field: host(getattr(lw, f)))
+        for j, x in enumerate(("gate", "up")):
+            out[p + f"mlp.{x}_proj.weight"] = (
+                (c.ffn_hidden, D), lambda lw=lw, j=j: host(lw.gating)[:, j].T)
+        out[p + "mlp.down_proj.weight"] = ((D, c.ffn_hidden), lambda lw=lw: host(lw.linear).T)
+    out[f"{prefix}norm.weight"] = ((D,), lambda: host(weights.final_norm))
+    return out
+
+
+def save_hf_weights(path: str | os.PathLike, weights: Weights, c: Gemma3Config, dtype=None,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write config.json and the weights as safetensors (one file, or several of at most
+    `max_shard_bytes` each with model.safetensors.index.json, as `save_pretrained` does),
+    gathering one tensor at a time to the host. Returns the files written."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype(dtype if dtype is not None else weights.embed.dtype)
+    tensors = hf_tensors(weights, c)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, _) in tensors.items():
+        n = int(np.prod(shape)) * dtype.itemsize
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    names = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for old in [*path.glob("*.safetensors"), path / INDEX_FILE]:
+        old.unlink(missing_ok=True)  # a previous save's shards would be read as ours
+    for file, members in zip(names, shards):
+        write_safetensors(path / file, shapes={k: (tensors[k][0], dtype) for k in members},
+                          produce=lambda k: tensors[k][1](), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(int(np.prod(s)) * dtype.itemsize for s, _ in tensors.values())
+        weight_map = {k: file for file, members in zip(names, shards) for k in members}
+        (path / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(c, dtype), indent=2))
+    return names
