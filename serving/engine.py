@@ -349,7 +349,7 @@ def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tu
         prefill_buckets=buckets,
         prefill_batch_sizes=tuple(sorted(set(prefill_batch_sizes))),
         vocab_size=model.config.vocab_size,
-        eos_ids=(tokenizer.eos_id, tokenizer.end_of_turn_id),
+        eos_ids=tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id, tokenizer.end_of_turn_id))),
         tp=int(model.tp),
         dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
         allreduce=model.allreduce.to_dict(),
