@@ -1,5 +1,6 @@
 """Command-line entry points: `gemma3-serve` (the HTTP server), `gemma3-generate` (one prompt,
-streamed to the terminal) and `gemma3-convert` (weights converted once, for fast restarts).
+streamed to the terminal) and `gemma3-convert` (weights converted once, for fast restarts, or
+written as a Hugging Face checkpoint).
 
 Process set-up comes from `serving.jax_platform`. On a CPU-only machine `--tp N` runs on N
 virtual CPU devices, which XLA only creates when they are asked for before its backend starts;
@@ -242,21 +243,30 @@ class _Progress:
 
 def convert_main(argv: list[str] | None = None) -> None:
     """Convert weights once (GGUF dequantization, layout, dtype) into an orbax checkpoint that
-    `gemma3-serve --model DIR` and `load_model(DIR)` restore straight into the sharded layout."""
+    `gemma3-serve --model DIR` and `load_model(DIR)` restore straight into the sharded layout,
+    or into a Hugging Face directory (--format hf) that transformers loads too."""
     parser = argparse.ArgumentParser(
         prog="gemma3-convert",
-        description="Convert a model source (gemma3-270m, a .gguf file, an official Flax/orbax "
-                    "checkpoint) into a converted checkpoint directory for fast restarts. The "
-                    "checkpoint restores at any --tp.")
-    parser.add_argument("source", help="'gemma3-270m', a .gguf path or an official checkpoint directory")
+        description="Convert a model source (gemma3-270m, a .gguf file, a Hugging Face or official "
+                    "Flax/orbax checkpoint) into a converted checkpoint directory for fast "
+                    "restarts, or into a Hugging Face checkpoint. Either loads at any --tp.")
+    parser.add_argument("source", help="'gemma3-270m', a .gguf path or a checkpoint directory")
     parser.add_argument("out", help="directory to write (created; an existing checkpoint there is replaced)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="dtype of the stored weights")
+    parser.add_argument("--format", default="orbax", choices=("orbax", "hf"),
+                        help="orbax: ours, fastest to restore; hf: Hugging Face Gemma3ForCausalLM "
+                             "(config.json, safetensors, tokenizer files)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="--format hf: largest safetensors file, in GiB (more files and an index "
+                             "beyond it)")
     parser.add_argument("--tp", type=int, default=1,
                         help="devices to convert on (each writes its shards; on CPU: virtual devices)")
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error("--tp must be >= 1")
+    if args.max_shard_gb <= 0:
+        parser.error("--max-shard-gb must be > 0")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"{args.out} exists and is not a directory")
     jax_platform.request_cpu_devices(args.tp)
@@ -269,8 +279,8 @@ def convert_main(argv: list[str] | None = None) -> None:
         model = load_model(args.source, tp=args.tp, dtype=args.dtype)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    model.save(args.out)
-    print(f"wrote {model.config.name} ({args.dtype}) to {args.out} in "
+    model.save(args.out, format=args.format, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+    print(f"wrote {model.config.name} ({args.dtype}, {args.format}) to {args.out} in "
           f"{time.perf_counter() - t0:.1f} s; serve it with: gemma3-serve --model {args.out}")
 
 

