@@ -70,7 +70,7 @@ def _error(r, status, param=None):
     (b'{"prompt": [1, 2, 999999]}', "prompt"),
     (b'{"prompt": "x", "logprobs": 50}', "logprobs"),
     (b'{"prompt": "x", "n": 0}', "n"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty"),
     (b'{"prompt": "\\ud800"}', None),  # a lone surrogate is not text
     (b'{"prompt": "caf\xe9"}', None),  # invalid UTF-8 (Latin-1 byte)
 ])
@@ -105,7 +105,7 @@ def test_prompt_longer_than_context_states_the_limit(client):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools.0"),
 ])
 def test_bad_chat_requests_get_400(client, body, param):
     _error(client.post("/v1/chat/completions", json=body), 400, param)
