@@ -61,7 +61,10 @@ def serve_main(argv: list[str] | None = None) -> None:
         # Before any other jax use. Processes other than 0 serve no HTTP: they follow its steps.
         from serving import distributed
 
-        jax_platform.join_process_group(group)
+        try:
+            jax_platform.join_process_group(group)
+        except jax_platform.GroupFormationError as e:
+            jax_platform.exit_group_not_formed(e)
         import jax
 
         if jax.process_index() != 0:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from serving.jax_platform import ProcessGroup
+from serving.jax_platform import GroupFormationError, ProcessGroup, exit_group_not_formed
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,11 @@ def leader_factory(settings: ProcessGroup):
     from serving.runtime import load_engine
 
     def factory(config, progress):
-        return LeaderEngine(load_engine(config, progress), settings)
+        try:
+            engine = load_engine(config, progress)
+        except GroupFormationError as e:
+            exit_group_not_formed(e)  # at once: the others' deadlines are running too
+        return LeaderEngine(engine, settings)
 
     return factory
 
@@ -343,6 +347,8 @@ def run_worker(config, settings: ProcessGroup) -> int:
 
     try:
         engine = load_engine(config, lambda msg: log.info("%s", msg))
+    except GroupFormationError as e:
+        exit_group_not_formed(e)
     except Exception as e:
         log.exception("loading the model failed")
         print(f"error: loading the model failed: {type(e).__name__}: {e}", file=sys.stderr)

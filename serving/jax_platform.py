@@ -205,10 +205,26 @@ def child_environment(env: Mapping[str, str] | None = None, *, malloc_tunables: 
 
 # ---- joining a multi-process group (JAX's distributed runtime) ----
 
+EXIT_GROUP_NOT_FORMED = 4  # exit status when a process group cannot form in time
+
+
+class GroupFormationError(RuntimeError):
+    """The process group did not form within its deadline."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
     """How this process joins a group. `coordinator_address=None` with `auto=True` lets jax
-    detect the cluster itself (Cloud TPU VM slices, SLURM, ...)."""
+    detect the cluster itself (Cloud TPU VM slices, SLURM, ...).
+
+    Forming a group under uneven load: processes may start, load their weights and compile at
+    very different times (a busy machine, a cold compilation cache on one host). Joining waits
+    up to `join_timeout_s` for every process to connect; then every process waits at a barrier
+    (the coordination service's, no collective) once its weights are loaded and again once its
+    programs are compiled, for up to `load_timeout_s`, so that all of them enter their first
+    collective together: gloo's own first rendezvous gives up after a fixed 30 s. A group that
+    cannot form ends every process that is up with a clear error within those deadlines.
+    """
 
     coordinator_address: str | None = None
     num_processes: int | None = None
@@ -217,6 +233,9 @@ class ProcessGroup:
     heartbeat_timeout_s: int = 30  # jax's coordination service declares a silent process dead
     step_timeout_s: float = 600.0  # serving's watchdog: longest wait for (or run of) one step
     heartbeat_s: float = 2.0  # serving: process 0 broadcasts an idle step this often
+    join_timeout_s: int = 600  # every process must have connected to the coordinator by then
+    load_timeout_s: float = 1800.0  # longest wait at the loaded/compiled barriers
+    shutdown_timeout_s: int = 30  # jax's wait for the other processes at exit
 
     def __post_init__(self):
         if self.num_processes is not None and self.num_processes < 1:
@@ -229,7 +248,8 @@ class ProcessGroup:
         if self.coordinator_address is None and not self.auto and (
                 self.num_processes not in (None, 1) or self.process_id not in (None, 0)):
             raise ValueError("--num-processes/--process-id need --coordinator-address (or --distributed auto)")
-        if self.heartbeat_timeout_s < 1 or self.step_timeout_s <= 0 or self.heartbeat_s <= 0:
+        if self.heartbeat_timeout_s < 1 or self.step_timeout_s <= 0 or self.heartbeat_s <= 0 \
+                or self.join_timeout_s < 1 or self.load_timeout_s <= 0 or self.shutdown_timeout_s < 1:
             raise ValueError("timeouts must be positive")
         if self.heartbeat_s >= self.step_timeout_s:
             raise ValueError("heartbeat_s must be shorter than step_timeout_s")
@@ -259,6 +279,12 @@ GROUP_FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
                           "seconds after which a silent process counts as dead (default 30)"),
     "step_timeout": (("GEMMA3_STEP_TIMEOUT",), float,
                      "watchdog: seconds a process may wait for or run one step (default 600)"),
+    "join_timeout": (("GEMMA3_JOIN_TIMEOUT",), int,
+                     "seconds every process has to start and connect to process 0's coordinator "
+                     "(default 600)"),
+    "load_timeout": (("GEMMA3_LOAD_TIMEOUT",), float,
+                     "seconds a process waits for the others to load their weights and compile "
+                     "(default 1800; raise it for large models on slow disks)"),
 }
 
 
@@ -295,22 +321,95 @@ def group_from(values: Mapping[str, object], env: Mapping[str, str] | None = Non
     kw = {}
     if "heartbeat_timeout" in merged:
         kw["heartbeat_timeout_s"] = merged.pop("heartbeat_timeout")
+    if "join_timeout" in merged:
+        kw["join_timeout_s"] = merged.pop("join_timeout")
+    if "load_timeout" in merged:
+        kw["load_timeout_s"] = merged.pop("load_timeout")
     if "step_timeout" in merged:
         kw["step_timeout_s"] = merged.pop("step_timeout")
         kw["heartbeat_s"] = min(2.0, kw["step_timeout_s"] / 4)
     return ProcessGroup(auto=mode == "auto", **merged, **kw)
 
 
+_joined: ProcessGroup | None = None  # the group this process joined
+
+
 def join_process_group(group: ProcessGroup) -> None:
     """Join the group; must run before any other jax use. CPU collectives between processes go
-    through gloo (TCP); TPU/GPU backends use their own interconnect."""
+    through gloo (TCP); TPU/GPU backends use their own interconnect. Raises GroupFormationError
+    when not every process connected within `group.join_timeout_s`."""
+    global _joined
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if group.auto and group.coordinator_address is None:
-        jax.distributed.initialize(heartbeat_timeout_seconds=group.heartbeat_timeout_s)
-    else:
-        jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id,
-                                   heartbeat_timeout_seconds=group.heartbeat_timeout_s)
+    timeouts = dict(heartbeat_timeout_seconds=group.heartbeat_timeout_s,
+                    initialization_timeout=group.join_timeout_s,
+                    shutdown_timeout_seconds=group.shutdown_timeout_s)
+    import threading
+
+    def not_formed(cause: str) -> GroupFormationError:
+        return GroupFormationError(
+            f"the process group did not form: not every one of its {group.num_processes or 'N'} "
+            f"processes connected to the coordinator {group.coordinator_address or '(auto)'} within "
+            f"{group.join_timeout_s}s (--join-timeout); start them all, or check the address and "
+            f"port{cause}")
+
+    log.info("joining a group of %s processes at %s: waiting up to %ds for all of them "
+             "(--join-timeout)", group.num_processes or "N", group.coordinator_address or "(auto)",
+             group.join_timeout_s)
+    # jax's client ends the process from C++ when its registration times out, with a message
+    # that names no cause; say it first.
+    timer = threading.Timer(group.join_timeout_s, lambda: exit_group_not_formed(not_formed("")))
+    timer.daemon = True
+    timer.start()
+    try:
+        if group.auto and group.coordinator_address is None:
+            jax.distributed.initialize(**timeouts)
+        else:
+            jax.distributed.initialize(group.coordinator_address, group.num_processes,
+                                       group.process_id, **timeouts)
+    except Exception as e:
+        raise not_formed(f" ({type(e).__name__}: {str(e)[:300]})") from e
+    finally:
+        timer.cancel()
+    _joined = group
     log.info("process %d of %d joined: %d local / %d global %s devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count(), jax.default_backend())
+
+
+def group_barrier(name: str, timeout_s: float | None = None) -> None:
+    """Wait until every process of the joined group reaches barrier `name` (through the
+    coordination service, so no collective and no gloo deadline), for up to `timeout_s`
+    (default: the group's `load_timeout_s`). No-op outside a group. Raises GroupFormationError
+    naming the barrier when the others do not arrive in time."""
+    if _joined is None:
+        return
+    import time
+
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    timeout_s = _joined.load_timeout_s if timeout_s is None else timeout_s
+    t0 = time.monotonic()
+    log.info("waiting up to %.0fs for every process: %s", timeout_s, name)
+    try:
+        client.wait_at_barrier(f"gemma3:{name}", int(timeout_s * 1000))
+    except Exception as e:
+        raise GroupFormationError(
+            f"the process group did not form: not every process was {name} within {timeout_s:.0f}s "
+            f"(--load-timeout); another process is still loading, has died, or never started "
+            f"({type(e).__name__}: {str(e)[:300]})") from e
+    log.info("every process %s (waited %.1fs)", name, time.monotonic() - t0)
+
+
+def exit_group_not_formed(error: BaseException) -> None:
+    """Report a group that cannot form and end this process at once (jax's exit would wait for
+    the other processes at its shutdown barrier)."""
+    text = f"FATAL: {error}"
+    log.critical("%s", text)
+    print(text, file=sys.stderr, flush=True)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os._exit(EXIT_GROUP_NOT_FORMED)

@@ -140,12 +140,21 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
 
     t = time.perf_counter()
     # One process: programs compile on a thread while the weights load. Several processes
-    # (multi-host) keep the two apart, so that every process issues its work in the same order.
+    # (multi-host) keep the two apart, so that every process issues its work in the same order,
+    # and wait for each other once loaded and once compiled: their first collective (gloo's
+    # rendezvous, which gives up after 30 s) then starts in every process at once, however
+    # unevenly they loaded (`jax_platform.group_barrier`, deadline --load-timeout).
     overlap = jax.process_count() == 1
     model = load_configured_model(config, compile_while_loading if overlap else None)
     progress(f"weights loaded{' and programs compiled' if overlap else ''} in "
              f"{time.perf_counter() - t:.1f}s")
     engine = ModelEngine(model, **shape, prefix_blocks=prefix_blocks(config, model))
+    if not overlap:
+        from serving import jax_platform
+
+        jax_platform.group_barrier("loaded")
+        compile_programs(model, engine.info, progress)
+        jax_platform.group_barrier("compiled")
     seconds = engine.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
     return engine

@@ -1,0 +1,114 @@
+"""Forming a 2-process group (`gemma3-serve`, random:tiny, tp=2 over two processes) when the
+processes load at very different times, and failing clearly when the group cannot form.
+
+gloo's first rendezvous gives up after a fixed 30 s, so two processes whose loading ends more than
+30 s apart used to fail at their first collective (and took minutes to say so). The processes now
+wait for each other at coordination-service barriers once loaded and once compiled
+(--load-timeout), and a group that cannot form ends within its deadline with a clear error.
+
+Process 1's loading is slowed down here by wrapping `serving.runtime.load_configured_model`
+(a 32 s gap keeps the test short; the 120 s case is the benchmark command in docs/usage.md).
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving import jax_platform
+from testkit import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs gemma3-serve with the model's loading delayed by $LOAD_DELAY seconds.
+SLOW_SERVE = """
+import os, sys, time
+from serving import runtime
+load = runtime.load_configured_model
+def slow(*a, **k):
+    model = load(*a, **k)
+    time.sleep(float(os.environ["LOAD_DELAY"]))
+    return model
+runtime.load_configured_model = slow
+from serving.cli import serve_main
+serve_main(sys.argv[1:])
+"""
+
+
+def _start(pid: int, port: int, coord: int, delay: float, log_dir: Path, *flags: str):
+    env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu", LOAD_DELAY=str(delay)),
+                                         malloc_tunables=False)
+    cmd = [sys.executable, "-c", SLOW_SERVE, "--model", "random:tiny", "--port", str(port), "--tp", "2",
+           "--dtype", "float32", "--max-seq-len", "32", "--max-batch", "2", "--compile-cache-dir", "",
+           "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(pid),
+           "--heartbeat-timeout", "10", *flags]
+    log = open(log_dir / f"p{pid}.log", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
+def _stop(procs) -> None:
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+
+
+def test_group_forms_when_one_process_loads_much_later(tmp_path):
+    port, coord = free_port(), free_port()
+    procs = [_start(0, port, coord, 0, tmp_path, "--load-timeout", "120"),
+             _start(1, port, coord, 32, tmp_path, "--load-timeout", "120")]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            for i, (p, log) in enumerate(procs):
+                if p.poll() is not None:
+                    pytest.fail(f"process {i} exited {p.returncode}: {Path(log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("the group did not become ready")
+        r = httpx.post(url + "/generate", json={"prompt_ids": [2, 40, 41, 42], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) == 3, r.text
+        log0 = Path(procs[0][1].name).read_text()
+        assert "every process loaded (waited" in log0
+        waited = float(log0.split("every process loaded (waited ")[1].split("s)")[0])
+        assert waited > 30  # longer than gloo's own rendezvous deadline
+        procs[0][0].send_signal(signal.SIGTERM)
+        assert procs[0][0].wait(60) == 0
+        assert procs[1][0].wait(60) == 0
+    finally:
+        _stop(procs)
+
+
+def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path):
+    # A process that never starts: process 0 gives up after --join-timeout.
+    procs = [_start(0, free_port(), free_port(), 0, tmp_path, "--join-timeout", "4")]
+    try:
+        t0 = time.monotonic()
+        assert procs[0][0].wait(60) == jax_platform.EXIT_GROUP_NOT_FORMED
+        assert time.monotonic() - t0 < 30
+        assert "FATAL: the process group did not form" in Path(procs[0][1].name).read_text()
+    finally:
+        _stop(procs)
+    # A process that loads for longer than --load-timeout allows.
+    port, coord = free_port(), free_port()
+    procs = [_start(0, port, coord, 0, tmp_path, "--load-timeout", "4"),
+             _start(1, port, coord, 60, tmp_path, "--load-timeout", "4")]
+    try:
+        t0 = time.monotonic()
+        assert procs[0][0].wait(60) == jax_platform.EXIT_GROUP_NOT_FORMED
+        assert time.monotonic() - t0 < 40
+        log0 = Path(procs[0][1].name).read_text()
+        assert "not every process was loaded within 4s (--load-timeout)" in log0, log0[-2000:]
+    finally:
+        _stop(procs)
