@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_270m.npz"
+GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_270m.npz"  # the official `gemma` package's
+HF_GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_270m_hf.npz"  # transformers'
 
 
 def free_port() -> int:

@@ -247,8 +247,10 @@ def config_from_hf(raw: dict) -> Gemma3Config:
     sizes = dict(vocab_size=int(t["vocab_size"]), num_layers=layers, d_model=int(t["hidden_size"]),
                  ffn_hidden=int(t["intermediate_size"]), num_heads=int(t["num_attention_heads"]),
                  num_kv_heads=int(t["num_key_value_heads"]), head_dim=int(t["head_dim"]))
+    # By the layer sizes: the multimodal checkpoints' embeddings have 64 rows more (262,208)
+    # than the text-only vocabulary, for image tokens.
     known = next((c.name for c in CONFIGS.values()
-                  if all(getattr(c, k) == v for k, v in sizes.items())), None)
+                  if all(getattr(c, k) == v for k, v in sizes.items() if k != "vocab_size")), None)
     return Gemma3Config(
         name=known or "gemma3", **sizes, sliding_window=int(t["sliding_window"]),
         max_seq_len=int(t["max_position_embeddings"]),

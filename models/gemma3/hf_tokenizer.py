@@ -143,9 +143,9 @@ def tokenizer_json_from_sentencepiece(model_proto: bytes) -> str:
     special = [p.piece for p in m.pieces if p.type in (_CONTROL, _UNKNOWN)]
     tk.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in special])
     # User-defined pieces (newline and space runs, ...) are matched whole in the escaped text, as
-    # SentencePiece does. One holding a raw space can then never match (llama.cpp writes Gemma's
-    # "▁▁" pieces as "  " into GGUF files, so a vocabulary rebuilt from one has those):
-    # left out, or `tokenizers` would match it where SentencePiece does not.
+    # SentencePiece does. One holding a raw space never matches there (e.g. a vocabulary rebuilt
+    # from a GGUF file without undoing llama.cpp's "▁" -> " "): left out, or `tokenizers`
+    # would match it where SentencePiece does not.
     tk.add_tokens([AddedToken(p.piece, normalized=True, special=False)
                    for p in m.pieces if p.type == _USER_DEFINED and " " not in p.piece])
     return tk.to_str()

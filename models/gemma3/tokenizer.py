@@ -4,7 +4,8 @@ The GGUF stores the vocabulary as three parallel arrays (`tokenizer.ggml.tokens 
 token_type`). We rebuild the SentencePiece model proto from them: BPE, byte fallback, identity
 normalizer, no dummy prefix, whitespace escaped as U+2581. GGUF token types are SentencePiece's
 piece types, except that llama.cpp stores `<unk>` as CONTROL, which SentencePiece refuses (a
-model needs exactly one UNKNOWN piece), so it is retyped.
+model needs exactly one UNKNOWN piece), so it is retyped; and user-defined pieces get back the
+U+2581 that llama.cpp's converter turned into spaces.
 
 Building the 262,144-piece proto takes about a second; the serialized bytes are cached on disk
 (keyed by the GGUF's content hash of the vocabulary) so later processes load it directly.
@@ -25,6 +26,9 @@ _SPECIAL_PIECES = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_
 
 _UNKNOWN_TYPE = 2  # SentencePiece ModelProto.SentencePiece.Type.UNKNOWN (same code in GGUF)
 _CONTROL_TYPE = 3
+_USER_DEFINED_TYPE = 4
+# Part of the on-disk cache key: bump when build_model_proto builds a different proto.
+_PROTO_VERSION = b"2: user-defined pieces with U+2581"
 _VALID_TYPES = {1, 2, 3, 4, 5, 6}  # NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE
 
 
@@ -128,6 +132,12 @@ def build_model_proto(pieces: Sequence[str], scores: Sequence[float], types: Seq
     model = pb.ModelProto()
     scores = np.asarray(scores, dtype=np.float32).tolist()
     for piece, score, ptype in zip(pieces, scores, types.tolist()):
+        if ptype == _USER_DEFINED_TYPE:
+            # llama.cpp writes user-defined pieces with U+2581 turned into spaces (Gemma's
+            # whitespace runs "▁▁", ... become "  ", ...). SentencePiece matches them in
+            # the escaped text, where they would never match again: 4 spaces would split into
+            # 4 pieces where Gemma's own tokenizer (and transformers) use one.
+            piece = piece.replace(" ", "\u2581")
         model.pieces.add(piece=piece, score=score, type=ptype)
     ts = model.trainer_spec
     ts.model_type = pb.TrainerSpec.BPE
@@ -165,7 +175,7 @@ def _gguf_model_proto_cached(path: str, size: int, mtime_ns: int) -> bytes:
     if not isinstance(pieces, StringArray):
         raise TokenizerError(f"{path}: tokenizer.ggml.tokens is not an array of strings")
     # The vocabulary's own hash names the cache entry, so an edited file never hits a stale one.
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_PROTO_VERSION)
     # The pieces as stored (a gguf.StringArray: length-prefixed UTF-8), hashed undecoded.
     digest.update(pieces.raw)
     digest.update(np.ascontiguousarray(scores, np.float32).tobytes())

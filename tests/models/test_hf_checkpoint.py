@@ -1,0 +1,229 @@
+"""Hugging Face checkpoints against transformers, the second reference.
+
+Reference: tests/golden/gemma3_270m_hf.npz, made by tests/golden/make_hf_golden.py with
+transformers' own GGUF loader, tokenizer and chat templates (torch is not needed here). The
+checkpoint under test is written by our writer from our own load of the real 270M (float32,
+sharded safetensors with their index) and read back by our reader at tp 1, 2 and 4; the golden
+script checked once that transformers reads that writer's checkpoints with logits identical to
+its own.
+"""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from equarx import AllReduceConfig
+from models.gemma3 import CONFIGS, load_model
+from models.gemma3.hf_checkpoint import (
+    INDEX_FILE, HFCheckpointError, SafetensorsDir, SafetensorsFile, config_from_hf, config_to_hf, read_config,
+    write_safetensors)
+from models.gemma3.hf_tokenizer import (
+    ChatTemplate, JsonTokenizer, read_tokenizer, save_tokenizer)
+from models.gemma3.tokenizer import Tokenizer
+from serving.chat_template import render_chat
+from testkit import HF_GOLDEN_NPZ
+
+pytestmark = pytest.mark.slow
+
+F32 = AllReduceConfig(method="f32")
+SHARD_BYTES = 400 << 20  # the 270M's 1.07 GB of float32 in two files
+
+
+@pytest.fixture(scope="module")
+def golden():
+    data = np.load(HF_GOLDEN_NPZ)
+    n = len(data["prompts"])
+    out = {key: [data[f"{key}_{i}"] for i in range(n)]
+           for key in ("tokens", "top_idx", "top_val", "greedy")}
+    out["prompts"] = [str(p) for p in data["prompts"]]
+    out["texts"] = [str(t) for t in data["tokenizer_texts"]]
+    out["text_ids"] = [data[f"tokenizer_ids_{j}"].tolist() for j in range(len(out["texts"]))]
+    out["chat_template"] = str(data["chat_template"])
+    out["chats"] = json.loads(str(data["chat_messages"]))
+    out["chat_ids"] = [data[f"chat_ids_{k}"].tolist() for k in range(len(out["chats"]))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def original():
+    """Our own load of the real 270M (float32, from the GGUF)."""
+    return load_model("gemma3-270m", dtype="float32", allreduce=F32)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(original, golden, tmp_path_factory):
+    """The 270M written by our writer, with Gemma 3's chat template in its tokenizer files."""
+    path = tmp_path_factory.mktemp("hf") / "gemma3-270m"
+    original.tokenizer.chat_template = ChatTemplate(golden["chat_template"])
+    try:
+        original.save(path, format="hf", max_shard_bytes=SHARD_BYTES)
+    finally:
+        original.tokenizer.chat_template = None
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_matches_transformers(hf_dir, golden, tp):
+    """Top-20 logits within 1e-3 relative of transformers' at every position of each prompt and
+    its 24-token greedy continuation, which one forward pass reproduces token for token."""
+    m = load_model(hf_dir, tp=tp, dtype="float32", allreduce=F32)
+    assert m.config == CONFIGS["270m"].replace(norm_eps=m.config.norm_eps)
+    seqs = [t.tolist() + g[:-1].tolist() for t, g in zip(golden["tokens"], golden["greedy"])]
+    logits = m.score(seqs)
+    for i, (idx, val) in enumerate(zip(golden["top_idx"], golden["top_val"])):
+        ours = np.take_along_axis(logits[i, :len(idx)], idx, axis=1)
+        np.testing.assert_allclose(ours, val, rtol=1e-3, atol=0, err_msg=f"prompt {i}")
+        # Nothing outside transformers' top-20 ranks above its 20th logit.
+        assert np.all(np.sort(logits[i, :len(idx)], axis=1)[:, -20] <= val[:, -1] + 1e-3 * abs(val[:, -1]))
+        n = len(golden["tokens"][i])
+        np.testing.assert_array_equal(np.argmax(logits[i, n - 1:n + 23], axis=-1),
+                                      golden["greedy"][i], err_msg=f"prompt {i}")
+
+
+def test_round_trip_is_bitwise_and_sharded(original, hf_dir):
+    """Write -> read gives the same bits; at tp=4 each device holds a quarter of a sharded
+    tensor, read straight from the mapped files."""
+    m = load_model(hf_dir, tp=4, dtype="float32", allreduce=F32)
+    for a, b in zip(jax.tree.leaves(original.weights), jax.tree.leaves(m.weights)):
+        assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+    q = m.weights.layers[0].q  # [D, N, H], heads sharded
+    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 4, q.shape[2])}
+
+
+def test_sharded_files_and_index(hf_dir):
+    index = json.loads((hf_dir / INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    # The embedding (671 MB) is alone in its file; the other tensors fill the next one.
+    assert len(files) == 2 and files[0].endswith("-of-00002.safetensors")
+    assert [len(SafetensorsFile(hf_dir / f).entries) for f in files] == [1, 18 * 13 + 1]
+    names = set(index["weight_map"])
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    assert len(names) == 2 + 18 * 13 and all(n.startswith("model.") for n in names)
+    assert index["metadata"]["total_size"] == 4 * CONFIGS["270m"].num_params()
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["torch_dtype"] == "float32"
+    assert json.loads((hf_dir / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
+
+
+def test_reads_as_the_safetensors_library_does(hf_dir):
+    """Our reader and writer against the format's reference implementation."""
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    files = SafetensorsDir(hf_dir)
+    f = sorted(files.files.values(), key=lambda f: len(f.entries))[0]
+    theirs = safetensors_numpy.load_file(f.path)
+    assert set(theirs) == set(f.entries)
+    for name, x in theirs.items():
+        assert np.array_equal(x, f.tensor(name)), name
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny", tp=1, dtype="float32", allreduce=F32, seed=5)
+
+
+def test_multimodal_layout_bfloat16_and_configs(tiny, tmp_path):
+    """The text of a Gemma3ForConditionalGeneration (language_model.model.* names, a text_config
+    with transformers' defaults left out, a vision tower to skip), stored in bfloat16."""
+    tiny.save(tmp_path / "causal", format="hf", dtype="bfloat16")
+    causal = SafetensorsDir(tmp_path / "causal")
+    text = {k: v for k, v in config_to_hf(tiny.config, "bfloat16").items()
+            if k not in ("architectures", "query_pre_attn_scalar", "rms_norm_eps", "layer_types")}
+    text["query_pre_attn_scalar"] = 16
+    mm = tmp_path / "multimodal"
+    mm.mkdir()
+    tensors = {"language_model." + k: causal.tensor(k) for k in causal.where}
+    tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+    write_safetensors(mm / "model.safetensors", tensors)
+    (mm / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}))
+    m = load_model(mm, tp=2, dtype="bfloat16", allreduce=F32)
+    assert m.config == tiny.config
+    for a, b in zip(jax.tree.leaves(tiny.weights), jax.tree.leaves(m.weights)):
+        assert b.dtype == jax.numpy.bfloat16
+        assert np.array_equal(np.asarray(a).astype(jax.numpy.bfloat16), np.asarray(b))
+
+
+def test_config_spellings():
+    # google/gemma-3-27b-it's text_config: everything else is Gemma3TextConfig's default.
+    published = {"text_config": {
+        "head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+        "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+        "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024}, "model_type": "gemma3"}
+    c = config_from_hf(published)
+    assert c == CONFIGS["27b"].replace(vocab_size=262_208, query_scale=c.query_scale)
+    assert c.query_scale == pytest.approx(CONFIGS["27b"].query_scale, rel=1e-12)
+    # transformers 5.x writes RoPE per layer type.
+    v5 = {**config_to_hf(CONFIGS["4b"], "float32"), "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
+        del v5[key]
+    assert config_from_hf(v5) == CONFIGS["4b"]
+    for bad in ({"final_logit_softcapping": 30.0}, {"layer_types": ["full_attention"] * 34},
+                {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}},
+                {"tie_word_embeddings": False}):
+        with pytest.raises(HFCheckpointError):
+            config_from_hf({**config_to_hf(CONFIGS["4b"], "float32"), **bad})
+
+
+def test_tokenizer_json_and_model_agree_with_transformers(hf_dir, golden):
+    """tokenizer.model (SentencePiece) and the tokenizer.json converted from it (the
+    `tokenizers` library) give transformers' ids on the golden prompts and texts."""
+    sp = Tokenizer.from_file(hf_dir / "tokenizer.model")
+    js = JsonTokenizer.from_file(hf_dir / "tokenizer.json")
+    for prompt, tokens in zip(golden["prompts"], golden["tokens"]):
+        assert [sp.bos_id] + sp.encode(prompt) == tokens.tolist() == [js.bos_id] + js.encode(prompt)
+    for text, ids in zip(golden["texts"], golden["text_ids"]):
+        assert sp.encode(text) == ids == js.encode(text), text
+        assert js.decode(ids) == sp.decode(ids)
+    assert js.control_tokens() == sp.control_tokens()
+
+
+@pytest.mark.parametrize("kind", ["model", "json"])
+def test_chat_template_renders_as_transformers(hf_dir, golden, tmp_path, kind):
+    """The checkpoint's own template, rendered and tokenized as transformers does
+    (sanitized: control tokens in a message stay text)."""
+    if kind == "json":  # only a tokenizer.json, EOS ids from generation_config.json
+        js = JsonTokenizer.from_file(hf_dir / "tokenizer.json")
+        js.chat_template = ChatTemplate(golden["chat_template"])
+        save_tokenizer(tmp_path, js, eos_ids=(1, 106, 50))
+        assert not (tmp_path / "tokenizer.model").exists()
+        tok = read_tokenizer(tmp_path)
+        assert isinstance(tok, JsonTokenizer) and tok.eos_ids == (1, 106, 50)
+    else:
+        tok = read_tokenizer(hf_dir)
+        assert isinstance(tok, Tokenizer) and tok.eos_ids == (1, 106)
+    for messages, ids in zip(golden["chats"], golden["chat_ids"]):
+        assert render_chat([(m["role"], m["content"]) for m in messages], tok) == ids
+    with pytest.raises(ValueError, match="alternate"):
+        render_chat([("user", "a"), ("user", "b")], tok)
+
+
+def test_serve_hf_checkpoint(hf_dir, golden):
+    """What `gemma3-serve --model DIR` runs (its engine loader and the HTTP app on a real
+    server): a greedy completion equals transformers' continuation, and a chat is rendered
+    with the checkpoint's own template."""
+    import httpx
+
+    from serving.config import ServerConfig
+    from serving.runtime import load_engine
+    from testkit import ServerThread
+
+    config = ServerConfig(model=str(hf_dir), dtype="float32", allreduce="f32", max_batch=1,
+                          max_seq_len=64, compile_cache_dir="")
+    server = ServerThread(config, load_engine(config, lambda _: None))
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": config.model_name, "prompt": golden["prompts"][0], "max_tokens": 8,
+            "temperature": 0})
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": config.model_name, "messages": golden["chats"][1], "max_tokens": 1})
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == read_tokenizer(hf_dir).decode(golden["greedy"][0][:8])
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(golden["chat_ids"][1])
