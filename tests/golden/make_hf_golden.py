@@ -13,7 +13,7 @@ import them):
     pip install torch==2.13.0 transformers accelerate
     python tests/golden/make_hf_golden.py [--hf-dir DIR]    # DIR keeps transformers' checkpoint
 
-Made with transformers 5.23.0, torch 2.13.0 (CPU); takes about two minutes on 2 cores.
+Made with transformers 5.23.0, torch 2.13.0 (CPU); takes about three minutes on 2 cores.
 
 Prompts and tokenizer texts are those of gemma3_270m.npz (the official package's golden).
 Output keys (numpy .npz, no pickles):

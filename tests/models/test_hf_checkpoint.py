@@ -16,7 +16,7 @@ import pytest
 from equarx import AllReduceConfig
 from models.gemma3 import CONFIGS, load_model
 from models.gemma3.hf_checkpoint import (
-    INDEX_FILE, HFCheckpointError, SafetensorsDir, SafetensorsFile, config_from_hf, config_to_hf, read_config,
+    INDEX_FILE, HFCheckpointError, SafetensorsDir, SafetensorsFile, config_from_hf, config_to_hf,
     write_safetensors)
 from models.gemma3.hf_tokenizer import (
     ChatTemplate, JsonTokenizer, read_tokenizer, save_tokenizer)
@@ -108,7 +108,7 @@ def test_sharded_files_and_index(hf_dir):
 
 def test_reads_as_the_safetensors_library_does(hf_dir):
     """Our reader and writer against the format's reference implementation."""
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    import safetensors.numpy as safetensors_numpy
     files = SafetensorsDir(hf_dir)
     f = sorted(files.files.values(), key=lambda f: len(f.entries))[0]
     theirs = safetensors_numpy.load_file(f.path)
