@@ -207,7 +207,7 @@ class ModelEngine:
         self._sample_device = next(d for d in model.mesh.devices.flat if d.process_index == jax.process_index())
         self._replicate = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
             model.mesh, jax.sharding.PartitionSpec()))
-        self._sample = jax.jit(sampling.sample)
+        self._sample = sampling.make_sampler()
         self._prompt_logprobs = jax.jit(sampling.prompt_logprobs)
         self._last_logits = jax.jit(_last_logits)
 

@@ -33,15 +33,17 @@ def step_extras(seqs, structured, eos_ids: tuple[int, ...]) -> LogitsExtras | No
                 entries += [(t, -np.inf) for t in sorted(set(eos_ids) | set(p.stop_token_ids))]
         bias.append(entries)
     seen_len = max((s.length for s in seqs if s is not None and s.params.has_penalties), default=0)
-    ex = LogitsExtras.neutral(n, k=_pow2(max(len(b) for b in bias), 1),
-                              length=_pow2(seen_len, 16) if seen_len else 0)
+    k = max(len(b) for b in bias)
+    ex = LogitsExtras.neutral(n, k=_pow2(k, 1) if k else 0, length=_pow2(seen_len, 16) if seen_len else 0,
+                              min_p=any(s is not None and s.params.min_p > 0 for s in seqs))
     for i, (s, entries) in enumerate(zip(seqs, bias)):
         if s is None:
             continue
         p = s.params
         for j, (t, b) in enumerate(entries):
             ex.bias_ids[i, j], ex.bias_vals[i, j] = t, b
-        ex.min_p[i] = p.min_p
+        if ex.min_p is not None:
+            ex.min_p[i] = p.min_p
         if p.has_penalties:
             ex.presence[i], ex.frequency[i], ex.repetition[i] = (p.presence_penalty, p.frequency_penalty,
                                                                  p.repetition_penalty)

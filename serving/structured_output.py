@@ -174,17 +174,21 @@ def _short(message: str, limit: int = 400) -> str:
 
 # How close to the end of its budget a sequence starts checking that it can still complete, and
 # how many tokens early it takes the closing path (one sampled token can open more to close).
-CLOSING_WINDOW = 48
+CLOSING_WINDOW = 16
 CLOSING_MARGIN = 4
 # Short texts, most useful first, to end whatever is open: close strings, arrays, objects and
 # calls, end a number (a comma before a digit, or numbers never end), then the shortest values.
-_CLOSING_TEXTS = ('"', "}", "]", ")", ",", "0", ":", "[", "{", "a", "true", "null", " ", "\n")
+_CLOSING_TEXTS = ('"', "}", "]", ")", ",", "0", ":", "[", "{")
 
 
 def _closing_preference(tok, eos_ids: tuple[int, ...]) -> list[int]:
     """Token ids in the order the closing path tries them: EOS first, then `_CLOSING_TEXTS`."""
     ids = list(eos_ids)
-    for text in _CLOSING_TEXTS:
+    # Then any other ASCII punctuation, digits and letters: a pattern such as [a-z]+@[a-z]+ is
+    # left through its punctuation (a letter first would go round forever).
+    rest = [chr(c) for c in range(33, 127) if not chr(c).isalnum()] + ["true", "null", " ", "\n"] + \
+        list("0123456789abcdefghijklmnopqrstuvwxyzA")
+    for text in _CLOSING_TEXTS + tuple(rest):
         enc = tok.encode(text)
         if len(enc) == 1 and enc[0] not in ids:
             ids.append(enc[0])
@@ -234,6 +238,7 @@ class _Row:
     # Length of its closing path when last computed (-1: never yet): the check runs while the
     # budget is within CLOSING_WINDOW of it.
     closing_len: int = -1
+    closing: list[int] | None = None  # that path while the sequence follows it
     dirty: bool = True  # the matcher advanced (or is new) since its mask was computed
 
 
@@ -306,6 +311,8 @@ class StructuredOutputs:
         ok = row.matcher.consume_token(int(token))
         row.dirty = True
         row.budget -= 1
+        # The closing path stays valid while the sequence follows it (no new search).
+        row.closing = row.closing[1:] if row.closing and row.closing[0] == token else None
         if not ok or row.matcher.is_error():
             log.warning("sequence %d: token %d rejected by its grammar: %s", seq_id, token,
                         row.matcher.get_error())
@@ -352,8 +359,10 @@ class StructuredOutputs:
         the grammar (`closing_path`) needs all the tokens left, allow only its first token, so
         that output cut by max_tokens still parses (finish_reason "stop", not "length")."""
         budget = row.budget
-        path = closing_path(row.matcher, self._closers, self.eos_ids, self.words,
-                            max(budget, 0) + CLOSING_WINDOW)
+        path = row.closing
+        if path is None:
+            path = closing_path(row.matcher, self._closers, self.eos_ids, self.words, max(budget, 0) + CLOSING_WINDOW)
+        row.closing = path
         row.closing_len = len(path) if path is not None else max(row.closing_len, budget)
         if path and len(path) + CLOSING_MARGIN >= budget:
             mask[:] = 0
