@@ -143,6 +143,10 @@ def test_multimodal_layout_bfloat16_and_configs(tiny, tmp_path):
     for a, b in zip(jax.tree.leaves(tiny.weights), jax.tree.leaves(m.weights)):
         assert b.dtype == jax.numpy.bfloat16
         assert np.array_equal(np.asarray(a).astype(jax.numpy.bfloat16), np.asarray(b))
+    # bfloat16 files into a float32 model: the stored values, exactly.
+    m32 = load_model(mm, tp=1, dtype="float32", allreduce=F32)
+    for a, b in zip(jax.tree.leaves(m.weights), jax.tree.leaves(m32.weights)):
+        assert b.dtype == np.float32 and np.array_equal(np.asarray(a).astype(np.float32), np.asarray(b))
 
 
 def test_config_spellings():
@@ -191,6 +195,10 @@ def test_chat_template_renders_as_transformers(hf_dir, golden, tmp_path, kind):
         js.chat_template = ChatTemplate(golden["chat_template"])
         save_tokenizer(tmp_path, js, eos_ids=(1, 106, 50))
         assert not (tmp_path / "tokenizer.model").exists()
+        # The template as transformers 5 saves it: chat_template.jinja beside the config.
+        config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        (tmp_path / "chat_template.jinja").write_text(config.pop("chat_template"))
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
         tok = read_tokenizer(tmp_path)
         assert isinstance(tok, JsonTokenizer) and tok.eos_ids == (1, 106, 50)
     else:
