@@ -27,7 +27,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import ml_dtypes
@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from models.gemma3.config import CONFIGS, GLOBAL_EVERY, Gemma3Config, is_global_layer
 from models.gemma3.sharding import named, weight_specs
-from models.gemma3.weights import Weights, layer_shapes, map_weights
+from models.gemma3.weights import Weights, map_weights
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -323,11 +323,19 @@ class HFWeights:
         if self.prefix is None:
             raise HFCheckpointError(f"{path}: no embed_tokens.weight under any of {TEXT_PREFIXES}")
         self.c = c
-        for layer, name, shape in _our_tensors(c):
-            got = self.view(layer, name).shape
-            if tuple(got) != tuple(shape):
+
+        def check(layer, name, shape):  # every tensor, before any is read
+            try:
+                got = self.view(layer, name).shape
+            except HFCheckpointError:
+                raise
+            except ValueError as e:  # a stored shape that does not even reshape
+                got = f"incompatible ({e})"
+            if got != tuple(shape):
                 raise HFCheckpointError(f"{path}: {name} of layer {layer} has shape {got}, "
-                                        f"config implies {shape}")
+                                        f"config.json implies {shape}")
+
+        map_weights(c, check)
 
     def _t(self, name: str) -> np.ndarray:
         full = self.prefix + name
@@ -353,14 +361,6 @@ class HFWeights:
         if name == "linear":
             return _View([t("mlp.down_proj").T])
         return _View([t(_HF_NORMS[name])])
-
-
-def _our_tensors(c: Gemma3Config) -> Iterator[tuple[int | None, str, tuple[int, ...]]]:
-    yield None, "embed", (c.vocab_size, c.d_model)
-    yield None, "final_norm", (c.d_model,)
-    for i in range(c.num_layers):
-        for name, shape in layer_shapes(c).items():
-            yield i, name, shape
 
 
 def place_hf(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Mesh, tp: int) -> Weights:

@@ -149,6 +149,20 @@ def test_multimodal_layout_bfloat16_and_configs(tiny, tmp_path):
         assert b.dtype == np.float32 and np.array_equal(np.asarray(a).astype(np.float32), np.asarray(b))
 
 
+def test_checkpoint_that_does_not_fit_its_config(tiny, tmp_path):
+    tiny.save(tmp_path, format="hf", dtype="float32")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    with pytest.raises(HFCheckpointError, match="kv of layer 0 has shape"):
+        load_model(tmp_path, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").unlink()
+    files = {"model.embed_tokens.weight": np.zeros((512, 64), np.float32)}
+    write_safetensors(tmp_path / "model.safetensors", files)
+    with pytest.raises(HFCheckpointError, match="layers.0.self_attn.q_proj.weight is missing"):
+        load_model(tmp_path, dtype="float32")
+
+
 def test_config_spellings():
     # google/gemma-3-27b-it's text_config: everything else is Gemma3TextConfig's default.
     published = {"text_config": {
@@ -221,7 +235,7 @@ def test_serve_hf_checkpoint(hf_dir, golden):
     from testkit import ServerThread
 
     config = ServerConfig(model=str(hf_dir), dtype="float32", allreduce="f32", max_batch=1,
-                          max_seq_len=64, compile_cache_dir="")
+                          max_seq_len=32, compile_cache_dir="")
     server = ServerThread(config, load_engine(config, lambda _: None))
     try:
         r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
