@@ -249,7 +249,7 @@ class ModelEngine:
             self.cache = self.model.write_chunk(self.cache, self._blocks[block], i * c, c, inputs.slot)
         tokens = np.asarray(inputs.tokens, np.int32)[None]
         logits, kv = self.model.prefill_chunk(self.cache, tokens, inputs.start, inputs.length,
-                                              inputs.slot)
+                                              inputs.slot, logits=inputs.final)
         self.cache = self.model.write_chunk(self.cache, kv, inputs.start, inputs.length, inputs.slot)
         if inputs.save_block >= 0:
             if inputs.length != c or tokens.shape[1] != c:
@@ -298,6 +298,8 @@ class ModelEngine:
             tokens = np.zeros(t, np.int32)
             tokens[0] = self.tokenizer.bos_id
             self.run_chunk(ChunkInputs(tokens, 0, 1, 0, greedy1, final=True))
+        if self.info.chunk_buckets:  # the full chunk without logits (every chunk but a last)
+            self.run_chunk(ChunkInputs(tokens, 0, len(tokens), 0, greedy1, final=False))
         for s in self.info.decode_row_counts:
             self.run_decode(DecodeInputs(np.zeros(s, np.int32), np.zeros(s, np.int32), SlotSampling.greedy(s)))
             # The sampler's random branch is part of the same program, but run it once so that

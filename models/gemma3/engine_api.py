@@ -101,11 +101,13 @@ class Gemma3Engine:
         logits, new_kv = decode(self.weights, cache, tokens, positions)
         return logits, write(cache, new_kv, positions)
 
-    def prefill_chunk(self, cache: KVCache, tokens, start: int, length: int, slot: int):
+    def prefill_chunk(self, cache: KVCache, tokens, start: int, length: int, slot: int,
+                      logits: bool = True):
         """One chunk of a prompt: tokens [1, T] (the first `length` real) at positions
         start..start+T-1 of the sequence in cache row `slot`, whose earlier positions are in the
-        cache. Returns (float32 logits [1, V] at the chunk's last real token, the chunk's keys and
-        values for `write_chunk`); the cache is only read (not donated)."""
+        cache. Returns (float32 logits [1, V] at the chunk's last real token, or None with
+        logits=False, and the chunk's keys and values for `write_chunk`); the cache is only
+        read (not donated)."""
         check_token_range(tokens, self.config.vocab_size)
         tokens = self._ids(tokens, 2, "tokens")
         t = tokens.shape[1]
@@ -117,8 +119,9 @@ class Gemma3Engine:
                              f"{cache.num_slots} x {cache.max_seq_len}")
         args = [self._ids(np.array([v], np.int32), 1, n)
                 for v, n in ((start, "start"), (length, "length"), (slot, "slot"))]
-        key = ProgramKey.chunk(t, cache)
-        return self.programs.runnable(key)(self.weights, cache, tokens, *args)
+        key = ProgramKey.chunk(t, cache, logits)
+        out = self.programs.runnable(key)(self.weights, cache, tokens, *args)
+        return out if logits else (None, out)
 
     def write_chunk(self, cache: KVCache, kv, start: int, length: int, slot: int) -> KVCache:
         """Store a chunk's keys/values (from `prefill_chunk`, or a prefix cache's copy of them)
@@ -186,7 +189,8 @@ class Gemma3Engine:
         those shapes; with a persistent compilation cache (and a program cache), a later start
         loads them instead of compiling. `workers` programs compile at a time (see
         `ModelPrograms.compile_all`); `progress` receives one line per program with its
-        seconds. `chunk_sizes`: prefill chunk lengths (`prefill_chunk` and `write_chunk`)."""
+        seconds. `chunk_sizes`: prefill chunk lengths (`prefill_chunk` and `write_chunk`; the
+        largest also without logits, as every chunk before a prompt's last runs)."""
         if prefill_shapes is None:
             buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
             prefill_shapes = [(batch, bucket) for bucket in buckets]
@@ -197,7 +201,8 @@ class Gemma3Engine:
                  for rows in decode_rows or (num_slots,)]
         cache = self.programs.cache_shapes(num_slots, max_seq_len)
         jobs += [(f"prefill chunk of {t}", [ProgramKey.chunk(t, cache),
-                                            ProgramKey.write_chunk(t, cache)])
+                                            ProgramKey.write_chunk(t, cache)]
+                  + ([ProgramKey.chunk(t, cache, logits=False)] if t == max(chunk_sizes) else []))
                  for t in chunk_sizes]
         self.programs.compile_all(jobs, workers, progress)
 

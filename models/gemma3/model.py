@@ -433,8 +433,8 @@ def decode_step(weights: Weights, cache: KVCache, tokens: jax.Array, positions: 
 
 
 def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
-                  length: jax.Array, slot: jax.Array, *,
-                  ctx: Ctx) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+                  length: jax.Array, slot: jax.Array, *, ctx: Ctx,
+                  logits: bool = True) -> tuple[jax.Array, tuple[LayerCache, ...]]:
     """One chunk of a prompt: tokens [1, T] at positions start..start+T-1 (the first `length`
     real, the rest padding) of the sequence in cache row `slot`, whose positions before `start`
     are in the cache ([1]-shaped start, length, slot).
@@ -445,7 +445,9 @@ def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, start: ja
     in its view (global: < start; ring entry s holds start - 1 - ((start - 1 - s) mod W), in view
     when >= 0 and within the window) and causally to the chunk's own keys (within the window).
     The ring is read before the chunk's own positions are written, so it needs W entries
-    whatever the chunk length.
+    whatever the chunk length. logits=False (a chunk before the prompt's last) returns only the
+    keys/values: the logits' read of the whole embedding table costs as much as the chunk's
+    layers on a CPU.
 
     A chunk's result depends on its request alone (its tokens, start, length and the cache row
     it reads): chunk boundaries at 0, C, 2C, ... make a prompt's cache and logits a function of
@@ -481,6 +483,8 @@ def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, start: ja
 
     x = embed_tokens(weights.embed, tokens, ctx)
     x, new_kv = run_layers(x, weights, attn, ctx)
+    if not logits:
+        return new_kv
     x = x[jnp.arange(1), length - 1]
     x = rms_norm(x, weights.final_norm, ctx.config.norm_eps)
     return output_logits(x, weights.embed), new_kv

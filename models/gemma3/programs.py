@@ -56,6 +56,7 @@ class Program(enum.Enum):
     SCORE:              (weights, tokens, lengths) -> logits [B, T, V], with no cache
     CHUNK:              (weights, cache, tokens [1, T], start, length, slot) -> (logits [1, V],
                         the chunk's keys/values): one chunk of a prompt, reading the cache
+    CHUNK_KV:           the same without the logits (a chunk before the prompt's last)
     WRITE_CHUNK:        (cache, chunk keys/values, start, length, slot) -> cache
     """
 
@@ -65,6 +66,7 @@ class Program(enum.Enum):
     WRITE_TOKEN = "write_token"
     SCORE = "score"
     CHUNK = "chunk"
+    CHUNK_KV = "chunk_kv"
     WRITE_CHUNK = "write_chunk"
 
 
@@ -101,8 +103,9 @@ class ProgramKey:
         return cls(Program.WRITE_TOKEN, rows, 1, cache.num_slots, cache.max_seq_len)
 
     @classmethod
-    def chunk(cls, tokens: int, cache: KVCache) -> ProgramKey:
-        return cls(Program.CHUNK, 1, tokens, cache.num_slots, cache.max_seq_len)
+    def chunk(cls, tokens: int, cache: KVCache, logits: bool = True) -> ProgramKey:
+        program = Program.CHUNK if logits else Program.CHUNK_KV
+        return cls(program, 1, tokens, cache.num_slots, cache.max_seq_len)
 
     @classmethod
     def write_chunk(cls, tokens: int, cache: KVCache) -> ProgramKey:
@@ -208,6 +211,9 @@ class ModelPrograms:
             Program.CHUNK: self._jit(
                 Program.CHUNK, functools.partial(forward.prefill_chunk, ctx=self._ctx),
                 (weights, cache, ids, ids, ids, ids), (vocab_last, chunk_kv)),
+            Program.CHUNK_KV: self._jit(
+                Program.CHUNK_KV, functools.partial(forward.prefill_chunk, ctx=self._ctx, logits=False),
+                (weights, cache, ids, ids, ids, ids), chunk_kv),
             Program.WRITE_CHUNK: self._jit(
                 Program.WRITE_CHUNK, functools.partial(forward.write_chunk, ctx=self._ctx),
                 (cache, chunk_kv, ids, ids, ids), cache, donate=(0,)),
@@ -263,7 +269,7 @@ class ModelPrograms:
                     ids(key.batch))
         if key.program is Program.DECODE:
             return self.abstract_weights, cache, ids(key.batch), ids(key.batch)
-        if key.program is Program.CHUNK:
+        if key.program in (Program.CHUNK, Program.CHUNK_KV):
             return self.abstract_weights, cache, ids(1, key.tokens), ids(1), ids(1), ids(1)
         if key.program is Program.WRITE_CHUNK:
             return cache, self.chunk_kv_shapes(key.tokens), ids(1), ids(1), ids(1)

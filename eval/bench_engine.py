@@ -1,0 +1,235 @@
+"""Engine benchmark: the engine core driven in-process (no HTTP), for the costs and gains of the
+engine's scheduling modes (docs/engine.md):
+
+  throughput  8 concurrent greedy streams, deterministic (batch-invariant) mode against the
+              packed default (--no-deterministic): decode tokens/s while all 8 streams decode,
+              and the whole run's tokens/s.
+  prefix      time to first token of a request whose first 1,500 tokens another request already
+              prefilled (prefix cache hit) against that first request's.
+  itl         inter-token latency of 4 running streams while a 2,000-token prompt is admitted
+              (chunked prefill: p99 of their gaps from its arrival to its first token) against
+              their median gap without it.
+
+    python -m eval.bench_engine                          # all three, gemma3-270m bfloat16
+    python -m eval.bench_engine --only prefix,itl --prefill-chunk 32 --out report.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+import numpy as np
+
+from serving import jax_platform
+
+
+def _text_ids(tokenizer, n: int, seed: int) -> list[int]:
+    """`n` token ids of ordinary text (the real tokenizer's), deterministic per seed."""
+    words = ("the sea lighthouse keeper winter snow lost key robot paint library night train garden "
+             "moon rival bakers forgotten song bookshop storm harvest clock letter mountain village "
+             "city bridges river market children evening quiet light road").split()
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(" ".join(rng.choice(words, 64)) + ". ")
+    return ids[:n]
+
+
+class Stream:
+    """A sink recording the arrival time of every token of one request."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.done = threading.Event()
+        self.error = None
+
+    def __call__(self, event) -> None:
+        now = time.perf_counter()
+        self.times += [now] * len(event.tokens)
+        if event.finish_reason is not None:
+            self.error = event.error
+            self.done.set()
+
+    def wait(self, timeout: float = 3600) -> "Stream":
+        if not self.done.wait(timeout) or self.error:
+            raise RuntimeError(f"request failed: {self.error}")
+        return self
+
+
+def _submit(core, ids, max_tokens: int) -> Stream:
+    from serving.sampling import SamplingParams
+
+    s = Stream()
+    core.submit([(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0), s)])
+    return s
+
+
+def _engine(model, args, deterministic: bool, prefix: bool, slots: int):
+    from serving.engine import ModelEngine
+
+    blocks = 0
+    if prefix:
+        c = model.config
+        block = 2 * c.num_layers * args.prefill_chunk * max(c.num_kv_heads, args.tp) * c.head_dim * \
+            np.dtype(model.cache_dtype).itemsize
+        blocks = int(512 * 2**20 // block)
+    engine = ModelEngine(model, num_slots=slots, max_seq_len=args.max_seq_len, prefill_batch_sizes=(1, 2),
+                         model_name="bench", chunk_size=args.prefill_chunk, deterministic=deterministic,
+                         prefix_blocks=blocks)
+    t = engine.warmup(lambda msg: None)
+    print(f"  engine ({'deterministic' if deterministic else 'default'}, {slots} slots) warmed up in "
+          f"{t:.0f}s", file=sys.stderr)
+    return engine
+
+
+def bench_throughput(model, args) -> dict:
+    """8 streams at once, each `args.tokens` tokens after a short prompt."""
+    from serving.engine_core import EngineCore
+
+    out = {}
+    prompts = [[model.tokenizer.bos_id] + _text_ids(model.tokenizer, 24, i) for i in range(8)]
+    for name, det in (("default", False), ("deterministic", True)):
+        engine = _engine(model, args, det, prefix=False, slots=8)
+        core = EngineCore(engine).start()
+        try:
+            _submit(core, prompts[0], 4).wait()  # the sampler's programs, once
+            runs = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                streams = [_submit(core, p, args.tokens) for p in prompts]
+                for s in streams:
+                    s.wait()
+                wall = time.perf_counter() - t0
+                # Decode rate while all 8 decode: from the last first token to the first last token.
+                start = max(s.times[0] for s in streams)
+                end = min(s.times[-1] for s in streams)
+                n = sum(sum(start < t <= end for t in s.times) for s in streams)
+                runs.append({"decode_tok_s": n / (end - start), "total_tok_s": 8 * args.tokens / wall})
+        finally:
+            core.shutdown()
+        out[name] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+        print(f"  {name}: {out[name]['decode_tok_s']:.1f} decode tok/s, {out[name]['total_tok_s']:.1f} total tok/s",
+              file=sys.stderr)
+    out["deterministic_cost"] = {k: 1 - out["deterministic"][k] / out["default"][k] for k in out["default"]}
+    return out
+
+
+def bench_prefix(model, args) -> dict:
+    """TTFT of a request sharing a 1,500-token prefix with an earlier one, against the earlier one's."""
+    from serving.engine_core import EngineCore
+
+    engine = _engine(model, args, True, prefix=True, slots=args.slots)
+    tok = model.tokenizer
+    prefix = [tok.bos_id] + _text_ids(tok, args.prefix_tokens - 1, 100)
+    core = EngineCore(engine).start()
+    try:
+        ttfts = []
+        for i in range(2):
+            t0 = time.perf_counter()
+            s = _submit(core, prefix + _text_ids(tok, 40, 200 + i), 2).wait()
+            ttfts.append(s.times[0] - t0)
+    finally:
+        core.shutdown()
+    out = {"prefix_tokens": args.prefix_tokens, "first_ttft_s": ttfts[0], "second_ttft_s": ttfts[1],
+           "ratio": ttfts[1] / ttfts[0]}
+    print(f"  TTFT first {ttfts[0] * 1000:.0f} ms, second {ttfts[1] * 1000:.0f} ms: {out['ratio']:.3f}x",
+          file=sys.stderr)
+    return out
+
+
+def bench_itl(model, args) -> dict:
+    """4 running streams; a 2,000-token prompt arrives; their gaps during its admission."""
+    from serving.engine_core import EngineCore
+
+    out = {}
+    for name, det in (("deterministic", True), ("default", False))[:1 if args.itl_modes == 1 else 2]:
+        engine = _engine(model, args, det, prefix=False, slots=args.slots)
+        tok = model.tokenizer
+        core = EngineCore(engine).start()
+        try:
+            _submit(core, [tok.bos_id] + _text_ids(tok, 20, 1), 4).wait()
+            streams = [_submit(core, [tok.bos_id] + _text_ids(tok, 20, 10 + i), args.itl_tokens) for i in range(4)]
+            while min(len(s.times) for s in streams) < 8:  # all four decoding
+                time.sleep(0.01)
+            time.sleep(args.baseline_s)
+            t_arrive = time.perf_counter()
+            long = _submit(core, [tok.bos_id] + _text_ids(tok, args.long_tokens - 1, 2), 2)
+            while not long.times:
+                time.sleep(0.005)
+            t_first = long.times[0]
+            for s in streams:
+                s.wait()
+            long.wait()
+        finally:
+            core.shutdown()
+        base, during = [], []
+        for s in streams:
+            t = np.asarray(s.times[4:])  # past the start-up
+            gaps, ends = np.diff(t), t[1:]
+            base += list(gaps[ends < t_arrive])
+            during += list(gaps[(ends > t_arrive) & (t[:-1] < t_first)])
+        med, p99 = float(np.median(base)), float(np.percentile(during, 99))
+        out[name] = {"baseline_median_itl_s": med, "baseline_gaps": len(base), "admission_p99_itl_s": p99,
+                     "admission_median_itl_s": float(np.median(during)),
+                     "admission_max_itl_s": float(np.max(during)), "admission_gaps": len(during),
+                     "admission_s": t_first - t_arrive, "ratio": p99 / med}
+        print(f"  {name}: median ITL {med * 1000:.1f} ms without, median {np.median(during) * 1000:.1f} "
+              f"and p99 {p99 * 1000:.1f} ms while the "
+              f"{args.long_tokens}-token prompt is admitted ({t_first - t_arrive:.1f} s): {p99 / med:.2f}x",
+              file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="throughput,prefix,itl", help="comma-separated: throughput, prefix, itl")
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--allreduce", default="bf16")
+    p.add_argument("--max-seq-len", type=int, default=2560)
+    p.add_argument("--prefill-chunk", type=int, default=32)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64, help="throughput: tokens per stream")
+    p.add_argument("--repeats", type=int, default=2, help="throughput: runs per mode (median)")
+    p.add_argument("--prefix-tokens", type=int, default=1500)
+    p.add_argument("--long-tokens", type=int, default=2000)
+    p.add_argument("--itl-tokens", type=int, default=400, help="itl: tokens per running stream")
+    p.add_argument("--baseline-s", type=float, default=3.0, help="itl: seconds of gaps without the long prompt")
+    p.add_argument("--itl-modes", type=int, default=1, choices=(1, 2), help="itl: deterministic only, or both")
+    p.add_argument("--compile-cache-dir", default=None)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    jax_platform.request_cpu_devices(args.tp)
+
+    from eval.reports import write_json
+    from serving.config import ServerConfig
+    from serving.runtime import configure_jax, load_configured_model
+
+    config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
+                          max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                          compile_cache_dir=args.compile_cache_dir)
+    configure_jax(config)
+    model = load_configured_model(config)
+    report = {"model": args.model, "dtype": args.dtype, "tp": args.tp, "allreduce": args.allreduce,
+              "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
+              "command": "python -m eval.bench_engine " + " ".join(argv if argv is not None else sys.argv[1:])}
+    for part in args.only.split(","):
+        print(f"{part}:", file=sys.stderr)
+        report[part] = {"throughput": bench_throughput, "prefix": bench_prefix, "itl": bench_itl}[part](model, args)
+    write_json(args.out, report)
+    if "throughput" in report:
+        cost = report["throughput"]["deterministic_cost"]
+        print(f"deterministic mode's cost at 8 streams: {100 * cost['decode_tok_s']:.1f}% of decode tok/s, "
+              f"{100 * cost['total_tok_s']:.1f}% of total tok/s")
+    if "prefix" in report:
+        print(f"TTFT with a {args.prefix_tokens}-token prefix hit: {report['prefix']['ratio']:.3f}x the miss")
+    for name, r in report.get("itl", {}).items():
+        print(f"p99 ITL of 4 streams while a {args.long_tokens}-token prompt is admitted ({name}): "
+              f"{r['ratio']:.2f}x their median")
+
+
+if __name__ == "__main__":
+    main()
