@@ -261,10 +261,6 @@ class ModelEngine:
         out = self._sample(logits, inputs.sampling.resolve(), np.array([inputs.start + inputs.length], np.int32))
         return _to_host(self._jax, out, ())
 
-    def drop_blocks(self) -> None:
-        """Forget every prefix-cache block (the scheduler's table was cleared)."""
-        self._blocks.clear()
-
     def move_slot(self, src: int, dst: int) -> None:
         """Copy slot src's KV cache rows into slot dst (the scheduler then treats src as free)."""
         self.cache = self.model.move_slot(self.cache, src, dst)

@@ -320,8 +320,9 @@ class Scheduler:
         program of its own), go alone."""
         short = self.info.batched_prefill_max_bucket
 
-        def alone(s: Sequence) -> bool:
-            return s.want_prompt_logprobs or self.info.bucket_for(len(s.prompt)) > short
+        def alone(s: Sequence) -> bool:  # (a chunked prompt ends the group: it takes no part)
+            return (s.want_prompt_logprobs or self.info.bucket_for(len(s.prompt)) > short
+                    or self.info.chunked(len(s.prompt)))
 
         if alone(self.waiting[0]):
             return [self.waiting.popleft()]

@@ -262,3 +262,17 @@ def test_chunk_step_round_trip_for_other_processes():
     assert kind == dist.CHUNK and np.array_equal(got.tokens, step.tokens)
     assert got[1:4] == step[1:4] and got[5:] == step[5:]
     assert all(np.array_equal(x, y) for x, y in zip(got.sampling, step.sampling))
+
+
+def test_short_prompts_batch_and_long_ones_chunk_in_the_default_mode():
+    info = EngineInfo(model_name="plain", num_slots=4, max_seq_len=256, prefill_buckets=(16, 32, 64, 256),
+                      prefill_batch_sizes=(1, 2, 4), vocab_size=600, eos_ids=(1,), chunk_size=16,
+                      chunk_buckets=(16,), batched_prefill_max_bucket=64)
+    s = Scheduler(info)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    short1, long, short2 = (Sequence(i, [2] + [300] * (n - 1), params, seed=0)
+                            for i, n in ((1, 10), (2, 40), (3, 12)))
+    s.add([short1, long, short2])
+    plan = s.schedule()
+    assert [g.seqs for g in plan.prefills] == [(short1,), (short2,)]  # the long one took no part
+    assert long.chunked and long.slot == 1 and not short1.chunked
