@@ -268,9 +268,10 @@ class PendingMask:
 
 
 class StructuredOutputs:
-    """The matchers of the live sequences that have a grammar, keyed by sequence id. Used from the
-    engine thread only; the masks are computed on one worker thread (llguidance's executor
-    releases the GIL and may use more threads for a large batch)."""
+    """The matchers of the live sequences that have a grammar, keyed by sequence id. `add` comes
+    from the threads that submit (under the engine core's lock), everything else from the engine
+    thread, which iterates over snapshots of the table; the masks are computed on one worker
+    thread (llguidance's executor releases the GIL and may use more threads for a large batch)."""
 
     def __init__(self, vocab_size: int, eos_ids: tuple[int, ...], max_seq_len: int | None = None,
                  tokenizer=None):
@@ -327,7 +328,7 @@ class StructuredOutputs:
 
     def prefetch(self) -> None:
         """Starts the masks of every sequence whose matcher moved (one job, worker thread)."""
-        dirty = [r for r in self._rows.values() if r.dirty]
+        dirty = [r for r in list(self._rows.values()) if r.dirty]  # list(): one atomic snapshot
         if not dirty:
             return
         job = _MaskJob(len(dirty), self.words)
@@ -340,7 +341,8 @@ class StructuredOutputs:
     def masks(self, seq_ids: list[int | None]) -> PendingMask | None:
         """The pending mask of a step's rows (a row without a grammar allows everything), or None
         when no row has a grammar."""
-        rows = [(i, self._rows[s]) for i, s in enumerate(seq_ids) if s is not None and s in self._rows]
+        live = dict(self._rows)  # one atomic snapshot
+        rows = [(i, live[s]) for i, s in enumerate(seq_ids) if s is not None and s in live]
         if not rows:
             return None
         if any(r.dirty for _, r in rows):
