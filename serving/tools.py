@@ -26,7 +26,8 @@ import uuid
 from serving.sampling import InvalidParameter
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Argument names the call format (and its reader) can carry: identifiers, also with - and .
+_KEY = re.compile(r"[A-Za-z0-9_.-]+")
 _FENCE = re.compile(r"^```[A-Za-z_]*\s*\n?(.*?)\n?```$", re.S)
 
 PREAMBLE = (
@@ -149,17 +150,18 @@ def call_grammar(tools: list[Tool], mode: str, parallel: bool = True) -> str:
     for n, t in enumerate(chosen):
         props = list(t.parameters.get("properties", {}).items())
         required = set(t.parameters.get("required", []))
-        kv = [f'"{k}=" %json {json.dumps(_value_schema(s))}' if _KEY.fullmatch(k) else None for k, s in props]
+        defs = {key: t.parameters[key] for key in ("$defs", "definitions") if key in t.parameters}
+        kv = [f'"{k}=" %json {json.dumps(_value_schema(s, defs))}' if _KEY.fullmatch(k) else None for k, s in props]
         # first_i: arguments from property i on, none written yet; rest_i: after one was written.
         for i in range(len(props), -1, -1):
             if i == len(props):
                 rules += [f"first_{n}_{i}: \"\"", f"rest_{n}_{i}: \"\""]
                 continue
             k = props[i][0]
-            if kv[i] is None:  # not a Python keyword name: never written (so it cannot be required)
+            if kv[i] is None:  # a name the call format cannot carry: never written
                 if k in required:
-                    raise InvalidParameter("tools", f"{t.name}: required parameter {k!r} is not a valid "
-                                           "Python identifier, which Gemma's call format needs")
+                    raise InvalidParameter("tools", f"{t.name}: required parameter {k!r} is not a name Gemma's "
+                                           "call format can carry (letters, digits, _, - and .)")
                 rules += [f"first_{n}_{i}: first_{n}_{i + 1}", f"rest_{n}_{i}: rest_{n}_{i + 1}"]
             elif k in required:
                 rules += [f"first_{n}_{i}: {kv[i]} rest_{n}_{i + 1}", f"rest_{n}_{i}: \", \" {kv[i]} rest_{n}_{i + 1}"]
@@ -174,8 +176,12 @@ def call_grammar(tools: list[Tool], mode: str, parallel: bool = True) -> str:
     return "\n".join(rules) + "\n"
 
 
-def _value_schema(schema) -> dict:
+def _value_schema(schema, defs: dict) -> dict:
+    """A parameter's schema as a document of its own: the parameters' definitions come along (for
+    its $refs), JSON compact."""
     schema = dict(schema) if isinstance(schema, dict) else {}
+    for key, value in defs.items():
+        schema.setdefault(key, value)
     schema.setdefault("x-guidance", {"whitespace_flexible": False})
     return schema
 

@@ -137,3 +137,24 @@ def test_parse_calls_and_stream_units():
     assert ts.feed("Hello", None) == ([{"content": "Hello"}], None)
     ts = T.ToolStream(tools, constrained=False)
     assert ts.feed("[not a call", None) == ([], None) and ts.feed("", "stop") == ([{"content": "[not a call"}], "stop")
+
+
+def test_call_grammar_names_and_refs():
+    """Argument names with - or . and $refs into the parameters' $defs compile; a required name
+    the call format cannot carry is a 400."""
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+    from serving import structured_output as so
+    from serving.sampling import InvalidParameter
+
+    fn = {"name": "f", "parameters": {"type": "object", "$defs": {"U": {"enum": ["a", "b"]}},
+                                      "properties": {"user-id": {"type": "integer"}, "u": {"$ref": "#/$defs/U"}},
+                                      "required": ["user-id", "u"]}}
+    tools = T.parse_tools([{"type": "function", "function": fn}])
+    grammar = so.build_grammar("tool_call", T.call_grammar(tools, "f"), "tools", ByteTokenizer(512), (1, 106))
+    matcher = grammar.new_matcher()
+    assert matcher.consume_tokens(ByteTokenizer(512).encode('[f(user-id=3, u="b")]')) and matcher.is_stopped()
+    assert T.parse_calls('[f(user-id=3, u="b")]', tools) == [("f", {"user-id": 3, "u": "b"})]
+    bad = T.parse_tools([{"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"a b": {"type": "string"}}, "required": ["a b"]}}}])
+    with pytest.raises(InvalidParameter):
+        T.call_grammar(bad, "required")
