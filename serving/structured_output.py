@@ -110,12 +110,15 @@ class Grammar:
         return self.matcher.deep_copy()
 
 
-def json_schema_grammar_source(schema: dict | bool, param: str = "response_format") -> str:
+def json_schema_grammar_source(schema: dict | bool, param: str = "response_format", lenient: bool = False) -> str:
+    """lenient: keywords llguidance does not implement (uniqueItems, not, if/then, contains, ...)
+    are ignored, so not enforced; otherwise they are an error."""
     llg = _llg()
     if schema is True:
         schema = {}
     try:
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                      overrides={**_JSON_OPTIONS, "lenient": lenient})
     except (ValueError, TypeError) as e:
         raise InvalidParameter(param, f"invalid JSON schema: {_short(str(e))}") from None
 
@@ -124,10 +127,10 @@ def grammar_source(kind: str, spec, param: str) -> str:
     """llguidance's grammar for one of: json_schema (a dict), json_object (spec unused), regex,
     choice (a list of strings), grammar (Lark or GBNF text). Raises InvalidParameter(param)."""
     llg = _llg()
-    if kind == "json_schema":
+    if kind in ("json_schema", "json_schema_lenient"):
         if not isinstance(spec, (dict, bool)):
             raise InvalidParameter(param, "a JSON schema must be an object")
-        return json_schema_grammar_source(spec, param)
+        return json_schema_grammar_source(spec, param, lenient=kind == "json_schema_lenient")
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
     if kind == "regex":
@@ -158,10 +161,10 @@ def compile_grammar(kind: str, source: str, tok, eos_ids: tuple[int, ...], param
     lt = grammar_tokenizer(tok, eos_ids)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source, lt)
     if is_error:
-        raise InvalidParameter(param, f"invalid {kind.replace('_', ' ')}: {_short(messages[0])}")
+        raise InvalidParameter(param, f"invalid {kind.removesuffix('_lenient').replace('_', ' ')}: {_short(messages[0])}")
     matcher = llg.LLMatcher(lt, source, log_level=0)
     if matcher.is_error():
-        raise InvalidParameter(param, f"invalid {kind.replace('_', ' ')}: {_short(matcher.get_error())}")
+        raise InvalidParameter(param, f"invalid {kind.removesuffix('_lenient').replace('_', ' ')}: {_short(matcher.get_error())}")
     return Grammar(kind, source, matcher)
 
 
@@ -414,7 +417,10 @@ def request_grammar(req) -> tuple[str, object, str] | None:
                                    "{'json_schema': {'name': ..., 'schema': {...}}}")
         if "name" in js and not isinstance(js["name"], str):
             raise InvalidParameter("response_format", "response_format.json_schema.name must be a string")
-        return "json_schema", js.get("schema", {}), "response_format"
+        # OpenAI's strict mode refuses what it cannot enforce; without it, a best effort: keywords
+        # the grammar engine does not implement are then ignored (docs/structured_output.md).
+        kind = "json_schema" if js.get("strict") is True else "json_schema_lenient"
+        return kind, js.get("schema", {}), "response_format"
     value = getattr(req, name)
     if name == "guided_json":
         if isinstance(value, str):
@@ -433,5 +439,5 @@ def build_grammar(kind: str, spec, param: str, tok, eos_ids: tuple[int, ...]) ->
     except InvalidParameter:
         raise
     except (ValueError, TypeError) as e:
-        raise InvalidParameter(param, f"invalid {kind.replace('_', ' ')}: {_short(str(e))}") from None
+        raise InvalidParameter(param, f"invalid {kind.removesuffix('_lenient').replace('_', ' ')}: {_short(str(e))}") from None
     return compile_grammar(kind, source, tok, eos_ids, param)

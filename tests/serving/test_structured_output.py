@@ -140,6 +140,8 @@ def test_grammar_rows_beside_plain_rows(http):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {  # strict: what is not enforced is refused
+        "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
@@ -160,6 +162,13 @@ def test_bad_structured_and_sampling_fields_are_400(http, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_unimplemented_keyword_without_strict_is_best_effort(oai):
+    schema = {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 2, "uniqueItems": True}
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=30,
+                                    response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert isinstance(json.loads(r.choices[0].message.content), list)
 
 
 def test_logit_bias_min_tokens_stop_token_ids(http):
