@@ -330,7 +330,10 @@ def process_logits(logits: jax.Array, ex: LogitsExtras) -> jax.Array:
     if ex.mask is not None:
         bits = (ex.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
         allowed = bits.reshape(b, -1)[:, :v].astype(bool)
-        logits = jnp.where(allowed, logits, -jnp.inf)
+        # A row left with nothing (its bans cover all the grammar allows) keeps its logits: the
+        # output processor then ends it with an error instead of sampling from nothing.
+        some = jnp.any(allowed & (logits > -jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(allowed | ~some, logits, -jnp.inf)
     return logits
 
 
