@@ -334,7 +334,7 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     try:
-        tools = tool_calls.parse_tools(req.tools) if req.tools is not None else []
+        tools = tool_calls.parse_tools(req.tools) if req.tools else []  # [] as no tools, as vLLM
         mode = tool_calls.tool_mode(req.tool_choice, tools)
     except InvalidParameter as e:
         raise ApiError(400, str(e), param=e.param) from None
