@@ -1,9 +1,10 @@
 """Engine benchmark: the engine core driven in-process (no HTTP), for the costs and gains of the
 engine's scheduling modes (docs/engine.md):
 
-  throughput  8 concurrent greedy streams, deterministic (batch-invariant) mode against the
-              packed default (--no-deterministic): decode tokens/s while all 8 streams decode,
-              and the whole run's tokens/s.
+  throughput  8 closed-loop greedy streams (4 requests each, 32-96 tokens), deterministic
+              (batch-invariant) mode against the packed mode with one-shot prefill
+              (--no-deterministic --prefill-chunk 0 --no-prefix-caching, the server before
+              chunks): tokens/s of the whole run.
   prefix      time to first token of a request whose first 1,500 tokens another request already
               prefilled (prefix cache hit) against that first request's.
   itl         inter-token latency of 4 running streams while a 2,000-token prompt is admitted
@@ -11,7 +12,7 @@ engine's scheduling modes (docs/engine.md):
               their median gap without it.
 
     python -m eval.bench_engine                          # all three, gemma3-270m bfloat16
-    python -m eval.bench_engine --only prefix,itl --prefill-chunk 32 --out report.json
+    python -m eval.bench_engine --only prefix,itl --prefill-chunk 16 --out report.json
 """
 from __future__ import annotations
 
@@ -66,53 +67,68 @@ def _submit(core, ids, max_tokens: int) -> Stream:
     return s
 
 
-def _engine(model, args, deterministic: bool, prefix: bool, slots: int):
+def _engine(model, args, deterministic: bool, prefix: bool, slots: int, chunk: int | None = None):
     from serving.engine import ModelEngine
 
+    chunk = args.prefill_chunk if chunk is None else chunk
     blocks = 0
     if prefix:
         c = model.config
-        block = 2 * c.num_layers * args.prefill_chunk * max(c.num_kv_heads, args.tp) * c.head_dim * \
+        block = 2 * c.num_layers * chunk * max(c.num_kv_heads, args.tp) * c.head_dim * \
             np.dtype(model.cache_dtype).itemsize
         blocks = int(512 * 2**20 // block)
     engine = ModelEngine(model, num_slots=slots, max_seq_len=args.max_seq_len, prefill_batch_sizes=(1, 2),
-                         model_name="bench", chunk_size=args.prefill_chunk, deterministic=deterministic,
+                         model_name="bench", chunk_size=chunk, deterministic=deterministic,
                          prefix_blocks=blocks)
     t = engine.warmup(lambda msg: None)
-    print(f"  engine ({'deterministic' if deterministic else 'default'}, {slots} slots) warmed up in "
+    print(f"  engine ({'deterministic' if deterministic else 'packed'}, chunks of {chunk or 'none'}, "
+          f"{slots} slots) warmed up in "
           f"{t:.0f}s", file=sys.stderr)
     return engine
 
 
 def bench_throughput(model, args) -> dict:
-    """8 streams at once, each `args.tokens` tokens after a short prompt."""
+    """8 closed-loop streams (bench_serving's load): each sends `args.requests` requests one after
+    another, a short prompt each and an output length drawn from [L/2, 3L/2] (L = args.tokens,
+    the same draws for both modes). The two modes' runs alternate (a shared machine's load
+    drifts); tokens/s of the whole run, median over the repeats."""
     from serving.engine_core import EngineCore
 
-    out = {}
-    prompts = [[model.tokenizer.bos_id] + _text_ids(model.tokenizer, 24, i) for i in range(8)]
-    for name, det in (("default", False), ("deterministic", True)):
-        engine = _engine(model, args, det, prefix=False, slots=8)
-        core = EngineCore(engine).start()
-        try:
+    lengths = np.random.default_rng(0).integers(args.tokens // 2, 3 * args.tokens // 2 + 1, (8, args.requests))
+    prompts = [[model.tokenizer.bos_id] + _text_ids(model.tokenizer, 24, i) for i in range(8 * args.requests)]
+    # The packed mode as it was before chunks (one-shot prefill, 2 prompts at a time) against the
+    # deterministic mode.
+    modes = {"packed": (False, 0), "deterministic": (True, args.prefill_chunk)}
+    cores = {name: EngineCore(_engine(model, args, det, prefix=False, slots=8, chunk=chunk)).start()
+             for name, (det, chunk) in modes.items()}
+    runs: dict[str, list] = {name: [] for name in modes}
+
+    def stream(core, k: int, out: list) -> None:
+        for j in range(args.requests):
+            out.append(len(_submit(core, prompts[k * args.requests + j], int(lengths[k, j])).wait().times))
+
+    try:
+        for core in cores.values():
             _submit(core, prompts[0], 4).wait()  # the sampler's programs, once
-            runs = []
-            for _ in range(args.repeats):
+        for r in range(args.repeats):
+            for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+                counts: list[int] = []
                 t0 = time.perf_counter()
-                streams = [_submit(core, p, args.tokens) for p in prompts]
-                for s in streams:
-                    s.wait()
-                wall = time.perf_counter() - t0
-                # Decode rate while all 8 decode: from the last first token to the first last token.
-                start = max(s.times[0] for s in streams)
-                end = min(s.times[-1] for s in streams)
-                n = sum(sum(start < t <= end for t in s.times) for s in streams)
-                runs.append({"decode_tok_s": n / (end - start), "total_tok_s": 8 * args.tokens / wall})
-        finally:
+                threads = [threading.Thread(target=stream, args=(cores[name], k, counts)) for k in range(8)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                runs[name].append(sum(counts) / (time.perf_counter() - t0))
+    finally:
+        for core in cores.values():
             core.shutdown()
-        out[name] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-        print(f"  {name}: {out[name]['decode_tok_s']:.1f} decode tok/s, {out[name]['total_tok_s']:.1f} total tok/s",
-              file=sys.stderr)
-    out["deterministic_cost"] = {k: 1 - out["deterministic"][k] / out["default"][k] for k in out["default"]}
+    out = {}
+    for name in modes:
+        out[name] = {"tok_s": float(np.median(runs[name])), "runs": runs[name]}
+        print(f"  {name}: {out[name]['tok_s']:.1f} tok/s (median of {args.repeats}: "
+              f"{', '.join(f'{x:.1f}' for x in runs[name])})", file=sys.stderr)
+    out["deterministic_cost"] = 1 - out["deterministic"]["tok_s"] / out["packed"]["tok_s"]
     return out
 
 
@@ -144,7 +160,7 @@ def bench_itl(model, args) -> dict:
     from serving.engine_core import EngineCore
 
     out = {}
-    for name, det in (("deterministic", True), ("default", False))[:1 if args.itl_modes == 1 else 2]:
+    for name, det in (("deterministic", True), ("packed", False))[:1 if args.itl_modes == 1 else 2]:
         engine = _engine(model, args, det, prefix=False, slots=args.slots)
         tok = model.tokenizer
         core = EngineCore(engine).start()
@@ -190,10 +206,11 @@ def main(argv=None) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--allreduce", default="bf16")
     p.add_argument("--max-seq-len", type=int, default=2560)
-    p.add_argument("--prefill-chunk", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=64, help="throughput: tokens per stream")
-    p.add_argument("--repeats", type=int, default=2, help="throughput: runs per mode (median)")
+    p.add_argument("--tokens", type=int, default=64, help="throughput: mean tokens per request")
+    p.add_argument("--requests", type=int, default=4, help="throughput: requests per stream")
+    p.add_argument("--repeats", type=int, default=3, help="throughput: runs per mode, alternating (median)")
     p.add_argument("--prefix-tokens", type=int, default=1500)
     p.add_argument("--long-tokens", type=int, default=2000)
     p.add_argument("--itl-tokens", type=int, default=400, help="itl: tokens per running stream")
@@ -222,8 +239,7 @@ def main(argv=None) -> None:
     write_json(args.out, report)
     if "throughput" in report:
         cost = report["throughput"]["deterministic_cost"]
-        print(f"deterministic mode's cost at 8 streams: {100 * cost['decode_tok_s']:.1f}% of decode tok/s, "
-              f"{100 * cost['total_tok_s']:.1f}% of total tok/s")
+        print(f"deterministic mode's cost at 8 streams: {100 * cost:.1f}% of tok/s")
     if "prefix" in report:
         print(f"TTFT with a {args.prefix_tokens}-token prefix hit: {report['prefix']['ratio']:.3f}x the miss")
     for name, r in report.get("itl", {}).items():

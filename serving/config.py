@@ -91,7 +91,7 @@ class ServerConfig:
                                  "what else is batched (every prompt prefilled alone in chunks of "
                                  "--prefill-chunk tokens, every decode step over all slots); "
                                  "--no-deterministic packs decode rows and batches short prompts")
-    prefill_chunk: int = _field(32, "prefill chunk length: longer prompts (all prompts when "
+    prefill_chunk: int = _field(16, "prefill chunk length: longer prompts (all prompts when "
                                 "deterministic) are prefilled in chunks of this many tokens, each "
                                 "followed by a decode step of the running sequences (0: no chunks, "
                                 "which needs --no-deterministic and --no-prefix-caching)")
