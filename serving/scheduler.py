@@ -56,6 +56,7 @@ class Sequence:
     generated: list[int] = dataclasses.field(default_factory=list)
     chunked: bool = False  # prefilled in chunks (decided on admission)
     computed: int = 0  # prompt tokens in (or being written to) its cache row, when chunked
+    hashes: list[bytes] | None = None  # its prompt's prefix-block hashes (computed once)
 
     @property
     def prefilling(self) -> bool:
@@ -293,7 +294,9 @@ class Scheduler:
         c, n = self.info.chunk_size, len(s.prompt)
         cache = self.prefix_cache
         restore, lookup = (), None
-        hashes = block_hashes(s.prompt, c) if cache.num_blocks else []
+        if s.hashes is None:
+            s.hashes = block_hashes(s.prompt, c) if cache.num_blocks else []
+        hashes = s.hashes
         if s.computed == 0 and cache.num_blocks:
             # The last prompt token is always computed: it yields the first generated token.
             restore = tuple(cache.lookup(hashes[:(n - 1) // c]))
