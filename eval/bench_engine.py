@@ -186,6 +186,9 @@ def bench_itl(model, args) -> dict:
             gaps, ends = np.diff(t), t[1:]
             base += list(gaps[ends < t_arrive])
             during += list(gaps[(ends > t_arrive) & (t[:-1] < t_first)])
+        if not base or not during:  # a model so fast that no gap fell in a window
+            raise RuntimeError(f"no gaps to compare ({len(base)} before, {len(during)} during the "
+                               "admission): raise --baseline-s or --long-tokens")
         med, p99 = float(np.median(base)), float(np.percentile(during, 99))
         out[name] = {"baseline_median_itl_s": med, "baseline_gaps": len(base), "admission_p99_itl_s": p99,
                      "admission_median_itl_s": float(np.median(during)),
