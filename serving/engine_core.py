@@ -161,6 +161,8 @@ class EngineCore:
             now = time.perf_counter()
             if step.lookup is not None:
                 self.metrics.on_prefix_cache(*step.lookup)
+            cache = self.scheduler.prefix_cache
+            self.metrics.on_prefix_blocks(len(cache), cache.num_blocks)
             self._publish(self.outputs.on_chunk(step, out, t0, now))
         for group in plan.prefills:
             t0 = time.perf_counter()

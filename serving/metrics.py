@@ -37,6 +37,8 @@ class NullMetrics:
 
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None: ...
 
+    def on_prefix_blocks(self, used: int, capacity: int) -> None: ...
+
 
 class Metrics(NullMetrics):
     def __init__(self, model_name: str, allreduce: str, tp: int = 1, dtype: str = ""):
@@ -86,6 +88,12 @@ class Metrics(NullMetrics):
         self.prefix_hits = Counter("gemma3:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache (not prefilled).", labels,
                                    registry=r).labels(*self._values)
+        self.prefix_blocks = Gauge("gemma3:prefix_cache_blocks",
+                                   "Prefix-cache blocks held (each one chunk of a prompt).", labels,
+                                   registry=r).labels(*self._values)
+        self.prefix_capacity = Gauge("gemma3:prefix_cache_capacity_blocks",
+                                     "Prefix-cache blocks that fit its memory (0: no prefix cache).",
+                                     labels, registry=r).labels(*self._values)
         self.slot_moves = Counter("gemma3:slot_moves", "Sequences moved to a lower decode slot.", labels,
                                   registry=r).labels(*self._values)
         info = Gauge("gemma3:engine_info", "Engine configuration (value 1).",
@@ -132,6 +140,10 @@ class Metrics(NullMetrics):
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries.inc(queried_tokens)
         self.prefix_hits.inc(hit_tokens)
+
+    def on_prefix_blocks(self, used: int, capacity: int) -> None:
+        self.prefix_blocks.set(used)
+        self.prefix_capacity.set(capacity)
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))

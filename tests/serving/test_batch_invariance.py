@@ -183,6 +183,7 @@ def test_prefix_cache_evicts_least_recently_used_blocks():
     assert metrics.prefix_hits._value.get() == 32
     core.shutdown()
     assert len(engine._blocks) <= 2
+    assert metrics.prefix_blocks._value.get() == 2 and metrics.prefix_capacity._value.get() == 2
 
 
 def test_prefix_cache_policy_on_plain_data():
