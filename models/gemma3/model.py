@@ -446,8 +446,8 @@ def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, start: ja
     when >= 0 and within the window) and causally to the chunk's own keys (within the window).
     The ring is read before the chunk's own positions are written, so it needs W entries
     whatever the chunk length. logits=False (a chunk before the prompt's last) returns only the
-    keys/values: the logits' read of the whole embedding table costs as much as the chunk's
-    layers on a CPU.
+    keys/values: the logits read the whole embedding table, which on a CPU costs more than a
+    16-token chunk's layers.
 
     A chunk's result depends on its request alone (its tokens, start, length and the cache row
     it reads): chunk boundaries at 0, C, 2C, ... make a prompt's cache and logits a function of
