@@ -56,6 +56,8 @@ def test_step_round_trip():
         for a, b in zip(got, inputs):
             if isinstance(a, SlotSampling):
                 for x, y in zip(a, b):
+                    if x is None and y is None:  # no logits processing (extras) travels
+                        continue
                     assert x.dtype == y.dtype and np.array_equal(x, y)  # bit-exact floats and seeds
             else:
                 assert np.array_equal(a, b)
