@@ -78,12 +78,7 @@ def compare_logits(ref: np.ndarray, out: np.ndarray, targets: np.ndarray) -> dic
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 # ---------------------------------------------------------------------------------------------

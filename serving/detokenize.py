@@ -10,6 +10,8 @@ string is held back while streaming, and a match cuts the output before the stop
 """
 from __future__ import annotations
 
+import os
+
 from typing import Protocol, Sequence
 
 _REPLACEMENT = "\ufffd"
@@ -46,18 +48,11 @@ class IncrementalDetokenizer:
             return ""
         # Decoding a window, not the whole sequence, can change how its first token renders; the
         # text before `_read` was decoded with the same window start, so the difference is exact.
-        delta = text[len(done):] if text.startswith(done) else text[_common_prefix(text, done):]
+        delta = text[len(done):] if text.startswith(done) else text[len(os.path.commonprefix([text, done])):]
         self._prefix, self._read = self._read, len(self.ids)
         return delta
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class TextStream:

@@ -7,19 +7,12 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from models.gemma3.tokenizer import SPECIAL_PIECES, SpecialIds
+
 BYTE_OFFSET = 107
-_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>",
-            106: "<end_of_turn>"}
 
 
-class ByteTokenizer:
-    pad_id = 0
-    eos_id = 1
-    bos_id = 2
-    unk_id = 3
-    start_of_turn_id = 105
-    end_of_turn_id = 106
-
+class ByteTokenizer(SpecialIds):
     def __init__(self, vocab_size: int):
         if vocab_size < BYTE_OFFSET + 256:
             raise ValueError(f"a byte tokenizer needs vocab_size >= {BYTE_OFFSET + 256}, "
@@ -41,4 +34,4 @@ class ByteTokenizer:
             raise IndexError(f"id {i} out of range [0, {self.vocab_size})")
         if BYTE_OFFSET <= i < BYTE_OFFSET + 256:
             return f"<0x{i - BYTE_OFFSET:02X}>"
-        return _SPECIAL.get(i, f"<unused{i}>")
+        return SPECIAL_PIECES.get(i, f"<unused{i}>")

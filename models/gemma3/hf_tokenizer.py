@@ -19,7 +19,7 @@ from typing import Iterable
 
 import numpy as np
 
-from models.gemma3.tokenizer import _SPECIAL_PIECES, Tokenizer, TokenizerError
+from models.gemma3.tokenizer import SPECIAL_PIECES, Tokenizer, TokenizerError
 
 TOKENIZER_MODEL = "tokenizer.model"
 TOKENIZER_JSON = "tokenizer.json"
@@ -64,7 +64,7 @@ class JsonTokenizer:
         self._tk.encode_special_tokens = True
         self._json = tokenizer_json
         self.vocab_size: int = self._tk.get_vocab_size(with_added_tokens=True)
-        for i, piece in _SPECIAL_PIECES.items():
+        for i, piece in SPECIAL_PIECES.items():
             if self._tk.id_to_token(i) != piece:
                 raise TokenizerError(f"not a Gemma 3 vocabulary: id {i} should be {piece!r}")
 

@@ -22,7 +22,7 @@ import numpy as np
 import sentencepiece as spm
 
 # The Gemma 3 special token ids the rest of the project relies on.
-_SPECIAL_PIECES = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>", 106: "<end_of_turn>"}
+SPECIAL_PIECES = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>", 106: "<end_of_turn>"}
 
 _UNKNOWN_TYPE = 2  # SentencePiece ModelProto.SentencePiece.Type.UNKNOWN (same code in GGUF)
 _CONTROL_TYPE = 3
@@ -36,8 +36,8 @@ class TokenizerError(ValueError):
     """A tokenizer file or vocabulary that is not a usable Gemma 3 SentencePiece model."""
 
 
-class Tokenizer:
-    """Text <-> token ids. `encode` adds no BOS; callers prepend `bos_id` themselves."""
+class SpecialIds:
+    """Gemma 3's special-token ids (`SPECIAL_PIECES`), the same in every tokenizer here."""
 
     pad_id = 0
     eos_id = 1
@@ -45,9 +45,14 @@ class Tokenizer:
     unk_id = 3
     start_of_turn_id = 105
     end_of_turn_id = 106
+
+
+class Tokenizer(SpecialIds):
+    """Text <-> token ids. `encode` adds no BOS; callers prepend `bos_id` themselves."""
+
     # What ends a generation, and the model's own chat template (`hf_tokenizer.ChatTemplate`;
     # None: serving's built-in Gemma format). A checkpoint's files may set both per instance.
-    eos_ids: tuple[int, ...] = (eos_id, end_of_turn_id)
+    eos_ids: tuple[int, ...] = (SpecialIds.eos_id, SpecialIds.end_of_turn_id)
     chat_template = None
 
     def __init__(self, model_proto: bytes):
@@ -59,7 +64,7 @@ class Tokenizer:
         self._model_proto = bytes(model_proto)
         self._control: dict[str, int] | None = None
         self.vocab_size: int = self._sp.GetPieceSize()
-        for i, piece in _SPECIAL_PIECES.items():
+        for i, piece in SPECIAL_PIECES.items():
             if i >= self.vocab_size or self._sp.IdToPiece(i) != piece:
                 raise TokenizerError(f"not a Gemma 3 vocabulary: id {i} should be {piece!r}")
 
