@@ -10,6 +10,7 @@ Variant = Literal["auto", "full", "semi", "twoshot"]
 Phases = Literal["both", "rs", "ag"]
 Blocks = Literal["group", "tile", "hadamard"]
 Topology = Literal["auto", "ring", "switched"]
+Impl = Literal["ppermute", "pallas"]
 
 METHODS = ("f32", "bf16", "bf16_ring", "int8", "int4", "fp8")
 QUANTIZED = ("int8", "int4", "fp8")  # methods with a quantizing codec
@@ -19,6 +20,7 @@ PHASES = ("both", "rs", "ag")
 BLOCKS = ("group", "tile", "hadamard")
 TOPOLOGIES = ("auto", "ring", "switched")
 GROUP_SIZES = (16, 32, 64, 128)
+IMPLS = ("ppermute", "pallas")
 
 
 def _is_int(value) -> bool:
@@ -60,6 +62,8 @@ class AllReduceConfig:
     pipelined: True sends each minishard as its own ppermute (XLA may overlap one minishard's
       transfer with another's quantization); False sends all the minishards of a chain in one
       ppermute per hop (fewer, larger messages: better where collectives block, as on XLA:CPU).
+    impl: how a ring method runs: "ppermute" (unrolled lax.ppermutes, any backend) or "pallas"
+      (one Pallas TPU kernel with remote DMAs, equarx.pallas_ring; interpreted off TPU, slowly).
     """
 
     method: Method = "bf16"
@@ -71,10 +75,11 @@ class AllReduceConfig:
     blocks: Blocks = "group"
     group_size: int = 32
     topology: Topology = "auto"
+    impl: Impl = "ppermute"
 
     def __post_init__(self):
         for name, choices in (("method", METHODS), ("variant", VARIANTS), ("phases", PHASES),
-                              ("blocks", BLOCKS), ("topology", TOPOLOGIES)):
+                              ("blocks", BLOCKS), ("topology", TOPOLOGIES), ("impl", IMPLS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if not _is_int(self.minishards) or self.minishards < 1:
@@ -90,6 +95,9 @@ class AllReduceConfig:
             raise ValueError(f"pipelined must be a bool, got {self.pipelined!r}")
         if self.method in ("int4", "fp8") and self.blocks != "group":
             raise ValueError(f"{self.method} needs blocks='group', got {self.blocks!r}")
+        if self.impl != "ppermute" and self.method not in RING_METHODS:
+            raise ValueError(f"impl={self.impl!r} needs a ring method {RING_METHODS}, "
+                             f"got {self.method!r} (XLA's own psum)")
 
     @property
     def token_local(self) -> bool:
@@ -103,7 +111,8 @@ class AllReduceConfig:
     def label(self) -> str:
         """Short name used in metrics labels, benchmark rows, /health and on the command line:
         method, then -variant, -phases, +blocks where they differ from the defaults, then the
-        group size where it is not 32 (e.g. "int8", "int8-full+tile", "int4-twoshot/64")."""
+        group size where it is not 32, then @impl where it is not ppermute (e.g. "int8",
+        "int8-full+tile", "int4-twoshot/64", "int8-full+tile@pallas")."""
         if self.method in ("f32", "bf16"):
             return self.method
         label = self.method
@@ -116,15 +125,23 @@ class AllReduceConfig:
                 label += f"+{self.blocks}"
             elif self.group_size != 32:
                 label += f"/{self.group_size}"
+        if self.impl != "ppermute":
+            label += f"@{self.impl}"
         return label
 
     @classmethod
     def from_label(cls, label: str, **fields) -> "AllReduceConfig":
         """The inverse of `label`: "f32", "bf16", "bf16_ring[-full|-semi|-twoshot]", "int8",
-        "int8-semi", "int8-full+tile", "int8-semi-ag+hadamard", "int4-twoshot/64", ... Other
-        fields (minishards, min_bytes, pipelined, topology) come from keyword arguments."""
+        "int8-semi", "int8-full+tile", "int8-semi-ag+hadamard", "int4-twoshot/64",
+        "int8-full+tile@pallas", ... Other fields (minishards, min_bytes, pipelined, topology)
+        come from keyword arguments."""
         example = ("e.g. 'bf16', 'bf16_ring', 'int8', 'int8-semi', 'int8-full+tile', "
-                   "'int8-twoshot-ag', 'int4/64'")
+                   "'int8-twoshot-ag', 'int4/64', 'int8-full@pallas'")
+        label, at, impl = label.partition("@")
+        if at and (impl not in IMPLS or impl == "ppermute"):  # ppermute is spelled by no suffix
+            raise ValueError(f"cannot parse AllReduce label {label + at + impl!r} ({example})")
+        if at:
+            fields["impl"] = impl
         base, _, group = label.partition("/")
         base, plus, blocks = base.partition("+")
         parts = base.split("-")
