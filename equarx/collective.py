@@ -7,6 +7,7 @@
   (equarx.codecs), and the rotation where the codec wants one (equarx.groups for "group",
   equarx.hadamard for "hadamard"): once before the reduce-scatter, undone once after the
   all-gather, every hop in between moves rotated values.
+- impl="pallas": the same ring as one Pallas TPU kernel (equarx.pallas_ring).
 """
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig | None = No
         return lax.psum(x.astype(jnp.float32), axis_name).astype(x.dtype)
     if config.method == "bf16" or x.size * x.dtype.itemsize < config.min_bytes or x.size == 0:
         return lax.psum(x.astype(jnp.bfloat16), axis_name).astype(x.dtype)
+    if config.impl == "pallas":
+        # Imported here: Pallas' TPU modules are only needed by those who ask for the kernel.
+        from equarx import pallas_ring
+
+        return pallas_ring.all_reduce(x, axis_name, config)
     return _scheduled_all_reduce(x, axis_name, n_devices, config)
 
 

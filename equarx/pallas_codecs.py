@@ -1,0 +1,226 @@
+"""The codecs and layouts of the Pallas ring kernel (equarx.pallas_ring): what a minishard looks
+like in VMEM and on the wire, written with the operations Mosaic lowers.
+
+The kernel moves a message as a buffer [N shards, 2 directions, mh minishards, R, L] (R rows on
+sublanes, L columns on lanes), one [R, L] tile array per minishard. Each codec fixes R and L so
+that every array the kernel touches respects the TPU's native tiling (f32 8x128, bf16 16x128,
+int8 32x128), and only uses tile-aligned reshapes (splitting the sublane axis by a multiple of
+8), elementwise arithmetic, bit casts of equal width and reductions over the major axis.
+
+- TileCodec (blocks="tile", the paper's): the flat layout; a minishard is K tiles of 8x128 as
+  [8 K, 128] (K a multiple of 4, so the int8 payload is whole 32x128 tiles); its scales are one
+  float32 [8, 128] tile, the elementwise absmax over the K tiles (equarx.quantize).
+- GroupCodec (blocks="group", the default): the token layout (equarx.layout.TokenLayout) with
+  each piece transposed to [W columns, Tm tokens]: a group of g consecutive columns of one
+  token lies along the sublanes of one lane, so its absmax is a reduction over a tile-aligned
+  [W / g, g, Tm] view, not a cross-lane one; scales are bfloat16 [W / g, Tm] (equarx.groups).
+  Tm is a multiple of 128 (whole lanes), W a multiple of max(g, 32) (whole int8 tiles).
+- FloatCodec (bf16_ring, unquantized): the same transposed token layout (W a multiple of 16),
+  the values rounded to bfloat16 on the wire, no scales.
+
+Every codec computes exactly what the ppermute implementation's codec computes (equarx.codecs),
+operation for operation, so the kernel and the ring functions of equarx.ring driven with the
+same layout agree bit for bit (checked in interpret mode by tests/equarx/test_pallas.py). The
+predicates are rewritten without isnan/isfinite (NaN != NaN; |a| < inf), which give the same
+booleans.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from equarx import groups
+from equarx import quantize as qz
+from equarx.layout import MIN_PIECE_ELEMENTS, Layout, TokenLayout, plan_token_layout
+
+LANES = 128
+INT8_ROWS = 32  # the int8 tile's sublanes: payload arrays are whole 32x128 tiles
+BF16_ROWS = 16
+# A kernel minishard holds at most this many values, so that the kernel's VMEM buffers
+# (about 20 bytes per minishard value over both directions, see pallas_ring.vmem_bytes) stay
+# far under the smallest default scoped VMEM limit (16 MiB on v5e).
+MAX_PIECE_ELEMENTS = 1 << 17
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _magnitude(v: jax.Array) -> jax.Array:
+    """|v| with NaN mapped to Inf (as equarx.quantize and equarx.groups do)."""
+    mag = jnp.abs(v)
+    return jnp.where(mag != mag, jnp.inf, mag)
+
+
+def _round_int8(v: jax.Array) -> jax.Array:
+    """Round half to even into int8 for |v| <= 127: the float adder rounds (see quantize)."""
+    bits = lax.bitcast_convert_type(v + qz._ROUNDING_MAGIC, jnp.int32)
+    return bits.astype(jnp.int8)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileCodec:
+    """The paper's codec on [8 K, 128] minishards: q int8 [8 K, 128], scale f32 [8, 128]."""
+
+    rows: int  # 8 K
+
+    wire_dtype = jnp.int8
+    scale_dtype = jnp.float32
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return qz.TILE
+
+    def _per_value(self, tile: jax.Array) -> jax.Array:
+        """An [8, 128] tile repeated over the K tiles: [8 K, 128] (a tile-aligned reshape)."""
+        k = self.rows // qz.TILE[0]
+        return jnp.broadcast_to(tile[None], (k, *qz.TILE)).reshape(self.rows, LANES)
+
+    def encode(self, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """f32 [8 K, 128] -> (int8 [8 K, 128], f32 [8, 128]): quantize.absmax then
+        quantize.scale_round_cast."""
+        k = self.rows // qz.TILE[0]
+        amax = jnp.max(_magnitude(v).reshape(k, *qz.TILE), axis=0)
+        scale = amax / qz.QMAX
+        positive = (amax < jnp.inf) & (amax > 0)
+        inv = qz.QMAX / jnp.where(positive, amax, 1.0)
+        usable = positive & (inv < jnp.inf)
+        inv = jnp.where(usable, inv, 0.0)
+        q = _round_int8(v * self._per_value(inv))
+        q = jnp.where(self._per_value(usable.astype(jnp.int32)) != 0, q, jnp.int8(0))
+        return q, scale
+
+    def decode(self, q: jax.Array, scale: jax.Array) -> jax.Array:
+        return q.astype(jnp.float32) * self._per_value(scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCodec:
+    """Rotated runs of `group` values (rotation done outside the kernel) on transposed pieces
+    [W, Tm]: q int8 [W, Tm], scale bf16 [W / group, Tm] (equarx.groups' int8 codec)."""
+
+    rows: int  # W
+    lanes: int  # Tm
+    group: int
+
+    wire_dtype = jnp.int8
+    scale_dtype = jnp.bfloat16
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return (self.rows // self.group, self.lanes)
+
+    def _groups(self, v: jax.Array) -> jax.Array:
+        return v.reshape(self.rows // self.group, self.group, self.lanes)
+
+    def encode(self, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        amax = jnp.max(_magnitude(self._groups(v)), axis=1)  # [W / g, Tm]
+        s = amax / groups.CODES["int8"]
+        # groups._bf16_scale_up: round the float32 scale up to a bfloat16 (int32 arithmetic:
+        # finite scales are positive, so their bit patterns are far from overflowing).
+        bits = lax.bitcast_convert_type(s, jnp.int32)
+        up = lax.bitcast_convert_type((bits + 0xFFFF) & jnp.int32(-65536), jnp.float32)
+        s32 = jnp.where(s < jnp.inf, up, s)  # exactly a bfloat16 value (or Inf / NaN)
+        inv = 1.0 / jnp.where(s32 > 0, s32, 1.0)
+        usable = (s32 < jnp.inf) & (s32 > 0) & (inv < jnp.inf)
+        tiny = (s32 < jnp.inf) & ~usable
+        scale = jnp.where(tiny, 0.0, s32).astype(jnp.bfloat16)
+        inv = jnp.where(usable, inv, 0.0)
+        q = _round_int8(self._groups(v) * inv[:, None, :])
+        return q.reshape(self.rows, self.lanes), scale
+
+    def decode(self, q: jax.Array, scale: jax.Array) -> jax.Array:
+        v = self._groups(q.astype(jnp.float32)) * scale.astype(jnp.float32)[:, None, :]
+        return v.reshape(self.rows, self.lanes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatCodec:
+    """Unquantized (bf16_ring): bfloat16 on the wire, no scales."""
+
+    wire_dtype = jnp.bfloat16
+    scale_dtype = None
+    scale_shape = None
+
+    def encode(self, v: jax.Array) -> tuple[jax.Array, None]:
+        return v.astype(jnp.bfloat16), None
+
+    def decode(self, w: jax.Array, scale) -> jax.Array:
+        return w.astype(jnp.float32)
+
+
+KernelCodec = TileCodec | GroupCodec | FloatCodec
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """How a message becomes the kernel's buffer [N, 2, mh, R, L] and back.
+
+    `layout` is the equarx.layout object of the same pieces, so that equarx.ring's functions
+    (the ppermute implementation) can run the very same schedule as a reference: direction +1
+    carries pieces 0..mh-1, direction -1 pieces mh..2 mh-1."""
+
+    layout: Layout | TokenLayout
+    codec: KernelCodec
+    minishards: int  # mh, per direction
+
+    @property
+    def n_devices(self) -> int:
+        return self.layout.n_devices
+
+    @property
+    def piece(self) -> tuple[int, int]:  # (R, L)
+        if isinstance(self.layout, Layout):
+            return (self.layout.tiles * qz.TILE[0], LANES)
+        return (self.layout.width, self.layout.rows_per_minishard)
+
+    def to_kernel(self, buf: jax.Array) -> jax.Array:
+        """The layout's buffer -> [N, 2, mh, R, L]."""
+        n, mh = self.n_devices, self.minishards
+        if isinstance(self.layout, Layout):  # [N, 2 mh, K, 8, 128]: a free reshape
+            return buf.reshape(n, 2, mh, *self.piece)
+        return buf.transpose(2, 3, 0, 4, 1)  # [mh, Tm, N, 2, W] -> [N, 2, mh, W, Tm]
+
+    def from_kernel(self, kbuf: jax.Array) -> jax.Array:
+        if isinstance(self.layout, Layout):
+            return kbuf.reshape(self.n_devices, 2 * self.minishards, self.layout.tiles,
+                                *qz.TILE)
+        return kbuf.transpose(2, 4, 0, 1, 3)
+
+
+def plan(method: str, blocks: str, group_size: int, shape: tuple[int, ...], n_devices: int,
+         minishards: int, min_piece: int = MIN_PIECE_ELEMENTS) -> KernelPlan:
+    """The kernel's plan for a message of `shape`: `minishards` pieces per shard at most (split
+    over the two directions, at least one each), more where a piece would exceed
+    MAX_PIECE_ELEMENTS (VMEM), fewer where a piece would fall under `min_piece` values (the
+    ppermute path's minimum; tests lower it to pipeline small messages)."""
+    size = math.prod(shape)
+    if method == "int8" and blocks == "tile":
+        tiles = math.ceil(size / (n_devices * qz.TILE_ELEMENTS))  # per shard
+        mh = max(1, min(minishards // 2, tiles * qz.TILE_ELEMENTS // (2 * min_piece)))
+        mh = max(mh, math.ceil(tiles * qz.TILE_ELEMENTS / (2 * MAX_PIECE_ELEMENTS)))
+        k = _round_up(math.ceil(tiles / (2 * mh)), INT8_ROWS // qz.TILE[0])
+        layout = Layout(size, n_devices, 2 * mh, k)
+        return KernelPlan(layout, TileCodec(k * qz.TILE[0]), mh)
+    if method == "int8" and blocks == "group":
+        granule = max(group_size, INT8_ROWS)
+    elif method == "bf16_ring":
+        granule = BF16_ROWS
+    else:
+        raise ValueError(f"the Pallas kernel covers int8 with blocks 'tile' or 'group' and "
+                         f"bf16_ring, not {method!r} with blocks {blocks!r}")
+    base = plan_token_layout(tuple(shape), n_devices, 1, 2, granule)  # the columns
+    t = base.rows
+    per_row = base.width  # one direction's columns of one shard
+    mh = max(1, min(minishards // 2, t * per_row // min_piece))
+    mh = max(mh, math.ceil(t * per_row / MAX_PIECE_ELEMENTS))
+    mh = min(mh, math.ceil(t / LANES))  # no minishard of padding alone
+    tm = _round_up(math.ceil(t / mh), LANES)
+    layout = TokenLayout(tuple(shape), n_devices, mh, tm, 2, base.width)
+    if method == "bf16_ring":
+        return KernelPlan(layout, FloatCodec(), mh)
+    return KernelPlan(layout, GroupCodec(base.width, tm, group_size), mh)

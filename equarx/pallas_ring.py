@@ -1,0 +1,343 @@
+"""EQuARX's full-loop ring as one Pallas TPU kernel (AllReduceConfig(impl="pallas")).
+
+One kernel runs the reduce-scatter and the all-gather of a bidirectional ring: the shard of
+every device is split in two halves, one per ring direction, each half cut into mh minishards
+(equarx.pallas_codecs owns the layouts and the in-VMEM codecs). The message stays in HBM;
+minishards stream through VMEM.
+
+Schedule, per direction s (+1: send to the right neighbour, -1: to the left), as a sequence of
+items k = t mh + j (step t = 0 .. 2N-2, minishard j), the same on every device:
+- t <= N-2, reduce-scatter hop t: the partial for the shard of device d + s (N-1-t) is the local
+  minishard (copied from HBM), plus, for t > 0, the decoded message received at item k - mh;
+  it is encoded afresh into a send buffer and sent to the neighbour by remote DMA (payload and
+  scales, two DMAs).
+- t == N-1: the last partial of the device's own shard arrives; with the local minishard it is
+  the reduced value y, encoded once (the all-gather's payload), kept as decode(encode(y)) in
+  the output and sent on.
+- N <= t <= 2N-3, all-gather: the message received at item k - mh (owner d - s (t-N+1)) is
+  forwarded verbatim from the receive slot where it landed, and decoded into the output.
+- t == 2N-2: the last message is only decoded.
+Every message is sent at item k and consumed at item k + mh on the neighbour, so the schedule
+is equarx.ring's full-loop schedule (pipelined, one minishard per message) item for item, and
+the arithmetic is that of the codecs of equarx.codecs: the ring functions driven with the same
+layout are a bitwise reference (tests/equarx/test_pallas.py).
+
+Pipelining and flow control: a minishard's message is on the wire while the next item is
+computed (the send of item k is waited for at item k+1). Messages land in S = mh + 2 receive
+slots per direction (slot k mod S). Before reusing a slot the sender waits on a REGULAR
+"capacity" semaphore, which the receiver signals once it has consumed the message in the slot
+(decoded it, and forwarded it: one item later, after the forward's send completed). With
+S = mh + 2 the item a sender waits for on its neighbour is always an earlier one, so the ring
+cannot deadlock; the last S messages are never released and their waits never happen, so
+every semaphore is zero at exit. A barrier with both neighbours at entry makes sure that
+they are in the kernel (their receive slots allocated) before the first remote DMA.
+
+Buffers (VMEM, per direction): the local minishard (2 slots, prefetched one item ahead), the
+encoded send buffer (2 slots), the receive slots (S), the decoded output (2 slots, written
+back to HBM by local DMA). DMA semaphores: one per slot and kind (payload, scales).
+
+Off TPU the kernel runs in Pallas' TPU interpret mode (slow: seconds per call), which checks
+the schedule, the flow control (race detector) and the arithmetic, not the speed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from equarx import codecs, groups, ring
+from equarx.config import AllReduceConfig
+from equarx.layout import MIN_PIECE_ELEMENTS
+from equarx.pallas_codecs import FloatCodec, GroupCodec, KernelPlan, TileCodec, plan
+
+COLLECTIVE_ID = 0  # the barrier semaphore: every call of this kernel talks to the same neighbours
+TRANSPORTS = 2  # payload and scales
+VMEM_MARGIN = 4 << 20
+
+
+def _interpret_default():
+    """Interpret mode unless running on a TPU."""
+    return None if jax.devices()[0].platform == "tpu" else pltpu.InterpretParams()
+
+
+def reference_chains(p: KernelPlan) -> list[ring.Chain]:
+    """The ring's chains that run the kernel's schedule with the ppermute implementation."""
+    n, mh = p.n_devices, p.minishards
+    return [ring.Chain(+1, n - 1, tuple((j, j + 1) for j in range(mh))),
+            ring.Chain(-1, n - 1, tuple((j, j + 1) for j in range(mh, 2 * mh)))]
+
+
+def vmem_bytes(p: KernelPlan, in_dtype, out_dtype) -> int:
+    """The kernel's VMEM scratch, in bytes."""
+    r, l = p.piece
+    codec = p.codec
+    slots = p.minishards + 2
+    wire = r * l * jnp.dtype(codec.wire_dtype).itemsize
+    scales = 0 if codec.scale_shape is None else (
+        codec.scale_shape[0] * codec.scale_shape[1] * jnp.dtype(codec.scale_dtype).itemsize)
+    per_direction = (2 * r * l * (jnp.dtype(in_dtype).itemsize + jnp.dtype(out_dtype).itemsize)
+                     + (2 + slots) * (wire + scales))
+    return 2 * per_direction
+
+
+def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
+                     interpret=None) -> jax.Array:
+    """buf: this device's [N, 2, mh, R, L] partial sums (inside shard_map over `axis_name`)
+    -> the reduced message in the same layout and `out_dtype`, identical on every device.
+    `interpret`: pltpu.InterpretParams to interpret the kernel, None to compile it."""
+    n, mh = p.n_devices, p.minishards
+    codec = p.codec
+    r, l = p.piece
+    if buf.shape != (n, 2, mh, r, l):
+        raise ValueError(f"expected a kernel buffer {(n, 2, mh, r, l)}, got {buf.shape}")
+    slots = mh + 2
+    items = (2 * n - 1) * mh  # per direction
+    messages = (2 * n - 2) * mh
+    scaled = codec.scale_shape is not None
+
+    def kernel(x_hbm, out_hbm, xin, stage, send_p, recv_p, *rest):
+        if scaled:
+            send_s, recv_s, *rest = rest
+        local_sem, out_sem, send_sem, recv_sem, capacity = rest
+        d = lax.axis_index(axis_name)
+        right = lax.rem(d + 1, n)
+        left = lax.rem(d + n - 1, n)
+
+        def mesh_id(device):
+            return {axis_name: device}
+
+        barrier = pltpu.get_barrier_semaphore()
+        for neighbour in (left, right):
+            pl.semaphore_signal(barrier, 1, device_id=mesh_id(neighbour),
+                                device_id_type=pl.DeviceIdType.MESH)
+        pl.semaphore_wait(barrier, 2)
+
+        def step_of(k):
+            return lax.div(k, mh), lax.rem(k, mh)
+
+        def shard(offset):  # absolute shard of relative offset (any sign, |offset| < N)
+            return lax.rem(d + offset + n, n)
+
+        def local_copy(h, k):
+            """The local minishard item k of direction h reads (t <= N-1)."""
+            t, j = step_of(k)
+            s = 1 - 2 * h
+            src = shard(s * (n - 1 - t))  # t = N-1: the own shard
+            return pltpu.make_async_copy(x_hbm.at[src, h, j], xin.at[h, lax.rem(k, 2)],
+                                         local_sem.at[h, lax.rem(k, 2)])
+
+        def out_copy(h, k):
+            """Item k's decoded minishard (t >= N-1) back to HBM."""
+            t, j = step_of(k)
+            s = 1 - 2 * h
+            owner = shard(-s * (t - (n - 1)))  # t = N-1: the own shard
+            return pltpu.make_async_copy(stage.at[h, lax.rem(k, 2)], out_hbm.at[owner, h, j],
+                                         out_sem.at[h, lax.rem(k, 2)])
+
+        def remote(h, k, forward):
+            """Message k of direction h: from the send buffer or (forward) the receive slot of
+            message k - mh, into the neighbour's receive slot k mod S."""
+            dst = right if h == 0 else left
+            slot = lax.rem(k, slots)
+            src_slot = lax.rem(k - mh + slots, slots)
+            copies = []
+            kinds = [(send_p, recv_p)] + ([(send_s, recv_s)] if scaled else [])
+            for kind, (send_buf, recv_buf) in enumerate(kinds):
+                src = recv_buf.at[h, src_slot] if forward else send_buf.at[h, lax.rem(k, 2)]
+                copies.append(pltpu.make_async_remote_copy(
+                    src, recv_buf.at[h, slot], send_sem.at[h, kind], recv_sem.at[h, slot, kind],
+                    device_id=mesh_id(dst), device_id_type=pl.DeviceIdType.MESH))
+            return copies
+
+        def received(h, k):
+            slot = lax.rem(k - mh + slots, slots)
+            return (codec.decode(recv_p[h, slot], recv_s[h, slot] if scaled else None))
+
+        def item(h, k):
+            s_dev = left if h == 0 else right  # who sends to this device in direction h
+            t, j = step_of(k)
+            sends = t <= 2 * n - 3
+            # 1. Local minishard of this item (prefetched), and prefetch the next item's.
+            @pl.when(t <= n - 1)
+            def _():
+                local_copy(h, k).wait()
+
+            @pl.when(step_of(k + 1)[0] <= n - 1)
+            def _():
+                local_copy(h, k + 1).start()
+
+            # 2. This item's message arrived (sent by the neighbour at its item k - mh).
+            @pl.when(t >= 1)
+            def _():
+                for c in remote(h, k - mh, False):
+                    c.wait_recv()
+
+            # 3. Compute: a reduce-scatter partial to encode, or an output to decode.
+            def encode_and_stage(v):
+                q, sc = codec.encode(v)
+                send_p[h, lax.rem(k, 2)] = q
+                if scaled:
+                    send_s[h, lax.rem(k, 2)] = sc
+                return q, sc
+
+            def stage_out(v):
+                @pl.when(k >= 2)
+                def _():
+                    @pl.when(step_of(k - 2)[0] >= n - 1)
+                    def _():
+                        out_copy(h, k - 2).wait()
+                stage[h, lax.rem(k, 2)] = v.astype(stage.dtype)
+                out_copy(h, k).start()
+
+            @pl.when(t == 0)
+            def _():
+                encode_and_stage(xin[h, lax.rem(k, 2)].astype(jnp.float32))
+
+            @pl.when((t >= 1) & (t <= n - 2))
+            def _():
+                encode_and_stage(received(h, k) + xin[h, lax.rem(k, 2)].astype(jnp.float32))
+
+            @pl.when(t == n - 1)
+            def _():
+                y = xin[h, lax.rem(k, 2)].astype(jnp.float32) + received(h, k)
+                q, sc = encode_and_stage(y)
+                stage_out(codec.decode(q, sc))
+
+            @pl.when(t >= n)
+            def _():
+                stage_out(received(h, k))
+
+            # 4. Flow control: the previous message's send is complete, so the slot it came
+            #    from (if forwarded) and the one consumed at item k - 1 are free.
+            @pl.when(k >= 1)
+            def _():
+                @pl.when(k - 1 < messages)
+                def _():
+                    for c in remote(h, k - 1, False):
+                        c.wait_send()
+
+                release = k - 1 - mh  # consumed at item k - 1
+                @pl.when((release >= 0) & (release + slots < messages))
+                def _():
+                    pl.semaphore_signal(capacity.at[h], 1, device_id=mesh_id(s_dev),
+                                        device_id_type=pl.DeviceIdType.MESH)
+
+            # 5. Send this item's message once the neighbour freed its slot.
+            @pl.when(sends)
+            def _():
+                @pl.when(k >= slots)
+                def _():
+                    pl.semaphore_wait(capacity.at[h], 1)
+
+                @pl.when(t <= n - 1)
+                def _():
+                    for c in remote(h, k, False):
+                        c.start()
+
+                @pl.when(t >= n)
+                def _():
+                    for c in remote(h, k, True):
+                        c.start()
+
+        for h in range(2):
+            local_copy(h, 0).start()
+
+        def body(k, carry):
+            for h in range(2):
+                item(h, k)
+            return carry
+
+        lax.fori_loop(0, items, body, 0)
+        # Drain: the last two output copies of each direction (every send was waited for in
+        # the loop: the last message is sent at item messages - 1 < items - 1).
+        for h in range(2):
+            for k in (items - 2, items - 1):
+                if k >= 0 and k // mh >= n - 1:
+                    out_copy(h, k).wait()
+
+    in_dtype = buf.dtype
+    scratch = [pltpu.VMEM((2, 2, r, l), in_dtype), pltpu.VMEM((2, 2, r, l), out_dtype),
+               pltpu.VMEM((2, 2, r, l), codec.wire_dtype),
+               pltpu.VMEM((2, slots, r, l), codec.wire_dtype)]
+    if scaled:
+        scratch += [pltpu.VMEM((2, 2, *codec.scale_shape), codec.scale_dtype),
+                    pltpu.VMEM((2, slots, *codec.scale_shape), codec.scale_dtype)]
+    scratch += [pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((2, TRANSPORTS)),
+                pltpu.SemaphoreType.DMA((2, slots, TRANSPORTS)),
+                pltpu.SemaphoreType.REGULAR((2,))]
+    vmem_limit = vmem_bytes(p, in_dtype, out_dtype) + VMEM_MARGIN
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(buf.shape, out_dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID,
+                                             vmem_limit_bytes=vmem_limit),
+        interpret=interpret if interpret is not None else False,
+    )
+    return call(buf)
+
+
+def plan_for(config: AllReduceConfig, shape: tuple[int, ...], n_devices: int,
+             min_piece: int = MIN_PIECE_ELEMENTS) -> KernelPlan:
+    if config.variant not in ("auto", "full") or config.phases != "both":
+        raise ValueError(f"the Pallas kernel runs the full-loop ring with both phases "
+                         f"quantized, not {config.label!r}")
+    return plan(config.method, config.blocks, config.group_size, tuple(shape), n_devices,
+                config.minishards, min_piece)
+
+
+def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig, interpret="auto",
+               min_piece: int = MIN_PIECE_ELEMENTS) -> jax.Array:
+    """equarx.all_reduce's ring path through the kernel (x: this device's partial sum, a
+    floating array of any shape; inside shard_map). `interpret`: "auto" interprets off TPU,
+    None compiles for TPU (lowering on any machine), or pltpu.InterpretParams. `min_piece`:
+    the smallest minishard, in values (see pallas_codecs.plan)."""
+    if interpret == "auto":
+        interpret = _interpret_default()
+
+    def run(buf, p, out_dtype):
+        return p.from_kernel(ring_kernel_call(p.to_kernel(buf), axis_name, p, out_dtype,
+                                              interpret))
+
+    return _around(x, axis_name, config, run, min_piece)
+
+
+def reference_all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig,
+                         min_piece: int = MIN_PIECE_ELEMENTS) -> jax.Array:
+    """The kernel's schedule run by the ppermute implementation (equarx.ring's functions and
+    equarx.codecs' codecs on the kernel's layout): bitwise what `all_reduce` computes."""
+
+    def run(buf, p, out_dtype):
+        if isinstance(p.codec, TileCodec):
+            codec = codecs.FlatInt8Codec(rows=False)
+        elif isinstance(p.codec, GroupCodec):
+            codec = codecs.GroupCodec(p.codec.group, "int8", p.layout.piece_shape)
+        else:
+            codec = codecs.FloatCodec(jnp.bfloat16)
+        chains = reference_chains(p)
+        y = ring.ring_reduce_scatter(buf, axis_name, chains, codec, p.layout)
+        return ring.ring_all_gather(y, axis_name, chains, codec, p.layout, out_dtype)
+
+    return _around(x, axis_name, config, run, min_piece)
+
+
+def _around(x, axis_name, config, run, min_piece):
+    """What both implementations do around the schedule: the plan, the group codec's rotation
+    (on the caller's rows, as equarx.collective does), the split and the join."""
+    p = plan_for(config, x.shape, lax.axis_size(axis_name), min_piece)
+    grouped = isinstance(p.codec, GroupCodec)
+    x_in = groups.rotate_rows(x, config.group_size) if grouped else x
+    out = run(p.layout.split(x_in), p, jnp.float32 if grouped else x.dtype)
+    if grouped:
+        return groups.unrotate_rows(p.layout.join_rows(out), config.group_size,
+                                    x.shape).astype(x.dtype)
+    return p.layout.join(out, x.shape).astype(x.dtype)
+
+
+__all__ = ["FloatCodec", "GroupCodec", "KernelPlan", "TileCodec", "all_reduce", "plan_for",
+           "reference_all_reduce", "reference_chains", "ring_kernel_call", "vmem_bytes"]
