@@ -3,34 +3,39 @@
 One kernel runs the reduce-scatter and the all-gather of a bidirectional ring: the shard of
 every device is split in two halves, one per ring direction, each half cut into mh minishards
 (equarx.pallas_codecs owns the layouts and the in-VMEM codecs). The message stays in HBM;
-minishards stream through VMEM.
+minishards stream through VMEM. It covers variant "full" (and "auto", which it runs as
+"full") with both phases quantized: int8 with blocks "tile" or "group", and bf16_ring.
 
-Schedule, per direction s (+1: send to the right neighbour, -1: to the left), as a sequence of
-items k = t mh + j (step t = 0 .. 2N-2, minishard j), the same on every device:
+Schedule, per direction s (+1: send to the right neighbour, -1: to the left), the same on every
+device: the direction's mh minishards are taken a window of g = min(mh, 4) at a time, and a
+window is a sequence of items (step t = 0 .. 2N-2, minishard i of the window), hop-major:
 - t <= N-2, reduce-scatter hop t: the partial for the shard of device d + s (N-1-t) is the local
-  minishard (copied from HBM), plus, for t > 0, the decoded message received at item k - mh;
-  it is encoded afresh into a send buffer and sent to the neighbour by remote DMA (payload and
+  minishard (copied from HBM), plus, for t > 0, the decoded message received for (t-1, i); it
+  is encoded afresh into a send buffer and sent to the neighbour by remote DMA (payload and
   scales, two DMAs).
 - t == N-1: the last partial of the device's own shard arrives; with the local minishard it is
   the reduced value y, encoded once (the all-gather's payload), kept as decode(encode(y)) in
   the output and sent on.
-- N <= t <= 2N-3, all-gather: the message received at item k - mh (owner d - s (t-N+1)) is
+- N <= t <= 2N-3, all-gather: the message received for (t-1, i) (owner d - s (t-N+1)) is
   forwarded verbatim from the receive slot where it landed, and decoded into the output.
 - t == 2N-2: the last message is only decoded.
-Every message is sent at item k and consumed at item k + mh on the neighbour, so the schedule
-is equarx.ring's full-loop schedule (pipelined, one minishard per message) item for item, and
-the arithmetic is that of the codecs of equarx.codecs: the ring functions driven with the same
-layout are a bitwise reference (tests/equarx/test_pallas.py).
+Every message is sent at item (t, i) and consumed at item (t+1, i) on the neighbour, g items
+later. Per minishard this is equarx.ring's full-loop schedule (pipelined: one minishard per
+message) and the codecs' arithmetic is that of equarx.codecs, so the ring functions driven with
+the same layout are a bitwise reference (reference_all_reduce; tests/equarx/test_pallas.py).
 
-Pipelining and flow control: a minishard's message is on the wire while the next item is
-computed (the send of item k is waited for at item k+1). Messages land in S = mh + 2 receive
-slots per direction (slot k mod S). Before reusing a slot the sender waits on a REGULAR
-"capacity" semaphore, which the receiver signals once it has consumed the message in the slot
-(decoded it, and forwarded it: one item later, after the forward's send completed). With
-S = mh + 2 the item a sender waits for on its neighbour is always an earlier one, so the ring
-cannot deadlock; the last S messages are never released and their waits never happen, so
-every semaphore is zero at exit. A barrier with both neighbours at entry makes sure that
-they are in the kernel (their receive slots allocated) before the first remote DMA.
+Pipelining and flow control: one message per direction is on the wire while the next item is
+computed (the send of item k is waited for at item k+1), and the neighbour's slots hold the
+messages of up to a window's items ahead of the one consuming them. Messages land in S = g + 2 receive slots per direction
+(message m in slot m mod S). Before reusing a slot the sender waits on a REGULAR "capacity"
+semaphore, which the receiver signals once it has consumed the message in the slot (decoded
+it, and forwarded it: one item later, after the forward's send completed). With S = g + 2 the
+item a sender waits for on its neighbour is always an earlier one, so the ring cannot
+deadlock; the last S messages are never released and their waits never happen, so every
+semaphore is zero at exit. A barrier with both neighbours at entry makes sure that they are
+in the kernel (their receive slots allocated) before the first remote DMA. The window bounds
+the receive slots, so VMEM does not grow with the message (pallas_codecs caps a minishard at
+MAX_PIECE_ELEMENTS values).
 
 Buffers (VMEM, per direction): the local minishard (2 slots, prefetched one item ahead), the
 encoded send buffer (2 slots), the receive slots (S), the decoded output (2 slots, written
@@ -70,10 +75,10 @@ def reference_chains(p: KernelPlan) -> list[ring.Chain]:
 
 
 def vmem_bytes(p: KernelPlan, in_dtype, out_dtype) -> int:
-    """The kernel's VMEM scratch, in bytes."""
+    """The kernel's VMEM scratch, in bytes: bounded by the window, whatever the message."""
     r, l = p.piece
     codec = p.codec
-    slots = p.minishards + 2
+    slots = p.window + 2
     wire = r * l * jnp.dtype(codec.wire_dtype).itemsize
     scales = 0 if codec.scale_shape is None else (
         codec.scale_shape[0] * codec.scale_shape[1] * jnp.dtype(codec.scale_dtype).itemsize)
@@ -87,15 +92,29 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
     """buf: this device's [N, 2, mh, R, L] partial sums (inside shard_map over `axis_name`)
     -> the reduced message in the same layout and `out_dtype`, identical on every device.
     `interpret`: pltpu.InterpretParams to interpret the kernel, None to compile it."""
-    n, mh = p.n_devices, p.minishards
+    n, mh, g = p.n_devices, p.minishards, p.window
     codec = p.codec
     r, l = p.piece
     if buf.shape != (n, 2, mh, r, l):
         raise ValueError(f"expected a kernel buffer {(n, 2, mh, r, l)}, got {buf.shape}")
-    slots = mh + 2
-    items = (2 * n - 1) * mh  # per direction
-    messages = (2 * n - 2) * mh
+    if mh % g:
+        raise ValueError(f"{mh} minishards are not whole windows of {g}")
+    slots = g + 2
+    steps = 2 * n - 1  # per window: N-1 reduce-scatter hops, N-1 all-gather hops, a last decode
+    items = mh * steps  # per direction
+    window_messages = (steps - 1) * g
+    messages = (mh // g) * window_messages
     scaled = codec.scale_shape is not None
+
+    def coords(k):
+        """Item k -> (window, step, minishard in the window)."""
+        w = lax.div(k, steps * g)
+        rest = lax.rem(k, steps * g)
+        return w, lax.div(rest, g), lax.rem(rest, g)
+
+    def message(w, t, i):
+        """The index of the message sent at item (w, t, i) (t <= steps - 2)."""
+        return w * window_messages + t * g + i
 
     def kernel(x_hbm, out_hbm, xin, stage, send_p, recv_p, *rest):
         if scaled:
@@ -114,131 +133,134 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
                                 device_id_type=pl.DeviceIdType.MESH)
         pl.semaphore_wait(barrier, 2)
 
-        def step_of(k):
-            return lax.div(k, mh), lax.rem(k, mh)
-
         def shard(offset):  # absolute shard of relative offset (any sign, |offset| < N)
             return lax.rem(d + offset + n, n)
 
         def local_copy(h, k):
-            """The local minishard item k of direction h reads (t <= N-1)."""
-            t, j = step_of(k)
-            s = 1 - 2 * h
-            src = shard(s * (n - 1 - t))  # t = N-1: the own shard
-            return pltpu.make_async_copy(x_hbm.at[src, h, j], xin.at[h, lax.rem(k, 2)],
+            """The local minishard item k of direction h reads (step <= N-1)."""
+            w, t, i = coords(k)
+            src = shard((1 - 2 * h) * (n - 1 - t))  # t = N-1: the own shard
+            return pltpu.make_async_copy(x_hbm.at[src, h, w * g + i], xin.at[h, lax.rem(k, 2)],
                                          local_sem.at[h, lax.rem(k, 2)])
 
         def out_copy(h, k):
-            """Item k's decoded minishard (t >= N-1) back to HBM."""
-            t, j = step_of(k)
-            s = 1 - 2 * h
-            owner = shard(-s * (t - (n - 1)))  # t = N-1: the own shard
-            return pltpu.make_async_copy(stage.at[h, lax.rem(k, 2)], out_hbm.at[owner, h, j],
+            """Item k's decoded minishard (step >= N-1) back to HBM."""
+            w, t, i = coords(k)
+            owner = shard(-(1 - 2 * h) * (t - (n - 1)))  # t = N-1: the own shard
+            return pltpu.make_async_copy(stage.at[h, lax.rem(k, 2)],
+                                         out_hbm.at[owner, h, w * g + i],
                                          out_sem.at[h, lax.rem(k, 2)])
 
-        def remote(h, k, forward):
-            """Message k of direction h: from the send buffer or (forward) the receive slot of
-            message k - mh, into the neighbour's receive slot k mod S."""
+        def remote(h, m, src_slot=None, send_slot=0):
+            """Message m of direction h into the neighbour's receive slot m mod S: from send
+            buffer `send_slot`, or forwarded from this device's receive slot `src_slot`."""
             dst = right if h == 0 else left
-            slot = lax.rem(k, slots)
-            src_slot = lax.rem(k - mh + slots, slots)
+            slot = lax.rem(m, slots)
             copies = []
             kinds = [(send_p, recv_p)] + ([(send_s, recv_s)] if scaled else [])
             for kind, (send_buf, recv_buf) in enumerate(kinds):
-                src = recv_buf.at[h, src_slot] if forward else send_buf.at[h, lax.rem(k, 2)]
+                src = send_buf.at[h, send_slot] if src_slot is None else recv_buf.at[h, src_slot]
                 copies.append(pltpu.make_async_remote_copy(
                     src, recv_buf.at[h, slot], send_sem.at[h, kind], recv_sem.at[h, slot, kind],
                     device_id=mesh_id(dst), device_id_type=pl.DeviceIdType.MESH))
             return copies
 
-        def received(h, k):
-            slot = lax.rem(k - mh + slots, slots)
-            return (codec.decode(recv_p[h, slot], recv_s[h, slot] if scaled else None))
-
         def item(h, k):
-            s_dev = left if h == 0 else right  # who sends to this device in direction h
-            t, j = step_of(k)
-            sends = t <= 2 * n - 3
-            # 1. Local minishard of this item (prefetched), and prefetch the next item's.
+            sender = left if h == 0 else right  # who sends to this device in direction h
+            w, t, i = coords(k)
+            got = message(w, t - 1, i)  # the message this item consumes (t >= 1)
+            got_slot = lax.rem(got, slots)
+            mine = lax.rem(k, 2)
+
+            # 1. This item's local minishard (prefetched); prefetch the next item's.
             @pl.when(t <= n - 1)
             def _():
                 local_copy(h, k).wait()
 
-            @pl.when(step_of(k + 1)[0] <= n - 1)
+            @pl.when((k + 1 < items) & (coords(k + 1)[1] <= n - 1))
             def _():
                 local_copy(h, k + 1).start()
 
-            # 2. This item's message arrived (sent by the neighbour at its item k - mh).
+            # The output buffer this item may write was last written back at item k - 2.
+            @pl.when((k >= 2) & (coords(k - 2)[1] >= n - 1))
+            def _():
+                out_copy(h, k - 2).wait()
+
+            # 2. The message the neighbour sent at its item k - window has landed.
             @pl.when(t >= 1)
             def _():
-                for c in remote(h, k - mh, False):
+                for c in remote(h, got):
                     c.wait_recv()
 
             # 3. Compute: a reduce-scatter partial to encode, or an output to decode.
-            def encode_and_stage(v):
+            def local():
+                return xin[h, mine].astype(jnp.float32)
+
+            def received():
+                return codec.decode(recv_p[h, got_slot], recv_s[h, got_slot] if scaled else None)
+
+            def encode_to_send(v):
                 q, sc = codec.encode(v)
-                send_p[h, lax.rem(k, 2)] = q
+                send_p[h, mine] = q
                 if scaled:
-                    send_s[h, lax.rem(k, 2)] = sc
+                    send_s[h, mine] = sc
                 return q, sc
 
             def stage_out(v):
-                @pl.when(k >= 2)
-                def _():
-                    @pl.when(step_of(k - 2)[0] >= n - 1)
-                    def _():
-                        out_copy(h, k - 2).wait()
-                stage[h, lax.rem(k, 2)] = v.astype(stage.dtype)
+                stage[h, mine] = v.astype(stage.dtype)
                 out_copy(h, k).start()
 
             @pl.when(t == 0)
             def _():
-                encode_and_stage(xin[h, lax.rem(k, 2)].astype(jnp.float32))
+                encode_to_send(local())
 
             @pl.when((t >= 1) & (t <= n - 2))
             def _():
-                encode_and_stage(received(h, k) + xin[h, lax.rem(k, 2)].astype(jnp.float32))
+                encode_to_send(received() + local())
 
             @pl.when(t == n - 1)
             def _():
-                y = xin[h, lax.rem(k, 2)].astype(jnp.float32) + received(h, k)
-                q, sc = encode_and_stage(y)
-                stage_out(codec.decode(q, sc))
+                stage_out(codec.decode(*encode_to_send(local() + received())))
 
             @pl.when(t >= n)
             def _():
-                stage_out(received(h, k))
+                stage_out(received())
 
-            # 4. Flow control: the previous message's send is complete, so the slot it came
-            #    from (if forwarded) and the one consumed at item k - 1 are free.
+            # 4. Flow control. Item k - 1's send is complete: its send buffer is free, and so
+            #    is the receive slot item k - 1 consumed (decoded, and forwarded if it was).
             @pl.when(k >= 1)
             def _():
-                @pl.when(k - 1 < messages)
+                w1, t1, i1 = coords(k - 1)
+
+                @pl.when(t1 <= steps - 2)
                 def _():
-                    for c in remote(h, k - 1, False):
+                    for c in remote(h, 0):
                         c.wait_send()
 
-                release = k - 1 - mh  # consumed at item k - 1
-                @pl.when((release >= 0) & (release + slots < messages))
+                release = message(w1, t1 - 1, i1)
+
+                @pl.when((t1 >= 1) & (release + slots < messages))
                 def _():
-                    pl.semaphore_signal(capacity.at[h], 1, device_id=mesh_id(s_dev),
+                    pl.semaphore_signal(capacity.at[h], 1, device_id=mesh_id(sender),
                                         device_id_type=pl.DeviceIdType.MESH)
 
-            # 5. Send this item's message once the neighbour freed its slot.
-            @pl.when(sends)
+            # 5. Send this item's message once the neighbour has freed its slot.
+            @pl.when(t <= steps - 2)
             def _():
-                @pl.when(k >= slots)
+                sent = message(w, t, i)
+
+                @pl.when(sent >= slots)
                 def _():
                     pl.semaphore_wait(capacity.at[h], 1)
 
                 @pl.when(t <= n - 1)
                 def _():
-                    for c in remote(h, k, False):
+                    for c in remote(h, sent, send_slot=mine):
                         c.start()
 
                 @pl.when(t >= n)
                 def _():
-                    for c in remote(h, k, True):
+                    for c in remote(h, sent, src_slot=got_slot):
                         c.start()
 
         for h in range(2):
@@ -250,11 +272,11 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
             return carry
 
         lax.fori_loop(0, items, body, 0)
-        # Drain: the last two output copies of each direction (every send was waited for in
-        # the loop: the last message is sent at item messages - 1 < items - 1).
+        # Drain the last two output copies of each direction (every send was waited for in
+        # the loop: an item that sends is followed by one of the same window).
         for h in range(2):
             for k in (items - 2, items - 1):
-                if k >= 0 and k // mh >= n - 1:
+                if k >= 0 and (k % (steps * g)) // g >= n - 1:
                     out_copy(h, k).wait()
 
     in_dtype = buf.dtype
