@@ -44,9 +44,9 @@ BF16_ROWS = 16
 # (about 20 bytes per minishard value over both directions, see pallas_ring.vmem_bytes) stay
 # far under the smallest default scoped VMEM limit (16 MiB on v5e).
 MAX_PIECE_ELEMENTS = 1 << 17
-# Minishards in flight per direction: the kernel goes through the minishards a window at a
-# time (all hops of a window before the next), so its receive slots (window + 2) and with
-# them its VMEM do not grow with the message (equarx.pallas_ring).
+# The kernel goes through a direction's minishards a window of (at most) this many at a time,
+# all hops of a window before the next, so its receive slots (window + 2), and with them its
+# VMEM, do not grow with the message (equarx.pallas_ring).
 WINDOW = 4
 
 
@@ -200,10 +200,6 @@ class KernelPlan:
         return kbuf.transpose(2, 4, 0, 1, 3)
 
 
-def _whole_windows(mh: int) -> int:
-    return mh if mh <= WINDOW else _round_up(mh, WINDOW)
-
-
 def plan(method: str, blocks: str, group_size: int, shape: tuple[int, ...], n_devices: int,
          minishards: int, min_piece: int = MIN_PIECE_ELEMENTS) -> KernelPlan:
     """The kernel's plan for a message of `shape`: `minishards` pieces per shard at most (split
@@ -214,8 +210,7 @@ def plan(method: str, blocks: str, group_size: int, shape: tuple[int, ...], n_de
     if method == "int8" and blocks == "tile":
         tiles = math.ceil(size / (n_devices * qz.TILE_ELEMENTS))  # per shard
         mh = max(1, min(minishards // 2, tiles * qz.TILE_ELEMENTS // (2 * min_piece)))
-        mh = _whole_windows(max(mh, math.ceil(tiles * qz.TILE_ELEMENTS
-                                              / (2 * MAX_PIECE_ELEMENTS))))
+        mh = max(mh, math.ceil(tiles * qz.TILE_ELEMENTS / (2 * MAX_PIECE_ELEMENTS)))
         k = _round_up(math.ceil(tiles / (2 * mh)), INT8_ROWS // qz.TILE[0])
         layout = Layout(size, n_devices, 2 * mh, k)
         return KernelPlan(layout, TileCodec(k * qz.TILE[0]), mh)
@@ -227,13 +222,15 @@ def plan(method: str, blocks: str, group_size: int, shape: tuple[int, ...], n_de
         raise ValueError(f"the Pallas kernel covers int8 with blocks 'tile' or 'group' and "
                          f"bf16_ring, not {method!r} with blocks {blocks!r}")
     base = plan_token_layout(tuple(shape), n_devices, 1, 2, granule)  # the columns
-    t = base.rows
-    per_row = base.width  # one direction's columns of one shard
-    mh = max(1, min(minishards // 2, t * per_row // min_piece))
-    mh = max(mh, math.ceil(t * per_row / MAX_PIECE_ELEMENTS))
-    mh = _whole_windows(min(mh, math.ceil(t / LANES)))  # no minishard of padding alone
-    tm = _round_up(math.ceil(t / mh), LANES)
-    layout = TokenLayout(tuple(shape), n_devices, mh, tm, 2, base.width)
+    t, width = base.rows, base.width  # width: one direction's columns of one shard
+    # Minishards are whole blocks of 128 tokens (lanes): as many as `minishards` and
+    # `min_piece` ask for, fewer blocks each where a piece would exceed MAX_PIECE_ELEMENTS.
+    blocks = math.ceil(t / LANES)
+    wish = max(1, min(minishards // 2, t * width // min_piece))
+    per_piece = max(1, min(math.ceil(blocks / wish), MAX_PIECE_ELEMENTS // (width * LANES)))
+    mh = math.ceil(blocks / per_piece)
+    tm = math.ceil(blocks / mh) * LANES  # the blocks spread evenly over the minishards
+    layout = TokenLayout(tuple(shape), n_devices, mh, tm, 2, width)
     if method == "bf16_ring":
         return KernelPlan(layout, FloatCodec(), mh)
-    return KernelPlan(layout, GroupCodec(base.width, tm, group_size), mh)
+    return KernelPlan(layout, GroupCodec(width, tm, group_size), mh)

@@ -7,8 +7,8 @@ minishards stream through VMEM. It covers variant "full" (and "auto", which it r
 "full") with both phases quantized: int8 with blocks "tile" or "group", and bf16_ring.
 
 Schedule, per direction s (+1: send to the right neighbour, -1: to the left), the same on every
-device: the direction's mh minishards are taken a window of g = min(mh, 4) at a time, and a
-window is a sequence of items (step t = 0 .. 2N-2, minishard i of the window), hop-major:
+device: the direction's mh minishards are taken a window of g = min(mh, 4) at a time (the last
+window may have fewer), and a window is a sequence of items (step t = 0 .. 2N-2, minishard i of the window), hop-major:
 - t <= N-2, reduce-scatter hop t: the partial for the shard of device d + s (N-1-t) is the local
   minishard (copied from HBM), plus, for t > 0, the decoded message received for (t-1, i); it
   is encoded afresh into a send buffer and sent to the neighbour by remote DMA (payload and
@@ -97,24 +97,29 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
     r, l = p.piece
     if buf.shape != (n, 2, mh, r, l):
         raise ValueError(f"expected a kernel buffer {(n, 2, mh, r, l)}, got {buf.shape}")
-    if mh % g:
-        raise ValueError(f"{mh} minishards are not whole windows of {g}")
     slots = g + 2
     steps = 2 * n - 1  # per window: N-1 reduce-scatter hops, N-1 all-gather hops, a last decode
     items = mh * steps  # per direction
+    full = (mh - 1) // g  # full windows before the last (which has g or fewer minishards)
+    last = mh - full * g
     window_messages = (steps - 1) * g
-    messages = (mh // g) * window_messages
+    messages = (steps - 1) * mh
     scaled = codec.scale_shape is not None
 
     def coords(k):
-        """Item k -> (window, step, minishard in the window)."""
-        w = lax.div(k, steps * g)
-        rest = lax.rem(k, steps * g)
-        return w, lax.div(rest, g), lax.rem(rest, g)
+        """Item k -> (window, step, minishard in the window, the window's minishards)."""
+        w = jnp.minimum(lax.div(k, steps * g), full)
+        rest = k - w * (steps * g)
+        size = jnp.where(w < full, g, last)
+        return w, lax.div(rest, size), lax.rem(rest, size), size
 
-    def message(w, t, i):
+    def static_step(k: int) -> int:
+        w = min(k // (steps * g), full)
+        return (k - w * steps * g) // (g if w < full else last)
+
+    def message(w, t, i, size):
         """The index of the message sent at item (w, t, i) (t <= steps - 2)."""
-        return w * window_messages + t * g + i
+        return w * window_messages + t * size + i
 
     def kernel(x_hbm, out_hbm, xin, stage, send_p, recv_p, *rest):
         if scaled:
@@ -138,14 +143,14 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
 
         def local_copy(h, k):
             """The local minishard item k of direction h reads (step <= N-1)."""
-            w, t, i = coords(k)
+            w, t, i, _ = coords(k)
             src = shard((1 - 2 * h) * (n - 1 - t))  # t = N-1: the own shard
             return pltpu.make_async_copy(x_hbm.at[src, h, w * g + i], xin.at[h, lax.rem(k, 2)],
                                          local_sem.at[h, lax.rem(k, 2)])
 
         def out_copy(h, k):
             """Item k's decoded minishard (step >= N-1) back to HBM."""
-            w, t, i = coords(k)
+            w, t, i, _ = coords(k)
             owner = shard(-(1 - 2 * h) * (t - (n - 1)))  # t = N-1: the own shard
             return pltpu.make_async_copy(stage.at[h, lax.rem(k, 2)],
                                          out_hbm.at[owner, h, w * g + i],
@@ -167,8 +172,8 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
 
         def item(h, k):
             sender = left if h == 0 else right  # who sends to this device in direction h
-            w, t, i = coords(k)
-            got = message(w, t - 1, i)  # the message this item consumes (t >= 1)
+            w, t, i, size = coords(k)
+            got = message(w, t - 1, i, size)  # the message this item consumes (t >= 1)
             got_slot = lax.rem(got, slots)
             mine = lax.rem(k, 2)
 
@@ -230,14 +235,14 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
             #    is the receive slot item k - 1 consumed (decoded, and forwarded if it was).
             @pl.when(k >= 1)
             def _():
-                w1, t1, i1 = coords(k - 1)
+                w1, t1, i1, size1 = coords(k - 1)
 
                 @pl.when(t1 <= steps - 2)
                 def _():
                     for c in remote(h, 0):
                         c.wait_send()
 
-                release = message(w1, t1 - 1, i1)
+                release = message(w1, t1 - 1, i1, size1)
 
                 @pl.when((t1 >= 1) & (release + slots < messages))
                 def _():
@@ -247,7 +252,7 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
             # 5. Send this item's message once the neighbour has freed its slot.
             @pl.when(t <= steps - 2)
             def _():
-                sent = message(w, t, i)
+                sent = message(w, t, i, size)
 
                 @pl.when(sent >= slots)
                 def _():
@@ -276,7 +281,7 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
         # the loop: an item that sends is followed by one of the same window).
         for h in range(2):
             for k in (items - 2, items - 1):
-                if k >= 0 and (k % (steps * g)) // g >= n - 1:
+                if k >= 0 and static_step(k) >= n - 1:
                     out_copy(h, k).wait()
 
     in_dtype = buf.dtype
