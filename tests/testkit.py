@@ -47,3 +47,32 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(10)
         self.runtime.shutdown()
+
+
+def wait_group_ready(url: str, procs, timeout: float) -> None:
+    """Wait until the server at `url` answers /health with 200; fail with a process's log tail as
+    soon as one of `procs` ((Popen, log file) pairs) exits, or after `timeout` seconds."""
+    import httpx
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for i, (p, log) in enumerate(procs):
+            if p.poll() is not None:
+                pytest.fail(f"process {i} exited with {p.returncode}: {Path(log.name).read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server at {url} did not become ready within {timeout:.0f}s")
+
+
+def stop_processes(procs) -> None:
+    """Kill what is still running of `procs` ((Popen, log file) pairs) and close the logs."""
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()

@@ -2,8 +2,6 @@
 whitespace handling, agreement with transformers' tokenizer's ids, file loading and errors."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 

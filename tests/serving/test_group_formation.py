@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from serving import jax_platform
-from testkit import free_port
+from testkit import free_port, stop_processes, wait_group_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 GAP_S = float(os.environ.get("GROUP_GAP_S", "32"))  # > gloo's 30 s first-rendezvous deadline
@@ -51,14 +50,6 @@ def _start(pid: int, port: int, coord: int, delay: float, log_dir: Path, *flags:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
 
 
-def _stop(procs) -> None:
-    for p, log in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        log.close()
-
-
 def test_group_forms_when_one_process_loads_much_later(tmp_path):
     port, coord = free_port(), free_port()
     timeout = str(int(GAP_S) + 90)
@@ -66,19 +57,7 @@ def test_group_forms_when_one_process_loads_much_later(tmp_path):
              _start(1, port, coord, GAP_S, tmp_path, "--load-timeout", timeout)]
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + GAP_S + 120
-        while time.monotonic() < deadline:
-            for i, (p, log) in enumerate(procs):
-                if p.poll() is not None:
-                    pytest.fail(f"process {i} exited {p.returncode}: {Path(log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("the group did not become ready")
+        wait_group_ready(url, procs, GAP_S + 120)
         r = httpx.post(url + "/generate", json={"prompt_ids": [2, 40, 41, 42], "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and len(r.json()["token_ids"]) == 3, r.text
         log0 = Path(procs[0][1].name).read_text()
@@ -90,7 +69,7 @@ def test_group_forms_when_one_process_loads_much_later(tmp_path):
         assert procs[0][0].wait(60) == 0
         assert procs[1][0].wait(60) == 0
     finally:
-        _stop(procs)
+        stop_processes(procs)
 
 
 def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path):
@@ -102,7 +81,7 @@ def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path):
         assert time.monotonic() - t0 < 30
         assert "FATAL: the process group did not form" in Path(procs[0][1].name).read_text()
     finally:
-        _stop(procs)
+        stop_processes(procs)
     # A process that loads for longer than --load-timeout allows.
     port, coord = free_port(), free_port()
     procs = [_start(0, port, coord, 0, tmp_path, "--load-timeout", "4"),
@@ -114,4 +93,4 @@ def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path):
         log0 = Path(procs[0][1].name).read_text()
         assert "not every process was loaded within 4s (--load-timeout)" in log0, log0[-2000:]
     finally:
-        _stop(procs)
+        stop_processes(procs)
