@@ -20,7 +20,6 @@ from models.gemma3 import load_model
 from serving import distributed as dist
 from serving.engine import ChunkInputs, EngineInfo, ModelEngine
 from serving.engine_core import EngineCore
-from serving.fake_engine import ByteTokenizer
 from serving.metrics import Metrics
 from serving.sampling import SamplingParams, SlotSampling
 from serving.scheduler import Scheduler, Sequence, block_hashes
