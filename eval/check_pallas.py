@@ -1,0 +1,281 @@
+"""Checks of the Pallas ring kernel (equarx.pallas_ring) that need no TPU.
+
+- interpret: the kernel in Pallas' TPU interpret mode on 2, 4 and 8 virtual CPU devices, each
+  case against `pallas_ring.reference_all_reduce` (the same schedule through equarx.ring's
+  ppermutes): bitwise equal, identical replicas, the race detector clean, and no semaphore
+  left non-zero at kernel exit (the interpreter only prints a warning for that; it counts as
+  a failure here), in both DMA execution modes.
+- lower: the kernel lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
+  for every message the Gemma 3 models send: [tokens, d_model] for each model's d_model, tp
+  2/4/8/16, bfloat16 and float32, each codec, decode to long-prefill token counts.
+
+Each device count needs its own process (XLA reads the device count, and the CPU runtime its
+thread count, PJRT_NPROC, when JAX starts), so every group of cases runs in a child process
+(`--child`) and reports one JSON line per case.
+
+  python -m eval.check_pallas                  # everything (several minutes)
+  python -m eval.check_pallas --only lower --json report.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+SEMAPHORE_WARNING = "non-zero count"  # the interpreter's message for a semaphore left set
+CODEC_LABELS = ("int8-full+tile@pallas", "int8@pallas", "bf16_ring@pallas")
+MODEL_D = {"270m": 640, "1b": 1152, "4b": 2560, "12b": 3840, "27b": 5376}
+TPS = (2, 4, 8, 16)
+DTYPES = ("bfloat16", "float32")
+TOKENS = (1, 16, 128, 2048, 8192)  # a decode row, a prefill chunk, prompt buckets
+
+
+def interpret_case(label: str, shape, dtype: str = "float32", mode: str = "on_wait",
+                   minishards: int = 4, min_piece: int = 1024, public: bool = False) -> dict:
+    """One interpret-mode case; `min_piece` small so that small messages are pipelined.
+    `public`: through `equarx.all_reduce` (its dispatch, default interpret parameters and
+    minimum piece) instead of calling the kernel's module with the race detector on."""
+    return dict(kind="interpret", label=label, shape=list(shape), dtype=dtype, mode=mode,
+                minishards=minishards, min_piece=min_piece, public=public)
+
+
+def lower_case(label: str, tp: int, tokens: int, d_model: int, dtype: str) -> dict:
+    return dict(kind="lower", label=label, tp=tp, shape=[tokens, d_model], dtype=dtype)
+
+
+def full_interpret_cases(n_devices: int) -> list[dict]:
+    """Every codec x dtype x DMA mode, with one and two windows of minishards (a 3-D message
+    whose rows and columns need padding)."""
+    cases = []
+    for label, dtype, mode in itertools.product(CODEC_LABELS, DTYPES, ("on_wait", "eager")):
+        cases.append(interpret_case(label, (2, 50, 200 * n_devices // 2), dtype, mode))
+        if n_devices <= 4:  # 5 minishards a direction: windows of 4 and 1
+            cases.append(interpret_case(label, (1152, 64 * n_devices), dtype, mode,
+                                        minishards=12))
+    return cases
+
+
+def full_lower_cases() -> list[dict]:
+    return [lower_case(label, tp, tokens, d, dtype)
+            for label, tp, tokens, d, dtype in itertools.product(
+                CODEC_LABELS, TPS, TOKENS, MODEL_D.values(), DTYPES)]
+
+
+# ---- the child process: one device count, a list of cases ----
+
+def _selfcheck_detects_semaphore_warning() -> bool:
+    """A kernel that leaves a semaphore signalled must produce the warning this script looks
+    for (so that a silent interpreter cannot make the check vacuous)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def kernel(x_ref, o_ref, sem):
+        pl.semaphore_signal(sem, 1)
+        o_ref[...] = x_ref[...]
+
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                       scratch_shapes=[pltpu.SemaphoreType.REGULAR],
+                       interpret=pltpu.InterpretParams())
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        jax.block_until_ready(f(jnp.zeros((8, 128), jnp.float32)))
+    return SEMAPHORE_WARNING in captured.getvalue()
+
+
+def _run_interpret(case: dict, n: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import equarx
+    from equarx import AllReduceConfig, pallas_ring
+    from equarx.layout import MIN_PIECE_ELEMENTS
+
+    cfg = AllReduceConfig.from_label(case["label"], minishards=case["minishards"])
+    if case["public"]:
+        case = {**case, "min_piece": MIN_PIECE_ELEMENTS, "mode": "on_wait"}
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    shape = tuple(case["shape"])
+    x = jax.random.normal(jax.random.key(n), (n, *shape), jnp.float32)
+    x = jax.device_put(x.astype(case["dtype"]), NamedSharding(mesh, P("tp")))
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=case["mode"])
+
+    def on_mesh(f):
+        return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=P("tp"),
+                                     out_specs=P("tp"), check_vma=False))
+
+    p = pallas_ring.plan_for(cfg, shape, n, case["min_piece"])
+    captured = io.StringIO()
+    t0 = time.perf_counter()
+    if case["public"]:
+        def kernel(v):
+            return equarx.all_reduce(v, "tp", cfg)
+    else:
+        def kernel(v):
+            return pallas_ring.all_reduce(v, "tp", cfg, params, case["min_piece"])
+    with contextlib.redirect_stdout(captured):
+        got = on_mesh(kernel)(x)
+        got = np.asarray(jax.block_until_ready(got).astype(jnp.float32))
+    seconds = time.perf_counter() - t0
+    # The public entry runs without the race detector: None, not "no race".
+    races = None if case["public"] else bool(interpreter.races.races_found)
+    want = on_mesh(lambda v: pallas_ring.reference_all_reduce(v, "tp", cfg, case["min_piece"]))(x)
+    want = np.asarray(want.astype(jnp.float32))
+    exact = np.asarray(x.astype(jnp.float32)).sum(0)
+    warnings = [line for line in captured.getvalue().splitlines() if SEMAPHORE_WARNING in line]
+    return dict(minishards_per_direction=p.minishards, window=p.window, piece=list(p.piece),
+                bitwise=bool(np.array_equal(got, want)),
+                differing=int((got != want).sum()),
+                replicas_identical=all(np.array_equal(got[0], g) for g in got[1:]),
+                races=races, semaphore_warnings=warnings,
+                rel_error=float(np.abs(got[0] - exact).max() / np.abs(exact).max()),
+                seconds=round(seconds, 2))
+
+
+def _run_lower(case: dict) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from equarx import AllReduceConfig, pallas_ring
+
+    cfg = AllReduceConfig.from_label(case["label"])
+    n = case["tp"]
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    f = jax.jit(jax.shard_map(
+        lambda v: pallas_ring.all_reduce(v[0], "tp", cfg, interpret=None)[None], mesh=mesh,
+        in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    t0 = time.perf_counter()
+    text = f.trace(jax.ShapeDtypeStruct((n, *case["shape"]), case["dtype"])).lower(
+        lowering_platforms=("tpu",)).as_text()
+    p = pallas_ring.plan_for(cfg, tuple(case["shape"]), n)
+    return dict(lowered="tpu_custom_call" in text, minishards_per_direction=p.minishards,
+                piece=list(p.piece), vmem_bytes=pallas_ring.vmem_bytes(p, case["dtype"],
+                                                                       case["dtype"]),
+                seconds=round(time.perf_counter() - t0, 2))
+
+
+def _child(n: int, cases: list[dict]) -> None:
+    from jax.experimental.pallas import tpu as pltpu
+
+    if any(c["kind"] == "interpret" for c in cases):
+        print(json.dumps(dict(kind="selfcheck",
+                              detects_semaphore_warning=_selfcheck_detects_semaphore_warning())),
+              flush=True)
+    for case in cases:
+        try:
+            result = _run_interpret(case, n) if case["kind"] == "interpret" else _run_lower(case)
+        except Exception as e:  # reported, and the interpreter's state reset for the next case
+            pltpu.reset_tpu_interpret_mode_state()
+            result = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
+        print(json.dumps({**case, "devices": n, **result}), flush=True)
+
+
+# ---- the parent: one child per device count ----
+
+def run_child(n_devices: int, cases: list[dict], timeout: float = 1800) -> list[dict]:
+    """Run `cases` in a child process with `n_devices` virtual CPU devices; one dict per case
+    (plus a leading selfcheck row when there are interpret cases). Raises on a crashed or
+    hung child, with its output."""
+    from serving import jax_platform
+
+    env = jax_platform.child_environment(malloc_tunables=False, cpu_devices=n_devices)
+    env["JAX_PLATFORMS"] = "cpu"
+    # The interpreter passes buffers through host callbacks, which the CPU runtime copies on
+    # a thread pool sized to the cores; with fewer threads than devices, buffers over ~100 KiB
+    # deadlock (see the project's Pallas notes). 4 N + 4 threads were enough.
+    env["PJRT_NPROC"] = str(4 * n_devices + 4)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "eval.check_pallas", "--child", str(n_devices),
+                           "--cases", json.dumps(cases)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(rows) < len(cases):
+        raise RuntimeError(f"check child ({n_devices} devices) exited {proc.returncode} after "
+                           f"{len(rows)} of {len(cases)} cases:\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return rows
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """What went wrong, one line per failed check."""
+    out = []
+    for r in rows:
+        name = f"{r.get('label')} {r.get('shape')} {r.get('dtype')} {r.get('mode', '')} " \
+               f"on {r.get('devices')}"
+        if r["kind"] == "selfcheck":
+            if not r["detects_semaphore_warning"]:
+                out.append("the semaphore warning is not captured: checks would be vacuous")
+        elif "error" in r:
+            out.append(f"{name}: {r['error']}")
+        elif r["kind"] == "interpret":
+            bad = [k for k, ok in (("not bitwise equal", r["bitwise"]),
+                                   ("replicas differ", r["replicas_identical"]),
+                                   ("race detected", r["races"] is not True),
+                                   ("semaphore left non-zero", not r["semaphore_warnings"]))
+                   if not ok]
+            if bad:
+                out.append(f"{name}: {', '.join(bad)}")
+        elif not r["lowered"]:
+            out.append(f"{name}: no TPU custom call in the lowered module")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", choices=("interpret", "lower"), help="one kind of check")
+    ap.add_argument("--devices", default="2,4,8", help="device counts for interpret mode")
+    ap.add_argument("--json", help="write every row to this file")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--cases", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child(args.child, json.loads(args.cases))
+        return 0
+    rows = []
+    if args.only != "lower":
+        for n in (int(v) for v in args.devices.split(",")):
+            t0 = time.perf_counter()
+            rows += run_child(n, full_interpret_cases(n))
+            print(f"interpret, {n} devices: {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.only != "interpret":
+        t0 = time.perf_counter()
+        rows += run_child(max(TPS), full_lower_cases())
+        print(f"lowering: {time.perf_counter() - t0:.0f} s", flush=True)
+    for r in rows:
+        if r["kind"] == "interpret" and "error" not in r:
+            print(f"{r['label']:24} {str(r['shape']):16} {r['dtype']:9} {r['mode']:8} "
+                  f"N={r['devices']} mh={r['minishards_per_direction']} "
+                  f"bitwise={r['bitwise']} races={r['races']} "
+                  f"sems={len(r['semaphore_warnings'])} rel_err={r['rel_error']:.4f} "
+                  f"{r['seconds']} s")
+    lowered = [r for r in rows if r["kind"] == "lower" and r.get("lowered")]
+    print(f"lowered for TPU: {len(lowered)} of {sum(r['kind'] == 'lower' for r in rows)}; "
+          f"largest VMEM scratch {max((r['vmem_bytes'] for r in lowered), default=0) / 2**20:.1f}"
+          f" MiB")
+    if args.json:
+        from eval.reports import write_json
+
+        write_json(args.json, dict(rows=rows, failures=failures(rows)))
+    bad = failures(rows)
+    for line in bad:
+        print("FAIL", line)
+    print("all checks passed" if not bad else f"{len(bad)} failures")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

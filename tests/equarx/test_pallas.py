@@ -1,0 +1,101 @@
+"""The Pallas ring kernel (equarx.pallas_ring): its config spelling, what it covers, its VMEM
+bound, and, in child processes (a device count each, see eval.check_pallas), TPU interpret mode
+on 2, 4 and 8 devices against the same schedule through equarx.ring (bitwise, race detector,
+semaphores at exit, both DMA modes) and its lowering for TPU for the models' messages.
+
+The interpret cases are small (interpret mode costs seconds per call); `python -m
+eval.check_pallas` runs every codec x dtype x DMA mode x device count and every model message.
+"""
+import pytest
+
+from equarx import AllReduceConfig
+from eval import check_pallas as check
+
+
+@pytest.mark.parametrize("label", ["int8@pallas", "int8-full+tile@pallas", "bf16_ring@pallas",
+                                   "bf16_ring-full@pallas", "int8-full/64@pallas"])
+def test_label_spells_the_kernel(label):
+    cfg = AllReduceConfig.from_label(label, minishards=8)
+    assert cfg.impl == "pallas" and cfg.label == label and cfg.minishards == 8
+    assert AllReduceConfig.from_label(label.removesuffix("@pallas")).impl == "ppermute"
+
+
+@pytest.mark.parametrize("label", ["bf16@pallas", "f32@pallas", "int8@ppermute", "int8@",
+                                   "int8@tpu", "int8@pallas+tile"])
+def test_label_rejects_bad_impls(label):
+    with pytest.raises(ValueError):
+        AllReduceConfig.from_label(label)
+
+
+@pytest.mark.parametrize("label", ["int8-semi@pallas", "int8-twoshot@pallas", "int8-rs@pallas",
+                                   "int4@pallas", "fp8@pallas", "int8+hadamard@pallas",
+                                   "bf16_ring-semi@pallas"])
+def test_kernel_refuses_what_it_does_not_cover(label):
+    from equarx import pallas_ring
+
+    with pytest.raises(ValueError, match="Pallas kernel"):
+        pallas_ring.plan_for(AllReduceConfig.from_label(label), (256, 1024), 4)
+
+
+def test_vmem_stays_bounded_for_every_model_message():
+    """The window keeps the kernel's VMEM scratch under the smallest default scoped limit
+    (16 MiB, v5e) for every message a model sends, up to 32k-token prefills."""
+    from equarx import pallas_ring
+
+    worst = 0
+    for label in check.CODEC_LABELS:
+        for d in check.MODEL_D.values():
+            for tp in check.TPS:
+                for tokens in (1, 16, 2048, 8192, 32768):
+                    p = pallas_ring.plan_for(AllReduceConfig.from_label(label), (tokens, d), tp)
+                    r, lanes = p.piece  # whole native tiles: int8 32x128, bf16 16x128
+                    rows = 16 if label.startswith("bf16") else 32
+                    assert r % rows == 0 and lanes % 128 == 0, (label, d, tp, tokens, p.piece)
+                    worst = max(worst, pallas_ring.vmem_bytes(p, "float32", "float32"))
+    assert worst < 16 << 20, worst
+
+
+# Per device count: each codec in one dtype and one DMA mode (the other dtype and mode on the
+# next count); messages with padded rows and columns, 3-D; on 2 devices also two windows of
+# minishards (the last one short) and the public equarx.all_reduce dispatch.
+INTERPRET_CASES = {
+    2: [check.interpret_case("int8-full+tile@pallas", (64, 512), "bfloat16", "on_wait"),
+        check.interpret_case("int8@pallas", (2, 50, 300), "float32", "eager"),
+        check.interpret_case("bf16_ring@pallas", (1152, 128), "float32", "on_wait",
+                             minishards=12),  # 5 minishards a direction: windows of 4 and 1
+        check.interpret_case("int8@pallas", (64, 640), "bfloat16", public=True)],
+    4: [check.interpret_case("int8-full+tile@pallas", (40, 1000), "float32", "eager"),
+        check.interpret_case("int8@pallas", (2, 40, 520), "bfloat16", "on_wait"),
+        check.interpret_case("bf16_ring@pallas", (200, 640), "bfloat16", "eager")],
+    8: [check.interpret_case("int8-full+tile@pallas", (64, 1024), "bfloat16", "on_wait"),
+        check.interpret_case("int8@pallas", (130, 1152), "float32", "eager", minishards=2)],
+}
+
+
+@pytest.mark.parametrize("n_devices", sorted(INTERPRET_CASES))
+def test_kernel_is_its_schedule_bitwise_in_interpret_mode(n_devices):
+    rows = check.run_child(n_devices, INTERPRET_CASES[n_devices], timeout=600)
+    assert check.failures(rows) == []
+    cases = [r for r in rows if r["kind"] == "interpret"]
+    assert len(cases) == len(INTERPRET_CASES[n_devices])
+    # The cases exercise what they are meant to: pipelined minishards, and two windows.
+    assert max(r["minishards_per_direction"] for r in cases) >= 2
+    if n_devices == 2:
+        assert any(r["minishards_per_direction"] > r["window"] for r in cases)
+    for r in cases:  # a real AllReduce, not only an agreement between two paths
+        assert r["rel_error"] < 0.05, r
+
+
+def test_kernel_lowers_for_tpu_for_model_messages():
+    """Every codec x tp x dtype, each with a model's d_model (all five appear) and a prefill
+    chunk or bucket; eval.check_pallas lowers the whole product with decode to 8k tokens."""
+    models = list(check.MODEL_D.values())
+    cases = []
+    for i, (label, tp, dtype) in enumerate(
+            (label, tp, dtype) for label in check.CODEC_LABELS for tp in check.TPS
+            for dtype in check.DTYPES):
+        cases.append(check.lower_case(label, tp, (16, 2048)[i % 2], models[i % len(models)],
+                                      dtype))
+    rows = check.run_child(max(check.TPS), cases, timeout=600)
+    assert check.failures(rows) == []
+    assert all(r["lowered"] for r in rows) and len(rows) == len(cases)
