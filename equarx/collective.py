@@ -8,18 +8,23 @@
   equarx.hadamard for "hadamard"): once before the reduce-scatter, undone once after the
   all-gather, every hop in between moves rotated values.
 - impl="pallas": the same ring as one Pallas TPU kernel (equarx.pallas_ring).
+- Several mesh axes: the multi-axis schedule (equarx.multi_axis) over the same layouts and
+  codecs, planned for (devices x axes) shards.
 """
 from __future__ import annotations
+
+import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx import codecs, groups, hadamard, ring, schedule, two_shot
+from equarx import codecs, groups, hadamard, multi_axis, ring, schedule, two_shot
 from equarx.config import QUANTIZED, AllReduceConfig
 from equarx.layout import Layout, TokenLayout, plan_layout, plan_token_layout
 
-__all__ = ["Layout", "TokenLayout", "all_reduce", "plan_for", "plan_layout",
+__all__ = ["Layout", "TokenLayout", "all_reduce", "multi_axis_plan", "plan_for", "plan_layout",
            "plan_token_layout", "resolved_variant"]
 
 
@@ -44,7 +49,8 @@ def plan_for(config: AllReduceConfig, shape: tuple[int, ...], n_devices: int,
     return plan_token_layout(tuple(shape), n_devices, config.minishards, halves, granule)
 
 
-def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig | None = None) -> jax.Array:
+def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
+               config: AllReduceConfig | None = None) -> jax.Array:
     """Sum `x` (this device's partial sum) over the mesh axis `axis_name`, inside shard_map.
 
     Returns an array of x's shape and dtype, identical on every device of the axis. Accepts any
@@ -52,6 +58,11 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig | None = No
     axis of size 1 it returns x unchanged (no communication). Rows are x's last axis: with a
     token-local config (`config.token_local`) row i of the result depends on row i of every
     device's x alone, bitwise.
+
+    `axis_name` may be a tuple of mesh axes (a torus' axes, e.g. ("x", "y")): the sum is then
+    over all of them, and a ring method runs the multi-axis schedule (equarx.multi_axis), which
+    reduce-scatters along each axis in turn with the message split so that every axis' links
+    carry a part at once; XLA's psums take the tuple as it is.
     """
     config = config or AllReduceConfig()
     if not isinstance(config, AllReduceConfig):
@@ -59,38 +70,67 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig | None = No
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"all_reduce needs a floating dtype, got {x.dtype}")
-    n_devices = lax.axis_size(axis_name)
-    if n_devices == 1:
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"axis_name must be a mesh axis name or a tuple of distinct ones, "
+                         f"got {axis_name!r}")
+    axes = tuple(a for a in axes if lax.axis_size(a) > 1)
+    if not axes:
         return x
+    psum_axes = axes[0] if len(axes) == 1 else axes
     if config.method == "f32":
-        return lax.psum(x.astype(jnp.float32), axis_name).astype(x.dtype)
+        return lax.psum(x.astype(jnp.float32), psum_axes).astype(x.dtype)
     if config.method == "bf16" or x.size * x.dtype.itemsize < config.min_bytes or x.size == 0:
-        return lax.psum(x.astype(jnp.bfloat16), axis_name).astype(x.dtype)
+        return lax.psum(x.astype(jnp.bfloat16), psum_axes).astype(x.dtype)
+    if len(axes) > 1:
+        if config.impl != "ppermute":
+            raise NotImplementedError(f"the multi-axis schedule runs with impl='ppermute' only, "
+                                      f"got {config.impl!r}")
+        return _multi_axis_all_reduce(x, axes, config)
     if config.impl == "pallas":
         # Imported here: Pallas' TPU modules are only needed by those who ask for the kernel.
         from equarx import pallas_ring
 
-        return pallas_ring.all_reduce(x, axis_name, config)
-    return _scheduled_all_reduce(x, axis_name, n_devices, config)
+        return pallas_ring.all_reduce(x, axes[0], config)
+    return _scheduled_all_reduce(x, axes[0], lax.axis_size(axes[0]), config)
+
+
+def _rotation(config: AllReduceConfig) -> str | None:
+    quantized = config.method in QUANTIZED
+    return config.blocks if quantized and config.blocks in ("group", "hadamard") else None
+
+
+def _split(x: jax.Array, layout, config: AllReduceConfig) -> jax.Array:
+    """The caller's message -> the layout's buffer, rotated where the codec wants it."""
+    rotation = _rotation(config)
+    if rotation == "group":
+        # Rotate the caller's rows as they are (contiguous, runs of g from column 0; the shard
+        # width is a multiple of g, so the runs are the codec's groups), not the strided buffer.
+        x = groups.rotate_rows(x, config.group_size)
+    buf = layout.split(x)
+    if rotation == "hadamard":
+        buf = hadamard.rotate(buf.reshape(-1)).reshape(buf.shape)
+    return buf
+
+
+def _join(out: jax.Array, layout, config: AllReduceConfig, x: jax.Array) -> jax.Array:
+    """The reduced buffer -> the caller's shape and dtype, un-rotated."""
+    rotation = _rotation(config)
+    if rotation == "group":
+        return groups.unrotate_rows(layout.join_rows(out), config.group_size,
+                                    x.shape).astype(x.dtype)
+    if rotation == "hadamard":
+        out = hadamard.unrotate(out.reshape(-1)).reshape(out.shape)
+    return layout.join(out, x.shape).astype(x.dtype)
 
 
 def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
                           config: AllReduceConfig) -> jax.Array:
     variant = resolved_variant(config, n, x.size * x.dtype.itemsize)
     layout = plan_for(config, x.shape, n, variant)
-    quantized = config.method in QUANTIZED
-    rotation = config.blocks if quantized and config.blocks in ("group", "hadamard") else None
-    if rotation == "group":
-        # Rotate the caller's rows as they are (contiguous, runs of g from column 0; the shard
-        # width is a multiple of g, so the runs are the codec's groups), not the strided buffer.
-        x_in = groups.rotate_rows(x, config.group_size)
-    else:
-        x_in = x
-    buf = layout.split(x_in)
-    if rotation == "hadamard":
-        buf = hadamard.rotate(buf.reshape(-1)).reshape(buf.shape)
+    buf = _split(x, layout, config)
     rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
-    out_dtype = jnp.float32 if rotation else x.dtype
+    out_dtype = jnp.float32 if _rotation(config) else x.dtype
     if variant == "twoshot":
         pieces = two_shot.pieces_for(layout.pieces, config.pipelined)
         y = two_shot.reduce_scatter(buf, axis_name, pieces, rs_codec, layout)
@@ -99,9 +139,33 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
         rs_chains, ag_chains = ring.chains_for(variant, n, layout.pieces, config.pipelined)
         y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec, layout)
         out = ring.ring_all_gather(y, axis_name, ag_chains, ag_codec, layout, out_dtype)
-    if rotation == "group":
-        return groups.unrotate_rows(layout.join_rows(out), config.group_size,
-                                    x.shape).astype(x.dtype)
-    if rotation == "hadamard":
-        out = hadamard.unrotate(out.reshape(-1)).reshape(out.shape)
-    return layout.join(out, x.shape).astype(x.dtype)
+    return _join(out, layout, config, x)
+
+
+def multi_axis_plan(config: AllReduceConfig, shape: tuple[int, ...],
+                    axis_sizes: Sequence[int]) -> tuple[Layout | TokenLayout, list[str]]:
+    """(layout, per-axis variants) of the multi-axis schedule over axes of `axis_sizes`: the
+    single-axis layout for (devices x axes) shards (one part per axis), and each axis' schedule
+    as `resolved_variant` picks it for that axis and a part of the message."""
+    k = len(axis_sizes)
+    n_all = math.prod(axis_sizes)
+    nbytes = math.prod(shape) * 2 / k  # a part, in bf16 bytes
+    variants = [resolved_variant(config, n, nbytes) for n in axis_sizes]
+    return plan_for(config, tuple(shape), n_all * k, "twoshot"), variants
+
+
+def _multi_axis_all_reduce(x: jax.Array, axes: tuple[str, ...],
+                           config: AllReduceConfig) -> jax.Array:
+    sizes = [lax.axis_size(a) for a in axes]
+    layout, variants = multi_axis_plan(config, x.shape, sizes)
+    buf = _split(x, layout, config)
+    if isinstance(layout, Layout):
+        stacked = buf  # [shards, m, K, 8, 128] already
+    else:
+        stacked = jnp.stack([layout.piece(buf, s, 0, layout.pieces)
+                             for s in range(layout.n_devices)])
+    rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
+    out_dtype = jnp.float32 if _rotation(config) else x.dtype
+    out = multi_axis.multi_axis_schedule(stacked, axes, variants, rs_codec, ag_codec,
+                                         config.pipelined, out_dtype)
+    return _join(layout.assemble(out), layout, config, x)

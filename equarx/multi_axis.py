@@ -1,0 +1,154 @@
+"""Multi-axis AllReduce: reduce-scatter along each mesh axis in turn, all-gather back in reverse,
+with the message split so that every axis' links are busy at once.
+
+Why: a TPU torus gives a chip two links per axis (four on a 2D torus, six on a 3D one); a ring
+over one axis drives two of them. Over axes (a_0, ..., a_{k-1}) of sizes n_0..n_{k-1}
+(N = n_0 ... n_{k-1} devices) the message is cut into k *parts*, and part p visits the axes in
+the rotated order a_p, a_{p+1}, ..., a_{p-1}: at stage t of the reduce-scatter part p moves
+along axis a_{(p+t) % k}, so the k parts use k different axes at every stage (half of the
+message starts on x and half on y on a 2D torus). Each stage is one of this package's
+single-axis schedules (equarx.ring's full- or semi-loop chains, or equarx.two_shot) over that
+axis, on a buffer whose shards are the remaining axes' blocks: after stage t a device holds the
+part's partial sums of 1 / (n_{s_0} ... n_{s_t}) of it, reduced over those axes.
+
+Quantization: every reduce-scatter hop decodes to float32, adds, and re-encodes (as the rings
+do). The all-gather encodes each fully reduced shard once, by its owner, and every later stage
+forwards the gathered wire bytes verbatim (a stage along axis a sends everything gathered along
+the axes after it), so a value is quantized (RS hops over all axes) + 1 times, and every device
+decodes the very same bytes: replicas are bitwise identical.
+
+Layout: the caller's message takes the single-axis layout (equarx.layout) planned for N x k
+shards: shard p N + s is shard s of part p. With blocks="group" and the unquantized rings that
+is the token layout (columns of every row split across the shards, the same for every row), so
+the schedule is token-local exactly when the single-axis one is (`AllReduceConfig.token_local`):
+a value's shard, part, axis order and so its rounding steps depend on its column alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from equarx import ring, two_shot
+from equarx.codecs import Codec
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedLayout:
+    """The view equarx.ring / equarx.two_shot need of a buffer [n, pieces, *piece]: shard s is
+    row s (an absolute index along the axis), piece j its row j."""
+
+    n_devices: int
+    pieces: int
+
+    def piece(self, buf: jax.Array, shard, j0: int, j1: int) -> jax.Array:
+        start = (shard, j0) + (0,) * (buf.ndim - 2)
+        return lax.dynamic_slice(buf, start, (1, j1 - j0) + buf.shape[2:])[0]
+
+
+def axis_orders(k: int) -> list[tuple[int, ...]]:
+    """Part p's axis order: the axes rotated to start at axis p (stage t of every part uses a
+    different axis)."""
+    return [tuple((p + t) % k for t in range(k)) for p in range(k)]
+
+
+def reduce_scatter_axis(buf: jax.Array, axis_name: str, variant: str, codec: Codec,
+                        pipelined: bool) -> jax.Array:
+    """buf [n, M, *piece] (this device's partials; row s is the block of axis index s) ->
+    f32 [M, *piece], the block of this device's axis index reduced over the axis."""
+    n, m = buf.shape[0], buf.shape[1]
+    layout = StackedLayout(n, m)
+    if variant == "twoshot":
+        return two_shot.reduce_scatter(buf, axis_name, two_shot.pieces_for(m, pipelined),
+                                       codec, layout)
+    rs_chains, _ = ring.chains_for(variant, n, m, pipelined)
+    return ring.ring_reduce_scatter(buf, axis_name, rs_chains, codec, layout)
+
+
+def gather_axis(payload: jax.Array, axis_name: str, n: int, variant: str,
+                pipelined: bool) -> jax.Array:
+    """payload [U, *wire] (wire bytes, forwarded verbatim) -> [n, U, *wire], row r the payload
+    of the device r steps further along the axis (relative order)."""
+    u = payload.shape[0]
+    got: list[list[jax.Array] | None] = [None] * n
+    if variant == "twoshot":
+        for k in range(1, n):
+            # What arrives from device d - k is the payload of relative row -k.
+            got[(-k) % n] = [lax.ppermute(payload, axis_name, [(i, (i + k) % n)
+                                                               for i in range(n)])]
+        got[0] = [payload]
+        return jnp.stack([jnp.concatenate(row) for row in got])
+    _, ag_chains = ring.chains_for(variant, n, u, pipelined)
+    pieces = sorted({p for c in ag_chains for p in c.pieces})
+    rows: list[dict] = [{p: payload[p[0]:p[1]] for p in pieces}] + [{} for _ in range(n - 1)]
+    in_flight = {(ci, p): payload[p[0]:p[1]] for ci, c in enumerate(ag_chains) for p in c.pieces}
+    for t in range(max(c.hops for c in ag_chains)):
+        for ci, chain in enumerate(ag_chains):
+            if t >= chain.hops:
+                continue
+            perm = [(i, (i + chain.direction) % n) for i in range(n)]
+            source = (-chain.direction * (t + 1)) % n
+            for p in chain.pieces:
+                in_flight[ci, p] = lax.ppermute(in_flight[ci, p], axis_name, perm)
+                rows[source][p] = in_flight[ci, p]
+    if any(len(row) != len(pieces) for row in rows):  # a schedule bug, not a user error
+        raise AssertionError("all-gather chains leave blocks uncovered")
+    return jnp.stack([jnp.concatenate([row[p] for p in pieces]) for row in rows])
+
+
+def multi_axis_schedule(buf: jax.Array, axis_names: Sequence[str], variants: Sequence[str],
+                        rs_codec: Codec, ag_codec: Codec, pipelined: bool,
+                        out_dtype) -> jax.Array:
+    """buf [k N, m, *piece] (k = len(axis_names) parts of N shards of m pieces) -> the same
+    shape in `out_dtype`, summed over every axis, identical on every device.
+
+    variants[a]: the single-axis schedule ("full", "semi", "twoshot") run along axis a."""
+    k = len(axis_names)
+    sizes = [lax.axis_size(a) for a in axis_names]
+    n_all = math.prod(sizes)
+    m, piece = buf.shape[1], buf.shape[2:]
+    if buf.shape[0] != k * n_all:
+        raise ValueError(f"buffer of {buf.shape[0]} shards for {k} parts of {n_all}")
+    orders = axis_orders(k)
+    # Part p: [n_{o_0}, ..., n_{o_{k-1}}, m, *piece] in its axis order o = orders[p]; stage t
+    # works on [n_{o_t}, rest, *piece] with the earlier axes already reduced away.
+    parts = [buf[p * n_all:(p + 1) * n_all] for p in range(k)]
+    for t in range(k):
+        for p in range(k):
+            a = orders[p][t]
+            rest = math.prod(sizes[orders[p][s]] for s in range(t + 1, k))
+            part = parts[p].reshape(sizes[a], rest * m, *piece)
+            parts[p] = reduce_scatter_axis(part, axis_names[a], variants[a], rs_codec,
+                                           pipelined)
+    # Each owner encodes its m reduced pieces once; the barrier makes it decode the very bytes
+    # it sends (see equarx.ring.ring_all_gather).
+    wires = [lax.optimization_barrier(ag_codec.encode(y)) for y in parts]
+    tail = wires[0].shape[1:]  # one piece's wire bytes
+    for t in reversed(range(k)):
+        for p in range(k):
+            a = orders[p][t]
+            w = wires[p]  # [n_{o_{t+1}}, ..., n_{o_{k-1}}, m, *tail]
+            got = gather_axis(w.reshape(-1, *tail), axis_names[a], sizes[a], variants[a],
+                              pipelined)
+            wires[p] = got.reshape(sizes[a], *w.shape)
+    out = []
+    for p in range(k):
+        w = wires[p]  # [n_{o_0}, ..., n_{o_{k-1}}, m, *wire], relative along every axis
+        for t in range(k):
+            # Relative row r along this axis is absolute (d + r) % n: roll by d.
+            w = _roll(w, lax.axis_index(axis_names[orders[p][t]]), t)
+        w = w.reshape(n_all * m, *tail)
+        out.append(ag_codec.decode(w).astype(out_dtype).reshape(n_all, m, *piece))
+    return jnp.concatenate(out)
+
+
+def _roll(x: jax.Array, shift, axis: int) -> jax.Array:
+    """x rolled by a traced `shift` along `axis` (out[i] = x[(i - shift) % n]): a dynamic slice
+    of the axis doubled, one copy."""
+    n = x.shape[axis]
+    doubled = jnp.concatenate([x, x], axis=axis)
+    return lax.dynamic_slice_in_dim(doubled, (n - shift) % n, n, axis)
