@@ -43,7 +43,8 @@ def rotation(g: int) -> np.ndarray:
     return (signs[:, None] * _hadamard(g)).astype(np.float32)
 
 
-def _times(v: jax.Array, m: np.ndarray, fence_out: bool = True) -> jax.Array:
+def _times(v: jax.Array, m: np.ndarray, fence_out: bool = True,
+           own_matrix: bool = False) -> jax.Array:
     """f32[n, g] times the g x g matrix m, as a kernel of its own.
 
     Written as a broadcast product summed over a fixed axis, not as a dot: XLA:CPU picks a
@@ -54,11 +55,18 @@ def _times(v: jax.Array, m: np.ndarray, fence_out: bool = True) -> jax.Array:
     leaves the output open to its consumer: after the all-gather that is a slice and a cast,
     which then need no pass of their own (16 MiB message: 10 ms less, the same bits).
 
-    The matrix goes through the barrier with the values: a model runs several rotations of the
-    same shape, and XLA's CSE then merged their broadcasts of the constant matrix into one
-    shared [n, g, g] array that it wrote out in full (151 MB and ~140 ms per prefill call of a
-    1024-token, 2-layer 1B model) instead of fusing it into each product."""
-    v, mat = lax.optimization_barrier((v, jnp.asarray(m)))
+    `own_matrix=True` passes the matrix through the barrier with the values. A model runs
+    several rotations of one shape, and XLA's CSE merges their broadcasts of the constant
+    matrix into one shared [n, g, g] array that it writes out in full on every call (151 MB,
+    ~70 ms per prefill call of a 1024-token, 2-layer 1B model, for each of the two matrices);
+    with its own matrix each product fuses its broadcast. The forward rotation keeps the
+    shared broadcast: given its own, its bits in a model program change (the reduce's
+    summation order), which moved the tp=4 golden agreement of tests/models/test_parity.py by
+    one position; the inverse's bits do not change."""
+    if own_matrix:
+        v, mat = lax.optimization_barrier((v, jnp.asarray(m)))
+    else:
+        v, mat = lax.optimization_barrier(v), jnp.asarray(m)
     out = jnp.sum(v[:, :, None] * mat[None], axis=1)
     return lax.optimization_barrier(out) if fence_out else out
 
@@ -81,7 +89,7 @@ def rotate(x: jax.Array, g: int) -> jax.Array:
 def unrotate(y: jax.Array, g: int) -> jax.Array:
     """Inverse of `rotate`: each run times M^T / g (g a power of two: the division is exact)."""
     return _times(y.astype(jnp.float32).reshape(-1, g), rotation(g).T / g,
-                  fence_out=False).reshape(y.shape)
+                  fence_out=False, own_matrix=True).reshape(y.shape)
 
 
 def rotate_rows(x: jax.Array, g: int) -> jax.Array:
