@@ -92,7 +92,7 @@ def test_rotation_is_invertible_and_orthogonal_up_to_its_scale():
     x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
     y = np.asarray(groups.unrotate(groups.rotate(jnp.asarray(x), 32), 32))
     np.testing.assert_allclose(y, x, rtol=0, atol=1e-5)
-    # A bfloat16 message rotates exactly as its float32 copy.
+    # A bfloat16 message is widened by its bits: the same rotation as of its float32 copy.
     xb = jnp.asarray(x, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(groups.rotate(xb, 32)),
                                   np.asarray(groups.rotate(xb.astype(jnp.float32), 32)))
