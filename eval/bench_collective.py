@@ -71,22 +71,70 @@ def format_size(nbytes: int) -> str:
 
 def parse_method(name: str, minishards: int, pipelined: bool = True):
     """'bf16', 'f32', 'bf16_ring[-semi]', 'int8-full', 'int8-semi-ag', 'int8-full+hadamard', ...
-    -> AllReduceConfig (the spelling of `AllReduceConfig.label`)."""
-    return AllReduceConfig.from_label(name, minishards=minishards, pipelined=pipelined)
+    -> AllReduceConfig (the spelling of `AllReduceConfig.label`), with an optional mesh suffix
+    (see split_method)."""
+    return AllReduceConfig.from_label(split_method(name)[0], minishards=minishards,
+                                      pipelined=pipelined)
+
+
+MESH_KINDS = ("ring", "snake", "torus")
+
+
+def split_method(name: str) -> tuple[str, str]:
+    """'int8-full+tile:torus' -> ('int8-full+tile', 'torus'). Suffixes: none (a 1D mesh "tp"
+    over the devices in process order), ':snake' (a 1D mesh whose consecutive devices are torus
+    neighbours, eval.torus.snake_order), ':torus' (the mesh of --mesh's shape, axes x, y[, z],
+    reduced over all of them: the multi-axis schedule for ring methods, XLA's psum over the
+    tuple for bf16/f32)."""
+    label, _, kind = name.partition(":")
+    kind = kind or "ring"
+    if kind not in MESH_KINDS:
+        raise ValueError(f"mesh suffix must be one of {MESH_KINDS[1:]}, got {kind!r} in {name!r}")
+    return label, kind
+
+
+def parse_dims_arg(text: str) -> tuple[int, ...]:
+    from eval.torus import parse_dims
+
+    return parse_dims(text)
 
 
 def _stats(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
 
+def _meshes(kinds: list[str], dims: tuple[int, ...] | None) -> dict[str, tuple[Mesh, tuple]]:
+    devices = np.array(jax.devices())
+    out = {}
+    for kind in kinds:
+        if kind == "ring":
+            out[kind] = (Mesh(devices, ("tp",)), ("tp",))
+            continue
+        if dims is None or int(np.prod(dims)) != devices.size:
+            raise ValueError(f"':{kind}' methods need --mesh (or --torus) dimensions whose "
+                             f"product is the {devices.size} devices, got {dims}")
+        if kind == "snake":
+            from eval.torus import snake_order
+
+            out[kind] = (Mesh(devices[snake_order(tuple(dims))], ("tp",)), ("tp",))
+        else:
+            axes = ("x", "y", "z")[:len(dims)]
+            out[kind] = (Mesh(devices.reshape(dims), axes), axes)
+    return out
+
+
 def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards: int,
                   pipelined: bool = True, mse: bool = True, seed: int = 0,
-                  row_width: int = DEFAULT_ROW) -> list[dict]:
-    """Measure every method at every size on all of jax.devices() (one mesh axis "tp").
-    Runs the same way in one process or in every process of a distributed run."""
+                  row_width: int = DEFAULT_ROW, mesh_dims: tuple[int, ...] | None = None
+                  ) -> list[dict]:
+    """Measure every method at every size on all of jax.devices() (a 1D mesh axis "tp", or
+    the mesh a method's suffix names: split_method). Runs the same way in one process or in
+    every process of a distributed run."""
     n = jax.device_count()
-    mesh = Mesh(np.array(jax.devices()), ("tp",))
-    sharding = NamedSharding(mesh, P("tp"))
+    kinds = {name: split_method(name)[1] for name in methods}
+    # one order in every process (a set's would vary with the hash seed, and with it the
+    # barrier's mesh and the order of collectives)
+    meshes = _meshes(list(dict.fromkeys(kinds.values())), mesh_dims)
     local_devices = jax.local_device_count()
     rows = []
     for size in sizes:
@@ -96,42 +144,51 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
         rng = np.random.default_rng(seed + 1000 * jax.process_index())
         local = rng.standard_normal((local_devices * tokens, width),
                                     dtype=np.float32).astype(jnp.bfloat16)
-        x = jax.make_array_from_process_local_data(sharding, local, (n * tokens, width))
+        xs = {kind: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P(axes)), local, (n * tokens, width))
+            for kind, (mesh, axes) in meshes.items()}
         configs = {m: parse_method(m, minishards, pipelined) for m in methods}
         compiled, compile_s, nbytes = {}, {}, {}
         for name, cfg in configs.items():
-            f = jax.jit(jax.shard_map(lambda a, c=cfg: all_reduce(a, "tp", c), mesh=mesh,
-                                      in_specs=P("tp"), out_specs=P("tp")))
+            mesh, axes = meshes[kinds[name]]
+            reduce_over = axes[0] if len(axes) == 1 else axes
+            f = jax.jit(jax.shard_map(lambda a, c=cfg, r=reduce_over: all_reduce(a, r, c),
+                                      mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+            x = xs[kinds[name]]
             t0 = time.perf_counter()
             compiled[name] = f.lower(x).compile()
             compile_s[name] = time.perf_counter() - t0
             nbytes[name] = bytes_sent_per_device(compiled[name])
             compiled[name](x).block_until_ready()  # warm-up
         times = {name: [] for name in methods}
-        barrier = process_barrier(mesh)
+        barrier = process_barrier(meshes[next(iter(meshes))][0])
         for r in range(repeats):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for name in order:
+                x = xs[kinds[name]]
                 barrier()
                 t0 = time.perf_counter()
                 compiled[name](x).block_until_ready()
                 barrier()
                 times[name].append(time.perf_counter() - t0)
-        errors = _mse(mesh, x, compiled) if mse else {}
+        errors = _mse(meshes, xs, kinds, compiled) if mse else {}
         ideal = ideal_ring_bytes(n_el, 2, n)
         for name in methods:
             row = {
                 "size_bytes": size, "method": name, "label": configs[name].label,
-                "devices": n, "times_s": times[name], **_stats(times[name]),
+                "mesh": kinds[name], "devices": n, "times_s": times[name], **_stats(times[name]),
                 "bytes_per_device": nbytes[name], "bytes_vs_ideal_bf16_ring": nbytes[name] / ideal,
                 "compile_s": compile_s[name], "mse": errors.get(name),
+                # median over repeats of (the other method's time / this one's), same repeat
+                "speedup_vs": {ref: statistics.median(a / b for a, b in zip(times[ref],
+                                                                            times[name]))
+                               for ref in methods},
             }
             for ref in ("bf16", "bf16_ring"):
                 if ref in times:
-                    ratios = [a / b for a, b in zip(times[ref], times[name])]
-                    row[f"speedup_vs_{ref}"] = statistics.median(ratios)
+                    row[f"speedup_vs_{ref}"] = row["speedup_vs"][ref]
             rows.append(row)
-        del x
+        del xs
     return rows
 
 
@@ -144,31 +201,35 @@ def process_barrier(mesh: Mesh):
     method). One process: a no-op (its collectives are memory copies inside the program)."""
     if jax.process_count() == 1:
         return lambda: None
-    axis = mesh.axis_names[0]
+    axes = mesh.axis_names
     local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
     token = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P(axis)), np.zeros(local, np.float32), (mesh.size,))
-    sync = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, axis), mesh=mesh, in_specs=P(axis),
-                                 out_specs=P(axis))).lower(token).compile()
+        NamedSharding(mesh, P(axes)), np.zeros(local, np.float32), (mesh.size,))
+    sync = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, axes), mesh=mesh, in_specs=P(axes),
+                                 out_specs=P(axes))).lower(token).compile()
     return lambda: sync(token).block_until_ready()
 
 
-def _mse(mesh, x, compiled: dict) -> dict:
+def _mse(meshes: dict, xs: dict, kinds: dict, compiled: dict) -> dict:
     """MSE of each timed program's output against the float32 sum of the same bf16 inputs.
 
     The outputs come from the very programs that were timed, materialised in bf16. (Fusing the
     error into the same jit would let XLA drop the final bf16 rounding: on CPU it folds
     f32 -> bf16 -> f32 conversion pairs, which makes the bf16 psum look exact.)"""
-    exact = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a.astype(jnp.float32), "tp"),
-                                  mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
-    err = jax.jit(jax.shard_map(
-        lambda y, e: jax.lax.pmean(jnp.mean((y.astype(jnp.float32) - e) ** 2), "tp"),
-        mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P()))
     out = {}
-    for name, program in compiled.items():
-        y = program(x)
-        out[name] = float(err(y, exact))
-        del y
+    for kind, (mesh, axes) in meshes.items():
+        x = xs[kind]
+        exact = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a.astype(jnp.float32), axes),
+                                      mesh=mesh, in_specs=P(axes), out_specs=P(axes)))(x)
+        err = jax.jit(jax.shard_map(
+            lambda y, e: jax.lax.pmean(jnp.mean((y.astype(jnp.float32) - e) ** 2), axes),
+            mesh=mesh, in_specs=(P(axes), P(axes)), out_specs=P()))
+        for name, program in compiled.items():
+            if kinds[name] != kind:
+                continue
+            y = program(x)
+            out[name] = float(err(y, exact))
+            del y
     return out
 
 
@@ -206,7 +267,8 @@ def add_predictions(rows: list[dict], unshaped_rows: list[dict] | None, link_gbi
 def format_table(rows: list[dict]) -> str:
     extra = [k for k in ("wire_s", "model_s") if any(k in r for r in rows)]
     names = {"wire_s": "wire ms", "model_s": "model ms"}
-    head = (f"{'size':>8}  {'method':<10} {'median ms':>10} {'[min, max] ms':>18} "
+    w = max([10] + [len(r["method"]) for r in rows])
+    head = (f"{'size':>8}  {'method':<{w}} {'median ms':>10} {'[min, max] ms':>18} "
             f"{'x bf16':>7} {'x ring':>7} {'bytes/dev':>11} {'/ideal':>7} {'MSE':>9}"
             + "".join(f" {names[k]:>9}" for k in extra))
     lines = [head, "-" * len(head)]
@@ -218,12 +280,31 @@ def format_table(rows: list[dict]) -> str:
         spread = f"[{r['min'] * 1e3:.2f}, {r['max'] * 1e3:.2f}]"
         mse = "-" if r.get("mse") is None else f"{r['mse']:.2e}"
         lines.append(
-            f"{format_size(r['size_bytes']):>8}  {r['method']:<10} {r['median'] * 1e3:>10.2f} "
+            f"{format_size(r['size_bytes']):>8}  {r['method']:<{w}} {r['median'] * 1e3:>10.2f} "
             f"{spread:>18} {r.get('speedup_vs_bf16', float('nan')):>7.2f} "
             f"{r.get('speedup_vs_bf16_ring', float('nan')):>7.2f} "
             f"{r['bytes_per_device']:>11.0f} {r['bytes_vs_ideal_bf16_ring']:>7.3f} {mse:>9}"
             + "".join(f" {r[k] * 1e3:>9.2f}" if k in r else f" {'-':>9}" for k in extra))
     return "\n".join(lines)
+
+
+def format_ratios(rows: list[dict]) -> str:
+    """Per size, the matrix of median per-repeat ratios: row method's speed-up over column's."""
+    out = []
+    for size in dict.fromkeys(r["size_bytes"] for r in rows):
+        cell = [r for r in rows if r["size_bytes"] == size and "speedup_vs" in r]
+        if not cell:
+            continue
+        names = [r["method"] for r in cell]
+        w = max(len(m) for m in names)
+        out.append(f"{format_size(size)}: speed-up of the row over the column (median of "
+                   f"per-repeat ratios)")
+        out.append(" " * (w + 2) + " ".join(f"{m[:14]:>14}" for m in names))
+        for r in cell:
+            out.append(f"{r['method']:<{w}}  " + " ".join(
+                f"{r['speedup_vs'].get(m, float('nan')):>14.2f}" for m in names))
+        out.append("")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -239,7 +320,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help="pipelined=False: a ring direction's minishards share one ppermute")
     p.add_argument("--devices", type=int, default=8, help="virtual devices (one-process mode)")
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
-    p.add_argument("--link-gbit", type=float, default=None, help="shape the loopback (root)")
+    p.add_argument("--link-gbit", type=float, default=None,
+                   help="shape the loopback, or with --torus every link (root)")
+    p.add_argument("--torus", default=None, metavar="DIMS",
+                   help="e.g. 2x2 or 4: run one process per node of an emulated torus "
+                        "(eval.torus: a namespace per process, a veth per neighbour, each "
+                        "shaped to --link-gbit); sets --processes and --mesh")
+    p.add_argument("--mesh", default=None, metavar="DIMS",
+                   help="mesh shape for ':torus' and ':snake' methods (default: --torus)")
     p.add_argument("--no-mse", action="store_true", help="skip the MSE column")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
@@ -252,11 +340,20 @@ def main(argv: list[str] | None = None) -> dict:
                    help="print a saved run's table (with --predict-from: and its model) instead "
                         "of measuring")
     args = p.parse_args(argv)
+    torus = None
+    if args.torus:
+        from eval.torus import parse_dims
+
+        torus = parse_dims(args.torus)
+        args.processes = int(np.prod(torus))
+        if args.link_gbit is None:
+            p.error("--torus needs --link-gbit (the rate of every link)")
+    mesh_dims = parse_dims_arg(args.mesh) if args.mesh else torus
     if args.show:
         with open(args.show) as f:
             report = json.load(f)
         link = report.get("link_gbit")
-        if link:
+        if link and not report.get("torus"):
             unshaped = None
             if args.predict_from:
                 with open(args.predict_from) as f:
@@ -264,6 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
             add_predictions(report["rows"], unshaped, link)
         print(f"# {report['mode']}; {report['settings']}")
         print(format_table(report["rows"]))
+        print()
+        print(format_ratios(report["rows"]))
         return report
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -276,15 +375,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.predict_from and args.link_gbit is None:
         p.error("--predict-from needs --link-gbit")
     params = dict(sizes=sizes, methods=methods, repeats=args.repeats, minishards=args.minishards, row_width=args.row,
-                  pipelined=not args.one_message_per_hop, mse=not args.no_mse)
+                  pipelined=not args.one_message_per_hop, mse=not args.no_mse,
+                  mesh_dims=mesh_dims)
     if args.processes > 0:
         from eval import multiproc
 
         results = multiproc.run("eval.bench_collective:worker", args.processes, args=(params,),
-                                link_gbit=args.link_gbit, malloc_tunables=not args.plain_malloc)
+                                link_gbit=args.link_gbit, malloc_tunables=not args.plain_malloc,
+                                torus=torus)
         rows = results[0]["rows"]
-        mode = f"{args.processes} processes (gloo, 127.0.0.1"
-        mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
+        if torus:
+            mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a "
+                    f"veth per neighbour, each direction shaped to {args.link_gbit} Gbit/s)")
+        else:
+            mode = f"{args.processes} processes (gloo, 127.0.0.1"
+            mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
         for row, *others in zip(rows, *(r["rows"] for r in results[1:])):
             row["median_by_process"] = [row["median"]] + [o["median"] for o in others]
     else:
@@ -294,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
         ensure_cpu_devices(args.devices, exact=True)
         rows = bench_on_mesh(**params)
         mode = f"1 process, {rows[0]['devices']} virtual CPU devices"
-    if args.link_gbit:
+    if args.link_gbit and not torus:
         unshaped = None
         if args.predict_from:
             with open(args.predict_from) as f:
@@ -302,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
         add_predictions(rows, unshaped, args.link_gbit)
     report = {
         "mode": mode, "processes": args.processes, "link_gbit": args.link_gbit,
+        "torus": list(torus) if torus else None,
         "settings": params, "malloc": malloc_label(args.plain_malloc, args.processes > 0),
         "jax": jax.__version__, "cpus": os.cpu_count(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
@@ -309,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# {mode}; minishards={args.minishards}; pipelined={params['pipelined']}; "
           f"repeats={args.repeats}; malloc: {report['malloc']}")
     print(format_table(rows))
+    print()
+    print(format_ratios(rows))
     write_json(args.out, report)
     return report
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -48,6 +49,7 @@ def run(
     env: dict | None = None,
     sysctls: dict[str, str] | None = None,
     malloc_tunables: bool = True,
+    torus: Sequence[int] | None = None,
 ) -> list[Any]:
     """Run `entry(*args, **kwargs)` in `n_processes` JAX processes; see the module docstring.
 
@@ -61,6 +63,9 @@ def run(
     malloc_tunables: start the workers with glibc's malloc keeping freed blocks and using
       transparent huge pages (`serving.jax_platform`): XLA:CPU's per-execution buffers then
       stop paying page faults on every run.
+    torus: dimensions of an emulated torus (eval.torus; needs link_gbit and root): process i
+      runs as node i, in its own namespace, with one veth link shaped to link_gbit per torus
+      neighbour, instead of all processes sharing one shaped loopback.
     """
     if ":" not in entry:
         raise ValueError(f"entry must be 'module:function', got {entry!r}")
@@ -70,10 +75,21 @@ def run(
         raise ValueError(f"link_gbit must be positive, got {link_gbit}")
     if sysctls and link_gbit is None:
         raise ValueError("sysctls apply to the private namespace: they need link_gbit")
+    if torus is not None:
+        if link_gbit is None:
+            raise ValueError("an emulated torus needs link_gbit")
+        if math.prod(torus) != n_processes:
+            raise ValueError(f"a {torus} torus has {math.prod(torus)} nodes, not {n_processes}")
     with (tempfile.TemporaryDirectory(prefix="multiproc-") as tmp,
-          _namespace(link_gbit, sysctls or {}) as ns):
-        port = _free_port() if ns is None else 23456  # a fresh namespace has every port free
-        prefix = [] if ns is None else ["ip", "netns", "exec", ns]
+          _network(link_gbit, sysctls or {}, torus) as (ns, net)):
+        port = _free_port() if ns is None and net is None else 23456  # fresh namespaces
+        host = "127.0.0.1" if net is None else net.address(0)
+
+        def prefix(pid: int) -> list[str]:
+            if net is not None:
+                return net.prefix(pid)
+            return [] if ns is None else ["ip", "netns", "exec", ns]
+
         # Not the parent's virtual device count: each worker asks for its own.
         worker_env = jax_platform.child_environment(
             dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})), malloc_tunables=malloc_tunables)
@@ -86,7 +102,7 @@ def run(
                 spec = {
                     "entry": entry, "args": list(args), "kwargs": kwargs or {},
                     "process_id": pid, "num_processes": n_processes,
-                    "coordinator": f"127.0.0.1:{port}",
+                    "coordinator": f"{host}:{port}",
                     "devices_per_process": devices_per_process,
                     "result": os.path.join(tmp, f"result{pid}.json"),
                 }
@@ -95,7 +111,7 @@ def run(
                     json.dump(spec, f)
                 # stdout too: gloo prints connection chatter there.
                 log = open(os.path.join(tmp, f"log{pid}.txt"), "w")
-                cmd = prefix + [sys.executable, "-m", "eval.multiproc", "--worker", spec_path]
+                cmd = prefix(pid) + [sys.executable, "-m", "eval.multiproc", "--worker", spec_path]
                 procs.append((subprocess.Popen(cmd, env=worker_env, stdout=log,
                                                stderr=subprocess.STDOUT), log))
             deadline = time.monotonic() + timeout_s
@@ -130,6 +146,19 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _network(link_gbit, sysctls, torus):
+    """(shared namespace or None, eval.torus.Torus or None)."""
+    if torus is None:
+        with _namespace(link_gbit, sysctls) as ns:
+            yield ns, None
+        return
+    from eval.torus import emulated_torus
+
+    with emulated_torus(tuple(torus), link_gbit, sysctls=sysctls) as net:
+        yield None, net
 
 
 @contextlib.contextmanager
