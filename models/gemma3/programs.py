@@ -31,7 +31,8 @@ from models.gemma3.config import Gemma3Config
 from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.loading import cache_dtype
 from models.gemma3.program_cache import ProgramCache
-from models.gemma3.sharding import AXIS, cache_specs, local_kv_heads, named, weight_specs
+from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
+                                    resolve_tree, tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
 
 MIN_BUCKET = 32
@@ -141,8 +142,10 @@ class ModelPrograms:
         self.prefill_buckets = prefill_buckets(config.max_seq_len)
         self.program_cache = program_cache
         self.replicated = NamedSharding(mesh, P())
+        # "2x2" on a multi-axis TP mesh (its axes then stand for "tp"), None on a 1-D one.
+        self.tp_mesh = mesh_label(mesh)
         self._ctx = forward.Ctx(config=config, tp=self.tp, allreduce=allreduce,
-                                reduction=reduction)
+                                reduction=reduction, axes=tp_axes(mesh))
         self._weight_specs = weight_specs(config, self.tp)
         self._cache_specs = cache_specs(config, self.tp)
         # Lowering needs only the weights' shapes and shardings, so it can run while they load.
@@ -223,15 +226,19 @@ class ModelPrograms:
         # A plugged-in reduction may run collectives over axes of its own (eval.quality_scaling
         # vmaps equarx.all_reduce over emulated devices), which shard_map's varying-axes check
         # cannot type; the model's own reductions keep the check.
-        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
+                                   in_specs=resolve_tree(self.mesh, in_specs),
+                                   out_specs=resolve_tree(self.mesh, out_specs),
                                    check_vma=self.reduction is None), donate_argnums=donate)
         # A plugged-in reduction's source is outside the program cache's fingerprint (models/,
         # equarx/), so a stored program could outlive an edit to it: such programs are traced.
         if self.program_cache is None or self.reduction is not None:
             return fn
         # Everything besides the arguments' shapes that changes what tracing produces.
+        # (A multi-axis mesh lowers to the same HLO shardings as the 1-D one of its size.)
         static = (f"{self.config!r} tp={self.tp} {self.allreduce!r} "
-                  f"dtype={self.dtype} cache_dtype={self.cache_dtype}")
+                  f"dtype={self.dtype} cache_dtype={self.cache_dtype}"
+                  + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else ""))
         return self.program_cache.wrap(program.value, fn, donate, static, self.replicated)
 
     def _new_kv_specs(self) -> tuple[LayerCache, ...]:
@@ -248,7 +255,7 @@ class ModelPrograms:
         """ShapeDtypeStructs (with shardings) of a `tokens`-long chunk's keys/values."""
         heads = local_kv_heads(self.config, self.tp) * self.tp
         kv = jax.ShapeDtypeStruct((1, tokens, heads, self.config.head_dim), self.cache_dtype,
-                                  sharding=NamedSharding(self.mesh, P(None, None, AXIS, None)))
+                                  sharding=named(self.mesh, P(None, None, AXIS, None)))
         return tuple(LayerCache(k=kv, v=kv) for _ in range(self.config.num_layers))
 
     def jitted(self, program: Program) -> Callable:
@@ -275,7 +282,7 @@ class ModelPrograms:
             return cache, self.chunk_kv_shapes(key.tokens), ids(1), ids(1), ids(1)
         heads = local_kv_heads(self.config, self.tp) * self.tp
         kv = jax.ShapeDtypeStruct((key.batch, heads, self.config.head_dim), self.dtype,
-                                  sharding=NamedSharding(self.mesh, P(None, AXIS, None)))
+                                  sharding=named(self.mesh, P(None, AXIS, None)))
         new_kv = tuple(LayerCache(k=kv, v=kv) for _ in range(self.config.num_layers))
         return cache, new_kv, ids(key.batch)
 
