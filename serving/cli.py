@@ -118,8 +118,8 @@ def serve_main(argv: list[str] | None = None) -> None:
 
 # ---- gemma3-generate ----
 
-_GENERATE_SETTINGS = ("model", "tp", "allreduce", "allreduce_minishards", "allreduce_min_bytes",
-                      "dtype", "max_seq_len", "compile_cache_dir", "log_level")
+_GENERATE_SETTINGS = ("model", "tp", "tp_mesh", "allreduce", "allreduce_minishards",
+                      "allreduce_min_bytes", "dtype", "max_seq_len", "compile_cache_dir", "log_level")
 
 
 def generate_main(argv: list[str] | None = None) -> None:
@@ -166,7 +166,8 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
 
     t_start = time.perf_counter()
     progress = _Progress(t_start)
-    progress(f"loading {config.model} ({config.dtype}, tp={config.tp}, allreduce={config.allreduce_config().label})")
+    mesh = f" ({config.tp_mesh})" if config.tp_mesh else ""
+    progress(f"loading {config.model} ({config.dtype}, tp={config.tp}{mesh}, allreduce={config.allreduce_config().label})")
     configure_jax(config)
 
     def token_ids(tok) -> list[int]:

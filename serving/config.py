@@ -73,6 +73,11 @@ class ServerConfig:
                         "random:1b) for benchmarks")
     served_model_name: str | None = _field(None, "model id clients use (default: derived from --model)")
     tp: int = _field(1, "tensor-parallel devices (on a CPU-only machine: virtual CPU devices)")
+    tp_mesh: str | None = _field(None, "shape of the tensor-parallel mesh, axis sizes whose "
+                                 "product is --tp (e.g. 2x2 for --tp 4: axes x, y; heads and FFN "
+                                 "split over their product, every layer's AllReduce over both "
+                                 "axes), or 'auto' (a TPU slice's torus from the devices' "
+                                 "coordinates; 1-D elsewhere); unset: one axis", metavar="AxB")
     allreduce: str = _field("bf16", "AllReduce of the tensor-parallel layers: an equarx "
                             "AllReduceConfig label (method[-variant][-phases][+blocks], as /health "
                             "and the metrics show it), e.g. bf16 (XLA's psum) or int8-semi+hadamard "
@@ -132,6 +137,10 @@ class ServerConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         self.allreduce_config()  # a label equarx parses
+        if self.tp_mesh is not None:  # (only then: the check imports the model package)
+            from models.gemma3.sharding import parse_tp_mesh
+
+            parse_tp_mesh(self.tp_mesh, self.tp)
         if self.compile_cache_dir is None:  # resolved per config, never at import
             object.__setattr__(self, "compile_cache_dir", default_compilation_cache_dir())
 

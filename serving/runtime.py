@@ -111,7 +111,8 @@ def load_configured_model(config: ServerConfig, warm_up=None):
     from models.gemma3 import load_model
 
     cache = config.compile_cache_dir
-    return load_model(config.model, tp=config.tp, allreduce=config.allreduce_config(),
+    return load_model(config.model, tp=config.tp, tp_mesh=config.tp_mesh,
+                      allreduce=config.allreduce_config(),
                       dtype=config.dtype, max_seq_len=config.max_seq_len,
                       program_cache_dir=os.path.join(cache, "programs") if cache else None,
                       weights_cache_dir=os.path.join(cache, "weights") if cache else None,
@@ -125,7 +126,8 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
 
     from serving.engine import ModelEngine, compile_programs, engine_info
 
-    progress(f"loading {config.model} (tp={config.tp}, {config.dtype}, allreduce="
+    mesh = f", tp_mesh={config.tp_mesh}" if config.tp_mesh else ""
+    progress(f"loading {config.model} (tp={config.tp}{mesh}, {config.dtype}, allreduce="
              f"{config.allreduce_config().label}) on {len(jax.devices())} {jax.default_backend()} device(s)")
     shape = dict(num_slots=config.max_batch, max_seq_len=config.max_seq_len,
                  prefill_batch_sizes=_prefill_batch_sizes(config), model_name=config.model_name,
