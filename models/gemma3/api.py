@@ -22,7 +22,7 @@ from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import MIN_BUCKET, ModelPrograms, ProgramKey, prefill_buckets
 from models.gemma3.sampling import sample
-from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
+from models.gemma3.sharding import check_tp, make_mesh, mesh_label, parse_tp_mesh
 from models.gemma3.sources import resolve_source
 from models.gemma3.weights import Weights
 
@@ -207,6 +207,10 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
     check_tp(cfg, tp)
     mesh = make_mesh(tp, devices, tp_mesh)
+    if mesh_label(mesh) and allreduce.impl != "ppermute":
+        raise ValueError(f"tp_mesh {mesh_label(mesh)} needs the AllReduce's ppermute "
+                         f"implementation: the {allreduce.impl} kernel runs over one mesh axis "
+                         f"(drop @{allreduce.impl} from the label, or the tp_mesh)")
     program_cache = None
     if program_cache_dir is not None and jax.process_count() == 1:
         device = mesh.devices.flat[0]

@@ -98,6 +98,11 @@ def test_bad_mesh_shapes_are_refused(spec, match):
         load_model(TINY, tp=4, tp_mesh=spec)
 
 
+def test_the_pallas_kernel_is_refused_on_a_multi_axis_mesh():
+    with pytest.raises(ValueError, match="ppermute"):
+        load_model(TINY, tp=4, tp_mesh="2x2", allreduce=AllReduceConfig("int8", impl="pallas"))
+
+
 def test_mesh_shapes_that_are_one_axis():
     assert parse_tp_mesh(None, 4) is None and parse_tp_mesh("4", 4) is None
     assert parse_tp_mesh("1x4", 4) is None and parse_tp_mesh("auto", 4) is None
