@@ -135,3 +135,95 @@ def test_flops_and_tpu_predictions():
         assert r["predicted_speedup_quant_exposed"] <= r["predicted_speedup"]
     text = cm.format_tpu_predictions(rows)
     assert "PREDICTIONS" in text and "paper" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Topologies
+
+
+def _topo(dims, wrap=True, rate=1e9, alpha=0.0):
+    return cm.Topology("t", tuple(dims), wrap, rate, alpha)
+
+
+def test_routes_follow_the_grid():
+    t = _topo((4, 4), wrap=True)
+    assert t.route(0, 3) == [(0, 3)]  # wraparound: one hop the short way
+    assert len(t.route(0, 10)) == 4  # (0,0) -> (2,2): two hops per axis
+    line = _topo((4, 4), wrap=False)
+    assert line.route(0, 3) == [(0, 1), (1, 2), (2, 3)]  # no wraparound: along the line
+    order = cm.ring_order(line)  # a Hamiltonian cycle of the 4x4 mesh: every hop one link
+    assert sorted(order) == list(range(16))
+    assert all(len(line.route(a, b)) == 1 for a, b in zip(order, order[1:] + order[:1]))
+    cube = _topo((4, 4, 4))
+    order = cm.ring_order(cube)
+    assert all(len(cube.route(a, b)) == 1 for a, b in zip(order, order[1:] + order[:1]))
+
+
+def test_multi_axis_on_one_axis_is_the_bidirectional_ring():
+    for n in (2, 4, 8):
+        t = _topo((n,), alpha=1e-6)
+        ring = cm.ring_steps(t, list(range(n)), 1 << 20, 2.0)
+        assert cm.multi_axis_steps(t, 1 << 20, 2.0) == ring
+        assert cm.steps_time_s(t, ring) == pytest.approx(
+            2 * (n - 1) * (1e-6 + (1 << 21) / n / (2 if n > 2 else 1) / 1e9))
+
+
+def test_more_links_take_less_time():
+    n_el = 1 << 22
+    ring16 = _topo((16,))
+    grid = _topo((4, 4))
+    # The same bytes over a 4x4 torus' 4 links a chip beat one ring's 2; one direction is slower
+    # than two; a mesh (no wraparound) is slower than the torus.
+    multi = cm.topology_allreduce_s(grid, "int8-multi-axis", n_el)
+    assert multi < cm.topology_allreduce_s(ring16, "int8-multi-axis", n_el)
+    assert multi < cm.topology_allreduce_s(grid, "int8-1d-bidi", n_el)
+    assert (cm.topology_allreduce_s(grid, "int8-1d-bidi", n_el)
+            < cm.topology_allreduce_s(grid, "int8-1d-uni", n_el))
+    assert multi < cm.topology_allreduce_s(_topo((4, 4), wrap=False), "int8-multi-axis", n_el)
+    # On the torus the multi-axis schedule uses all 4 links, the ring 2: half the link time.
+    link = cm.steps_time_s(grid, cm.multi_axis_steps(grid, n_el, 1.0))
+    assert link == pytest.approx(cm.steps_time_s(grid, cm.ring_steps(
+        grid, cm.ring_order(grid), n_el, 1.0)) / 2, rel=0.07)
+    # int8 sends about half of bf16's bytes.
+    assert cm.topology_allreduce_s(grid, "int8-multi-axis", n_el) == pytest.approx(
+        cm.topology_allreduce_s(grid, "xla-bf16", n_el) * cm.INT8_WIRE_BYTES / 2)
+
+
+def test_predictions_are_monotone_in_bandwidth():
+    cfg = get_config("27b")
+    last = None
+    for rate in (25e9, 50e9, 100e9, 200e9):
+        topo = cm.Topology("t", (4, 4), False, rate, 2e-6, cm.TPU_V5E)
+        times = {m: cm.predict_topology(cfg, topo, 2048, m)["total_ms"]
+                 for m in cm.TOPOLOGY_METHODS}
+        if last:
+            assert all(times[m] < last[m] for m in times)
+            # a faster link leaves less for int8 to save
+            assert (times["xla-bf16"] / times["int8-multi-axis"]
+                    < last["xla-bf16"] / last["int8-multi-axis"])
+        last = times
+
+
+def test_topology_table():
+    rows = cm.topology_predictions(tokens=(2048,))
+    by = {(r["model"], r["topology"]): r for r in rows}
+    r = by["gemma3-27b", "v5e-4x4"]
+    assert r["tp"] == 16 and r["paper_speedup"] == 1.28
+    assert r["int8-multi-axis"]["speedup"] > r["int8-1d-bidi"]["speedup"] > 1.0
+    assert r["xla-bf16"]["speedup"] == pytest.approx(1.0)
+    assert all(r[m]["speedup_quant_exposed"] <= r[m]["speedup"] for m in cm.TOPOLOGY_METHODS)
+    assert "PREDICTIONS" in cm.format_topology_predictions(rows)
+
+
+def test_program_transfers_reads_the_compiled_permutes():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    cfg = parse_method("bf16_ring-full", 4, False)
+    f = jax.jit(jax.shard_map(lambda a: all_reduce(a, "tp", cfg), mesh=mesh,
+                              in_specs=P("tp"), out_specs=P("tp")))
+    prog = f.lower(jax.ShapeDtypeStruct((4 * 8192,), jnp.bfloat16)).compile()
+    steps = cm.program_transfers(prog, [0, 1, 3, 2])  # a snake of the 2x2 torus
+    assert len(steps) == len(collectives(prog))
+    assert sum(b for s in steps for _, _, b in s) / 4 == pytest.approx(
+        bytes_sent_per_device(prog))
+    t = _topo((2, 2))
+    assert all(len(t.route(a, b)) == 1 for s in steps for a, b, _ in s)  # neighbours only
