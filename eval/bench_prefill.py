@@ -112,12 +112,16 @@ def _switch_link(gbit: float, tag: str) -> None:
 def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[str],
             iters: int, warmup: int = 1, minishards: int = 4, pipelined: bool = True,
             dtype: str = "bfloat16", seed: int = 0, links: list[float] | None = None,
+            tp_mesh: str | None = None, device_order: list[int] | None = None,
             log=print) -> dict:
     """Time every method at every length on the first `tp` devices; returns rows + facts.
 
     links: in a shaped namespace, the link rates (Gbit/s) to alternate between within every
     iteration (e.g. a fast base link and the target link), so that the rows at both rates are
     measured in the same minutes of a shared machine. Rows then carry `link_gbit`.
+    tp_mesh: the model's TP mesh shape ("2x2": every AllReduce over both axes, the multi-axis
+    schedule); device_order: the devices in mesh order (on an emulated torus a 1-D mesh takes
+    eval.torus.snake_order, so that ring neighbours are torus neighbours).
     """
     import jax
 
@@ -132,8 +136,10 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
                for m in methods}
     link_list = list(links) if links else [None]
     t0 = time.perf_counter()
-    base = load_model(source, tp=tp, allreduce=configs[methods[0]], dtype=dtype,
-                      max_seq_len=max(lengths), devices=jax.devices()[:tp], seed=seed)
+    devices = ([jax.devices()[i] for i in device_order] if device_order
+               else jax.devices()[:tp])
+    base = load_model(source, tp=tp, tp_mesh=tp_mesh, allreduce=configs[methods[0]],
+                      dtype=dtype, max_seq_len=max(lengths), devices=devices, seed=seed)
     load_s = time.perf_counter() - t0
     models = {m: Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=configs[m],
                              dtype=base.dtype, tokenizer=None) for m in methods}
@@ -270,6 +276,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help="shape the loopback to this many Gbit/s (root), or 'third': the rate at "
                         "which the calibrated model puts bf16 communication at 1/3 of prefill "
                         "at the longest length")
+    p.add_argument("--torus", default=None, metavar="DIMS",
+                   help="e.g. 2x2: one process per node of an emulated torus (eval.torus: a "
+                        "namespace per process, a veth per neighbour, each shaped to "
+                        "--link-gbit; root); sets --processes. A 1-D model mesh runs through "
+                        "the devices in snake order (ring neighbours are torus neighbours)")
+    p.add_argument("--tp-mesh", default=None, metavar="AxB",
+                   help="the model's TP mesh (load_model's tp_mesh): AllReduces over every "
+                        "axis (equarx's multi-axis schedule)")
     p.add_argument("--base-link-gbit", type=float, default=None,
                    help="with --link-gbit X: alternate every iteration between this rate (0: the "
                         "unshaped loopback) and X, and predict the X rows from the base rows of "
@@ -297,6 +311,17 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError as e:
             p.error(str(e))
     lengths = sorted({int(v) for v in args.lengths.split(",")})
+    torus = None
+    if args.torus:
+        from eval.torus import parse_dims
+
+        torus = parse_dims(args.torus)
+        args.processes = int(np.prod(torus))
+        if args.link_gbit in (None, "third"):
+            p.error("--torus needs a numeric --link-gbit (the rate of every link)")
+        if args.calibrate_gbit or args.calibration or args.base_link_gbit is not None:
+            p.error("--torus measures only: the calibration and the paired base link model a "
+                    "shared loopback")
     if args.link_gbit is not None and args.processes < 1:
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
     if args.processes and args.processes != args.tp:
@@ -323,6 +348,12 @@ def main(argv: list[str] | None = None) -> dict:
     params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
                   iters=args.iters, warmup=args.warmup, minishards=args.minishards,
                   pipelined=not args.one_message_per_hop, dtype=args.dtype)
+    if args.tp_mesh:
+        params["tp_mesh"] = args.tp_mesh
+    if torus and not args.tp_mesh:
+        from eval.torus import snake_order
+
+        params["device_order"] = snake_order(torus)
     if not args.plain_malloc:
         keep_freed_memory()
     report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit,
@@ -345,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.baseline:
             with open(args.baseline) as f:
                 baseline = json.load(f)
-        elif args.link_gbit == "third" or (args.link_gbit is not None and not paired):
+        elif args.link_gbit == "third" or (args.link_gbit is not None and not paired
+                                           and not torus):
             print("# one-process run first (compute + quantization, no link) ...")
             baseline = _one_process(params)
         if args.calibration:
@@ -384,12 +416,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"# {args.processes} processes ...")
         results = multiproc.run("eval.bench_prefill:worker", args.processes,
                                 args=({**params, "links": links},), link_gbit=args.link_gbit,
-                                malloc_tunables=not args.plain_malloc)
+                                malloc_tunables=not args.plain_malloc, torus=torus)
         result = results[0]
         for row, *others in zip(result["rows"], *(r["rows"] for r in results[1:])):
             row["median_ms_by_process"] = [row["median_ms"]] + [o["median_ms"] for o in others]
         mode = f"{args.processes} processes (gloo over TCP on 127.0.0.1"
-        if paired:
+        if torus:
+            mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a veth "
+                    f"per neighbour, each direction shaped to {args.link_gbit} Gbit/s; model "
+                    f"mesh {args.tp_mesh or '1-D, snake order'})")
+        elif paired:
             base = (f"{args.base_link_gbit} Gbit/s" if args.base_link_gbit
                     else "the unshaped loopback (rows with Gbit/s 0)")
             mode += (f", loopback shaped to {args.link_gbit} Gbit/s, alternating every "
