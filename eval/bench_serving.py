@@ -17,12 +17,20 @@ meets 7 others in the same prefill burst; r > 0 lets them drift apart as in real
 
     python -m eval.bench_serving                       # starts gemma3-serve (270M, bf16) itself
     python -m eval.bench_serving --url http://127.0.0.1:8000 --concurrency 1,8
+
+--engine-ratio R: the server's 8-stream output tokens/s against the engine's batch-8 decode
+tokens/s measured in this process (the same engine the server builds, `runtime.load_engine`,
+driven directly: `run_decode` over all slots, each step's tokens fed to the next, no scheduler,
+no HTTP), R times each, alternating (engine, server, engine, ...), and their median ratio:
+
+    python -m eval.bench_serving --engine-ratio 3 --max-tokens 256 --requests-per-stream 2
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -112,6 +120,72 @@ async def run_level(url: str, model: str, concurrency: int, requests_per_stream:
     }
 
 
+def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = False) -> float:
+    """Tokens/s of `steps` back-to-back decode steps over all of the engine's slots (greedy,
+    each step fed the previous step's tokens, positions from `start`): the engine alone. With
+    `overlapped`, each step is dispatched fed from the previous one on the device before that
+    one's tokens are read back (`dispatch_decode`), as the engine core's overlapped loop does."""
+    from serving.engine import DecodeInputs
+    from serving.sampling import SlotSampling
+
+    rows = engine.info.num_slots
+    tokens = np.full(rows, engine.tokenizer.bos_id, np.int32)
+    sampling = SlotSampling.greedy(rows)
+    engine.run_decode(DecodeInputs(tokens, np.full(rows, start - 1, np.int32), sampling))  # warm
+    every_row = np.arange(rows, dtype=np.int32)
+    pending = None
+    t0 = time.perf_counter()
+    for i in range(steps):
+        inputs = DecodeInputs(tokens, np.full(rows, start + i, np.int32), sampling)
+        if not overlapped:
+            tokens = engine.run_decode(inputs).tokens
+            continue
+        step = engine.dispatch_decode(inputs, None if pending is None else (pending, every_row))
+        if pending is not None:
+            tokens = pending.result().tokens
+        pending = step
+    if pending is not None:
+        pending.result()
+    return rows * steps / (time.perf_counter() - t0)
+
+
+def load_local_engine(args):
+    """The engine the started server builds (same flags), in this process."""
+    from serving.config import ServerConfig
+    from serving.runtime import load_engine
+
+    if args.server_arg:
+        raise SystemExit("--engine-ratio does not pass --server-arg to the local engine: drop them")
+    config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
+                          max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    jax_platform.request_cpu_devices(args.tp)
+    return load_engine(config, lambda msg: None)
+
+
+def engine_ratio(args, url: str, model: str, engine) -> dict:
+    """Alternating engine and max-batch-stream server runs; medians and their ratio. The engine
+    runs its decode steps one by one (`run_decode`) and, when it can, overlapped."""
+    modes = ["sync"] + (["overlapped"] if hasattr(engine, "dispatch_decode") else [])
+    eng: dict[str, list[float]] = {m: [] for m in modes}
+    srv = []
+    n = engine.info.num_slots
+    for _ in range(args.engine_ratio):
+        for m in modes:
+            eng[m].append(engine_decode_rate(engine, args.engine_steps, overlapped=m == "overlapped"))
+        level = asyncio.run(run_level(url, model, n, args.requests_per_stream, args.max_tokens, args.range_ratio))
+        srv.append(level["output_tokens_per_s"])
+        print(f"  engine batch-{n} decode " + ", ".join(f"{m} {eng[m][-1]:.1f}" for m in modes) +
+              f" tok/s; server {n} streams {srv[-1]:.1f} tok/s: {srv[-1] / eng['sync'][-1]:.3f} of sync",
+              file=sys.stderr)
+    s = float(np.median(srv))
+    out = {"server_tok_s": srv, "server_median": s}
+    for m in modes:
+        e = float(np.median(eng[m]))
+        out[m] = {"engine_tok_s": eng[m], "engine_median": e, "ratio": s / e,
+                  "ratios": [b / a for a, b in zip(eng[m], srv)]}
+    return out
+
+
 def start_server(args) -> tuple[subprocess.Popen, str]:
     # Malloc tunables as the container image runs it; the server asks for its own --tp devices.
     env = jax_platform.child_environment()
@@ -157,6 +231,10 @@ def main(argv=None) -> None:
                    help="output lengths uniform in [L(1-r), L(1+r)]; 0 = all equal")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--engine-ratio", type=int, default=0, metavar="R",
+                   help="instead of the levels: R alternating runs of the engine's batch decode "
+                        "(in this process) and the server at max-batch streams, and their ratio")
+    p.add_argument("--engine-steps", type=int, default=128, help="--engine-ratio: decode steps per engine run")
     g = p.add_argument_group("server started by the benchmark (ignored with --url)")
     g.add_argument("--model", default="gemma3-270m")
     g.add_argument("--dtype", default="bfloat16")
@@ -171,11 +249,31 @@ def main(argv=None) -> None:
     g.add_argument("--startup-timeout", type=float, default=1800)
     args = p.parse_args(argv)
 
+    if args.engine_ratio and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+        # The engine measured here runs under the server's malloc tunables too.
+        os.execve(sys.executable, [sys.executable, "-m", "eval.bench_serving", *sys.argv[1:]],
+                  jax_platform.child_environment())
     proc = None
     url = args.url
+    if args.engine_ratio and url is not None:
+        raise SystemExit("--engine-ratio starts its own server (the same flags as its engine)")
     if url is None:
         proc, url = start_server(args)
     try:
+        if args.engine_ratio:
+            engine = load_local_engine(args)
+            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            asyncio.run(run_level(url, model, 1, max(1, args.warmup_requests), 8))
+            r = engine_ratio(args, url, model, engine)
+            for m in ("sync", "overlapped"):
+                if m in r:
+                    e = r[m]
+                    print(f"server {r['server_median']:.1f} tok/s at {args.max_batch} streams / engine ({m}) "
+                          f"{e['engine_median']:.1f} tok/s batch-{args.max_batch} decode = {e['ratio']:.3f} "
+                          f"(medians of {args.engine_ratio}; per run {', '.join(f'{x:.3f}' for x in e['ratios'])})")
+            if args.out:
+                Path(args.out).write_text(json.dumps(r, indent=2))
+            return
         info = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
         model = info["id"]
         if args.warmup_requests:

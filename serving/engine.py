@@ -210,6 +210,7 @@ class ModelEngine:
         self._sample = sampling.make_sampler()
         self._prompt_logprobs = jax.jit(sampling.prompt_logprobs)
         self._last_logits = jax.jit(_last_logits)
+        self._feed = jax.jit(_feed_tokens)
 
     def bucket_for(self, length: int) -> int:
         return self.info.bucket_for(length)
@@ -227,18 +228,31 @@ class ModelEngine:
         return _to_host(self._jax, out, extra)
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
+        return self.dispatch_decode(inputs).result()
+
+    def dispatch_decode(self, inputs: DecodeInputs, feed: tuple["PendingDecode", np.ndarray] | None = None
+                        ) -> "PendingDecode":
+        """Dispatches a decode step and returns at once (JAX's asynchronous dispatch): its outputs
+        stay on the device until `result()`. feed = (an earlier step still pending, src int32 [R]):
+        row i takes as its input token row src[i]'s sampled token of that step (-1: the host's
+        `inputs.tokens[i]`), so that the next step can be dispatched before the earlier one's
+        tokens reached the host (the engine core's overlapped loop; vLLM's async scheduling)."""
         rows = len(inputs.tokens)
         pad = self.info.decode_rows_for(rows) - rows
         # Padding rows are idle slots (all slots from R on are): decoding them writes position 0
         # of a free row, which the next prefill into it overwrites.
         tokens = np.pad(np.asarray(inputs.tokens, np.int32), (0, pad))
         positions = np.pad(np.asarray(inputs.positions, np.int32), (0, pad))
+        if feed is not None:
+            prev, src = feed
+            src = np.pad(np.asarray(src, np.int32), (0, pad), constant_values=-1)
+            tokens = self._feed(prev.tokens, tokens, src)
         logits, self.cache = self.model.decode_step(self.cache, tokens, positions)
         logits = self._to_sample_device(logits)
         # After the dispatch: waiting for a grammar's masks overlaps the device's step.
         sampling = inputs.sampling.padded(rows + pad).resolve()
         out = self._sample(logits, sampling, positions + 1)
-        return StepOutputs(*(a[:rows] for a in _to_host(self._jax, out, ())[:4]))
+        return PendingDecode(self._jax, out, rows)
 
     def run_chunk(self, inputs: ChunkInputs) -> StepOutputs | None:
         """Copies the prefix blocks to restore into the slot, runs the chunk and stores its keys
@@ -385,6 +399,31 @@ def decode_batch_sizes_for(num_slots: int, sizes) -> tuple[int, ...]:
 def _last_logits(logits, lengths):
     """[B, T, V] logits at every position -> [B, V] at each prompt's last real token."""
     return logits[np.arange(logits.shape[0]), lengths - 1]
+
+
+class PendingDecode:
+    """A dispatched decode step: its sampled tokens as a device array (`tokens`, padded rows, to
+    feed a later step) and, on `result()`, its outputs on the host (waits for the device)."""
+
+    def __init__(self, jax, out, rows: int):
+        self._jax, self._out, self.rows = jax, out, rows
+        self.tokens = out[0]
+        self._host: StepOutputs | None = None
+
+    def result(self) -> StepOutputs:
+        if self._host is None:
+            host = _to_host(self._jax, self._out, ())
+            self._host = StepOutputs(*(a[:self.rows] for a in host[:4]))
+            self._out = None
+        return self._host
+
+
+def _feed_tokens(prev, host, src):
+    """Input tokens of a step: row i is prev[src[i]] (a token still on the device) where
+    src[i] >= 0, else host[i]."""
+    import jax.numpy as jnp
+
+    return jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], host)
 
 
 def _to_host(jax, out, extra) -> StepOutputs:

@@ -6,9 +6,21 @@ Each step: the scheduler (`scheduler.py`) plans it, this module executes the pla
 processor (`output_processor.py`) turns the engine's outputs into `Event`s, which reach each
 consumer through the callback it submitted, called on the engine thread (it must not block).
 Cancellations are applied between steps, so a cancelled sequence's slot is free for the next one.
+
+Overlap (`overlap=True`, the default with an engine that has `dispatch_decode`; SGLang's overlap
+scheduler, vLLM's async scheduling): a step that is only a decode step, with no row that needs
+logits processing (penalties, bias, grammar: those need the last token on the host), is
+dispatched before the previous decode step's tokens are read back; its rows take their input
+tokens from that step's sampled tokens on the device. Only then does the engine thread wait for
+the previous step's outputs and process them (detokenize, stop checks, events), while the device
+runs the new step. So a stop is seen one step late: a sequence that ended in step N also ran in
+step N+1, whose token for it is discarded (its slot is freed after step N's outputs, and the
+next plan may reuse it). Any other step (a prefill, a chunk, slot moves) first waits for the step
+in flight, then runs as without overlap. Greedy and seeded outputs are the same either way.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -31,8 +43,13 @@ class ShuttingDown(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0):
+    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0,
+                 overlap: bool = True):
         self.engine = engine
+        # Overlapped decode steps (module docstring): needs an engine that can dispatch a step
+        # and return before its outputs reach the host.
+        self.overlap = bool(overlap) and callable(getattr(engine, "dispatch_decode", None))
+        self._inflight = None  # (Plan, the engine's pending step) dispatched, outputs not read
         self.metrics = metrics or NullMetrics()
         self.scheduler = Scheduler(engine.info, max_waiting)
         self.outputs = OutputProcessor(engine.tokenizer, engine.info, self.metrics)
@@ -116,7 +133,8 @@ class EngineCore:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stop or self.num_waiting or self._cancelled or self.num_running):
+                while not (self._stop or self.num_waiting or self._cancelled or self.num_running
+                           or self._inflight is not None):
                     self._lock.wait()
                 self._await_replacements()
                 if self._stop:
@@ -131,6 +149,11 @@ class EngineCore:
                 log.exception("engine step failed")
                 self._fail_running(f"engine error: {type(e).__name__}: {e}")
             self.metrics.on_state(self.num_running, self.num_waiting, self.kv_usage())
+        try:
+            self._drain()
+        except Exception:
+            log.exception("engine step failed")
+            self._inflight = None
         with self._lock:
             dropped = self.scheduler.abort_all()
         self._publish(self.outputs.finish(dropped, "abort", "the server is shutting down", time.perf_counter()))
@@ -154,6 +177,11 @@ class EngineCore:
             self._lock.wait(left)
 
     def _execute(self, plan: Plan) -> None:
+        if self.overlap and self._overlappable(plan):
+            self._dispatch_overlapped(plan)
+            return
+        self._drain()
+        plan = self._without_ended(plan)
         if plan.chunk is not None:
             step = plan.chunk
             t0 = time.perf_counter()
@@ -171,11 +199,57 @@ class EngineCore:
             log.debug("prefill of %d prompt(s), lengths %s, in bucket %d x%d: %.3fs", len(group.seqs),
                       [len(s.prompt) for s in group.seqs], group.bucket, group.batch, now - t0)
             self._publish(self.outputs.on_prefill(group, out, t0, now))
-        if plan.decode:
-            for src, dst in plan.moves:
-                self.engine.move_slot(src, dst)
+        for src, dst in plan.moves:
+            self.engine.move_slot(src, dst)
+        if any(s is not None for s in plan.decode):
             out = self.engine.run_decode(decode_inputs(plan, self._extras))
             self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
+
+    def _overlappable(self, plan: Plan) -> bool:
+        """A decode-only step whose rows need no logits processing (their inputs would need the
+        tokens of the step in flight on the host)."""
+        return (bool(plan.decode) and not plan.prefills and plan.chunk is None and not plan.moves
+                and not any(s is not None and s.params.needs_extras for s in plan.decode))
+
+    def _dispatch_overlapped(self, plan: Plan) -> None:
+        """Dispatches the plan's decode step fed from the step in flight (the rows of sequences
+        that ran in it take its sampled token, one position further on), then processes the step
+        in flight while the device runs the new one."""
+        feed = None
+        inputs = decode_inputs(plan)
+        if self._inflight is not None:
+            prev_plan, prev = self._inflight
+            prev_rows = {s.id: i for i, s in enumerate(prev_plan.decode) if s is not None}
+            src = np.full(len(plan.decode), -1, np.int32)
+            for i, s in enumerate(plan.decode):
+                j = prev_rows.get(s.id, -1) if s is not None else -1
+                if j >= 0:  # its last token is the one still on the device
+                    src[i] = j
+                    inputs.positions[i] = s.length
+            feed = (prev, src)
+        pending = self.engine.dispatch_decode(inputs, feed)
+        self._drain()
+        self._inflight = (plan, pending)
+
+    def _drain(self) -> None:
+        """Waits for the step in flight, if any, and processes its outputs (rows of sequences
+        that ended meanwhile are dropped by the output processor)."""
+        if self._inflight is None:
+            return
+        plan, pending = self._inflight
+        self._inflight = None
+        out = pending.result()
+        self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
+
+    def _without_ended(self, plan: Plan) -> Plan:
+        """The plan with decode rows of sequences that ended in the step just drained made idle
+        (their slots are free now: the idle row writes position 0 there, as for any free slot)."""
+        if not any(s is not None and not self.outputs.is_live(s.id) for s in plan.decode):
+            return plan
+        rows = tuple(s if s is None or self.outputs.is_live(s.id) else None for s in plan.decode)
+        idle = plan.idle_positions or (0,) * len(rows)
+        idle = tuple(0 if s is not None and r is None else p for s, r, p in zip(plan.decode, rows, idle))
+        return dataclasses.replace(plan, decode=rows, idle_positions=idle)
 
     def _extras(self, seqs) -> LogitsExtras | None:
         """The logits processing of a step's rows (penalties, bias, grammar masks), None if none."""
@@ -193,6 +267,7 @@ class EngineCore:
 
     def _fail_running(self, message: str) -> None:
         """After an engine error the cache may be lost: every running sequence fails."""
+        self._inflight = None
         with self._lock:
             failed = self.scheduler.abort_running()
         self._publish(self.outputs.finish(failed, "error", message, time.perf_counter()))

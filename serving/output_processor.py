@@ -84,6 +84,10 @@ class OutputProcessor:
         self._live[seq.id] = _Output(sink, TextStream(self.tokenizer, seq.params.stop), arrival)
         self.structured.add(seq)
 
+    def is_live(self, seq_id: int) -> bool:
+        """Whether a sequence still gets events (it has not ended)."""
+        return seq_id in self._live
+
     def on_prefill(self, group: PrefillGroup, out: StepOutputs, started: float,
                    now: float) -> list[Emitted]:
         """The first token of each sequence of a prefill call that began at `started`."""
@@ -112,7 +116,9 @@ class OutputProcessor:
         """The next token of every sequence of a decode step (after the plan's slot moves)."""
         for _ in plan.moves:
             self.metrics.on_move()
-        busy = [(row, s) for row, s in enumerate(plan.decode) if s is not None]
+        # A sequence that ended after this step was dispatched (overlapped steps: a stop seen one
+        # step late, or a cancel) has a row here too: its token is discarded.
+        busy = [(row, s) for row, s in enumerate(plan.decode) if s is not None and s.id in self._live]
         self.metrics.on_decode(plan.decode_rows, len(busy))
         events = [self._on_token(s, out, row, now, None) for row, s in busy]
         self.structured.prefetch()  # the next step's grammar masks, while the events go out

@@ -1,0 +1,146 @@
+"""The engine core's overlapped decode loop (a decode step dispatched before the previous one's
+tokens reach the host, stops seen one step late) against the plain loop, on the real engine over
+a tiny random model: the same tokens, logprobs and finish reasons; max_tokens, stop tokens and the
+context limit honoured exactly; slots of sequences that ended reused; a cancel mid-stream."""
+import threading
+
+import numpy as np
+import pytest
+
+from equarx import AllReduceConfig
+from models.gemma3 import load_model
+from serving.engine import ModelEngine
+from serving.engine_core import EngineCore
+from serving.sampling import SamplingParams
+
+_model = []
+
+
+def model():
+    if not _model:
+        _model.append(load_model("random:tiny", tp=1, dtype="float32", allreduce=AllReduceConfig.from_label("f32")))
+    return _model[0]
+
+
+def prompt(n, seed):
+    rng = np.random.default_rng(seed)
+    return [2] + rng.integers(4, 512, n - 1).tolist()
+
+
+class Counting:
+    """The engine, counting the decode steps dispatched fed from a step still in flight."""
+
+    def __init__(self, engine):
+        self._engine, self.fed = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def dispatch_decode(self, inputs, feed=None):
+        self.fed += feed is not None and bool((feed[1] >= 0).any())
+        return self._engine.dispatch_decode(inputs, feed)
+
+
+def run(engine, requests, overlap):
+    """requests: (prompt, SamplingParams). Returns [(finish_reason, [(id, logprob)], num_generated)]."""
+    core = EngineCore(engine, overlap=overlap).start()
+    results, done = {}, []
+    try:
+        for i, (p, params) in enumerate(requests):
+            ev, got = threading.Event(), []
+
+            def sink(e, got=got, ev=ev, i=i):
+                got.extend((t.id, t.logprob) for t in e.tokens)
+                if e.finish_reason is not None:
+                    results[i] = (e.finish_reason, got, e.num_generated)
+                    ev.set()
+
+            core.submit([(p, params, sink)])
+            done.append(ev)
+        for ev in done:
+            assert ev.wait(120)
+    finally:
+        core.shutdown()
+    return [results[i] for i in range(len(requests))]
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, **kw)
+
+
+def same(a, b, bitwise):
+    """Same finish reasons, tokens and counts; logprobs bit for bit in deterministic mode. (The
+    packed mode is not batch invariant: a sequence that ended runs one more, discarded, step in
+    the overlapped loop, so a step may run a larger program, whose float sums differ in the last
+    bits.)"""
+    if bitwise:
+        assert a == b
+        return
+    assert [(r, [t for t, _ in got], n) for r, got, n in a] == [(r, [t for t, _ in got], n) for r, got, n in b]
+    for (_, x, _), (_, y, _) in zip(a, b):
+        np.testing.assert_allclose([lp for _, lp in x], [lp for _, lp in y], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_overlapped_loop_gives_the_plain_loops_outputs(deterministic):
+    kw = dict(chunk_size=16, deterministic=True) if deterministic else dict(decode_batch_sizes=(1, 2, 4))
+    make = lambda: ModelEngine(model(), num_slots=4, max_seq_len=64, **kw)  # noqa: E731
+    lengths = (1, 2, 3, 9, 17, 5, 12, 30)
+    # More requests than slots, different lengths: sequences end at different steps and their
+    # slots are reused while others run; two sampled (seeded) requests among the greedy ones.
+    requests = [(prompt(5 + 3 * i, i), greedy(n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    requests += [(prompt(7, 50 + i), SamplingParams(max_tokens=11, temperature=1.0, top_k=40, seed=i,
+                                                     logprobs=0, ignore_eos=True)) for i in range(2)]
+    requests.append((prompt(40, 99), greedy(24, ignore_eos=True)))  # fills the context (64) exactly
+    plain = run(make(), requests, overlap=False)
+    engine = Counting(make())
+    overlapped = run(engine, requests, overlap=True)
+    assert engine.fed > 10  # the overlapped path ran
+    same(overlapped, plain, deterministic)
+    for (reason, got, n), (_, params) in zip(plain, requests):
+        assert reason == "length" and n == len(got) == params.max_tokens
+
+    # Stop tokens: each request stops at a token it generates mid-stream, seen one step late by
+    # the overlapped loop, which must still end it right there (the stop token not reported).
+    stops = []
+    for (_, got, _), (p, _) in zip(plain[:8], requests[:8]):
+        ids = [t for t, _ in got]
+        if len(ids) >= 3:
+            stops.append((p, greedy(64 - len(p), ignore_eos=True, stop_token_ids=(ids[2],)), ids.index(ids[2])))
+    assert stops
+    plain_stop = run(make(), [(p, sp) for p, sp, _ in stops], overlap=False)
+    overlapped_stop = run(Counting(make()), [(p, sp) for p, sp, _ in stops], overlap=True)
+    same(overlapped_stop, plain_stop, deterministic)
+    for (reason, got, n), (_, _, k) in zip(plain_stop, stops):
+        assert reason == "stop" and len(got) == k and n == k + 1
+
+
+def test_cancel_while_a_step_is_in_flight():
+    engine = Counting(ModelEngine(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True))
+    core = EngineCore(engine, overlap=True).start()
+    try:
+        events, ended = [], threading.Event()
+
+        def sink(e):
+            events.append(e)
+            if e.finish_reason is not None:
+                ended.set()
+
+        [sid] = core.submit([(prompt(6, 1), greedy(80, ignore_eos=True), sink)])
+        while sum(len(e.tokens) for e in events) < 5:
+            ended.wait(0.01)
+        core.cancel([sid])
+        assert ended.wait(30)
+        assert events[-1].finish_reason == "abort"
+        assert sum(e.finish_reason is not None for e in events) == 1
+        # The slot is free again and the next request gets the plain loop's output.
+        got, done = [], threading.Event()
+        core.submit([(prompt(9, 2), greedy(7, ignore_eos=True),
+                      lambda e: (got.extend((t.id, t.logprob) for t in e.tokens),
+                                 e.finish_reason and done.set()))])
+        assert done.wait(60)
+    finally:
+        core.shutdown()
+    plain = run(ModelEngine(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True),
+                [(prompt(9, 2), greedy(7, ignore_eos=True))], overlap=False)
+    assert plain[0][1] == got
