@@ -22,3 +22,26 @@ def test_readme_has_exactly_two_setup_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert _readme_commands()[1] in ci.splitlines()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than '-' dropped, spaces
+    to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_readme_links_name_existing_docs_and_headings():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#([\w-]+))?\)", text)
+    assert links
+    for path, anchor in links:
+        target = ROOT / path
+        assert target.is_file(), f"README links to missing {path}"
+        if anchor:
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", target.read_text(), flags=re.M)}
+            assert anchor in slugs, f"README links to {path}#{anchor}, which has no such heading"
+
+
+def test_readme_stays_short():
+    assert len((ROOT / "README.md").read_bytes()) <= 12_800, "long write-ups belong in docs/"
