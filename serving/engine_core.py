@@ -8,15 +8,15 @@ consumer through the callback it submitted, called on the engine thread (it must
 Cancellations are applied between steps, so a cancelled sequence's slot is free for the next one.
 
 Overlap (`overlap=True`, the default with an engine that has `dispatch_decode`; SGLang's overlap
-scheduler, vLLM's async scheduling): a step that is only a decode step, with no row that needs
-logits processing (penalties, bias, grammar: those need the last token on the host), is
+scheduler, vLLM's async scheduling): a decode step (after at most a prefill chunk), with no row
+that needs logits processing (penalties, bias, grammar: those need the last token on the host), is
 dispatched before the previous decode step's tokens are read back; its rows take their input
 tokens from that step's sampled tokens on the device. Only then does the engine thread wait for
 the previous step's outputs and process them (detokenize, stop checks, events), while the device
 runs the new step. So a stop is seen one step late: a sequence that ended in step N also ran in
 step N+1, whose token for it is discarded (its slot is freed after step N's outputs, and the
-next plan may reuse it). Any other step (a prefill, a chunk, slot moves) first waits for the step
-in flight, then runs as without overlap. Greedy and seeded outputs are the same either way.
+next plan may reuse it). Any other step (one-shot prefills, slot moves, logits processing) first
+waits for the step in flight, then runs as without overlap. Greedy and seeded outputs are the same either way.
 """
 from __future__ import annotations
 
@@ -183,15 +183,7 @@ class EngineCore:
         self._drain()
         plan = self._without_ended(plan)
         if plan.chunk is not None:
-            step = plan.chunk
-            t0 = time.perf_counter()
-            out = self.engine.run_chunk(chunk_inputs(step, self._extras))
-            now = time.perf_counter()
-            if step.lookup is not None:
-                self.metrics.on_prefix_cache(*step.lookup)
-            cache = self.scheduler.prefix_cache
-            self.metrics.on_prefix_blocks(len(cache), cache.num_blocks)
-            self._publish(self.outputs.on_chunk(step, out, t0, now))
+            self._run_chunk(plan.chunk)
         for group in plan.prefills:
             t0 = time.perf_counter()
             out = self.engine.run_prefill(prefill_inputs(group, self._extras))
@@ -205,16 +197,31 @@ class EngineCore:
             out = self.engine.run_decode(decode_inputs(plan, self._extras))
             self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
 
+    def _run_chunk(self, step) -> None:
+        t0 = time.perf_counter()
+        out = self.engine.run_chunk(chunk_inputs(step, self._extras))
+        now = time.perf_counter()
+        if step.lookup is not None:
+            self.metrics.on_prefix_cache(*step.lookup)
+        cache = self.scheduler.prefix_cache
+        self.metrics.on_prefix_blocks(len(cache), cache.num_blocks)
+        self._publish(self.outputs.on_chunk(step, out, t0, now))
+
     def _overlappable(self, plan: Plan) -> bool:
-        """A decode-only step whose rows need no logits processing (their inputs would need the
-        tokens of the step in flight on the host)."""
-        return (bool(plan.decode) and not plan.prefills and plan.chunk is None and not plan.moves
+        """A decode step, after at most a prefill chunk (whose prompt tokens are on the host and
+        whose slot no running row touches), whose rows need no logits processing (their inputs
+        would need the tokens of the step in flight on the host)."""
+        return (any(s is not None for s in plan.decode) and not plan.prefills and not plan.moves
                 and not any(s is not None and s.params.needs_extras for s in plan.decode))
 
     def _dispatch_overlapped(self, plan: Plan) -> None:
         """Dispatches the plan's decode step fed from the step in flight (the rows of sequences
         that ran in it take its sampled token, one position further on), then processes the step
-        in flight while the device runs the new one."""
+        in flight while the device runs the new one. A chunk before it runs first, as without
+        overlap (the device runs it after the step in flight; a last chunk's first token is read
+        back at once)."""
+        if plan.chunk is not None:
+            self._run_chunk(plan.chunk)
         feed = None
         inputs = decode_inputs(plan)
         if self._inflight is not None:
