@@ -24,3 +24,23 @@ def _release_memory_between_modules():
     gc.collect()
     jax.clear_caches()
     gc.collect()
+
+
+# Files that take longest (compiles of the real 270M, or waits on other processes) run first:
+# with two xdist workers taking a whole file at a time, a long file started last would leave
+# one worker idle while the other finishes it.
+LONG_FILES_FIRST = (
+    "serving/test_group_formation.py", "serving/test_multihost.py", "models/test_parity.py",
+    "serving/test_batch_invariance.py", "models/test_model.py", "serving/test_server_e2e.py",
+    "models/test_hf_checkpoint.py", "equarx/test_collective.py", "models/test_program_cache.py",
+    "equarx/test_multi_axis.py", "serving/test_structured_e2e.py", "equarx/test_pallas.py",
+    "eval/test_quality.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return LONG_FILES_FIRST.index(path) if path in LONG_FILES_FIRST else len(LONG_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside a file, and of the other files, is kept
