@@ -84,19 +84,8 @@ def gather_axis(payload: jax.Array, axis_name: str, n: int, variant: str,
         return jnp.stack([jnp.concatenate(row) for row in got])
     _, ag_chains = ring.chains_for(variant, n, u, pipelined)
     pieces = sorted({p for c in ag_chains for p in c.pieces})
-    rows: list[dict] = [{p: payload[p[0]:p[1]] for p in pieces}] + [{} for _ in range(n - 1)]
-    in_flight = {(ci, p): payload[p[0]:p[1]] for ci, c in enumerate(ag_chains) for p in c.pieces}
-    for t in range(max(c.hops for c in ag_chains)):
-        for ci, chain in enumerate(ag_chains):
-            if t >= chain.hops:
-                continue
-            perm = [(i, (i + chain.direction) % n) for i in range(n)]
-            source = (-chain.direction * (t + 1)) % n
-            for p in chain.pieces:
-                in_flight[ci, p] = lax.ppermute(in_flight[ci, p], axis_name, perm)
-                rows[source][p] = in_flight[ci, p]
-    if any(len(row) != len(pieces) for row in rows):  # a schedule bug, not a user error
-        raise AssertionError("all-gather chains leave blocks uncovered")
+    wire = {p: payload[p[0]:p[1]] for p in pieces}
+    rows = ring.forward_along_chains(dict(wire), wire, ag_chains, axis_name, n)
     return jnp.stack([jnp.concatenate([row[p] for p in pieces]) for row in rows])
 
 

@@ -139,6 +139,28 @@ def ring_reduce_scatter(
     return jnp.concatenate([reduced[p] for p in pieces])
 
 
+def forward_along_chains(own: dict, wire: dict, chains: Sequence[Chain], axis_name: str,
+                         n: int) -> list[dict]:
+    """The all-gather's transfers: each chain forwards the wire bytes of its pieces hop by hop,
+    verbatim. Returns rows[r][p], the bytes of piece p of the device r steps along the ring (row
+    0 is `own`, this device's own pieces as it keeps them)."""
+    pieces = set(own)
+    rows: list[dict] = [own] + [{} for _ in range(n - 1)]
+    in_flight = {(ci, p): wire[p] for ci, c in enumerate(chains) for p in c.pieces}
+    for t in range(max(c.hops for c in chains)):
+        for ci, chain in enumerate(chains):
+            if t >= chain.hops:
+                continue
+            perm = _ring_perm(n, chain.direction)
+            source = (-chain.direction * (t + 1)) % n
+            for p in chain.pieces:
+                in_flight[ci, p] = lax.ppermute(in_flight[ci, p], axis_name, perm)
+                rows[source][p] = in_flight[ci, p]
+    if any(set(row) != pieces for row in rows):  # a schedule bug, not a user error
+        raise AssertionError("all-gather chains leave pieces uncovered")
+    return rows
+
+
 def ring_all_gather(
     y: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec, layout,
     out_dtype=jnp.float32,
@@ -153,19 +175,8 @@ def ring_all_gather(
     # got[r][p]: the wire bytes of piece p of relative row r (the shard of device d + r).
     # The barrier makes the owner decode the very bytes it sends: without it XLA folds
     # decode(encode(y)) algebraically and the owner's copy can differ by an ulp.
-    got: list[dict] = [{p: lax.optimization_barrier(wire[p]) for p in pieces}] + [{} for _ in range(n - 1)]
-    in_flight = {(ci, p): wire[p] for ci, c in enumerate(chains) for p in c.pieces}
-    for t in range(max(c.hops for c in chains)):
-        for ci, chain in enumerate(chains):
-            if t >= chain.hops:
-                continue
-            perm = _ring_perm(n, chain.direction)
-            source = (-chain.direction * (t + 1)) % n
-            for p in chain.pieces:
-                in_flight[ci, p] = lax.ppermute(in_flight[ci, p], axis_name, perm)
-                got[source][p] = in_flight[ci, p]
-    if any(len(row) != len(pieces) for row in got):  # a schedule bug, not a user error
-        raise AssertionError("all-gather chains leave shards uncovered")
+    got = forward_along_chains({p: lax.optimization_barrier(wire[p]) for p in pieces}, wire,
+                               chains, axis_name, n)
     return assemble(got, pieces, axis_name, codec, layout, out_dtype)
 
 
