@@ -161,7 +161,9 @@ class _Run:
                         log.info("client disconnected; cancelling %d sequence(s)", len(self.pending))
                         return
                 try:
-                    index, event = await asyncio.wait_for(self.queue.get(), timeout)
+                    # Events that are already queued need no wait_for (a task and a timer each).
+                    index, event = (self.queue.get_nowait() if not self.queue.empty()
+                                    else await asyncio.wait_for(self.queue.get(), timeout))
                 except asyncio.TimeoutError:
                     if streaming:
                         yield None
@@ -241,16 +243,23 @@ async def _openai_reply(run: _Run, request: Request, req, choices: list[fmt.Choi
             for c in choices:
                 yield _sse(fmt.chat_chunk(rid, created, name, c.index, {"role": "assistant", "content": ""},
                                           None, None, include_usage))
+        # The SSE events of everything already queued go out in one send: one event per token
+        # as before, but not one write (and one pass through the ASGI server) per token.
+        ready: list[str] = []
         async for item in run.events(request, streaming=True):
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
             delta = apply(*item)
             if delta.get("error"):
-                yield _sse(error_body(delta["error"], "server_error"))
-                continue
-            for chunk in chunks(item[0], delta):
-                yield _sse(chunk)
+                ready.append(_sse(error_body(delta["error"], "server_error")))
+            else:
+                ready.extend(_sse(chunk) for chunk in chunks(item[0], delta))
+            if ready and run.queue.empty():
+                yield "".join(ready)
+                ready = []
+        if ready:
+            yield "".join(ready)
         if include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                         "created": created, "model": name, "choices": [], "usage": usage()})
