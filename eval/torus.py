@@ -28,8 +28,11 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import uuid
 from typing import Iterator
 
@@ -147,6 +150,11 @@ def emulated_torus(dims: tuple[int, ...], link_gbit: float, *, burst: str = "256
     if link_gbit <= 0:
         raise ValueError(f"link_gbit must be positive, got {link_gbit}")
     n = math.prod(dims)
+    # SIGTERM (timeout, kill) would end the process without the `finally` below and leave the
+    # namespaces behind: turn it into SystemExit while the torus exists.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     tag = uuid.uuid4().hex[:6]
     names = tuple(f"tor-{tag}-{i}" for i in range(n))
     host = socket.gethostname()
@@ -190,6 +198,8 @@ def emulated_torus(dims: tuple[int, ...], link_gbit: float, *, burst: str = "256
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], check=False)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def describe(dims: tuple[int, ...]) -> str:
