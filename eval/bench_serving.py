@@ -227,8 +227,10 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
     p.add_argument("--requests-per-stream", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (mean)")
-    p.add_argument("--range-ratio", type=float, default=0.5,
-                   help="output lengths uniform in [L(1-r), L(1+r)]; 0 = all equal")
+    p.add_argument("--range-ratio", type=float, default=None,
+                   help="output lengths uniform in [L(1-r), L(1+r)]; 0 = all equal (default 0.5; "
+                        "with --engine-ratio 0, so that the server stays at max-batch streams "
+                        "until the end, as the engine's batch does)")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--engine-ratio", type=int, default=0, metavar="R",
@@ -248,6 +250,8 @@ def main(argv=None) -> None:
     g.add_argument("--server-arg", action="append", default=[], help="extra gemma3-serve flag (repeatable)")
     g.add_argument("--startup-timeout", type=float, default=1800)
     args = p.parse_args(argv)
+    if args.range_ratio is None:
+        args.range_ratio = 0.0 if args.engine_ratio else 0.5
 
     if args.engine_ratio and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
         # The engine measured here runs under the server's malloc tunables too.
