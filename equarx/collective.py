@@ -24,8 +24,8 @@ from equarx import codecs, groups, hadamard, multi_axis, ring, schedule, two_sho
 from equarx.config import QUANTIZED, AllReduceConfig
 from equarx.layout import Layout, TokenLayout, plan_layout, plan_token_layout
 
-__all__ = ["Layout", "TokenLayout", "all_reduce", "multi_axis_plan", "plan_for", "plan_layout",
-           "plan_token_layout", "resolved_variant"]
+__all__ = ["Layout", "TokenLayout", "all_reduce", "folds_rotation", "multi_axis_plan", "plan_for",
+           "plan_layout", "plan_token_layout", "resolved_variant"]
 
 
 def resolved_variant(config: AllReduceConfig, n_devices: int, message_bytes: float) -> str:
@@ -50,7 +50,7 @@ def plan_for(config: AllReduceConfig, shape: tuple[int, ...], n_devices: int,
 
 
 def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
-               config: AllReduceConfig | None = None) -> jax.Array:
+               config: AllReduceConfig | None = None, *, rotated: bool = False) -> jax.Array:
     """Sum `x` (this device's partial sum) over the mesh axis `axis_name`, inside shard_map.
 
     Returns an array of x's shape and dtype, identical on every device of the axis. Accepts any
@@ -63,6 +63,13 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
     over all of them, and a ring method runs the multi-axis schedule (equarx.multi_axis), which
     reduce-scatters along each axis in turn with the message split so that every axis' links
     carry a part at once; XLA's psums take the tuple as it is.
+
+    rotated=True: x's rows already carry the group codec's rotation (`folds_rotation(config,
+    x.shape[-1])` must hold): each run of `group_size` columns is the caller's partial times
+    `groups.rotation(group_size)`, because the weights that produced it were multiplied by it
+    (`groups.fold_rotation`). The schedule then skips its forward rotation, and the result is
+    the sum of the un-rotated partials as usual. Paths that do not rotate (psums, an axis of
+    size 1) un-rotate x first.
     """
     config = config or AllReduceConfig()
     if not isinstance(config, AllReduceConfig):
@@ -74,7 +81,17 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
     if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
         raise ValueError(f"axis_name must be a mesh axis name or a tuple of distinct ones, "
                          f"got {axis_name!r}")
+    if rotated and not folds_rotation(config, x.shape[-1] if x.ndim else 1):
+        raise ValueError(f"rotated=True needs a config whose codec rotates groups that tile "
+                         f"the rows (folds_rotation), got {config.label} on rows of "
+                         f"{x.shape[-1] if x.ndim else 1}")
     axes = tuple(a for a in axes if lax.axis_size(a) > 1)
+    schedule_rotates = (rotated and x.size * x.dtype.itemsize >= config.min_bytes
+                        and x.size > 0 and bool(axes))
+    if rotated and not schedule_rotates:
+        x = groups.unrotate(x.astype(jnp.float32).reshape(-1, config.group_size),
+                            config.group_size).reshape(x.shape).astype(x.dtype)
+        rotated = False
     if not axes:
         return x
     psum_axes = axes[0] if len(axes) == 1 else axes
@@ -86,13 +103,21 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
         if config.impl != "ppermute":
             raise NotImplementedError(f"the multi-axis schedule runs with impl='ppermute' only, "
                                       f"got {config.impl!r}")
-        return _multi_axis_all_reduce(x, axes, config)
+        return _multi_axis_all_reduce(x, axes, config, rotated)
     if config.impl == "pallas":
         # Imported here: Pallas' TPU modules are only needed by those who ask for the kernel.
         from equarx import pallas_ring
 
-        return pallas_ring.all_reduce(x, axes[0], config)
-    return _scheduled_all_reduce(x, axes[0], lax.axis_size(axes[0]), config)
+        return pallas_ring.all_reduce(x, axes[0], config, rotated=rotated)
+    return _scheduled_all_reduce(x, axes[0], lax.axis_size(axes[0]), config, rotated)
+
+
+def folds_rotation(config: AllReduceConfig, row_width: int) -> bool:
+    """Whether the rotation of `config`'s codec can be folded into the weights that produce
+    rows of `row_width` values (`all_reduce(..., rotated=True)`): a quantized method with
+    blocks="group" whose groups tile the row exactly (no padding column)."""
+    return (config.method in QUANTIZED and config.blocks == "group"
+            and row_width % config.group_size == 0)
 
 
 def _rotation(config: AllReduceConfig) -> str | None:
@@ -100,10 +125,13 @@ def _rotation(config: AllReduceConfig) -> str | None:
     return config.blocks if quantized and config.blocks in ("group", "hadamard") else None
 
 
-def _split(x: jax.Array, layout, config: AllReduceConfig) -> jax.Array:
-    """The caller's message -> the layout's buffer, rotated where the codec wants it."""
+def _split(x: jax.Array, layout, config: AllReduceConfig, rotated: bool = False) -> jax.Array:
+    """The caller's message -> the layout's buffer, rotated where the codec wants it (already
+    rotated if `rotated`)."""
     rotation = _rotation(config)
-    if rotation == "group":
+    if rotated:
+        x = groups.to_f32(x).reshape(-1, x.shape[-1])
+    elif rotation == "group":
         # Rotate the caller's rows as they are (contiguous, runs of g from column 0; the shard
         # width is a multiple of g, so the runs are the codec's groups), not the strided buffer.
         x = groups.rotate_rows(x, config.group_size)
@@ -125,10 +153,10 @@ def _join(out: jax.Array, layout, config: AllReduceConfig, x: jax.Array) -> jax.
 
 
 def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
-                          config: AllReduceConfig) -> jax.Array:
+                          config: AllReduceConfig, rotated: bool = False) -> jax.Array:
     variant = resolved_variant(config, n, x.size * x.dtype.itemsize)
     layout = plan_for(config, x.shape, n, variant)
-    buf = _split(x, layout, config)
+    buf = _split(x, layout, config, rotated)
     rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
     out_dtype = jnp.float32 if _rotation(config) else x.dtype
     if variant == "twoshot":
@@ -155,10 +183,10 @@ def multi_axis_plan(config: AllReduceConfig, shape: tuple[int, ...],
 
 
 def _multi_axis_all_reduce(x: jax.Array, axes: tuple[str, ...],
-                           config: AllReduceConfig) -> jax.Array:
+                           config: AllReduceConfig, rotated: bool = False) -> jax.Array:
     sizes = [lax.axis_size(a) for a in axes]
     layout, variants = multi_axis_plan(config, x.shape, sizes)
-    buf = _split(x, layout, config)
+    buf = _split(x, layout, config, rotated)
     if isinstance(layout, Layout):
         stacked = buf  # [shards, m, K, 8, 128] already
     else:

@@ -71,7 +71,7 @@ def _times(v: jax.Array, m: np.ndarray, fence_out: bool = True,
     return lax.optimization_barrier(out) if fence_out else out
 
 
-def _to_f32(x: jax.Array) -> jax.Array:
+def to_f32(x: jax.Array) -> jax.Array:
     """x as float32. bfloat16 by its bits (the same values): a plain convert fuses into the
     rotation's reduce, which then ran 2-5x slower on XLA:CPU than on float32 input."""
     if x.dtype == jnp.bfloat16:
@@ -83,13 +83,28 @@ def _to_f32(x: jax.Array) -> jax.Array:
 def rotate(x: jax.Array, g: int) -> jax.Array:
     """f[..., R] -> f32[..., R]: each run of g values times M (unnormalized: |.| grows by
     sqrt(g))."""
-    return _times(_to_f32(x).reshape(-1, g), rotation(g)).reshape(x.shape)
+    return _times(to_f32(x).reshape(-1, g), rotation(g)).reshape(x.shape)
 
 
 def unrotate(y: jax.Array, g: int) -> jax.Array:
     """Inverse of `rotate`: each run times M^T / g (g a power of two: the division is exact)."""
     return _times(y.astype(jnp.float32).reshape(-1, g), rotation(g).T / g,
                   fence_out=False, own_matrix=True).reshape(y.shape)
+
+
+def fold_rotation(w: jax.Array, g: int) -> jax.Array:
+    """A weight w[..., D] whose products x @ w are partial sums to reduce, with the rotation
+    folded in: each run of g output columns times M (so x @ fold_rotation(w) = rotate(x @ w)
+    up to rounding), in w's dtype. `all_reduce(..., rotated=True)` then skips its forward
+    rotation: one g x g product per value less at every call, paid once per weight here
+    (Gemma's attention output and MLP down projections, see models/gemma3/programs.py)."""
+    if w.shape[-1] % g:
+        raise ValueError(f"fold_rotation needs a last axis that is a multiple of {g}, "
+                         f"got {w.shape}")
+    runs = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // g, g)
+    out = jnp.einsum("...i,ij->...j", runs, jnp.asarray(rotation(g)),
+                     precision=lax.Precision.HIGHEST)
+    return out.reshape(w.shape).astype(w.dtype)
 
 
 def rotate_rows(x: jax.Array, g: int) -> jax.Array:

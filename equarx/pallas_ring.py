@@ -319,11 +319,12 @@ def plan_for(config: AllReduceConfig, shape: tuple[int, ...], n_devices: int,
 
 
 def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig, interpret="auto",
-               min_piece: int = MIN_PIECE_ELEMENTS) -> jax.Array:
+               min_piece: int = MIN_PIECE_ELEMENTS, rotated: bool = False) -> jax.Array:
     """equarx.all_reduce's ring path through the kernel (x: this device's partial sum, a
     floating array of any shape; inside shard_map). `interpret`: "auto" interprets off TPU,
     None compiles for TPU (lowering on any machine), or pltpu.InterpretParams. `min_piece`:
-    the smallest minishard, in values (see pallas_codecs.plan)."""
+    the smallest minishard, in values (see pallas_codecs.plan). `rotated`: as in
+    equarx.all_reduce (x's rows already carry the group codec's rotation)."""
     if interpret == "auto":
         interpret = _interpret_default()
 
@@ -331,7 +332,7 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig, interpret=
         return p.from_kernel(ring_kernel_call(p.to_kernel(buf), axis_name, p, out_dtype,
                                               interpret))
 
-    return _around(x, axis_name, config, run, min_piece)
+    return _around(x, axis_name, config, run, min_piece, rotated)
 
 
 def reference_all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig,
@@ -353,12 +354,16 @@ def reference_all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig,
     return _around(x, axis_name, config, run, min_piece)
 
 
-def _around(x, axis_name, config, run, min_piece):
+def _around(x, axis_name, config, run, min_piece, rotated=False):
     """What both implementations do around the schedule: the plan, the group codec's rotation
-    (on the caller's rows, as equarx.collective does), the split and the join."""
+    (on the caller's rows, as equarx.collective does; skipped when they come `rotated`), the
+    split and the join."""
     p = plan_for(config, x.shape, lax.axis_size(axis_name), min_piece)
     grouped = isinstance(p.codec, GroupCodec)
-    x_in = groups.rotate_rows(x, config.group_size) if grouped else x
+    if rotated:
+        x_in = groups.to_f32(x).reshape(-1, x.shape[-1])
+    else:
+        x_in = groups.rotate_rows(x, config.group_size) if grouped else x
     out = run(p.layout.split(x_in), p, jnp.float32 if grouped else x.dtype)
     if grouped:
         return groups.unrotate_rows(p.layout.join_rows(out), config.group_size,

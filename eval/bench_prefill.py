@@ -3,7 +3,9 @@
 What is timed is the model's own engine program (`Gemma3Model.lower_prefill(...).compile()`,
 the program `model.prefill` runs): ahead-of-time compiled, warmed up, then the methods are
 run interleaved (A B C, B C A, ...) with block_until_ready; each row gives the median and p90
-and the median of the per-iteration ratios against bf16. wire_bytes is what each device sends
+and the median of the per-iteration ratios against bf16. Each method runs as `load_model`
+serves it: the default int8's rotation folded into the weights; `int8:unfolded` rotates at run
+time, to measure what the fold gains. wire_bytes is what each device sends
 in one prefill, read from the compiled program (the layers are unrolled, so the program lists
 every layer's collectives).
 
@@ -43,6 +45,9 @@ from serving.jax_platform import keep_freed_memory, malloc_label
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
 DEFAULT_METHODS = "bf16,bf16_ring,int8"
+# A method spelled "<label>:unfolded" runs that AllReduce with its rotation at run time instead
+# of folded into the weights (what load_model does by default; see Gemma3Model.with_allreduce).
+UNFOLDED = ":unfolded"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,17 +137,20 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
     if iters < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need iters >= 1, warmup >= 0, batch >= 1; got {iters}, {warmup}, "
                          f"{batch}")
-    configs = {m: AllReduceConfig.from_label(m, minishards=minishards, pipelined=pipelined)
-               for m in methods}
+    configs = {m: AllReduceConfig.from_label(m.removesuffix(UNFOLDED), minishards=minishards,
+                                             pipelined=pipelined) for m in methods}
     link_list = list(links) if links else [None]
     t0 = time.perf_counter()
     devices = ([jax.devices()[i] for i in device_order] if device_order
                else jax.devices()[:tp])
     base = load_model(source, tp=tp, tp_mesh=tp_mesh, allreduce=configs[methods[0]],
-                      dtype=dtype, max_seq_len=max(lengths), devices=devices, seed=seed)
+                      dtype=dtype, max_seq_len=max(lengths), devices=devices, seed=seed,
+                      fold_rotation=False)
     load_s = time.perf_counter() - t0
-    models = {m: Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=configs[m],
-                             dtype=base.dtype, tokenizer=None) for m in methods}
+    # Each method runs as load_model serves it (its rotation folded into the weights where it
+    # has one); "int8:unfolded" runs the same codec rotating at run time.
+    models = {m: base.with_allreduce(configs[m], fold_rotation=not m.endswith(UNFOLDED))
+              for m in methods}
     rng = np.random.default_rng(seed)
     rows = []
     for length in lengths:
@@ -223,7 +231,8 @@ def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: 
     the difference is communication. Returns the samples and the alpha-beta fit."""
     from eval import bench_collective, multiproc
 
-    methods = [m for m in methods if mode_config(m) is not None]  # not the naive strawman
+    # Not the naive strawman; an unfolded variant sends what its folded one does.
+    methods = [m for m in methods if not m.endswith(UNFOLDED) and mode_config(m) is not None]
     params = dict(sizes=[2 * e for e in message_elements], methods=methods, repeats=repeats,
                   minishards=minishards, pipelined=pipelined, mse=False)
     one = {(r["size_bytes"], r["method"]): r["median"]
@@ -307,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [m.strip() for m in args.allreduce.split(",") if m.strip()]
     for m in methods:
         try:
-            AllReduceConfig.from_label(m, minishards=args.minishards)  # fail early on a typo
+            # Fail early on a typo.
+            AllReduceConfig.from_label(m.removesuffix(UNFOLDED), minishards=args.minishards)
         except ValueError as e:
             p.error(str(e))
     lengths = sorted({int(v) for v in args.lengths.split(",")})

@@ -86,18 +86,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def mode_models(base, modes: list[str]) -> dict:
-    """One Gemma3Model per mode, all sharing `base`'s weights, mesh and tokenizer; the naive
+    """One Gemma3Model per mode, all sharing `base`'s weights (folded copies of o and linear
+    for modes that fold their rotation, as `load_model` does), mesh and tokenizer; the naive
     strawman is plugged in as the model's tensor-parallel reduction."""
     from eval.naive_allreduce import naive_all_reduce
-    from models.gemma3 import Gemma3Model
 
     out = {}
     for name in modes:
         # With a reduction set, the forward pass never reads the config (it only labels the model).
         cfg, reduction = ((AllReduceConfig("bf16"), naive_all_reduce) if name == NAIVE
                           else (mode_config(name), None))
-        out[name] = Gemma3Model(base.config, base.weights, mesh=base.mesh, allreduce=cfg,
-                                dtype=base.dtype, tokenizer=base.tokenizer, reduction=reduction)
+        out[name] = base.with_allreduce(cfg, reduction=reduction)
     return out
 
 

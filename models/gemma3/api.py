@@ -58,6 +58,21 @@ class Gemma3Model(Gemma3Engine):
         Gemma3Engine.__init__(model, programs, weights, tokenizer)
         return model
 
+    def with_allreduce(self, allreduce: AllReduceConfig, *, reduction: Reduction | None = None,
+                       fold_rotation: bool = True) -> Gemma3Model:
+        """This model (config, mesh, dtype, tokenizer, weights) with another AllReduce or a
+        plugged-in reduction, for side-by-side comparisons. Weights are shared, except the o and
+        linear weights of an AllReduce that folds its rotation (see `load_model`), which get
+        folded copies. Needs a model whose own weights carry no rotation."""
+        if self.programs.rotation_folded:
+            raise ValueError("this model's weights carry its AllReduce's rotation; derive "
+                             "models from one loaded with fold_rotation=False")
+        programs = ModelPrograms(self.config, mesh=self.mesh, allreduce=allreduce,
+                                 dtype=self.dtype, reduction=reduction,
+                                 fold_rotation=fold_rotation)
+        return Gemma3Model.from_programs(programs, programs.fold_weights(self.weights),
+                                         self.tokenizer)
+
     def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         seqs = [list(map(int, s)) for s in seqs]
         if not seqs or any(len(s) == 0 for s in seqs):
@@ -139,7 +154,14 @@ class Gemma3Model(Gemma3Engine):
         Face Gemma3ForCausalLM directory (config.json, safetensors sharded at
         `max_shard_bytes` with their index, tokenizer files, generation_config.json) that
         transformers loads too; `dtype` (default: the model's) is the stored one.
+        A model whose weights carry the AllReduce's rotation (`load_model`'s fold_rotation)
+        cannot save: they would no longer be the checkpoint's.
         """
+        if self.programs.rotation_folded:
+            raise ValueError(
+                f"this model's o and linear weights carry the {self.allreduce.label} "
+                f"AllReduce's rotation (folded in at load); load it with "
+                f"fold_rotation=False, tp=1 or another AllReduce to save it")
         if format == "hf":
             from models.gemma3 import hf_checkpoint, hf_tokenizer
 
@@ -169,7 +191,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
                warm_up: dict | Callable[[Gemma3Model], None] | None = None,
                program_cache_dir: str | os.PathLike | None = None,
-               weights_cache_dir: str | os.PathLike | None = None) -> Gemma3Model:
+               weights_cache_dir: str | os.PathLike | None = None,
+               fold_rotation: bool = True) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     tp_mesh: the shape of the TP mesh over those devices: None (default) a 1-D mesh; "2x2",
@@ -196,6 +219,11 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
       supplies the executables. Ignored in multi-process runs.
     weights_cache_dir: keep a GGUF file's dequantized weights there
       (`models.gemma3.weights_cache`), so that a restart maps them instead of decoding again.
+    fold_rotation: where the AllReduce's codec rotates each row's groups (the default int8 at
+      tp > 1), fold that rotation into the attention output and MLP down projections once at
+      load, so that every AllReduce skips it (`ModelPrograms.fold_weights`). Such a model's
+      weights are no longer the checkpoint's: `save` refuses; load with fold_rotation=False
+      (or tp=1, or another AllReduce) to save.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
@@ -219,14 +247,14 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
             f"{device.device_kind} x64={jax.config.jax_enable_x64} "
             f"precision={jax.config.jax_default_matmul_precision}")
     programs = ModelPrograms(cfg, mesh=mesh, allreduce=allreduce, dtype=dtype,
-                             program_cache=program_cache)
+                             program_cache=program_cache, fold_rotation=fold_rotation)
     compiling = None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         if warm_up is not None:
             shape_only = Gemma3Model.from_programs(programs, programs.abstract_weights, tokenizer)
             compiling = (pool.submit(shape_only.warm_up, **warm_up) if isinstance(warm_up, dict)
                          else pool.submit(warm_up, shape_only))
-        weights = place(cfg, mesh)
+        weights = programs.fold_weights(place(cfg, mesh), donate=True)
         if compiling is not None:
             compiling.result()
     return Gemma3Model.from_programs(programs, weights, tokenizer)

@@ -49,6 +49,9 @@ class Ctx:
     # (e.g. ("x", "y")), over whose product heads, FFN and vocabulary are split; every
     # collective then runs over the tuple (equarx: the multi-axis schedule).
     axes: str | tuple[str, ...] = AXIS
+    # The o and linear weights carry the AllReduce codec's rotation (ModelPrograms folds it in
+    # at load, groups.fold_rotation): their partial sums reach `all_reduce` already rotated.
+    rotated_partials: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,6 +81,9 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, ctx: Ctx) -> jax.Array:
 
     Each token's row lives on exactly one device, so the psum of the masked local lookups adds
     zeros to one value: exact in any dtype, and deliberately not a (quantizable) equarx call.
+    It sums the values' bit patterns as integers of their width, which is as exact (one
+    non-zero term) and moves 16 bits a value for bfloat16 where XLA:CPU widens a bfloat16 psum
+    to float32 (the prefill of a 2-layer model sent a third of its bytes there).
     """
     rows = table.shape[0]
     if ctx.tp == 1:
@@ -86,7 +92,10 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, ctx: Ctx) -> jax.Array:
         local = tokens - lax.axis_index(ctx.axes) * rows
         inside = (local >= 0) & (local < rows)
         x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
-        x = lax.psum(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)), ctx.axes)
+        x = jnp.where(inside[..., None], x, jnp.zeros((), x.dtype))
+        bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
+        x = lax.bitcast_convert_type(
+            lax.psum(lax.bitcast_convert_type(x, bits), ctx.axes), x.dtype)
         # The residual stream is typed device-varying from here on: a ring AllReduce returns
         # varying values, and scan carries must keep one type across layers.
         x = lax.pcast(x, ctx.axes, to="varying")
@@ -120,7 +129,7 @@ def _reduce(x: jax.Array, ctx: Ctx) -> jax.Array:
         return x
     if ctx.reduction is not None:
         return ctx.reduction(x, ctx.axes)
-    return all_reduce(x, ctx.axes, ctx.allreduce)
+    return all_reduce(x, ctx.axes, ctx.allreduce, rotated=ctx.rotated_partials)
 
 
 def _local_kv_weight(kv: jax.Array, ctx: Ctx) -> jax.Array:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from equarx import AllReduceConfig
+from equarx import AllReduceConfig, folds_rotation, groups
 from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
 from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
@@ -126,11 +126,15 @@ class ModelPrograms:
       `allreduce`, which only labels the model). For comparisons such as eval's strawman.
     program_cache: keep the traced programs on disk (`models.gemma3.program_cache`); not used
       with a reduction.
+    fold_rotation: where the AllReduce's codec rotates groups of each row (the default int8
+      at tp > 1), run the programs on weights with that rotation folded into the attention
+      output and MLP down projections (`fold_weights`), so the AllReduce skips its forward
+      rotation (`rotation_folded` says whether it applies).
     """
 
     def __init__(self, config: Gemma3Config, *, mesh, allreduce: AllReduceConfig, dtype,
                  reduction: forward.Reduction | None = None,
-                 program_cache: ProgramCache | None = None):
+                 program_cache: ProgramCache | None = None, fold_rotation: bool = False):
         self.config = config
         self.mesh = mesh
         self.tp = mesh.devices.size
@@ -144,8 +148,11 @@ class ModelPrograms:
         self.replicated = NamedSharding(mesh, P())
         # "2x2" on a multi-axis TP mesh (its axes then stand for "tp"), None on a 1-D one.
         self.tp_mesh = mesh_label(mesh)
+        self.rotation_folded = bool(fold_rotation and reduction is None and self.tp > 1
+                                    and folds_rotation(allreduce, config.d_model))
         self._ctx = forward.Ctx(config=config, tp=self.tp, allreduce=allreduce,
-                                reduction=reduction, axes=tp_axes(mesh))
+                                reduction=reduction, axes=tp_axes(mesh),
+                                rotated_partials=self.rotation_folded)
         self._weight_specs = weight_specs(config, self.tp)
         self._cache_specs = cache_specs(config, self.tp)
         # Lowering needs only the weights' shapes and shardings, so it can run while they load.
@@ -158,6 +165,24 @@ class ModelPrograms:
         # Executables compiled ahead of time (`compile`): calls with their key run them
         # directly, with no tracing or cache lookup.
         self._executables: dict[ProgramKey, Callable] = {}
+
+    # -- weights -------------------------------------------------------------------------------
+    def fold_weights(self, weights: Weights, donate: bool = False) -> Weights:
+        """The weights these programs run on: with `rotation_folded`, each layer's o and linear
+        (whose products are the partial sums the AllReduce reduces) times the codec's rotation
+        along their output columns, computed shard by shard in place of the originals (their
+        buffers are donated: `weights` is consumed); else `weights` unchanged."""
+        if not self.rotation_folded:
+            return weights
+        body = functools.partial(groups.fold_rotation, g=self.allreduce.group_size)
+
+        def fold(w):
+            return jax.jit(body, out_shardings=w.sharding,
+                           donate_argnums=(0,) if donate else ())(w)
+
+        layers = tuple(dataclasses.replace(lw, o=fold(lw.o), linear=fold(lw.linear))
+                       for lw in weights.layers)
+        return dataclasses.replace(weights, layers=layers)
 
     # -- shapes --------------------------------------------------------------------------------
     def bucket_for(self, length: int) -> int:
@@ -238,6 +263,7 @@ class ModelPrograms:
         # (A multi-axis mesh lowers to the same HLO shardings as the 1-D one of its size.)
         static = (f"{self.config!r} tp={self.tp} {self.allreduce!r} "
                   f"dtype={self.dtype} cache_dtype={self.cache_dtype}"
+                  f" rotated_partials={self.rotation_folded}"
                   + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else ""))
         return self.program_cache.wrap(program.value, fn, donate, static, self.replicated)
 

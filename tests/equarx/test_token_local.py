@@ -125,3 +125,50 @@ def test_two_shot_quantizes_each_value_twice_whatever_n():
         rel[n] = [np.sqrt(np.mean((o[0] - exact) ** 2) / np.mean(exact**2)) for o in outs]
     assert rel[8][0] < 1.3 * rel[4][0], rel
     assert rel[8][1] / rel[4][1] > rel[8][0] / rel[4][0], rel
+
+
+@pytest.mark.parametrize("n,labels", [(2, ["int8", "int8-full", "int4/64"]),
+                                      (4, ["int8", "int8-semi", "fp8-full"])])
+def test_rotated_input_skips_the_forward_rotation_bitwise(n, labels):
+    """all_reduce(rotate_rows(x), rotated=True) is bitwise all_reduce(x): what a model whose
+    weights carry the rotation (groups.fold_rotation) hands in. Paths that do not rotate (a
+    message under min_bytes goes to the psum) un-rotate the input first."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, 12, 256)).astype(np.float32)
+    x[:, :, 5] *= 40
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    for label in labels + ["int8@min_bytes"]:
+        name, _, small = label.partition("@")
+        cfg = AllReduceConfig.from_label(name, min_bytes=1 << 30 if small else 0)
+        g = cfg.group_size
+        rotated = np.asarray(jax.jit(lambda v: groups.rotate_rows(v.reshape(-1, 256), g))(x))
+        rotated = rotated.reshape(x.shape)
+
+        def run(v, flag):
+            body = lambda a: all_reduce(a[0], "tp", cfg, rotated=flag)[None]  # noqa: E731
+            return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"),
+                                                    out_specs=P("tp")))(v))
+
+        want = run(x, False)
+        got = run(rotated, True)
+        if small:  # the psum of un-rotated inputs: the same sum, rounded differently
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+        else:
+            assert np.array_equal(got, want), label
+    with pytest.raises(ValueError, match="rotated=True"):
+        cfg = AllReduceConfig("int8", "full", blocks="tile")
+        jax.jit(jax.shard_map(lambda a: all_reduce(a[0], "tp", cfg, rotated=True)[None],
+                              mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
+
+
+def test_fold_rotation_moves_the_rotation_into_the_weights():
+    """x @ fold_rotation(w) equals rotate(x @ w) up to float32 rounding; shapes that the
+    groups do not tile are refused."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 48)).astype(np.float32)
+    w = rng.standard_normal((48, 96)).astype(np.float32)
+    folded = np.asarray(groups.fold_rotation(jnp.asarray(w), 32))
+    want = np.asarray(groups.rotate(jnp.asarray(x @ w), 32))
+    np.testing.assert_allclose(x @ folded, want, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        groups.fold_rotation(jnp.zeros((4, 40)), 32)

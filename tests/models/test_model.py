@@ -348,6 +348,35 @@ def test_reduction_hook_runs_at_every_tensor_parallel_reduction(tiny):
     assert "partial_only" in repr(model(partial_only))
 
 
+def test_int8_rotation_is_folded_into_the_weights(tiny, tmp_path):
+    """With the default int8 at tp > 1 the codec's rotation lives in the o and linear weights
+    (the AllReduce skips it): the same logits as rotating at run time up to int8 code flips,
+    far inside the int8 error itself; such a model refuses to save (its weights are no longer
+    the checkpoint's) and to derive siblings."""
+    base = tiny[2]
+    seqs = _random_seqs([9, 21])
+    ref = base.score(seqs)
+    folded = load_model(TINY, tp=2, dtype="float32", allreduce=AllReduceConfig("int8"))
+    plain = base.with_allreduce(AllReduceConfig("int8"), fold_rotation=False)
+    assert folded.programs.rotation_folded and not plain.programs.rotation_folded
+    assert base.with_allreduce(AllReduceConfig("int8")).programs.rotation_folded
+    assert not base.with_allreduce(AllReduceConfig("int8", blocks="tile")).programs.rotation_folded
+    assert not load_model(TINY, tp=1, allreduce=AllReduceConfig("int8")).programs.rotation_folded
+    w, w0 = folded.weights.layers[0], base.weights.layers[0]
+    np.testing.assert_array_equal(np.asarray(w.q), np.asarray(w0.q))
+    assert w.o.shape == w0.o.shape and w.o.sharding == w0.o.sharding
+    assert not np.allclose(np.asarray(w.o), np.asarray(w0.o))
+    valid = np.isfinite(ref)
+    a, b = plain.score(seqs)[valid], folded.score(seqs)[valid]
+    int8_err = np.abs(a - ref[valid]).mean()
+    assert 0 < int8_err < 0.05
+    assert np.abs(b - a).mean() < 0.5 * int8_err
+    with pytest.raises(ValueError, match="fold_rotation=False"):
+        folded.save(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="fold_rotation=False"):
+        folded.with_allreduce(F32)
+
+
 def test_models_are_not_kept_alive_by_the_library():
     """Nothing module- or class-level holds a model (and its weights) once it is dropped."""
     import gc
