@@ -41,7 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx import AllReduceConfig, all_reduce, bytes_sent_per_device, ideal_ring_bytes
+from equarx import (AllReduceConfig, all_reduce, bytes_sent_per_device, folds_rotation, groups,
+                    ideal_ring_bytes)
 from eval.reports import write_json
 from serving.jax_platform import ensure_cpu_devices, keep_freed_memory, malloc_label
 
@@ -85,12 +86,23 @@ def split_method(name: str) -> tuple[str, str]:
     over the devices in process order), ':snake' (a 1D mesh whose consecutive devices are torus
     neighbours, eval.torus.snake_order), ':torus' (the mesh of --mesh's shape, axes x, y[, z],
     reduced over all of them: the multi-axis schedule for ring methods, XLA's psum over the
-    tuple for bf16/f32)."""
-    label, _, kind = name.partition(":")
-    kind = kind or "ring"
-    if kind not in MESH_KINDS:
-        raise ValueError(f"mesh suffix must be one of {MESH_KINDS[1:]}, got {kind!r} in {name!r}")
+    tuple for bf16/f32). See `method_options` for ':folded'."""
+    label, kind, _ = method_options(name)
     return label, kind
+
+
+def method_options(name: str) -> tuple[str, str, bool]:
+    """'int8:folded', 'int8:torus:folded' -> (label, mesh kind, folded). ':folded' times the
+    AllReduce as a model with its rotation folded into the weights calls it
+    (`all_reduce(..., rotated=True)`: the input counts as rotated partials, and the forward
+    rotation is skipped); only for configs that fold (equarx.folds_rotation)."""
+    label, *opts = name.split(":")
+    kinds = [o for o in opts if o in MESH_KINDS]
+    unknown = [o for o in opts if o not in MESH_KINDS and o != "folded"]
+    if unknown or len(kinds) > 1 or len(opts) > len(set(opts)):
+        raise ValueError(f"mesh suffix must be one of {MESH_KINDS[1:]} (and/or ':folded'), "
+                         f"got {name!r}")
+    return label, (kinds[0] if kinds else "ring"), "folded" in opts
 
 
 def parse_dims_arg(text: str) -> tuple[int, ...]:
@@ -132,6 +144,7 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
     every process of a distributed run."""
     n = jax.device_count()
     kinds = {name: split_method(name)[1] for name in methods}
+    folded = {name: method_options(name)[2] for name in methods}
     # one order in every process (a set's would vary with the hash seed, and with it the
     # barrier's mesh and the order of collectives)
     meshes = _meshes(list(dict.fromkeys(kinds.values())), mesh_dims)
@@ -148,13 +161,15 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
             NamedSharding(mesh, P(axes)), local, (n * tokens, width))
             for kind, (mesh, axes) in meshes.items()}
         configs = {m: parse_method(m, minishards, pipelined) for m in methods}
-        compiled, compile_s, nbytes = {}, {}, {}
+        compiled, compile_s, nbytes, inputs = {}, {}, {}, {}
         for name, cfg in configs.items():
             mesh, axes = meshes[kinds[name]]
             reduce_over = axes[0] if len(axes) == 1 else axes
-            f = jax.jit(jax.shard_map(lambda a, c=cfg, r=reduce_over: all_reduce(a, r, c),
-                                      mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
-            x = xs[kinds[name]]
+            f = jax.jit(jax.shard_map(
+                lambda a, c=cfg, r=reduce_over, rot=folded[name]: all_reduce(a, r, c, rotated=rot),
+                mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+            x = inputs[name] = (_folded_input(xs[kinds[name]], cfg) if folded[name]
+                                else xs[kinds[name]])
             t0 = time.perf_counter()
             compiled[name] = f.lower(x).compile()
             compile_s[name] = time.perf_counter() - t0
@@ -165,13 +180,13 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
         for r in range(repeats):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for name in order:
-                x = xs[kinds[name]]
+                x = inputs[name]
                 barrier()
                 t0 = time.perf_counter()
                 compiled[name](x).block_until_ready()
                 barrier()
                 times[name].append(time.perf_counter() - t0)
-        errors = _mse(meshes, xs, kinds, compiled) if mse else {}
+        errors = _mse(meshes, xs, kinds, compiled, folded, configs) if mse else {}
         ideal = ideal_ring_bytes(n_el, 2, n)
         for name in methods:
             row = {
@@ -188,8 +203,15 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
                 if ref in times:
                     row[f"speedup_vs_{ref}"] = row["speedup_vs"][ref]
             rows.append(row)
-        del xs
+        del xs, inputs
     return rows
+
+
+def _folded_input(x: jax.Array, cfg: AllReduceConfig) -> jax.Array:
+    """x's rows rotated in runs of the codec's groups, rounded to x's dtype: the partials a
+    model with the rotation folded into its weights hands to `all_reduce(rotated=True)`."""
+    g = cfg.group_size
+    return jax.jit(lambda v: groups.rotate(v, g).astype(v.dtype), out_shardings=x.sharding)(x)
 
 
 def process_barrier(mesh: Mesh):
@@ -210,8 +232,10 @@ def process_barrier(mesh: Mesh):
     return lambda: sync(token).block_until_ready()
 
 
-def _mse(meshes: dict, xs: dict, kinds: dict, compiled: dict) -> dict:
-    """MSE of each timed program's output against the float32 sum of the same bf16 inputs.
+def _mse(meshes: dict, xs: dict, kinds: dict, compiled: dict, folded: dict,
+         configs: dict) -> dict:
+    """MSE of each timed program's output against the float32 sum of the same bf16 inputs (a
+    ':folded' method's program gets them rotated, in bf16, as from folded weights).
 
     The outputs come from the very programs that were timed, materialised in bf16. (Fusing the
     error into the same jit would let XLA drop the final bf16 rounding: on CPU it folds
@@ -227,7 +251,7 @@ def _mse(meshes: dict, xs: dict, kinds: dict, compiled: dict) -> dict:
         for name, program in compiled.items():
             if kinds[name] != kind:
                 continue
-            y = program(x)
+            y = program(_folded_input(x, configs[name]) if folded[name] else x)
             out[name] = float(err(y, exact))
             del y
     return out
@@ -366,8 +390,14 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        parse_method(m, args.minishards)  # fail early on a typo
+    for m in methods:  # fail early on a typo
+        try:
+            cfg = parse_method(m, args.minishards)
+        except ValueError as e:
+            p.error(str(e))
+        if method_options(m)[2] and not folds_rotation(cfg, args.row):
+            p.error(f"{m}: ':folded' needs a codec that rotates groups tiling the rows of "
+                    f"{args.row} values (e.g. int8, int8-full, int4)")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     if args.link_gbit is not None and args.processes < 1:

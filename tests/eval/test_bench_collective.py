@@ -17,10 +17,14 @@ def test_sizes_and_methods_parse():
         bench.parse_method("int3", 4)
     with pytest.raises(ValueError):
         bench.parse_size("-1K")
+    assert bench.method_options("int8:torus:folded") == ("int8", "torus", True)
+    assert bench.method_options("int8") == ("int8", "ring", False)
+    with pytest.raises(ValueError, match="mesh suffix"):
+        bench.method_options("int8:folded:folded")
 
 
 def test_a_tiny_run_reports_consistent_rows():
-    methods = ["bf16", "bf16_ring", "int8-semi+tile", "int8"]
+    methods = ["bf16", "bf16_ring", "int8-semi+tile", "int8", "int8:folded"]
     rows = bench.bench_on_mesh([256 << 10], methods, repeats=2, minishards=4)
     by = {r["method"]: r for r in rows}
     assert set(by) == set(methods) and all(r["devices"] == 8 for r in rows)
@@ -35,6 +39,10 @@ def test_a_tiny_run_reports_consistent_rows():
     # Two-shot bf16: exact bf16 inputs summed in float32, one rounding, as the psum.
     assert 0 < by["bf16"]["mse"] <= by["bf16_ring"]["mse"] < by["int8"]["mse"] < 2e-3
     assert by["bf16_ring"]["mse"] < by["int8-semi+tile"]["mse"] < 2e-3
+    # Rotated bf16 partials (folded weights): the same bytes, the same error up to their
+    # bf16 rounding.
+    assert by["int8:folded"]["bytes_per_device"] == by["int8"]["bytes_per_device"]
+    assert by["int8:folded"]["mse"] == pytest.approx(by["int8"]["mse"], rel=0.2)
     assert by["bf16"]["speedup_vs_bf16"] == pytest.approx(1.0)
     table = bench.format_table(rows)
     assert all(m in table for m in methods) and "256 KiB" in table
