@@ -132,7 +132,7 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
 
     from eval.bench_collective import process_barrier
     from equarx import bytes_sent_per_device
-    from models.gemma3 import Gemma3Model, load_model
+    from models.gemma3 import load_model
 
     if iters < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need iters >= 1, warmup >= 0, batch >= 1; got {iters}, {warmup}, "
@@ -169,7 +169,7 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
             caches[m] = models[m].init_cache(batch, bucket)
 
         def call(m):
-            logits, caches[m] = compiled[m](base.weights, caches[m], tokens, lens, slots)
+            logits, caches[m] = compiled[m](models[m].weights, caches[m], tokens, lens, slots)
             jax.block_until_ready((logits, caches[m]))
 
         for m in methods:
