@@ -38,16 +38,13 @@ import numpy as np
 
 from equarx import AllReduceConfig
 from eval import cost_model, prefill_report
-from eval.quality import mode_config
+from eval.quality import UNFOLDED, mode_config
 from serving import jax_platform
 from serving.jax_platform import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
 DEFAULT_METHODS = "bf16,bf16_ring,int8"
-# A method spelled "<label>:unfolded" runs that AllReduce with its rotation at run time instead
-# of folded into the weights (what load_model does by default; see Gemma3Model.with_allreduce).
-UNFOLDED = ":unfolded"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,9 +39,14 @@ MODES = ("f32", "bf16", "bf16_ring", "bf16_ring-full", "int8", "int8-full", "int
 REFERENCE = "f32"
 
 
+# A mode spelled "<label>:unfolded" runs that AllReduce with its codec's rotation at run time,
+# not folded into the o / linear weights as load_model serves it (see Gemma3Model.with_allreduce).
+UNFOLDED = ":unfolded"
+
+
 def mode_config(name: str) -> AllReduceConfig | None:
     """A mode's AllReduceConfig (None for the naive strawman); ValueError on an unknown name."""
-    return None if name == NAIVE else AllReduceConfig.from_label(name)
+    return None if name == NAIVE else AllReduceConfig.from_label(name.removesuffix(UNFOLDED))
 
 
 _CHUNK = 64  # positions per numpy block: 64 x 262144 float32 = 64 MiB per temporary
@@ -96,7 +101,8 @@ def mode_models(base, modes: list[str]) -> dict:
         # With a reduction set, the forward pass never reads the config (it only labels the model).
         cfg, reduction = ((AllReduceConfig("bf16"), naive_all_reduce) if name == NAIVE
                           else (mode_config(name), None))
-        out[name] = base.with_allreduce(cfg, reduction=reduction)
+        out[name] = base.with_allreduce(cfg, reduction=reduction,
+                                        fold_rotation=not name.endswith(UNFOLDED))
     return out
 
 
@@ -200,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="gemma3-270m", help="load_model source")
     p.add_argument("--tp", default="2,4", help="comma list of tensor-parallel degrees")
     p.add_argument("--modes", default=",".join(MODES),
-                   help="comma list of AllReduce labels (e.g. int8-semi-ag+hadamard) or naive")
+                   help="comma list of AllReduce labels (e.g. int8-semi-ag+hadamard) or naive; "
+                        "'int8:unfolded' rotates at run time instead of in the weights")
     p.add_argument("--tokens", type=int, default=4096, help="next-token predictions scored")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window (with BOS)")
     p.add_argument("--prompts", type=int, default=16, help="greedy prompts")
