@@ -89,8 +89,8 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
     schedule_rotates = (rotated and x.size * x.dtype.itemsize >= config.min_bytes
                         and x.size > 0 and bool(axes))
     if rotated and not schedule_rotates:
-        x = groups.unrotate(x.astype(jnp.float32).reshape(-1, config.group_size),
-                            config.group_size).reshape(x.shape).astype(x.dtype)
+        x = groups.unrotate_rows(x.reshape(-1, x.shape[-1]), config.group_size,
+                                 x.shape).astype(x.dtype)
         rotated = False
     if not axes:
         return x
@@ -129,12 +129,10 @@ def _split(x: jax.Array, layout, config: AllReduceConfig, rotated: bool = False)
     """The caller's message -> the layout's buffer, rotated where the codec wants it (already
     rotated if `rotated`)."""
     rotation = _rotation(config)
-    if rotated:
-        x = groups.to_f32(x).reshape(-1, x.shape[-1])
-    elif rotation == "group":
+    if rotation == "group":
         # Rotate the caller's rows as they are (contiguous, runs of g from column 0; the shard
         # width is a multiple of g, so the runs are the codec's groups), not the strided buffer.
-        x = groups.rotate_rows(x, config.group_size)
+        x = groups.message_rows(x, config.group_size, rotated)
     buf = layout.split(x)
     if rotation == "hadamard":
         buf = hadamard.rotate(buf.reshape(-1)).reshape(buf.shape)

@@ -116,6 +116,12 @@ def rotate_rows(x: jax.Array, g: int) -> jax.Array:
     return rotate(rows, g)
 
 
+def message_rows(x: jax.Array, g: int, rotated: bool) -> jax.Array:
+    """The rows a schedule splits, rotated: `rotate_rows(x, g)`, or, for a message whose rows
+    already carry the rotation (`all_reduce(..., rotated=True)`), x's rows as float32."""
+    return to_f32(x).reshape(-1, x.shape[-1]) if rotated else rotate_rows(x, g)
+
+
 def unrotate_rows(rows: jax.Array, g: int, shape: tuple[int, ...]) -> jax.Array:
     """f32[T, >= ceil(D / g) g] -> f32 of `shape` (D = shape[-1]): the inverse of rotate_rows."""
     d = shape[-1] if shape else 1

@@ -360,10 +360,7 @@ def _around(x, axis_name, config, run, min_piece, rotated=False):
     split and the join."""
     p = plan_for(config, x.shape, lax.axis_size(axis_name), min_piece)
     grouped = isinstance(p.codec, GroupCodec)
-    if rotated:
-        x_in = groups.to_f32(x).reshape(-1, x.shape[-1])
-    else:
-        x_in = groups.rotate_rows(x, config.group_size) if grouped else x
+    x_in = groups.message_rows(x, config.group_size, rotated) if grouped else x
     out = run(p.layout.split(x_in), p, jnp.float32 if grouped else x.dtype)
     if grouped:
         return groups.unrotate_rows(p.layout.join_rows(out), config.group_size,

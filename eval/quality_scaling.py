@@ -73,7 +73,7 @@ def emulated_reduction(config: AllReduceConfig, n_devices: int):
 
 def run(model: str, devices: list[int], modes: list[str], n_tokens: int, window: int,
         dtype: str, log=print) -> dict:
-    from models.gemma3 import Gemma3Model, load_model
+    from models.gemma3 import load_model
 
     configs = {m: mode_config(m) for m in modes}
     if any(c is None for c in configs.values()):
@@ -82,9 +82,8 @@ def run(model: str, devices: list[int], modes: list[str], n_tokens: int, window:
                       max_seq_len=window)
     tok = base.tokenizer
     windows = corpus.token_windows(tok.encode, n_tokens, window, tok.bos_id)
-    variants = {(m, n): Gemma3Model(base.config, base.weights, mesh=base.mesh,
-                                    allreduce=AllReduceConfig(REFERENCE), dtype=base.dtype,
-                                    tokenizer=tok, reduction=emulated_reduction(configs[m], n))
+    variants = {(m, n): base.with_allreduce(AllReduceConfig(REFERENCE),
+                                            reduction=emulated_reduction(configs[m], n))
                 for m in modes for n in devices}
     sums = {key: {"nll": 0.0, "kl": 0.0, "agree": 0, "count": 0} for key in variants}
     for wi, w in enumerate(windows):
