@@ -77,21 +77,6 @@ class FloatCodec:
         return wire.astype(jnp.float32)
 
 
-def decode_output(codec: Codec, wire: jax.Array, out_dtype, unrotate: int | None = None
-                  ) -> jax.Array:
-    """The all-gather's last decode: wire bytes -> the caller's values in `out_dtype`.
-    `unrotate` (the group codec's group size): the message's rows carry equarx.groups'
-    rotation, which each piece is rotated back from here, as it is decoded, in one pass
-    (groups.decode_unrotated), instead of the assembled message being written out in float32
-    and rotated back as a whole."""
-    if unrotate is None:
-        return codec.decode(wire).astype(out_dtype)
-    if not (isinstance(codec, GroupCodec) and codec.group == unrotate):  # a caller's bug
-        raise TypeError(f"unrotate={unrotate} needs a group codec of that size, got {codec}")
-    return groups.decode_unrotated(wire, codec.group, codec.code,
-                                   (wire.shape[0], *codec.piece_shape)).astype(out_dtype)
-
-
 def for_phases(config, dtype, piece_shape: tuple[int, ...]) -> tuple[Codec, Codec]:
     """(reduce-scatter codec, all-gather codec) of a ring method. An unquantized phase of a
     quantized method moves the caller's own precision (bf16 -> bf16, f32 -> f32), so it adds no

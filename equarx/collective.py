@@ -139,27 +139,10 @@ def _split(x: jax.Array, layout, config: AllReduceConfig, rotated: bool = False)
     return buf
 
 
-def _unrotate_in_gather(config: AllReduceConfig) -> int | None:
-    """The group size by which the all-gather rotates each piece back as it decodes it
-    (codecs.decode_output), or None where the joined rows are rotated back instead. Only
-    integer group codes go the first way: their un-rotation is exact (groups.decode_unrotated),
-    so its bits cannot depend on how XLA fuses it into the assembly, which changes with the
-    message's length (a float un-rotation there broke token-locality)."""
-    gathered_codes = config.phases in ("both", "ag") and config.method in ("int8", "int4")
-    return config.group_size if _rotation(config) == "group" and gathered_codes else None
-
-
-def _out_dtype(config: AllReduceConfig, x: jax.Array):
-    """The all-gather's output dtype: float32 where the joined rows are rotated back after it."""
-    rotated_after = _rotation(config) is not None and _unrotate_in_gather(config) is None
-    return jnp.float32 if rotated_after else x.dtype
-
-
 def _join(out: jax.Array, layout, config: AllReduceConfig, x: jax.Array) -> jax.Array:
-    """The reduced buffer -> the caller's shape and dtype, un-rotated (unless the all-gather
-    did it)."""
+    """The reduced buffer -> the caller's shape and dtype, un-rotated."""
     rotation = _rotation(config)
-    if rotation == "group" and _unrotate_in_gather(config) is None:
+    if rotation == "group":
         return groups.unrotate_rows(layout.join_rows(out), config.group_size,
                                     x.shape).astype(x.dtype)
     if rotation == "hadamard":
@@ -173,17 +156,15 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
     layout = plan_for(config, x.shape, n, variant)
     buf = _split(x, layout, config, rotated)
     rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
-    out_dtype = _out_dtype(config, x)
-    unrotate = _unrotate_in_gather(config)
+    out_dtype = jnp.float32 if _rotation(config) else x.dtype
     if variant == "twoshot":
         pieces = two_shot.pieces_for(layout.pieces, config.pipelined)
         y = two_shot.reduce_scatter(buf, axis_name, pieces, rs_codec, layout)
-        out = two_shot.all_gather(y, axis_name, pieces, ag_codec, layout, out_dtype, unrotate)
+        out = two_shot.all_gather(y, axis_name, pieces, ag_codec, layout, out_dtype)
     else:
         rs_chains, ag_chains = ring.chains_for(variant, n, layout.pieces, config.pipelined)
         y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec, layout)
-        out = ring.ring_all_gather(y, axis_name, ag_chains, ag_codec, layout, out_dtype,
-                                   unrotate)
+        out = ring.ring_all_gather(y, axis_name, ag_chains, ag_codec, layout, out_dtype)
     return _join(out, layout, config, x)
 
 
@@ -210,7 +191,7 @@ def _multi_axis_all_reduce(x: jax.Array, axes: tuple[str, ...],
         stacked = jnp.stack([layout.piece(buf, s, 0, layout.pieces)
                              for s in range(layout.n_devices)])
     rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
-    out_dtype = _out_dtype(config, x)
+    out_dtype = jnp.float32 if _rotation(config) else x.dtype
     out = multi_axis.multi_axis_schedule(stacked, axes, variants, rs_codec, ag_codec,
-                                         config.pipelined, out_dtype, _unrotate_in_gather(config))
+                                         config.pipelined, out_dtype)
     return _join(layout.assemble(out), layout, config, x)

@@ -213,35 +213,6 @@ def decode(wire: jax.Array, g: int, code: str, shape: tuple[int, ...] | None = N
     return out if shape is None else out.reshape(shape)
 
 
-def decode_unrotated(wire: jax.Array, g: int, code: str,
-                     shape: tuple[int, ...] | None = None) -> jax.Array:
-    """`unrotate(decode(wire))` in one pass, for the all-gather's final decode: a group's scale
-    and its rotation cover the same g values, so each run's codes are rotated back first and
-    scaled once after, s (q M^T / g), and the result comes out in the caller's dtype where it
-    is assembled: no float32 message is written and rotated back as a whole. For int8 and int4
-    codes the product is exact (small integers times +-1/g, any summation order), so the bits
-    cannot depend on how XLA fuses it, and they equal decode-then-unrotate's (whose sums of
-    q s M / g are exact too). fp8 codes are not exact in the sum: equarx.collective un-rotates
-    those after the join instead."""
-    b = wire.shape[0]
-    payload, scale_bytes = wire[:, :-1, :], wire[:, -1, :]
-    scale = lax.bitcast_convert_type(scale_bytes.reshape(b, -1, 2), jnp.bfloat16)
-    n = scale.shape[-1]
-    if code == "int4":
-        packed = payload.reshape(b * n, g // 2)
-        codes = jnp.concatenate([(packed << 4) >> 4, packed >> 4], axis=-1)
-    else:
-        codes = payload.reshape(b * n, g)
-    if code == "fp8":
-        values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-    else:
-        values = codes.astype(jnp.float32)
-    values, mat = lax.optimization_barrier((values, jnp.asarray(rotation(g).T / g)))
-    runs = jnp.sum(values[:, :, None] * mat[None], axis=1).reshape(b, n, g)
-    out = (runs * scale.astype(jnp.float32)[..., None]).reshape(b, n * g)
-    return out if shape is None else out.reshape(shape)
-
-
 def wire_bytes_per_value(g: int, code: str) -> float:
     """Bytes on the wire per value: payload plus the bfloat16 scale's share."""
     return (0.5 if code == "int4" else 1.0) + 2.0 / g

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from equarx import ring, two_shot
-from equarx.codecs import Codec, decode_output
+from equarx.codecs import Codec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +91,9 @@ def gather_axis(payload: jax.Array, axis_name: str, n: int, variant: str,
 
 def multi_axis_schedule(buf: jax.Array, axis_names: Sequence[str], variants: Sequence[str],
                         rs_codec: Codec, ag_codec: Codec, pipelined: bool,
-                        out_dtype, unrotate: int | None = None) -> jax.Array:
+                        out_dtype) -> jax.Array:
     """buf [k N, m, *piece] (k = len(axis_names) parts of N shards of m pieces) -> the same
-    shape in `out_dtype` (rotated back: see codecs.decode_output), summed over every axis,
-    identical on every device.
+    shape in `out_dtype`, summed over every axis, identical on every device.
 
     variants[a]: the single-axis schedule ("full", "semi", "twoshot") run along axis a."""
     k = len(axis_names)
@@ -132,7 +131,7 @@ def multi_axis_schedule(buf: jax.Array, axis_names: Sequence[str], variants: Seq
             # Relative row r along this axis is absolute (d + r) % n: roll by d.
             w = _roll(w, lax.axis_index(axis_names[orders[p][t]]), t)
         w = w.reshape(n_all * m, *tail)
-        out.append(decode_output(ag_codec, w, out_dtype, unrotate).reshape(n_all, m, *piece))
+        out.append(ag_codec.decode(w).astype(out_dtype).reshape(n_all, m, *piece))
     return jnp.concatenate(out)
 
 

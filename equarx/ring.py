@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx.codecs import Codec, decode_output
+from equarx.codecs import Codec
 
 # Putting relative rows in absolute order: XLA:CPU fuses a gather (or a chain of
 # dynamic-update-slices) over the stacked pieces into per-element selects, 2-3x slower than
@@ -163,11 +163,10 @@ def forward_along_chains(own: dict, wire: dict, chains: Sequence[Chain], axis_na
 
 def ring_all_gather(
     y: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec, layout,
-    out_dtype=jnp.float32, unrotate: int | None = None,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
     """y: f32[pieces, *piece], this device's reduced shard -> every shard, in `layout`'s buffer
-    order and `out_dtype` (rotated back in runs of `unrotate` values if given: see
-    codecs.decode_output). Each owner encodes its shard once; receivers forward the wire bytes
+    order and `out_dtype`. Each owner encodes its shard once; receivers forward the wire bytes
     verbatim and decode them. The owner keeps decode(encode(y)), so every device holds
     identical values."""
     n = layout.n_devices
@@ -178,11 +177,10 @@ def ring_all_gather(
     # decode(encode(y)) algebraically and the owner's copy can differ by an ulp.
     got = forward_along_chains({p: lax.optimization_barrier(wire[p]) for p in pieces}, wire,
                                chains, axis_name, n)
-    return assemble(got, pieces, axis_name, codec, layout, out_dtype, unrotate)
+    return assemble(got, pieces, axis_name, codec, layout, out_dtype)
 
 
-def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_dtype,
-             unrotate: int | None = None):
+def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_dtype):
     """got[r][p]: the wire bytes of piece p of relative shard r (device d + r's) -> the decoded
     buffer in absolute order. Pieces are decoded where the result is assembled (inside the
     switch branch for large messages), so each decoded value is written once."""
@@ -190,24 +188,24 @@ def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_
     rows = [[row[p] for p in pieces] for row in got]
     d = lax.axis_index(axis_name)
     if layout.padded_elements >= SWITCH_MIN_ELEMENTS:
-        return lax.switch(d, [_assemble_for(dd, n, codec, layout, out_dtype, unrotate)
+        return lax.switch(d, [_assemble_for(dd, n, codec, layout, out_dtype)
                               for dd in range(n)], rows)
-    rel = jnp.stack([_decoded_row(row, codec, out_dtype, unrotate) for row in rows])
+    rel = jnp.stack([_decoded_row(row, codec, out_dtype) for row in rows])
     return layout.assemble(jnp.take(rel, (jnp.arange(n) - d) % n, axis=0))
 
 
-def _assemble_for(d: int, n: int, codec: Codec, layout, out_dtype, unrotate):
+def _assemble_for(d: int, n: int, codec: Codec, layout, out_dtype):
     """The absolute-order assembly on device d: a static concatenation of decoded pieces
     (the decode fuses into the copy)."""
 
     def assemble_d(rows: list[list[jax.Array]]) -> jax.Array:
         # Absolute shard c is relative row c - d.
-        return layout.assemble(jnp.stack([_decoded_row(rows[(c - d) % n], codec, out_dtype,
-                                                       unrotate) for c in range(n)]))
+        return layout.assemble(jnp.stack([_decoded_row(rows[(c - d) % n], codec, out_dtype)
+                                          for c in range(n)]))
 
     return assemble_d
 
 
-def _decoded_row(wires: list[jax.Array], codec: Codec, out_dtype, unrotate) -> jax.Array:
+def _decoded_row(wires: list[jax.Array], codec: Codec, out_dtype) -> jax.Array:
     """One shard from its pieces' wire bytes, decoded in place of the copy that joins them."""
-    return jnp.concatenate([decode_output(codec, w, out_dtype, unrotate) for w in wires])
+    return jnp.concatenate([codec.decode(w).astype(out_dtype) for w in wires])

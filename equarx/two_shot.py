@@ -48,9 +48,9 @@ def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout)
 
 
 def all_gather(y: jax.Array, axis_name: str, pieces, codec: Codec, layout,
-               out_dtype=jnp.float32, unrotate: int | None = None) -> jax.Array:
+               out_dtype=jnp.float32) -> jax.Array:
     """y: f32[pieces, *piece], this device's reduced shard -> every shard in `layout`'s buffer
-    order, decoded to `out_dtype` (and rotated back: see codecs.decode_output)."""
+    order, decoded to `out_dtype`."""
     n = layout.n_devices
     wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
     # The barrier makes the owner decode the very bytes it sends (see ring.ring_all_gather).
@@ -60,4 +60,4 @@ def all_gather(y: jax.Array, axis_name: str, pieces, codec: Codec, layout,
         for p in pieces:
             # What arrives from device d - k is the shard of relative row -k.
             got[(-k) % n][p] = lax.ppermute(wire[p], axis_name, _shift(n, k))
-    return assemble(got, pieces, axis_name, codec, layout, out_dtype, unrotate)
+    return assemble(got, pieces, axis_name, codec, layout, out_dtype)
