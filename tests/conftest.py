@@ -7,11 +7,29 @@ import pytest
 from serving import jax_platform
 
 
+_CACHE_ENV = "GEMMA3_TEST_COMPILATION_CACHE"
+
+
 def pytest_configure(config):
     import os
+    import tempfile
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax_platform.request_cpu_devices(8)  # 8 devices on 2 cores: with the longer collective timeout
+    # One compilation cache for the session, shared by the xdist workers (they inherit the
+    # controller's environment): a program several files compile alike is compiled once. It
+    # starts empty, so nothing outlives the session or depends on an earlier run.
+    if not hasattr(config, "workerinput"):
+        config._compilation_cache = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jax-cache-")
+    jax_platform.enable_compilation_cache(os.environ[_CACHE_ENV])
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    directory = getattr(config, "_compilation_cache", None)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
