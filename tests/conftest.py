@@ -44,15 +44,17 @@ def _release_memory_between_modules():
     gc.collect()
 
 
-# Files that take longest (compiles of the real 270M, or waits on other processes) run first:
-# with two xdist workers taking a whole file at a time, a long file started last would leave
-# one worker idle while the other finishes it.
+# Files that take longest (compiles of the real 270M, or waits on other processes) run first,
+# longest first (as measured on 2 cores): with two xdist workers taking a whole file
+# at a time, a long file started last would leave one worker idle while the other finishes it.
 LONG_FILES_FIRST = (
-    "serving/test_group_formation.py", "serving/test_multihost.py", "models/test_parity.py",
-    "serving/test_batch_invariance.py", "models/test_model.py", "serving/test_server_e2e.py",
-    "models/test_hf_checkpoint.py", "equarx/test_collective.py", "models/test_program_cache.py",
-    "equarx/test_multi_axis.py", "serving/test_structured_e2e.py", "equarx/test_pallas.py",
-    "eval/test_quality.py",
+    "models/test_hf_checkpoint.py", "serving/test_multihost.py", "models/test_parity.py",
+    "eval/test_quality.py", "equarx/test_collective.py", "serving/test_group_formation.py",
+    "serving/test_batch_invariance.py", "eval/test_quality_scaling.py",
+    "serving/test_structured_e2e.py", "equarx/test_pallas.py", "serving/test_server_e2e.py",
+    "models/test_program_cache.py", "eval/test_bench_engine.py", "serving/test_soak.py",
+    "models/test_weights_cache.py", "models/test_model.py", "serving/test_tools.py",
+    "equarx/test_token_local.py", "models/test_model_checkpoint.py",
 )
 
 
