@@ -9,7 +9,8 @@
   all-gather, every hop in between moves rotated values.
 - impl="pallas": the same ring as one Pallas TPU kernel (equarx.pallas_ring).
 - Several mesh axes: the multi-axis schedule (equarx.multi_axis) over the same layouts and
-  codecs, planned for (devices x axes) shards.
+  codecs, planned for (devices x axes) shards; with impl="pallas" its stages run as Pallas
+  kernels (equarx.pallas_torus; axes of one size).
 """
 from __future__ import annotations
 
@@ -99,10 +100,11 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
         return lax.psum(x.astype(jnp.float32), psum_axes).astype(x.dtype)
     if config.method == "bf16" or x.size * x.dtype.itemsize < config.min_bytes or x.size == 0:
         return lax.psum(x.astype(jnp.bfloat16), psum_axes).astype(x.dtype)
+    if len(axes) > 1 and config.impl == "pallas":
+        from equarx import pallas_torus
+
+        return pallas_torus.all_reduce(x, axes, config, rotated=rotated)
     if len(axes) > 1:
-        if config.impl != "ppermute":
-            raise NotImplementedError(f"the multi-axis schedule runs with impl='ppermute' only, "
-                                      f"got {config.impl!r}")
         return _multi_axis_all_reduce(x, axes, config, rotated)
     if config.impl == "pallas":
         # Imported here: Pallas' TPU modules are only needed by those who ask for the kernel.

@@ -201,16 +201,18 @@ class KernelPlan:
 
 
 def plan(method: str, blocks: str, group_size: int, shape: tuple[int, ...], n_devices: int,
-         minishards: int, min_piece: int = MIN_PIECE_ELEMENTS) -> KernelPlan:
+         minishards: int, min_piece: int = MIN_PIECE_ELEMENTS,
+         max_piece: int = MAX_PIECE_ELEMENTS) -> KernelPlan:
     """The kernel's plan for a message of `shape`: `minishards` pieces per shard at most (split
-    over the two directions, at least one each), more where a piece would exceed
-    MAX_PIECE_ELEMENTS (VMEM), fewer where a piece would fall under `min_piece` values (the
-    ppermute path's minimum; tests lower it to pipeline small messages)."""
+    over the two directions, at least one each), more where a piece would exceed `max_piece`
+    values (default MAX_PIECE_ELEMENTS: VMEM), fewer where a piece would fall under
+    `min_piece` values (the ppermute path's minimum; tests lower it to pipeline small
+    messages)."""
     size = math.prod(shape)
     if method == "int8" and blocks == "tile":
         tiles = math.ceil(size / (n_devices * qz.TILE_ELEMENTS))  # per shard
         mh = max(1, min(minishards // 2, tiles * qz.TILE_ELEMENTS // (2 * min_piece)))
-        mh = max(mh, math.ceil(tiles * qz.TILE_ELEMENTS / (2 * MAX_PIECE_ELEMENTS)))
+        mh = max(mh, math.ceil(tiles * qz.TILE_ELEMENTS / (2 * max_piece)))
         k = _round_up(math.ceil(tiles / (2 * mh)), INT8_ROWS // qz.TILE[0])
         layout = Layout(size, n_devices, 2 * mh, k)
         return KernelPlan(layout, TileCodec(k * qz.TILE[0]), mh)
@@ -224,10 +226,10 @@ def plan(method: str, blocks: str, group_size: int, shape: tuple[int, ...], n_de
     base = plan_token_layout(tuple(shape), n_devices, 1, 2, granule)  # the columns
     t, width = base.rows, base.width  # width: one direction's columns of one shard
     # Minishards are whole blocks of 128 tokens (lanes): as many as `minishards` and
-    # `min_piece` ask for, fewer blocks each where a piece would exceed MAX_PIECE_ELEMENTS.
+    # `min_piece` ask for, fewer blocks each where a piece would exceed `max_piece`.
     blocks = math.ceil(t / LANES)
     wish = max(1, min(minishards // 2, t * width // min_piece))
-    per_piece = max(1, min(math.ceil(blocks / wish), MAX_PIECE_ELEMENTS // (width * LANES)))
+    per_piece = max(1, min(math.ceil(blocks / wish), max_piece // (width * LANES)))
     mh = math.ceil(blocks / per_piece)
     tm = math.ceil(blocks / mh) * LANES  # the blocks spread evenly over the minishards
     layout = TokenLayout(tuple(shape), n_devices, mh, tm, 2, width)

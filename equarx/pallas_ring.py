@@ -55,7 +55,8 @@ from jax.experimental.pallas import tpu as pltpu
 from equarx import codecs, groups, ring
 from equarx.config import AllReduceConfig
 from equarx.layout import MIN_PIECE_ELEMENTS
-from equarx.pallas_codecs import FloatCodec, GroupCodec, KernelPlan, TileCodec, plan
+from equarx.pallas_codecs import (WINDOW, FloatCodec, GroupCodec, KernelCodec, KernelPlan,
+                                   TileCodec, plan)
 
 COLLECTIVE_ID = 0  # the barrier semaphore: every call of this kernel talks to the same neighbours
 TRANSPORTS = 2  # payload and scales
@@ -76,9 +77,14 @@ def reference_chains(p: KernelPlan) -> list[ring.Chain]:
 
 def vmem_bytes(p: KernelPlan, in_dtype, out_dtype) -> int:
     """The kernel's VMEM scratch, in bytes: bounded by the window, whatever the message."""
-    r, l = p.piece
-    codec = p.codec
-    slots = p.window + 2
+    return _vmem_per_part(p.codec, p.piece, p.window, in_dtype, out_dtype)
+
+
+def _vmem_per_part(codec: KernelCodec, piece: tuple[int, int], window: int, in_dtype,
+                   out_dtype) -> int:
+    """VMEM scratch of one part (two directions) of parts_kernel_call."""
+    r, l = piece
+    slots = window + 2
     wire = r * l * jnp.dtype(codec.wire_dtype).itemsize
     scales = 0 if codec.scale_shape is None else (
         codec.scale_shape[0] * codec.scale_shape[1] * jnp.dtype(codec.scale_dtype).itemsize)
@@ -92,19 +98,43 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
     """buf: this device's [N, 2, mh, R, L] partial sums (inside shard_map over `axis_name`)
     -> the reduced message in the same layout and `out_dtype`, identical on every device.
     `interpret`: pltpu.InterpretParams to interpret the kernel, None to compile it."""
-    n, mh, g = p.n_devices, p.minishards, p.window
-    codec = p.codec
+    n, mh = p.n_devices, p.minishards
     r, l = p.piece
     if buf.shape != (n, 2, mh, r, l):
         raise ValueError(f"expected a kernel buffer {(n, 2, mh, r, l)}, got {buf.shape}")
+    return parts_kernel_call(buf[None], (axis_name,), p.codec, out_dtype, interpret)[0]
+
+
+def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: KernelCodec,
+                      out_dtype, interpret=None, phase: str = "both") -> jax.Array:
+    """The ring over several parts at once, part q along mesh axis `axis_names[q]` (the axes
+    of one size N; equal names are not allowed: two parts would share the neighbours' slots).
+    buf: this device's [P, N, 2, mh, R, L] partial sums. phase "both": the all-reduce, out
+    [P, N, 2, mh, R, L] in `out_dtype`; "rs": the reduce-scatter alone, out [P, 2, mh, R, L]
+    float32, this device's shard of each part summed over its axis (the last partial received
+    is decoded and added, not encoded again: equarx.ring.ring_reduce_scatter's result)."""
+    n_parts, n, _, mh, r, l = buf.shape
+    if len(axis_names) != n_parts or len(set(axis_names)) != n_parts:
+        raise ValueError(f"need {n_parts} distinct axes, one per part, got {axis_names}")
+    if any(lax.axis_size(a) != n for a in axis_names):
+        raise ValueError(f"every part's axis must have {n} devices: "
+                         f"{[lax.axis_size(a) for a in axis_names]}")
+    if phase not in ("both", "rs"):
+        raise ValueError(f"phase must be 'both' or 'rs', got {phase!r}")
+    g = min(mh, WINDOW)
+    streams = 2 * n_parts  # stream j: part j // 2, direction j % 2 (0: +1, 1: -1)
     slots = g + 2
-    steps = 2 * n - 1  # per window: N-1 reduce-scatter hops, N-1 all-gather hops, a last decode
-    items = mh * steps  # per direction
+    # Per window: N-1 reduce-scatter hops, then (phase "both") N-1 all-gather hops and a last
+    # decode; the reduce-scatter alone ends at the step that adds the last partial.
+    steps = 2 * n - 1 if phase == "both" else n
+    items = mh * steps  # per stream
     full = (mh - 1) // g  # full windows before the last (which has g or fewer minishards)
     last = mh - full * g
     window_messages = (steps - 1) * g
     messages = (steps - 1) * mh
     scaled = codec.scale_shape is not None
+    if phase == "rs":
+        out_dtype = jnp.float32
 
     def coords(k):
         """Item k -> (window, step, minishard in the window, the window's minishards)."""
@@ -125,53 +155,66 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
         if scaled:
             send_s, recv_s, *rest = rest
         local_sem, out_sem, send_sem, recv_sem, capacity = rest
-        d = lax.axis_index(axis_name)
-        right = lax.rem(d + 1, n)
-        left = lax.rem(d + n - 1, n)
+        index = [lax.axis_index(a) for a in axis_names]  # this device's place on each axis
 
-        def mesh_id(device):
-            return {axis_name: device}
+        def mesh_id(q, device):  # the other axes keep this device's coordinates
+            return {axis_names[q]: device}
+
+        def neighbours(q):  # (left, right) along part q's axis
+            d = index[q]
+            return lax.rem(d + n - 1, n), lax.rem(d + 1, n)
 
         barrier = pltpu.get_barrier_semaphore()
-        for neighbour in (left, right):
-            pl.semaphore_signal(barrier, 1, device_id=mesh_id(neighbour),
-                                device_id_type=pl.DeviceIdType.MESH)
-        pl.semaphore_wait(barrier, 2)
+        for q in range(n_parts):
+            for neighbour in neighbours(q):
+                pl.semaphore_signal(barrier, 1, device_id=mesh_id(q, neighbour),
+                                    device_id_type=pl.DeviceIdType.MESH)
+        pl.semaphore_wait(barrier, 2 * n_parts)
 
-        def shard(offset):  # absolute shard of relative offset (any sign, |offset| < N)
-            return lax.rem(d + offset + n, n)
+        def shard(q, offset):  # absolute shard of relative offset (any sign, |offset| < N)
+            return lax.rem(index[q] + offset + n, n)
 
-        def local_copy(h, k):
-            """The local minishard item k of direction h reads (step <= N-1)."""
+        def local_copy(j, k):
+            """The local minishard item k of stream j reads (step <= N-1)."""
+            q, h = divmod(j, 2)
             w, t, i, _ = coords(k)
-            src = shard((1 - 2 * h) * (n - 1 - t))  # t = N-1: the own shard
-            return pltpu.make_async_copy(x_hbm.at[src, h, w * g + i], xin.at[h, lax.rem(k, 2)],
-                                         local_sem.at[h, lax.rem(k, 2)])
+            src = shard(q, (1 - 2 * h) * (n - 1 - t))  # t = N-1: the own shard
+            return pltpu.make_async_copy(x_hbm.at[q, src, h, w * g + i],
+                                         xin.at[j, lax.rem(k, 2)],
+                                         local_sem.at[j, lax.rem(k, 2)])
 
-        def out_copy(h, k):
-            """Item k's decoded minishard (step >= N-1) back to HBM."""
+        def out_copy(j, k):
+            """Item k's output minishard (step >= N-1) back to HBM."""
+            q, h = divmod(j, 2)
             w, t, i, _ = coords(k)
-            owner = shard(-(1 - 2 * h) * (t - (n - 1)))  # t = N-1: the own shard
-            return pltpu.make_async_copy(stage.at[h, lax.rem(k, 2)],
-                                         out_hbm.at[owner, h, w * g + i],
-                                         out_sem.at[h, lax.rem(k, 2)])
+            if phase == "rs":
+                dst = out_hbm.at[q, h, w * g + i]
+            else:
+                owner = shard(q, -(1 - 2 * h) * (t - (n - 1)))  # t = N-1: the own shard
+                dst = out_hbm.at[q, owner, h, w * g + i]
+            return pltpu.make_async_copy(stage.at[j, lax.rem(k, 2)], dst,
+                                         out_sem.at[j, lax.rem(k, 2)])
 
-        def remote(h, m, src_slot=None, send_slot=0):
-            """Message m of direction h into the neighbour's receive slot m mod S: from send
+        def remote(j, m, src_slot=None, send_slot=0):
+            """Message m of stream j into the neighbour's receive slot m mod S: from send
             buffer `send_slot`, or forwarded from this device's receive slot `src_slot`."""
+            q, h = divmod(j, 2)
+            left, right = neighbours(q)
             dst = right if h == 0 else left
             slot = lax.rem(m, slots)
             copies = []
             kinds = [(send_p, recv_p)] + ([(send_s, recv_s)] if scaled else [])
             for kind, (send_buf, recv_buf) in enumerate(kinds):
-                src = send_buf.at[h, send_slot] if src_slot is None else recv_buf.at[h, src_slot]
+                src = send_buf.at[j, send_slot] if src_slot is None else recv_buf.at[j, src_slot]
                 copies.append(pltpu.make_async_remote_copy(
-                    src, recv_buf.at[h, slot], send_sem.at[h, kind], recv_sem.at[h, slot, kind],
-                    device_id=mesh_id(dst), device_id_type=pl.DeviceIdType.MESH))
+                    src, recv_buf.at[j, slot], send_sem.at[j, kind], recv_sem.at[j, slot, kind],
+                    device_id=mesh_id(q, dst), device_id_type=pl.DeviceIdType.MESH))
             return copies
 
-        def item(h, k):
-            sender = left if h == 0 else right  # who sends to this device in direction h
+        def item(j, k):
+            q, h = divmod(j, 2)
+            left, right = neighbours(q)
+            sender = left if h == 0 else right  # who sends to this device in stream j
             w, t, i, size = coords(k)
             got = message(w, t - 1, i, size)  # the message this item consumes (t >= 1)
             got_slot = lax.rem(got, slots)
@@ -180,40 +223,40 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
             # 1. This item's local minishard (prefetched); prefetch the next item's.
             @pl.when(t <= n - 1)
             def _():
-                local_copy(h, k).wait()
+                local_copy(j, k).wait()
 
             @pl.when((k + 1 < items) & (coords(k + 1)[1] <= n - 1))
             def _():
-                local_copy(h, k + 1).start()
+                local_copy(j, k + 1).start()
 
             # The output buffer this item may write was last written back at item k - 2.
             @pl.when((k >= 2) & (coords(k - 2)[1] >= n - 1))
             def _():
-                out_copy(h, k - 2).wait()
+                out_copy(j, k - 2).wait()
 
             # 2. The message the neighbour sent at its item k - window has landed.
             @pl.when(t >= 1)
             def _():
-                for c in remote(h, got):
+                for c in remote(j, got):
                     c.wait_recv()
 
             # 3. Compute: a reduce-scatter partial to encode, or an output to decode.
             def local():
-                return xin[h, mine].astype(jnp.float32)
+                return xin[j, mine].astype(jnp.float32)
 
             def received():
-                return codec.decode(recv_p[h, got_slot], recv_s[h, got_slot] if scaled else None)
+                return codec.decode(recv_p[j, got_slot], recv_s[j, got_slot] if scaled else None)
 
             def encode_to_send(v):
-                q, sc = codec.encode(v)
-                send_p[h, mine] = q
+                q_, sc = codec.encode(v)
+                send_p[j, mine] = q_
                 if scaled:
-                    send_s[h, mine] = sc
-                return q, sc
+                    send_s[j, mine] = sc
+                return q_, sc
 
             def stage_out(v):
-                stage[h, mine] = v.astype(stage.dtype)
-                out_copy(h, k).start()
+                stage[j, mine] = v.astype(stage.dtype)
+                out_copy(j, k).start()
 
             @pl.when(t == 0)
             def _():
@@ -223,13 +266,18 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
             def _():
                 encode_to_send(received() + local())
 
-            @pl.when(t == n - 1)
-            def _():
-                stage_out(codec.decode(*encode_to_send(local() + received())))
+            if phase == "rs":
+                @pl.when(t == n - 1)
+                def _():
+                    stage_out(local() + received())
+            else:
+                @pl.when(t == n - 1)
+                def _():
+                    stage_out(codec.decode(*encode_to_send(local() + received())))
 
-            @pl.when(t >= n)
-            def _():
-                stage_out(received())
+                @pl.when(t >= n)
+                def _():
+                    stage_out(received())
 
             # 4. Flow control. Item k - 1's send is complete: its send buffer is free, and so
             #    is the receive slot item k - 1 consumed (decoded, and forwarded if it was).
@@ -239,14 +287,14 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
 
                 @pl.when(t1 <= steps - 2)
                 def _():
-                    for c in remote(h, 0):
+                    for c in remote(j, 0):
                         c.wait_send()
 
                 release = message(w1, t1 - 1, i1, size1)
 
                 @pl.when((t1 >= 1) & (release + slots < messages))
                 def _():
-                    pl.semaphore_signal(capacity.at[h], 1, device_id=mesh_id(sender),
+                    pl.semaphore_signal(capacity.at[j], 1, device_id=mesh_id(q, sender),
                                         device_id_type=pl.DeviceIdType.MESH)
 
             # 5. Send this item's message once the neighbour has freed its slot.
@@ -256,49 +304,50 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
 
                 @pl.when(sent >= slots)
                 def _():
-                    pl.semaphore_wait(capacity.at[h], 1)
+                    pl.semaphore_wait(capacity.at[j], 1)
 
                 @pl.when(t <= n - 1)
                 def _():
-                    for c in remote(h, sent, send_slot=mine):
+                    for c in remote(j, sent, send_slot=mine):
                         c.start()
 
                 @pl.when(t >= n)
                 def _():
-                    for c in remote(h, sent, src_slot=got_slot):
+                    for c in remote(j, sent, src_slot=got_slot):
                         c.start()
 
-        for h in range(2):
-            local_copy(h, 0).start()
+        for j in range(streams):
+            local_copy(j, 0).start()
 
         def body(k, carry):
-            for h in range(2):
-                item(h, k)
+            for j in range(streams):
+                item(j, k)
             return carry
 
         lax.fori_loop(0, items, body, 0)
-        # Drain the last two output copies of each direction (every send was waited for in
-        # the loop: an item that sends is followed by one of the same window).
-        for h in range(2):
+        # Drain the last two output copies of each stream (every send was waited for in the
+        # loop: an item that sends is followed by one of the same window).
+        for j in range(streams):
             for k in (items - 2, items - 1):
                 if k >= 0 and static_step(k) >= n - 1:
-                    out_copy(h, k).wait()
+                    out_copy(j, k).wait()
 
     in_dtype = buf.dtype
-    scratch = [pltpu.VMEM((2, 2, r, l), in_dtype), pltpu.VMEM((2, 2, r, l), out_dtype),
-               pltpu.VMEM((2, 2, r, l), codec.wire_dtype),
-               pltpu.VMEM((2, slots, r, l), codec.wire_dtype)]
+    scratch = [pltpu.VMEM((streams, 2, r, l), in_dtype), pltpu.VMEM((streams, 2, r, l), out_dtype),
+               pltpu.VMEM((streams, 2, r, l), codec.wire_dtype),
+               pltpu.VMEM((streams, slots, r, l), codec.wire_dtype)]
     if scaled:
-        scratch += [pltpu.VMEM((2, 2, *codec.scale_shape), codec.scale_dtype),
-                    pltpu.VMEM((2, slots, *codec.scale_shape), codec.scale_dtype)]
-    scratch += [pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.SemaphoreType.DMA((2, TRANSPORTS)),
-                pltpu.SemaphoreType.DMA((2, slots, TRANSPORTS)),
-                pltpu.SemaphoreType.REGULAR((2,))]
-    vmem_limit = vmem_bytes(p, in_dtype, out_dtype) + VMEM_MARGIN
+        scratch += [pltpu.VMEM((streams, 2, *codec.scale_shape), codec.scale_dtype),
+                    pltpu.VMEM((streams, slots, *codec.scale_shape), codec.scale_dtype)]
+    scratch += [pltpu.SemaphoreType.DMA((streams, 2)), pltpu.SemaphoreType.DMA((streams, 2)),
+                pltpu.SemaphoreType.DMA((streams, TRANSPORTS)),
+                pltpu.SemaphoreType.DMA((streams, slots, TRANSPORTS)),
+                pltpu.SemaphoreType.REGULAR((streams,))]
+    vmem_limit = n_parts * _vmem_per_part(codec, (r, l), g, in_dtype, out_dtype) + VMEM_MARGIN
+    out_shape = buf.shape if phase == "both" else (n_parts, 2, mh, r, l)
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(buf.shape, out_dtype),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=scratch,
@@ -368,5 +417,6 @@ def _around(x, axis_name, config, run, min_piece, rotated=False):
     return p.layout.join(out, x.shape).astype(x.dtype)
 
 
-__all__ = ["FloatCodec", "GroupCodec", "KernelPlan", "TileCodec", "all_reduce", "plan_for",
-           "reference_all_reduce", "reference_chains", "ring_kernel_call", "vmem_bytes"]
+__all__ = ["FloatCodec", "GroupCodec", "KernelPlan", "TileCodec", "all_reduce", "parts_kernel_call",
+           "plan_for", "reference_all_reduce", "reference_chains", "ring_kernel_call",
+           "vmem_bytes"]

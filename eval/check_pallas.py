@@ -1,13 +1,15 @@
-"""Checks of the Pallas ring kernel (equarx.pallas_ring) that need no TPU.
+"""Checks of the Pallas ring kernel (equarx.pallas_ring) and of the multi-axis schedule
+through kernels (equarx.pallas_torus) that need no TPU.
 
-- interpret: the kernel in Pallas' TPU interpret mode on 2, 4 and 8 virtual CPU devices, each
-  case against `pallas_ring.reference_all_reduce` (the same schedule through equarx.ring's
-  ppermutes): bitwise equal, identical replicas, the race detector clean, and no semaphore
-  left non-zero at kernel exit (the interpreter only prints a warning for that; it counts as
-  a failure here), in both DMA execution modes.
-- lower: the kernel lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
+- interpret: the kernels in Pallas' TPU interpret mode on 2, 4 and 8 virtual CPU devices (one
+  axis, or a 2x2 / 2x2x2 mesh), each case against the module's `reference_all_reduce` (the
+  same schedule through equarx.ring's ppermutes): bitwise equal, identical replicas, the race
+  detector clean, and no semaphore left non-zero at kernel exit (the interpreter only prints
+  a warning for that; it counts as a failure here), in both DMA execution modes.
+- lower: the kernels lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
   for every message the Gemma 3 models send: [tokens, d_model] for each model's d_model, tp
-  2/4/8/16, bfloat16 and float32, each codec, decode to long-prefill token counts.
+  2/4/8/16 and the 2x2 and 4x4 meshes, bfloat16 and float32, each codec, decode to
+  long-prefill token counts.
 
 Each device count needs its own process (XLA reads the device count, and the CPU runtime its
 thread count, PJRT_NPROC, when JAX starts), so every group of cases runs in a child process
@@ -34,19 +36,36 @@ MODEL_D = {"270m": 640, "1b": 1152, "4b": 2560, "12b": 3840, "27b": 5376}
 TPS = (2, 4, 8, 16)
 DTYPES = ("bfloat16", "float32")
 TOKENS = (1, 16, 128, 2048, 8192)  # a decode row, a prefill chunk, prompt buckets
+MESHES = ("2x2", "4x4")  # the multi-axis schedule's tori (v5e 2x2 and 4x4)
+AXES = ("x", "y", "z")
 
 
 def interpret_case(label: str, shape, dtype: str = "float32", mode: str = "on_wait",
-                   minishards: int = 4, min_piece: int = 1024, public: bool = False) -> dict:
+                   minishards: int = 4, min_piece: int = 1024, public: bool = False,
+                   mesh: str | None = None) -> dict:
     """One interpret-mode case; `min_piece` small so that small messages are pipelined.
     `public`: through `equarx.all_reduce` (its dispatch, default interpret parameters and
-    minimum piece) instead of calling the kernel's module with the race detector on."""
+    minimum piece) instead of calling the kernel's module with the race detector on.
+    `mesh`: "2x2" or "2x2x2" for the multi-axis schedule (equarx.pallas_torus) over that
+    many devices, None for one axis over all of them."""
     return dict(kind="interpret", label=label, shape=list(shape), dtype=dtype, mode=mode,
-                minishards=minishards, min_piece=min_piece, public=public)
+                minishards=minishards, min_piece=min_piece, public=public, mesh=mesh)
 
 
-def lower_case(label: str, tp: int, tokens: int, d_model: int, dtype: str) -> dict:
-    return dict(kind="lower", label=label, tp=tp, shape=[tokens, d_model], dtype=dtype)
+def lower_case(label: str, tp: int, tokens: int, d_model: int, dtype: str,
+               mesh: str | None = None) -> dict:
+    return dict(kind="lower", label=label, tp=tp, shape=[tokens, d_model], dtype=dtype,
+                mesh=mesh)
+
+
+def _mesh(devices, n: int, mesh: str | None):
+    """(Mesh, its axis names, their sizes) for a case: one axis "tp", or the named torus."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    dims = (n,) if not mesh else tuple(int(v) for v in mesh.split("x"))
+    axes = ("tp",) if not mesh else AXES[:len(dims)]
+    return Mesh(np.array(devices[:n]).reshape(dims), axes), axes, dims
 
 
 def full_interpret_cases(n_devices: int) -> list[dict]:
@@ -58,13 +77,28 @@ def full_interpret_cases(n_devices: int) -> list[dict]:
         if n_devices <= 4:  # 5 minishards a direction: windows of 4 and 1
             cases.append(interpret_case(label, (1152, 64 * n_devices), dtype, mode,
                                         minishards=12))
+        torus = {4: "2x2", 8: "2x2x2"}.get(n_devices)
+        if torus:
+            cases.append(interpret_case(label, (2, 40, 130 * n_devices), dtype, mode,
+                                        mesh=torus))
     return cases
 
 
 def full_lower_cases() -> list[dict]:
-    return [lower_case(label, tp, tokens, d, dtype)
-            for label, tp, tokens, d, dtype in itertools.product(
-                CODEC_LABELS, TPS, TOKENS, MODEL_D.values(), DTYPES)]
+    one_axis = [lower_case(label, tp, tokens, d, dtype)
+                for label, tp, tokens, d, dtype in itertools.product(
+                    CODEC_LABELS, TPS, TOKENS, MODEL_D.values(), DTYPES)]
+    tori = [lower_case(label, _size(mesh), tokens, d, dtype, mesh)
+            for label, mesh, tokens, d, dtype in itertools.product(
+                CODEC_LABELS, MESHES, TOKENS, MODEL_D.values(), DTYPES)]
+    return one_axis + tori
+
+
+def _size(mesh: str) -> int:
+    out = 1
+    for v in mesh.split("x"):
+        out *= int(v)
+    return out
 
 
 # ---- the child process: one device count, a list of cases ----
@@ -96,42 +130,47 @@ def _run_interpret(case: dict, n: int) -> dict:
     import numpy as np
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
     from jax.experimental.pallas import tpu as pltpu
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import equarx
-    from equarx import AllReduceConfig, pallas_ring
+    from equarx import AllReduceConfig, pallas_ring, pallas_torus
     from equarx.layout import MIN_PIECE_ELEMENTS
 
     cfg = AllReduceConfig.from_label(case["label"], minishards=case["minishards"])
     if case["public"]:
         case = {**case, "min_piece": MIN_PIECE_ELEMENTS, "mode": "on_wait"}
-    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    mesh, axes, dims = _mesh(jax.devices(), n, case.get("mesh"))
     shape = tuple(case["shape"])
     x = jax.random.normal(jax.random.key(n), (n, *shape), jnp.float32)
-    x = jax.device_put(x.astype(case["dtype"]), NamedSharding(mesh, P("tp")))
+    x = jax.device_put(x.astype(case["dtype"]), NamedSharding(mesh, P(axes)))
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=case["mode"])
 
     def on_mesh(f):
-        return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=P("tp"),
-                                     out_specs=P("tp"), check_vma=False))
+        return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=P(axes),
+                                     out_specs=P(axes), check_vma=False))
 
-    p = pallas_ring.plan_for(cfg, shape, n, case["min_piece"])
+    if case.get("mesh"):
+        module, where = pallas_torus, axes
+        p = pallas_torus.plan_for(cfg, shape, dims, case["min_piece"])
+    else:
+        module, where = pallas_ring, "tp"
+        p = pallas_ring.plan_for(cfg, shape, n, case["min_piece"])
     captured = io.StringIO()
     t0 = time.perf_counter()
     if case["public"]:
         def kernel(v):
-            return equarx.all_reduce(v, "tp", cfg)
+            return equarx.all_reduce(v, where, cfg)
     else:
         def kernel(v):
-            return pallas_ring.all_reduce(v, "tp", cfg, params, case["min_piece"])
+            return module.all_reduce(v, where, cfg, params, case["min_piece"])
     with contextlib.redirect_stdout(captured):
         got = on_mesh(kernel)(x)
         got = np.asarray(jax.block_until_ready(got).astype(jnp.float32))
     seconds = time.perf_counter() - t0
     # The public entry runs without the race detector: None, not "no race".
     races = None if case["public"] else bool(interpreter.races.races_found)
-    want = on_mesh(lambda v: pallas_ring.reference_all_reduce(v, "tp", cfg, case["min_piece"]))(x)
+    want = on_mesh(lambda v: module.reference_all_reduce(v, where, cfg, case["min_piece"]))(x)
     want = np.asarray(want.astype(jnp.float32))
     exact = np.asarray(x.astype(jnp.float32)).sum(0)
     warnings = [line for line in captured.getvalue().splitlines() if SEMAPHORE_WARNING in line]
@@ -146,26 +185,31 @@ def _run_interpret(case: dict, n: int) -> dict:
 
 def _run_lower(case: dict) -> dict:
     import jax
-    import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from equarx import AllReduceConfig, pallas_ring
+    from equarx import AllReduceConfig, pallas_ring, pallas_torus
 
     cfg = AllReduceConfig.from_label(case["label"])
     n = case["tp"]
-    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
-    f = jax.jit(jax.shard_map(
-        lambda v: pallas_ring.all_reduce(v[0], "tp", cfg, interpret=None)[None], mesh=mesh,
-        in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    mesh, axes, dims = _mesh(jax.devices(), n, case.get("mesh"))
+    shape = tuple(case["shape"])
+    if case.get("mesh"):
+        def reduce(v):
+            return pallas_torus.all_reduce(v, axes, cfg, interpret=None)
+        p = pallas_torus.plan_for(cfg, shape, dims)
+        vmem = pallas_torus.vmem_bytes(p, dims, case["dtype"])
+    else:
+        def reduce(v):
+            return pallas_ring.all_reduce(v, "tp", cfg, interpret=None)
+        p = pallas_ring.plan_for(cfg, shape, n)
+        vmem = pallas_ring.vmem_bytes(p, case["dtype"], case["dtype"])
+    f = jax.jit(jax.shard_map(lambda v: reduce(v[0])[None], mesh=mesh, in_specs=P(axes),
+                              out_specs=P(axes), check_vma=False))
     t0 = time.perf_counter()
-    text = f.trace(jax.ShapeDtypeStruct((n, *case["shape"]), case["dtype"])).lower(
+    text = f.trace(jax.ShapeDtypeStruct((n, *shape), case["dtype"])).lower(
         lowering_platforms=("tpu",)).as_text()
-    p = pallas_ring.plan_for(cfg, tuple(case["shape"]), n)
     return dict(lowered="tpu_custom_call" in text, minishards_per_direction=p.minishards,
-                piece=list(p.piece), vmem_bytes=pallas_ring.vmem_bytes(p, case["dtype"],
-                                                                       case["dtype"]),
-                seconds=round(time.perf_counter() - t0, 2))
+                piece=list(p.piece), vmem_bytes=vmem, seconds=round(time.perf_counter() - t0, 2))
 
 
 def _child(n: int, cases: list[dict]) -> None:
@@ -215,7 +259,7 @@ def failures(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         name = f"{r.get('label')} {r.get('shape')} {r.get('dtype')} {r.get('mode', '')} " \
-               f"on {r.get('devices')}"
+               f"on {r.get('mesh') or r.get('devices')}"
         if r["kind"] == "selfcheck":
             if not r["detects_semaphore_warning"]:
                 out.append("the semaphore warning is not captured: checks would be vacuous")
@@ -258,7 +302,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["kind"] == "interpret" and "error" not in r:
             print(f"{r['label']:24} {str(r['shape']):16} {r['dtype']:9} {r['mode']:8} "
-                  f"N={r['devices']} mh={r['minishards_per_direction']} "
+                  f"N={r.get('mesh') or r['devices']} mh={r['minishards_per_direction']} "
                   f"bitwise={r['bitwise']} races={r['races']} "
                   f"sems={len(r['semaphore_warnings'])} rel_err={r['rel_error']:.4f} "
                   f"{r['seconds']} s")

@@ -1,7 +1,9 @@
-"""The Pallas ring kernel (equarx.pallas_ring): its config spelling, what it covers, its VMEM
-bound, and, in child processes (a device count each, see eval.check_pallas), TPU interpret mode
-on 2, 4 and 8 devices against the same schedule through equarx.ring (bitwise, race detector,
-semaphores at exit, both DMA modes) and its lowering for TPU for the models' messages.
+"""The Pallas ring kernel (equarx.pallas_ring) and the multi-axis schedule through kernels
+(equarx.pallas_torus): the config spelling, what they cover, their VMEM bound, and, in child
+processes (a device count each, see eval.check_pallas), TPU interpret mode on 2, 4 and 8
+devices (one axis, 2x2, 2x2x2) against the same schedule through equarx.ring (bitwise, race
+detector, semaphores at exit, both DMA modes) and the lowering for TPU for the models' messages
+(tp 2-16, and the 2x2 and 4x4 tori).
 
 The interpret cases are small (interpret mode costs seconds per call); `python -m
 eval.check_pallas` runs every codec x dtype x DMA mode x device count and every model message.
@@ -40,7 +42,7 @@ def test_kernel_refuses_what_it_does_not_cover(label):
 def test_vmem_stays_bounded_for_every_model_message():
     """The window keeps the kernel's VMEM scratch under the smallest default scoped limit
     (16 MiB, v5e) for every message a model sends, up to 32k-token prefills."""
-    from equarx import pallas_ring
+    from equarx import pallas_ring, pallas_torus
 
     worst = 0
     for label in check.CODEC_LABELS:
@@ -52,12 +54,19 @@ def test_vmem_stays_bounded_for_every_model_message():
                     rows = 16 if label.startswith("bf16") else 32
                     assert r % rows == 0 and lanes % 128 == 0, (label, d, tp, tokens, p.piece)
                     worst = max(worst, pallas_ring.vmem_bytes(p, "float32", "float32"))
+                for dims in ((2, 2), (4, 4), (2, 2, 2), (4, 4, 4)):  # all parts in one kernel
+                    for tokens in (1, 2048, 32768):
+                        p = pallas_torus.plan_for(AllReduceConfig.from_label(label), (tokens, d),
+                                                  dims)
+                        worst = max(worst, pallas_torus.vmem_bytes(p, dims, "float32"))
     assert worst < 16 << 20, worst
 
 
 # Per device count: each codec in one dtype and one DMA mode (the other dtype and mode on the
 # next count); messages with padded rows and columns, 3-D; on 2 devices also two windows of
-# minishards (the last one short) and the public equarx.all_reduce dispatch.
+# minishards (the last one short) and the public equarx.all_reduce dispatch; on 4 and 8 the
+# multi-axis schedule on the 2x2 and 2x2x2 meshes (through the public dispatch once; every
+# codec on both meshes in `python -m eval.check_pallas`).
 INTERPRET_CASES = {
     2: [check.interpret_case("int8-full+tile@pallas", (64, 512), "bfloat16", "on_wait"),
         check.interpret_case("int8@pallas", (2, 50, 300), "float32", "eager"),
@@ -66,9 +75,13 @@ INTERPRET_CASES = {
         check.interpret_case("int8@pallas", (64, 640), "bfloat16", public=True)],
     4: [check.interpret_case("int8-full+tile@pallas", (40, 1000), "float32", "eager"),
         check.interpret_case("int8@pallas", (2, 40, 520), "bfloat16", "on_wait"),
-        check.interpret_case("bf16_ring@pallas", (200, 640), "bfloat16", "eager")],
+        check.interpret_case("bf16_ring@pallas", (200, 640), "bfloat16", "eager"),
+        check.interpret_case("int8@pallas", (64, 640), "bfloat16", "eager", mesh="2x2"),
+        check.interpret_case("bf16_ring@pallas", (200, 640), "float32", mesh="2x2",
+                             public=True)],
     8: [check.interpret_case("int8-full+tile@pallas", (64, 1024), "bfloat16", "on_wait"),
-        check.interpret_case("int8@pallas", (130, 1152), "float32", "eager", minishards=2)],
+        check.interpret_case("int8@pallas", (130, 1152), "float32", "eager", minishards=2),
+        check.interpret_case("int8@pallas", (2, 40, 520), "float32", mesh="2x2x2")],
 }
 
 
@@ -96,6 +109,10 @@ def test_kernel_lowers_for_tpu_for_model_messages():
             for dtype in check.DTYPES):
         cases.append(check.lower_case(label, tp, (16, 2048)[i % 2], models[i % len(models)],
                                       dtype))
+    for i, (label, mesh) in enumerate((label, mesh) for label in check.CODEC_LABELS
+                                      for mesh in check.MESHES):
+        cases.append(check.lower_case(label, 4 if mesh == "2x2" else 16, (16, 2048)[i % 2],
+                                      models[i % len(models)], check.DTYPES[i % 2], mesh))
     rows = check.run_child(max(check.TPS), cases, timeout=600)
     assert check.failures(rows) == []
     assert all(r["lowered"] for r in rows) and len(rows) == len(cases)
