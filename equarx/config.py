@@ -63,7 +63,8 @@ class AllReduceConfig:
       transfer with another's quantization); False sends all the minishards of a chain in one
       ppermute per hop (fewer, larger messages: better where collectives block, as on XLA:CPU).
     impl: how a ring method runs: "ppermute" (unrolled lax.ppermutes, any backend) or "pallas"
-      (one Pallas TPU kernel with remote DMAs, equarx.pallas_ring; interpreted off TPU, slowly).
+      (Pallas TPU kernels with remote DMAs: equarx.pallas_ring, over several axes
+      equarx.pallas_torus; interpreted off TPU, slowly).
     """
 
     method: Method = "bf16"

@@ -390,17 +390,22 @@ def reference_all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig,
     equarx.codecs' codecs on the kernel's layout): bitwise what `all_reduce` computes."""
 
     def run(buf, p, out_dtype):
-        if isinstance(p.codec, TileCodec):
-            codec = codecs.FlatInt8Codec(rows=False)
-        elif isinstance(p.codec, GroupCodec):
-            codec = codecs.GroupCodec(p.codec.group, "int8", p.layout.piece_shape)
-        else:
-            codec = codecs.FloatCodec(jnp.bfloat16)
+        codec = reference_codec(p.codec)
         chains = reference_chains(p)
         y = ring.ring_reduce_scatter(buf, axis_name, chains, codec, p.layout)
         return ring.ring_all_gather(y, axis_name, chains, codec, p.layout, out_dtype)
 
     return _around(x, axis_name, config, run, min_piece)
+
+
+def reference_codec(codec: KernelCodec) -> codecs.Codec:
+    """The equarx.codecs codec that computes what a kernel codec computes, on the layout's own
+    pieces (the tile layout's [K, 8, 128], the token layout's [Tm, W] rows)."""
+    if isinstance(codec, TileCodec):
+        return codecs.FlatInt8Codec(rows=False)
+    if isinstance(codec, GroupCodec):
+        return codecs.GroupCodec(codec.group, "int8", (codec.lanes, codec.rows))
+    return codecs.FloatCodec(jnp.bfloat16)
 
 
 def _around(x, axis_name, config, run, min_piece, rotated=False):
@@ -418,5 +423,6 @@ def _around(x, axis_name, config, run, min_piece, rotated=False):
 
 
 __all__ = ["FloatCodec", "GroupCodec", "KernelPlan", "TileCodec", "all_reduce", "parts_kernel_call",
-           "plan_for", "reference_all_reduce", "reference_chains", "ring_kernel_call",
+           "plan_for", "reference_all_reduce", "reference_chains", "reference_codec",
+           "ring_kernel_call",
            "vmem_bytes"]

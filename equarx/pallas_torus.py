@@ -34,13 +34,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from equarx import codecs, groups, multi_axis, ring
+from equarx import groups, multi_axis, ring
 from equarx.config import AllReduceConfig
 from equarx.layout import MIN_PIECE_ELEMENTS
 from equarx.pallas_codecs import (MAX_PIECE_ELEMENTS, WINDOW, GroupCodec, KernelCodec,
                                   KernelPlan, TileCodec, plan)
 from equarx.pallas_ring import (COLLECTIVE_ID, _interpret_default, _vmem_per_part,
-                                parts_kernel_call)
+                                parts_kernel_call, reference_codec)
 
 
 def plan_for(config: AllReduceConfig, shape: tuple[int, ...], axis_sizes,
@@ -199,7 +199,7 @@ def reference_all_reduce(x: jax.Array, axis_names: tuple[str, ...], config: AllR
 
 
 def _reference_codec(codec: KernelCodec):
-    """(equarx.codecs codec, kernel pieces [.., R, L] -> its pieces, and back)."""
+    """(equarx.codecs codec, kernel pieces [.., R, L] -> the layout's pieces, and back)."""
     if isinstance(codec, TileCodec):  # [8 K, 128] <-> [K, 8, 128]: the flat layout's tiles
         def to_ref(v):
             return v.reshape(*v.shape[:-2], codec.rows // 8, 8, v.shape[-1])
@@ -207,14 +207,12 @@ def _reference_codec(codec: KernelCodec):
         def from_ref(v):
             return v.reshape(*v.shape[:-3], codec.rows, v.shape[-1])
 
-        return codecs.FlatInt8Codec(rows=False), to_ref, from_ref
+        return reference_codec(codec), to_ref, from_ref
 
     def swap(v):  # [W, Tm] <-> [Tm, W]: the token layout's rows of a piece
         return jnp.swapaxes(v, -1, -2)
 
-    if isinstance(codec, GroupCodec):
-        return codecs.GroupCodec(codec.group, "int8", (codec.lanes, codec.rows)), swap, swap
-    return codecs.FloatCodec(jnp.bfloat16), swap, swap
+    return reference_codec(codec), swap, swap
 
 
 def _stages(x, axes, config, rs_stage, gather_stage, min_piece, rotated=False):
