@@ -93,6 +93,29 @@ def _vmem_per_part(codec: KernelCodec, piece: tuple[int, int], window: int, in_d
     return 2 * per_direction
 
 
+def meet_neighbours(axis_names: tuple[str, ...], n: int):
+    """Inside a kernel whose part q runs along mesh axis `axis_names[q]` (each of N devices):
+    a barrier with both neighbours on every part's axis (so that they are in the kernel, their
+    buffers allocated, before the first remote DMA), then (index, mesh_id, neighbours): this
+    device's index on each axis, mesh_id(q, device) the device id of index `device` on part
+    q's axis (the other coordinates this device's), neighbours(q) its (left, right)."""
+    index = [lax.axis_index(a) for a in axis_names]
+
+    def mesh_id(q, device):
+        return {axis_names[q]: device}
+
+    def neighbours(q):
+        return lax.rem(index[q] + n - 1, n), lax.rem(index[q] + 1, n)
+
+    barrier = pltpu.get_barrier_semaphore()
+    for q in range(len(axis_names)):
+        for neighbour in neighbours(q):
+            pl.semaphore_signal(barrier, 1, device_id=mesh_id(q, neighbour),
+                                device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_wait(barrier, 2 * len(axis_names))
+    return index, mesh_id, neighbours
+
+
 def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
                      interpret=None) -> jax.Array:
     """buf: this device's [N, 2, mh, R, L] partial sums (inside shard_map over `axis_name`)
@@ -155,21 +178,7 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
         if scaled:
             send_s, recv_s, *rest = rest
         local_sem, out_sem, send_sem, recv_sem, capacity = rest
-        index = [lax.axis_index(a) for a in axis_names]  # this device's place on each axis
-
-        def mesh_id(q, device):  # the other axes keep this device's coordinates
-            return {axis_names[q]: device}
-
-        def neighbours(q):  # (left, right) along part q's axis
-            d = index[q]
-            return lax.rem(d + n - 1, n), lax.rem(d + 1, n)
-
-        barrier = pltpu.get_barrier_semaphore()
-        for q in range(n_parts):
-            for neighbour in neighbours(q):
-                pl.semaphore_signal(barrier, 1, device_id=mesh_id(q, neighbour),
-                                    device_id_type=pl.DeviceIdType.MESH)
-        pl.semaphore_wait(barrier, 2 * n_parts)
+        index, mesh_id, neighbours = meet_neighbours(axis_names, n)
 
         def shard(q, offset):  # absolute shard of relative offset (any sign, |offset| < N)
             return lax.rem(index[q] + offset + n, n)

@@ -40,7 +40,7 @@ from equarx.layout import MIN_PIECE_ELEMENTS
 from equarx.pallas_codecs import (MAX_PIECE_ELEMENTS, WINDOW, GroupCodec, KernelCodec,
                                   KernelPlan, TileCodec, plan)
 from equarx.pallas_ring import (COLLECTIVE_ID, _interpret_default, _vmem_per_part,
-                                parts_kernel_call, reference_codec)
+                                meet_neighbours, parts_kernel_call, reference_codec)
 
 
 def plan_for(config: AllReduceConfig, shape: tuple[int, ...], axis_sizes,
@@ -89,20 +89,7 @@ def gather_kernel_call(wires: list[jax.Array], axis_names: tuple[str, ...],
     def kernel(*refs):
         ins, outs = refs[:kinds], refs[kinds:2 * kinds]
         local_sem, send_sem, recv_sem = refs[2 * kinds:]
-        index = [lax.axis_index(a) for a in axis_names]
-
-        def mesh_id(p, device):
-            return {axis_names[p]: device}
-
-        def neighbours(p):  # (left, right)
-            return lax.rem(index[p] + n - 1, n), lax.rem(index[p] + 1, n)
-
-        barrier = pltpu.get_barrier_semaphore()
-        for p in range(n_parts):
-            for neighbour in neighbours(p):
-                pl.semaphore_signal(barrier, 1, device_id=mesh_id(p, neighbour),
-                                    device_id_type=pl.DeviceIdType.MESH)
-        pl.semaphore_wait(barrier, 2 * n_parts)
+        index, mesh_id, neighbours = meet_neighbours(axis_names, n)
 
         def owner(p, h, t):  # whose block arrives at step t in direction h (t = 0: own)
             return lax.rem(index[p] - (1 - 2 * h) * t + n * n, n)
