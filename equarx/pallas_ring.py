@@ -93,6 +93,12 @@ def _vmem_per_part(codec: KernelCodec, piece: tuple[int, int], window: int, in_d
     return 2 * per_direction
 
 
+def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel output's shape and dtype, varying over the same mesh axes as its input `like`:
+    under shard_map(check_vma=True), as in the model's programs, pallas_call needs to be told."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
 def meet_neighbours(axis_names: tuple[str, ...], n: int):
     """Inside a kernel whose part q runs along mesh axis `axis_names[q]` (each of N devices):
     a barrier with both neighbours on every part's axis (so that they are in the kernel, their
@@ -356,7 +362,7 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
     out_shape = buf.shape if phase == "both" else (n_parts, 2, mh, r, l)
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_shape=out_struct(out_shape, out_dtype, buf),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=scratch,

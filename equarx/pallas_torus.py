@@ -40,7 +40,8 @@ from equarx.layout import MIN_PIECE_ELEMENTS
 from equarx.pallas_codecs import (MAX_PIECE_ELEMENTS, WINDOW, GroupCodec, KernelCodec,
                                   KernelPlan, TileCodec, plan)
 from equarx.pallas_ring import (COLLECTIVE_ID, _interpret_default, _vmem_per_part,
-                                meet_neighbours, parts_kernel_call, reference_codec)
+                                meet_neighbours, out_struct, parts_kernel_call,
+                                reference_codec)
 
 
 def plan_for(config: AllReduceConfig, shape: tuple[int, ...], axis_sizes,
@@ -128,7 +129,7 @@ def gather_kernel_call(wires: list[jax.Array], axis_names: tuple[str, ...],
         for c in own:
             c.wait()
 
-    out_shapes = [jax.ShapeDtypeStruct((w.shape[0], n, *w.shape[1:]), w.dtype) for w in wires]
+    out_shapes = [out_struct((w.shape[0], n, *w.shape[1:]), w.dtype, w) for w in wires]
     call = pl.pallas_call(
         kernel,
         out_shape=out_shapes,

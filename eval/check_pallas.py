@@ -6,6 +6,10 @@ through kernels (equarx.pallas_torus) that need no TPU.
   same schedule through equarx.ring's ppermutes): bitwise equal, identical replicas, the race
   detector clean, and no semaphore left non-zero at kernel exit (the interpreter only prints
   a warning for that; it counts as a failure here), in both DMA execution modes.
+- model: a small Gemma 3 (random weights, 2 layers) scoring two prompts with an `@pallas`
+  AllReduce in interpret mode, on one axis or a 2x2 mesh, against the same model with the
+  module's reference plugged in as its reduction: the logits bitwise equal (and near the f32
+  psum's), so the kernels run inside the model's programs as they are.
 - lower: the kernels lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
   for every message the Gemma 3 models send: [tokens, d_model] for each model's d_model, tp
   2/4/8/16 and the 2x2 and 4x4 meshes, bfloat16 and float32, each codec, decode to
@@ -52,6 +56,10 @@ def interpret_case(label: str, shape, dtype: str = "float32", mode: str = "on_wa
                 minishards=minishards, min_piece=min_piece, public=public, mesh=mesh)
 
 
+def model_case(label: str, mesh: str | None = None) -> dict:
+    return dict(kind="model", label=label, mesh=mesh)
+
+
 def lower_case(label: str, tp: int, tokens: int, d_model: int, dtype: str,
                mesh: str | None = None) -> dict:
     return dict(kind="lower", label=label, tp=tp, shape=[tokens, d_model], dtype=dtype,
@@ -81,6 +89,8 @@ def full_interpret_cases(n_devices: int) -> list[dict]:
         if torus:
             cases.append(interpret_case(label, (2, 40, 130 * n_devices), dtype, mode,
                                         mesh=torus))
+    if n_devices == 4:
+        cases += [model_case(label, mesh) for label in CODEC_LABELS for mesh in (None, "2x2")]
     return cases
 
 
@@ -183,6 +193,34 @@ def _run_interpret(case: dict, n: int) -> dict:
                 seconds=round(seconds, 2))
 
 
+def _run_model(case: dict, n: int) -> dict:
+    import numpy as np
+
+    from equarx import AllReduceConfig, pallas_ring, pallas_torus
+    from models.gemma3 import load_model
+
+    cfg = AllReduceConfig.from_label(case["label"])
+    reference = pallas_torus if case.get("mesh") else pallas_ring
+    t0 = time.perf_counter()
+    # fold_rotation=False: the plugged-in reduction below gets the partials unrotated too.
+    kernel = load_model("random:tiny?layers=2&d=256&ffn=512", tp=n, tp_mesh=case.get("mesh"),
+                        dtype="float32", allreduce=cfg, fold_rotation=False)
+    prompts = [[2] + list(range(10, 40)), [2] + list(range(100, 130))]
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        got = np.asarray(kernel.score(prompts))
+    seconds = time.perf_counter() - t0
+    plugged = kernel.with_allreduce(
+        cfg, reduction=lambda x, axes: reference.reference_all_reduce(x, axes, cfg))
+    want = np.asarray(plugged.score(prompts))
+    exact = np.asarray(kernel.with_allreduce(AllReduceConfig("f32")).score(prompts))
+    warnings = [line for line in captured.getvalue().splitlines() if SEMAPHORE_WARNING in line]
+    return dict(bitwise=bool(np.array_equal(got, want)), differing=int((got != want).sum()),
+                semaphore_warnings=warnings,
+                rel_error=float(np.abs(got - exact).max() / np.abs(exact).max()),
+                seconds=round(seconds, 2))
+
+
 def _run_lower(case: dict) -> dict:
     import jax
     from jax.sharding import PartitionSpec as P
@@ -215,13 +253,14 @@ def _run_lower(case: dict) -> dict:
 def _child(n: int, cases: list[dict]) -> None:
     from jax.experimental.pallas import tpu as pltpu
 
-    if any(c["kind"] == "interpret" for c in cases):
+    if any(c["kind"] in ("interpret", "model") for c in cases):
         print(json.dumps(dict(kind="selfcheck",
                               detects_semaphore_warning=_selfcheck_detects_semaphore_warning())),
               flush=True)
     for case in cases:
         try:
-            result = _run_interpret(case, n) if case["kind"] == "interpret" else _run_lower(case)
+            run = {"interpret": _run_interpret, "model": _run_model}.get(case["kind"])
+            result = run(case, n) if run else _run_lower(case)
         except Exception as e:  # reported, and the interpreter's state reset for the next case
             pltpu.reset_tpu_interpret_mode_state()
             result = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
@@ -273,6 +312,13 @@ def failures(rows: list[dict]) -> list[str]:
                    if not ok]
             if bad:
                 out.append(f"{name}: {', '.join(bad)}")
+        elif r["kind"] == "model":
+            bad = [k for k, ok in (("logits not bitwise equal", r["bitwise"]),
+                                   ("semaphore left non-zero", not r["semaphore_warnings"]),
+                                   ("far from the f32 psum", r["rel_error"] < 0.05)) if not ok]
+            if bad:
+                out.append(f"model {r['label']} on {r.get('mesh') or r['devices']}: "
+                           f"{', '.join(bad)}")
         elif not r["lowered"]:
             out.append(f"{name}: no TPU custom call in the lowered module")
     return out
@@ -306,6 +352,9 @@ def main(argv=None) -> int:
                   f"bitwise={r['bitwise']} races={r['races']} "
                   f"sems={len(r['semaphore_warnings'])} rel_err={r['rel_error']:.4f} "
                   f"{r['seconds']} s")
+        if r["kind"] == "model" and "error" not in r:
+            print(f"model {r['label']:18} N={r.get('mesh') or r['devices']} "
+                  f"bitwise={r['bitwise']} rel_err_vs_f32={r['rel_error']:.4f} {r['seconds']} s")
     lowered = [r for r in rows if r["kind"] == "lower" and r.get("lowered")]
     print(f"lowered for TPU: {len(lowered)} of {sum(r['kind'] == 'lower' for r in rows)}; "
           f"largest VMEM scratch {max((r['vmem_bytes'] for r in lowered), default=0) / 2**20:.1f}"

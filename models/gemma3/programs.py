@@ -250,11 +250,14 @@ class ModelPrograms:
     def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
         # A plugged-in reduction may run collectives over axes of its own (eval.quality_scaling
         # vmaps equarx.all_reduce over emulated devices), which shard_map's varying-axes check
-        # cannot type; the model's own reductions keep the check.
+        # cannot type; so can't Pallas' TPU interpret mode (the @pallas kernels off TPU: it
+        # evaluates the kernel with the device indices as arrays, at lowering time). The
+        # model's own ppermute reductions keep the check.
+        check = self.reduction is None and self.allreduce.impl == "ppermute"
         fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
                                    in_specs=resolve_tree(self.mesh, in_specs),
                                    out_specs=resolve_tree(self.mesh, out_specs),
-                                   check_vma=self.reduction is None), donate_argnums=donate)
+                                   check_vma=check), donate_argnums=donate)
         # A plugged-in reduction's source is outside the program cache's fingerprint (models/,
         # equarx/), so a stored program could outlive an edit to it: such programs are traced.
         if self.program_cache is None or self.reduction is not None:

@@ -66,7 +66,8 @@ def test_vmem_stays_bounded_for_every_model_message():
 # next count); messages with padded rows and columns, 3-D; on 2 devices also two windows of
 # minishards (the last one short) and the public equarx.all_reduce dispatch; on 4 and 8 the
 # multi-axis schedule on the 2x2 and 2x2x2 meshes (through the public dispatch once; every
-# codec on both meshes in `python -m eval.check_pallas`).
+# codec on both meshes in `python -m eval.check_pallas`), and a small model's logits with the
+# default int8 through the kernels on 2x2, against the model with the reference plugged in.
 INTERPRET_CASES = {
     2: [check.interpret_case("int8-full+tile@pallas", (64, 512), "bfloat16", "on_wait"),
         check.interpret_case("int8@pallas", (2, 50, 300), "float32", "eager"),
@@ -78,7 +79,8 @@ INTERPRET_CASES = {
         check.interpret_case("bf16_ring@pallas", (200, 640), "bfloat16", "eager"),
         check.interpret_case("int8@pallas", (64, 640), "bfloat16", "eager", mesh="2x2"),
         check.interpret_case("bf16_ring@pallas", (200, 640), "float32", mesh="2x2",
-                             public=True)],
+                             public=True),
+        check.model_case("int8@pallas", mesh="2x2")],
     8: [check.interpret_case("int8-full+tile@pallas", (64, 1024), "bfloat16", "on_wait"),
         check.interpret_case("int8@pallas", (130, 1152), "float32", "eager", minishards=2),
         check.interpret_case("int8@pallas", (2, 40, 520), "float32", mesh="2x2x2")],
@@ -90,7 +92,9 @@ def test_kernel_is_its_schedule_bitwise_in_interpret_mode(n_devices):
     rows = check.run_child(n_devices, INTERPRET_CASES[n_devices], timeout=600)
     assert check.failures(rows) == []
     cases = [r for r in rows if r["kind"] == "interpret"]
-    assert len(cases) == len(INTERPRET_CASES[n_devices])
+    models = [r for r in rows if r["kind"] == "model"]  # a model's programs with the kernels
+    assert len(cases) + len(models) == len(INTERPRET_CASES[n_devices])
+    assert all(r["bitwise"] and 0 < r["rel_error"] < 0.05 for r in models)
     # The cases exercise what they are meant to: pipelined minishards, and two windows.
     assert max(r["minishards_per_direction"] for r in cases) >= 2
     if n_devices == 2:
