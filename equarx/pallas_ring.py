@@ -93,10 +93,14 @@ def _vmem_per_part(codec: KernelCodec, piece: tuple[int, int], window: int, in_d
     return 2 * per_direction
 
 
-def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A kernel output's shape and dtype, varying over the same mesh axes as its input `like`:
-    under shard_map(check_vma=True), as in the model's programs, pallas_call needs to be told."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+def check_untyped(x: jax.Array) -> None:
+    """The kernels run inside shard_map(..., check_vma=False) only: in this JAX, with the
+    varying-axes check on, Mosaic's lowering of the remote DMAs' device ids and the TPU
+    interpreter both fail deep inside JAX. Say so up front."""
+    aval = jax.typeof(x)
+    if getattr(aval, "vma", None) or getattr(getattr(aval, "mat", None), "varying", None):
+        raise ValueError("the Pallas AllReduce kernels (@pallas) need a shard_map with "
+                         "check_vma=False (the model's programs use that with @pallas)")
 
 
 def meet_neighbours(axis_names: tuple[str, ...], n: int):
@@ -362,7 +366,7 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
     out_shape = buf.shape if phase == "both" else (n_parts, 2, mh, r, l)
     call = pl.pallas_call(
         kernel,
-        out_shape=out_struct(out_shape, out_dtype, buf),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=scratch,
@@ -389,6 +393,7 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig, interpret=
     None compiles for TPU (lowering on any machine), or pltpu.InterpretParams. `min_piece`:
     the smallest minishard, in values (see pallas_codecs.plan). `rotated`: as in
     equarx.all_reduce (x's rows already carry the group codec's rotation)."""
+    check_untyped(x)
     if interpret == "auto":
         interpret = _interpret_default()
 

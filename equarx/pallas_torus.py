@@ -40,7 +40,7 @@ from equarx.layout import MIN_PIECE_ELEMENTS
 from equarx.pallas_codecs import (MAX_PIECE_ELEMENTS, WINDOW, GroupCodec, KernelCodec,
                                   KernelPlan, TileCodec, plan)
 from equarx.pallas_ring import (COLLECTIVE_ID, _interpret_default, _vmem_per_part,
-                                meet_neighbours, out_struct, parts_kernel_call,
+                                check_untyped, meet_neighbours, parts_kernel_call,
                                 reference_codec)
 
 
@@ -129,7 +129,7 @@ def gather_kernel_call(wires: list[jax.Array], axis_names: tuple[str, ...],
         for c in own:
             c.wait()
 
-    out_shapes = [out_struct((w.shape[0], n, *w.shape[1:]), w.dtype, w) for w in wires]
+    out_shapes = [jax.ShapeDtypeStruct((w.shape[0], n, *w.shape[1:]), w.dtype) for w in wires]
     call = pl.pallas_call(
         kernel,
         out_shape=out_shapes,
@@ -149,6 +149,7 @@ def all_reduce(x: jax.Array, axis_names: tuple[str, ...], config: AllReduceConfi
                rotated: bool = False) -> jax.Array:
     """equarx.all_reduce's multi-axis path through the kernels (inside shard_map over the
     axes). `interpret`, `min_piece` and `rotated` as in equarx.pallas_ring.all_reduce."""
+    check_untyped(x)
     if interpret == "auto":
         interpret = _interpret_default()
 

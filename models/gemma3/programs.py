@@ -250,9 +250,9 @@ class ModelPrograms:
     def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
         # A plugged-in reduction may run collectives over axes of its own (eval.quality_scaling
         # vmaps equarx.all_reduce over emulated devices), which shard_map's varying-axes check
-        # cannot type; so can't Pallas' TPU interpret mode (the @pallas kernels off TPU: it
-        # evaluates the kernel with the device indices as arrays, at lowering time). The
-        # model's own ppermute reductions keep the check.
+        # cannot type; nor can this JAX's Pallas TPU lowering and interpreter the @pallas
+        # kernels' device ids (equarx.pallas_ring.check_untyped). The model's own ppermute
+        # reductions keep the check.
         check = self.reduction is None and self.allreduce.impl == "ppermute"
         fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
                                    in_specs=resolve_tree(self.mesh, in_specs),

@@ -39,6 +39,24 @@ def test_kernel_refuses_what_it_does_not_cover(label):
         pallas_ring.plan_for(AllReduceConfig.from_label(label), (256, 1024), 4)
 
 
+def test_kernels_ask_for_a_shard_map_without_the_varying_axes_check():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from equarx import all_reduce
+
+    cfg = AllReduceConfig.from_label("int8@pallas")
+    for dims, axes in (((2,), ("tp",)), ((2, 2), ("x", "y"))):
+        mesh = Mesh(np.array(jax.devices()[:int(np.prod(dims))]).reshape(dims), axes)
+        f = jax.shard_map(lambda v: all_reduce(v, axes, cfg), mesh=mesh, in_specs=P(axes),
+                          out_specs=P(axes), check_vma=True)
+        with pytest.raises(ValueError, match="check_vma=False"):
+            jax.jit(f).trace(jax.ShapeDtypeStruct((len(mesh.devices.flat) * 64, 640),
+                                                  "float32"))
+
+
 def test_vmem_stays_bounded_for_every_model_message():
     """The window keeps the kernel's VMEM scratch under the smallest default scoped limit
     (16 MiB, v5e) for every message a model sends, up to 32k-token prefills."""
