@@ -55,15 +55,15 @@ from jax.experimental.pallas import tpu as pltpu
 from equarx import codecs, groups, ring
 from equarx.config import AllReduceConfig
 from equarx.layout import MIN_PIECE_ELEMENTS
-from equarx.pallas_codecs import (WINDOW, FloatCodec, GroupCodec, KernelCodec, KernelPlan,
-                                   TileCodec, plan)
+from equarx.pallas_codecs import (MAX_PIECE_ELEMENTS, WINDOW, FloatCodec, GroupCodec,
+                                  KernelCodec, KernelPlan, TileCodec, plan)
 
 COLLECTIVE_ID = 0  # the barrier semaphore: every call of this kernel talks to the same neighbours
 TRANSPORTS = 2  # payload and scales
 VMEM_MARGIN = 4 << 20
 
 
-def _interpret_default():
+def interpret_default():
     """Interpret mode unless running on a TPU."""
     return None if jax.devices()[0].platform == "tpu" else pltpu.InterpretParams()
 
@@ -77,10 +77,10 @@ def reference_chains(p: KernelPlan) -> list[ring.Chain]:
 
 def vmem_bytes(p: KernelPlan, in_dtype, out_dtype) -> int:
     """The kernel's VMEM scratch, in bytes: bounded by the window, whatever the message."""
-    return _vmem_per_part(p.codec, p.piece, p.window, in_dtype, out_dtype)
+    return vmem_per_part(p.codec, p.piece, p.window, in_dtype, out_dtype)
 
 
-def _vmem_per_part(codec: KernelCodec, piece: tuple[int, int], window: int, in_dtype,
+def vmem_per_part(codec: KernelCodec, piece: tuple[int, int], window: int, in_dtype,
                    out_dtype) -> int:
     """VMEM scratch of one part (two directions) of parts_kernel_call."""
     r, l = piece
@@ -362,7 +362,7 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
                 pltpu.SemaphoreType.DMA((streams, TRANSPORTS)),
                 pltpu.SemaphoreType.DMA((streams, slots, TRANSPORTS)),
                 pltpu.SemaphoreType.REGULAR((streams,))]
-    vmem_limit = n_parts * _vmem_per_part(codec, (r, l), g, in_dtype, out_dtype) + VMEM_MARGIN
+    vmem_limit = n_parts * vmem_per_part(codec, (r, l), g, in_dtype, out_dtype) + VMEM_MARGIN
     out_shape = buf.shape if phase == "both" else (n_parts, 2, mh, r, l)
     call = pl.pallas_call(
         kernel,
@@ -378,12 +378,14 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
 
 
 def plan_for(config: AllReduceConfig, shape: tuple[int, ...], n_devices: int,
-             min_piece: int = MIN_PIECE_ELEMENTS) -> KernelPlan:
+             min_piece: int = MIN_PIECE_ELEMENTS,
+             max_piece: int = MAX_PIECE_ELEMENTS) -> KernelPlan:
+    """The kernel's plan for `config` on `n_devices` shards (equarx.pallas_codecs.plan)."""
     if config.variant not in ("auto", "full") or config.phases != "both":
         raise ValueError(f"the Pallas kernel runs the full-loop ring with both phases "
                          f"quantized, not {config.label!r}")
     return plan(config.method, config.blocks, config.group_size, tuple(shape), n_devices,
-                config.minishards, min_piece)
+                config.minishards, min_piece, max_piece)
 
 
 def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig, interpret="auto",
@@ -395,7 +397,7 @@ def all_reduce(x: jax.Array, axis_name: str, config: AllReduceConfig, interpret=
     equarx.all_reduce (x's rows already carry the group codec's rotation)."""
     check_untyped(x)
     if interpret == "auto":
-        interpret = _interpret_default()
+        interpret = interpret_default()
 
     def run(buf, p, out_dtype):
         return p.from_kernel(ring_kernel_call(p.to_kernel(buf), axis_name, p, out_dtype,

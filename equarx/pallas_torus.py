@@ -34,14 +34,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from equarx import groups, multi_axis, ring
+from equarx import groups, multi_axis, pallas_ring, ring
 from equarx.config import AllReduceConfig
 from equarx.layout import MIN_PIECE_ELEMENTS
 from equarx.pallas_codecs import (MAX_PIECE_ELEMENTS, WINDOW, GroupCodec, KernelCodec,
-                                  KernelPlan, TileCodec, plan)
-from equarx.pallas_ring import (COLLECTIVE_ID, _interpret_default, _vmem_per_part,
-                                check_untyped, meet_neighbours, parts_kernel_call,
-                                reference_codec)
+                                  KernelPlan, TileCodec)
+from equarx.pallas_ring import (COLLECTIVE_ID, check_untyped, interpret_default,
+                                meet_neighbours, parts_kernel_call, reference_codec,
+                                vmem_per_part)
 
 
 def plan_for(config: AllReduceConfig, shape: tuple[int, ...], axis_sizes,
@@ -53,12 +53,9 @@ def plan_for(config: AllReduceConfig, shape: tuple[int, ...], axis_sizes,
     if len(sizes) < 2 or len(set(sizes)) != 1:
         raise ValueError(f"the kernel's multi-axis schedule needs two or more axes of one size "
                          f"(a square or cubic torus), got {sizes}")
-    if config.variant not in ("auto", "full") or config.phases != "both":
-        raise ValueError(f"the Pallas kernel runs the full-loop ring with both phases "
-                         f"quantized, not {config.label!r}")
     k = len(sizes)
-    return plan(config.method, config.blocks, config.group_size, tuple(shape),
-                k * math.prod(sizes), config.minishards, min_piece, MAX_PIECE_ELEMENTS // k)
+    return pallas_ring.plan_for(config, shape, k * math.prod(sizes), min_piece,
+                                MAX_PIECE_ELEMENTS // k)
 
 
 def vmem_bytes(p: KernelPlan, axis_sizes, in_dtype) -> int:
@@ -68,7 +65,7 @@ def vmem_bytes(p: KernelPlan, axis_sizes, in_dtype) -> int:
     window = min(WINDOW, n ** (k - 1) * p.minishards)  # stage 0 has the most minishards
     # Stage 0 reads the caller's dtype, later stages float32 partials (as wide or wider).
     wider = in_dtype if jnp.dtype(in_dtype).itemsize > 4 else jnp.float32
-    return k * _vmem_per_part(p.codec, p.piece, window, wider, jnp.float32)
+    return k * vmem_per_part(p.codec, p.piece, window, wider, jnp.float32)
 
 
 def gather_kernel_call(wires: list[jax.Array], axis_names: tuple[str, ...],
@@ -151,7 +148,7 @@ def all_reduce(x: jax.Array, axis_names: tuple[str, ...], config: AllReduceConfi
     axes). `interpret`, `min_piece` and `rotated` as in equarx.pallas_ring.all_reduce."""
     check_untyped(x)
     if interpret == "auto":
-        interpret = _interpret_default()
+        interpret = interpret_default()
 
     def rs_stage(buf, axes, codec):
         return parts_kernel_call(buf, axes, codec, jnp.float32, interpret, phase="rs")
