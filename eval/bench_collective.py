@@ -350,6 +350,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="e.g. 2x2 or 4: run one process per node of an emulated torus "
                         "(eval.torus: a namespace per process, a veth per neighbour, each "
                         "shaped to --link-gbit); sets --processes and --mesh")
+    p.add_argument("--unshaped", action="store_true",
+                   help="with --torus: leave the veths unshaped (the base term of "
+                        "eval.cost_model --emulated: compute and per-message costs on the "
+                        "torus itself, without the link rate)")
     p.add_argument("--mesh", default=None, metavar="DIMS",
                    help="mesh shape for ':torus' and ':snake' methods (default: --torus)")
     p.add_argument("--no-mse", action="store_true", help="skip the MSE column")
@@ -370,8 +374,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         torus = parse_dims(args.torus)
         args.processes = int(np.prod(torus))
-        if args.link_gbit is None:
-            p.error("--torus needs --link-gbit (the rate of every link)")
+        if (args.link_gbit is None) == (not args.unshaped):
+            p.error("--torus needs either --link-gbit (the rate of every link) or --unshaped")
+    elif args.unshaped:
+        p.error("--unshaped needs --torus")
     mesh_dims = parse_dims_arg(args.mesh) if args.mesh else torus
     if args.show:
         with open(args.show) as f:
@@ -415,8 +421,10 @@ def main(argv: list[str] | None = None) -> dict:
                                 torus=torus)
         rows = results[0]["rows"]
         if torus:
+            rate = ("unshaped" if args.unshaped
+                    else f"each direction shaped to {args.link_gbit} Gbit/s")
             mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a "
-                    f"veth per neighbour, each direction shaped to {args.link_gbit} Gbit/s)")
+                    f"veth per neighbour, {rate})")
         else:
             mode = f"{args.processes} processes (gloo, 127.0.0.1"
             mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"

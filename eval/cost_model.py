@@ -832,14 +832,20 @@ def emulated_link_terms(methods: Sequence[str], sizes: Sequence[int], dims: tupl
     return out
 
 
-def predict_emulated(run: dict, one_process: dict, terms: dict, alpha_s: float = 0.0,
+def predict_emulated(run: dict, base: dict, terms: dict, alpha_s: float = 0.0,
                      efficiency: float = 1.0) -> list[dict]:
-    """Predicted seconds of each row of an eval.bench_collective --torus run: the one-process
-    median of the same method and size (codec compute; its collectives are memcpys) plus, for
-    every collective-permute in turn (XLA:CPU runs them one at a time), alpha plus its busiest
-    link's bytes at the link rate. XLA's psum rows get no prediction (gloo's own algorithm)."""
+    """Predicted seconds of each row of an eval.bench_collective --torus run: a base term plus,
+    for every collective-permute in turn (XLA:CPU runs them one at a time), alpha plus its
+    busiest link's bytes at the link rate. The base term is the median of the same method and
+    size in `base`, either
+      - a one-process run on as many virtual devices (codec compute only: its collectives are
+        memcpys; it leaves out gloo's per-message costs and four processes sharing the cores), or
+      - the same torus with unshaped veths (`--torus DIMS --unshaped`): compute, per-message
+        costs and process skew as the shaped run has them, so only the link rate is modelled
+        (the unshaped veths' own transfer time is counted twice, a few percent).
+    XLA's psum rows get no prediction (gloo's own algorithm)."""
     rate = gbit_to_bytes_s(run["link_gbit"]) * efficiency
-    one = {(r["size_bytes"], r["method"]): r["median"] for r in one_process["rows"]}
+    one = {(r["size_bytes"], r["method"]): r["median"] for r in base["rows"]}
     out = []
     for r in run["rows"]:
         key = (r["size_bytes"], r["method"])
@@ -855,8 +861,21 @@ def predict_emulated(run: dict, one_process: dict, terms: dict, alpha_s: float =
     return out
 
 
-def format_emulated(rows: list[dict]) -> str:
-    head = (f"{'size':>9} {'method':<16} {'measured ms':>11} {'compute ms':>10} "
+def base_kind(base: dict, run: dict) -> str:
+    """What an --emulated base run measured (see predict_emulated), or a ValueError when it
+    cannot serve as the base of `run`."""
+    if base.get("torus"):
+        if list(base["torus"]) != list(run["torus"]) or base.get("link_gbit") is not None:
+            raise ValueError("a torus base run must be the same torus with --unshaped veths")
+        return "unshaped torus"
+    if base.get("processes", 0) > 0:
+        raise ValueError("the base run must be one process (--devices N --mesh DIMS) or the "
+                         "unshaped torus (--torus DIMS --unshaped)")
+    return "one process"
+
+
+def format_emulated(rows: list[dict], base: str = "compute") -> str:
+    head = (f"{'size':>9} {'method':<16} {'measured ms':>11} {base + ' ms':>10} "
             f"{'link ms':>8} {'steps':>5} {'predicted':>9} {'error':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -879,9 +898,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topologies", action="store_true",
                    help="predicted AllReduce and prefill times per TPU topology and method")
     p.add_argument("--tokens", default="2048,4096,8192")
-    p.add_argument("--emulated", nargs=2, metavar=("TORUS.json", "ONE_PROCESS.json"),
-                   help="predict an eval.bench_collective --torus run from a one-process run "
-                        "of the same methods (--devices N --mesh DIMS) and compare")
+    p.add_argument("--emulated", nargs=2, metavar=("TORUS.json", "BASE.json"),
+                   help="predict an eval.bench_collective --torus run from a base run of the "
+                        "same methods and sizes: the unshaped torus (--torus DIMS --unshaped) "
+                        "or one process (--devices N --mesh DIMS), and compare")
     p.add_argument("--alpha-us", type=float, default=0.0,
                    help="per collective-permute latency for --emulated")
     args = p.parse_args(argv)
@@ -894,15 +914,20 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.emulated[0]) as f:
             run = json.load(f)
         with open(args.emulated[1]) as f:
-            one = json.load(f)
+            base = json.load(f)
+        try:
+            kind = base_kind(base, run)
+        except ValueError as e:
+            p.error(str(e))
         dims = tuple(run["torus"])
         ensure_cpu_devices(math.prod(dims), exact=True)
         s = run["settings"]
         terms = emulated_link_terms([m for m in s["methods"] if not m.startswith("bf16:")],
                                     s["sizes"], dims, s["minishards"], s["pipelined"],
                                     s.get("row_width", 4096))
-        print(f"# {run['mode']}; measured {run['time']}; one process: {one['time']}")
-        print(format_emulated(predict_emulated(run, one, terms, args.alpha_us * 1e-6)))
+        print(f"# {run['mode']}; measured {run['time']}; base: {kind}, {base['time']}")
+        print(format_emulated(predict_emulated(run, base, terms, args.alpha_us * 1e-6),
+                              "base"))
 
 
 if __name__ == "__main__":

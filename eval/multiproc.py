@@ -63,9 +63,9 @@ def run(
     malloc_tunables: start the workers with glibc's malloc keeping freed blocks and using
       transparent huge pages (`serving.jax_platform`): XLA:CPU's per-execution buffers then
       stop paying page faults on every run.
-    torus: dimensions of an emulated torus (eval.torus; needs link_gbit and root): process i
-      runs as node i, in its own namespace, with one veth link shaped to link_gbit per torus
-      neighbour, instead of all processes sharing one shaped loopback.
+    torus: dimensions of an emulated torus (eval.torus; needs root): process i runs as node i,
+      in its own namespace, with one veth link shaped to link_gbit per torus neighbour (left
+      unshaped when link_gbit is None), instead of all processes sharing one shaped loopback.
     """
     if ":" not in entry:
         raise ValueError(f"entry must be 'module:function', got {entry!r}")
@@ -73,11 +73,9 @@ def run(
         raise ValueError(f"need >= 1 process and device, got {n_processes}, {devices_per_process}")
     if link_gbit is not None and link_gbit <= 0:
         raise ValueError(f"link_gbit must be positive, got {link_gbit}")
-    if sysctls and link_gbit is None:
+    if sysctls and link_gbit is None and torus is None:
         raise ValueError("sysctls apply to the private namespace: they need link_gbit")
     if torus is not None:
-        if link_gbit is None:
-            raise ValueError("an emulated torus needs link_gbit")
         if math.prod(torus) != n_processes:
             raise ValueError(f"a {torus} torus has {math.prod(torus)} nodes, not {n_processes}")
     with (tempfile.TemporaryDirectory(prefix="multiproc-") as tmp,

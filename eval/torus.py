@@ -120,7 +120,7 @@ def address(i: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Torus:
     dims: tuple[int, ...]
-    link_gbit: float
+    link_gbit: float | None  # None: unshaped veths
     namespaces: tuple[str, ...]
 
     @property
@@ -141,13 +141,15 @@ def _sh(*cmd: str, ns: str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def emulated_torus(dims: tuple[int, ...], link_gbit: float, *, burst: str = "256kb",
+def emulated_torus(dims: tuple[int, ...], link_gbit: float | None, *, burst: str = "256kb",
                    latency: str = "50ms", sysctls: dict[str, str] | None = None
                    ) -> Iterator[Torus]:
-    """Build the torus, yield it, tear it down (namespaces, veths, hosts files)."""
+    """Build the torus, yield it, tear it down (namespaces, veths, hosts files). link_gbit None
+    leaves the veths unshaped: the same processes, routes and per-message costs without the link
+    rate (what eval.cost_model --emulated adds its link term to)."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         raise RuntimeError("an emulated torus needs root and the `ip` and `tc` tools")
-    if link_gbit <= 0:
+    if link_gbit is not None and link_gbit <= 0:
         raise ValueError(f"link_gbit must be positive, got {link_gbit}")
     n = math.prod(dims)
     # SIGTERM (timeout, kill) would end the process without the `finally` below and leave the
@@ -179,8 +181,9 @@ def emulated_torus(dims: tuple[int, ...], link_gbit: float, *, burst: str = "256
             for ns, dev in ((names[i], a), (names[j], b)):
                 _sh("ip", "link", "set", dev, "up", ns=ns)
                 _sh("sysctl", "-q", "-w", f"net.ipv4.conf.{dev}.rp_filter=0", ns=ns)
-                _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{link_gbit}gbit",
-                    "burst", burst, "latency", latency, ns=ns)
+                if link_gbit is not None:
+                    _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                        f"{link_gbit}gbit", "burst", burst, "latency", latency, ns=ns)
         for i in range(n):
             for dst in range(n):
                 if dst == i:
@@ -261,11 +264,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="build an emulated torus, check it, remove it")
     p.add_argument("--dims", default="2x2")
     p.add_argument("--link-gbit", type=float, default=1.0)
+    p.add_argument("--unshaped", action="store_true", help="leave the veths unshaped")
     p.add_argument("--mib", type=int, default=8, help="MiB sent from node 0 to each node")
     args = p.parse_args(argv)
     dims = parse_dims(args.dims)
     print(describe(dims))
-    with emulated_torus(dims, args.link_gbit) as torus:
+    with emulated_torus(dims, None if args.unshaped else args.link_gbit) as torus:
         for j in range(1, torus.size):
             route = subprocess.run(torus.prefix(0) + ["ip", "route", "get", address(j)],
                                    capture_output=True, text=True).stdout.split("\n")[0]

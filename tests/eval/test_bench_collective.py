@@ -70,3 +70,11 @@ def test_two_processes_time_each_call_between_barriers(tmp_path):
         first, second = r["median_by_process"]
         # Barrier to barrier: the processes' medians differ by about one barrier's latency.
         assert abs(first - second) < 0.5 * max(first, second) + 0.005, r["median_by_process"]
+
+
+@pytest.mark.parametrize("argv", [["--torus", "2x2"], ["--torus", "2x2", "--link-gbit", "1", "--unshaped"],
+                                  ["--unshaped", "--processes", "2"]])
+def test_a_torus_is_shaped_or_unshaped_never_both_or_neither(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and "unshaped" in capsys.readouterr().err

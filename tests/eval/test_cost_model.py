@@ -227,3 +227,23 @@ def test_program_transfers_reads_the_compiled_permutes():
         bytes_sent_per_device(prog))
     t = _topo((2, 2))
     assert all(len(t.route(a, b)) == 1 for s in steps for a, b, _ in s)  # neighbours only
+
+
+def test_emulated_prediction_adds_the_links_to_the_base_run():
+    run = {"torus": [2, 2], "link_gbit": 1.0, "rows": [
+        {"size_bytes": 1 << 20, "method": "int8:torus", "median": 0.05},
+        {"size_bytes": 1 << 20, "method": "bf16:torus", "median": 0.09}]}
+    base = {"torus": [2, 2], "link_gbit": None, "processes": 4,
+            "rows": [{"size_bytes": 1 << 20, "method": "int8:torus", "median": 0.01}]}
+    terms = {(1 << 20, "int8:torus"): {"steps": 4, "link_bytes": [1e6, 1e6, 5e5, 5e5]}}
+    rows = cm.predict_emulated(run, base, terms, alpha_s=1e-3)
+    predicted = 0.01 + 3e6 / cm.gbit_to_bytes_s(1.0) + 4e-3
+    assert rows[0]["predicted_s"] == pytest.approx(predicted)
+    assert rows[0]["error"] == pytest.approx(predicted / 0.05 - 1)
+    assert "predicted_s" not in rows[1]  # XLA's psum: gloo's algorithm, not modelled
+    assert cm.base_kind(base, run) == "unshaped torus"
+    assert cm.base_kind({"processes": 0, "torus": None}, run) == "one process"
+    for wrong in ({"torus": [2, 2], "link_gbit": 1.0}, {"torus": [4], "link_gbit": None},
+                  {"torus": None, "processes": 4}):
+        with pytest.raises(ValueError):
+            cm.base_kind(wrong, run)
