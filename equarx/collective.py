@@ -10,7 +10,7 @@
 - impl="pallas": the same ring as one Pallas TPU kernel (equarx.pallas_ring).
 - Several mesh axes: the multi-axis schedule (equarx.multi_axis) over the same layouts and
   codecs, planned for (devices x axes) shards; with impl="pallas" its stages run as Pallas
-  kernels (equarx.pallas_torus; axes of one size).
+  kernels (equarx.pallas_torus).
 """
 from __future__ import annotations
 

@@ -46,6 +46,8 @@ the schedule, the flow control (race detector) and the arithmetic, not the speed
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -103,19 +105,20 @@ def check_untyped(x: jax.Array) -> None:
                          "check_vma=False (the model's programs use that with @pallas)")
 
 
-def meet_neighbours(axis_names: tuple[str, ...], n: int):
-    """Inside a kernel whose part q runs along mesh axis `axis_names[q]` (each of N devices):
-    a barrier with both neighbours on every part's axis (so that they are in the kernel, their
-    buffers allocated, before the first remote DMA), then (index, mesh_id, neighbours): this
-    device's index on each axis, mesh_id(q, device) the device id of index `device` on part
-    q's axis (the other coordinates this device's), neighbours(q) its (left, right)."""
+def meet_neighbours(axis_names: tuple[str, ...]):
+    """Inside a kernel whose part q runs along mesh axis `axis_names[q]`: a barrier with both
+    neighbours on every part's axis (so that they are in the kernel, their buffers allocated,
+    before the first remote DMA), then (index, mesh_id, neighbours): this device's index on
+    each axis, mesh_id(q, device) the device id of index `device` on part q's axis (the other
+    coordinates this device's), neighbours(q) its (left, right)."""
     index = [lax.axis_index(a) for a in axis_names]
+    sizes = [lax.axis_size(a) for a in axis_names]
 
     def mesh_id(q, device):
         return {axis_names[q]: device}
 
     def neighbours(q):
-        return lax.rem(index[q] + n - 1, n), lax.rem(index[q] + 1, n)
+        return lax.rem(index[q] + sizes[q] - 1, sizes[q]), lax.rem(index[q] + 1, sizes[q])
 
     barrier = pltpu.get_barrier_semaphore()
     for q in range(len(axis_names)):
@@ -135,82 +138,129 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
     r, l = p.piece
     if buf.shape != (n, 2, mh, r, l):
         raise ValueError(f"expected a kernel buffer {(n, 2, mh, r, l)}, got {buf.shape}")
-    return parts_kernel_call(buf[None], (axis_name,), p.codec, out_dtype, interpret)[0]
+    return parts_kernel_call([buf], (axis_name,), p.codec, out_dtype, interpret)[0]
 
 
-def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: KernelCodec,
-                      out_dtype, interpret=None, phase: str = "both") -> jax.Array:
-    """The ring over several parts at once, part q along mesh axis `axis_names[q]` (the axes
-    of one size N; equal names are not allowed: two parts would share the neighbours' slots).
-    buf: this device's [P, N, 2, mh, R, L] partial sums. phase "both": the all-reduce, out
-    [P, N, 2, mh, R, L] in `out_dtype`; "rs": the reduce-scatter alone, out [P, 2, mh, R, L]
-    float32, this device's shard of each part summed over its axis (the last partial received
-    is decoded and added, not encoded again: equarx.ring.ring_reduce_scatter's result)."""
-    n_parts, n, _, mh, r, l = buf.shape
+@dataclasses.dataclass(frozen=True)
+class PartRing:
+    """The static schedule of one part of parts_kernel_call: the ring of `n` devices over its
+    axis, `mh` minishards per direction, taken a window of g = min(mh, WINDOW) at a time."""
+
+    n: int
+    mh: int
+    phase: str
+
+    @property
+    def g(self) -> int:
+        return min(self.mh, WINDOW)
+
+    @property
+    def slots(self) -> int:  # receive slots per direction
+        return self.g + 2
+
+    @property
+    def steps(self) -> int:
+        # Per window: N-1 reduce-scatter hops, then (phase "both") N-1 all-gather hops and a
+        # last decode; the reduce-scatter alone ends at the step that adds the last partial.
+        return 2 * self.n - 1 if self.phase == "both" else self.n
+
+    @property
+    def items(self) -> int:  # per direction
+        return self.mh * self.steps
+
+    @property
+    def full(self) -> int:  # full windows before the last (which has g or fewer minishards)
+        return (self.mh - 1) // self.g
+
+    @property
+    def last(self) -> int:
+        return self.mh - self.full * self.g
+
+    @property
+    def messages(self) -> int:
+        return (self.steps - 1) * self.mh
+
+    def coords(self, k):
+        """Item k -> (window, step, minishard in the window, the window's minishards)."""
+        g, steps = self.g, self.steps
+        w = jnp.minimum(lax.div(k, steps * g), self.full)
+        rest = k - w * (steps * g)
+        size = jnp.where(w < self.full, g, self.last)
+        return w, lax.div(rest, size), lax.rem(rest, size), size
+
+    def static_step(self, k: int) -> int:
+        w = min(k // (self.steps * self.g), self.full)
+        return (k - w * self.steps * self.g) // (self.g if w < self.full else self.last)
+
+    def message(self, w, t, i, size):
+        """The index of the message sent at item (w, t, i) (t <= steps - 2)."""
+        return w * (self.steps - 1) * self.g + t * size + i
+
+
+def parts_kernel_call(bufs, axis_names: tuple[str, ...], codec: KernelCodec, out_dtype,
+                      interpret=None, phase: str = "both") -> list[jax.Array]:
+    """The ring over several parts at once, part q along mesh axis `axis_names[q]` (distinct
+    axes, of any sizes: two parts on one axis would share the neighbours' slots). bufs[q]:
+    this device's [N_q, 2, mh_q, R, L] partial sums of part q (N_q its axis' size; one piece
+    shape and dtype for all). phase "both": the all-reduce, out[q] [N_q, 2, mh_q, R, L] in
+    `out_dtype`; "rs": the reduce-scatter alone, out[q] [2, mh_q, R, L] float32, this device's
+    shard of part q summed over its axis (the last partial received is decoded and added, not
+    encoded again: equarx.ring.ring_reduce_scatter's result). Parts on shorter rings or with
+    fewer minishards finish their items earlier; every wait is on an earlier item of the same
+    part, so the parts never wait on each other."""
+    bufs = list(bufs)
+    n_parts = len(bufs)
     if len(axis_names) != n_parts or len(set(axis_names)) != n_parts:
         raise ValueError(f"need {n_parts} distinct axes, one per part, got {axis_names}")
-    if any(lax.axis_size(a) != n for a in axis_names):
-        raise ValueError(f"every part's axis must have {n} devices: "
-                         f"{[lax.axis_size(a) for a in axis_names]}")
     if phase not in ("both", "rs"):
         raise ValueError(f"phase must be 'both' or 'rs', got {phase!r}")
-    g = min(mh, WINDOW)
+    r, l = bufs[0].shape[-2:]
+    in_dtype = bufs[0].dtype
+    for b, a in zip(bufs, axis_names):
+        if (b.ndim != 5 or b.shape[0] != lax.axis_size(a) or b.shape[1] != 2
+                or b.shape[3:] != (r, l) or b.dtype != in_dtype):
+            raise ValueError(f"part buffers must be [N, 2, mh, {r}, {l}] {in_dtype} with N the "
+                             f"size of their axis, got {[(b.shape, b.dtype) for b in bufs]} on "
+                             f"axes of {[lax.axis_size(a) for a in axis_names]}")
+    rings = [PartRing(b.shape[0], b.shape[2], phase) for b in bufs]
     streams = 2 * n_parts  # stream j: part j // 2, direction j % 2 (0: +1, 1: -1)
-    slots = g + 2
-    # Per window: N-1 reduce-scatter hops, then (phase "both") N-1 all-gather hops and a last
-    # decode; the reduce-scatter alone ends at the step that adds the last partial.
-    steps = 2 * n - 1 if phase == "both" else n
-    items = mh * steps  # per stream
-    full = (mh - 1) // g  # full windows before the last (which has g or fewer minishards)
-    last = mh - full * g
-    window_messages = (steps - 1) * g
-    messages = (steps - 1) * mh
+    max_slots = max(pr.slots for pr in rings)
+    max_items = max(pr.items for pr in rings)
     scaled = codec.scale_shape is not None
     if phase == "rs":
         out_dtype = jnp.float32
 
-    def coords(k):
-        """Item k -> (window, step, minishard in the window, the window's minishards)."""
-        w = jnp.minimum(lax.div(k, steps * g), full)
-        rest = k - w * (steps * g)
-        size = jnp.where(w < full, g, last)
-        return w, lax.div(rest, size), lax.rem(rest, size), size
-
-    def static_step(k: int) -> int:
-        w = min(k // (steps * g), full)
-        return (k - w * steps * g) // (g if w < full else last)
-
-    def message(w, t, i, size):
-        """The index of the message sent at item (w, t, i) (t <= steps - 2)."""
-        return w * window_messages + t * size + i
-
-    def kernel(x_hbm, out_hbm, xin, stage, send_p, recv_p, *rest):
+    def kernel(*refs):
+        x_hbms, out_hbms = refs[:n_parts], refs[n_parts:2 * n_parts]
+        xin, stage, send_p, recv_p, *rest = refs[2 * n_parts:]
         if scaled:
             send_s, recv_s, *rest = rest
         local_sem, out_sem, send_sem, recv_sem, capacity = rest
-        index, mesh_id, neighbours = meet_neighbours(axis_names, n)
+        index, mesh_id, neighbours = meet_neighbours(axis_names)
 
         def shard(q, offset):  # absolute shard of relative offset (any sign, |offset| < N)
-            return lax.rem(index[q] + offset + n, n)
+            return lax.rem(index[q] + offset + rings[q].n, rings[q].n)
 
         def local_copy(j, k):
             """The local minishard item k of stream j reads (step <= N-1)."""
             q, h = divmod(j, 2)
-            w, t, i, _ = coords(k)
-            src = shard(q, (1 - 2 * h) * (n - 1 - t))  # t = N-1: the own shard
-            return pltpu.make_async_copy(x_hbm.at[q, src, h, w * g + i],
+            pr = rings[q]
+            w, t, i, _ = pr.coords(k)
+            src = shard(q, (1 - 2 * h) * (pr.n - 1 - t))  # t = N-1: the own shard
+            return pltpu.make_async_copy(x_hbms[q].at[src, h, w * pr.g + i],
                                          xin.at[j, lax.rem(k, 2)],
                                          local_sem.at[j, lax.rem(k, 2)])
 
         def out_copy(j, k):
             """Item k's output minishard (step >= N-1) back to HBM."""
             q, h = divmod(j, 2)
-            w, t, i, _ = coords(k)
+            pr = rings[q]
+            w, t, i, _ = pr.coords(k)
             if phase == "rs":
-                dst = out_hbm.at[q, h, w * g + i]
+                dst = out_hbms[q].at[h, w * pr.g + i]
             else:
-                owner = shard(q, -(1 - 2 * h) * (t - (n - 1)))  # t = N-1: the own shard
-                dst = out_hbm.at[q, owner, h, w * g + i]
+                owner = shard(q, -(1 - 2 * h) * (t - (pr.n - 1)))  # t = N-1: the own shard
+                dst = out_hbms[q].at[owner, h, w * pr.g + i]
             return pltpu.make_async_copy(stage.at[j, lax.rem(k, 2)], dst,
                                          out_sem.at[j, lax.rem(k, 2)])
 
@@ -220,7 +270,7 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
             q, h = divmod(j, 2)
             left, right = neighbours(q)
             dst = right if h == 0 else left
-            slot = lax.rem(m, slots)
+            slot = lax.rem(m, rings[q].slots)
             copies = []
             kinds = [(send_p, recv_p)] + ([(send_s, recv_s)] if scaled else [])
             for kind, (send_buf, recv_buf) in enumerate(kinds):
@@ -232,10 +282,12 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
 
         def item(j, k):
             q, h = divmod(j, 2)
+            pr = rings[q]
+            n, steps, items, slots = pr.n, pr.steps, pr.items, pr.slots
             left, right = neighbours(q)
             sender = left if h == 0 else right  # who sends to this device in stream j
-            w, t, i, size = coords(k)
-            got = message(w, t - 1, i, size)  # the message this item consumes (t >= 1)
+            w, t, i, size = pr.coords(k)
+            got = pr.message(w, t - 1, i, size)  # the message this item consumes (t >= 1)
             got_slot = lax.rem(got, slots)
             mine = lax.rem(k, 2)
 
@@ -244,12 +296,12 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
             def _():
                 local_copy(j, k).wait()
 
-            @pl.when((k + 1 < items) & (coords(k + 1)[1] <= n - 1))
+            @pl.when((k + 1 < items) & (pr.coords(k + 1)[1] <= n - 1))
             def _():
                 local_copy(j, k + 1).start()
 
             # The output buffer this item may write was last written back at item k - 2.
-            @pl.when((k >= 2) & (coords(k - 2)[1] >= n - 1))
+            @pl.when((k >= 2) & (pr.coords(k - 2)[1] >= n - 1))
             def _():
                 out_copy(j, k - 2).wait()
 
@@ -302,16 +354,16 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
             #    is the receive slot item k - 1 consumed (decoded, and forwarded if it was).
             @pl.when(k >= 1)
             def _():
-                w1, t1, i1, size1 = coords(k - 1)
+                w1, t1, i1, size1 = pr.coords(k - 1)
 
                 @pl.when(t1 <= steps - 2)
                 def _():
                     for c in remote(j, 0):
                         c.wait_send()
 
-                release = message(w1, t1 - 1, i1, size1)
+                release = pr.message(w1, t1 - 1, i1, size1)
 
-                @pl.when((t1 >= 1) & (release + slots < messages))
+                @pl.when((t1 >= 1) & (release + slots < pr.messages))
                 def _():
                     pl.semaphore_signal(capacity.at[j], 1, device_id=mesh_id(q, sender),
                                         device_id_type=pl.DeviceIdType.MESH)
@@ -319,7 +371,7 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
             # 5. Send this item's message once the neighbour has freed its slot.
             @pl.when(t <= steps - 2)
             def _():
-                sent = message(w, t, i, size)
+                sent = pr.message(w, t, i, size)
 
                 @pl.when(sent >= slots)
                 def _():
@@ -340,41 +392,46 @@ def parts_kernel_call(buf: jax.Array, axis_names: tuple[str, ...], codec: Kernel
 
         def body(k, carry):
             for j in range(streams):
-                item(j, k)
+                if rings[j // 2].items == max_items:
+                    item(j, k)
+                else:  # a shorter part: done once its own items are
+                    pl.when(k < rings[j // 2].items)(lambda j=j: item(j, k))
             return carry
 
-        lax.fori_loop(0, items, body, 0)
+        lax.fori_loop(0, max_items, body, 0)
         # Drain the last two output copies of each stream (every send was waited for in the
         # loop: an item that sends is followed by one of the same window).
         for j in range(streams):
-            for k in (items - 2, items - 1):
-                if k >= 0 and static_step(k) >= n - 1:
+            pr = rings[j // 2]
+            for k in (pr.items - 2, pr.items - 1):
+                if k >= 0 and pr.static_step(k) >= pr.n - 1:
                     out_copy(j, k).wait()
 
-    in_dtype = buf.dtype
     scratch = [pltpu.VMEM((streams, 2, r, l), in_dtype), pltpu.VMEM((streams, 2, r, l), out_dtype),
                pltpu.VMEM((streams, 2, r, l), codec.wire_dtype),
-               pltpu.VMEM((streams, slots, r, l), codec.wire_dtype)]
+               pltpu.VMEM((streams, max_slots, r, l), codec.wire_dtype)]
     if scaled:
         scratch += [pltpu.VMEM((streams, 2, *codec.scale_shape), codec.scale_dtype),
-                    pltpu.VMEM((streams, slots, *codec.scale_shape), codec.scale_dtype)]
+                    pltpu.VMEM((streams, max_slots, *codec.scale_shape), codec.scale_dtype)]
     scratch += [pltpu.SemaphoreType.DMA((streams, 2)), pltpu.SemaphoreType.DMA((streams, 2)),
                 pltpu.SemaphoreType.DMA((streams, TRANSPORTS)),
-                pltpu.SemaphoreType.DMA((streams, slots, TRANSPORTS)),
+                pltpu.SemaphoreType.DMA((streams, max_slots, TRANSPORTS)),
                 pltpu.SemaphoreType.REGULAR((streams,))]
-    vmem_limit = n_parts * vmem_per_part(codec, (r, l), g, in_dtype, out_dtype) + VMEM_MARGIN
-    out_shape = buf.shape if phase == "both" else (n_parts, 2, mh, r, l)
+    vmem_limit = (n_parts * vmem_per_part(codec, (r, l), max_slots - 2, in_dtype, out_dtype)
+                  + VMEM_MARGIN)
+    out_shapes = [jax.ShapeDtypeStruct(b.shape if phase == "both" else b.shape[1:], out_dtype)
+                  for b in bufs]
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=out_shapes,
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_parts,
+        out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_parts,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID,
                                              vmem_limit_bytes=vmem_limit),
         interpret=interpret if interpret is not None else False,
     )
-    return call(buf)
+    return list(call(*bufs))
 
 
 def plan_for(config: AllReduceConfig, shape: tuple[int, ...], n_devices: int,
@@ -444,7 +501,8 @@ def _around(x, axis_name, config, run, min_piece, rotated=False):
     return p.layout.join(out, x.shape).astype(x.dtype)
 
 
-__all__ = ["FloatCodec", "GroupCodec", "KernelPlan", "TileCodec", "all_reduce", "parts_kernel_call",
+__all__ = ["FloatCodec", "GroupCodec", "KernelPlan", "PartRing", "TileCodec", "all_reduce",
+           "parts_kernel_call",
            "plan_for", "reference_all_reduce", "reference_chains", "reference_codec",
            "ring_kernel_call",
            "vmem_bytes"]

@@ -1,18 +1,20 @@
 """The multi-axis AllReduce (equarx.multi_axis' schedule) through Pallas TPU kernels:
 `equarx.all_reduce(x, ("x", "y"), AllReduceConfig(impl="pallas"))` on a torus' axes.
 
-Axes of one size N (a square or cubic torus: v5e 2x2 and 4x4, v6e 4x4, v5p 4x4x4); over k
-axes the message is the single-axis kernel's buffer planned for k N^k shards (equarx.
-pallas_codecs.plan), cut into k parts of N^k shards, each shard 2 mh minishards. Part p visits
+Over k axes of sizes n_0 .. n_{k-1} (N devices in all; v5e 2x2, 2x4 and 4x4, v6e 4x4, v5p
+4x4x4) the message is the single-axis kernel's buffer planned for k N shards (equarx.
+pallas_codecs.plan), cut into k parts of N shards, each shard 2 mh minishards. Part p visits
 the axes in the rotated order a_p, a_{p+1}, ... (equarx.multi_axis.axis_orders), so at every
 stage the k parts move along k different axes, and one kernel runs all of them at once: every
-axis' links carry a part, both directions of each.
+axis' links carry a part, both directions of each. On axes of different sizes the parts' rings
+differ in length and minishards at a stage (a part on a shorter axis has fewer hops of larger
+blocks); each part runs its own ring in the shared kernel and finishes when it is done.
 
 - Reduce-scatter: k stages, one kernel each (equarx.pallas_ring.parts_kernel_call, phase
   "rs": the bidirectional, minishard-pipelined ring, quantization and dequantize-add in VMEM,
-  payload and scales by remote DMA). At stage t part p's remaining shards are [N, rest] blocks
-  along axis a_{(p+t) % k}; the stage leaves this device the float32 sum, over that axis, of
-  its block. After the last stage a device holds its block of every part summed over all
+  payload and scales by remote DMA). At stage t part p's remaining shards are [n_a, rest]
+  blocks along axis a = a_{(p+t) % k}; the stage leaves this device the float32 sum, over
+  that axis, of its block. After the last stage a device holds its block of every part summed over all
   devices (each value re-quantized at every hop of every axis, as the ppermute schedule does).
 - All-gather: each owner encodes its blocks once (the kernel codec's arithmetic, as an XLA
   elementwise op), then k stages in reverse axis order, one kernel each (gather_kernel_call),
@@ -22,7 +24,7 @@ axis' links carry a part, both directions of each.
 
 `reference_all_reduce` runs the same stages through equarx.ring's ppermutes and equarx.codecs'
 codecs (and lax.all_gather for the verbatim gathers): bitwise what `all_reduce` computes
-(tests/equarx/test_pallas.py, in interpret mode on 2x2 and 2x2x2 meshes).
+(tests/equarx/test_pallas.py, in interpret mode on 2x2, 2x4 and 2x2x2 meshes).
 """
 from __future__ import annotations
 
@@ -46,13 +48,13 @@ from equarx.pallas_ring import (COLLECTIVE_ID, check_untyped, interpret_default,
 
 def plan_for(config: AllReduceConfig, shape: tuple[int, ...], axis_sizes,
              min_piece: int = MIN_PIECE_ELEMENTS) -> KernelPlan:
-    """The kernel plan of the multi-axis schedule: the single-axis plan for k N^k shards, its
-    minishards capped so that the k parts of a reduce-scatter kernel fit the VMEM of one.
-    `min_piece` as in equarx.pallas_codecs.plan."""
+    """The kernel plan of the multi-axis schedule: the single-axis plan for k N shards (N the
+    product of the k axis sizes), its minishards capped so that the k parts of a
+    reduce-scatter kernel fit the VMEM of one. `min_piece` as in equarx.pallas_codecs.plan."""
     sizes = tuple(int(v) for v in axis_sizes)
-    if len(sizes) < 2 or len(set(sizes)) != 1:
-        raise ValueError(f"the kernel's multi-axis schedule needs two or more axes of one size "
-                         f"(a square or cubic torus), got {sizes}")
+    if len(sizes) < 2 or min(sizes) < 2:
+        raise ValueError(f"the kernel's multi-axis schedule needs two or more axes of two or "
+                         f"more devices, got {sizes}")
     k = len(sizes)
     return pallas_ring.plan_for(config, shape, k * math.prod(sizes), min_piece,
                                 MAX_PIECE_ELEMENTS // k)
@@ -61,84 +63,93 @@ def plan_for(config: AllReduceConfig, shape: tuple[int, ...], axis_sizes,
 def vmem_bytes(p: KernelPlan, axis_sizes, in_dtype) -> int:
     """The VMEM scratch of the largest reduce-scatter kernel (its k parts; the gathers use
     none): bounded by the window and the piece cap, whatever the message."""
-    k, n = len(axis_sizes), axis_sizes[0]
-    window = min(WINDOW, n ** (k - 1) * p.minishards)  # stage 0 has the most minishards
+    k, n_all = len(axis_sizes), math.prod(axis_sizes)
+    # Stage 0 has the most minishards: part q's blocks along its first axis, N / n_q shards each.
+    window = min(WINDOW, n_all // min(axis_sizes) * p.minishards)
     # Stage 0 reads the caller's dtype, later stages float32 partials (as wide or wider).
     wider = in_dtype if jnp.dtype(in_dtype).itemsize > 4 else jnp.float32
     return k * vmem_per_part(p.codec, p.piece, window, wider, jnp.float32)
 
 
-def gather_kernel_call(wires: list[jax.Array], axis_names: tuple[str, ...],
-                       interpret=None) -> list[jax.Array]:
+def gather_kernel_call(wires: list[list[jax.Array]], axis_names: tuple[str, ...],
+                       interpret=None) -> list[list[jax.Array]]:
     """The all-gather of wire bytes along one axis per part, verbatim, in one kernel.
 
-    wires: the arrays of this device's block of each part ([P, 2, U, ...]: the payload, and the
+    wires[p]: the arrays of this device's block of part p ([2, U_p, ...]: the payload, and the
     scales if the codec has them; half 0 travels to the right neighbour, half 1 to the left)
-    -> the same arrays gathered, [P, N, 2, U, ...], row c the block of the device at index c
-    along part p's axis `axis_names[p]` (the other coordinates this device's). Remote DMAs
-    from HBM to HBM: every block lands in its own place, so no slot is reused and nothing
-    needs flow control beyond waiting for a block before forwarding it."""
-    n_parts = wires[0].shape[0]
-    n = lax.axis_size(axis_names[0])
-    if len(axis_names) != n_parts or any(lax.axis_size(a) != n for a in axis_names):
-        raise ValueError(f"need {n_parts} axes of one size, got {axis_names}")
-    kinds = len(wires)
+    -> the same arrays gathered, [N_p, 2, U_p, ...] (N_p the size of part p's axis
+    `axis_names[p]`), row c the block of the device at index c along that axis (the other
+    coordinates this device's). Remote DMAs from HBM to HBM: every block lands in its own
+    place, so no slot is reused and nothing needs flow control beyond waiting for a block
+    before forwarding it. Parts on shorter axes finish earlier."""
+    n_parts = len(wires)
+    if len(axis_names) != n_parts or len(set(axis_names)) != n_parts:
+        raise ValueError(f"need {n_parts} distinct axes, one per part, got {axis_names}")
+    sizes = [lax.axis_size(a) for a in axis_names]
+    kinds = len(wires[0])
+    flat_in = [w for part in wires for w in part]  # part-major, then kind
 
     def kernel(*refs):
-        ins, outs = refs[:kinds], refs[kinds:2 * kinds]
-        local_sem, send_sem, recv_sem = refs[2 * kinds:]
-        index, mesh_id, neighbours = meet_neighbours(axis_names, n)
+        ins = [refs[p * kinds:(p + 1) * kinds] for p in range(n_parts)]
+        outs = [refs[(n_parts + p) * kinds:(n_parts + p + 1) * kinds] for p in range(n_parts)]
+        local_sem, send_sem, recv_sem = refs[2 * n_parts * kinds:]
+        index, mesh_id, neighbours = meet_neighbours(axis_names)
 
         def owner(p, h, t):  # whose block arrives at step t in direction h (t = 0: own)
+            n = sizes[p]
             return lax.rem(index[p] - (1 - 2 * h) * t + n * n, n)
 
         def transfer(p, h, t, kind):
             """The block of owner(p, h, t), sent at step t to the next device in direction h
             (it arrives there as step t + 1, on that step's semaphore)."""
             left, right = neighbours(p)
-            src = ins[kind].at[p, h] if t == 0 else outs[kind].at[p, owner(p, h, t), h]
+            src = ins[p][kind].at[h] if t == 0 else outs[p][kind].at[owner(p, h, t), h]
             return pltpu.make_async_remote_copy(
-                src, outs[kind].at[p, owner(p, h, t), h], send_sem.at[p, h, kind],
+                src, outs[p][kind].at[owner(p, h, t), h], send_sem.at[p, h, kind],
                 recv_sem.at[p, h, t + 1, kind], device_id=mesh_id(p, right if h == 0 else left),
                 device_id_type=pl.DeviceIdType.MESH)
 
         def arrival(p, h, t, kind):  # the descriptor this device waits on for step t's block
             left, right = neighbours(p)
-            dst = outs[kind].at[p, owner(p, h, t), h]
+            dst = outs[p][kind].at[owner(p, h, t), h]
             return pltpu.make_async_remote_copy(
                 dst, dst, send_sem.at[p, h, kind], recv_sem.at[p, h, t, kind],
                 device_id=mesh_id(p, left if h == 0 else right),
                 device_id_type=pl.DeviceIdType.MESH)
 
         streams = [(p, h, kind) for p in range(n_parts) for h in range(2) for kind in range(kinds)]
-        own = [pltpu.make_async_copy(ins[kind].at[p, h], outs[kind].at[p, index[p], h],
+        own = [pltpu.make_async_copy(ins[p][kind].at[h], outs[p][kind].at[index[p], h],
                                      local_sem.at[p, h, kind]) for p, h, kind in streams]
         for c in own:
             c.start()
         for p, h, kind in streams:
             transfer(p, h, 0, kind).start()
-        for t in range(1, n):
+        for t in range(1, max(sizes)):
             for p, h, kind in streams:
+                if t >= sizes[p]:
+                    continue  # part p's ring is done
                 arrival(p, h, t, kind).wait_recv()
                 transfer(p, h, t - 1, kind).wait_send()  # one send in flight per stream
-                if t <= n - 2:
+                if t <= sizes[p] - 2:
                     transfer(p, h, t, kind).start()
         for c in own:
             c.wait()
 
-    out_shapes = [jax.ShapeDtypeStruct((w.shape[0], n, *w.shape[1:]), w.dtype) for w in wires]
+    out_shapes = [jax.ShapeDtypeStruct((sizes[p], *w.shape), w.dtype)
+                  for p in range(n_parts) for w in wires[p]]
     call = pl.pallas_call(
         kernel,
         out_shape=out_shapes,
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * kinds,
-        out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * kinds,
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(flat_in),
+        out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(flat_in),
         scratch_shapes=[pltpu.SemaphoreType.DMA((n_parts, 2, kinds)),
                         pltpu.SemaphoreType.DMA((n_parts, 2, kinds)),
-                        pltpu.SemaphoreType.DMA((n_parts, 2, n, kinds))],
+                        pltpu.SemaphoreType.DMA((n_parts, 2, max(sizes), kinds))],
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID),
         interpret=interpret if interpret is not None else False,
     )
-    return list(call(*wires))
+    out = list(call(*flat_in))
+    return [out[p * kinds:(p + 1) * kinds] for p in range(n_parts)]
 
 
 def all_reduce(x: jax.Array, axis_names: tuple[str, ...], config: AllReduceConfig,
@@ -150,8 +161,8 @@ def all_reduce(x: jax.Array, axis_names: tuple[str, ...], config: AllReduceConfi
     if interpret == "auto":
         interpret = interpret_default()
 
-    def rs_stage(buf, axes, codec):
-        return parts_kernel_call(buf, axes, codec, jnp.float32, interpret, phase="rs")
+    def rs_stage(bufs, axes, codec):
+        return parts_kernel_call(bufs, axes, codec, jnp.float32, interpret, phase="rs")
 
     def gather_stage(wires, axes):
         return gather_kernel_call(wires, axes, interpret)
@@ -164,22 +175,21 @@ def reference_all_reduce(x: jax.Array, axis_names: tuple[str, ...], config: AllR
     """The same stages through equarx.ring (ppermutes, equarx.codecs' codecs) and
     lax.all_gather: bitwise what `all_reduce` computes."""
 
-    def rs_stage(buf, axes, codec):
+    def rs_stage(bufs, axes, codec):
         ref, to_ref, from_ref = _reference_codec(codec)
         out = []
-        for p, axis in enumerate(axes):
-            n, _, mh = buf.shape[1:4]
-            stacked = to_ref(buf[p].reshape(n, 2 * mh, *buf.shape[4:]))
+        for buf, axis in zip(bufs, axes):
+            n, _, mh = buf.shape[:3]
+            stacked = to_ref(buf.reshape(n, 2 * mh, *buf.shape[3:]))
             chains = [ring.Chain(+1, n - 1, tuple((j, j + 1) for j in range(mh))),
                       ring.Chain(-1, n - 1, tuple((j, j + 1) for j in range(mh, 2 * mh)))]
             y = ring.ring_reduce_scatter(stacked, axis, chains, ref,
                                          multi_axis.StackedLayout(n, 2 * mh))
-            out.append(from_ref(y).reshape(2, mh, *buf.shape[4:]))
-        return jnp.stack(out)
+            out.append(from_ref(y).reshape(2, mh, *buf.shape[3:]))
+        return out
 
     def gather_stage(wires, axes):
-        return [jnp.stack([lax.all_gather(w[p], axis) for p, axis in enumerate(axes)])
-                for w in wires]
+        return [[lax.all_gather(w, axis) for w in part] for part, axis in zip(wires, axes)]
 
     return _stages(x, tuple(axis_names), config, rs_stage, gather_stage, min_piece)
 
@@ -206,30 +216,31 @@ def _stages(x, axes, config, rs_stage, gather_stage, min_piece, rotated=False):
     sizes = [lax.axis_size(a) for a in axes]
     p = plan_for(config, x.shape, sizes, min_piece)
     codec = p.codec
-    k, n = len(axes), sizes[0]
+    k, n_all = len(axes), math.prod(sizes)
     r, l = p.piece
     m = 2 * p.minishards  # pieces of a block (one device's share of a part)
     grouped = isinstance(codec, GroupCodec)
     x_in = groups.message_rows(x, config.group_size, rotated) if grouped else x
-    # [k N^k, 2, mh, R, L] -> part q: its N^k blocks, in q's axis order (the first axis major).
-    cur = p.to_kernel(p.layout.split(x_in)).reshape(k, n ** k * m, r, l)
+    # [k N, 2, mh, R, L] -> part q: its N blocks, in q's axis order (the first axis major).
+    parts = list(p.to_kernel(p.layout.split(x_in)).reshape(k, n_all * m, r, l))
     orders = multi_axis.axis_orders(k)
     for t in range(k):
         stage_axes = tuple(axes[orders[q][t]] for q in range(k))
-        cur = rs_stage(cur.reshape(k, n, 2, -1, r, l), stage_axes, codec)  # [k, 2, ., R, L]
-        cur = cur.reshape(k, -1, r, l)
+        bufs = [parts[q].reshape(sizes[orders[q][t]], 2, -1, r, l) for q in range(k)]
+        parts = [y.reshape(-1, r, l) for y in rs_stage(bufs, stage_axes, codec)]
     # Each owner encodes its blocks once; the barrier keeps XLA from folding its own
     # decode(encode(y)) (every device must decode the same bytes).
-    encoded = jax.vmap(jax.vmap(codec.encode))(cur)  # over parts and pieces
-    wires = lax.optimization_barrier([w for w in encoded if w is not None])
+    encoded = [jax.vmap(codec.encode)(y) for y in parts]  # over pieces
+    wires = lax.optimization_barrier([[w for w in e if w is not None] for e in encoded])
     for t in reversed(range(k)):
         stage_axes = tuple(axes[orders[q][t]] for q in range(k))
-        wires = gather_stage([w.reshape(k, 2, -1, *w.shape[2:]) for w in wires], stage_axes)
-        wires = [w.reshape(k, -1, *w.shape[4:]) for w in wires]
+        wires = gather_stage([[w.reshape(2, -1, *w.shape[1:]) for w in part] for part in wires],
+                             stage_axes)
+        wires = [[w.reshape(-1, *w.shape[3:]) for w in part] for part in wires]
     out_dtype = jnp.float32 if grouped else x.dtype
-    decode = jax.vmap(jax.vmap(lambda *w: codec.decode(w[0], w[1] if len(w) > 1 else None)))
-    out = decode(*wires).astype(out_dtype)  # [k, N^k m, R, L]
-    out = p.from_kernel(out.reshape(k * n ** k, 2, p.minishards, r, l))
+    decode = jax.vmap(lambda *w: codec.decode(w[0], w[1] if len(w) > 1 else None))
+    out = jnp.stack([decode(*part).astype(out_dtype) for part in wires])  # [k, N m, R, L]
+    out = p.from_kernel(out.reshape(k * n_all, 2, p.minishards, r, l))
     if grouped:
         return groups.unrotate_rows(p.layout.join_rows(out), config.group_size,
                                     x.shape).astype(x.dtype)

@@ -2,7 +2,7 @@
 through kernels (equarx.pallas_torus) that need no TPU.
 
 - interpret: the kernels in Pallas' TPU interpret mode on 2, 4 and 8 virtual CPU devices (one
-  axis, or a 2x2 / 2x2x2 mesh), each case against the module's `reference_all_reduce` (the
+  axis, or a 2x2 / 2x4 / 4x2 / 2x2x2 mesh), each case against the module's `reference_all_reduce` (the
   same schedule through equarx.ring's ppermutes): bitwise equal, identical replicas, the race
   detector clean, and no semaphore left non-zero at kernel exit (the interpreter only prints
   a warning for that; it counts as a failure here), in both DMA execution modes.
@@ -12,7 +12,7 @@ through kernels (equarx.pallas_torus) that need no TPU.
   psum's), so the kernels run inside the model's programs as they are.
 - lower: the kernels lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
   for every message the Gemma 3 models send: [tokens, d_model] for each model's d_model, tp
-  2/4/8/16 and the 2x2 and 4x4 meshes, bfloat16 and float32, each codec, decode to
+  2/4/8/16 and the 2x2, 2x4 and 4x4 meshes, bfloat16 and float32, each codec, decode to
   long-prefill token counts.
 
 Each device count needs its own process (XLA reads the device count, and the CPU runtime its
@@ -40,7 +40,7 @@ MODEL_D = {"270m": 640, "1b": 1152, "4b": 2560, "12b": 3840, "27b": 5376}
 TPS = (2, 4, 8, 16)
 DTYPES = ("bfloat16", "float32")
 TOKENS = (1, 16, 128, 2048, 8192)  # a decode row, a prefill chunk, prompt buckets
-MESHES = ("2x2", "4x4")  # the multi-axis schedule's tori (v5e 2x2 and 4x4)
+MESHES = ("2x2", "2x4", "4x4")  # the multi-axis schedule's tori (v5e 2x2, 2x4 and 4x4)
 AXES = ("x", "y", "z")
 
 
@@ -50,7 +50,7 @@ def interpret_case(label: str, shape, dtype: str = "float32", mode: str = "on_wa
     """One interpret-mode case; `min_piece` small so that small messages are pipelined.
     `public`: through `equarx.all_reduce` (its dispatch, default interpret parameters and
     minimum piece) instead of calling the kernel's module with the race detector on.
-    `mesh`: "2x2" or "2x2x2" for the multi-axis schedule (equarx.pallas_torus) over that
+    `mesh`: e.g. "2x2", "2x4" or "2x2x2" for the multi-axis schedule (equarx.pallas_torus) over that
     many devices, None for one axis over all of them."""
     return dict(kind="interpret", label=label, shape=list(shape), dtype=dtype, mode=mode,
                 minishards=minishards, min_piece=min_piece, public=public, mesh=mesh)
@@ -85,8 +85,7 @@ def full_interpret_cases(n_devices: int) -> list[dict]:
         if n_devices <= 4:  # 5 minishards a direction: windows of 4 and 1
             cases.append(interpret_case(label, (1152, 64 * n_devices), dtype, mode,
                                         minishards=12))
-        torus = {4: "2x2", 8: "2x2x2"}.get(n_devices)
-        if torus:
+        for torus in {4: ("2x2",), 8: ("2x2x2", "2x4", "4x2")}.get(n_devices, ()):
             cases.append(interpret_case(label, (2, 40, 130 * n_devices), dtype, mode,
                                         mesh=torus))
     if n_devices == 4:
@@ -98,13 +97,13 @@ def full_lower_cases() -> list[dict]:
     one_axis = [lower_case(label, tp, tokens, d, dtype)
                 for label, tp, tokens, d, dtype in itertools.product(
                     CODEC_LABELS, TPS, TOKENS, MODEL_D.values(), DTYPES)]
-    tori = [lower_case(label, _size(mesh), tokens, d, dtype, mesh)
+    tori = [lower_case(label, mesh_size(mesh), tokens, d, dtype, mesh)
             for label, mesh, tokens, d, dtype in itertools.product(
                 CODEC_LABELS, MESHES, TOKENS, MODEL_D.values(), DTYPES)]
     return one_axis + tori
 
 
-def _size(mesh: str) -> int:
+def mesh_size(mesh: str) -> int:
     out = 1
     for v in mesh.split("x"):
         out *= int(v)

@@ -235,10 +235,6 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
     check_tp(cfg, tp)
     mesh = make_mesh(tp, devices, tp_mesh)
-    if mesh_label(mesh) and allreduce.impl != "ppermute" and len(set(mesh.shape.values())) > 1:
-        raise ValueError(f"tp_mesh {mesh_label(mesh)}: the {allreduce.impl} kernel's multi-axis "
-                         f"schedule needs axes of one size (2x2, 4x4, 4x4x4); use the ppermute "
-                         f"implementation (drop @{allreduce.impl} from the label) or such a mesh")
     program_cache = None
     if program_cache_dir is not None and jax.process_count() == 1:
         device = mesh.devices.flat[0]

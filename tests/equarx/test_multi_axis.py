@@ -120,14 +120,3 @@ def test_every_axis_carries_a_part_at_once():
     y_pairs = ((0, 1), (1, 0), (2, 3), (3, 2))
     assert x_pairs in kinds and y_pairs in kinds, kinds
     assert axis_orders(3) == [(0, 1, 2), (1, 2, 0), (2, 0, 1)]
-
-
-def test_pallas_impl_needs_axes_of_one_size():
-    """The kernels' multi-axis schedule (equarx.pallas_torus) runs on square and cubic tori;
-    tests/equarx/test_pallas.py checks it in interpret mode."""
-    mesh, axes = _mesh((2, 4))
-    cfg = AllReduceConfig("int8", "full", blocks="tile", impl="pallas")
-    f = jax.shard_map(lambda a: all_reduce(a, axes, cfg), mesh=mesh, in_specs=P(axes),
-                      out_specs=P(axes), check_vma=False)  # as the kernels need
-    with pytest.raises(ValueError, match="axes of one size"):
-        jax.jit(f).lower(np.zeros((8, 64, 512), np.float32))

@@ -72,7 +72,7 @@ def test_vmem_stays_bounded_for_every_model_message():
                     rows = 16 if label.startswith("bf16") else 32
                     assert r % rows == 0 and lanes % 128 == 0, (label, d, tp, tokens, p.piece)
                     worst = max(worst, pallas_ring.vmem_bytes(p, "float32", "float32"))
-                for dims in ((2, 2), (4, 4), (2, 2, 2), (4, 4, 4)):  # all parts in one kernel
+                for dims in ((2, 2), (2, 4), (4, 4), (4, 8), (2, 2, 2), (4, 4, 4)):  # one kernel
                     for tokens in (1, 2048, 32768):
                         p = pallas_torus.plan_for(AllReduceConfig.from_label(label), (tokens, d),
                                                   dims)
@@ -83,9 +83,10 @@ def test_vmem_stays_bounded_for_every_model_message():
 # Per device count: each codec in one dtype and one DMA mode (the other dtype and mode on the
 # next count); messages with padded rows and columns, 3-D; on 2 devices also two windows of
 # minishards (the last one short) and the public equarx.all_reduce dispatch; on 4 and 8 the
-# multi-axis schedule on the 2x2 and 2x2x2 meshes (through the public dispatch once; every
-# codec on both meshes in `python -m eval.check_pallas`), and a small model's logits with the
-# default int8 through the kernels on 2x2, against the model with the reference plugged in.
+# multi-axis schedule on the 2x2, 2x2x2 and 2x4 meshes (through the public dispatch on 2x2
+# and 2x4; every codec on every mesh in `python -m eval.check_pallas`), and a small model's
+# logits with the default int8 through the kernels on 2x2, against the model with the
+# reference plugged in.
 INTERPRET_CASES = {
     2: [check.interpret_case("int8-full+tile@pallas", (64, 512), "bfloat16", "on_wait"),
         check.interpret_case("int8@pallas", (2, 50, 300), "float32", "eager"),
@@ -101,7 +102,8 @@ INTERPRET_CASES = {
         check.model_case("int8@pallas", mesh="2x2")],
     8: [check.interpret_case("int8-full+tile@pallas", (64, 1024), "bfloat16", "on_wait"),
         check.interpret_case("int8@pallas", (130, 1152), "float32", "eager", minishards=2),
-        check.interpret_case("int8@pallas", (2, 40, 520), "float32", mesh="2x2x2")],
+        check.interpret_case("int8@pallas", (2, 40, 520), "float32", mesh="2x2x2"),
+        check.interpret_case("int8@pallas", (2, 40, 520), "bfloat16", mesh="2x4", public=True)],
 }
 
 
@@ -133,7 +135,7 @@ def test_kernel_lowers_for_tpu_for_model_messages():
                                       dtype))
     for i, (label, mesh) in enumerate((label, mesh) for label in check.CODEC_LABELS
                                       for mesh in check.MESHES):
-        cases.append(check.lower_case(label, 4 if mesh == "2x2" else 16, (16, 2048)[i % 2],
+        cases.append(check.lower_case(label, check.mesh_size(mesh), (16, 2048)[i % 2],
                                       models[i % len(models)], check.DTYPES[i % 2], mesh))
     rows = check.run_child(max(check.TPS), cases, timeout=600)
     assert check.failures(rows) == []
