@@ -14,8 +14,9 @@ blocks); each part runs its own ring in the shared kernel and finishes when it i
   "rs": the bidirectional, minishard-pipelined ring, quantization and dequantize-add in VMEM,
   payload and scales by remote DMA). At stage t part p's remaining shards are [n_a, rest]
   blocks along axis a = a_{(p+t) % k}; the stage leaves this device the float32 sum, over
-  that axis, of its block. After the last stage a device holds its block of every part summed over all
-  devices (each value re-quantized at every hop of every axis, as the ppermute schedule does).
+  that axis, of its block. After the last stage a device holds its block of every part
+  summed over all devices (each value re-quantized at every hop of every axis, as the
+  ppermute schedule does).
 - All-gather: each owner encodes its blocks once (the kernel codec's arithmetic, as an XLA
   elementwise op), then k stages in reverse axis order, one kernel each (gather_kernel_call),
   forward the wire bytes, payload and scales, verbatim by remote DMA from HBM to HBM along

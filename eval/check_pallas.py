@@ -2,17 +2,18 @@
 through kernels (equarx.pallas_torus) that need no TPU.
 
 - interpret: the kernels in Pallas' TPU interpret mode on 2, 4 and 8 virtual CPU devices (one
-  axis, or a 2x2 / 2x4 / 4x2 / 2x2x2 mesh), each case against the module's `reference_all_reduce` (the
-  same schedule through equarx.ring's ppermutes): bitwise equal, identical replicas, the race
-  detector clean, and no semaphore left non-zero at kernel exit (the interpreter only prints
-  a warning for that; it counts as a failure here), in both DMA execution modes.
+  axis, or a 2x2 / 2x4 / 4x2 / 2x2x2 mesh), each case against the module's
+  `reference_all_reduce` (the same schedule through equarx.ring's ppermutes): bitwise equal,
+  identical replicas, the race detector clean, and no semaphore left non-zero at kernel exit
+  (the interpreter only prints a warning for that; it counts as a failure here), in both DMA
+  execution modes.
 - model: a small Gemma 3 (random weights, 2 layers) scoring two prompts with an `@pallas`
   AllReduce in interpret mode, on one axis or a 2x2 mesh, against the same model with the
   module's reference plugged in as its reduction: the logits bitwise equal (and near the f32
   psum's), so the kernels run inside the model's programs as they are.
 - lower: the kernels lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
   for every message the Gemma 3 models send: [tokens, d_model] for each model's d_model, tp
-  2/4/8/16 and the 2x2, 2x4 and 4x4 meshes, bfloat16 and float32, each codec, decode to
+  2/4/8/16 and the 2x2, 2x4, 4x4 and 2x2x4 meshes, bfloat16 and float32, each codec, decode to
   long-prefill token counts.
 
 Each device count needs its own process (XLA reads the device count, and the CPU runtime its
@@ -40,7 +41,7 @@ MODEL_D = {"270m": 640, "1b": 1152, "4b": 2560, "12b": 3840, "27b": 5376}
 TPS = (2, 4, 8, 16)
 DTYPES = ("bfloat16", "float32")
 TOKENS = (1, 16, 128, 2048, 8192)  # a decode row, a prefill chunk, prompt buckets
-MESHES = ("2x2", "2x4", "4x4")  # the multi-axis schedule's tori (v5e 2x2, 2x4 and 4x4)
+MESHES = ("2x2", "2x4", "4x4", "2x2x4")  # multi-axis tori: v5e 2x2, 2x4, 4x4; v5p 2x2x4
 AXES = ("x", "y", "z")
 
 
