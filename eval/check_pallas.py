@@ -8,7 +8,7 @@ through kernels (equarx.pallas_torus) that need no TPU.
   (the interpreter only prints a warning for that; it counts as a failure here), in both DMA
   execution modes.
 - model: a small Gemma 3 (random weights, 2 layers) scoring two prompts with an `@pallas`
-  AllReduce in interpret mode, on one axis or a 2x2 mesh, against the same model with the
+  AllReduce in interpret mode, on one axis or a 2x2 mesh (4 devices) and on 2x4, against the same model with the
   module's reference plugged in as its reduction: the logits bitwise equal (and near the f32
   psum's), so the kernels run inside the model's programs as they are.
 - lower: the kernels lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
@@ -91,6 +91,8 @@ def full_interpret_cases(n_devices: int) -> list[dict]:
                                         mesh=torus))
     if n_devices == 4:
         cases += [model_case(label, mesh) for label in CODEC_LABELS for mesh in (None, "2x2")]
+    if n_devices == 8:
+        cases += [model_case(label, "2x4") for label in CODEC_LABELS]
     return cases
 
 
@@ -203,8 +205,10 @@ def _run_model(case: dict, n: int) -> dict:
     reference = pallas_torus if case.get("mesh") else pallas_ring
     t0 = time.perf_counter()
     # fold_rotation=False: the plugged-in reduction below gets the partials unrotated too.
-    kernel = load_model("random:tiny?layers=2&d=256&ffn=512", tp=n, tp_mesh=case.get("mesh"),
-                        dtype="float32", allreduce=cfg, fold_rotation=False)
+    heads = "&heads=8" if n > 4 else ""  # tiny's 4 heads split over at most 4 devices
+    kernel = load_model("random:tiny?layers=2&d=256&ffn=512" + heads, tp=n,
+                        tp_mesh=case.get("mesh"), dtype="float32", allreduce=cfg,
+                        fold_rotation=False)
     prompts = [[2] + list(range(10, 40)), [2] + list(range(100, 130))]
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
