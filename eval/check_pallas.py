@@ -8,9 +8,9 @@ through kernels (equarx.pallas_torus) that need no TPU.
   (the interpreter only prints a warning for that; it counts as a failure here), in both DMA
   execution modes.
 - model: a small Gemma 3 (random weights, 2 layers) scoring two prompts with an `@pallas`
-  AllReduce in interpret mode, on one axis or a 2x2 mesh (4 devices) and on 2x4, against the same model with the
-  module's reference plugged in as its reduction: the logits bitwise equal (and near the f32
-  psum's), so the kernels run inside the model's programs as they are.
+  AllReduce in interpret mode, on one axis or a 2x2 mesh (4 devices) and on 2x4 (8), against
+  the same model with the module's reference plugged in as its reduction: the logits bitwise
+  equal (and near the f32 psum's), so the kernels run inside the model's programs as they are.
 - lower: the kernels lowered for TPU (`lowering_platforms=("tpu",)`, Pallas' Mosaic lowering)
   for every message the Gemma 3 models send: [tokens, d_model] for each model's d_model, tp
   2/4/8/16 and the 2x2, 2x4, 4x4 and 2x2x4 meshes, bfloat16 and float32, each codec, decode to
