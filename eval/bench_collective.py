@@ -350,6 +350,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="e.g. 2x2 or 4: run one process per node of an emulated torus "
                         "(eval.torus: a namespace per process, a veth per neighbour, each "
                         "shaped to --link-gbit); sets --processes and --mesh")
+    p.add_argument("--burst", default="256kb",
+                   help="the shaped links' token bucket (tc tbf burst): that much leaves an idle "
+                        "link at once; keep it well under a hop's message for the cost model's "
+                        "link term to hold")
     p.add_argument("--unshaped", action="store_true",
                    help="with --torus: leave the veths unshaped (the base term of "
                         "eval.cost_model --emulated: compute and per-message costs on the "
@@ -418,16 +422,17 @@ def main(argv: list[str] | None = None) -> dict:
 
         results = multiproc.run("eval.bench_collective:worker", args.processes, args=(params,),
                                 link_gbit=args.link_gbit, malloc_tunables=not args.plain_malloc,
-                                torus=torus)
+                                torus=torus, burst=args.burst)
         rows = results[0]["rows"]
         if torus:
-            rate = ("unshaped" if args.unshaped
-                    else f"each direction shaped to {args.link_gbit} Gbit/s")
+            rate = ("unshaped" if args.unshaped else
+                    f"each direction shaped to {args.link_gbit} Gbit/s, burst {args.burst}")
             mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a "
                     f"veth per neighbour, {rate})")
         else:
             mode = f"{args.processes} processes (gloo, 127.0.0.1"
-            mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
+            mode += (f", loopback shaped to {args.link_gbit} Gbit/s, burst {args.burst})"
+                     if args.link_gbit else ")")
         for row, *others in zip(rows, *(r["rows"] for r in results[1:])):
             row["median_by_process"] = [row["median"]] + [o["median"] for o in others]
     else:
@@ -445,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
         add_predictions(rows, unshaped, args.link_gbit)
     report = {
         "mode": mode, "processes": args.processes, "link_gbit": args.link_gbit,
-        "torus": list(torus) if torus else None,
+        "burst": args.burst if args.link_gbit else None, "torus": list(torus) if torus else None,
         "settings": params, "malloc": malloc_label(args.plain_malloc, args.processes > 0),
         "jax": jax.__version__, "cpus": os.cpu_count(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,

@@ -50,11 +50,12 @@ def run(
     sysctls: dict[str, str] | None = None,
     malloc_tunables: bool = True,
     torus: Sequence[int] | None = None,
+    burst: str = "256kb",
 ) -> list[Any]:
     """Run `entry(*args, **kwargs)` in `n_processes` JAX processes; see the module docstring.
 
     link_gbit: if set, all processes run inside a fresh network namespace whose loopback is
-      shaped to this rate (token bucket: burst 256 KiB, queue latency 50 ms).
+      shaped to this rate (token bucket: `burst`, queue latency 50 ms).
     devices_per_process: CPU devices each process contributes to the global device list.
     timeout_s: wall-clock limit for the whole run; the workers are killed when it passes.
     env: extra environment variables for the workers.
@@ -66,6 +67,8 @@ def run(
     torus: dimensions of an emulated torus (eval.torus; needs root): process i runs as node i,
       in its own namespace, with one veth link shaped to link_gbit per torus neighbour (left
       unshaped when link_gbit is None), instead of all processes sharing one shaped loopback.
+    burst: the token bucket's size (`tc tbf burst`): that much leaves an idle link at once,
+      unshaped, before the rate applies.
     """
     if ":" not in entry:
         raise ValueError(f"entry must be 'module:function', got {entry!r}")
@@ -79,7 +82,7 @@ def run(
         if math.prod(torus) != n_processes:
             raise ValueError(f"a {torus} torus has {math.prod(torus)} nodes, not {n_processes}")
     with (tempfile.TemporaryDirectory(prefix="multiproc-") as tmp,
-          _network(link_gbit, sysctls or {}, torus) as (ns, net)):
+          _network(link_gbit, sysctls or {}, torus, burst) as (ns, net)):
         port = _free_port() if ns is None and net is None else 23456  # fresh namespaces
         host = "127.0.0.1" if net is None else net.address(0)
 
@@ -147,20 +150,21 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _network(link_gbit, sysctls, torus):
+def _network(link_gbit, sysctls, torus, burst):
     """(shared namespace or None, eval.torus.Torus or None)."""
     if torus is None:
-        with _namespace(link_gbit, sysctls) as ns:
+        with _namespace(link_gbit, sysctls, burst) as ns:
             yield ns, None
         return
     from eval.torus import emulated_torus
 
-    with emulated_torus(tuple(torus), link_gbit, sysctls=sysctls) as net:
+    with emulated_torus(tuple(torus), link_gbit, burst=burst, sysctls=sysctls) as net:
         yield None, net
 
 
 @contextlib.contextmanager
-def _namespace(link_gbit: float | None, sysctls: dict[str, str]) -> Iterator[str | None]:
+def _namespace(link_gbit: float | None, sysctls: dict[str, str],
+               burst: str = "256kb") -> Iterator[str | None]:
     """A private network namespace with its loopback shaped to `link_gbit`, or None."""
     if link_gbit is None:
         yield None
@@ -172,7 +176,7 @@ def _namespace(link_gbit: float | None, sysctls: dict[str, str]) -> Iterator[str
     try:
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
         subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root",
-                        "tbf", "rate", f"{link_gbit}gbit", "burst", "256kb", "latency", "50ms"],
+                        "tbf", "rate", f"{link_gbit}gbit", "burst", burst, "latency", "50ms"],
                        check=True)
         for key, value in sysctls.items():
             subprocess.run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", f"{key}={value}"],
