@@ -502,7 +502,5 @@ def _around(x, axis_name, config, run, min_piece, rotated=False):
 
 
 __all__ = ["FloatCodec", "GroupCodec", "KernelPlan", "PartRing", "TileCodec", "all_reduce",
-           "parts_kernel_call",
-           "plan_for", "reference_all_reduce", "reference_chains", "reference_codec",
-           "ring_kernel_call",
-           "vmem_bytes"]
+           "parts_kernel_call", "plan_for", "reference_all_reduce", "reference_chains",
+           "reference_codec", "ring_kernel_call", "vmem_bytes"]
