@@ -164,7 +164,7 @@ def _network(link_gbit, sysctls, torus, burst):
 
 @contextlib.contextmanager
 def _namespace(link_gbit: float | None, sysctls: dict[str, str],
-               burst: str = "256kb") -> Iterator[str | None]:
+               burst: str) -> Iterator[str | None]:
     """A private network namespace with its loopback shaped to `link_gbit`, or None."""
     if link_gbit is None:
         yield None

@@ -22,7 +22,7 @@ from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import MIN_BUCKET, ModelPrograms, ProgramKey, prefill_buckets
 from models.gemma3.sampling import sample
-from models.gemma3.sharding import check_tp, make_mesh, mesh_label, parse_tp_mesh
+from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
 from models.gemma3.sources import resolve_source
 from models.gemma3.weights import Weights
 

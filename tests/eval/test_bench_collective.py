@@ -72,7 +72,8 @@ def test_two_processes_time_each_call_between_barriers(tmp_path):
         assert abs(first - second) < 0.5 * max(first, second) + 0.005, r["median_by_process"]
 
 
-@pytest.mark.parametrize("argv", [["--torus", "2x2"], ["--torus", "2x2", "--link-gbit", "1", "--unshaped"],
+@pytest.mark.parametrize("argv", [["--torus", "2x2"],
+                                  ["--torus", "2x2", "--link-gbit", "1", "--unshaped"],
                                   ["--unshaped", "--processes", "2"]])
 def test_a_torus_is_shaped_or_unshaped_never_both_or_neither(argv, capsys):
     with pytest.raises(SystemExit) as e:
