@@ -106,23 +106,33 @@ def mode_models(base, modes: list[str]) -> dict:
     return out
 
 
+def score_windows(reference, variants: dict, windows: list[list[int]],
+                  log=print) -> tuple[dict, dict]:
+    """Score each window with `reference` and every model of `variants` (name -> model);
+    returns, per name, the sums of `compare_logits` against the reference over all windows and
+    the seconds its scoring took."""
+    sums = {m: {"nll": 0.0, "kl": 0.0, "agree": 0, "count": 0} for m in variants}
+    seconds = {m: 0.0 for m in variants}
+    for wi, window in enumerate(windows):
+        targets = np.array(window[1:] + [-1])
+        ref = reference.score([window])[0]
+        for m, model in variants.items():
+            t0 = time.perf_counter()
+            out = model.score([window])[0]
+            seconds[m] += time.perf_counter() - t0
+            for k, v in compare_logits(ref, out, targets).items():
+                sums[m][k] += v
+        log(f"window {wi + 1}/{len(windows)} done")
+    return sums, seconds
+
+
 def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[list[int]],
                 new_tokens: int, log=print) -> list[dict]:
     """Metrics of every mode at base.tp (see the module docstring). f32 is scored twice, so its
     own KL and agreement check that the reference is deterministic."""
     models = mode_models(base, modes)
-    sums = {m: {"nll": 0.0, "kl": 0.0, "agree": 0, "count": 0} for m in modes}
-    seconds = {m: 0.0 for m in modes}
-    for wi, window in enumerate(windows):
-        targets = np.array(window[1:] + [-1])
-        ref = models[REFERENCE].score([window])[0]
-        for m in modes:
-            t0 = time.perf_counter()
-            out = models[m].score([window])[0]
-            seconds[m] += time.perf_counter() - t0
-            for k, v in compare_logits(ref, out, targets).items():
-                sums[m][k] += v
-        log(f"  tp={base.tp} window {wi + 1}/{len(windows)} done")
+    sums, seconds = score_windows(models[REFERENCE], models, windows,
+                                  log=lambda msg: log(f"  tp={base.tp} {msg}"))
     greedy = {}
     bos = base.tokenizer.bos_id
     for m in modes:

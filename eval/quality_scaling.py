@@ -22,11 +22,9 @@ import argparse
 import math
 import time
 
-import numpy as np
-
 from equarx import AllReduceConfig
 from eval import corpus
-from eval.quality import REFERENCE, compare_logits, mode_config
+from eval.quality import REFERENCE, mode_config, score_windows
 from eval.reports import write_json
 
 TP = 4
@@ -85,14 +83,7 @@ def run(model: str, devices: list[int], modes: list[str], n_tokens: int, window:
     variants = {(m, n): base.with_allreduce(AllReduceConfig(REFERENCE),
                                             reduction=emulated_reduction(configs[m], n))
                 for m in modes for n in devices}
-    sums = {key: {"nll": 0.0, "kl": 0.0, "agree": 0, "count": 0} for key in variants}
-    for wi, w in enumerate(windows):
-        targets = np.array(w[1:] + [-1])
-        ref = base.score([w])[0]
-        for key, mdl in variants.items():
-            for name, v in compare_logits(ref, mdl.score([w])[0], targets).items():
-                sums[key][name] += v
-        log(f"  window {wi + 1}/{len(windows)} done")
+    sums, _ = score_windows(base, variants, windows, log=lambda msg: log(f"  {msg}"))
     rows = []
     for (m, n), s in sums.items():
         rows.append({"mode": m, "devices": n, "emulated": n != TP,

@@ -1,0 +1,51 @@
+"""eval.quality_sensitivity: the noise variants err by the size asked for, the error is measured
+against the exact sum as the reference delivers it, and KL follows the error in a float32 model."""
+import math
+
+import pytest
+
+from equarx import AllReduceConfig
+from eval import quality_sensitivity as qs
+
+
+def _rows(dtype, modes, noise):
+    report = qs.run("random:tiny", 2, modes, noise, n_tokens=63, window=64, dtype=dtype,
+                    log=lambda *a: None)
+    assert report["tokens_scored"] == 63
+    return {r["variant"]: r for r in report["rows"]}
+
+
+def test_float32_model_noise_errs_as_asked_and_kl_grows_with_its_square():
+    rows = _rows("float32", ["bf16_ring"], [1e-3, 1e-2])
+    for eps in (1e-3, 1e-2):
+        assert rows[f"noise:{eps:g}"]["allreduce_rel_error"] == pytest.approx(eps, rel=0.1)
+    # No floor in a float32 model: KL ~ error^2 (x100 expected for x10 the noise).
+    assert rows["noise:0.01"]["kl_to_f32"] > 30 * rows["noise:0.001"]["kl_to_f32"] > 0
+    # bf16_ring rounds the partials to bfloat16: an error of about one bf16 rounding.
+    assert 5e-4 < rows["bf16_ring"]["allreduce_rel_error"] < 5e-3
+    assert "noise:0.01" in qs.format_table(list(rows.values()))
+
+
+def test_bfloat16_model_error_is_against_the_delivered_sum():
+    """In a bf16 model the two-shot bf16 ring delivers the exact sum rounded once, as the
+    reference does: zero error and identical logits. Anything that compared with the unrounded
+    sum (or let XLA drop the reference's rounding) would report about 2e-3 here."""
+    rows = _rows("bfloat16", ["bf16_ring"], [1e-2])
+    assert rows["bf16_ring"]["allreduce_rel_error"] == 0 and rows["bf16_ring"]["kl_to_f32"] == 0
+    assert rows["noise:0.01"]["allreduce_rel_error"] == pytest.approx(1e-2, rel=0.2)
+    assert rows["noise:0.01"]["kl_to_f32"] > 0
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        qs.measured_reduction(qs.ErrorMeter(), AllReduceConfig("int8"), 1e-3)
+    with pytest.raises(ValueError, match="not both"):
+        qs.measured_reduction(qs.ErrorMeter())
+    for text in ("0", "-1e-3", "nan", "1e-3,inf"):
+        with pytest.raises(ValueError, match="positive"):
+            qs.parse_noise(text)
+    assert qs.parse_noise("1e-3, 2e-3") == [1e-3, 2e-3]
+    assert qs.ErrorMeter().relative is None
+    meter = qs.ErrorMeter()
+    meter.add(1.0, 4.0)
+    assert meter.relative == math.sqrt(0.25)
