@@ -20,7 +20,6 @@ AllReduce label may be asked for. All modes share one copy of the weights per tp
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -30,6 +29,7 @@ import numpy as np
 
 from equarx import AllReduceConfig
 from eval import corpus
+from eval.reports import write_json
 
 NAIVE = "naive"
 # The modes a default run evaluates: any `AllReduceConfig.label` (e.g. "int8-semi-ag+hadamard")
@@ -47,6 +47,25 @@ UNFOLDED = ":unfolded"
 def mode_config(name: str) -> AllReduceConfig | None:
     """A mode's AllReduceConfig (None for the naive strawman); ValueError on an unknown name."""
     return None if name == NAIVE else AllReduceConfig.from_label(name.removesuffix(UNFOLDED))
+
+
+def collective_configs(modes: list[str]) -> dict[str, AllReduceConfig]:
+    """Each mode's AllReduceConfig, for evaluations that run `equarx.all_reduce` themselves
+    (the naive strawman is a reduction of its own, not a config: refused)."""
+    configs = {m: mode_config(m) for m in modes}
+    if any(c is None for c in configs.values()):
+        raise ValueError(f"'{NAIVE}' runs only in eval.quality; leave it out")
+    return configs
+
+
+def load_reference(model: str, tp: int, dtype: str, n_tokens: int, window: int):
+    """The model with the reference AllReduce, and the corpus windows to score with it."""
+    from models.gemma3 import load_model
+
+    base = load_model(model, tp=tp, allreduce=AllReduceConfig(REFERENCE), dtype=dtype,
+                      max_seq_len=window)
+    tok = base.tokenizer
+    return base, corpus.token_windows(tok.encode, n_tokens, window, tok.bos_id)
 
 
 _CHUNK = 64  # positions per numpy block: 64 x 262144 float32 = 64 MiB per temporary
@@ -211,31 +230,39 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def add_scoring_args(p: argparse.ArgumentParser, *, tokens: int, dtype: str) -> None:
+    """The options every quality evaluation takes: the model, how much text, its dtype and
+    where the report goes."""
+    p.add_argument("--model", default="gemma3-270m", help="load_model source")
+    p.add_argument("--tokens", type=int, default=tokens, help="next-token predictions scored")
+    p.add_argument("--window", type=int, default=512, help="tokens per scored window (with BOS)")
+    p.add_argument("--dtype", default=dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--out", default=None, help="write the report as JSON")
+
+
+def comma_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gemma3-270m", help="load_model source")
+    add_scoring_args(p, tokens=4096, dtype="bfloat16")
     p.add_argument("--tp", default="2,4", help="comma list of tensor-parallel degrees")
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma list of AllReduce labels (e.g. int8-semi-ag+hadamard) or naive; "
                         "'int8:unfolded' rotates at run time instead of in the weights")
-    p.add_argument("--tokens", type=int, default=4096, help="next-token predictions scored")
-    p.add_argument("--window", type=int, default=512, help="tokens per scored window (with BOS)")
     p.add_argument("--prompts", type=int, default=16, help="greedy prompts")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16, help="greedy continuation length")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--out", default=None, help="write the report as JSON")
     args = p.parse_args(argv)
     tps = tuple(int(t) for t in args.tp.split(","))
     from serving.jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(max(tps))
     def save(report: dict) -> None:
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+        write_json(args.out, report)
 
-    report = run(args.model, tps, [m.strip() for m in args.modes.split(",") if m.strip()],
+    report = run(args.model, tps, comma_list(args.modes),
                  args.tokens, args.window, args.prompts, args.prompt_tokens, args.new_tokens,
                  args.dtype, checkpoint=save)
     print(f"# {report['model']} ({report['dtype']}), {report['tokens_scored']} tokens of "

@@ -24,8 +24,9 @@ import time
 
 from equarx import AllReduceConfig
 from eval import corpus
-from eval.quality import REFERENCE, mode_config, score_windows
-from eval.reports import write_json
+from eval.quality import (REFERENCE, add_scoring_args, collective_configs, comma_list,
+                          load_reference, score_windows)
+from eval.reports import format_columns, show_and_write
 
 TP = 4
 SPLIT_SEED = 20250617
@@ -71,15 +72,8 @@ def emulated_reduction(config: AllReduceConfig, n_devices: int):
 
 def run(model: str, devices: list[int], modes: list[str], n_tokens: int, window: int,
         dtype: str, log=print) -> dict:
-    from models.gemma3 import load_model
-
-    configs = {m: mode_config(m) for m in modes}
-    if any(c is None for c in configs.values()):
-        raise ValueError("the naive strawman has no schedule to scale; leave it out")
-    base = load_model(model, tp=TP, allreduce=AllReduceConfig(REFERENCE), dtype=dtype,
-                      max_seq_len=window)
-    tok = base.tokenizer
-    windows = corpus.token_windows(tok.encode, n_tokens, window, tok.bos_id)
+    configs = collective_configs(modes)
+    base, windows = load_reference(model, TP, dtype, n_tokens, window)
     variants = {(m, n): base.with_allreduce(AllReduceConfig(REFERENCE),
                                             reduction=emulated_reduction(configs[m], n))
                 for m in modes for n in devices}
@@ -105,37 +99,29 @@ def variant_at(config: AllReduceConfig, n: int, message_bytes: int) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'mode':<16} {'N':>3} {'schedule':<8} {'KL to f32':>10} {'x N=4':>6} {'top-1 = f32':>11}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ratio = "-" if r["kl_vs_4"] is None else f"{r['kl_vs_4']:.2f}"
-        lines.append(f"{r['mode']:<16} {r['devices']:>3} {r['variant']:<8} "
-                     f"{r['kl_to_f32']:>10.2e} {ratio:>6} {100 * r['top1_agree_f32']:>10.2f}%")
-    return "\n".join(lines)
+    return format_columns(rows, [
+        ("mode", "<16", lambda r: r["mode"]), ("N", ">3", lambda r: str(r["devices"])),
+        ("schedule", "<8", lambda r: r["variant"]),
+        ("KL to f32", ">10", lambda r: f"{r['kl_to_f32']:.2e}"),
+        ("x N=4", ">6", lambda r: "-" if r["kl_vs_4"] is None else f"{r['kl_vs_4']:.2f}"),
+        ("top-1 = f32", ">11", lambda r: f"{100 * r['top1_agree_f32']:.2f}%")])
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gemma3-270m")
+    add_scoring_args(p, tokens=1024, dtype="float32")
     p.add_argument("--devices", default="4,8,16", help="emulated axis sizes (multiples of 4)")
     p.add_argument("--modes", default="int8,int8-full,int8-semi,bf16_ring",
                    help="comma list of AllReduce labels")
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from serving.jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(TP)
-    report = run(args.model, [int(v) for v in args.devices.split(",")],
-                 [m.strip() for m in args.modes.split(",") if m.strip()], args.tokens,
-                 args.window, args.dtype)
-    print(f"# {report['model']} ({report['dtype']}) at tp={TP}, {report['tokens_scored']} "
-          f"predictions; N > 4 emulated from the real partials (eval/quality_scaling.py)")
-    print(format_table(report["rows"]))
-    write_json(args.out, report)
-    return report
+    report = run(args.model, [int(v) for v in comma_list(args.devices)], comma_list(args.modes),
+                 args.tokens, args.window, args.dtype)
+    title = (f"# {report['model']} ({report['dtype']}) at tp={TP}, {report['tokens_scored']} "
+             f"predictions; N > 4 emulated from the real partials (eval/quality_scaling.py)")
+    return show_and_write(report, title, format_table(report["rows"]), args.out)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ import time
 
 from equarx import AllReduceConfig
 from eval import corpus
-from eval.quality import REFERENCE, mode_config, score_windows
-from eval.reports import write_json
+from eval.quality import (REFERENCE, add_scoring_args, collective_configs, comma_list,
+                          load_reference, score_windows)
+from eval.reports import format_columns, show_and_write
 
 NOISE = "noise:"
 DEFAULT_NOISE = (1e-4, 3e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
@@ -106,7 +107,7 @@ def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
 
 
 def parse_noise(text: str) -> list[float]:
-    values = [float(v) for v in text.split(",") if v.strip()]
+    values = [float(v) for v in comma_list(text)]
     if any(not (v > 0 and math.isfinite(v)) for v in values):
         raise ValueError(f"noise sizes must be positive numbers, got {text!r}")
     return values
@@ -116,15 +117,8 @@ def run(model: str, tp: int, modes: list[str], noise: list[float], n_tokens: int
         dtype: str, log=print) -> dict:
     import jax
 
-    from models.gemma3 import load_model
-
-    configs = {m: mode_config(m) for m in modes}
-    if any(c is None for c in configs.values()):
-        raise ValueError("the naive strawman is not measured here; leave it out")
-    base = load_model(model, tp=tp, allreduce=AllReduceConfig(REFERENCE), dtype=dtype,
-                      max_seq_len=window)
-    tok = base.tokenizer
-    windows = corpus.token_windows(tok.encode, n_tokens, window, tok.bos_id)
+    configs = collective_configs(modes)
+    base, windows = load_reference(model, tp, dtype, n_tokens, window)
     meters, variants = {}, {}
     for name, cfg, eps in ([(m, configs[m], None) for m in modes]
                            + [(f"{NOISE}{e:g}", None, e) for e in noise]):
@@ -144,40 +138,34 @@ def run(model: str, tp: int, modes: list[str], noise: list[float], n_tokens: int
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'variant':<16} {'AllReduce error':>15} {'KL to f32':>10} {'top-1 = f32':>11}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        err = "-" if r["allreduce_rel_error"] is None else f"{r['allreduce_rel_error']:.2e}"
-        lines.append(f"{r['variant']:<16} {err:>15} {r['kl_to_f32']:>10.2e} "
-                     f"{100 * r['top1_agree_f32']:>10.2f}%")
-    return "\n".join(lines)
+    def error(r):
+        return "-" if r["allreduce_rel_error"] is None else f"{r['allreduce_rel_error']:.2e}"
+
+    return format_columns(rows, [
+        ("variant", "<16", lambda r: r["variant"]), ("AllReduce error", ">15", error),
+        ("KL to f32", ">10", lambda r: f"{r['kl_to_f32']:.2e}"),
+        ("top-1 = f32", ">11", lambda r: f"{100 * r['top1_agree_f32']:.2f}%")])
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gemma3-270m")
+    add_scoring_args(p, tokens=1024, dtype="bfloat16")
     p.add_argument("--tp", type=int, default=4)
     p.add_argument("--modes", default="bf16_ring-full,int8",
                    help="comma list of AllReduce labels (may be empty)")
     p.add_argument("--noise", default=",".join(f"{e:g}" for e in DEFAULT_NOISE),
                    help="comma list of noise sizes, relative to each row's rms")
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = comma_list(args.modes)
     noise = parse_noise(args.noise)
     from serving.jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(args.tp)
     report = run(args.model, args.tp, modes, noise, args.tokens, args.window, args.dtype)
-    print(f"# {report['model']} ({report['dtype']}) at tp={args.tp}, {report['tokens_scored']} "
-          f"predictions; error: rms of (output - exact sum in the model's dtype) / rms of the "
-          f"sum, over every reduction (eval/quality_sensitivity.py)")
-    print(format_table(report["rows"]))
-    write_json(args.out, report)
-    return report
+    title = (f"# {report['model']} ({report['dtype']}) at tp={args.tp}, "
+             f"{report['tokens_scored']} predictions; error: rms of (output - exact sum in the "
+             f"model's dtype) / rms of the sum, over every reduction")
+    return show_and_write(report, title, format_table(report["rows"]), args.out)
 
 
 if __name__ == "__main__":
