@@ -3,10 +3,12 @@ each mode's measured error, on the same model and text.
 
 The reference is the model with an exact float32 AllReduce (`eval.quality`'s). Beside it, at
 every tensor-parallel reduction (the model's reduction hook):
-  noise:EPS  the float32 psum plus Gaussian noise of rms EPS x that row's rms, then cast to the
+  noise:EPS  the float32 psum plus Gaussian noise of rms EPS x that row's rms, rounded to the
              model's dtype. The noise is drawn from the bits of the sum itself, so it is
              token-local, the same on every device and the same on every call: a controlled
-             error of known size and nothing else;
+             error and nothing else (noise:0 is the reference's own output). In a bfloat16
+             model a small EPS moves only the values it pushes across a rounding boundary, each
+             by a whole bf16 step, so the error delivered is larger than EPS there;
   a label    any AllReduce label, as `equarx.all_reduce` runs it (a codec's rotation, if any,
              at run time, as eval.quality's ":unfolded" modes: the error is the codec's, not
              the folded weights' rounding).
@@ -15,10 +17,11 @@ reference delivers it (rounded to the model's dtype), over every reduction of ev
 window (sum of squared errors / sum of squared sums, on the model's real partial sums), and
 KL / top-1 against the reference.
 
-Why: in a bfloat16 model any change of the AllReduce's output, even one bf16 rounding flipped
-in a few values, is carried through the later layers' own bf16 roundings into the logits, so
-KL has a floor that does not shrink with the error. A mode's KL is that floor plus a term in
-its error squared; the sweep shows both and where each mode's error puts it.
+Why: a bfloat16 model hands any change of the AllReduce's output, even a few values moved by
+one bf16 step, through its later layers' own bf16 roundings into the logits, so its KL to the
+reference has a floor that a smaller error does not lower; above the floor a mode's KL grows
+with its error squared, as a float32 model's does from zero. The sweep shows both, and where
+each mode's measured error puts it (docs/quality.md).
 
   python -m eval.quality_sensitivity --dtype bfloat16 --modes bf16_ring-full,int8 --tokens 1024
 """
@@ -35,7 +38,7 @@ from eval.quality import (REFERENCE, add_scoring_args, collective_configs, comma
 from eval.reports import format_columns, show_and_write
 
 NOISE = "noise:"
-DEFAULT_NOISE = (1e-4, 3e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
+DEFAULT_NOISE = (0.0, 1e-4, 3e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
 
 
 class ErrorMeter:
@@ -56,8 +59,10 @@ class ErrorMeter:
 
 
 def _as_delivered(exact, dtype):
-    """The exact float32 sum rounded as the reference hands it on. reduce_precision, not a
-    round trip through astype: XLA may drop a float32 -> bfloat16 -> float32 pair of converts."""
+    """Float32 values rounded to `dtype` (as the reference hands its exact sum on).
+    reduce_precision, not a round trip through astype: XLA drops a float32 -> bfloat16 ->
+    float32 pair of converts where it may keep the excess precision, and would then compare
+    with (or hand on) values the model's dtype cannot hold."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -98,7 +103,7 @@ def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
     def reduce(x, axis):
         exact = lax.psum(x.astype(jnp.float32), axis)
         out = (all_reduce(x, axis, config) if config is not None
-               else (exact + row_noise(exact, eps)).astype(x.dtype))
+               else _as_delivered(exact + row_noise(exact, eps), x.dtype).astype(x.dtype))
         err = out.astype(jnp.float32) - _as_delivered(exact, x.dtype)
         jax.debug.callback(meter.add, jnp.sum(err * err), jnp.sum(exact * exact))
         return out
@@ -108,8 +113,8 @@ def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
 
 def parse_noise(text: str) -> list[float]:
     values = [float(v) for v in comma_list(text)]
-    if any(not (v > 0 and math.isfinite(v)) for v in values):
-        raise ValueError(f"noise sizes must be positive numbers, got {text!r}")
+    if any(not (v >= 0 and math.isfinite(v)) for v in values):
+        raise ValueError(f"noise sizes must be finite numbers >= 0, got {text!r}")
     return values
 
 
