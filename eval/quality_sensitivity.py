@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import threading
 import time
 
 from equarx import AllReduceConfig
@@ -43,15 +44,19 @@ DEFAULT_NOISE = (0.0, 1e-4, 3e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
 
 class ErrorMeter:
     """Sums of squared errors and of squared exact sums, fed from inside the compiled programs
-    (`jax.debug.callback`); read after `jax.effects_barrier()`."""
+    (`jax.debug.callback`); read after `jax.effects_barrier()`. The devices' callbacks run on
+    several threads at once, hence the lock (unlocked, sums lost updates between runs)."""
 
     def __init__(self):
         self.err2 = 0.0
         self.ref2 = 0.0
+        self._lock = threading.Lock()
 
     def add(self, err2, ref2) -> None:
-        self.err2 += float(err2)
-        self.ref2 += float(ref2)
+        err2, ref2 = float(err2), float(ref2)
+        with self._lock:
+            self.err2 += err2
+            self.ref2 += ref2
 
     @property
     def relative(self) -> float | None:

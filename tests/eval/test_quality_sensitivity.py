@@ -1,6 +1,7 @@
 """eval.quality_sensitivity: the noise variants err by the size asked for, the error is measured
 against the exact sum as the reference delivers it, and KL follows the error in a float32 model."""
 import math
+import time
 
 import pytest
 
@@ -50,3 +51,27 @@ def test_bad_arguments_are_refused():
     meter = qs.ErrorMeter()
     meter.add(1.0, 4.0)
     assert meter.relative == math.sqrt(0.25)
+
+
+def test_error_meter_loses_nothing_to_concurrent_callbacks():
+    """The devices' callbacks arrive on several threads at once, with device arrays whose
+    conversion to a float releases the GIL; every addition must count."""
+    import threading
+
+    class DeviceValue:  # like a jax.Array: float() waits for the value with the GIL released
+        def __init__(self, v):
+            self.v = v
+
+        def __float__(self):
+            time.sleep(0)
+            return self.v
+
+    meter, n_threads, n_adds = qs.ErrorMeter(), 4, 2000
+    threads = [threading.Thread(target=lambda: [meter.add(DeviceValue(1.0), DeviceValue(2.0))
+                                                for _ in range(n_adds)])
+               for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (meter.err2, meter.ref2) == (n_threads * n_adds, 2 * n_threads * n_adds)
