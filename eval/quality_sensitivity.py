@@ -71,9 +71,10 @@ def _as_delivered(exact, dtype):
     import jax.numpy as jnp
     from jax import lax
 
-    if dtype == jnp.bfloat16:
-        return lax.reduce_precision(exact, exponent_bits=8, mantissa_bits=7)
-    return exact
+    if jnp.dtype(dtype) == jnp.float32:
+        return exact
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(exact, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def row_noise(exact, eps: float):
@@ -103,7 +104,7 @@ def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
     from equarx import all_reduce
 
     if (config is None) == (eps is None):
-        raise ValueError("give a config or a noise size, not both")
+        raise ValueError("give exactly one of a config and a noise size, not both or neither")
 
     def reduce(x, axis):
         exact = lax.psum(x.astype(jnp.float32), axis)

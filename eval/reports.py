@@ -1,4 +1,5 @@
-"""Writing a benchmark's or an evaluation's report: one JSON file, when a path was given."""
+"""A benchmark's or an evaluation's report: the JSON file (when a path was given), the plain-text
+table and the command's ending that prints both."""
 from __future__ import annotations
 
 import json
