@@ -3,15 +3,31 @@ from __future__ import annotations
 
 import dataclasses
 import urllib.parse
+from typing import Sequence
 
-# Layer i is a global (full-context) layer when i % GLOBAL_EVERY == GLOBAL_EVERY - 1:
-# Gemma 3 repeats 5 local sliding-window layers then 1 global layer.
+# Layer i is a global (full-context) layer when i % every == every - 1: every published Gemma 3
+# repeats 5 local sliding-window layers then 1 global layer (every = 6). Hugging Face's
+# Gemma3TextConfig makes the period a setting (`sliding_window_pattern`, or `layer_types`), and
+# so does `Gemma3Config.global_every`.
 GLOBAL_EVERY = 6
 
 
-def is_global_layer(layer: int) -> bool:
+def is_global_layer(layer: int, every: int = GLOBAL_EVERY) -> bool:
     """Whether layer `layer` is a global (full-context) one; the others are sliding-window."""
-    return layer % GLOBAL_EVERY == GLOBAL_EVERY - 1
+    return layer % every == every - 1
+
+
+def global_period(is_global: Sequence[bool], stated: int | None = None) -> int | None:
+    """The period k for which layer i is global exactly when i % k == k - 1, from a per-layer
+    list (Hugging Face's `layer_types`, llama.cpp's per-layer pattern): `stated` when it fits,
+    else the one the first global layer gives (with none, any period longer than the model);
+    None when the list is not arranged so."""
+    glob = [bool(g) for g in is_global]
+    derived = glob.index(True) + 1 if any(glob) else max(GLOBAL_EVERY, len(glob) + 1)
+    for every in ([stated] if stated is not None and stated >= 1 else []) + [derived]:
+        if glob == [is_global_layer(i, every) for i in range(len(glob))]:
+            return every
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +36,8 @@ class Gemma3Config:
 
     query_scale multiplies the queries after RoPE (the official `query_pre_attn_scalar`).
     Global layers divide RoPE positions by `rope_global_scale` (linear scaling); local layers use
-    base `rope_local_base` and no scaling.
+    base `rope_local_base` and no scaling. Every `global_every`-th layer is global (Hugging
+    Face's `sliding_window_pattern`; 6 in every published size).
     """
 
     name: str
@@ -38,10 +55,11 @@ class Gemma3Config:
     rope_global_base: float = 1_000_000.0
     rope_global_scale: float = 1.0
     norm_eps: float = 1e-6
+    global_every: int = GLOBAL_EVERY
 
     def __post_init__(self):
         for field in ("vocab_size", "num_layers", "d_model", "ffn_hidden", "num_heads",
-                      "num_kv_heads", "head_dim", "sliding_window", "max_seq_len"):
+                      "num_kv_heads", "head_dim", "sliding_window", "max_seq_len", "global_every"):
             if int(getattr(self, field)) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)!r}")
         if self.num_heads % self.num_kv_heads:
@@ -53,7 +71,7 @@ class Gemma3Config:
             raise ValueError(f"rope_global_scale must be >= 1, got {self.rope_global_scale}")
 
     def is_global(self, layer: int) -> bool:
-        return is_global_layer(layer)
+        return is_global_layer(layer, self.global_every)
 
     @property
     def num_global_layers(self) -> int:
@@ -90,13 +108,14 @@ CONFIGS: dict[str, Gemma3Config] = {
     "12b": _official("gemma3-12b", 48, 3840, 15360, 16, 8, 256, 1024, 131_072, 8.0),
     "27b": _official("gemma3-27b", 62, 5376, 21504, 32, 16, 128, 1024, 131_072, 8.0,
                      query_scale=(5376 / 32) ** -0.5),
-    # Tiny configs for tests: 8 layers (global layer 5, local layers after it too), a window
-    # small enough that short prompts overflow it, 2 KV heads (sharded at tp=2, replicated at
-    # tp=4) and global RoPE scaling switched on.
+    # Tiny configs for tests: 3 layers, local, global, local (a global layer every 2nd, so
+    # both kinds and a local layer after a global one, in 3 layers' compile time: the tests
+    # compile hundreds of programs), a window small enough that short prompts overflow it, 2 KV
+    # heads (sharded at tp=2, replicated at tp=4) and global RoPE scaling switched on.
     "tiny": Gemma3Config(
-        name="tiny", vocab_size=512, num_layers=8, d_model=64, ffn_hidden=128, num_heads=4,
+        name="tiny", vocab_size=512, num_layers=3, d_model=64, ffn_hidden=128, num_heads=4,
         num_kv_heads=2, head_dim=16, sliding_window=8, max_seq_len=256, query_scale=16 ** -0.5,
-        rope_global_scale=8.0),
+        rope_global_scale=8.0, global_every=2),
     # Same vocabulary as the real tokenizer, so it can be driven by real text.
     "tiny-262k": Gemma3Config(
         name="tiny-262k", vocab_size=262_144, num_layers=6, d_model=64, ffn_hidden=128,

@@ -27,6 +27,8 @@ import numpy as np
 import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from models.gemma3.config import GLOBAL_EVERY, global_period
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -345,7 +347,8 @@ def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
     Keys: name, num_layers, d_model, ffn_hidden, num_heads, num_kv_heads, head_dim, vocab_size,
     sliding_window, sliding_window_pattern, local_rope_base, global_rope_base, global_rope_scale,
     rms_norm_eps, query_pre_attn_scalar, max_seq_len. Values llama.cpp does not store for gemma3
-    take Gemma 3's fixed values (local RoPE base 10,000, 5 local : 1 global layers).
+    take Gemma 3's fixed values (local RoPE base 10,000, 5 local : 1 global layers); a
+    per-layer sliding window pattern (llama.cpp's array form) becomes its period.
     """
     gf = _gemma3_file(path)
     md = gf.metadata
@@ -377,7 +380,14 @@ def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
         query_pre_attn_scalar = float(md["gemma3.attention.scale"]) ** -2
     else:
         query_pre_attn_scalar = float(d_model // num_heads if num_layers == 62 else head_dim)
-    pattern = md.get("gemma3.attention.sliding_window_pattern", 6)
+    pattern = md.get("gemma3.attention.sliding_window_pattern", GLOBAL_EVERY)
+    if np.ndim(pattern) == 0:
+        pattern = int(pattern)
+    else:  # llama.cpp's per-layer form: true for a sliding-window layer
+        pattern = global_period([not bool(s) for s in pattern])
+        if pattern is None or len(md["gemma3.attention.sliding_window_pattern"]) != num_layers:
+            raise GGUFError(f"{gf.path}: per-layer sliding window pattern is not Gemma 3's "
+                            "arrangement (a global layer every k-th layer)")
     size_label = str(md.get("general.size_label", "")).lower()
     return {
         "name": f"gemma3-{size_label}" if size_label else "gemma3",
@@ -389,7 +399,7 @@ def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
         "head_dim": head_dim,
         "vocab_size": int(vocab_size),
         "sliding_window": int(need("attention.sliding_window")),
-        "sliding_window_pattern": int(pattern) if np.ndim(pattern) == 0 else 6,
+        "sliding_window_pattern": pattern,
         "local_rope_base": float(md.get("gemma3.rope.freq_base_swa", 10_000.0)),
         "global_rope_base": float(md.get("gemma3.rope.freq_base", 1_000_000.0)),
         "global_rope_scale": scale,

@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from models.gemma3.config import CONFIGS, GLOBAL_EVERY, Gemma3Config, is_global_layer
+from models.gemma3.config import CONFIGS, GLOBAL_EVERY, Gemma3Config, global_period
 from models.gemma3.sharding import named, weight_specs
 from models.gemma3.weights import Weights, map_weights
 
@@ -235,14 +235,7 @@ def config_from_hf(raw: dict) -> Gemma3Config:
     if not t["tie_word_embeddings"]:
         raise HFCheckpointError("untied output embeddings are not supported (Gemma 3 ties them)")
     layers = int(t["num_hidden_layers"])
-    kinds = t.get("layer_types")
-    if kinds is None:
-        if int(t["sliding_window_pattern"]) != GLOBAL_EVERY:
-            raise HFCheckpointError(f"sliding_window_pattern {t['sliding_window_pattern']}: our "
-                                    f"model has Gemma 3's {GLOBAL_EVERY}")
-    elif [k == "full_attention" for k in kinds] != [is_global_layer(i) for i in range(layers)]:
-        raise HFCheckpointError(f"layer_types {kinds} differ from Gemma 3's pattern (every "
-                                f"{GLOBAL_EVERY}th layer global)")
+    every = _global_every(t, layers)
     local_base, global_base, global_scale = _rope(t)
     sizes = dict(vocab_size=int(t["vocab_size"]), num_layers=layers, d_model=int(t["hidden_size"]),
                  ffn_hidden=int(t["intermediate_size"]), num_heads=int(t["num_attention_heads"]),
@@ -256,7 +249,28 @@ def config_from_hf(raw: dict) -> Gemma3Config:
         max_seq_len=int(t["max_position_embeddings"]),
         query_scale=float(t["query_pre_attn_scalar"]) ** -0.5, rope_local_base=local_base,
         rope_global_base=global_base, rope_global_scale=global_scale,
-        norm_eps=float(t["rms_norm_eps"]))
+        norm_eps=float(t["rms_norm_eps"]), global_every=every)
+
+
+def _global_every(t: dict, layers: int) -> int:
+    """The period of global layers: `sliding_window_pattern`, checked against `layer_types`
+    (transformers >= 4.53 writes both; the list alone is read too). Any list not arranged as
+    Gemma 3's (a global layer every k-th, k - 1 sliding-window layers before each) is refused."""
+    kinds = t.get("layer_types")
+    stated = t.get("sliding_window_pattern")
+    if stated is not None and int(stated) < 1:
+        raise HFCheckpointError(f"sliding_window_pattern {stated} must be >= 1")
+    if kinds is None:
+        return int(stated)
+    if len(kinds) != layers or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise HFCheckpointError(f"layer_types {kinds}: {layers} entries of 'full_attention' or "
+                                "'sliding_attention' expected")
+    every = global_period([k == "full_attention" for k in kinds],
+                          None if stated is None else int(stated))
+    if every is None:
+        raise HFCheckpointError(f"layer_types {kinds}: not Gemma 3's arrangement (a global layer "
+                                "every k-th layer, k - 1 sliding-window layers before each)")
+    return every
 
 
 def config_to_hf(c: Gemma3Config, dtype) -> dict:
@@ -270,7 +284,7 @@ def config_to_hf(c: Gemma3Config, dtype) -> dict:
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": c.max_seq_len,
         "rms_norm_eps": c.norm_eps, "query_pre_attn_scalar": scalar,
-        "sliding_window": c.sliding_window, "sliding_window_pattern": GLOBAL_EVERY,
+        "sliding_window": c.sliding_window, "sliding_window_pattern": c.global_every,
         "layer_types": ["full_attention" if c.is_global(i) else "sliding_attention"
                         for i in range(c.num_layers)],
         "rope_theta": c.rope_global_base, "rope_local_base_freq": c.rope_local_base,

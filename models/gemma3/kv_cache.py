@@ -2,10 +2,11 @@
 
 One LayerCache per layer: keys [slots, Kc, H, len] and values [slots, Kc, len, H] (the layouts
 attention's batched matmuls read in place), len = max_seq_len for global layers and
-W = sliding_window for local ones. A local layer only ever attends to the last W
-positions, so position p lives at ring index p % W; 5 of every 6 layers thus cost W instead of
-max_seq_len positions. Kc is the number of cached KV heads over all devices: num_kv_heads, or
-tp when KV heads are replicated (each device then caches the one head its query heads use).
+W = sliding_window for local ones. A local layer only ever attends to the last W positions, so
+position p lives at ring index p % W; 5 of every 6 layers (in the published sizes) thus cost W
+instead of max_seq_len positions. Kc is the number of cached KV heads over all devices:
+num_kv_heads, or tp when KV heads are replicated (each device then caches the one head its
+query heads use).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gemma3.config import Gemma3Config, is_global_layer
+from models.gemma3.config import Gemma3Config
 
 Array = Any
 
@@ -41,9 +42,11 @@ class KVCache:
     def max_seq_len(self) -> int:
         """Positions per slot: the global layers' length (the window if there are none), which
         `cache_shapes` rebuilds this cache from. Not the longest layer: a cache shorter than the
-        sliding window has local layers longer than its global ones."""
-        lengths = [layer.v.shape[2] for i, layer in enumerate(self.layers) if is_global_layer(i)]
-        return lengths[0] if lengths else self.layers[0].v.shape[2]
+        sliding window has local layers longer than its global ones. Read without the config's
+        layer pattern: layer 0 is local unless every layer is global, so a length other than
+        layer 0's is a global layer's."""
+        first = self.layers[0].v.shape[2]
+        return next((n for n in (layer.v.shape[2] for layer in self.layers) if n != first), first)
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from models.gemma3.config import CONFIGS, GLOBAL_EVERY, Gemma3Config
+from models.gemma3.config import CONFIGS, Gemma3Config
 from models.gemma3.sharding import PARAM_AXES, named, weight_specs
 from models.gemma3.weights import (
     LayerWeights, Weights, check_official_tree, infer_official_config, map_weights,
@@ -42,9 +42,8 @@ def config_from_gguf(path: str | os.PathLike) -> Gemma3Config:
     from models.gemma3.gguf import read_gguf_config
 
     m = read_gguf_config(path)
-    if m["sliding_window_pattern"] != GLOBAL_EVERY:
-        raise ValueError(f"{path}: sliding window pattern {m['sliding_window_pattern']} is not "
-                         f"Gemma 3's {GLOBAL_EVERY}")
+    if m["sliding_window_pattern"] < 1:
+        raise ValueError(f"{path}: sliding window pattern {m['sliding_window_pattern']} < 1")
     sizes = {k: m[k] for k in ("vocab_size", "num_layers", "d_model", "ffn_hidden", "num_heads",
                                "num_kv_heads", "head_dim")}
     known = _known_name(sizes)
@@ -53,7 +52,7 @@ def config_from_gguf(path: str | os.PathLike) -> Gemma3Config:
         sliding_window=m["sliding_window"], max_seq_len=m["max_seq_len"],
         query_scale=m["query_pre_attn_scalar"] ** -0.5, rope_local_base=m["local_rope_base"],
         rope_global_base=m["global_rope_base"], rope_global_scale=m["global_rope_scale"],
-        norm_eps=m["rms_norm_eps"])
+        norm_eps=m["rms_norm_eps"], global_every=m["sliding_window_pattern"])
 
 
 def config_for_official_tree(tree: dict, config: Gemma3Config | None) -> Gemma3Config:

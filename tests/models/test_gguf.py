@@ -63,7 +63,7 @@ def _gguf_tensors(tree: dict, N, K, H, D, L, **_) -> dict[str, np.ndarray]:
 
 
 def _write_gguf(path: Path, tensors: dict[str, np.ndarray], *, arch="gemma3", quantize=(), extra_meta=None,
-                V, D, F, N, K, H, L) -> Path:
+                pattern=None, V, D, F, N, K, H, L) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
     w.add_embedding_length(D)
@@ -84,6 +84,8 @@ def _write_gguf(path: Path, tensors: dict[str, np.ndarray], *, arch="gemma3", qu
     w.add_array("test.strs", ["a", "▁b", "日本", ""])
     for key, value in (extra_meta or {}).items():
         w.add_string(key, value)
+    if pattern is not None:
+        w.add_sliding_window_pattern(pattern)
     for name, arr in tensors.items():
         if name in quantize:
             w.add_tensor(name, gguf.quants.quantize(arr, Q8_0), raw_dtype=Q8_0)
@@ -160,6 +162,19 @@ def test_iter_order_and_config(tiny):
     assert cfg["vocab_size"] == 64 and cfg["sliding_window"] == 16 and cfg["max_seq_len"] == 128
     assert cfg["local_rope_base"] == 10_000.0 and cfg["global_rope_base"] == 1_000_000.0
     assert cfg["global_rope_scale"] == 1.0 and cfg["query_pre_attn_scalar"] == 32.0
+
+
+def test_layer_pattern_forms(tiny, tmp_path):
+    """llama.cpp's sliding window pattern: a period, or one flag per layer (true: sliding)."""
+    _, _, tensors, _ = tiny
+    assert G.read_gguf_config(tiny[0])["sliding_window_pattern"] == 6  # absent: Gemma 3's
+    for i, (pattern, want) in enumerate(((2, 2), ([True, False], 2), ([False, False], 1),
+                                         ([True, True], 6))):
+        path = _write_gguf(tmp_path / f"p{i}.gguf", tensors, pattern=pattern, **TINY)
+        assert G.read_gguf_config(path)["sliding_window_pattern"] == want, pattern
+    path = _write_gguf(tmp_path / "bad.gguf", tensors, pattern=[False, True], **TINY)
+    with pytest.raises(G.GGUFError, match="not Gemma 3's arrangement"):
+        G.read_gguf_config(path)
 
 
 def test_errors(tiny, tmp_path):

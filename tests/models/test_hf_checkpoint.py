@@ -180,11 +180,32 @@ def test_config_spellings():
     for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
         del v5[key]
     assert config_from_hf(v5) == CONFIGS["4b"]
-    for bad in ({"final_logit_softcapping": 30.0}, {"layer_types": ["full_attention"] * 34},
+    for bad in ({"final_logit_softcapping": 30.0},
+                {"layer_types": ["full_attention", "sliding_attention"] * 17},
+                {"layer_types": ["sliding_attention"] * 33}, {"sliding_window_pattern": 0},
                 {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}},
                 {"tie_word_embeddings": False}):
         with pytest.raises(HFCheckpointError):
             config_from_hf({**config_to_hf(CONFIGS["4b"], "float32"), **bad})
+
+
+def test_layer_pattern_spellings():
+    """The period of global layers: sliding_window_pattern, layer_types, or both."""
+    every3 = CONFIGS["4b"].replace(global_every=3)
+    hf = config_to_hf(every3, "float32")
+    assert hf["sliding_window_pattern"] == 3 and hf["layer_types"][:3] == [
+        "sliding_attention", "sliding_attention", "full_attention"]
+    assert config_from_hf(hf) == every3
+    listed = {k: v for k, v in hf.items() if k != "sliding_window_pattern"}
+    assert config_from_hf(listed) == every3
+    stated = {k: v for k, v in hf.items() if k != "layer_types"}
+    assert config_from_hf(stated) == every3
+    # The list wins over a stale pattern; every layer global is a period of 1.
+    assert config_from_hf({**hf, "sliding_window_pattern": 6}) == every3
+    assert config_from_hf({**hf, "layer_types": ["full_attention"] * 34}).global_every == 1
+    # Only local layers (a model shorter than its period): the stated period is kept.
+    short = CONFIGS["4b"].replace(num_layers=4)
+    assert config_from_hf(config_to_hf(short, "float32")).global_every == 6
 
 
 def test_tokenizer_json_and_model_agree_with_transformers(hf_dir, golden):

@@ -9,7 +9,7 @@ from models.gemma3 import Program, ProgramKey, load_model, prefill_buckets
 from models.gemma3.kv_cache import KVCache
 
 F32 = AllReduceConfig(method="f32")
-# "tiny": 8 layers (one 5 local + 1 global group, then 2 tail layers), window 8, 2 KV heads
+# "tiny": 3 layers (local, global, local: a global layer every 2nd), window 8, 2 KV heads
 # (sharded at tp=2, replicated at tp=4), vocabulary 512.
 TINY = "random:tiny"
 
@@ -35,15 +35,15 @@ def test_weights_are_sharded_over_tp(tiny):
     m = tiny[4]
     embed_shards = m.weights.embed.addressable_shards
     assert len(embed_shards) == 4 and embed_shards[0].data.shape == (512 // 4, 64)
-    layer = m.weights.layers[3]
+    layer = m.weights.layers[2]
     assert layer.q.addressable_shards[0].data.shape == (64, 1, 16)  # [D, N, H]: heads split
     assert layer.gating.addressable_shards[0].data.shape == (64, 2, 128 // 4)  # FFN split
     assert layer.linear.addressable_shards[0].data.shape == (128 // 4, 64)
     # 2 KV heads on 4 devices: the projection is replicated, the cache is still split.
     assert layer.kv.addressable_shards[0].data.shape == layer.kv.shape
     cache = m.init_cache(num_slots=3, max_seq_len=32)
-    assert [c.v.shape[2] for c in cache.layers] == [8, 8, 8, 8, 8, 32, 8, 8]  # rings of W = 8
-    glob = cache.layers[5]
+    assert [c.v.shape[2] for c in cache.layers] == [8, 32, 8]  # local rings of W = 8
+    glob = cache.layers[1]
     assert glob.k.shape == (3, 4, 16, 32) and glob.v.shape == (3, 4, 32, 16)
     assert glob.k.addressable_shards[0].data.shape == (3, 1, 16, 32)
 

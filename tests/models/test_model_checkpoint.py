@@ -44,6 +44,26 @@ def test_27b_at_tp16_holds_a_sixteenth_per_device():
     assert 1 / 16 <= share < 1 / 16 * 1.001, share
 
 
+@pytest.mark.parametrize("every,layers", [(6, 8), (2, 3), (1, 2), (6, 2)])
+def test_a_caches_length_is_its_global_layers_whatever_the_pattern(every, layers):
+    """KVCache.max_seq_len (what programs are keyed and rebuilt by) reads the global layers'
+    length from the shapes alone, for any period of global layers, shorter or longer than the
+    window; with no global layer it is the window, which rebuilds the same cache."""
+    from models.gemma3.kv_cache import cache_shapes
+
+    c = get_config(f"tiny?global_every={every}&layers={layers}")
+    for length in (4, 8, 32):
+        cache = cache_shapes(c, 2, length, c.num_kv_heads, np.float32)
+        want = length if c.num_global_layers else c.sliding_window
+        assert cache.max_seq_len == want, (every, layers, length)
+        rebuilt = cache_shapes(c, 2, cache.max_seq_len, c.num_kv_heads, np.float32)
+        shapes = [(x.k.shape, x.v.shape) for x in cache.layers]
+        assert [(x.k.shape, x.v.shape) for x in rebuilt.layers] == shapes
+    assert [c.is_global(i) for i in range(layers)] == [i % every == every - 1 for i in range(layers)]
+    with pytest.raises(ValueError, match="global_every"):
+        get_config("tiny?global_every=0")
+
+
 def test_ring_buffers_cut_the_27b_kv_cache_at_32k():
     c = CONFIGS["27b"]
     ring, full = bytes_per_sequence(c, 32_768), bytes_per_sequence(c, 32_768, ring=False)
@@ -114,12 +134,12 @@ def test_official_orbax_checkpoint_loads(reference, tmp_path, layout):
 def test_official_tree_with_wrong_shapes_is_rejected(reference):
     m, _, _ = reference
     tree = to_official_tree(m.weights, m.config)
-    tree["layer_3"]["mlp"]["linear"] = tree["layer_3"]["mlp"]["linear"][:, :32]
-    with pytest.raises(ValueError, match="layer_3/mlp/linear has shape"):
+    tree["layer_2"]["mlp"]["linear"] = tree["layer_2"]["mlp"]["linear"][:, :32]
+    with pytest.raises(ValueError, match="layer_2/mlp/linear has shape"):
         load_model(tree, config="tiny")
     tree = to_official_tree(m.weights, m.config)
-    del tree["layer_7"]
-    with pytest.raises(ValueError, match="layer_7/attn/q_einsum/w is missing"):
+    del tree["layer_2"]
+    with pytest.raises(ValueError, match="layer_2/attn/q_einsum/w is missing"):
         load_model(tree, config="tiny")
     with pytest.raises(ValueError, match="match no known Gemma 3 size"):
         load_model(tree)

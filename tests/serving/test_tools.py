@@ -34,7 +34,9 @@ def server():
     from models.gemma3 import load_model
     from serving.engine import ModelEngine
 
-    engine = ModelEngine(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=6), num_slots=4, max_seq_len=4096,
+    # Random weights: under "required" (any number of calls) such a model may go on adding
+    # calls until max_tokens; with these weights every draw below ends its calls in time.
+    engine = ModelEngine(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=9), num_slots=4, max_seq_len=4096,
                          prefill_batch_sizes=(1,))
     engine.warmup(lambda _: None)
     s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=4096,
