@@ -1,0 +1,131 @@
+"""Where the test suite's time goes: a pytest plugin that records every test's cost, and the
+per-file report of what it recorded.
+
+    python -m pytest -p eval.suite_profile      # one JSON line per test, per worker process
+    python -m eval.suite_profile                # the per-file table, costliest first
+
+Per test: wall seconds, CPU seconds of the test process, CPU seconds of the child processes it
+started and waited for (servers, process groups, interpret-mode children; the kernel counts a
+child once it is reaped), and XLA backend-compile seconds and program count in the test process
+(`jax.monitoring`'s compile events, counted from the first test that runs after jax is
+imported). Records go to $SUITE_PROFILE_DIR (default .suite-profile/), one file per process,
+so xdist workers do not interleave; the directory is emptied by the controller at the start.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+DIR_ENV = "SUITE_PROFILE_DIR"
+DEFAULT_DIR = ".suite-profile"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+_compiles: list[float] = []
+_listening = False
+
+
+def _directory() -> Path:
+    return Path(os.environ.get(DIR_ENV, DEFAULT_DIR))
+
+
+def _on_event(event: str, seconds: float, **_) -> None:
+    if event == COMPILE_EVENT:
+        _compiles.append(seconds)
+
+
+def _listen_once_jax_is_here() -> None:
+    # Importing jax here would start it in processes (and tests) that never use it.
+    global _listening
+    if not _listening and "jax" in sys.modules:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listening = True
+
+
+def _cpu(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        shutil.rmtree(_directory(), ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _listen_once_jax_is_here()
+    _compiles.clear()
+    t0, own0 = time.perf_counter(), _cpu(resource.RUSAGE_SELF)
+    kids0 = _cpu(resource.RUSAGE_CHILDREN)
+    yield
+    record = dict(test=item.nodeid, pid=os.getpid(), wall_s=time.perf_counter() - t0,
+                  cpu_s=_cpu(resource.RUSAGE_SELF) - own0,
+                  child_cpu_s=_cpu(resource.RUSAGE_CHILDREN) - kids0,
+                  compile_s=sum(_compiles), programs=len(_compiles))
+    directory = _directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# ---- the report ----
+
+FIELDS = ("wall_s", "cpu_s", "child_cpu_s", "compile_s", "programs")
+
+
+def read_records(directory: str | os.PathLike) -> list[dict]:
+    return [json.loads(line) for path in sorted(Path(directory).glob("*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+def per_file(records: list[dict]) -> list[dict]:
+    """One row per test file: the sums of its tests' fields, costliest (CPU with children)
+    first."""
+    sums: dict[str, dict] = collections.defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+    for r in records:
+        row = sums[r["test"].split("::", 1)[0]]
+        for key in FIELDS:
+            row[key] += r[key]
+    rows = [dict(file=f, **row) for f, row in sums.items()]
+    return sorted(rows, key=lambda r: -(r["cpu_s"] + r["child_cpu_s"]))
+
+
+def format_report(records: list[dict], top: int | None = None) -> str:
+    rows = per_file(records)
+    total = {key: sum(r[key] for r in rows) for key in FIELDS}
+    workers = len({r.get("pid") for r in records})
+    lines = [f"{len(records)} tests in {len(rows)} files; CPU {total['cpu_s']:.0f} s in the test "
+             f"processes + {total['child_cpu_s']:.0f} s in their children; XLA compile "
+             f"{total['compile_s']:.0f} s ({total['programs']} programs)" + (
+                 f"; {workers} processes" if workers > 1 else ""),
+             f"{'wall s':>8} {'cpu s':>8} {'child s':>8} {'compile s':>9} {'programs':>8}  file"]
+    for r in rows[:top]:
+        lines.append(f"{r['wall_s']:8.1f} {r['cpu_s']:8.1f} {r['child_cpu_s']:8.1f} "
+                     f"{r['compile_s']:9.1f} {r['programs']:8d}  {r['file']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("directory", nargs="?", default=os.environ.get(DIR_ENV, DEFAULT_DIR))
+    p.add_argument("--top", type=int, default=None, help="only the N costliest files")
+    args = p.parse_args(argv)
+    records = read_records(args.directory)
+    if not records:
+        p.error(f"no records in {args.directory}: run python -m pytest -p eval.suite_profile")
+    print(format_report(records, args.top))
+
+
+if __name__ == "__main__":
+    main()

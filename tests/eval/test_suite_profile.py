@@ -1,0 +1,52 @@
+"""eval.suite_profile: the plugin on a real pytest run in a child process (a test that burns CPU,
+one whose child process does, one that compiles with jax) and its per-file report."""
+import json
+import os
+import subprocess
+import sys
+
+from eval import suite_profile
+
+SAMPLE = '''
+import subprocess, sys, time
+import jax, jax.numpy as jnp
+
+def test_burns_cpu_here():
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+
+def test_burns_cpu_in_a_child():
+    subprocess.run([sys.executable, "-c",
+                    "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass"],
+                   check=True)
+
+def test_compiles():
+    assert float(jax.jit(lambda x: jnp.sin(x) * 2)(1.0)) != 0
+'''
+
+
+def test_records_each_tests_cost_and_reports_per_file(tmp_path):
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    out = tmp_path / "profile"
+    env = dict(os.environ, SUITE_PROFILE_DIR=str(out), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "eval.suite_profile",
+                          "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp_path),
+                          "-c", os.devnull, str(tmp_path / "test_sample.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    records = {r["test"].split("::")[1]: r for r in suite_profile.read_records(out)}
+    assert set(records) == {"test_burns_cpu_here", "test_burns_cpu_in_a_child", "test_compiles"}
+    here, child, jitted = (records[k] for k in ("test_burns_cpu_here", "test_burns_cpu_in_a_child",
+                                                 "test_compiles"))
+    assert here["cpu_s"] >= 0.28 and here["child_cpu_s"] < 0.1 and here["wall_s"] >= 0.28
+    assert child["child_cpu_s"] >= 0.28 and child["cpu_s"] < child["child_cpu_s"]
+    assert here["programs"] == child["programs"] == 0
+    assert jitted["programs"] >= 1 and jitted["compile_s"] > 0
+    [row] = suite_profile.per_file(list(records.values()))
+    assert row["programs"] == jitted["programs"]
+    assert abs(row["cpu_s"] - sum(r["cpu_s"] for r in records.values())) < 1e-9
+    report = subprocess.run([sys.executable, "-m", "eval.suite_profile", str(out)],
+                            capture_output=True, text=True, check=True).stdout
+    assert "3 tests in 1 files" in report and report.splitlines()[-1].endswith("test_sample.py")
+    assert json.loads((out / os.listdir(out)[0]).read_text().splitlines()[0])["pid"] > 0
