@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_270m.npz"  # the official `gemma` package's
 HF_GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_270m_hf.npz"  # transformers'
+PATTERN_GOLDEN_NPZ = ROOT / "tests" / "golden" / "tiny_pattern_hf.npz"  # transformers, 1 global : 2 local
 
 
 def free_port() -> int:

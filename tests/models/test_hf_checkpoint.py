@@ -5,7 +5,8 @@ transformers' own GGUF loader, tokenizer and chat templates (torch is not needed
 checkpoint under test is written by our writer from our own load of the real 270M (float32,
 sharded safetensors with their index) and read back by our reader at tp 1, 2 and 4; the golden
 script checked once that transformers reads that writer's checkpoints with logits identical to
-its own.
+its own. A second golden, tests/golden/tiny_pattern_hf.npz (make_pattern_golden.py), holds a small
+random checkpoint with another layer pattern (a global layer every 3rd) and transformers' logits.
 """
 import json
 
@@ -22,7 +23,7 @@ from models.gemma3.hf_tokenizer import (
     ChatTemplate, JsonTokenizer, read_tokenizer, save_tokenizer)
 from models.gemma3.tokenizer import Tokenizer
 from serving.chat_template import render_chat
-from testkit import HF_GOLDEN_NPZ
+from testkit import HF_GOLDEN_NPZ, PATTERN_GOLDEN_NPZ
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +207,33 @@ def test_layer_pattern_spellings():
     # Only local layers (a model shorter than its period): the stated period is kept.
     short = CONFIGS["4b"].replace(num_layers=4)
     assert config_from_hf(config_to_hf(short, "float32")).global_every == 6
+
+
+def test_another_layer_pattern_matches_transformers(tmp_path):
+    """A checkpoint whose global layers come every 3rd (window 8, shorter than the prompts):
+    logits within 1e-5 of transformers' (tests/golden/make_pattern_golden.py); read as the
+    published sizes' every 6th instead, the same weights give other logits."""
+    data = np.load(PATTERN_GOLDEN_NPZ)
+    config = json.loads(str(data["config"]))
+    write_safetensors(tmp_path / "model.safetensors",
+                      {k.removeprefix("w/"): data[k] for k in data.files if k.startswith("w/")})
+    seqs = [data[f"tokens_{i}"].tolist() for i in range(2)]
+
+    def logits(cfg):
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        m = load_model(tmp_path, tp=2, dtype="float32", allreduce=F32)
+        return m.config, m.score(seqs)
+
+    c, got = logits(config)
+    assert c.global_every == 3 and c.num_layers == 5 and c.sliding_window == 8
+    misread = {k: v for k, v in config.items() if k != "layer_types"}
+    c6, other = logits({**misread, "sliding_window_pattern": 6})
+    assert c6.global_every == 6
+    for i, s in enumerate(seqs):
+        want = data[f"logits_{i}"]
+        scale = np.abs(want).max()
+        assert np.abs(got[i, :len(s)] - want).max() <= 1e-5 * scale, i
+        assert np.abs(other[i, :len(s)] - want).max() > 1e-2 * scale, i
 
 
 def test_tokenizer_json_and_model_agree_with_transformers(hf_dir, golden):
