@@ -253,20 +253,20 @@ def config_from_hf(raw: dict) -> Gemma3Config:
 
 
 def _global_every(t: dict, layers: int) -> int:
-    """The period of global layers: `sliding_window_pattern`, checked against `layer_types`
-    (transformers >= 4.53 writes both; the list alone is read too). Any list not arranged as
-    Gemma 3's (a global layer every k-th, k - 1 sliding-window layers before each) is refused."""
+    """The period of global layers: `sliding_window_pattern` (6 when absent), or the one
+    `layer_types` shows where they disagree (transformers >= 4.53 writes both; the list is what
+    it runs). Any list not arranged as Gemma 3's (a global layer every k-th, k - 1
+    sliding-window layers before each) is refused."""
     kinds = t.get("layer_types")
-    stated = t.get("sliding_window_pattern")
-    if stated is not None and int(stated) < 1:
+    stated = int(t["sliding_window_pattern"])  # text_config fills in the default
+    if stated < 1:
         raise HFCheckpointError(f"sliding_window_pattern {stated} must be >= 1")
     if kinds is None:
-        return int(stated)
+        return stated
     if len(kinds) != layers or not set(kinds) <= {"full_attention", "sliding_attention"}:
         raise HFCheckpointError(f"layer_types {kinds}: {layers} entries of 'full_attention' or "
                                 "'sliding_attention' expected")
-    every = global_period([k == "full_attention" for k in kinds],
-                          None if stated is None else int(stated))
+    every = global_period([k == "full_attention" for k in kinds], stated)
     if every is None:
         raise HFCheckpointError(f"layer_types {kinds}: not Gemma 3's arrangement (a global layer "
                                 "every k-th layer, k - 1 sliding-window layers before each)")
