@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from eval.reports import format_columns
+
 DIR_ENV = "SUITE_PROFILE_DIR"
 DEFAULT_DIR = ".suite-profile"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -104,16 +106,19 @@ def per_file(records: list[dict]) -> list[dict]:
 def format_report(records: list[dict], top: int | None = None) -> str:
     rows = per_file(records)
     total = {key: sum(r[key] for r in rows) for key in FIELDS}
-    workers = len({r.get("pid") for r in records})
-    lines = [f"{len(records)} tests in {len(rows)} files; CPU {total['cpu_s']:.0f} s in the test "
+    workers = len({r["pid"] for r in records})
+    title = (f"{len(records)} tests in {len(rows)} files; CPU {total['cpu_s']:.0f} s in the test "
              f"processes + {total['child_cpu_s']:.0f} s in their children; XLA compile "
-             f"{total['compile_s']:.0f} s ({total['programs']} programs)" + (
-                 f"; {workers} processes" if workers > 1 else ""),
-             f"{'wall s':>8} {'cpu s':>8} {'child s':>8} {'compile s':>9} {'programs':>8}  file"]
-    for r in rows[:top]:
-        lines.append(f"{r['wall_s']:8.1f} {r['cpu_s']:8.1f} {r['child_cpu_s']:8.1f} "
-                     f"{r['compile_s']:9.1f} {r['programs']:8d}  {r['file']}")
-    return "\n".join(lines)
+             f"{total['compile_s']:.0f} s ({total['programs']} programs)"
+             + (f"; {workers} processes" if workers > 1 else ""))
+    table = format_columns(rows[:top], [
+        ("wall s", ">8", lambda r: f"{r['wall_s']:.1f}"),
+        ("cpu s", ">8", lambda r: f"{r['cpu_s']:.1f}"),
+        ("child s", ">8", lambda r: f"{r['child_cpu_s']:.1f}"),
+        ("compile s", ">9", lambda r: f"{r['compile_s']:.1f}"),
+        ("programs", ">8", lambda r: str(r["programs"])),
+        ("file", "", lambda r: r["file"])])
+    return title + "\n" + table
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -384,8 +384,9 @@ def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
     if np.ndim(pattern) == 0:
         pattern = int(pattern)
     else:  # llama.cpp's per-layer form: true for a sliding-window layer
-        pattern = global_period([not bool(s) for s in pattern])
-        if pattern is None or len(md["gemma3.attention.sliding_window_pattern"]) != num_layers:
+        flags = pattern
+        pattern = global_period([not bool(f) for f in flags]) if len(flags) == num_layers else None
+        if pattern is None:
             raise GGUFError(f"{gf.path}: per-layer sliding window pattern is not Gemma 3's "
                             "arrangement (a global layer every k-th layer)")
     size_label = str(md.get("general.size_label", "")).lower()
