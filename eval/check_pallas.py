@@ -206,7 +206,7 @@ def _run_model(case: dict, n: int) -> dict:
     t0 = time.perf_counter()
     # fold_rotation=False: the plugged-in reduction below gets the partials unrotated too.
     heads = "&heads=8" if n > 4 else ""  # tiny's 4 heads split over at most 4 devices
-    kernel = load_model("random:tiny?layers=2&d=256&ffn=512" + heads, tp=n,
+    kernel = load_model("random:tiny?layers=1&d=256&ffn=512" + heads, tp=n,
                         tp_mesh=case.get("mesh"), dtype="float32", allreduce=cfg,
                         fold_rotation=False)
     prompts = [[2] + list(range(10, 40)), [2] + list(range(100, 130))]

@@ -3,8 +3,8 @@
 Reference: tests/golden/gemma3_270m_hf.npz, made by tests/golden/make_hf_golden.py with
 transformers' own GGUF loader, tokenizer and chat templates (torch is not needed here). The
 checkpoint under test is written by our writer from our own load of the real 270M (float32,
-sharded safetensors with their index) and read back by our reader at tp 1, 2 and 4; the golden
-script checked once that transformers reads that writer's checkpoints with logits identical to
+sharded safetensors with their index) and read back by our reader at tp 1 and 2 (and bitwise at
+tp 4); the golden script checked once that transformers reads that writer's checkpoints with logits identical to
 its own. A second golden, tests/golden/tiny_pattern_hf.npz (make_pattern_golden.py), holds a small
 random checkpoint with another layer pattern (a global layer every 3rd) and transformers' logits.
 """
@@ -64,7 +64,10 @@ def hf_dir(original, golden, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+# tp=4: this checkpoint's weights read at tp=4 are the original's bit for bit (the round-trip
+# test below), and that model's logits are checked against the official ones at tp=4
+# (tests/models/test_parity.py).
+@pytest.mark.parametrize("tp", [1, 2])
 def test_matches_transformers(hf_dir, golden, tp):
     """Top-20 logits within 1e-3 relative of transformers' at every position of each prompt and
     its 24-token greedy continuation, which one forward pass reproduces token for token."""
@@ -76,7 +79,8 @@ def test_matches_transformers(hf_dir, golden, tp):
         ours = np.take_along_axis(logits[i, :len(idx)], idx, axis=1)
         np.testing.assert_allclose(ours, val, rtol=1e-3, atol=0, err_msg=f"prompt {i}")
         # Nothing outside transformers' top-20 ranks above its 20th logit.
-        assert np.all(np.sort(logits[i, :len(idx)], axis=1)[:, -20] <= val[:, -1] + 1e-3 * abs(val[:, -1]))
+        twentieth = np.partition(logits[i, :len(idx)], -20, axis=1)[:, -20]
+        assert np.all(twentieth <= val[:, -1] + 1e-3 * abs(val[:, -1]))
         n = len(golden["tokens"][i])
         np.testing.assert_array_equal(np.argmax(logits[i, n - 1:n + 23], axis=-1),
                                       golden["greedy"][i], err_msg=f"prompt {i}")
