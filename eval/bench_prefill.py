@@ -199,7 +199,8 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
                     row[f"speedup_vs_{ref}"] = (statistics.median(
                         a / b for a, b in zip(times[lk, ref], t)) if ref in methods else None)
                 rows.append(row)
-        del compiled, caches
+        compiled.clear()  # this length's executables and caches, before the next length's
+        caches.clear()
     c = base.config
     return {"config": {"name": c.name, "num_layers": c.num_layers, "d_model": c.d_model,
                        "ffn_hidden": c.ffn_hidden, "num_heads": c.num_heads,
