@@ -79,47 +79,43 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        _authorize(runtime, request)
-        req = await _parse(request, CompletionRequest)
-        _check_ready(runtime)
-        _check_model(runtime, req.model)
+        req = await _accept(runtime, request, CompletionRequest)
         return await endpoints.completions(runtime, request, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        _authorize(runtime, request)
-        req = await _parse(request, ChatCompletionRequest)
-        _check_ready(runtime)
-        _check_model(runtime, req.model)
+        req = await _accept(runtime, request, ChatCompletionRequest)
         return await endpoints.chat(runtime, request, req)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        _authorize(runtime, request)
-        req = await _parse(request, TokenizeRequest)
-        _check_ready(runtime)
-        _check_model(runtime, req.model)
+        req = await _accept(runtime, request, TokenizeRequest)
         return endpoints.tokenize(runtime, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        _authorize(runtime, request)
-        req = await _parse(request, DetokenizeRequest)
-        _check_ready(runtime)
-        _check_model(runtime, req.model)
+        req = await _accept(runtime, request, DetokenizeRequest)
         return endpoints.detokenize(runtime, req)
 
     @app.post("/generate")
     async def generate(request: Request):
-        _authorize(runtime, request)
-        req = await _parse(request, GenerateRequest)
-        _check_ready(runtime)
+        req = await _accept(runtime, request, GenerateRequest)
         return await endpoints.generate(runtime, request, req)
 
     return app
 
 
 # ---- request checks ----
+
+async def _accept(runtime: Runtime, request: Request, schema: type[BaseModel]):
+    """A request to a model endpoint, in the order its errors are reported: the API key (401),
+    the body (413 / 400), readiness (503), then the model it names (404; /generate names none)."""
+    _authorize(runtime, request)
+    req = await _parse(request, schema)
+    _check_ready(runtime)
+    _check_model(runtime, getattr(req, "model", None))
+    return req
+
 
 def _authorize(runtime: Runtime, request: Request) -> None:
     key = runtime.config.api_key

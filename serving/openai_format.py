@@ -135,17 +135,18 @@ class Choice:
                 for t, _ in self._entries]
 
 
-def completion_chunk(rid, created, model, index, text, logprobs, finish_reason, include_usage) -> dict:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if include_usage:
+def _chunk(kind: str, rid, created, model, choice: dict, include_usage: bool) -> dict:
+    chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if include_usage:  # OpenAI: null on every chunk but the last, usage-only one
         chunk["usage"] = None
     return chunk
+
+
+def completion_chunk(rid, created, model, index, text, logprobs, finish_reason, include_usage) -> dict:
+    return _chunk("text_completion", rid, created, model, {
+        "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}, include_usage)
 
 
 def chat_chunk(rid, created, model, index, delta, logprobs, finish_reason, include_usage) -> dict:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+    return _chunk("chat.completion.chunk", rid, created, model, {
+        "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}, include_usage)
