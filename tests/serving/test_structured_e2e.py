@@ -1,5 +1,5 @@
-"""Structured output and tool calls on the real Gemma 3 270M (the base model) through the real HTTP
-app and the official `openai` client: nested json_schema outputs validate, streamed and not, and
+"""Structured output and tool calls on the real Gemma 3 270M (the base model, in bfloat16, the
+server's default dtype) through the real HTTP app and the official `openai` client: nested json_schema outputs validate, streamed and not, and
 "required" / named tool calls are valid calls (eval/structured_check.py runs the larger count)."""
 import json
 
@@ -21,7 +21,7 @@ def oai():
 
     # Not warmed up: a program compiles on its first use, so only the few these requests need
     # are compiled, not every prefill bucket up to 768 (test_server_e2e covers the warm-up).
-    engine = ModelEngine(load_model("gemma3-270m", tp=1, dtype="float32"), num_slots=4, max_seq_len=768,
+    engine = ModelEngine(load_model("gemma3-270m", tp=1, dtype="bfloat16"), num_slots=4, max_seq_len=768,
                          prefill_batch_sizes=(1,), decode_batch_sizes=(4,))
     s = ServerThread(ServerConfig(model="gemma3-270m", served_model_name="gemma3-270m", max_batch=4,
                                   max_seq_len=768, compile_cache_dir=""), engine)
