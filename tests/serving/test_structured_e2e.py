@@ -1,6 +1,7 @@
 """Structured output and tool calls on the real Gemma 3 270M (the base model, in bfloat16, the
-server's default dtype) through the real HTTP app and the official `openai` client: nested json_schema outputs validate, streamed and not, and
-"required" / named tool calls are valid calls (eval/structured_check.py runs the larger count)."""
+server's default dtype) through the real HTTP app and the official `openai` client: nested
+json_schema outputs validate, streamed and not, and "required" / named tool calls are valid
+calls (eval/structured_check.py runs the larger count)."""
 import json
 
 import jsonschema
