@@ -4,9 +4,10 @@ Reference: tests/golden/gemma3_270m_hf.npz, made by tests/golden/make_hf_golden.
 transformers' own GGUF loader, tokenizer and chat templates (torch is not needed here). The
 checkpoint under test is written by our writer from our own load of the real 270M (float32,
 sharded safetensors with their index) and read back by our reader at tp 1 and 2 (and bitwise at
-tp 4); the golden script checked once that transformers reads that writer's checkpoints with logits identical to
-its own. A second golden, tests/golden/tiny_pattern_hf.npz (make_pattern_golden.py), holds a small
-random checkpoint with another layer pattern (a global layer every 3rd) and transformers' logits.
+tp 4); the golden script checked once that transformers reads that writer's checkpoints with
+logits identical to its own. A second golden, tests/golden/tiny_pattern_hf.npz
+(make_pattern_golden.py), holds a small random checkpoint with another layer pattern (a global
+layer every 3rd) and transformers' logits.
 """
 import json
 
