@@ -49,12 +49,25 @@ class GroupCodec:
     group: int
     code: str
     piece_shape: tuple[int, ...]  # the shape of one minishard: [rows, width]
+    # Decode to the caller's dtype with the rotation undone (groups.decode_unrotated): for the
+    # all-gather's final decode, whose values nothing adds to any more.
+    unrotate_to: jnp.dtype | None = None
 
     def encode(self, x: jax.Array) -> jax.Array:
         return groups.encode(x, self.group, self.code)
 
     def decode(self, wire: jax.Array) -> jax.Array:
+        if self.unrotate_to is not None:
+            return self.decode_parts(*self.wire_parts(wire))
         return groups.decode(wire, self.group, self.code, (wire.shape[0], *self.piece_shape))
+
+    def wire_parts(self, wire: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(codes, scale bytes), one row per token each (see groups.wire_parts)."""
+        return groups.wire_parts(wire, self.group, self.code, self.piece_shape)
+
+    def decode_parts(self, codes: jax.Array, scale_bytes: jax.Array) -> jax.Array:
+        """Values un-rotated to `unrotate_to` from `wire_parts`' arrays (any leading shape)."""
+        return groups.unrotate_codes(codes, scale_bytes, self.group, self.code, self.unrotate_to)
 
 
 @dataclasses.dataclass(frozen=True)

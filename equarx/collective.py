@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -141,10 +142,21 @@ def _split(x: jax.Array, layout, config: AllReduceConfig, rotated: bool = False)
     return buf
 
 
-def _join(out: jax.Array, layout, config: AllReduceConfig, x: jax.Array) -> jax.Array:
-    """The reduced buffer -> the caller's shape and dtype, un-rotated."""
+def _gather_codec(config: AllReduceConfig, ag_codec, dtype) -> tuple[object, object, bool]:
+    """(the all-gather's codec, the dtype its assembly writes, whether it un-rotates). The
+    group codec with integer codes un-rotates as it decodes, exactly and straight to the
+    caller's dtype (groups.decode_unrotated); other rotating codecs leave float32 for `_join`."""
+    if isinstance(ag_codec, codecs.GroupCodec) and ag_codec.code in ("int8", "int4"):
+        return dataclasses.replace(ag_codec, unrotate_to=jnp.dtype(dtype)), dtype, True
+    return ag_codec, (jnp.float32 if _rotation(config) else dtype), False
+
+
+def _join(out: jax.Array, layout, config: AllReduceConfig, x: jax.Array,
+          unrotated: bool = False) -> jax.Array:
+    """The reduced buffer -> the caller's shape and dtype, un-rotated (unless the all-gather's
+    decode did that: `unrotated`)."""
     rotation = _rotation(config)
-    if rotation == "group":
+    if rotation == "group" and not unrotated:
         return groups.unrotate_rows(layout.join_rows(out), config.group_size,
                                     x.shape).astype(x.dtype)
     if rotation == "hadamard":
@@ -158,7 +170,7 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
     layout = plan_for(config, x.shape, n, variant)
     buf = _split(x, layout, config, rotated)
     rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
-    out_dtype = jnp.float32 if _rotation(config) else x.dtype
+    ag_codec, out_dtype, unrotated = _gather_codec(config, ag_codec, x.dtype)
     if variant == "twoshot":
         pieces = two_shot.pieces_for(layout.pieces, config.pipelined)
         y = two_shot.reduce_scatter(buf, axis_name, pieces, rs_codec, layout)
@@ -167,7 +179,7 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
         rs_chains, ag_chains = ring.chains_for(variant, n, layout.pieces, config.pipelined)
         y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec, layout)
         out = ring.ring_all_gather(y, axis_name, ag_chains, ag_codec, layout, out_dtype)
-    return _join(out, layout, config, x)
+    return _join(out, layout, config, x, unrotated)
 
 
 def multi_axis_plan(config: AllReduceConfig, shape: tuple[int, ...],
@@ -193,7 +205,7 @@ def _multi_axis_all_reduce(x: jax.Array, axes: tuple[str, ...],
         stacked = jnp.stack([layout.piece(buf, s, 0, layout.pieces)
                              for s in range(layout.n_devices)])
     rs_codec, ag_codec = codecs.for_phases(config, x.dtype, layout.piece_shape)
-    out_dtype = jnp.float32 if _rotation(config) else x.dtype
+    ag_codec, out_dtype, unrotated = _gather_codec(config, ag_codec, x.dtype)
     out = multi_axis.multi_axis_schedule(stacked, axes, variants, rs_codec, ag_codec,
                                          config.pipelined, out_dtype)
-    return _join(layout.assemble(out), layout, config, x)
+    return _join(layout.assemble(out), layout, config, x, unrotated)

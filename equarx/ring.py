@@ -183,29 +183,44 @@ def ring_all_gather(
 def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_dtype):
     """got[r][p]: the wire bytes of piece p of relative shard r (device d + r's) -> the decoded
     buffer in absolute order. Pieces are decoded where the result is assembled (inside the
-    switch branch for large messages), so each decoded value is written once."""
-    n = layout.n_devices
+    switch branch for large messages), so each decoded value is written once. A codec that
+    un-rotates as it decodes (`unrotate_to`) has its codes and scales put in place as bytes
+    first and decoded in one pass over the whole buffer (its rotation is a reduction that runs
+    best over a large array, outside the switch)."""
     rows = [[row[p] for p in pieces] for row in got]
+    switch = layout.padded_elements >= SWITCH_MIN_ELEMENTS
+    if getattr(codec, "unrotate_to", None) is None:
+        return _place(rows, axis_name, layout, lambda w: codec.decode(w).astype(out_dtype),
+                      switch)
+    # Split inside the assembly: split outside, XLA recomputes the owner's encode for each part.
+    placed = [_place(rows, axis_name,
+                     dataclasses.replace(layout, width=codec.wire_parts(rows[0][0])[i].shape[-1]),
+                     lambda w, i=i: codec.wire_parts(w)[i], switch) for i in (0, 1)]
+    return codec.decode_parts(*placed)
+
+
+def _place(rows: list[list[jax.Array]], axis_name: str, layout, decode, switch: bool):
+    """rows[r]: relative shard r's pieces -> `decode`d into `layout`'s buffer, absolute order."""
+    n = layout.n_devices
     d = lax.axis_index(axis_name)
-    if layout.padded_elements >= SWITCH_MIN_ELEMENTS:
-        return lax.switch(d, [_assemble_for(dd, n, codec, layout, out_dtype)
-                              for dd in range(n)], rows)
-    rel = jnp.stack([_decoded_row(row, codec, out_dtype) for row in rows])
+    if switch:
+        return lax.switch(d, [_assemble_for(dd, n, decode, layout) for dd in range(n)], rows)
+    rel = jnp.stack([_decoded_row(row, decode) for row in rows])
     return layout.assemble(jnp.take(rel, (jnp.arange(n) - d) % n, axis=0))
 
 
-def _assemble_for(d: int, n: int, codec: Codec, layout, out_dtype):
+def _assemble_for(d: int, n: int, decode, layout):
     """The absolute-order assembly on device d: a static concatenation of decoded pieces
     (the decode fuses into the copy)."""
 
     def assemble_d(rows: list[list[jax.Array]]) -> jax.Array:
         # Absolute shard c is relative row c - d.
-        return layout.assemble(jnp.stack([_decoded_row(rows[(c - d) % n], codec, out_dtype)
+        return layout.assemble(jnp.stack([_decoded_row(rows[(c - d) % n], decode)
                                           for c in range(n)]))
 
     return assemble_d
 
 
-def _decoded_row(wires: list[jax.Array], codec: Codec, out_dtype) -> jax.Array:
+def _decoded_row(wires: list[jax.Array], decode) -> jax.Array:
     """One shard from its pieces' wire bytes, decoded in place of the copy that joins them."""
-    return jnp.concatenate([codec.decode(w).astype(out_dtype) for w in wires])
+    return jnp.concatenate([decode(w) for w in wires])

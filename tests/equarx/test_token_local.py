@@ -86,6 +86,32 @@ def test_group_codec_special_values():
     assert np.all(y[0, 3, :32] == 0) and np.isfinite(y[0, 3, 32:]).all()
 
 
+@pytest.mark.parametrize("code", ["int8", "int4"])
+def test_unrotating_the_codes_is_decoding_then_unrotating_bit_for_bit(code):
+    """The all-gather's decode rotates the integer codes back and scales once
+    (groups.unrotate_codes); that is exact, so it must equal decode-then-unrotate bitwise, for
+    scales from tiny to huge and with non-finite groups."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 6, 128)).astype(np.float32)
+    x *= np.exp(rng.uniform(-60, 60, (2, 6, 4, 1))).repeat(32, -1).reshape(x.shape)
+    x[0, 0, :32] = 0.0
+    x[0, 1, 40] = np.nan
+    x[1, 2, 100] = -np.inf
+    x[1, 3, :32] = 1e-40
+    shape = (2, 6, 128)
+    wire = groups.encode(jnp.asarray(x), 32, code)
+    want = groups.unrotate(groups.decode(wire, 32, code, shape), 32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = groups.unrotate_codes(*groups.wire_parts(wire, 32, code, (6, 128)), 32, code,
+                                    dtype)
+        assert got.dtype == dtype and got.shape == shape
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(want.astype(dtype).astype(jnp.float32)))
+    with pytest.raises(ValueError, match="integer codes"):
+        groups.unrotate_codes(*groups.wire_parts(wire, 32, code, (6, 128)), 32, "fp8",
+                              jnp.float32)
+
+
 def test_rotation_is_invertible_and_orthogonal_up_to_its_scale():
     m = groups.rotation(32)
     np.testing.assert_array_equal(m @ m.T, 32 * np.eye(32, dtype=np.float32))
