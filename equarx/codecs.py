@@ -49,7 +49,7 @@ class GroupCodec:
     group: int
     code: str
     piece_shape: tuple[int, ...]  # the shape of one minishard: [rows, width]
-    # Decode to the caller's dtype with the rotation undone (groups.decode_unrotated): for the
+    # Decode to the caller's dtype with the rotation undone (groups.unrotate_codes): for the
     # all-gather's final decode, whose values nothing adds to any more.
     unrotate_to: jnp.dtype | None = None
 
