@@ -132,7 +132,11 @@ def _split(x: jax.Array, layout, config: AllReduceConfig, rotated: bool = False)
     """The caller's message -> the layout's buffer, rotated where the codec wants it (already
     rotated if `rotated`)."""
     rotation = _rotation(config)
-    if rotation == "group":
+    if rotation == "group" and rotated:
+        # Already rotated: the rows in the caller's dtype. The codecs and the float32 adds
+        # widen a bfloat16 piece where they read it (see ring.ring_reduce_scatter's `local`).
+        x = x.reshape(-1, x.shape[-1])
+    elif rotation == "group":
         # Rotate the caller's rows as they are (contiguous, runs of g from column 0; the shard
         # width is a multiple of g, so the runs are the codec's groups), not the strided buffer.
         x = groups.message_rows(x, config.group_size, rotated)

@@ -171,9 +171,11 @@ def encode(x: jax.Array, g: int, code: str) -> jax.Array:
     keep the join two contiguous copies: a per-token join of payload and scales compiles to
     a per-element select on XLA:CPU and costs more than the quantization."""
     b = x.shape[0]
-    v = x.astype(jnp.float32).reshape(b, -1, g)
-    scale, inv = _scales(_absmax(v, -1), CODES[code])
-    scaled = v * inv[..., None]
+    v = x.reshape(b, -1, g)
+    # The absmax in the input's own dtype (exact: a maximum of its values), widened after: a
+    # bfloat16 piece is then read as it is instead of as a float32 copy written out first.
+    scale, inv = _scales(_absmax(v, -1).astype(jnp.float32), CODES[code])
+    scaled = v.astype(jnp.float32) * inv[..., None]
     if code == "fp8":
         payload = lax.bitcast_convert_type(scaled.astype(jnp.float8_e4m3fn), jnp.int8)
     else:
