@@ -192,10 +192,12 @@ def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_
     if getattr(codec, "unrotate_to", None) is None:
         return _place(rows, axis_name, layout, lambda w: codec.decode(w).astype(out_dtype),
                       switch)
-    # Split inside the assembly: split outside, XLA recomputes the owner's encode for each part.
-    placed = [_place(rows, axis_name,
-                     dataclasses.replace(layout, width=codec.wire_parts(rows[0][0])[i].shape[-1]),
-                     lambda w, i=i: codec.wire_parts(w)[i], switch) for i in (0, 1)]
+    # Codes and scale bytes are placed one after the other, each split from the wire inside the
+    # assembly (split outside it, XLA recomputes the owner's encode for each of the two).
+    widths = [part.shape[-1] for part in codec.wire_parts(rows[0][0])]
+    placed = [_place(rows, axis_name, dataclasses.replace(layout, width=width),
+                     lambda wire, i=i: codec.wire_parts(wire)[i], switch)
+              for i, width in enumerate(widths)]
     return codec.decode_parts(*placed)
 
 
