@@ -63,7 +63,7 @@ class GroupCodec:
 
     def wire_parts(self, wire: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(codes, scale bytes), one row per token each (see groups.wire_parts)."""
-        return groups.wire_parts(wire, self.group, self.code, self.piece_shape)
+        return groups.wire_parts(wire, self.piece_shape)
 
     def decode_parts(self, codes: jax.Array, scale_bytes: jax.Array) -> jax.Array:
         """Values un-rotated to `unrotate_to` from `wire_parts`' arrays (any leading shape)."""

@@ -188,35 +188,41 @@ def encode(x: jax.Array, g: int, code: str) -> jax.Array:
     return jnp.concatenate([payload.reshape(b, -1, scale_bytes.shape[-1]), scale_bytes], axis=1)
 
 
+def _scales_f32(scale_bytes: jax.Array) -> jax.Array:
+    """Scale bytes (bfloat16 pairs along the last axis) -> f32[..., n]."""
+    pairs = scale_bytes.reshape(*scale_bytes.shape[:-1], -1, 2)
+    return lax.bitcast_convert_type(pairs, jnp.bfloat16).astype(jnp.float32)
+
+
+def _int_codes(payload: jax.Array, g: int, code: str) -> jax.Array:
+    """int8 / int4 payload -> int8[..., g] codes, one run per row (int4: a run's first half in
+    the low nibbles, its second half in the high ones; arithmetic shifts sign-extend them)."""
+    if code == "int4":
+        packed = payload.reshape(-1, g // 2)
+        return jnp.concatenate([(packed << 4) >> 4, packed >> 4], axis=-1)
+    return payload.reshape(-1, g)
+
+
 def decode(wire: jax.Array, g: int, code: str, shape: tuple[int, ...] | None = None
            ) -> jax.Array:
     """Inverse of `encode`: int8[B, rows, L] -> f32[B, n] (or `shape`, the encoded one)."""
     b = wire.shape[0]
-    payload, scale_bytes = wire[:, :-1, :], wire[:, -1, :]
-    scale = lax.bitcast_convert_type(scale_bytes.reshape(b, -1, 2), jnp.bfloat16)
-    n = scale.shape[-1]
-    s32 = scale.astype(jnp.float32)[..., None]
+    payload = wire[:, :-1, :]
+    s32 = _scales_f32(wire[:, -1, :])[..., None]  # [B, n, 1]
+    n = s32.shape[1]
     if code == "fp8":
         v = lax.bitcast_convert_type(payload, jnp.float8_e4m3fn).astype(jnp.float32)
-        v = v.reshape(b, n, g)
-    elif code == "int4":
-        packed = payload.reshape(b, n, g // 2)
-        lo = (packed << 4) >> 4  # arithmetic shifts sign-extend each nibble
-        hi = packed >> 4
-        v = jnp.concatenate([lo, hi], axis=-1).astype(jnp.float32)
     else:
-        v = payload.reshape(b, n, g).astype(jnp.float32)
-    out = (v * s32).reshape(b, n * g)
+        v = _int_codes(payload, g, code).astype(jnp.float32)
+    out = (v.reshape(b, n, g) * s32).reshape(b, n * g)
     return out if shape is None else out.reshape(shape)
 
 
-def wire_parts(wire: jax.Array, g: int, code: str, piece_shape: tuple[int, ...]
-               ) -> tuple[jax.Array, jax.Array]:
+def wire_parts(wire: jax.Array, piece_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """`encode`'s bytes int8[B, rows, L] -> (codes int8[B, R, C], scale bytes int8[B, R, 2 C / k])
     for pieces of shape (R, W): C = W (int8) or W / 2 (int4), k = g (int8) or g / 2 (int4), so
     both keep one row per token and can be put in place as plain bytes."""
-    b = wire.shape[0]
-    r = piece_shape[0]
+    b, r = wire.shape[0], piece_shape[0]
     return wire[:, :-1, :].reshape(b, r, -1), wire[:, -1, :].reshape(b, r, -1)
 
 
@@ -234,15 +240,10 @@ def unrotate_codes(codes: jax.Array, scale_bytes: jax.Array, g: int, code: str,
     Integer codes only: an fp8 run's sum is not exact once scaled."""
     if code not in ("int8", "int4"):
         raise ValueError(f"unrotate_codes needs integer codes, got {code}")
-    lead = codes.shape[:-1]
-    s32 = lax.bitcast_convert_type(scale_bytes.reshape(-1, 2), jnp.bfloat16).astype(jnp.float32)
-    if code == "int4":
-        packed = codes.reshape(-1, g // 2)
-        q = jnp.concatenate([(packed << 4) >> 4, packed >> 4], axis=-1)
-    else:
-        q = codes.reshape(-1, g)
-    sums = _times(q.astype(jnp.float32), rotation(g).T, fence_out=False, own_matrix=True)
-    return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*lead, -1)
+    s32 = _scales_f32(scale_bytes).reshape(-1)
+    q = _int_codes(codes, g, code).astype(jnp.float32)
+    sums = _times(q, rotation(g).T, fence_out=False, own_matrix=True)
+    return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
 
 
 def wire_bytes_per_value(g: int, code: str) -> float:

@@ -102,13 +102,13 @@ def test_unrotating_the_codes_is_decoding_then_unrotating_bit_for_bit(code):
     wire = groups.encode(jnp.asarray(x), 32, code)
     want = groups.unrotate(groups.decode(wire, 32, code, shape), 32)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = groups.unrotate_codes(*groups.wire_parts(wire, 32, code, (6, 128)), 32, code,
+        got = groups.unrotate_codes(*groups.wire_parts(wire, (6, 128)), 32, code,
                                     dtype)
         assert got.dtype == dtype and got.shape == shape
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
                                       np.asarray(want.astype(dtype).astype(jnp.float32)))
     with pytest.raises(ValueError, match="integer codes"):
-        groups.unrotate_codes(*groups.wire_parts(wire, 32, code, (6, 128)), 32, "fp8",
+        groups.unrotate_codes(*groups.wire_parts(wire, (6, 128)), 32, "fp8",
                               jnp.float32)
 
 
