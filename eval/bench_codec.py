@@ -8,6 +8,9 @@ move divided by the memory bandwidth. This times, on the default JAX device:
   decode_add   wire + local f32 partial -> f32 sum (reads 1 + 2/32 + 4, writes 4)
   hop          decode_add then encode, as one reduce-scatter hop runs them (reads 1 + 2/32 + 4,
                writes 1 + 2/32)
+  unrotate     the all-gather's last step: codes and scales -> bf16 values with the rotation
+               undone (groups.unrotate_codes; reads 1 + 2/32, writes 2), on every device over
+               the whole message, so on a CPU the default codec's largest cost
 and reports each one's bytes / time as GB/s and as a fraction of the copy's.
 
   python -m eval.bench_codec --values 64M --repeats 20
@@ -54,6 +57,11 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20) -
         "hop": (jax.jit(lambda w, v: groups.encode(groups.decode(w, group, code, v.shape) + v, group,
                                                    code)), (wire, local), 2 * wire_bytes + 4.0),
     }
+    if code in ("int8", "int4"):  # fp8 decodes before it un-rotates (groups.unrotate_codes)
+        codes, scale_bytes = groups.wire_parts(wire, (1, 1024))
+        kernels["unrotate"] = (
+            jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
+            (codes, scale_bytes), wire_bytes + 2.0)
     out = {"device": str(jax.devices()[0].device_kind), "platform": jax.devices()[0].platform,
            "values": rows * 1024, "group": group, "code": code, "kernels": {}}
     for name, (fn, args, bytes_per_value) in kernels.items():
