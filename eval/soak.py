@@ -9,12 +9,14 @@ soak of mixed traffic, then the checks that nothing leaked and nothing came out 
    (streamed or not, checked against the references), streams the client closes after a few
    chunks, connections dropped right after the request is sent, and bad requests (malformed
    JSON, bad parameters, over-long prompts: each must get a 4xx, never a 5xx).
-4. After: the server still answers and still gives the references, every decode slot is free
-   and nothing waits (/metrics: running, waiting, KV usage), the prefix cache holds no more
-   blocks than its capacity, and the server's resident memory at the end of the soak is within
-   a bound of what it was after the first half (flat: no growth per request).
+4. After: the server still answers and still gives the references (with the AllReduce asked
+   for, `--allreduce`), every decode slot is free and nothing waits (/metrics: running,
+   waiting, KV usage), the prefix cache holds no more blocks than its capacity, and the
+   server's resident memory at the end of the soak is within a bound of what it was after the
+   first half (flat: no growth per request).
 
     python -m eval.soak --model gemma3-270m --seconds 120 --out soak.json
+    python -m eval.soak --model gemma3-270m --tp 2 --allreduce int8 --seconds 120
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from types import SimpleNamespace
 
 import httpx
 
+from equarx import AllReduceConfig
 from eval.bench_serving import start_server
 
 PROMPTS = [
@@ -207,15 +210,16 @@ def settle(url: str, timeout: float = 30.0) -> dict:
 def run(model: str = "random:tiny", dtype: str = "float32", tp: int = 1, streams: int = 64,
         seconds: float = 20.0, concurrency: int = 12, max_batch: int = 8, max_seq_len: int = 256,
         port: int = 8013, server_log: str | None = None, seed: int = 0,
-        rss_growth_mib: float = 64.0, log=print) -> dict:
+        rss_growth_mib: float = 64.0, allreduce: str = "bf16", log=print) -> dict:
     """Start a server, run the three phases, check it afterwards, stop it. The report's "ok"
     is whether every check holds."""
-    args = SimpleNamespace(port=port, model=model, dtype=dtype, tp=tp, allreduce="bf16",
+    args = SimpleNamespace(port=port, model=model, dtype=dtype, tp=tp, allreduce=allreduce,
                            max_batch=max_batch, max_seq_len=max_seq_len, server_log=server_log,
                            server_arg=["--compile-cache-dir", ""], startup_timeout=1800)
     proc, url = start_server(args)
     try:
-        served = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        served = card["id"]
         refs = asyncio.run(references(url, served))
         log(f"references: {len(refs)} prompts")
         rss_start = rss_mib(proc.pid)
@@ -242,12 +246,15 @@ def run(model: str = "random:tiny", dtype: str = "float32", tp: int = 1, streams
         "prefix_cache_within_capacity": after["prefix_cache_blocks"] is None
         or after["prefix_cache_blocks"] <= after["prefix_cache_capacity_blocks"],
         "still_serving_the_references": health == 200 and again == refs,
+        "serving_the_allreduce_asked": card["allreduce_label"]
+        == AllReduceConfig.from_label(allreduce).label,
         "rss_flat": soaked["rss_mib_second_half_max"]
         <= soaked["rss_mib_first_half_max"] + rss_growth_mib,
     }
-    report = {"model": model, "dtype": dtype, "tp": tp, "max_batch": max_batch,
-              "references": refs, "load": loaded, "soak": soaked, "after": after, "rss_mib_start": rss_start,
-              "rss_mib_end": rss_end, "rss_growth_bound_mib": rss_growth_mib, "checks": checks,
+    report = {"model": model, "dtype": dtype, "tp": tp, "allreduce": allreduce,
+              "max_batch": max_batch, "references": refs, "load": loaded, "soak": soaked,
+              "after": after, "rss_mib_start": rss_start, "rss_mib_end": rss_end,
+              "rss_growth_bound_mib": rss_growth_mib, "checks": checks,
               "ok": all(checks.values())}
     for name, held in checks.items():
         log(f"{'ok ' if held else 'FAIL'} {name}")
@@ -259,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="random:tiny", help="e.g. gemma3-270m (the real weights)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--allreduce", default="bf16",
+                   help="the server's --allreduce (with --tp > 1: e.g. int8, whose token-local "
+                        "results keep every stream equal to its reference)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams of the load phase")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the soak")
     p.add_argument("--concurrency", type=int, default=12, help="clients during the soak")
@@ -272,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = run(args.model, args.dtype, args.tp, args.streams, args.seconds, args.concurrency,
                  args.max_batch, args.max_seq_len, args.port, args.server_log,
-                 rss_growth_mib=args.rss_growth_mib,
+                 rss_growth_mib=args.rss_growth_mib, allreduce=args.allreduce,
                  log=lambda *a: print(*a, file=sys.stderr))
     if args.out:
         with open(args.out, "w") as f:
