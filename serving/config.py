@@ -156,6 +156,13 @@ class ServerConfig:
         """The `equarx.AllReduceConfig` these settings select."""
         return allreduce_config(self.allreduce, self.allreduce_minishards, self.allreduce_min_bytes)
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a request's outputs cannot depend on what else is batched: the deterministic
+        mode, and an AllReduce whose result for a token depends on that token's rows alone (the
+        paper's tile scales span several tokens; with one device there is no AllReduce)."""
+        return self.deterministic and (self.tp == 1 or self.allreduce_config().token_local)
+
     def public_dict(self) -> dict:
         """Settings safe to show (the API key is not)."""
         d = dataclasses.asdict(self)

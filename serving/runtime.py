@@ -82,7 +82,8 @@ class Runtime:
         c = self.config
         d = {"model": c.model_name, "source": c.model, "tp": c.tp, "dtype": c.dtype,
              "allreduce": c.allreduce_config().to_dict(), "allreduce_label": c.allreduce_config().label,
-             "max_model_len": c.max_seq_len, "max_batch": c.max_batch}
+             "max_model_len": c.max_seq_len, "max_batch": c.max_batch,
+             "batch_invariant": c.batch_invariant}
         if self.engine is not None:
             info = self.engine.info
             d.update(tp=info.tp, dtype=info.dtype, allreduce=info.allreduce,
@@ -126,6 +127,11 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
 
     from serving.engine import ModelEngine, compile_programs, engine_info
 
+    if config.deterministic and not config.batch_invariant:
+        log.warning("--allreduce %s shares quantization scales across tokens: in deterministic "
+                    "mode outputs still do not depend on the batch's shape, but they can depend "
+                    "on the other requests' values (the token-local int8 cannot)",
+                    config.allreduce_config().label)
     mesh = f", tp_mesh={config.tp_mesh}" if config.tp_mesh else ""
     progress(f"loading {config.model} (tp={config.tp}{mesh}, {config.dtype}, allreduce="
              f"{config.allreduce_config().label}) on {len(jax.devices())} {jax.default_backend()} device(s)")

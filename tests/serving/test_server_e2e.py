@@ -152,6 +152,7 @@ def test_health_models_and_metrics_show_the_allreduce_mode(servers):
     h2 = httpx.get(servers["tp2"].url + "/health").json()
     assert (h1["status"], h1["tp"], h1["dtype"], h1["allreduce_label"]) == ("ready", 1, "float32", "bf16")
     assert (h2["tp"], h2["allreduce"]["method"]) == (2, "f32")
+    assert h1["batch_invariant"] and h2["batch_invariant"]  # deterministic, token-local f32 psum
     models = openai.OpenAI(base_url=servers["tp2"].url + "/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == ["gemma3-270m"]
     assert models.data[0].model_extra["allreduce"]["method"] == "f32"
