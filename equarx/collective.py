@@ -148,9 +148,9 @@ def _split(x: jax.Array, layout, config: AllReduceConfig, rotated: bool = False)
 
 def _gather_codec(config: AllReduceConfig, ag_codec, dtype) -> tuple[object, object, bool]:
     """(the all-gather's codec, the dtype its assembly writes, whether it un-rotates). The
-    group codec with integer codes un-rotates as it decodes, exactly and straight to the
-    caller's dtype (groups.unrotate_codes); other rotating codecs leave float32 for `_join`."""
-    if isinstance(ag_codec, codecs.GroupCodec) and ag_codec.code in ("int8", "int4"):
+    group codec un-rotates as it decodes, straight to the caller's dtype
+    (groups.unrotate_codes); the flat layout's rotation leaves float32 for `_join`."""
+    if isinstance(ag_codec, codecs.GroupCodec):
         return dataclasses.replace(ag_codec, unrotate_to=jnp.dtype(dtype)), dtype, True
     return ag_codec, (jnp.float32 if _rotation(config) else dtype), False
 

@@ -228,20 +228,24 @@ def wire_parts(wire: jax.Array, piece_shape: tuple[int, ...]) -> tuple[jax.Array
 
 def unrotate_codes(codes: jax.Array, scale_bytes: jax.Array, g: int, code: str,
                    out_dtype) -> jax.Array:
-    """`unrotate(decode(...))` in `out_dtype`, bit for bit, from codes [..., C] and their scale
-    bytes [..., 2 C / k] (as `wire_parts` gives them, any leading shape): [..., W].
+    """The decoded values with the rotation undone, in `out_dtype`, from codes [..., C] and
+    their scale bytes [..., 2 C / k] (as `wire_parts` gives them, any leading shape): [..., W].
+    Integer codes: `unrotate(decode(...))` bit for bit. fp8: that up to its rounding (closer).
 
-    Why it is exact: a decoded run is q_j s (integer codes |q_j| <= 127, one bfloat16 scale s),
-    so its inverse rotation is (sum_j M[i, j] q_j) s / g, and that inner sum is an integer below
-    2^12, exact in float32 in any order; its one product with s / g (a bfloat16 scale over a
-    power of two) is exact too. So the rotation runs on the codes themselves and the scale is
-    applied once on the way out: no float32 message is decoded, copied into place and read back
-    for the rotation (after the all-gather that was most of the default codec's compute).
-    Integer codes only: an fp8 run's sum is not exact once scaled."""
-    if code not in ("int8", "int4"):
-        raise ValueError(f"unrotate_codes needs integer codes, got {code}")
+    Why: a decoded run is q_j s (codes q_j, one bfloat16 scale s), so its inverse rotation is
+    (sum_j M[i, j] q_j) s / g. With integer codes (|q_j| <= 127) the inner sum is an integer
+    below 2^12, exact in float32 in any order, and its one product with s / g (a bfloat16 scale
+    over a power of two) is exact too. e4m3 codes are multiples of 2^-9 below 2^9, so their sum
+    is exact for groups of up to 64 (below 2^24 units of 2^-9) and the product with s / g rounds
+    once, where decoding first rounds the scaled terms' partial sums. So the rotation runs on the
+    codes themselves and the scale is applied once on the way out: no float32 message is decoded,
+    copied into place and read back for the rotation (after the all-gather that was most of the
+    default codec's compute)."""
     s32 = _scales_f32(scale_bytes).reshape(-1)
-    q = _int_codes(codes, g, code).astype(jnp.float32)
+    if code == "fp8":
+        q = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32).reshape(-1, g)
+    else:
+        q = _int_codes(codes, g, code).astype(jnp.float32)
     sums = _times(q, rotation(g).T, fence_out=False, own_matrix=True)
     return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
 

@@ -57,11 +57,10 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20) -
         "hop": (jax.jit(lambda w, v: groups.encode(groups.decode(w, group, code, v.shape) + v, group,
                                                    code)), (wire, local), 2 * wire_bytes + 4.0),
     }
-    if code in ("int8", "int4"):  # fp8 decodes before it un-rotates (groups.unrotate_codes)
-        codes, scale_bytes = groups.wire_parts(wire, (1, 1024))
-        kernels["unrotate"] = (
-            jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
-            (codes, scale_bytes), wire_bytes + 2.0)
+    codes, scale_bytes = groups.wire_parts(wire, (1, 1024))
+    kernels["unrotate"] = (
+        jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
+        (codes, scale_bytes), wire_bytes + 2.0)
     out = {"device": str(jax.devices()[0].device_kind), "platform": jax.devices()[0].platform,
            "values": rows * 1024, "group": group, "code": code, "kernels": {}}
     for name, (fn, args, bytes_per_value) in kernels.items():

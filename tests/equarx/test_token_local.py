@@ -2,6 +2,7 @@
 and 8 devices); the codec's rounding bounds; variant="auto"."""
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -107,9 +108,36 @@ def test_unrotating_the_codes_is_decoding_then_unrotating_bit_for_bit(code):
         assert got.dtype == dtype and got.shape == shape
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
                                       np.asarray(want.astype(dtype).astype(jnp.float32)))
-    with pytest.raises(ValueError, match="integer codes"):
-        groups.unrotate_codes(*groups.wire_parts(wire, (6, 128)), 32, "fp8",
-                              jnp.float32)
+
+
+@pytest.mark.parametrize("g", [32, 64])
+def test_unrotating_fp8_codes_rounds_once(g):
+    """e4m3 codes' rotated sums are exact (multiples of 2^-9 below 2^9, groups of up to 64), so
+    un-rotating the codes and scaling once is the exact value rounded once: float64's, rounded
+    to float32 (then to bfloat16). Decoding first rounds partial sums and can be further off."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 6, 256)).astype(np.float32)
+    x *= np.exp(rng.uniform(-40, 40, (2, 6, 256 // g, 1))).repeat(g, -1).reshape(x.shape)
+    x[0, 0, :g] = 0.0
+    x[0, 1, 3] = np.nan
+    wire = groups.encode(jnp.asarray(x), g, "fp8")
+    codes, scale_bytes = groups.wire_parts(wire, (6, 256))
+    q = np.asarray(lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32),
+                   np.float64).reshape(-1, g)
+    s = np.asarray(groups._scales_f32(scale_bytes), np.float64).reshape(-1, 1)
+    exact = (q @ groups.rotation(g).T.astype(np.float64)) * (s / g)
+    want32 = exact.astype(np.float32).reshape(2, 6, 256)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = groups.unrotate_codes(codes, scale_bytes, g, "fp8", dtype)
+        assert got.dtype == dtype and got.shape == (2, 6, 256)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(jnp.asarray(want32).astype(dtype)
+                                                 .astype(jnp.float32)))
+    assert np.isnan(want32[0, 1, :g]).all() and not want32[0, 0, :g].any()
+    # Decode-then-unrotate is within a few float32 roundings of it.
+    twice = np.asarray(groups.unrotate(groups.decode(wire, g, "fp8", (2, 6, 256)), g))
+    ok = np.isfinite(want32)
+    np.testing.assert_allclose(twice[ok], want32[ok], rtol=1e-5, atol=0)
 
 
 def test_rotation_is_invertible_and_orthogonal_up_to_its_scale():
