@@ -194,13 +194,16 @@ def _scales_f32(scale_bytes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(pairs, jnp.bfloat16).astype(jnp.float32)
 
 
-def _int_codes(payload: jax.Array, g: int, code: str) -> jax.Array:
-    """int8 / int4 payload -> int8[..., g] codes, one run per row (int4: a run's first half in
-    the low nibbles, its second half in the high ones; arithmetic shifts sign-extend them)."""
+def _codes_f32(payload: jax.Array, g: int, code: str) -> jax.Array:
+    """The payload's codes as f32[n, g], one run per row (int4: a run's first half in the low
+    nibbles, its second half in the high ones; arithmetic shifts sign-extend them)."""
+    if code == "fp8":
+        fp8 = lax.bitcast_convert_type(payload, jnp.float8_e4m3fn)
+        return fp8.astype(jnp.float32).reshape(-1, g)
     if code == "int4":
         packed = payload.reshape(-1, g // 2)
-        return jnp.concatenate([(packed << 4) >> 4, packed >> 4], axis=-1)
-    return payload.reshape(-1, g)
+        return jnp.concatenate([(packed << 4) >> 4, packed >> 4], axis=-1).astype(jnp.float32)
+    return payload.reshape(-1, g).astype(jnp.float32)
 
 
 def decode(wire: jax.Array, g: int, code: str, shape: tuple[int, ...] | None = None
@@ -210,11 +213,7 @@ def decode(wire: jax.Array, g: int, code: str, shape: tuple[int, ...] | None = N
     payload = wire[:, :-1, :]
     s32 = _scales_f32(wire[:, -1, :])[..., None]  # [B, n, 1]
     n = s32.shape[1]
-    if code == "fp8":
-        v = lax.bitcast_convert_type(payload, jnp.float8_e4m3fn).astype(jnp.float32)
-    else:
-        v = _int_codes(payload, g, code).astype(jnp.float32)
-    out = (v.reshape(b, n, g) * s32).reshape(b, n * g)
+    out = (_codes_f32(payload, g, code).reshape(b, n, g) * s32).reshape(b, n * g)
     return out if shape is None else out.reshape(shape)
 
 
@@ -242,11 +241,7 @@ def unrotate_codes(codes: jax.Array, scale_bytes: jax.Array, g: int, code: str,
     copied into place and read back for the rotation (after the all-gather that was most of the
     default codec's compute)."""
     s32 = _scales_f32(scale_bytes).reshape(-1)
-    if code == "fp8":
-        q = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32).reshape(-1, g)
-    else:
-        q = _int_codes(codes, g, code).astype(jnp.float32)
-    sums = _times(q, rotation(g).T, fence_out=False, own_matrix=True)
+    sums = _times(_codes_f32(codes, g, code), rotation(g).T, fence_out=False, own_matrix=True)
     return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
 
 
