@@ -219,8 +219,8 @@ def decode(wire: jax.Array, g: int, code: str, shape: tuple[int, ...] | None = N
 
 def wire_parts(wire: jax.Array, piece_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """`encode`'s bytes int8[B, rows, L] -> (codes int8[B, R, C], scale bytes int8[B, R, 2 C / k])
-    for pieces of shape (R, W): C = W (int8) or W / 2 (int4), k = g (int8) or g / 2 (int4), so
-    both keep one row per token and can be put in place as plain bytes."""
+    for pieces of shape (R, W): C = W (int8, fp8) or W / 2 (int4), k = g (int8, fp8) or g / 2
+    (int4), so both keep one row per token and can be put in place as plain bytes."""
     b, r = wire.shape[0], piece_shape[0]
     return wire[:, :-1, :].reshape(b, r, -1), wire[:, -1, :].reshape(b, r, -1)
 
