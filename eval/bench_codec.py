@@ -11,13 +11,18 @@ move divided by the memory bandwidth. This times, on the default JAX device:
   unrotate     the all-gather's last step: codes and scales -> bf16 values with the rotation
                undone (groups.unrotate_codes; reads 1 + 2/32, writes 2), on every device over
                the whole message, so on a CPU the default codec's largest cost
-and reports each one's bytes / time as GB/s and as a fraction of the copy's.
+and reports each one's bytes / time as GB/s and as a fraction of the copy's. On an accelerator
+each timing is of `inner` calls dispatched back to back (so the host's dispatch cost overlaps the
+device's work) over their count. With the timings come two checks of the kernels' results: the
+round trip's error (rotate, encode, un-rotate against the input) and, off the CPU, how many of
+the device's codes equal the CPU's for the same input (the rotation's summation order may differ).
 
   python -m eval.bench_codec --values 64M --repeats 20
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -28,18 +33,46 @@ from equarx import groups
 from eval.reports import write_json
 
 
-def _time(fn, *args, repeats: int) -> float:
-    out = fn(*args)
-    jax.block_until_ready(out)
+def _time(fn, *args, repeats: int, inner: int = 1) -> float:
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
     return float(np.median(times))
 
 
-def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20) -> dict:
+def _round_trip(x: jax.Array, group: int, code: str) -> jax.Array:
+    wire = groups.encode(groups.rotate(x, group), group, code)
+    codes, scale_bytes = groups.wire_parts(wire, (1, x.shape[-1]))
+    back = groups.unrotate_codes(codes, scale_bytes, group, code, jnp.float32)
+    return codes, back.reshape(x.shape)
+
+
+def check(x: jax.Array, group: int, code: str, cpu_values: int = 1 << 22) -> dict:
+    """The round trip's relative error on x's device; off the CPU, the share of its codes (on
+    the first `cpu_values` values) equal to the CPU's and their largest difference in code
+    steps (int8: steps of 1; fp8 codes compared as their float values)."""
+    fn = jax.jit(lambda v: _round_trip(v, group, code))
+    codes, back = fn(x)
+    err = float(jnp.linalg.norm(back - x) / jnp.linalg.norm(x))
+    out = {"round_trip_rel_err": err}
+    if x.devices() != {jax.devices("cpu")[0]}:
+        rows = max(1, cpu_values // x.shape[-1])
+        cpu_codes, _ = fn(jax.device_put(x[:rows], jax.devices("cpu")[0]))
+        mine = np.asarray(groups._codes_f32(codes[:rows], group, code))
+        ref = np.asarray(groups._codes_f32(cpu_codes, group, code))
+        out["codes_equal_cpu"] = float(np.mean(mine == ref))
+        out["max_code_diff"] = float(np.max(np.abs(mine - ref)))
+    return out
+
+
+def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
+        inner: int | None = None, on_kernel=None) -> dict:
+    """Times every kernel; `on_kernel(name, row)` is called as each one finishes."""
     rows = n_values // 1024
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (rows, 1024), jnp.float32)
@@ -61,14 +94,20 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20) -
     kernels["unrotate"] = (
         jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
         (codes, scale_bytes), wire_bytes + 2.0)
-    out = {"device": str(jax.devices()[0].device_kind), "platform": jax.devices()[0].platform,
-           "values": rows * 1024, "group": group, "code": code, "kernels": {}}
+    platform = jax.devices()[0].platform
+    if inner is None:
+        inner = 1 if platform == "cpu" else 10
+    out = {"device": str(jax.devices()[0].device_kind), "platform": platform,
+           "values": rows * 1024, "group": group, "code": code, "inner": inner, "kernels": {}}
     for name, (fn, args, bytes_per_value) in kernels.items():
-        s = _time(fn, *args, repeats=repeats)
+        s = _time(fn, *args, repeats=repeats, inner=inner)
         out["kernels"][name] = {"ms": s * 1e3, "GB/s": bytes_per_value * rows * 1024 / s / 1e9}
+        if on_kernel is not None:
+            on_kernel(name, out["kernels"][name])
     copy = out["kernels"]["copy"]["GB/s"]
     for k in out["kernels"].values():
         k["of_copy"] = k["GB/s"] / copy
+    out["check"] = check(x, group, code)
     return out
 
 
@@ -78,16 +117,21 @@ def main(argv=None) -> dict:
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--code", default="int8", choices=sorted(groups.CODES))
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--inner", type=int, default=None,
+                   help="calls per timing (default: 1 on a CPU, 10 on an accelerator)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     mult = {"K": 1 << 10, "M": 1 << 20}.get(args.values[-1:].upper(), 1)
     n = int(float(args.values.rstrip("KkMm")) * mult)
-    report = run(n, args.group, args.code, args.repeats)
+    report = run(n, args.group, args.code, args.repeats, args.inner,
+                 on_kernel=lambda name, k: print(f"  {name}: {k['ms']:.3f} ms", file=sys.stderr,
+                                                 flush=True))
     print(f"# {report['device']} ({report['platform']}), {report['values']} values, "
           f"{report['code']} groups of {report['group']}")
     print(f"{'kernel':<11} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
     for name, k in report["kernels"].items():
         print(f"{name:<11} {k['ms']:>8.3f} {k['GB/s']:>8.1f} {100 * k['of_copy']:>7.1f}%")
+    print("check: " + ", ".join(f"{k} {v:.4g}" for k, v in report["check"].items()))
     write_json(args.out, report)
     return report
 

@@ -20,6 +20,22 @@ def test_every_kernel_is_timed_with_its_bytes(tmp_path):
         assert k["GB/s"] * 1e9 * k["ms"] / 1e3 / report["values"] == pytest.approx(moved[name])
     assert report["kernels"]["copy"]["of_copy"] == 1.0
     assert json.loads(out.read_text())["kernels"].keys() == report["kernels"].keys()
+    # The round trip's error is measured, not assumed: int8 groups of 32 of Gaussian values lose
+    # about half a percent (the step over sqrt(12) against the values' spread).
+    assert 2e-3 < report["check"]["round_trip_rel_err"] < 1e-2
+
+
+def test_check_compares_a_device_codes_with_the_cpu():
+    # Another device (here a second CPU device) encodes the same input to the same codes; the
+    # coarser codes lose more in the round trip.
+    import jax
+
+    x = jax.random.normal(jax.random.PRNGKey(3), (64, 1024))
+    on_other = jax.device_put(x, jax.devices()[1])
+    int8 = bench_codec.check(on_other, 32, "int8")
+    assert int8["codes_equal_cpu"] == 1.0 and int8["max_code_diff"] == 0.0
+    int4 = bench_codec.check(on_other, 32, "int4")
+    assert int4["round_trip_rel_err"] > 5 * int8["round_trip_rel_err"]
 
 
 def test_fp8_times_its_unrotate_too():
