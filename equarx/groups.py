@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from equarx import native_cpu
+
 CODES = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}  # the largest code of each payload type
 _ROUNDING_MAGIC = 12582912.0  # 1.5 * 2^23: see equarx.quantize
 
@@ -226,7 +228,7 @@ def wire_parts(wire: jax.Array, piece_shape: tuple[int, ...]) -> tuple[jax.Array
 
 
 def unrotate_codes(codes: jax.Array, scale_bytes: jax.Array, g: int, code: str,
-                   out_dtype) -> jax.Array:
+                   out_dtype, native: bool = True) -> jax.Array:
     """The decoded values with the rotation undone, in `out_dtype`, from codes [..., C] and
     their scale bytes [..., 2 C / k] (as `wire_parts` gives them, any leading shape): [..., W].
     Integer codes: `unrotate(decode(...))` bit for bit. fp8: that up to its rounding (closer).
@@ -239,10 +241,22 @@ def unrotate_codes(codes: jax.Array, scale_bytes: jax.Array, g: int, code: str,
     once, where decoding first rounds the scaled terms' partial sums. So the rotation runs on the
     codes themselves and the scale is applied once on the way out: no float32 message is decoded,
     copied into place and read back for the rotation (after the all-gather that was most of the
-    default codec's compute)."""
-    s32 = _scales_f32(scale_bytes).reshape(-1)
-    sums = _times(_codes_f32(codes, g, code), rotation(g).T, fence_out=False, own_matrix=True)
-    return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
+    default codec's compute).
+
+    On the CPU backend, int8 codes to bfloat16 or float32 run as a native kernel with the same
+    bits (equarx.native_cpu), unless `native=False` or it could not be built."""
+    def pure(codes, scale_bytes):
+        s32 = _scales_f32(scale_bytes).reshape(-1)
+        sums = _times(_codes_f32(codes, g, code), rotation(g).T, fence_out=False,
+                      own_matrix=True)
+        return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
+
+    if (native and code == "int8" and jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float32)
+            and jax.default_backend() == "cpu" and native_cpu.available()):
+        def on_cpu(codes, scale_bytes):
+            return native_cpu.unrotate_int8(codes, scale_bytes, rotation(g).T, out_dtype)
+        return lax.platform_dependent(codes, scale_bytes, cpu=on_cpu, default=pure)
+    return pure(codes, scale_bytes)
 
 
 def wire_bytes_per_value(g: int, code: str) -> float:

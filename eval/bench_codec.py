@@ -10,7 +10,9 @@ move divided by the memory bandwidth. This times, on the default JAX device:
                writes 1 + 2/32)
   unrotate     the all-gather's last step: codes and scales -> bf16 values with the rotation
                undone (groups.unrotate_codes; reads 1 + 2/32, writes 2), on every device over
-               the whole message, so on a CPU the default codec's largest cost
+               the whole message; on a CPU, int8 codes run as a native kernel (equarx.native_cpu)
+  unrotate_jax the same in its pure-JAX form (what an accelerator runs; on a CPU, the default
+               codec's largest cost before the native kernel)
 and reports each one's bytes / time as GB/s and as a fraction of the copy's. On an accelerator
 each timing is of `inner` calls dispatched back to back (so the host's dispatch cost overlaps the
 device's work) over their count. With the timings come two checks of the kernels' results: the
@@ -93,6 +95,10 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     codes, scale_bytes = groups.wire_parts(wire, (1, 1024))
     kernels["unrotate"] = (
         jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
+        (codes, scale_bytes), wire_bytes + 2.0)
+    kernels["unrotate_jax"] = (
+        jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16,
+                                                   native=False)),
         (codes, scale_bytes), wire_bytes + 2.0)
     platform = jax.devices()[0].platform
     if inner is None:

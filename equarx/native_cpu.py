@@ -1,0 +1,134 @@
+"""Native CPU kernels of the group codec, as XLA FFI handlers built on first use.
+
+One kernel today: the all-gather's un-rotation of int8 codes (equarx/csrc/unrotate_cpu.cc),
+bit for bit `groups.unrotate_codes`' pure-JAX form. On XLA:CPU that form is the default codec's
+largest cost between blocking transfers (a fused broadcast product-sum at about 25 GFLOP/s);
+the kernel runs the run's Hadamard structure as butterflies with AVX-512 (about 6x faster) and
+a plain loop the compiler vectorizes elsewhere (about 1.5x on AVX2; docs/results.md). It only changes speed, never bits, and only on the CPU backend: a
+TPU or GPU program lowers the pure-JAX form (`lax.platform_dependent`).
+
+Built with the host's C++ compiler (`$CXX`, else `c++`) for the host's processor
+(`-march=native`) into a cache directory keyed by the source, the jaxlib release and the
+processor's flags (`$EQUARX_CACHE_DIR`, else `$XDG_CACHE_HOME/equarx`, else `~/.cache/equarx`);
+without a compiler, or with `EQUARX_NATIVE_CPU=0`, the pure-JAX form runs, with one warning.
+Nothing is built or registered at import time.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax import lax
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "unrotate_cpu.cc"
+TARGET = "equarx_unrotate_int8_cpu"
+_LOCK = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("EQUARX_CACHE_DIR"):
+        return Path(os.environ["EQUARX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "equarx"
+
+
+def _cpu_flags() -> str:
+    """The processor's feature flags (the build uses -march=native, so a cache shared across
+    machines must not hand one processor's build to another)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(compiler: str, arch: str = "native", directory: Path | None = None) -> Path:
+    """The kernels' shared library for `-march=arch`, built unless the cache has it."""
+    import jaxlib
+
+    source = SOURCE.read_bytes()
+    flags = ["-O3", f"-march={arch}", "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), _cpu_flags().encode(),
+                                     " ".join(flags).encode(), platform.machine().encode()]))
+    directory = directory or _cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    lib = directory / f"unrotate_cpu-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    # Built beside its final name and moved there in one step: processes that build at once
+    # (one per device in a multi-process group) never load a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp],
+                       check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def register(lib: Path, target: str = TARGET) -> None:
+    """Registers the library's un-rotation as the CPU FFI target `target`."""
+    handler = ctypes.cdll.LoadLibrary(str(lib)).EquarxUnrotateInt8
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+@functools.cache
+def _load() -> bool:
+    if os.environ.get("EQUARX_NATIVE_CPU", "1") == "0":
+        return False
+    cxx = compiler()
+    if cxx is None:
+        log.warning("equarx: no C++ compiler found; the CPU un-rotation runs as pure JAX "
+                    "(same results, slower)")
+        return False
+    try:
+        register(build(cxx))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("equarx: building the native CPU un-rotation failed; it runs as pure JAX "
+                    "(same results, slower): %s", detail[-2000:])
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the native un-rotation is built and registered (building it on first call)."""
+    with _LOCK:
+        return _load()
+
+
+def unrotate_int8(codes: jax.Array, scale_bytes: jax.Array, mt: np.ndarray,
+                  out_dtype, target: str = TARGET) -> jax.Array:
+    """`groups.unrotate_codes` for int8 codes, as the native kernel (CPU only; call
+    `available()` first): codes int8[..., C], scale bytes int8[..., 2 C / g], mt = M^T
+    float32[g, g] -> out_dtype[..., C]."""
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(codes.shape, out_dtype),
+                           vmap_method="broadcast_all")(
+        codes, scale_bytes, np.ascontiguousarray(mt, np.float32))
+    # Inside shard_map the result varies over the mesh axes its inputs vary over, as the
+    # pure-JAX form's does (an FFI call's result carries no such type of its own).
+    manual = getattr(jax.typeof(codes), "manual_axis_type", None)
+    varying = tuple(sorted(manual.varying)) if manual is not None else ()
+    return lax.pcast(out, varying, to="varying") if varying else out
