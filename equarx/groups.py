@@ -252,7 +252,7 @@ def unrotate_codes(codes: jax.Array, scale_bytes: jax.Array, g: int, code: str,
         return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
 
     if (native and code == "int8" and jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float32)
-            and jax.default_backend() == "cpu" and native_cpu.available()):
+            and native_cpu.in_use()):
         def on_cpu(codes, scale_bytes):
             return native_cpu.unrotate_int8(codes, scale_bytes, rotation(g).T, out_dtype)
         return lax.platform_dependent(codes, scale_bytes, cpu=on_cpu, default=pure)

@@ -119,6 +119,11 @@ def available() -> bool:
         return _load()
 
 
+def in_use() -> bool:
+    """Whether programs traced now call the native kernel: on the CPU backend, once built."""
+    return jax.default_backend() == "cpu" and available()
+
+
 def unrotate_int8(codes: jax.Array, scale_bytes: jax.Array, mt: np.ndarray,
                   out_dtype, target: str = TARGET) -> jax.Array:
     """`groups.unrotate_codes` for int8 codes, as the native kernel (CPU only; call

@@ -10,9 +10,11 @@ same buffer donation), and that wrapper's executable comes from the compilation 
 
 A stored program is reused only under the same key: a fingerprint of the source code of the
 packages that build the programs (`models`, `equarx`), the jax/jaxlib versions, the backend,
-the program's name and static settings (model config, AllReduce config, dtypes), and the
-abstract signature of its arguments (tree structure, shapes, dtypes, shardings). Anything
-else that changes what tracing produces must be part of `salt`. Single-process only: in a
+the program's name and static settings (model config, AllReduce config, dtypes), whether the
+native CPU un-rotation is in use (equarx.native_cpu: a stored program calls it by name, so a
+start without it must not load such a program), and the abstract signature of its arguments
+(tree structure, shapes, dtypes, shardings). Anything else that changes what tracing produces
+must be part of `salt`. Single-process only: in a
 multi-process run every process must run the very same program, so the cache is bypassed.
 Each file is a pickle (the output tree structure and the serialized program): like the
 compilation cache's executables, it is code, so the directory must be writable by its user only.
@@ -31,6 +33,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from equarx import native_cpu
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".jaxprog"
@@ -40,7 +44,8 @@ _MEMO_MIN_LEAVES = 64
 
 @functools.cache
 def source_fingerprint(packages: Sequence[str] = ("models", "equarx")) -> str:
-    """sha256 over the Python sources of `packages` (paths and bytes), jax/jaxlib versions."""
+    """sha256 over the Python and C++ sources of `packages` (paths and bytes), jax/jaxlib
+    versions."""
     import importlib
 
     import jaxlib
@@ -48,7 +53,7 @@ def source_fingerprint(packages: Sequence[str] = ("models", "equarx")) -> str:
     h = hashlib.sha256(f"format{_FORMAT} jax{jax.__version__} jaxlib{jaxlib.__version__}".encode())
     for name in packages:
         root = Path(importlib.import_module(name).__file__).parent
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc")):
             h.update(str(path.relative_to(root.parent)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -179,7 +184,8 @@ class ProgramCache:
     def __init__(self, directory: str | os.PathLike, salt: str = ""):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._salt = salt
+        # Also registers the kernel's FFI target before any stored program that calls it runs.
+        self._salt = f"{salt}\nnative_cpu={native_cpu.in_use()}"
         self.stats: collections.Counter = collections.Counter()
 
     def wrap(self, name: str, fn: Callable, donate_argnums: Sequence[int] = (),
@@ -231,7 +237,10 @@ class ProgramCache:
             return flat_out
 
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-        exported = jax.export.export(jax.jit(flat))(*abstract)
+        # The native CPU un-rotation is our own FFI target, with no compatibility guarantee
+        # across releases: the key's source fingerprint covers its code.
+        exported = jax.export.export(jax.jit(flat), disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(native_cpu.TARGET)])(*abstract)
         return exported, out_tree[0]
 
     @staticmethod
