@@ -21,6 +21,8 @@ def pytest_configure(config):
     # starts empty, so nothing outlives the session or depends on an earlier run.
     if not hasattr(config, "workerinput"):
         config._compilation_cache = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jax-cache-")
+        # The native CPU kernel (equarx.native_cpu) is built there too, once for the session.
+        os.environ["EQUARX_CACHE_DIR"] = os.path.join(os.environ[_CACHE_ENV], "equarx")
     jax_platform.enable_compilation_cache(os.environ[_CACHE_ENV])
 
 
