@@ -243,18 +243,19 @@ def unrotate_codes(codes: jax.Array, scale_bytes: jax.Array, g: int, code: str,
     copied into place and read back for the rotation (after the all-gather that was most of the
     default codec's compute).
 
-    On the CPU backend, int8 codes to bfloat16 or float32 run as a native kernel with the same
-    bits (equarx.native_cpu), unless `native=False` or it could not be built."""
+    On the CPU backend, to bfloat16 or float32, this runs as a native kernel with the same bits
+    (equarx.native_cpu; fp8: the same up to the bits of a NaN), unless `native=False` or it
+    could not be built."""
     def pure(codes, scale_bytes):
         s32 = _scales_f32(scale_bytes).reshape(-1)
         sums = _times(_codes_f32(codes, g, code), rotation(g).T, fence_out=False,
                       own_matrix=True)
         return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
 
-    if (native and code == "int8" and jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float32)
+    if (native and jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float32)
             and native_cpu.in_use()):
         def on_cpu(codes, scale_bytes):
-            return native_cpu.unrotate_int8(codes, scale_bytes, rotation(g).T, out_dtype)
+            return native_cpu.unrotate(codes, scale_bytes, rotation(g).T, code, out_dtype)
         return lax.platform_dependent(codes, scale_bytes, cpu=on_cpu, default=pure)
     return pure(codes, scale_bytes)
 

@@ -1,11 +1,12 @@
 """Native CPU kernels of the group codec, as XLA FFI handlers built on first use.
 
-One kernel today: the all-gather's un-rotation of int8 codes (equarx/csrc/unrotate_cpu.cc),
-bit for bit `groups.unrotate_codes`' pure-JAX form. On XLA:CPU that form is the default codec's
-largest cost between blocking transfers (a fused broadcast product-sum at about 25 GFLOP/s);
-the kernel runs the run's Hadamard structure as butterflies with AVX-512 (about 6x faster) and
-a plain loop the compiler vectorizes elsewhere (about 1.5x on AVX2; docs/results.md). It only changes speed, never bits, and only on the CPU backend: a
-TPU or GPU program lowers the pure-JAX form (`lax.platform_dependent`).
+One kernel today: the all-gather's un-rotation of the codes (int8, int4, fp8), in
+equarx/csrc/unrotate_cpu.cc, with `groups.unrotate_codes`' pure-JAX bits (for fp8, up to the
+bits of a NaN). On XLA:CPU that form was the default codec's largest cost between blocking
+transfers (a fused broadcast product-sum at about 25 GFLOP/s); the kernel runs a run's Hadamard
+structure as butterflies with AVX-512 (about 6x faster), elsewhere a plain loop the compiler
+vectorizes (about 1.5x on AVX2; docs/results.md). It changes speed only, and only on the CPU
+backend: TPU and GPU programs lower the pure-JAX form (`lax.platform_dependent`).
 
 Built with the host's C++ compiler (`$CXX`, else `c++`) for the host's processor
 (`-march=native`) into a cache directory keyed by the source, the jaxlib release and the
@@ -34,7 +35,8 @@ from jax import lax
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "unrotate_cpu.cc"
-TARGET = "equarx_unrotate_int8_cpu"
+TARGET = "equarx_unrotate_cpu"
+CODE_IDS = {"int8": 0, "int4": 1, "fp8": 2}  # the kernel's `code` attribute
 _LOCK = threading.Lock()
 
 
@@ -86,7 +88,7 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
 
 def register(lib: Path, target: str = TARGET) -> None:
     """Registers the library's un-rotation as the CPU FFI target `target`."""
-    handler = ctypes.cdll.LoadLibrary(str(lib)).EquarxUnrotateInt8
+    handler = ctypes.cdll.LoadLibrary(str(lib)).EquarxUnrotate
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
 
 
@@ -124,14 +126,15 @@ def in_use() -> bool:
     return jax.default_backend() == "cpu" and available()
 
 
-def unrotate_int8(codes: jax.Array, scale_bytes: jax.Array, mt: np.ndarray,
-                  out_dtype, target: str = TARGET) -> jax.Array:
-    """`groups.unrotate_codes` for int8 codes, as the native kernel (CPU only; call
-    `available()` first): codes int8[..., C], scale bytes int8[..., 2 C / g], mt = M^T
-    float32[g, g] -> out_dtype[..., C]."""
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(codes.shape, out_dtype),
+def unrotate(codes: jax.Array, scale_bytes: jax.Array, mt: np.ndarray, code: str,
+             out_dtype, target: str = TARGET) -> jax.Array:
+    """`groups.unrotate_codes` as the native kernel (CPU only; call `available()` first):
+    codes int8[..., C] (`code` "int8", "fp8": C = W; "int4": W / 2), scale bytes
+    int8[..., 2 W / g], mt = M^T float32[g, g] -> out_dtype[..., W]."""
+    width = codes.shape[-1] * (2 if code == "int4" else 1)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*codes.shape[:-1], width), out_dtype),
                            vmap_method="broadcast_all")(
-        codes, scale_bytes, np.ascontiguousarray(mt, np.float32))
+        codes, scale_bytes, np.ascontiguousarray(mt, np.float32), code=np.int64(CODE_IDS[code]))
     # Inside shard_map the result varies over the mesh axes its inputs vary over, as the
     # pure-JAX form's does (an FFI call's result carries no such type of its own).
     manual = getattr(jax.typeof(codes), "manual_axis_type", None)

@@ -1,9 +1,10 @@
 // The all-gather's last step on a CPU, as an XLA FFI handler (equarx/native_cpu.py builds and
-// registers it): int8 codes of rotated runs of g values and their bfloat16 scales -> the values
-// with the rotation undone, in bfloat16 or float32. The same function as
+// registers it): int8, int4 or fp8 (e4m3) codes of rotated runs of g values and their bfloat16
+// scales -> the values with the rotation undone, in bfloat16 or float32. The same function as
 // equarx.groups.unrotate_codes, bit for bit: a run's inverse rotation is (M q) s / g with M = D H
-// (D the fixed signs, H the Sylvester Hadamard matrix, entries +-1), whose sums of integer codes
-// are exact in float32 in any order, then one product with s / g and one rounding.
+// (D the fixed signs, H the Sylvester Hadamard matrix, entries +-1), whose sums of the codes are
+// exact in float32 in any order (integers below 2^12; e4m3 codes are multiples of 2^-9 below 2^9,
+// so runs of up to 64 stay below 2^24 units), then one product with s / g and one rounding.
 //
 // Why a kernel of its own: XLA:CPU runs that product as a fused broadcast-multiply-reduce at
 // about 25 GFLOP/s, the default codec's largest cost between blocking transfers; with AVX-512 a
@@ -29,6 +30,17 @@ inline float bf16_to_f32(uint16_t b) {
   return f;
 }
 
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // Round to nearest even, as XLA converts; a NaN keeps its sign and top bits, made quiet.
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -45,16 +57,44 @@ inline void store<uint16_t>(uint16_t* o, int i, float v) { o[i] = f32_to_bf16(v)
 template <>
 inline void store<float>(float* o, int i, float v) { o[i] = v; }
 
+enum Code : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
+
+// e4m3 (no infinities; S.1111.111 is NaN) as float32, exactly.
+inline float fp8_to_f32(uint8_t b) {
+  const uint32_t sign = uint32_t(b & 0x80u) << 24, e = (b >> 3) & 15u, m = b & 7u;
+  if ((b & 0x7fu) == 0x7fu) return float_of(sign | 0x7fc00000u);
+  if (e == 0) return float_of(sign | bits_of(float(m) * 0x1p-9f));
+  return float_of(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// Run k's codes as floats (int4: a run's first half in the low nibbles of its g / 2 bytes, its
+// second half in the high ones, as groups.encode packs them).
+template <int G>
+inline void load_codes(Code code, const int8_t* codes, int64_t k, float* q) {
+  if (code == kInt4) {
+    const int8_t* b = codes + k * (G / 2);
+    for (int j = 0; j < G / 2; ++j) {
+      q[j] = float(int8_t(uint8_t(b[j]) << 4) >> 4);
+      q[j + G / 2] = float(b[j] >> 4);
+    }
+  } else if (code == kFp8) {
+    for (int j = 0; j < G; ++j) q[j] = fp8_to_f32(uint8_t(codes[k * G + j]));
+  } else {
+    for (int j = 0; j < G; ++j) q[j] = float(codes[k * G + j]);
+  }
+}
+
 // Any g: acc = M q as a matrix-vector product (mt = M^T, row j = column j of M). Sums start from
 // +0, so a zero sum is +0 as in XLA's reduce.
 template <int G, typename Out>
-void unrotate_generic(const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
-                      int64_t groups) {
+void unrotate_generic(Code code, const int8_t* codes, const uint16_t* scales, const float* mt,
+                      Out* out, int64_t groups) {
   for (int64_t k = 0; k < groups; ++k) {
-    const int8_t* q = codes + k * G;
+    float q[G];
+    load_codes<G>(code, codes, k, q);
     float acc[G] = {0};
     for (int j = 0; j < G; ++j) {
-      const float qj = float(q[j]);
+      const float qj = q[j];
       const float* col = mt + j * G;
       for (int i = 0; i < G; ++i) acc[i] += col[i] * qj;
     }
@@ -80,6 +120,41 @@ inline __m256i to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
+// The run's 32 codes as two vectors of 16 floats (values 0-15, 16-31).
+inline void load32(Code code, const int8_t* codes, int64_t k, __m512* lo, __m512* hi) {
+  if (code == kInt4) {
+    const __m512i b = _mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 16)));
+    *lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28));
+    *hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(b, 4));
+    return;
+  }
+  const auto* p = reinterpret_cast<const __m128i*>(codes + k * 32);
+  if (code == kFp8) {
+    __m512* out[2] = {lo, hi};
+    for (int h = 0; h < 2; ++h) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p + h));
+      const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+      const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(15));
+      const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
+      const __m512i normal = _mm512_or_si512(
+          sign, _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                _mm512_slli_epi32(m, 20)));
+      const __m512i sub = _mm512_or_si512(
+          sign, _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0x1p-9f))));
+      const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+      const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(
+          _mm512_and_si512(b, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32(0x7f));
+      __m512i v = _mm512_mask_blend_epi32(is_sub, normal, sub);
+      v = _mm512_mask_blend_epi32(is_nan, v, _mm512_or_si512(sign, _mm512_set1_epi32(0x7fc00000)));
+      *out[h] = _mm512_castsi512_ps(v);
+    }
+    return;
+  }
+  *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+  *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+}
+
 inline void store16(uint16_t* o, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), to_bf16(v));
 }
@@ -88,7 +163,7 @@ inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
 // g = 32: H q by the fast Walsh-Hadamard transform on two vectors of 16 (the stride-16 stage
 // between them, strides 8..1 inside each), then the signs D (the first row of M^T).
 template <typename Out>
-void unrotate32(const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
+void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
                 int64_t groups) {
   __m512i swap[4];
   __m512 sign[4];
@@ -106,11 +181,8 @@ void unrotate32(const int8_t* codes, const uint16_t* scales, const float* mt, Ou
   const __m512 d_lo = _mm512_loadu_ps(mt), d_hi = _mm512_loadu_ps(mt + 16);
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t k = 0; k < groups; ++k) {
-    const int8_t* q = codes + k * 32;
-    const __m512 a = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-    const __m512 b = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+    __m512 a, b;
+    load32(code, codes, k, &a, &b);
     __m512 lo = _mm512_add_ps(a, b), hi = _mm512_sub_ps(a, b);
     for (int s = 0; s < 4; ++s) {
       lo = butterfly(lo, swap[s], sign[s]);
@@ -127,55 +199,61 @@ void unrotate32(const int8_t* codes, const uint16_t* scales, const float* mt, Ou
 #endif
 
 template <typename Out>
-ffi::Error dispatch(int64_t g, const int8_t* c, const uint16_t* s, const float* mt, Out* o,
-                    int64_t groups) {
+ffi::Error dispatch(Code code, int64_t g, const int8_t* c, const uint16_t* s, const float* mt,
+                    Out* o, int64_t groups) {
 #ifdef __AVX512F__
   if (g == 32) {
-    unrotate32<Out>(c, s, mt, o, groups);
+    unrotate32<Out>(code, c, s, mt, o, groups);
     return ffi::Error::Success();
   }
 #endif
   switch (g) {
-    case 8: unrotate_generic<8, Out>(c, s, mt, o, groups); break;
-    case 16: unrotate_generic<16, Out>(c, s, mt, o, groups); break;
-    case 32: unrotate_generic<32, Out>(c, s, mt, o, groups); break;
-    case 64: unrotate_generic<64, Out>(c, s, mt, o, groups); break;
+    case 8: unrotate_generic<8, Out>(code, c, s, mt, o, groups); break;
+    case 16: unrotate_generic<16, Out>(code, c, s, mt, o, groups); break;
+    case 32: unrotate_generic<32, Out>(code, c, s, mt, o, groups); break;
+    case 64: unrotate_generic<64, Out>(code, c, s, mt, o, groups); break;
     default: return ffi::Error::InvalidArgument("group size must be 8, 16, 32 or 64");
   }
   return ffi::Error::Success();
 }
 
-// codes int8[..., C], scale bytes int8[..., 2 C / g], mt float32[..., g, g] (only its first
-// g x g block is read: under vmap it may be broadcast), out bfloat16 or float32 [..., C].
+// codes int8[..., C] (C = W, or W / 2 for int4), scale bytes int8[..., 2 W / g], mt float32
+// [..., g, g] (only its first g x g block is read: under vmap it may be broadcast), out
+// bfloat16 or float32 [..., W]; `code` 0 int8, 1 int4, 2 fp8.
 ffi::Error Unrotate(ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::S8> scale_bytes,
-                    ffi::Buffer<ffi::F32> mt, ffi::Result<ffi::AnyBuffer> out) {
+                    ffi::Buffer<ffi::F32> mt, int64_t code, ffi::Result<ffi::AnyBuffer> out) {
   const auto dims = mt.dimensions();
   if (dims.size() < 2) return ffi::Error::InvalidArgument("the matrix must be g x g");
+  if (code != kInt8 && code != kInt4 && code != kFp8)
+    return ffi::Error::InvalidArgument("code must be 0 (int8), 1 (int4) or 2 (fp8)");
   const int64_t g = dims[dims.size() - 1];
-  if (g <= 0 || codes.element_count() % g != 0 ||
-      scale_bytes.element_count() != 2 * (codes.element_count() / g) ||
-      out->element_count() != codes.element_count())
+  const int64_t values = out->element_count();
+  if (g <= 0 || g % 2 != 0 || values % g != 0 ||
+      codes.element_count() != (code == kInt4 ? values / 2 : values) ||
+      scale_bytes.element_count() != 2 * (values / g))
     return ffi::Error::InvalidArgument("codes, scales and output do not match the group size");
-  const int64_t groups = codes.element_count() / g;
+  const int64_t groups = values / g;
   const int8_t* c = codes.typed_data();
   const auto* s = reinterpret_cast<const uint16_t*>(scale_bytes.typed_data());
   const float* m = mt.typed_data();
+  const Code k = Code(code);
   switch (out->element_type()) {
     case ffi::DataType::BF16:
-      return dispatch<uint16_t>(g, c, s, m, static_cast<uint16_t*>(out->untyped_data()), groups);
+      return dispatch<uint16_t>(k, g, c, s, m, static_cast<uint16_t*>(out->untyped_data()),
+                                groups);
     case ffi::DataType::F32:
-      return dispatch<float>(g, c, s, m, static_cast<float*>(out->untyped_data()), groups);
+      return dispatch<float>(k, g, c, s, m, static_cast<float*>(out->untyped_data()), groups);
     default:
       return ffi::Error::InvalidArgument("output must be bfloat16 or float32");
   }
 }
 
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxUnrotateInt8, Unrotate,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxUnrotate, Unrotate,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("code")
                                   .Ret<ffi::AnyBuffer>());

@@ -1,6 +1,7 @@
-"""equarx.native_cpu: the CPU kernel that un-rotates int8 codes gives groups.unrotate_codes'
-pure-JAX bits (AVX-512 and portable builds, bfloat16 and float32, NaN / Inf / zero / tiny
-groups, vmap, inside the collective), is what the CPU program runs, and falls back cleanly."""
+"""equarx.native_cpu: the CPU kernel that un-rotates int8, int4 and fp8 codes gives
+groups.unrotate_codes' pure-JAX bits (AVX-512 and portable builds, bfloat16 and float32, NaN /
+Inf / zero / tiny groups, vmap, inside the collective; fp8 NaNs as NaNs), is what the CPU
+program runs, and falls back cleanly."""
 import logging
 
 import jax
@@ -15,12 +16,23 @@ from equarx import AllReduceConfig, all_reduce, groups, native_cpu
 G = 32
 
 
+CODES = ["int8", "int4", "fp8"]
+
+
 def _bits(a) -> np.ndarray:
     a = np.asarray(a)
     return a.view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32)
 
 
-def _wire(rows: int, width: int = 1024, seed: int = 0, edges: bool = True):
+def _assert_same(got, want):
+    """Bit for bit, except that a NaN only has to be a NaN (fp8's NaN codes: the sum's NaN
+    payload follows the order of the additions)."""
+    nan = np.isnan(np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.isnan(np.asarray(got, np.float32)), nan)
+    np.testing.assert_array_equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
+def _wire(rows: int, width: int = 1024, seed: int = 0, edges: bool = True, code: str = "int8"):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, width)).astype(np.float32)
     x *= np.exp(3 * rng.standard_normal((rows, 1))).astype(np.float32)  # scales far apart
@@ -31,12 +43,12 @@ def _wire(rows: int, width: int = 1024, seed: int = 0, edges: bool = True):
         x[4, :G] = 1e-40  # a group whose scale is subnormal
         x[5, :G] = 3e38
         x[6, 7] = 1e-30  # one value far below its group's step: rounds to a zero code
-    wire = groups.encode(groups.rotate(jnp.asarray(x), G), G, "int8")
+    wire = groups.encode(groups.rotate(jnp.asarray(x), G), G, code)
     return groups.wire_parts(wire, (1, width))
 
 
-def _pure(codes, scale_bytes, dtype):
-    return groups.unrotate_codes(codes, scale_bytes, G, "int8", dtype, native=False)
+def _pure(codes, scale_bytes, dtype, code="int8"):
+    return groups.unrotate_codes(codes, scale_bytes, G, code, dtype, native=False)
 
 
 def test_the_kernel_builds_here():
@@ -44,15 +56,19 @@ def test_the_kernel_builds_here():
     assert native_cpu.available()
 
 
+@pytest.mark.parametrize("code", CODES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_same_bits_as_the_pure_form(dtype):
-    codes, scale_bytes = _wire(64)
-    native = jax.jit(lambda c, s: groups.unrotate_codes(c, s, G, "int8", dtype))
-    assert "equarx_unrotate_int8_cpu" in native.lower(codes, scale_bytes).as_text()
-    got, want = native(codes, scale_bytes), jax.jit(_pure, static_argnums=2)(
-        codes, scale_bytes, dtype)
-    assert got.dtype == want.dtype == dtype and got.shape == want.shape
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+def test_same_bits_as_the_pure_form(dtype, code):
+    codes, scale_bytes = _wire(64, code=code)
+    native = jax.jit(lambda c, s: groups.unrotate_codes(c, s, G, code, dtype))
+    assert native_cpu.TARGET in native.lower(codes, scale_bytes).as_text()
+    got = native(codes, scale_bytes)
+    want = jax.jit(_pure, static_argnums=(2, 3))(codes, scale_bytes, dtype, code)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape == (64, 1, 1024)
+    if code == "fp8":
+        _assert_same(got, want)
+    else:
+        np.testing.assert_array_equal(_bits(got), _bits(want))
     # Every edge case is there: a NaN group, an Inf group, +0 groups (not -0), finite values.
     out = np.asarray(got, np.float32).reshape(-1, G)
     assert np.isnan(out).any() and np.isfinite(out).any()
@@ -78,15 +94,16 @@ def test_the_portable_build_gives_the_same_bits(tmp_path):
         pytest.skip("the portable build is checked on x86-64")
     lib = native_cpu.build(native_cpu.compiler(), arch="x86-64", directory=tmp_path)
     native_cpu.register(lib, "equarx_test_unrotate_portable")
-    codes, scale_bytes = _wire(64, seed=2)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        got = jax.jit(lambda c, s, d=dtype: native_cpu.unrotate_int8(
-            c, s, groups.rotation(G).T, d, target="equarx_test_unrotate_portable"))(
-            codes, scale_bytes)
-        np.testing.assert_array_equal(_bits(got), _bits(_pure(codes, scale_bytes, dtype)))
+    for code in CODES:
+        codes, scale_bytes = _wire(64, seed=2, code=code)
+        for dtype in (jnp.bfloat16, jnp.float32):
+            got = jax.jit(lambda c, s, d=dtype, k=code: native_cpu.unrotate(
+                c, s, groups.rotation(G).T, k, d, target="equarx_test_unrotate_portable"))(
+                codes, scale_bytes)
+            _assert_same(got, _pure(codes, scale_bytes, dtype, code))
 
 
-@pytest.mark.parametrize("label", ["int8", "int8-full"])
+@pytest.mark.parametrize("label", ["int8", "int8-full", "int4", "fp8"])
 def test_the_collective_gives_the_same_bits_either_way(label, monkeypatch):
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
     x = np.random.default_rng(3).standard_normal((4, 24, 512)).astype(np.float32)
@@ -98,11 +115,11 @@ def test_the_collective_gives_the_same_bits_either_way(label, monkeypatch):
         return f, f(jnp.asarray(x, jnp.bfloat16))
 
     f, native = run()
-    assert "equarx_unrotate_int8_cpu" in f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
+    assert native_cpu.TARGET in f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
     monkeypatch.setattr(native_cpu, "available", lambda: False)
     f, pure = run()
-    assert "equarx_unrotate_int8_cpu" not in f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
-    np.testing.assert_array_equal(_bits(native), _bits(pure))
+    assert native_cpu.TARGET not in f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
+    _assert_same(native, pure)
 
 
 def test_without_a_compiler_it_warns_once_and_runs_pure(tmp_path, monkeypatch, caplog):
@@ -117,7 +134,7 @@ def test_without_a_compiler_it_warns_once_and_runs_pure(tmp_path, monkeypatch, c
         assert not list(tmp_path.glob("*.so*"))  # nothing half-written left behind
         codes, scale_bytes = _wire(8, edges=False)
         f = jax.jit(lambda c, s: groups.unrotate_codes(c, s, G, "int8", jnp.bfloat16))
-        assert "equarx_unrotate_int8_cpu" not in f.lower(codes, scale_bytes).as_text()
+        assert native_cpu.TARGET not in f.lower(codes, scale_bytes).as_text()
         monkeypatch.setenv("EQUARX_NATIVE_CPU", "0")
         monkeypatch.delenv("CXX")
         native_cpu._load.cache_clear()
