@@ -23,13 +23,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float bf16_to_f32(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 inline uint32_t bits_of(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -41,10 +34,11 @@ inline float float_of(uint32_t u) {
   return f;
 }
 
+inline float bf16_to_f32(uint16_t b) { return float_of(uint32_t(b) << 16); }
+
 // Round to nearest even, as XLA converts; a NaN keeps its sign and top bits, made quiet.
 inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = bits_of(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
