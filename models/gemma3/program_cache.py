@@ -14,8 +14,8 @@ the program's name and static settings (model config, AllReduce config, dtypes),
 native CPU un-rotation is in use (equarx.native_cpu: a stored program calls it by name, so a
 start without it must not load such a program), and the abstract signature of its arguments
 (tree structure, shapes, dtypes, shardings). Anything else that changes what tracing produces
-must be part of `salt`. Single-process only: in a
-multi-process run every process must run the very same program, so the cache is bypassed.
+must be part of `salt`. Single-process only: in a multi-process run every process must run the
+very same program, so the cache is bypassed.
 Each file is a pickle (the output tree structure and the serialized program): like the
 compilation cache's executables, it is code, so the directory must be writable by its user only.
 """
