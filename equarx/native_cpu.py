@@ -4,8 +4,8 @@ One kernel today: the all-gather's un-rotation of the codes (int8, int4, fp8), i
 equarx/csrc/unrotate_cpu.cc, with `groups.unrotate_codes`' pure-JAX bits (for fp8, up to the
 bits of a NaN). On XLA:CPU that form was the default codec's largest cost between blocking
 transfers (a fused broadcast product-sum at about 25 GFLOP/s); the kernel runs a run's Hadamard
-structure as butterflies with AVX-512 (about 6x faster), elsewhere a plain loop the compiler
-vectorizes (about 1.5x on AVX2; docs/results.md). It changes speed only, and only on the CPU
+structure as butterflies with AVX-512 (about 6x faster) or AVX2 (about 5x), elsewhere as a plain
+loop (docs/results.md). It changes speed only, and only on the CPU
 backend: TPU and GPU programs lower the pure-JAX form (`lax.platform_dependent`).
 
 Built with the host's C++ compiler (`$CXX`, else `c++`) for the host's processor

@@ -15,7 +15,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -192,10 +192,112 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The same with AVX2 (no AVX-512): a run of 32 is four vectors of 8; strides 16 and 8 between
+// them, 4..1 inside each.
+inline __m256 butterfly8(__m256 v, __m256i swap, __m256 sign) {
+  return _mm256_fmadd_ps(v, sign, _mm256_permutevar8x32_ps(v, swap));
+}
+
+// 8 codes from 8 sign-extended bytes as int32 lanes (int4: the low or high nibbles).
+inline __m256 codes8(Code code, __m256i b, bool high) {
+  if (code == kInt4)
+    return _mm256_cvtepi32_ps(high ? _mm256_srai_epi32(b, 4)
+                                   : _mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+  if (code == kFp8) {
+    b = _mm256_and_si256(b, _mm256_set1_epi32(0xff));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    const __m256i e = _mm256_and_si256(_mm256_srli_epi32(b, 3), _mm256_set1_epi32(15));
+    const __m256i m = _mm256_and_si256(b, _mm256_set1_epi32(7));
+    const __m256i normal = _mm256_or_si256(
+        sign, _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23),
+                              _mm256_slli_epi32(m, 20)));
+    const __m256i sub = _mm256_or_si256(
+        sign, _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0x1p-9f))));
+    const __m256i is_sub = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+    const __m256i is_nan = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)),
+                                              _mm256_set1_epi32(0x7f));
+    __m256i v = _mm256_blendv_epi8(normal, sub, is_sub);
+    v = _mm256_blendv_epi8(v, _mm256_or_si256(sign, _mm256_set1_epi32(0x7fc00000)), is_nan);
+    return _mm256_castsi256_ps(v);
+  }
+  return _mm256_cvtepi32_ps(b);
+}
+
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+inline void store32(uint16_t* o, const __m256* v) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256i packed = _mm256_packus_epi32(bf16_bits8(v[2 * h]), bf16_bits8(v[2 * h + 1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * h),
+                        _mm256_permute4x64_epi64(packed, 0xd8));
+  }
+}
+inline void store32(float* o, const __m256* v) {
+  for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + 8 * r, v[r]);
+}
+
+template <typename Out>
+void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
+                int64_t groups) {
+  __m256i swap[3];
+  __m256 sign[3];
+  for (int s = 0; s < 3; ++s) {
+    const int h = 4 >> s;
+    alignas(32) int32_t idx[8];
+    alignas(32) float sg[8];
+    for (int l = 0; l < 8; ++l) {
+      idx[l] = l ^ h;
+      sg[l] = (l & h) ? -1.0f : 1.0f;
+    }
+    swap[s] = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+    sign[s] = _mm256_load_ps(sg);
+  }
+  __m256 d[4];
+  for (int r = 0; r < 4; ++r) d[r] = _mm256_loadu_ps(mt + 8 * r);
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t k = 0; k < groups; ++k) {
+    __m256 v[4];
+    for (int r = 0; r < 4; ++r) {
+      const int8_t* p = code == kInt4 ? codes + k * 16 + 8 * (r & 1) : codes + k * 32 + 8 * r;
+      const __m256i b =
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      v[r] = codes8(code, b, code == kInt4 && r >= 2);
+    }
+    for (int r = 0; r < 2; ++r) {  // stride 16
+      const __m256 a = v[r], b = v[r + 2];
+      v[r] = _mm256_add_ps(a, b);
+      v[r + 2] = _mm256_sub_ps(a, b);
+    }
+    for (int r = 0; r < 4; r += 2) {  // stride 8
+      const __m256 a = v[r], b = v[r + 1];
+      v[r] = _mm256_add_ps(a, b);
+      v[r + 1] = _mm256_sub_ps(a, b);
+    }
+    const __m256 sc = _mm256_set1_ps(bf16_to_f32(scales[k]) / 32.0f);
+    for (int r = 0; r < 4; ++r) {
+      for (int s = 0; s < 3; ++s) v[r] = butterfly8(v[r], swap[s], sign[s]);
+      // The signs as d v + 0: a zero sum stays +0, as the plain sum of products gives it.
+      v[r] = _mm256_mul_ps(_mm256_fmadd_ps(v[r], d[r], zero), sc);
+    }
+    store32(out + k * 32, v);
+  }
+}
+#endif
+
 template <typename Out>
 ffi::Error dispatch(Code code, int64_t g, const int8_t* c, const uint16_t* s, const float* mt,
                     Out* o, int64_t groups) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (g == 32) {
     unrotate32<Out>(code, c, s, mt, o, groups);
     return ffi::Error::Success();

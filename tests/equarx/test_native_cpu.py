@@ -1,5 +1,5 @@
 """equarx.native_cpu: the CPU kernel that un-rotates int8, int4 and fp8 codes gives
-groups.unrotate_codes' pure-JAX bits (AVX-512 and portable builds, bfloat16 and float32, NaN /
+groups.unrotate_codes' pure-JAX bits (AVX-512, AVX2 and plain builds, bfloat16 and float32, NaN /
 Inf / zero / tiny groups, vmap, inside the collective; fp8 NaNs as NaNs), is what the CPU
 program runs, and falls back cleanly."""
 import logging
@@ -85,21 +85,22 @@ def test_leading_shapes_and_vmap():
     np.testing.assert_array_equal(_bits(vmapped(c, s)), _bits(want))
 
 
-def test_the_portable_build_gives_the_same_bits(tmp_path):
-    """The loop kept for processors without AVX-512 (and any group size), built for plain
-    x86-64 and called beside the default build."""
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def test_the_other_builds_give_the_same_bits(arch, tmp_path):
+    """The AVX2 path (x86-64-v3: no AVX-512) and the plain loop kept for any other processor and
+    group size (x86-64), each built and called beside the default build."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the portable build is checked on x86-64")
-    lib = native_cpu.build(native_cpu.compiler(), arch="x86-64", directory=tmp_path)
-    native_cpu.register(lib, "equarx_test_unrotate_portable")
+        pytest.skip("the other builds are checked on x86-64")
+    lib = native_cpu.build(native_cpu.compiler(), arch=arch, directory=tmp_path)
+    target = f"equarx_test_unrotate_{arch.replace('-', '_')}"
+    native_cpu.register(lib, target)
     for code in CODES:
         codes, scale_bytes = _wire(64, seed=2, code=code)
         for dtype in (jnp.bfloat16, jnp.float32):
             got = jax.jit(lambda c, s, d=dtype, k=code: native_cpu.unrotate(
-                c, s, groups.rotation(G).T, k, d, target="equarx_test_unrotate_portable"))(
-                codes, scale_bytes)
+                c, s, groups.rotation(G).T, k, d, target=target))(codes, scale_bytes)
             _assert_same(got, _pure(codes, scale_bytes, dtype, code))
 
 
