@@ -9,6 +9,7 @@
 // Why a kernel of its own: XLA:CPU runs that product as a fused broadcast-multiply-reduce at
 // about 25 GFLOP/s, the default codec's largest cost between blocking transfers; with AVX-512 a
 // run of 32 is two vectors and H q is five butterfly stages (docs/results.md).
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -61,6 +62,25 @@ inline float fp8_to_f32(uint8_t b) {
   return float_of(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+// fp8_to_f32 of every byte, for the vector paths' gathers.
+const float* fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = fp8_to_f32(uint8_t(i));
+    return t;
+  }();
+  return table.data();
+}
+
+// A butterfly stage of stride h inside a vector of `lanes`: lane l takes lane l ^ h, and its
+// own value with the sign + (bit h of l clear) or - (set).
+inline void stage_constants(int lanes, int h, int32_t* idx, float* sign) {
+  for (int l = 0; l < lanes; ++l) {
+    idx[l] = l ^ h;
+    sign[l] = (l & h) ? -1.0f : 1.0f;
+  }
+}
+
 // Run k's codes as floats (int4: a run's first half in the low nibbles of its g / 2 bytes, its
 // second half in the high ones, as groups.encode packs them).
 template <int G>
@@ -72,7 +92,7 @@ inline void load_codes(Code code, const int8_t* codes, int64_t k, float* q) {
       q[j + G / 2] = float(b[j] >> 4);
     }
   } else if (code == kFp8) {
-    for (int j = 0; j < G; ++j) q[j] = fp8_to_f32(uint8_t(codes[k * G + j]));
+    for (int j = 0; j < G; ++j) q[j] = fp8_table()[uint8_t(codes[k * G + j])];
   } else {
     for (int j = 0; j < G; ++j) q[j] = float(codes[k * G + j]);
   }
@@ -125,24 +145,8 @@ inline void load32(Code code, const int8_t* codes, int64_t k, __m512* lo, __m512
   }
   const auto* p = reinterpret_cast<const __m128i*>(codes + k * 32);
   if (code == kFp8) {
-    __m512* out[2] = {lo, hi};
-    for (int h = 0; h < 2; ++h) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p + h));
-      const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-      const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(15));
-      const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
-      const __m512i normal = _mm512_or_si512(
-          sign, _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
-                                _mm512_slli_epi32(m, 20)));
-      const __m512i sub = _mm512_or_si512(
-          sign, _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0x1p-9f))));
-      const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-      const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(
-          _mm512_and_si512(b, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32(0x7f));
-      __m512i v = _mm512_mask_blend_epi32(is_sub, normal, sub);
-      v = _mm512_mask_blend_epi32(is_nan, v, _mm512_or_si512(sign, _mm512_set1_epi32(0x7fc00000)));
-      *out[h] = _mm512_castsi512_ps(v);
-    }
+    *lo = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p)), fp8_table(), 4);
+    *hi = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p + 1)), fp8_table(), 4);
     return;
   }
   *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
@@ -162,13 +166,9 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
   __m512i swap[4];
   __m512 sign[4];
   for (int s = 0; s < 4; ++s) {
-    const int h = 8 >> s;
     alignas(64) int32_t idx[16];
     alignas(64) float sg[16];
-    for (int l = 0; l < 16; ++l) {
-      idx[l] = l ^ h;
-      sg[l] = (l & h) ? -1.0f : 1.0f;
-    }
+    stage_constants(16, 8 >> s, idx, sg);
     swap[s] = _mm512_load_si512(idx);
     sign[s] = _mm512_load_ps(sg);
   }
@@ -204,23 +204,8 @@ inline __m256 codes8(Code code, __m256i b, bool high) {
   if (code == kInt4)
     return _mm256_cvtepi32_ps(high ? _mm256_srai_epi32(b, 4)
                                    : _mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
-  if (code == kFp8) {
-    b = _mm256_and_si256(b, _mm256_set1_epi32(0xff));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-    const __m256i e = _mm256_and_si256(_mm256_srli_epi32(b, 3), _mm256_set1_epi32(15));
-    const __m256i m = _mm256_and_si256(b, _mm256_set1_epi32(7));
-    const __m256i normal = _mm256_or_si256(
-        sign, _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23),
-                              _mm256_slli_epi32(m, 20)));
-    const __m256i sub = _mm256_or_si256(
-        sign, _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0x1p-9f))));
-    const __m256i is_sub = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
-    const __m256i is_nan = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)),
-                                              _mm256_set1_epi32(0x7f));
-    __m256i v = _mm256_blendv_epi8(normal, sub, is_sub);
-    v = _mm256_blendv_epi8(v, _mm256_or_si256(sign, _mm256_set1_epi32(0x7fc00000)), is_nan);
-    return _mm256_castsi256_ps(v);
-  }
+  if (code == kFp8)
+    return _mm256_i32gather_ps(fp8_table(), _mm256_and_si256(b, _mm256_set1_epi32(0xff)), 4);
   return _mm256_cvtepi32_ps(b);
 }
 
@@ -252,13 +237,9 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
   __m256i swap[3];
   __m256 sign[3];
   for (int s = 0; s < 3; ++s) {
-    const int h = 4 >> s;
     alignas(32) int32_t idx[8];
     alignas(32) float sg[8];
-    for (int l = 0; l < 8; ++l) {
-      idx[l] = l ^ h;
-      sg[l] = (l & h) ? -1.0f : 1.0f;
-    }
+    stage_constants(8, 4 >> s, idx, sg);
     swap[s] = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
     sign[s] = _mm256_load_ps(sg);
   }
