@@ -2,6 +2,8 @@
 
 A schedule encodes a partial sum before each send and decodes what it receives; the codec
 decides the wire type and where scales go. Choosing one from an AllReduceConfig is `for_phases`.
+Every encode of a schedule is `encode_sum`: a piece of the layout's buffer plus the arrivals for
+it, decoded and added in order, encoded (the group codec runs that as one kernel on the CPU).
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx import groups
+from equarx import groups, native_cpu
 from equarx import quantize as qz
+from equarx.layout import TokenLayout
 
 
 class Codec(Protocol):
@@ -69,6 +72,16 @@ class GroupCodec:
         """Values un-rotated to `unrotate_to` from `wire_parts`' arrays (any leading shape)."""
         return groups.unrotate_codes(codes, scale_bytes, self.group, self.code, self.unrotate_to)
 
+    def sums_natively(self, arrival_codec, layout, dtype) -> bool:
+        """Whether `encode_sum` runs as the native CPU kernel (equarx.native_cpu) here: integer
+        codes, the token layout's buffer in bfloat16 or float32, arrivals in this codec's own
+        groups and code, on the CPU backend once the kernel is built."""
+        return (self.code in ("int8", "int4") and isinstance(layout, TokenLayout)
+                and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32)
+                and isinstance(arrival_codec, GroupCodec)
+                and (arrival_codec.group, arrival_codec.code) == (self.group, self.code)
+                and native_cpu.in_use())
+
 
 @dataclasses.dataclass(frozen=True)
 class FloatCodec:
@@ -88,6 +101,43 @@ class FloatCodec:
         if wire.dtype == jnp.uint16:
             wire = lax.bitcast_convert_type(wire, self.dtype)
         return wire.astype(jnp.float32)
+
+
+def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, int],
+               arrivals=(), arrival_codec: Codec | None = None) -> jax.Array:
+    """`codec`'s wire bytes of piece `piece` of `buf` at `shard` (`layout.piece`) plus each of
+    `arrivals` (wire bytes of that piece from `arrival_codec`, by default `codec`), decoded and
+    added in float32 in their order. With no arrivals the piece is encoded in its own dtype.
+
+    The group codec's int8 and int4 run this on the CPU as one native kernel that reads the
+    piece in place (codecs.GroupCodec.sums_natively), with the same bits."""
+    arrival_codec = arrival_codec or codec
+
+    def pure(buf, shard, *arrivals):
+        values = layout.piece(buf, shard, *piece)
+        for wire in arrivals:
+            values = values.astype(jnp.float32) + arrival_codec.decode(wire)
+        return codec.encode(values)
+
+    if isinstance(codec, GroupCodec) and codec.sums_natively(arrival_codec, layout, buf.dtype):
+        def on_cpu(buf, shard, *arrivals):
+            return native_cpu.encode_sum(buf, shard, arrivals, layout.piece_geometry(*piece),
+                                         codec.group, codec.code)
+        return lax.platform_dependent(buf, jnp.asarray(shard, jnp.int32), *arrivals,
+                                      cpu=on_cpu, default=pure)
+    return pure(buf, shard, *arrivals)
+
+
+def reduced(codec: Codec, buf: jax.Array, layout, shard, arrivals: dict) -> jax.Array:
+    """A reduce-scatter's result as values: f32[pieces, *piece], each piece of `buf` at `shard`
+    plus its arrivals (`codec`'s wire bytes) decoded, added in order."""
+    out = []
+    for piece in sorted(arrivals):
+        values = layout.piece(buf, shard, *piece).astype(jnp.float32)
+        for wire in arrivals[piece]:
+            values = values + codec.decode(wire)
+        out.append(values)
+    return jnp.concatenate(out)
 
 
 def for_phases(config, dtype, piece_shape: tuple[int, ...]) -> tuple[Codec, Codec]:

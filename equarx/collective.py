@@ -177,12 +177,19 @@ def _scheduled_all_reduce(x: jax.Array, axis_name: str, n: int,
     ag_codec, out_dtype, unrotated = _gather_codec(config, ag_codec, x.dtype)
     if variant == "twoshot":
         pieces = two_shot.pieces_for(layout.pieces, config.pipelined)
-        y = two_shot.reduce_scatter(buf, axis_name, pieces, rs_codec, layout)
-        out = two_shot.all_gather(y, axis_name, pieces, ag_codec, layout, out_dtype)
+        arrivals = two_shot.reduce_scatter_arrivals(buf, axis_name, pieces, rs_codec, layout)
     else:
         rs_chains, ag_chains = ring.chains_for(variant, n, layout.pieces, config.pipelined)
-        y = ring.ring_reduce_scatter(buf, axis_name, rs_chains, rs_codec, layout)
-        out = ring.ring_all_gather(y, axis_name, ag_chains, ag_codec, layout, out_dtype)
+        arrivals = ring.reduce_scatter_arrivals(buf, axis_name, rs_chains, rs_codec, layout)
+    # The sum that ends the reduce-scatter and the all-gather's encode of it are one step, so
+    # the reduced shard is never written out as float32 (one native kernel on the CPU).
+    d = lax.axis_index(axis_name)
+    wire = {p: codecs.encode_sum(ag_codec, buf, layout, d, p, arrived, rs_codec)
+            for p, arrived in arrivals.items()}
+    if variant == "twoshot":
+        out = two_shot.all_gather_wires(wire, axis_name, pieces, ag_codec, layout, out_dtype)
+    else:
+        out = ring.all_gather_wires(wire, axis_name, ag_chains, ag_codec, layout, out_dtype)
     return _join(out, layout, config, x, unrotated)
 
 

@@ -145,7 +145,11 @@ def _scales(amax: jax.Array, code_max: float) -> tuple[jax.Array, jax.Array]:
     group makes its absmax Inf (`_absmax`'s maxima propagate NaN, mapped to Inf here, on one
     value per group), its inverse 0 (q = 0) and so its decoded values NaN."""
     amax = jnp.where(jnp.isnan(amax), jnp.inf, amax)
-    scale = _bf16_scale_up(amax / code_max)
+    # Times the float32 reciprocal, not divided: XLA:CPU turns a division by a constant into
+    # that product in some fusions and not in others, which would move a scale with the program
+    # around it. The product is within an ulp of the quotient, and rounding up to a bfloat16
+    # keeps |v| / scale within the code's range up to that ulp (a code then rounds to code_max).
+    scale = _bf16_scale_up(amax * np.float32(1.0 / code_max))
     s32 = scale.astype(jnp.float32)
     inv = 1.0 / jnp.where(s32 > 0, s32, 1.0)
     usable = jnp.isfinite(s32) & (s32 > 0) & jnp.isfinite(inv)
@@ -161,10 +165,14 @@ def _absmax(v: jax.Array, axis: int) -> jax.Array:
     return jnp.max(jnp.abs(v), axis=axis)
 
 
-def _round_int(v: jax.Array) -> jax.Array:
-    """Round half to even into int8 for |v| <= 127 (the float adder rounds, see quantize)."""
-    bits = lax.bitcast_convert_type(v + _ROUNDING_MAGIC, jnp.int32)
-    return bits.astype(jnp.int8)
+def round_int8(v: jax.Array) -> jax.Array:
+    """Round half to even into int8 for |v| <= 127: rounded, then 1.5 * 2^23 added (exact for
+    an integer) to leave the two's complement in the low byte (see quantize). The explicit
+    round keeps XLA:CPU from fusing the product that makes v and the add into one multiply-add,
+    which it does in some fusions and not in others: a tie then rounded one way or the other
+    with the program around it (and the native kernel could not match it)."""
+    rounded = lax.round(v, lax.RoundingMethod.TO_NEAREST_EVEN)
+    return lax.bitcast_convert_type(rounded + _ROUNDING_MAGIC, jnp.int32).astype(jnp.int8)
 
 
 def encode(x: jax.Array, g: int, code: str) -> jax.Array:
@@ -181,7 +189,7 @@ def encode(x: jax.Array, g: int, code: str) -> jax.Array:
     if code == "fp8":
         payload = lax.bitcast_convert_type(scaled.astype(jnp.float8_e4m3fn), jnp.int8)
     else:
-        q = _round_int(scaled)
+        q = round_int8(scaled)
         if code == "int4":  # two values per byte: the run's first half low, second half high
             half = g // 2
             q = (q[..., :half] & jnp.int8(0x0F)) | (q[..., half:] << 4)

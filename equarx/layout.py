@@ -128,14 +128,29 @@ class TokenLayout:
         rows = jnp.pad(rows, ((0, m * tm - t), (0, pad)))
         return rows.reshape(m, tm, self.n_devices, self.halves, self.width)
 
-    def piece(self, buf: jax.Array, shard, j0: int, j1: int) -> jax.Array:
+    def _start(self, j0: int, j1: int) -> tuple[int, int]:
+        """(column half, first minishard) of piece [j0, j1)."""
         m = self.minishards
         half, i0 = divmod(j0, m)
         if (j1 - 1) // m != half:  # a schedule bug, not a user error
             raise AssertionError(f"piece [{j0}, {j1}) crosses a column half of {m} minishards")
+        return half, i0
+
+    def piece(self, buf: jax.Array, shard, j0: int, j1: int) -> jax.Array:
+        half, i0 = self._start(j0, j1)
         size = (j1 - j0, self.rows_per_minishard, 1, 1, self.width)
         return lax.dynamic_slice(buf, (i0, 0, shard, half, 0), size).reshape(
             j1 - j0, self.rows_per_minishard, self.width)
+
+    def piece_geometry(self, j0: int, j1: int) -> dict[str, int]:
+        """Where `piece(buf, shard, j0, j1)` lies in the flattened buffer, for a kernel that
+        reads it in place: `pieces` minishards of `rows` rows of `width` values, row i at
+        element base + shard * shard_stride + i * row_stride, for 0 <= shard < shards."""
+        half, i0 = self._start(j0, j1)
+        row_stride = self.n_devices * self.shard_width
+        return dict(pieces=j1 - j0, rows=self.rows_per_minishard, width=self.width,
+                    row_stride=row_stride, base=i0 * self.rows_per_minishard * row_stride
+                    + half * self.width, shard_stride=self.shard_width, shards=self.n_devices)
 
     def assemble(self, stacked: jax.Array) -> jax.Array:
         """[N, H m, Tm, W] (pieces in half-major order) -> the buffer [m, Tm, N, H, W]."""

@@ -1,17 +1,21 @@
 """Native CPU kernels of the group codec, as XLA FFI handlers built on first use.
 
-One kernel today: the all-gather's un-rotation of the codes (int8, int4, fp8), in
-equarx/csrc/unrotate_cpu.cc, with `groups.unrotate_codes`' pure-JAX bits (for fp8, up to the
-bits of a NaN). On XLA:CPU that form was the default codec's largest cost between blocking
-transfers (a fused broadcast product-sum at about 25 GFLOP/s); the kernel runs a run's Hadamard
-structure as butterflies with AVX-512 (about 6x faster) or AVX2 (about 5x), elsewhere as a plain
-loop (docs/results.md). It changes speed only, and only on the CPU
-backend: TPU and GPU programs lower the pure-JAX form (`lax.platform_dependent`).
+Two kernels, each with the pure-JAX form's bits (for fp8, up to the bits of a NaN):
+- the all-gather's un-rotation of the codes (int8, int4, fp8; equarx/csrc/unrotate_cpu.cc,
+  `groups.unrotate_codes`): on XLA:CPU a fused broadcast product-sum at about 25 GFLOP/s, the
+  default codec's largest cost between blocking transfers; here a run's Hadamard structure as
+  butterflies with AVX-512 (about 6x faster) or AVX2 (about 5x), elsewhere a plain loop;
+- the encode fused with the sum before it (int8, int4; equarx/csrc/encode_cpu.cc,
+  `codecs.GroupCodec.encode_sum`): a piece read in place from the layout's strided buffer plus
+  the decoded arrivals, quantized while each group is in registers, where XLA:CPU copies the
+  piece out, widens it for the absmax and reads it again to quantize.
+They change speed only, and only on the CPU backend: TPU and GPU programs lower the pure-JAX
+forms (`lax.platform_dependent`). Measured in docs/results.md.
 
 Built with the host's C++ compiler (`$CXX`, else `c++`) for the host's processor
-(`-march=native`) into a cache directory keyed by the source, the jaxlib release and the
+(`-march=native`) into a cache directory keyed by the sources, the jaxlib release and the
 processor's flags (`$EQUARX_CACHE_DIR`, else `$XDG_CACHE_HOME/equarx`, else `~/.cache/equarx`);
-without a compiler, or with `EQUARX_NATIVE_CPU=0`, the pure-JAX form runs, with one warning.
+without a compiler, or with `EQUARX_NATIVE_CPU=0`, the pure-JAX forms run, with one warning.
 Nothing is built or registered at import time.
 """
 from __future__ import annotations
@@ -29,13 +33,18 @@ import threading
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "unrotate_cpu.cc"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "unrotate_cpu.cc", CSRC / "encode_cpu.cc")
+HEADERS = (CSRC / "group_codec.h",)
 TARGET = "equarx_unrotate_cpu"
+ENCODE_TARGET = "equarx_encode_sum_cpu"
+TARGETS = (TARGET, ENCODE_TARGET)
 CODE_IDS = {"int8": 0, "int4": 1, "fp8": 2}  # the kernel's `code` attribute
 _LOCK = threading.Lock()
 
@@ -63,13 +72,16 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
     """The kernels' shared library for `-march=arch`, built unless the cache has it."""
     import jaxlib
 
-    source = SOURCE.read_bytes()
-    flags = ["-O3", f"-march={arch}", "-std=c++17", "-shared", "-fPIC", "-w"]
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    # -ffp-contract=off: a product and a sum are never fused into one rounding (the kernels
+    # give the pure-JAX form's bits).
+    flags = ["-O3", f"-march={arch}", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC",
+             "-w"]
     key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), _cpu_flags().encode(),
                                      " ".join(flags).encode(), platform.machine().encode()]))
     directory = directory or _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    lib = directory / f"unrotate_cpu-{key.hexdigest()[:16]}.so"
+    lib = directory / f"group_codec_cpu-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     # Built beside its final name and moved there in one step: processes that build at once
@@ -77,7 +89,8 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp],
+        subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o",
+                        tmp],
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, lib)
     finally:
@@ -86,10 +99,14 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
     return lib
 
 
-def register(lib: Path, target: str = TARGET) -> None:
-    """Registers the library's un-rotation as the CPU FFI target `target`."""
-    handler = ctypes.cdll.LoadLibrary(str(lib)).EquarxUnrotate
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+def register(lib: Path, suffix: str = "") -> tuple[str, str]:
+    """Registers the library's kernels as the CPU FFI targets TARGET + suffix (un-rotation) and
+    ENCODE_TARGET + suffix; returns those names."""
+    loaded = ctypes.cdll.LoadLibrary(str(lib))
+    names = (TARGET + suffix, ENCODE_TARGET + suffix)
+    for name, handler in zip(names, (loaded.EquarxUnrotate, loaded.EquarxEncodeSum)):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    return names
 
 
 def compiler() -> str | None:
@@ -102,27 +119,27 @@ def _load() -> bool:
         return False
     cxx = compiler()
     if cxx is None:
-        log.warning("equarx: no C++ compiler found; the CPU un-rotation runs as pure JAX "
-                    "(same results, slower)")
+        log.warning("equarx: no C++ compiler found; the CPU codec kernels run as pure "
+                    "JAX (same results, slower)")
         return False
     try:
         register(build(cxx))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("equarx: building the native CPU un-rotation failed; it runs as pure JAX "
-                    "(same results, slower): %s", detail[-2000:])
+        log.warning("equarx: building the native CPU codec kernels failed; they run as "
+                    "pure JAX (same results, slower): %s", detail[-2000:])
         return False
     return True
 
 
 def available() -> bool:
-    """Whether the native un-rotation is built and registered (building it on first call)."""
+    """Whether the native kernels are built and registered (building it on first call)."""
     with _LOCK:
         return _load()
 
 
 def in_use() -> bool:
-    """Whether programs traced now call the native kernel: on the CPU backend, once built."""
+    """Whether programs traced now call the native kernels: on the CPU backend, once built."""
     return jax.default_backend() == "cpu" and available()
 
 
@@ -135,8 +152,29 @@ def unrotate(codes: jax.Array, scale_bytes: jax.Array, mt: np.ndarray, code: str
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*codes.shape[:-1], width), out_dtype),
                            vmap_method="broadcast_all")(
         codes, scale_bytes, np.ascontiguousarray(mt, np.float32), code=np.int64(CODE_IDS[code]))
-    # Inside shard_map the result varies over the mesh axes its inputs vary over, as the
-    # pure-JAX form's does (an FFI call's result carries no such type of its own).
-    manual = getattr(jax.typeof(codes), "manual_axis_type", None)
+    return _varying_like(out, codes)
+
+
+def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, group: int, code: str,
+               target: str = ENCODE_TARGET) -> jax.Array:
+    """`codecs.GroupCodec.encode_sum` as the native kernel (CPU only; call `available()` first):
+    buf bfloat16 or float32 (the layout's buffer), shard an int32 scalar, arrivals wire bytes
+    int8[pieces, ., .] of the piece, geometry the piece's rows in buf
+    (`TokenLayout.piece_geometry`) -> the piece's wire bytes, as `groups.encode` lays them out."""
+    pieces, rows, width = geometry["pieces"], geometry["rows"], geometry["width"]
+    code_bytes = group // 2 if code == "int4" else group
+    scale_bytes = 2 * rows * width // group
+    shape = (pieces, rows * width // group * code_bytes // scale_bytes + 1, scale_bytes)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, np.int8),
+                           vmap_method="sequential")(
+        buf.reshape(-1), jnp.asarray(shard, jnp.int32), *arrivals, code=np.int64(CODE_IDS[code]),
+        group=np.int64(group), **{k: np.int64(v) for k, v in geometry.items()})
+    return _varying_like(out, buf)
+
+
+def _varying_like(out: jax.Array, like: jax.Array) -> jax.Array:
+    """Inside shard_map the result varies over the mesh axes its input varies over, as the
+    pure-JAX form's does (an FFI call's result carries no such type of its own)."""
+    manual = getattr(jax.typeof(like), "manual_axis_type", None)
     varying = tuple(sorted(manual.varying)) if manual is not None else ()
     return lax.pcast(out, varying, to="varying") if varying else out

@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from equarx import groups
@@ -123,7 +124,7 @@ class GroupCodec:
 
     def encode(self, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         amax = jnp.max(_magnitude(self._groups(v)), axis=1)  # [W / g, Tm]
-        s = amax / groups.CODES["int8"]
+        s = amax * np.float32(1.0 / groups.CODES["int8"])  # as groups._scales
         # groups._bf16_scale_up: round the float32 scale up to a bfloat16 (int32 arithmetic:
         # finite scales are positive, so their bit patterns are far from overflowing).
         bits = lax.bitcast_convert_type(s, jnp.int32)
@@ -134,7 +135,7 @@ class GroupCodec:
         tiny = (s32 < jnp.inf) & ~usable
         scale = jnp.where(tiny, 0.0, s32).astype(jnp.bfloat16)
         inv = jnp.where(usable, inv, 0.0)
-        q = _round_int8(self._groups(v) * inv[:, None, :])
+        q = groups.round_int8(self._groups(v) * inv[:, None, :])
         return q.reshape(self.rows, self.lanes), scale
 
     def decode(self, q: jax.Array, scale: jax.Array) -> jax.Array:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx import codecs
 from equarx.codecs import Codec
 
 # Putting relative rows in absolute order: XLA:CPU fuses a gather (or a chain of
@@ -99,22 +100,14 @@ def _ring_perm(n: int, direction: int) -> list[tuple[int, int]]:
     return [(i, (i + direction) % n) for i in range(n)]
 
 
-def ring_reduce_scatter(
-    buf: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec, layout
-) -> jax.Array:
+def reduce_scatter_arrivals(buf: jax.Array, axis_name: str, chains: Sequence[Chain],
+                            codec: Codec, layout) -> dict:
     """buf: this device's partial sums of every shard in `layout`'s buffer (any float dtype)
-    -> f32[pieces, *piece], this device's fully reduced shard. Partial sums are decoded to
-    float32, the local piece is added in float32, and the new partial is encoded afresh before
-    the next hop."""
+    -> {piece: the wire bytes that arrived for this device's own shard of it, one per chain
+    that carries it, in chain order}. At each hop the arriving partial is decoded, the local
+    piece added in float32, and the sum encoded afresh (`codecs.encode_sum`)."""
     n, m = layout.n_devices, layout.pieces
     d = lax.axis_index(axis_name)
-
-    def local(r: int, piece: tuple[int, int]) -> jax.Array:
-        # In the caller's dtype: the codec and the float32 add convert where they read it, so
-        # XLA converts inside each consumer's loop (a float32 copy of a bfloat16 piece shared
-        # by Qp1 and Qp2 would be written out in full first).
-        return layout.piece(buf, (d + r) % n, *piece)
-
     in_flight: dict[tuple[int, tuple[int, int]], jax.Array] = {}
     for t in range(max(c.hops for c in chains)):
         for ci, chain in enumerate(chains):
@@ -123,20 +116,23 @@ def ring_reduce_scatter(
             owner = chain.direction * (chain.hops - t)
             perm = _ring_perm(n, chain.direction)
             for piece in chain.pieces:
-                partial = local(owner, piece)
-                if t > 0:
-                    partial = codec.decode(in_flight[ci, piece]) + partial
-                in_flight[ci, piece] = lax.ppermute(codec.encode(partial), axis_name, perm)
-    # The owner adds every chain's final partial to its own minishards.
+                arrived = [in_flight[ci, piece]] if t > 0 else []
+                wire = codecs.encode_sum(codec, buf, layout, (d + owner) % n, piece, arrived)
+                in_flight[ci, piece] = lax.ppermute(wire, axis_name, perm)
     pieces = sorted({p for c in chains for p in c.pieces})
     if [j for a, b in pieces for j in range(a, b)] != list(range(m)):  # a schedule bug
         raise AssertionError(f"reduce-scatter pieces {pieces} do not tile {m} minishards")
-    reduced: dict[tuple[int, int], jax.Array] = {}
-    for ci, chain in enumerate(chains):
-        for p in chain.pieces:
-            mine = reduced[p] if p in reduced else local(0, p)
-            reduced[p] = mine + codec.decode(in_flight[ci, p])
-    return jnp.concatenate([reduced[p] for p in pieces])
+    return {p: [in_flight[ci, p] for ci, c in enumerate(chains) if p in c.pieces]
+            for p in pieces}
+
+
+def ring_reduce_scatter(
+    buf: jax.Array, axis_name: str, chains: Sequence[Chain], codec: Codec, layout
+) -> jax.Array:
+    """`reduce_scatter_arrivals` as values: f32[pieces, *piece], this device's fully reduced
+    shard (the owner adds every chain's final partial to its own minishards)."""
+    arrivals = reduce_scatter_arrivals(buf, axis_name, chains, codec, layout)
+    return codecs.reduced(codec, buf, layout, lax.axis_index(axis_name), arrivals)
 
 
 def forward_along_chains(own: dict, wire: dict, chains: Sequence[Chain], axis_name: str,
@@ -166,12 +162,20 @@ def ring_all_gather(
     out_dtype=jnp.float32,
 ) -> jax.Array:
     """y: f32[pieces, *piece], this device's reduced shard -> every shard, in `layout`'s buffer
-    order and `out_dtype`. Each owner encodes its shard once; receivers forward the wire bytes
-    verbatim and decode them. The owner keeps decode(encode(y)), so every device holds
-    identical values."""
-    n = layout.n_devices
+    order and `out_dtype` (`all_gather_wires` of y's pieces encoded)."""
     pieces = sorted({p for c in chains for p in c.pieces})
     wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
+    return all_gather_wires(wire, axis_name, chains, codec, layout, out_dtype)
+
+
+def all_gather_wires(wire: dict, axis_name: str, chains: Sequence[Chain], codec: Codec, layout,
+                     out_dtype=jnp.float32) -> jax.Array:
+    """wire: {piece: this device's reduced shard's piece as `codec`'s wire bytes} -> every
+    shard, in `layout`'s buffer order and `out_dtype`. Each owner encodes its shard once;
+    receivers forward the wire bytes verbatim and decode them. The owner keeps decode(encode(y)),
+    so every device holds identical values."""
+    n = layout.n_devices
+    pieces = sorted({p for c in chains for p in c.pieces})
     # got[r][p]: the wire bytes of piece p of relative row r (the shard of device d + r).
     # The barrier makes the owner decode the very bytes it sends: without it XLA folds
     # decode(encode(y)) algebraically and the owner's copy can differ by an ulp.

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx import codecs
 from equarx.codecs import Codec
 from equarx.ring import _pieces, assemble
 
@@ -31,28 +32,38 @@ def pieces_for(n_pieces: int, pipelined: bool) -> tuple[tuple[int, int], ...]:
     return _pieces(0, n_pieces, pipelined)
 
 
-def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout) -> jax.Array:
-    """buf: this device's partials in `layout`'s buffer -> f32[pieces, *piece], its reduced
-    shard."""
+def reduce_scatter_arrivals(buf: jax.Array, axis_name: str, pieces, codec: Codec,
+                            layout) -> dict:
+    """buf: this device's partials in `layout`'s buffer -> {piece: the N-1 wire bytes that
+    arrived for this device's own shard of it, from device d - k for k = 1..N-1 (a fixed
+    order)}."""
     n = layout.n_devices
     d = lax.axis_index(axis_name)
-    reduced = []
-    for p in pieces:
-        total = layout.piece(buf, d, *p).astype(jnp.float32)
-        arrivals = [lax.ppermute(codec.encode(layout.piece(buf, (d + k) % n, *p)), axis_name,
-                                 _shift(n, k)) for k in range(1, n)]
-        for wire in arrivals:  # from device d - k, k = 1..N-1: a fixed order
-            total = total + codec.decode(wire)
-        reduced.append(total)
-    return jnp.concatenate(reduced)
+    return {p: [lax.ppermute(codecs.encode_sum(codec, buf, layout, (d + k) % n, p), axis_name,
+                             _shift(n, k)) for k in range(1, n)] for p in pieces}
+
+
+def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout) -> jax.Array:
+    """`reduce_scatter_arrivals` as values: f32[pieces, *piece], this device's reduced shard
+    (the arrivals decoded and added to its own partial in float32, in order)."""
+    arrivals = reduce_scatter_arrivals(buf, axis_name, pieces, codec, layout)
+    return codecs.reduced(codec, buf, layout, lax.axis_index(axis_name), arrivals)
 
 
 def all_gather(y: jax.Array, axis_name: str, pieces, codec: Codec, layout,
                out_dtype=jnp.float32) -> jax.Array:
     """y: f32[pieces, *piece], this device's reduced shard -> every shard in `layout`'s buffer
-    order, decoded to `out_dtype`."""
-    n = layout.n_devices
+    order, decoded to `out_dtype` (`all_gather_wires` of y's pieces encoded)."""
     wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
+    return all_gather_wires(wire, axis_name, pieces, codec, layout, out_dtype)
+
+
+def all_gather_wires(wire: dict, axis_name: str, pieces, codec: Codec, layout,
+                     out_dtype=jnp.float32) -> jax.Array:
+    """wire: {piece: this device's reduced shard's piece as `codec`'s wire bytes} -> every
+    shard in `layout`'s buffer order, decoded to `out_dtype`. The owner sends the same bytes
+    to every other device."""
+    n = layout.n_devices
     # The barrier makes the owner decode the very bytes it sends (see ring.ring_all_gather).
     got: list[dict] = [{p: lax.optimization_barrier(wire[p]) for p in pieces}]
     got += [{} for _ in range(n - 1)]

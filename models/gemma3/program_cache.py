@@ -11,8 +11,8 @@ same buffer donation), and that wrapper's executable comes from the compilation 
 A stored program is reused only under the same key: a fingerprint of the source code of the
 packages that build the programs (`models`, `equarx`), the jax/jaxlib versions, the backend,
 the program's name and static settings (model config, AllReduce config, dtypes), whether the
-native CPU un-rotation is in use (equarx.native_cpu: a stored program calls it by name, so a
-start without it must not load such a program), and the abstract signature of its arguments
+native CPU codec kernels are in use (equarx.native_cpu: a stored program calls them by name, so
+a start without them must not load such a program), and the abstract signature of its arguments
 (tree structure, shapes, dtypes, shardings). Anything else that changes what tracing produces
 must be part of `salt`. Single-process only: in a multi-process run every process must run the
 very same program, so the cache is bypassed.
@@ -53,7 +53,7 @@ def source_fingerprint(packages: Sequence[str] = ("models", "equarx")) -> str:
     h = hashlib.sha256(f"format{_FORMAT} jax{jax.__version__} jaxlib{jaxlib.__version__}".encode())
     for name in packages:
         root = Path(importlib.import_module(name).__file__).parent
-        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc")):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc", ".h")):
             h.update(str(path.relative_to(root.parent)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -237,10 +237,10 @@ class ProgramCache:
             return flat_out
 
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-        # The native CPU un-rotation is our own FFI target, with no compatibility guarantee
-        # across releases: the key's source fingerprint covers its code.
+        # The native CPU kernels are our own FFI targets, with no compatibility guarantee
+        # across releases: the key's source fingerprint covers their code.
         exported = jax.export.export(jax.jit(flat), disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call(native_cpu.TARGET)])(*abstract)
+            *map(jax.export.DisabledSafetyCheck.custom_call, native_cpu.TARGETS)])(*abstract)
         return exported, out_tree[0]
 
     @staticmethod

@@ -1,7 +1,10 @@
-"""equarx.native_cpu: the CPU kernel that un-rotates int8, int4 and fp8 codes gives
-groups.unrotate_codes' pure-JAX bits (AVX-512, AVX2 and plain builds, bfloat16 and float32, NaN /
-Inf / zero / tiny groups, vmap, inside the collective; fp8 NaNs as NaNs), is what the CPU
-program runs, and falls back cleanly."""
+"""equarx.native_cpu: the CPU kernels give the pure-JAX forms' bits and are what the CPU
+program runs. The un-rotation of int8, int4 and fp8 codes (groups.unrotate_codes): AVX-512, AVX2
+and plain builds, bfloat16 and float32, NaN / Inf / zero / tiny groups, vmap, inside the
+collective; fp8 NaNs as NaNs. The encode with its sum (codecs.encode_sum): int8 and int4, a
+strided piece of a bfloat16 or float32 buffer read in place with 0-2 arrivals, zero / tiny / huge
+groups, NaN and Inf groups decoded as NaN, bad geometry refused. Both fall back cleanly."""
+import dataclasses
 import logging
 
 import jax
@@ -11,7 +14,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from equarx import AllReduceConfig, all_reduce, groups, native_cpu
+from equarx import AllReduceConfig, all_reduce, codecs, groups, native_cpu
+from equarx.layout import plan_token_layout
 
 G = 32
 
@@ -87,21 +91,119 @@ def test_leading_shapes_and_vmap():
 
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
 def test_the_other_builds_give_the_same_bits(arch, tmp_path):
-    """The AVX2 path (x86-64-v3: no AVX-512) and the plain loop kept for any other processor and
-    group size (x86-64), each built and called beside the default build."""
+    """The AVX2 path (x86-64-v3: no AVX-512) and the plain loops kept for any other processor
+    and group size (x86-64), each built and called beside the default build."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the other builds are checked on x86-64")
     lib = native_cpu.build(native_cpu.compiler(), arch=arch, directory=tmp_path)
-    target = f"equarx_test_unrotate_{arch.replace('-', '_')}"
-    native_cpu.register(lib, target)
+    unrotate_target, encode_target = native_cpu.register(lib, f"_test_{arch.replace('-', '_')}")
     for code in CODES:
         codes, scale_bytes = _wire(64, seed=2, code=code)
         for dtype in (jnp.bfloat16, jnp.float32):
             got = jax.jit(lambda c, s, d=dtype, k=code: native_cpu.unrotate(
-                c, s, groups.rotation(G).T, k, d, target=target))(codes, scale_bytes)
+                c, s, groups.rotation(G).T, k, d, target=unrotate_target))(codes, scale_bytes)
             _assert_same(got, _pure(codes, scale_bytes, dtype, code))
+    for code in ("int8", "int4"):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            layout, buf, arrivals = _summands(dtype, code, seed=5)
+            for n in (0, 2):
+                got = jax.jit(lambda b, *a, k=code: native_cpu.encode_sum(
+                    b, 1, a, layout.piece_geometry(1, 3), G, k, target=encode_target))(
+                    buf, *[a[1:3] for a in arrivals[:n]])
+                np.testing.assert_array_equal(
+                    got, _encode_sum(buf, layout, 1, (1, 3), arrivals[:n], code, native=False))
+
+
+def _summands(dtype, code: str, seed: int = 0, edges: bool = True):
+    """(layout, buffer, two arrivals) for encode_sum: 2 shards of 4 minishards of 32 rows of
+    512 columns; the buffer's values spread far apart from row to row, with edge cases; each
+    arrival holds all 4 minishards (a piece's are arrival[j0:j1])."""
+    # Four minishards (the planner keeps a piece of a message this small whole).
+    layout = dataclasses.replace(plan_token_layout((128, 1024), 2, 4, granule=G), minishards=4,
+                                 rows_per_minishard=32)
+    assert layout.width == 512
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((128, 1024)).astype(np.float32)
+    x *= np.exp(3 * rng.standard_normal((128, 1))).astype(np.float32)
+    if edges:
+        x[32:34] = 0.0  # zero groups (minishard 1)
+        x[34, 512:512 + G] = 1e-40  # a group whose scale would be subnormal
+        x[35, 520:600] = 3e38  # huge values: their sums with the arrivals overflow
+        x[36, 530] = 1e-30  # far below its group's step: a zero code
+        x[37, 512 + G:512 + 2 * G] = x[37, 512 + 2 * G] * np.arange(G) / 2  # exact ties (bf16)
+    buf = layout.split(jnp.asarray(x, dtype))
+    piece_codec = codecs.GroupCodec(G, code, layout.piece_shape)
+    arrivals = [piece_codec.encode(jnp.asarray(rng.standard_normal((4, 32, 512)), jnp.float32)
+                                   * 4) for _ in range(2)]
+    return layout, buf, arrivals
+
+
+def _encode_sum(buf, layout, shard, piece, arrivals, code, native=True):
+    """codecs.encode_sum of the piece with the arrivals' minishards of it, kernel on or off."""
+    arrivals = [a[piece[0]:piece[1]] for a in arrivals]
+    codec = codecs.GroupCodec(G, code, layout.piece_shape)
+    with pytest.MonkeyPatch.context() as mp:
+        if not native:
+            mp.setattr(native_cpu, "in_use", lambda: False)
+        f = jax.jit(lambda b, s, *a: codecs.encode_sum(codec, b, layout, s, piece, a))
+        text = f.lower(buf, jnp.int32(shard), *arrivals).as_text()
+        assert (native_cpu.ENCODE_TARGET in text) == native
+        return np.asarray(f(buf, jnp.int32(shard), *arrivals))
+
+
+@pytest.mark.parametrize("code", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_encode_sum_gives_the_pure_bits(dtype, code):
+    """A strided piece read in place at a run-time shard, with 0, 1 and 2 arrivals added, every
+    edge case of _summands in it, against the pure-JAX form (the same function, kernel off)."""
+    layout, buf, arrivals = _summands(dtype, code)
+    for shard, piece in ((0, (0, 1)), (1, (1, 3)), (1, (3, 4))):
+        for n in range(3):
+            got = _encode_sum(buf, layout, shard, piece, arrivals[:n], code)
+            want = _encode_sum(buf, layout, shard, piece, arrivals[:n], code, native=False)
+            assert got.shape == want.shape == (piece[1] - piece[0], G // (4 if code == "int4"
+                                                                        else 2) + 1, 1024)
+            np.testing.assert_array_equal(got, want)
+            if (piece, n) == ((1, 3), 0):  # the edge cases are in what was compared
+                out = np.asarray(groups.decode(jnp.asarray(got), G, code)).reshape(2, 32, 512)
+                assert (out[0, :2] == 0).all() and (out[0, 2, :G] == 0).all()  # zero, tiny
+                assert np.isclose(out[0, 3, 8:88], 3e38, rtol=0.1).all()  # huge
+                assert out[0, 4, 18] == 0 and np.isfinite(out).all()
+
+
+def test_encode_sum_keeps_a_nan_group_nan():
+    """A NaN or Inf makes its whole group decode as NaN (scale Inf), whatever the rest of the
+    group holds; the other groups keep the pure bits. (On XLA:CPU the pure form's max-reduce
+    can drop a NaN from a large float32 message: the kernel does not.)"""
+    layout, buf, arrivals = _summands(jnp.float32, "int8", seed=4, edges=False)
+    x = np.asarray(buf).copy()
+    x[1, 3, 1, 0, 40] = np.nan  # minishard 1, row 3, shard 1: group 1 of the row
+    x[1, 5, 1, 0, 100] = -np.inf  # row 5: group 3
+    buf = jnp.asarray(x)
+    got = _encode_sum(buf, layout, 1, (1, 2), arrivals[:1], "int8")
+    out = np.asarray(groups.decode(jnp.asarray(got), G, "int8")).reshape(32, 16, G)
+    assert np.isnan(out[3, 1]).all() and np.isnan(out[5, 3]).all()
+    bad = np.zeros((32, 16), bool)
+    bad[3, 1] = bad[5, 3] = True
+    assert np.isfinite(out[~bad]).all()
+    want = _encode_sum(buf, layout, 1, (1, 2), arrivals[:1], "int8", native=False)
+    ok_codes = np.repeat(~bad.reshape(-1), G)
+    np.testing.assert_array_equal(got[0, :-1].reshape(-1)[ok_codes],
+                                  want[0, :-1].reshape(-1)[ok_codes])
+
+
+def test_encode_sum_refuses_a_piece_outside_its_buffer():
+    assert native_cpu.available()
+    layout, buf, _ = _summands(jnp.float32, "int8", edges=False)
+    f = jax.jit(lambda b, s: native_cpu.encode_sum(b, s, (), layout.piece_geometry(3, 4), G,
+                                                   "int8"))
+    assert f(buf, jnp.int32(1)).shape == (1, 17, 1024)
+    with pytest.raises(Exception, match="outside the buffer"):
+        f(buf, jnp.int32(2)).block_until_ready()
+    with pytest.raises(Exception, match="shard index is outside"):
+        f(buf, jnp.int32(-1)).block_until_ready()
 
 
 @pytest.mark.parametrize("label", ["int8", "int8-full", "int4", "fp8"])
@@ -116,10 +218,13 @@ def test_the_collective_gives_the_same_bits_either_way(label, monkeypatch):
         return f, f(jnp.asarray(x, jnp.bfloat16))
 
     f, native = run()
-    assert native_cpu.TARGET in f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
+    text = f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
+    assert native_cpu.TARGET in text
+    assert (native_cpu.ENCODE_TARGET in text) == (label != "fp8")  # integer codes only
     monkeypatch.setattr(native_cpu, "available", lambda: False)
     f, pure = run()
-    assert native_cpu.TARGET not in f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
+    text = f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
+    assert native_cpu.TARGET not in text and native_cpu.ENCODE_TARGET not in text
     _assert_same(native, pure)
 
 

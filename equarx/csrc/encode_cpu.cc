@@ -1,0 +1,305 @@
+// The group codec's encode on a CPU, fused with the sum before it, as an XLA FFI handler
+// (equarx/native_cpu.py builds and registers it): one piece of the token layout's buffer, read in
+// place at the shard a device picks at run time, plus the decoded partial sums that arrived for
+// it -> the codes and bfloat16 scales of equarx.groups.encode, bit for bit. That is
+// codecs.GroupCodec.encode_sum: every encode of a reduce-scatter, and the sum that ends it
+// together with the all-gather's encode.
+//
+// Why a kernel of its own: on XLA:CPU the piece is first copied out of its strided rows, widened
+// to a float32 copy for the absmax, and read again to quantize; here each value is read once,
+// summed, and its group's absmax, scale and codes follow while the group is in registers.
+//
+// The same arithmetic as the JAX form, in the same order: each arrival's code times its scale
+// (exact: 8-bit codes times a bfloat16), added to the running float32 sum in arrival order;
+// the scale is absmax times the float32 reciprocal of code_max, rounded up to a bfloat16 (an
+// absmax of NaN counts as Inf),
+// 1 / scale its inverse (0 where the scale is 0, too small to invert, or not finite), and a code
+// v * (1 / scale) rounded to float32, then half to even to an integer, whose float bits plus
+// 1.5 * 2^23 hold it in their low byte. Built with -ffp-contract=off, so no product and sum
+// are fused into one rounding.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "group_codec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace equarx;
+
+constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+
+// Where a piece lies in the buffer and how its bytes are laid out on the wire.
+struct Piece {
+  Code code;
+  int64_t g, pieces, rows, width, row_stride;
+  int64_t code_bytes;  // per group: g (int8), g / 2 (int4)
+  int64_t groups;      // per minishard: rows * width / g
+  int64_t bytes() const { return groups * (code_bytes + 2); }  // per minishard on the wire
+};
+
+// groups._scales for one group: its absmax -> (bfloat16 scale bits, 1 / scale or 0).
+inline void scale_of(float amax, float code_max, uint16_t* scale, float* inv) {
+  if (std::isnan(amax)) amax = INFINITY;
+  const float s = amax * float(1.0 / double(code_max));
+  const uint32_t up = std::isfinite(s) ? ((bits_of(s) + 0xffffu) & 0xffff0000u) : bits_of(s);
+  const float s32 = float_of(up);
+  const float iv = 1.0f / (s32 > 0 ? s32 : 1.0f);
+  const bool usable = std::isfinite(s32) && s32 > 0 && std::isfinite(iv);
+  *scale = (std::isfinite(s32) && !usable) ? 0 : uint16_t(up >> 16);
+  *inv = usable ? iv : 0.0f;
+}
+
+inline int8_t code_of(float v, float inv) {
+  return int8_t(bits_of(std::nearbyint(v * inv) + kMagic));
+}
+
+inline float load_in(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline float load_in(const float* p, int64_t i) { return p[i]; }
+
+// Any g, any processor: one group at a time.
+template <int G, typename In>
+void encode_generic(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
+                    int8_t* out) {
+  const float code_max = a.code == kInt4 ? 7.0f : 127.0f;
+  const int64_t per_row = a.width / G;
+  for (int64_t b = 0; b < a.pieces; ++b) {
+    int8_t* codes = out + b * a.bytes();
+    auto* scales = reinterpret_cast<uint16_t*>(codes + a.groups * a.code_bytes);
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const In* row = in + (b * a.rows + r) * a.row_stride;
+      for (int64_t j = 0; j < per_row; ++j) {
+        const int64_t k = r * per_row + j;
+        float x[G];
+        for (int i = 0; i < G; ++i) x[i] = load_in(row, j * G + i);
+        for (const int8_t* w : wires) {
+          const int8_t* wb = w + b * a.bytes();
+          float q[G];
+          load_codes<G>(a.code, wb, k, q);
+          const float s = bf16_to_f32(
+              reinterpret_cast<const uint16_t*>(wb + a.groups * a.code_bytes)[k]);
+          for (int i = 0; i < G; ++i) x[i] = x[i] + q[i] * s;
+        }
+        float amax = 0.0f;
+        bool nan = false;
+        for (int i = 0; i < G; ++i) {
+          const float v = std::fabs(x[i]);
+          nan |= std::isnan(v);
+          amax = v > amax ? v : amax;
+        }
+        float inv;
+        scale_of(nan ? NAN : amax, code_max, &scales[k], &inv);
+        if (a.code == kInt4) {
+          for (int i = 0; i < G / 2; ++i)
+            codes[k * (G / 2) + i] = int8_t((code_of(x[i], inv) & 0x0f) |
+                                            (uint8_t(code_of(x[i + G / 2], inv)) << 4));
+        } else {
+          for (int i = 0; i < G; ++i) codes[k * G + i] = code_of(x[i], inv);
+        }
+      }
+    }
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// scale_of for 16 groups at once (lanes past `n` hold an absmax of 0 and are not stored).
+inline __m512 scales16(__m512 amax, float code_max, uint16_t* scales, int n) {
+  const __m512 inf = _mm512_set1_ps(INFINITY), one = _mm512_set1_ps(1.0f);
+  const __m512 s = _mm512_mul_ps(amax, _mm512_set1_ps(float(1.0 / double(code_max))));
+  const __mmask16 finite = _mm512_cmp_ps_mask(s, inf, _CMP_LT_OQ);
+  const __m512i up = _mm512_and_si512(
+      _mm512_add_epi32(_mm512_castps_si512(s), _mm512_set1_epi32(0xffff)),
+      _mm512_set1_epi32(int32_t(0xffff0000u)));
+  const __m512i bits = _mm512_mask_blend_epi32(finite, _mm512_castps_si512(s), up);
+  const __m512 s32 = _mm512_castsi512_ps(bits);
+  const __mmask16 positive = _mm512_cmp_ps_mask(s32, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 iv = _mm512_div_ps(one, _mm512_mask_blend_ps(positive, one, s32));
+  const __mmask16 finite32 = _mm512_cmp_ps_mask(s32, inf, _CMP_LT_OQ);
+  const __mmask16 usable = finite32 & positive & _mm512_cmp_ps_mask(iv, inf, _CMP_LT_OQ);
+  const __mmask16 tiny = finite32 & ~usable;
+  alignas(32) uint16_t out[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out),
+                     _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(
+                         __mmask16(~tiny), _mm512_srli_epi32(bits, 16))));
+  std::memcpy(scales, out, 2 * n);
+  return _mm512_maskz_mov_ps(usable, iv);
+}
+
+inline __m128i codes16(__m512 x, __m512 inv) {
+  return _mm512_cvtepi32_epi8(
+      _mm512_castps_si512(_mm512_add_ps(
+      _mm512_roundscale_ps(_mm512_mul_ps(x, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+      _mm512_set1_ps(kMagic))));
+}
+
+// The maxima of 16 vectors' lanes, m[j] -> lane j: pairs of vectors fold their halves into one
+// vector four times (15 shuffle pairs instead of 16 horizontal reductions), which leaves group
+// 4k + q in lane 4q + k; one permutation puts it in lane 4k + q.
+inline __m512 lane_maxima(__m512* m) {
+  for (int j = 0; j < 8; ++j)
+    m[j] = _mm512_max_ps(_mm512_shuffle_f32x4(m[2 * j], m[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(m[2 * j], m[2 * j + 1], 0xee));
+  for (int j = 0; j < 4; ++j)
+    m[j] = _mm512_max_ps(_mm512_shuffle_f32x4(m[2 * j], m[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(m[2 * j], m[2 * j + 1], 0xdd));
+  for (int j = 0; j < 2; ++j)
+    m[j] = _mm512_max_ps(_mm512_shuffle_ps(m[2 * j], m[2 * j + 1], 0x44),
+                         _mm512_shuffle_ps(m[2 * j], m[2 * j + 1], 0xee));
+  const __m512 folded = _mm512_max_ps(_mm512_shuffle_ps(m[0], m[1], 0x88),
+                                      _mm512_shuffle_ps(m[0], m[1], 0xdd));
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), folded);
+}
+
+// g = 32: a group is two vectors; a row's groups go 16 at a time through three steps: sums and
+// absmaxes, the 16 scales in one vector, then the codes.
+template <typename In>
+void encode32(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
+              int8_t* out) {
+  const float code_max = a.code == kInt4 ? 7.0f : 127.0f;
+  const int64_t per_row = a.width / 32;
+  alignas(64) float xs[16 * 32];
+  alignas(64) float inv[16];
+  __m512 m[16];
+  for (int64_t b = 0; b < a.pieces; ++b) {
+    int8_t* codes = out + b * a.bytes();
+    auto* scales = reinterpret_cast<uint16_t*>(codes + a.groups * a.code_bytes);
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const In* row = in + (b * a.rows + r) * a.row_stride;
+      for (int64_t j0 = 0; j0 < per_row; j0 += 16) {
+        const int n = int(per_row - j0 < 16 ? per_row - j0 : 16);
+        const int64_t k0 = r * per_row + j0;
+        uint32_t nan = 0;
+        for (int j = 0; j < n; ++j) {
+          __m512 lo = load16(row + (j0 + j) * 32), hi = load16(row + (j0 + j) * 32 + 16);
+          for (const int8_t* w : wires) {
+            const int8_t* wb = w + b * a.bytes();
+            __m512 c0, c1;
+            load32(a.code, wb, k0 + j, &c0, &c1);
+            const __m512 s = _mm512_set1_ps(bf16_to_f32(
+                reinterpret_cast<const uint16_t*>(wb + a.groups * a.code_bytes)[k0 + j]));
+            lo = _mm512_add_ps(lo, _mm512_mul_ps(c0, s));
+            hi = _mm512_add_ps(hi, _mm512_mul_ps(c1, s));
+          }
+          _mm512_store_ps(xs + 32 * j, lo);
+          _mm512_store_ps(xs + 32 * j + 16, hi);
+          m[j] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+          nan |= uint32_t(_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q) != 0) << j;
+        }
+        for (int j = n; j < 16; ++j) m[j] = _mm512_setzero_ps();
+        // A group with a NaN gets an absmax of Inf (the maxima above may drop a NaN).
+        const __m512 amax = _mm512_mask_blend_ps(__mmask16(nan), lane_maxima(m),
+                                                 _mm512_set1_ps(INFINITY));
+        _mm512_store_ps(inv, scales16(amax, code_max, scales + k0, n));
+        for (int j = 0; j < n; ++j) {
+          const __m512 iv = _mm512_set1_ps(inv[j]);
+          const __m128i q0 = codes16(_mm512_load_ps(xs + 32 * j), iv);
+          const __m128i q1 = codes16(_mm512_load_ps(xs + 32 * j + 16), iv);
+          if (a.code == kInt4) {
+            const __m128i packed = _mm_or_si128(
+                _mm_and_si128(q0, _mm_set1_epi8(0x0f)),
+                _mm_and_si128(_mm_slli_epi16(q1, 4), _mm_set1_epi8(int8_t(0xf0))));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + (k0 + j) * 16), packed);
+          } else {
+            auto* p = reinterpret_cast<__m128i*>(codes + (k0 + j) * 32);
+            _mm_storeu_si128(p, q0);
+            _mm_storeu_si128(p + 1, q1);
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <typename In>
+ffi::Error dispatch(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
+                    int8_t* out) {
+#ifdef __AVX512F__
+  if (a.g == 32) {
+    encode32<In>(a, in, wires, out);
+    return ffi::Error::Success();
+  }
+#endif
+  switch (a.g) {
+    case 8: encode_generic<8, In>(a, in, wires, out); break;
+    case 16: encode_generic<16, In>(a, in, wires, out); break;
+    case 32: encode_generic<32, In>(a, in, wires, out); break;
+    case 64: encode_generic<64, In>(a, in, wires, out); break;
+    default: return ffi::Error::InvalidArgument("group size must be 8, 16, 32 or 64");
+  }
+  return ffi::Error::Success();
+}
+
+// buf bfloat16 or float32 (the layout's whole buffer), shard int32[] (the run-time part of the
+// piece's offset), then any number of arrivals (wire bytes of the same piece); out the piece's
+// wire bytes int8[pieces, ., .]. The piece's rows: row i (of pieces * rows) starts at element
+// base + shard * shard_stride + i * row_stride and holds `width` values; 0 <= shard < shards.
+ffi::Error EncodeSum(ffi::AnyBuffer buf, ffi::Buffer<ffi::S32> shard, ffi::RemainingArgs arrivals,
+                     ffi::Result<ffi::Buffer<ffi::S8>> out, int64_t code, int64_t group,
+                     int64_t pieces, int64_t rows, int64_t width, int64_t row_stride,
+                     int64_t base, int64_t shard_stride, int64_t shards) {
+  if (code != kInt8 && code != kInt4)
+    return ffi::Error::InvalidArgument("code must be 0 (int8) or 1 (int4)");
+  if (group <= 0 || group % 2 != 0 || width % group != 0 || pieces < 1 || rows < 1)
+    return ffi::Error::InvalidArgument("width must be a multiple of an even group size");
+  const Piece a{Code(code), group, pieces, rows, width, row_stride,
+                code == kInt4 ? group / 2 : group, rows * width / group};
+  if (out->element_count() != pieces * a.bytes())
+    return ffi::Error::InvalidArgument("the output does not hold the piece's wire bytes");
+  if (shard.element_count() != 1) return ffi::Error::InvalidArgument("shard must be a scalar");
+  const int64_t index = shard.typed_data()[0];
+  if (index < 0 || index >= shards)
+    return ffi::Error::InvalidArgument("the shard index is outside the buffer");
+  const int64_t start = base + index * shard_stride;
+  const int64_t last = start + (pieces * rows - 1) * row_stride + width;
+  if (start < 0 || row_stride < width || last > int64_t(buf.element_count()))
+    return ffi::Error::InvalidArgument("the piece lies outside the buffer");
+  std::vector<const int8_t*> wires;
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    auto w = arrivals.get<ffi::Buffer<ffi::S8>>(i);
+    if (!w.has_error() && w->element_count() == out->element_count()) {
+      wires.push_back(w->typed_data());
+      continue;
+    }
+    return ffi::Error::InvalidArgument("every arrival must be int8 wire bytes of the piece");
+  }
+  int8_t* o = out->typed_data();
+  switch (buf.element_type()) {
+    case ffi::DataType::BF16:
+      return dispatch<uint16_t>(a, static_cast<const uint16_t*>(buf.untyped_data()) + start,
+                                wires, o);
+    case ffi::DataType::F32:
+      return dispatch<float>(a, static_cast<const float*>(buf.untyped_data()) + start, wires, o);
+    default:
+      return ffi::Error::InvalidArgument("the buffer must be bfloat16 or float32");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxEncodeSum, EncodeSum,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::S8>>()
+                                  .Attr<int64_t>("code")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("pieces")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("width")
+                                  .Attr<int64_t>("row_stride")
+                                  .Attr<int64_t>("base")
+                                  .Attr<int64_t>("shard_stride")
+                                  .Attr<int64_t>("shards"));
