@@ -136,10 +136,7 @@ inline __m512 scales16(__m512 amax, float code_max, uint16_t* scales, int n) {
 }
 
 inline __m128i codes16(__m512 x, __m512 inv) {
-  return _mm512_cvtepi32_epi8(
-      _mm512_castps_si512(_mm512_add_ps(
-      _mm512_roundscale_ps(_mm512_mul_ps(x, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-      _mm512_set1_ps(kMagic))));
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)));
 }
 
 // The maxima of 16 vectors' lanes, m[j] -> lane j: pairs of vectors fold their halves into one
@@ -163,14 +160,15 @@ inline __m512 lane_maxima(__m512* m) {
 
 // g = 32: a group is two vectors; a row's groups go 16 at a time through three steps: sums and
 // absmaxes, the 16 scales in one vector, then the codes.
-template <typename In>
+template <Code kCode, typename In>
 void encode32(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
               int8_t* out) {
-  const float code_max = a.code == kInt4 ? 7.0f : 127.0f;
+  const float code_max = kCode == kInt4 ? 7.0f : 127.0f;
   const int64_t per_row = a.width / 32;
   alignas(64) float xs[16 * 32];
   alignas(64) float inv[16];
   __m512 m[16];
+  const __m512 inf = _mm512_set1_ps(INFINITY);
   for (int64_t b = 0; b < a.pieces; ++b) {
     int8_t* codes = out + b * a.bytes();
     auto* scales = reinterpret_cast<uint16_t*>(codes + a.groups * a.code_bytes);
@@ -179,13 +177,12 @@ void encode32(const Piece& a, const In* in, const std::vector<const int8_t*>& wi
       for (int64_t j0 = 0; j0 < per_row; j0 += 16) {
         const int n = int(per_row - j0 < 16 ? per_row - j0 : 16);
         const int64_t k0 = r * per_row + j0;
-        uint32_t nan = 0;
         for (int j = 0; j < n; ++j) {
           __m512 lo = load16(row + (j0 + j) * 32), hi = load16(row + (j0 + j) * 32 + 16);
           for (const int8_t* w : wires) {
             const int8_t* wb = w + b * a.bytes();
             __m512 c0, c1;
-            load32(a.code, wb, k0 + j, &c0, &c1);
+            load32(kCode, wb, k0 + j, &c0, &c1);
             const __m512 s = _mm512_set1_ps(bf16_to_f32(
                 reinterpret_cast<const uint16_t*>(wb + a.groups * a.code_bytes)[k0 + j]));
             lo = _mm512_add_ps(lo, _mm512_mul_ps(c0, s));
@@ -193,19 +190,18 @@ void encode32(const Piece& a, const In* in, const std::vector<const int8_t*>& wi
           }
           _mm512_store_ps(xs + 32 * j, lo);
           _mm512_store_ps(xs + 32 * j + 16, hi);
-          m[j] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
-          nan |= uint32_t(_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q) != 0) << j;
+          // A NaN counts as Inf (a maximum would drop it): its group's absmax is Inf.
+          m[j] = _mm512_mask_mov_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)),
+                                    _mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q), inf);
         }
         for (int j = n; j < 16; ++j) m[j] = _mm512_setzero_ps();
-        // A group with a NaN gets an absmax of Inf (the maxima above may drop a NaN).
-        const __m512 amax = _mm512_mask_blend_ps(__mmask16(nan), lane_maxima(m),
-                                                 _mm512_set1_ps(INFINITY));
+        const __m512 amax = lane_maxima(m);
         _mm512_store_ps(inv, scales16(amax, code_max, scales + k0, n));
         for (int j = 0; j < n; ++j) {
           const __m512 iv = _mm512_set1_ps(inv[j]);
           const __m128i q0 = codes16(_mm512_load_ps(xs + 32 * j), iv);
           const __m128i q1 = codes16(_mm512_load_ps(xs + 32 * j + 16), iv);
-          if (a.code == kInt4) {
+          if (kCode == kInt4) {
             const __m128i packed = _mm_or_si128(
                 _mm_and_si128(q0, _mm_set1_epi8(0x0f)),
                 _mm_and_si128(_mm_slli_epi16(q1, 4), _mm_set1_epi8(int8_t(0xf0))));
@@ -227,7 +223,10 @@ ffi::Error dispatch(const Piece& a, const In* in, const std::vector<const int8_t
                     int8_t* out) {
 #ifdef __AVX512F__
   if (a.g == 32) {
-    encode32<In>(a, in, wires, out);
+    if (a.code == kInt4)
+      encode32<kInt4, In>(a, in, wires, out);
+    else
+      encode32<kInt8, In>(a, in, wires, out);
     return ffi::Error::Success();
   }
 #endif
