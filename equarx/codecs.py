@@ -72,6 +72,24 @@ class GroupCodec:
         """Values un-rotated to `unrotate_to` from `wire_parts`' arrays (any leading shape)."""
         return groups.unrotate_codes(codes, scale_bytes, self.group, self.code, self.unrotate_to)
 
+    def gathers_natively(self, layout) -> bool:
+        """Whether `unrotate_gathered` runs as the native CPU kernel here."""
+        return (self.unrotate_to is not None and isinstance(layout, TokenLayout)
+                and jnp.dtype(self.unrotate_to) in (jnp.bfloat16, jnp.float32)
+                and native_cpu.in_use())
+
+    def unrotate_gathered(self, device: jax.Array, rows: list[list[jax.Array]],
+                          pieces: list[tuple[int, int]], layout) -> jax.Array:
+        """rows[r][i]: the wire bytes of piece pieces[i] of relative shard r (device + r's)
+        -> the layout's whole buffer in `unrotate_to`, every value decoded and un-rotated in
+        its place: the all-gather's end as one native CPU kernel (`gathers_natively`)."""
+        wires = [w for row in rows for w in row]
+        geometries = [layout.piece_geometry(*p) for p in pieces]
+        shape = (layout.minishards, layout.rows_per_minishard, layout.n_devices, layout.halves,
+                 layout.width)
+        return native_cpu.gather_unrotate(device, wires, groups.rotation(self.group).T,
+                                          self.code, self.unrotate_to, shape, geometries)
+
     def sums_natively(self, arrival_codec, layout, dtype) -> bool:
         """Whether `encode_sum` runs as the native CPU kernel (equarx.native_cpu) here: integer
         codes, the token layout's buffer in bfloat16 or float32, arrivals in this codec's own

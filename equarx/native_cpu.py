@@ -1,10 +1,13 @@
 """Native CPU kernels of the group codec, as XLA FFI handlers built on first use.
 
-Two kernels, each with the pure-JAX form's bits (for fp8, up to the bits of a NaN):
+Kernels with the pure-JAX forms' bits (for fp8, up to the bits of a NaN):
 - the all-gather's un-rotation of the codes (int8, int4, fp8; equarx/csrc/unrotate_cpu.cc,
   `groups.unrotate_codes`): on XLA:CPU a fused broadcast product-sum at about 25 GFLOP/s, the
   default codec's largest cost between blocking transfers; here a run's Hadamard structure as
-  butterflies with AVX-512 (about 6x faster) or AVX2 (about 5x), elsewhere a plain loop;
+  butterflies with AVX-512 (about 6x faster) or AVX2 (about 5x), elsewhere a plain loop. One
+  form of it takes every arrived piece and writes each straight into its place in the
+  layout's buffer (`codecs.GroupCodec.unrotate_gathered`), where XLA:CPU first puts codes and
+  scales in place as bytes and copies them;
 - the encode fused with the sum before it (int8, int4; equarx/csrc/encode_cpu.cc,
   `codecs.GroupCodec.encode_sum`): a piece read in place from the layout's strided buffer plus
   the decoded arrivals, quantized while each group is in registers, where XLA:CPU copies the
@@ -44,7 +47,8 @@ SOURCES = (CSRC / "unrotate_cpu.cc", CSRC / "encode_cpu.cc")
 HEADERS = (CSRC / "group_codec.h",)
 TARGET = "equarx_unrotate_cpu"
 ENCODE_TARGET = "equarx_encode_sum_cpu"
-TARGETS = (TARGET, ENCODE_TARGET)
+GATHER_TARGET = "equarx_gather_unrotate_cpu"
+TARGETS = (TARGET, ENCODE_TARGET, GATHER_TARGET)
 CODE_IDS = {"int8": 0, "int4": 1, "fp8": 2}  # the kernel's `code` attribute
 _LOCK = threading.Lock()
 
@@ -99,12 +103,13 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
     return lib
 
 
-def register(lib: Path, suffix: str = "") -> tuple[str, str]:
-    """Registers the library's kernels as the CPU FFI targets TARGET + suffix (un-rotation) and
-    ENCODE_TARGET + suffix; returns those names."""
+def register(lib: Path, suffix: str = "") -> tuple[str, ...]:
+    """Registers the library's kernels as the CPU FFI targets TARGETS, each + suffix; returns
+    those names."""
     loaded = ctypes.cdll.LoadLibrary(str(lib))
-    names = (TARGET + suffix, ENCODE_TARGET + suffix)
-    for name, handler in zip(names, (loaded.EquarxUnrotate, loaded.EquarxEncodeSum)):
+    names = tuple(t + suffix for t in TARGETS)
+    handlers = (loaded.EquarxUnrotate, loaded.EquarxEncodeSum, loaded.EquarxGatherUnrotate)
+    for name, handler in zip(names, handlers):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
     return names
 
@@ -153,6 +158,28 @@ def unrotate(codes: jax.Array, scale_bytes: jax.Array, mt: np.ndarray, code: str
                            vmap_method="broadcast_all")(
         codes, scale_bytes, np.ascontiguousarray(mt, np.float32), code=np.int64(CODE_IDS[code]))
     return _varying_like(out, codes)
+
+
+def gather_unrotate(device: jax.Array, wires, mt: np.ndarray, code: str, out_dtype,
+                    out_shape: tuple[int, ...], geometries: list[dict],
+                    target: str = GATHER_TARGET) -> jax.Array:
+    """The all-gather's end (`codecs.GroupCodec.unrotate_gathered`) as the native kernel (CPU
+    only; call `available()` first): device an int32 scalar, wires the arrived wire bytes of N
+    relative shards x P pieces (shard-major), geometries each piece's `piece_geometry` in the
+    output buffer of `out_shape` -> that buffer in out_dtype, every value un-rotated in place."""
+    first = geometries[0]
+    if any({k: g[k] for k in first if k not in ("base", "pieces")}
+           != {k: first[k] for k in first if k not in ("base", "pieces")} for g in geometries):
+        raise ValueError("the pieces of one all-gather share their rows, width and strides")
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, out_dtype),
+                           vmap_method="sequential")(
+        jnp.asarray(device, jnp.int32), np.ascontiguousarray(mt, np.float32), *wires,
+        code=np.int64(CODE_IDS[code]),
+        bases=np.array([g["base"] for g in geometries], np.int64),
+        counts=np.array([g["pieces"] for g in geometries], np.int64),
+        **{k: np.int64(first[k]) for k in ("rows", "width", "row_stride", "shard_stride",
+                                            "shards")})
+    return _varying_like(out, wires[0])
 
 
 def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, group: int, code: str,

@@ -190,19 +190,32 @@ def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_
     switch branch for large messages), so each decoded value is written once. A codec that
     un-rotates as it decodes (`unrotate_to`) has its codes and scales put in place as bytes
     first and decoded in one pass over the whole buffer (its rotation is a reduction that runs
-    best over a large array, outside the switch)."""
+    best over a large array, outside the switch); on the CPU one native kernel decodes every
+    piece straight into its place instead (codecs.GroupCodec.unrotate_gathered)."""
     rows = [[row[p] for p in pieces] for row in got]
     switch = layout.padded_elements >= SWITCH_MIN_ELEMENTS
     if getattr(codec, "unrotate_to", None) is None:
         return _place(rows, axis_name, layout, lambda w: codec.decode(w).astype(out_dtype),
                       switch)
-    # Codes and scale bytes are placed one after the other, each split from the wire inside the
-    # assembly (split outside it, XLA recomputes the owner's encode for each of the two).
-    widths = [part.shape[-1] for part in codec.wire_parts(rows[0][0])]
-    placed = [_place(rows, axis_name, dataclasses.replace(layout, width=width),
-                     lambda wire, i=i: codec.wire_parts(wire)[i], switch)
-              for i, width in enumerate(widths)]
-    return codec.decode_parts(*placed)
+
+    def placed_then_unrotated(*wires):
+        # Codes and scale bytes are placed one after the other, each split from the wire inside
+        # the assembly (split outside it, XLA recomputes the owner's encode for each of the two).
+        rows = [list(wires[r * len(pieces):(r + 1) * len(pieces)]) for r in range(len(got))]
+        widths = [part.shape[-1] for part in codec.wire_parts(rows[0][0])]
+        placed = [_place(rows, axis_name, dataclasses.replace(layout, width=width),
+                         lambda wire, i=i: codec.wire_parts(wire)[i], switch)
+                  for i, width in enumerate(widths)]
+        return codec.decode_parts(*placed)
+
+    flat = [w for row in rows for w in row]
+    if not codec.gathers_natively(layout):
+        return placed_then_unrotated(*flat)
+
+    def on_cpu(*wires):
+        rows = [list(wires[r * len(pieces):(r + 1) * len(pieces)]) for r in range(len(got))]
+        return codec.unrotate_gathered(lax.axis_index(axis_name), rows, pieces, layout)
+    return lax.platform_dependent(*flat, cpu=on_cpu, default=placed_then_unrotated)
 
 
 def _place(rows: list[list[jax.Array]], axis_name: str, layout, decode, switch: bool):

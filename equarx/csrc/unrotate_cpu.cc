@@ -11,6 +11,8 @@
 // run of 32 is two vectors and H q is five butterfly stages (docs/results.md).
 #include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "group_codec.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,6 +34,12 @@ inline void store<uint16_t>(uint16_t* o, int i, float v) { o[i] = f32_to_bf16(v)
 template <>
 inline void store<float>(float* o, int i, float v) { o[i] = v; }
 
+// Where the values go: `rows` rows of `per_row` runs each (their codes and scales consecutive),
+// row t's values at out + t * stride.
+struct Rows {
+  int64_t rows, per_row, stride;
+};
+
 // A butterfly stage of stride h inside a vector of `lanes`: lane l takes lane l ^ h, and its
 // own value with the sign + (bit h of l clear) or - (set).
 inline void stage_constants(int lanes, int h, int32_t* idx, float* sign) {
@@ -45,8 +53,10 @@ inline void stage_constants(int lanes, int h, int32_t* idx, float* sign) {
 // +0, so a zero sum is +0 as in XLA's reduce.
 template <int G, typename Out>
 void unrotate_generic(Code code, const int8_t* codes, const uint16_t* scales, const float* mt,
-                      Out* out, int64_t groups) {
-  for (int64_t k = 0; k < groups; ++k) {
+                      Out* out, Rows shape) {
+  for (int64_t t = 0, k = 0; t < shape.rows; ++t)
+  for (int64_t j = 0; j < shape.per_row; ++j, ++k) {
+    Out* const o = out + t * shape.stride + j * G;
     float q[G];
     load_codes<G>(code, codes, k, q);
     float acc[G] = {0};
@@ -56,7 +66,7 @@ void unrotate_generic(Code code, const int8_t* codes, const uint16_t* scales, co
       for (int i = 0; i < G; ++i) acc[i] += col[i] * qj;
     }
     const float s = bf16_to_f32(scales[k]) / float(G);
-    for (int i = 0; i < G; ++i) store<Out>(out + k * G, i, acc[i] * s);
+    for (int i = 0; i < G; ++i) store<Out>(o, i, acc[i] * s);
   }
 }
 
@@ -86,7 +96,7 @@ inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
 // between them, strides 8..1 inside each), then the signs D (the first row of M^T).
 template <typename Out>
 void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
-                int64_t groups) {
+                Rows shape) {
   __m512i swap[4];
   __m512 sign[4];
   for (int s = 0; s < 4; ++s) {
@@ -98,7 +108,9 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
   }
   const __m512 d_lo = _mm512_loadu_ps(mt), d_hi = _mm512_loadu_ps(mt + 16);
   const __m512 zero = _mm512_setzero_ps();
-  for (int64_t k = 0; k < groups; ++k) {
+  for (int64_t t = 0, k = 0; t < shape.rows; ++t)
+  for (int64_t j = 0; j < shape.per_row; ++j, ++k) {
+    Out* const o = out + t * shape.stride + j * 32;
     __m512 a, b;
     load32(code, codes, k, &a, &b);
     __m512 lo = _mm512_add_ps(a, b), hi = _mm512_sub_ps(a, b);
@@ -110,8 +122,8 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
     lo = _mm512_fmadd_ps(lo, d_lo, zero);
     hi = _mm512_fmadd_ps(hi, d_hi, zero);
     const __m512 sc = _mm512_set1_ps(bf16_to_f32(scales[k]) / 32.0f);
-    store16(out + k * 32, _mm512_mul_ps(lo, sc));
-    store16(out + k * 32 + 16, _mm512_mul_ps(hi, sc));
+    store16(o, _mm512_mul_ps(lo, sc));
+    store16(o + 16, _mm512_mul_ps(hi, sc));
   }
 }
 #endif
@@ -157,7 +169,7 @@ inline void store32(float* o, const __m256* v) {
 
 template <typename Out>
 void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
-                int64_t groups) {
+                Rows shape) {
   __m256i swap[3];
   __m256 sign[3];
   for (int s = 0; s < 3; ++s) {
@@ -170,7 +182,9 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
   __m256 d[4];
   for (int r = 0; r < 4; ++r) d[r] = _mm256_loadu_ps(mt + 8 * r);
   const __m256 zero = _mm256_setzero_ps();
-  for (int64_t k = 0; k < groups; ++k) {
+  for (int64_t t = 0, k = 0; t < shape.rows; ++t)
+  for (int64_t j = 0; j < shape.per_row; ++j, ++k) {
+    Out* const o = out + t * shape.stride + j * 32;
     __m256 v[4];
     for (int r = 0; r < 4; ++r) {
       const int8_t* p = code == kInt4 ? codes + k * 16 + 8 * (r & 1) : codes + k * 32 + 8 * r;
@@ -194,14 +208,14 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
       // The signs as d v + 0: a zero sum stays +0, as the plain sum of products gives it.
       v[r] = _mm256_mul_ps(_mm256_fmadd_ps(v[r], d[r], zero), sc);
     }
-    store32(out + k * 32, v);
+    store32(o, v);
   }
 }
 #endif
 
 template <typename Out>
 ffi::Error dispatch(Code code, int64_t g, const int8_t* c, const uint16_t* s, const float* mt,
-                    Out* o, int64_t groups) {
+                    Out* o, Rows groups) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (g == 32) {
     unrotate32<Out>(code, c, s, mt, o, groups);
@@ -233,7 +247,7 @@ ffi::Error Unrotate(ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::S8> scale_bytes
       codes.element_count() != (code == kInt4 ? values / 2 : values) ||
       scale_bytes.element_count() != 2 * (values / g))
     return ffi::Error::InvalidArgument("codes, scales and output do not match the group size");
-  const int64_t groups = values / g;
+  const Rows groups{1, values / g, 0};
   const int8_t* c = codes.typed_data();
   const auto* s = reinterpret_cast<const uint16_t*>(scale_bytes.typed_data());
   const float* m = mt.typed_data();
@@ -249,7 +263,80 @@ ffi::Error Unrotate(ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::S8> scale_bytes
   }
 }
 
+// The all-gather's end in one call: the wire bytes of every piece of every shard as they arrived
+// (relative shard r of N, piece p of P: argument r * P + p, each int8[counts[p], ., .] as
+// groups.encode lays it out) un-rotated straight into their place in the layout's buffer, out
+// (bfloat16 or float32): relative shard r is shard (device + r) % N, and row i of piece p's
+// minishards starts at element bases[p] + shard * shard_stride + i * row_stride. This replaces
+// putting codes and scales in place as bytes (a switch over N concatenations, and a copy)
+// before un-rotating them.
+ffi::Error GatherUnrotate(ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::F32> mt,
+                          ffi::RemainingArgs wires, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t code, ffi::Span<const int64_t> bases,
+                          ffi::Span<const int64_t> counts, int64_t rows, int64_t width,
+                          int64_t row_stride, int64_t shard_stride, int64_t shards) {
+  const auto dims = mt.dimensions();
+  if (dims.size() < 2) return ffi::Error::InvalidArgument("the matrix must be g x g");
+  if (code != kInt8 && code != kInt4 && code != kFp8)
+    return ffi::Error::InvalidArgument("code must be 0 (int8), 1 (int4) or 2 (fp8)");
+  const int64_t g = dims[dims.size() - 1], pieces = int64_t(bases.size());
+  if (g <= 0 || g % 2 != 0 || width % g != 0 || rows < 1 || shards < 1 ||
+      int64_t(counts.size()) != pieces || int64_t(wires.size()) != shards * pieces)
+    return ffi::Error::InvalidArgument("the pieces do not match the group size or the shards");
+  if (device.element_count() != 1 || device.typed_data()[0] < 0 ||
+      device.typed_data()[0] >= shards)
+    return ffi::Error::InvalidArgument("the device index is outside the shards");
+  const int64_t d = device.typed_data()[0], per_row = width / g;
+  const int64_t code_bytes = (code == kInt4 ? g / 2 : g) * per_row * rows;
+  const int64_t minishard_bytes = code_bytes + 2 * per_row * rows;
+  std::vector<std::pair<const int8_t*, int64_t>> wire;  // (bytes, out offset) per argument
+  for (int64_t r = 0; r < shards; ++r) {
+    for (int64_t p = 0; p < pieces; ++p) {
+      auto w = wires.get<ffi::Buffer<ffi::S8>>(size_t(r * pieces + p));
+      const int64_t start = bases[p] + ((d + r) % shards) * shard_stride;
+      const int64_t last = start + (counts[p] * rows - 1) * row_stride + width;
+      if (w.has_error() || w->element_count() != counts[p] * minishard_bytes || start < 0 ||
+          last > int64_t(out->element_count()))
+        return ffi::Error::InvalidArgument("a piece does not fit its wire bytes or the output");
+      wire.emplace_back(w->typed_data(), start);
+    }
+  }
+  const float* m = mt.typed_data();
+  const auto run = [&](auto* o) -> ffi::Error {
+    for (size_t i = 0; i < wire.size(); ++i) {
+      for (int64_t b = 0; b < counts[int64_t(i) % pieces]; ++b) {
+        const int8_t* c = wire[i].first + b * minishard_bytes;
+        const auto* s = reinterpret_cast<const uint16_t*>(c + code_bytes);
+        const ffi::Error e = dispatch(Code(code), g, c, s, m, o + wire[i].second +
+                                      b * rows * row_stride, Rows{rows, per_row, row_stride});
+        if (e.failure()) return e;
+      }
+    }
+    return ffi::Error::Success();
+  };
+  switch (out->element_type()) {
+    case ffi::DataType::BF16: return run(static_cast<uint16_t*>(out->untyped_data()));
+    case ffi::DataType::F32: return run(static_cast<float*>(out->untyped_data()));
+    default: return ffi::Error::InvalidArgument("output must be bfloat16 or float32");
+  }
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxGatherUnrotate, GatherUnrotate,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("code")
+                                  .Attr<ffi::Span<const int64_t>>("bases")
+                                  .Attr<ffi::Span<const int64_t>>("counts")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("width")
+                                  .Attr<int64_t>("row_stride")
+                                  .Attr<int64_t>("shard_stride")
+                                  .Attr<int64_t>("shards"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxUnrotate, Unrotate,
                               ffi::Ffi::Bind()

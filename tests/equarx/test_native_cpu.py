@@ -98,7 +98,8 @@ def test_the_other_builds_give_the_same_bits(arch, tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the other builds are checked on x86-64")
     lib = native_cpu.build(native_cpu.compiler(), arch=arch, directory=tmp_path)
-    unrotate_target, encode_target = native_cpu.register(lib, f"_test_{arch.replace('-', '_')}")
+    unrotate_target, encode_target, gather_target = native_cpu.register(
+        lib, f"_test_{arch.replace('-', '_')}")
     for code in CODES:
         codes, scale_bytes = _wire(64, seed=2, code=code)
         for dtype in (jnp.bfloat16, jnp.float32):
@@ -114,6 +115,42 @@ def test_the_other_builds_give_the_same_bits(arch, tmp_path):
                     buf, *[a[1:3] for a in arrivals[:n]])
                 np.testing.assert_array_equal(
                     got, _encode_sum(buf, layout, 1, (1, 3), arrivals[:n], code, native=False))
+
+
+    for code in CODES:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            _check_gather(code, dtype, device=1, target=gather_target)
+
+
+def _check_gather(code: str, dtype, device: int, target: str = native_cpu.GATHER_TARGET):
+    """gather_unrotate of 3 shards x 2 pieces (one of 1 minishard, one of 2) against each piece
+    un-rotated by the pure form and put at its shard (device + r) % 3 by hand."""
+    layout = dataclasses.replace(plan_token_layout((96, 3 * 256), 3, 3, granule=G),
+                                 minishards=3, rows_per_minishard=32)
+    pieces = [(0, 1), (1, 3)]
+    rng = np.random.default_rng(6)
+    piece_codec = codecs.GroupCodec(G, code, layout.piece_shape)
+    rows = [[piece_codec.encode(jnp.asarray(rng.standard_normal((b - a, 32, 256)) * 3,
+                                            jnp.float32)) for a, b in pieces]
+            for _ in range(3)]
+    got = jax.jit(lambda d, *w: native_cpu.gather_unrotate(
+        d, w, groups.rotation(G).T, code, dtype, (3, 32, 3, 1, 256),
+        [layout.piece_geometry(*p) for p in pieces], target=target))(
+        jnp.int32(device), *[w for row in rows for w in row])
+    want = np.zeros((3, 32, 3, 1, 256), np.float32)
+    for r, row in enumerate(rows):
+        for (a, b), wire in zip(pieces, row):
+            values = groups.unrotate_codes(*piece_codec.wire_parts(wire), G, code, dtype,
+                                           native=False)
+            want[a:b, :, (device + r) % 3, 0] = np.asarray(values, np.float32)
+    _assert_same(got, jnp.asarray(want, dtype))
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_gather_unrotate_puts_every_piece_in_place(code):
+    assert native_cpu.available()
+    for device in range(3):
+        _check_gather(code, jnp.bfloat16 if device else jnp.float32, device)
 
 
 def _summands(dtype, code: str, seed: int = 0, edges: bool = True):
@@ -204,6 +241,8 @@ def test_encode_sum_refuses_a_piece_outside_its_buffer():
         f(buf, jnp.int32(2)).block_until_ready()
     with pytest.raises(Exception, match="shard index is outside"):
         f(buf, jnp.int32(-1)).block_until_ready()
+    with pytest.raises(Exception, match="device index is outside"):
+        _check_gather("int8", jnp.float32, device=3)
 
 
 @pytest.mark.parametrize("label", ["int8", "int8-full", "int4", "fp8"])
@@ -219,12 +258,12 @@ def test_the_collective_gives_the_same_bits_either_way(label, monkeypatch):
 
     f, native = run()
     text = f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
-    assert native_cpu.TARGET in text
+    assert native_cpu.GATHER_TARGET in text
     assert (native_cpu.ENCODE_TARGET in text) == (label != "fp8")  # integer codes only
     monkeypatch.setattr(native_cpu, "available", lambda: False)
     f, pure = run()
     text = f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
-    assert native_cpu.TARGET not in text and native_cpu.ENCODE_TARGET not in text
+    assert not any(target in text for target in native_cpu.TARGETS)
     _assert_same(native, pure)
 
 
