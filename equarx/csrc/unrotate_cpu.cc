@@ -71,12 +71,20 @@ void unrotate_generic(Code code, const int8_t* codes, const uint16_t* scales, co
 }
 
 #ifdef __AVX512F__
-// v' [l] = v[l ^ h] + v[l] * (bit h of l ? -1 : 1): one butterfly stage inside a vector.
-inline __m512 butterfly(__m512 v, __m512i swap, __m512 sign) {
-  return _mm512_fmadd_ps(v, sign, _mm512_permutexvar_ps(swap, v));
+// v' [l] = v[l ^ h] + v[l] * (bit h of l ? -1 : 1): one butterfly stage inside a vector, the
+// swap of lanes l and l ^ h by a fixed shuffle (strides 8 and 4 move 128-bit blocks, 2 and 1
+// move lanes within them).
+template <int H>
+inline __m512 butterfly(__m512 v, __m512 sign) {
+  __m512 swapped;
+  if constexpr (H == 8) swapped = _mm512_shuffle_f32x4(v, v, 0x4e);
+  else if constexpr (H == 4) swapped = _mm512_shuffle_f32x4(v, v, 0xb1);
+  else if constexpr (H == 2) swapped = _mm512_permute_ps(v, 0x4e);
+  else swapped = _mm512_permute_ps(v, 0xb1);
+  return _mm512_fmadd_ps(v, sign, swapped);
 }
 
-inline __m256i to_bf16(__m512 x) {
+inline __m256i to_bf16_bits(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(
@@ -85,6 +93,18 @@ inline __m256i to_bf16(__m512 x) {
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(
       _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+inline __m256i to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+  // One conversion instruction rounds the same way (NaN: its top bits, made quiet), but reads a
+  // subnormal input as zero: a vector holding one takes the integer rounding instead.
+  const __mmask16 subnormal =
+      _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ) &
+      _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+  if (!subnormal) return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#endif
+  return to_bf16_bits(x);
 }
 
 inline void store16(uint16_t* o, __m512 v) {
@@ -97,13 +117,11 @@ inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
 template <typename Out>
 void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
                 Rows shape) {
-  __m512i swap[4];
   __m512 sign[4];
   for (int s = 0; s < 4; ++s) {
     alignas(64) int32_t idx[16];
     alignas(64) float sg[16];
     stage_constants(16, 8 >> s, idx, sg);
-    swap[s] = _mm512_load_si512(idx);
     sign[s] = _mm512_load_ps(sg);
   }
   const __m512 d_lo = _mm512_loadu_ps(mt), d_hi = _mm512_loadu_ps(mt + 16);
@@ -114,10 +132,10 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
     __m512 a, b;
     load32(code, codes, k, &a, &b);
     __m512 lo = _mm512_add_ps(a, b), hi = _mm512_sub_ps(a, b);
-    for (int s = 0; s < 4; ++s) {
-      lo = butterfly(lo, swap[s], sign[s]);
-      hi = butterfly(hi, swap[s], sign[s]);
-    }
+    lo = butterfly<1>(butterfly<2>(butterfly<4>(butterfly<8>(lo, sign[0]), sign[1]), sign[2]),
+                      sign[3]);
+    hi = butterfly<1>(butterfly<2>(butterfly<4>(butterfly<8>(hi, sign[0]), sign[1]), sign[2]),
+                      sign[3]);
     // The signs as d v + 0: a zero sum stays +0, as the plain sum of products gives it.
     lo = _mm512_fmadd_ps(lo, d_lo, zero);
     hi = _mm512_fmadd_ps(hi, d_hi, zero);
