@@ -47,6 +47,9 @@ def _wire(rows: int, width: int = 1024, seed: int = 0, edges: bool = True, code:
         x[4, :G] = 1e-40  # a group whose scale is subnormal
         x[5, :G] = 3e38
         x[6, 7] = 1e-30  # one value far below its group's step: rounds to a zero code
+        # A normal scale over 32 below the normal range: XLA:CPU flushes such results to
+        # zero, and the kernel, run on its threads, does the same.
+        x[7, :G] = rng.standard_normal(G) * 1e-36
     wire = groups.encode(groups.rotate(jnp.asarray(x), G), G, code)
     return groups.wire_parts(wire, (1, width))
 
