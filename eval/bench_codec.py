@@ -8,6 +8,9 @@ move divided by the memory bandwidth. This times, on the default JAX device:
   decode_add   wire + local f32 partial -> f32 sum (reads 1 + 2/32 + 4, writes 4)
   hop          decode_add then encode, as one reduce-scatter hop runs them (reads 1 + 2/32 + 4,
                writes 1 + 2/32)
+  encode_sum   the same as a schedule runs it (codecs.encode_sum): the local partial a bfloat16
+               piece of the token layout's buffer, read in place (reads 2 + 1 + 2/32, writes
+               1 + 2/32); on a CPU, a native kernel for int8 and int4
   unrotate     the all-gather's last step: codes and scales -> bf16 values with the rotation
                undone (groups.unrotate_codes; reads 1 + 2/32, writes 2), on every device over
                the whole message; on a CPU, a native kernel (equarx.native_cpu)
@@ -31,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from equarx import groups
+from equarx import codecs, groups
+from equarx.layout import plan_token_layout
 from eval.reports import write_json
 
 
@@ -93,6 +97,14 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
         "hop": (jax.jit(lambda w, v: groups.encode(groups.decode(w, group, code, v.shape) + v, group,
                                                    code)), (wire, local), 2 * wire_bytes + 4.0),
     }
+    # What a schedule runs: a bfloat16 piece (half the columns of a 2-shard token layout) read
+    # in place, an arrival decoded and added, the sum encoded (the native kernel on a CPU).
+    layout = plan_token_layout((rows, 2048), 2, 1, granule=group)
+    buf = layout.split(jnp.concatenate([x, local], axis=1).astype(jnp.bfloat16))
+    codec = codecs.GroupCodec(group, code, layout.piece_shape)
+    kernels["encode_sum"] = (
+        jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
+        (buf, wire.reshape(1, -1, wire.shape[-1] * rows)), 2.0 + 2 * wire_bytes)
     codes, scale_bytes = groups.wire_parts(wire, (1, 1024))
     kernels["unrotate"] = (
         jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
