@@ -134,7 +134,7 @@ def _split(x: jax.Array, layout, config: AllReduceConfig, rotated: bool = False)
     rotation = _rotation(config)
     if rotation == "group" and rotated:
         # Already rotated: the rows in the caller's dtype. The codecs and the float32 adds
-        # widen a bfloat16 piece where they read it (see ring.ring_reduce_scatter's `local`).
+        # widen a bfloat16 piece where they read it (codecs.encode_sum).
         x = x.reshape(-1, x.shape[-1])
     elif rotation == "group":
         # Rotate the caller's rows as they are (contiguous, runs of g from column 0; the shard

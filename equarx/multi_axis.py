@@ -114,7 +114,7 @@ def multi_axis_schedule(buf: jax.Array, axis_names: Sequence[str], variants: Seq
             parts[p] = reduce_scatter_axis(part, axis_names[a], variants[a], rs_codec,
                                            pipelined)
     # Each owner encodes its m reduced pieces once; the barrier makes it decode the very bytes
-    # it sends (see equarx.ring.ring_all_gather).
+    # it sends (see equarx.ring.all_gather_wires).
     wires = [lax.optimization_barrier(ag_codec.encode(y)) for y in parts]
     tail = wires[0].shape[1:]  # one piece's wire bytes
     for t in reversed(range(k)):

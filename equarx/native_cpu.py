@@ -9,7 +9,7 @@ Kernels with the pure-JAX forms' bits (for fp8, up to the bits of a NaN):
   layout's buffer (`codecs.GroupCodec.unrotate_gathered`), where XLA:CPU first puts codes and
   scales in place as bytes and copies them;
 - the encode fused with the sum before it (int8, int4; equarx/csrc/encode_cpu.cc,
-  `codecs.GroupCodec.encode_sum`): a piece read in place from the layout's strided buffer plus
+  `codecs.encode_sum`): a piece read in place from the layout's strided buffer plus
   the decoded arrivals, quantized while each group is in registers, where XLA:CPU copies the
   piece out, widens it for the absmax and reads it again to quantize.
 They change speed only, and only on the CPU backend: TPU and GPU programs lower the pure-JAX
@@ -138,7 +138,7 @@ def _load() -> bool:
 
 
 def available() -> bool:
-    """Whether the native kernels are built and registered (building it on first call)."""
+    """Whether the native kernels are built and registered (building them on first call)."""
     with _LOCK:
         return _load()
 
@@ -184,7 +184,7 @@ def gather_unrotate(device: jax.Array, wires, mt: np.ndarray, code: str, out_dty
 
 def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, group: int, code: str,
                target: str = ENCODE_TARGET) -> jax.Array:
-    """`codecs.GroupCodec.encode_sum` as the native kernel (CPU only; call `available()` first):
+    """`codecs.encode_sum` as the native kernel (CPU only; call `available()` first):
     buf bfloat16 or float32 (the layout's buffer), shard an int32 scalar, arrivals wire bytes
     int8[pieces, ., .] of the piece, geometry the piece's rows in buf
     (`TokenLayout.piece_geometry`) -> the piece's wire bytes, as `groups.encode` lays them out."""

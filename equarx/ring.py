@@ -198,10 +198,13 @@ def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_
         return _place(rows, axis_name, layout, lambda w: codec.decode(w).astype(out_dtype),
                       switch)
 
+    def shards(wires) -> list[list[jax.Array]]:
+        return [list(wires[r * len(pieces):(r + 1) * len(pieces)]) for r in range(len(got))]
+
     def placed_then_unrotated(*wires):
         # Codes and scale bytes are placed one after the other, each split from the wire inside
         # the assembly (split outside it, XLA recomputes the owner's encode for each of the two).
-        rows = [list(wires[r * len(pieces):(r + 1) * len(pieces)]) for r in range(len(got))]
+        rows = shards(wires)
         widths = [part.shape[-1] for part in codec.wire_parts(rows[0][0])]
         placed = [_place(rows, axis_name, dataclasses.replace(layout, width=width),
                          lambda wire, i=i: codec.wire_parts(wire)[i], switch)
@@ -213,8 +216,7 @@ def assemble(got: list[dict], pieces, axis_name: str, codec: Codec, layout, out_
         return placed_then_unrotated(*flat)
 
     def on_cpu(*wires):
-        rows = [list(wires[r * len(pieces):(r + 1) * len(pieces)]) for r in range(len(got))]
-        return codec.unrotate_gathered(lax.axis_index(axis_name), rows, pieces, layout)
+        return codec.unrotate_gathered(lax.axis_index(axis_name), shards(wires), pieces, layout)
     return lax.platform_dependent(*flat, cpu=on_cpu, default=placed_then_unrotated)
 
 

@@ -50,21 +50,13 @@ def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout)
     return codecs.reduced(codec, buf, layout, lax.axis_index(axis_name), arrivals)
 
 
-def all_gather(y: jax.Array, axis_name: str, pieces, codec: Codec, layout,
-               out_dtype=jnp.float32) -> jax.Array:
-    """y: f32[pieces, *piece], this device's reduced shard -> every shard in `layout`'s buffer
-    order, decoded to `out_dtype` (`all_gather_wires` of y's pieces encoded)."""
-    wire = {p: codec.encode(y[p[0]:p[1]]) for p in pieces}
-    return all_gather_wires(wire, axis_name, pieces, codec, layout, out_dtype)
-
-
 def all_gather_wires(wire: dict, axis_name: str, pieces, codec: Codec, layout,
                      out_dtype=jnp.float32) -> jax.Array:
     """wire: {piece: this device's reduced shard's piece as `codec`'s wire bytes} -> every
     shard in `layout`'s buffer order, decoded to `out_dtype`. The owner sends the same bytes
     to every other device."""
     n = layout.n_devices
-    # The barrier makes the owner decode the very bytes it sends (see ring.ring_all_gather).
+    # The barrier makes the owner decode the very bytes it sends (see ring.all_gather_wires).
     got: list[dict] = [{p: lax.optimization_barrier(wire[p]) for p in pieces}]
     got += [{} for _ in range(n - 1)]
     for k in range(1, n):

@@ -2,7 +2,7 @@
 // (equarx/native_cpu.py builds and registers it): one piece of the token layout's buffer, read in
 // place at the shard a device picks at run time, plus the decoded partial sums that arrived for
 // it -> the codes and bfloat16 scales of equarx.groups.encode, bit for bit. That is
-// codecs.GroupCodec.encode_sum: every encode of a reduce-scatter, and the sum that ends it
+// codecs.encode_sum: every encode of a reduce-scatter, and the sum that ends it
 // together with the all-gather's encode.
 //
 // Why a kernel of its own: on XLA:CPU the piece is first copied out of its strided rows, widened
@@ -10,13 +10,12 @@
 // summed, and its group's absmax, scale and codes follow while the group is in registers.
 //
 // The same arithmetic as the JAX form, in the same order: each arrival's code times its scale
-// (exact: 8-bit codes times a bfloat16), added to the running float32 sum in arrival order;
-// the scale is absmax times the float32 reciprocal of code_max, rounded up to a bfloat16 (an
-// absmax of NaN counts as Inf),
-// 1 / scale its inverse (0 where the scale is 0, too small to invert, or not finite), and a code
-// v * (1 / scale) rounded to float32, then half to even to an integer, whose float bits plus
-// 1.5 * 2^23 hold it in their low byte. Built with -ffp-contract=off, so no product and sum
-// are fused into one rounding.
+// (exact: 8-bit codes times a bfloat16), added to the running float32 sum in arrival order; the
+// scale is the absmax times the float32 reciprocal of code_max, rounded up to a bfloat16; 1 /
+// scale its inverse (0 where the scale is 0, too small to invert, or not finite); a code the
+// value times that inverse, rounded to float32, then half to even to an integer. Built with
+// -ffp-contract=off, so no product and sum are fused into one rounding. A NaN counts as Inf in
+// the absmax, so its run decodes to NaN (XLA:CPU's max-reduce may drop it: the one difference).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -135,6 +134,8 @@ inline __m512 scales16(__m512 amax, float code_max, uint16_t* scales, int n) {
   return _mm512_maskz_mov_ps(usable, iv);
 }
 
+// 16 codes: the conversion rounds half to even (the rounding mode XLA:CPU's threads keep); for
+// a finite product the same integer as round-then-magic-add (the scalar form).
 inline __m128i codes16(__m512 x, __m512 inv) {
   return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)));
 }
