@@ -15,7 +15,7 @@
 // scale its inverse (0 where the scale is 0, too small to invert, or not finite); a code the
 // value times that inverse, rounded to float32, then half to even to an integer. Built with
 // -ffp-contract=off, so no product and sum are fused into one rounding. A NaN counts as Inf in
-// the absmax, so its run decodes to NaN (XLA:CPU's max-reduce may drop it: the one difference).
+// the absmax, so its run decodes to NaN.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

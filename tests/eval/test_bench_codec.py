@@ -13,7 +13,8 @@ def test_every_kernel_is_timed_with_its_bytes(tmp_path):
     # int8 groups of 32: 1 byte a value plus a bfloat16 scale per 32 values on the wire.
     wire = 1 + 2 / 32
     moved = {"copy": 8.0, "rotate": 8.0, "encode": 4 + wire, "decode_add": wire + 8,
-             "hop": 2 * wire + 4, "unrotate": wire + 2, "unrotate_jax": wire + 2}
+             "hop": 2 * wire + 4, "encode_sum": 2 * wire + 2, "unrotate": wire + 2,
+             "unrotate_jax": wire + 2}
     assert set(report["kernels"]) == set(moved)
     for name, k in report["kernels"].items():
         assert k["ms"] > 0
