@@ -142,8 +142,8 @@ def _bf16_scale_up(s: jax.Array) -> jax.Array:
 
 def _scales(amax: jax.Array, code_max: float) -> tuple[jax.Array, jax.Array]:
     """Per-group absmax f32[...] -> (bf16 scale [...], f32 1/scale [...]). A NaN or Inf in a
-    group makes its absmax Inf (`_absmax`'s maxima propagate NaN, mapped to Inf here, on one
-    value per group), its inverse 0 (q = 0) and so its decoded values NaN."""
+    group makes its absmax Inf (`_absmax` maps a NaN to Inf; a NaN absmax is mapped here too),
+    its inverse 0 (q = 0) and so its decoded values NaN."""
     amax = jnp.where(jnp.isnan(amax), jnp.inf, amax)
     # Times the float32 reciprocal, not divided: XLA:CPU turns a division by a constant into
     # that product in some fusions and not in others, which would move a scale with the program

@@ -104,7 +104,7 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     codec = codecs.GroupCodec(group, code, layout.piece_shape)
     kernels["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
-        (buf, wire.reshape(1, -1, wire.shape[-1] * rows)), 2.0 + 2 * wire_bytes)
+        (buf, groups.encode(local.reshape(1, rows, 1024), group, code)), 2.0 + 2 * wire_bytes)
     codes, scale_bytes = groups.wire_parts(wire, (1, 1024))
     kernels["unrotate"] = (
         jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
