@@ -132,10 +132,7 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
     arrival_codec = arrival_codec or codec
 
     def pure(buf, shard, *arrivals):
-        values = layout.piece(buf, shard, *piece)
-        for wire in arrivals:
-            values = values.astype(jnp.float32) + arrival_codec.decode(wire)
-        return codec.encode(values)
+        return codec.encode(_plus(layout.piece(buf, shard, *piece), arrivals, arrival_codec))
 
     if isinstance(codec, GroupCodec) and codec.sums_natively(arrival_codec, layout, buf.dtype):
         def on_cpu(buf, shard, *arrivals):
@@ -149,13 +146,17 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
 def reduced(codec: Codec, buf: jax.Array, layout, shard, arrivals: dict) -> jax.Array:
     """A reduce-scatter's result as values: f32[pieces, *piece], each piece of `buf` at `shard`
     plus its arrivals (`codec`'s wire bytes) decoded, added in order."""
-    out = []
-    for piece in sorted(arrivals):
-        values = layout.piece(buf, shard, *piece).astype(jnp.float32)
-        for wire in arrivals[piece]:
-            values = values + codec.decode(wire)
-        out.append(values)
-    return jnp.concatenate(out)
+    return jnp.concatenate([
+        _plus(layout.piece(buf, shard, *piece).astype(jnp.float32), arrivals[piece], codec)
+        for piece in sorted(arrivals)])
+
+
+def _plus(values: jax.Array, arrivals, codec: Codec) -> jax.Array:
+    """values plus each arrival decoded by `codec`, added in float32 in order (values keep their
+    own dtype when nothing arrives)."""
+    for wire in arrivals:
+        values = values.astype(jnp.float32) + codec.decode(wire)
+    return values
 
 
 def for_phases(config, dtype, piece_shape: tuple[int, ...]) -> tuple[Codec, Codec]:
