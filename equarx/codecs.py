@@ -46,8 +46,8 @@ class FlatInt8Codec:
 
 @dataclasses.dataclass(frozen=True)
 class GroupCodec:
-    """blocks="group" (token layout): runs of `group` values of one row, one bfloat16 scale
-    each, `code` payload ("int8", "int4", "fp8"); see equarx.groups."""
+    """blocks="group" (token layout): runs of `group` values of one row, a scale byte each and
+    an exponent byte per row, `code` payload ("int8", "int4", "fp8"); see equarx.groups."""
 
     group: int
     code: str
@@ -64,13 +64,15 @@ class GroupCodec:
             return self.decode_parts(*self.wire_parts(wire))
         return groups.decode(wire, self.group, self.code, (wire.shape[0], *self.piece_shape))
 
-    def wire_parts(self, wire: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(codes, scale bytes), one row per token each (see groups.wire_parts)."""
-        return groups.wire_parts(wire, self.piece_shape)
+    def wire_parts(self, wire: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(codes, steps, exponents), one row per token each (see groups.wire_parts)."""
+        return groups.wire_parts(wire, self.piece_shape, self.group, self.code)
 
-    def decode_parts(self, codes: jax.Array, scale_bytes: jax.Array) -> jax.Array:
+    def decode_parts(self, codes: jax.Array, steps: jax.Array, exponents: jax.Array
+                     ) -> jax.Array:
         """Values un-rotated to `unrotate_to` from `wire_parts`' arrays (any leading shape)."""
-        return groups.unrotate_codes(codes, scale_bytes, self.group, self.code, self.unrotate_to)
+        return groups.unrotate_codes(codes, steps, exponents, self.group, self.code,
+                                     self.unrotate_to)
 
     def gathers_natively(self, layout) -> bool:
         """Whether `unrotate_gathered` runs as the native CPU kernel here."""

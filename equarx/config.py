@@ -47,8 +47,8 @@ class AllReduceConfig:
     blocks: how quantized values share scales.
       "group" (default): the token-local layout (every row of the message split by columns
         across the shards) and, within a row, runs of `group_size` values rotated by a
-        randomized Hadamard transform and given one bfloat16 scale. A row's result depends on
-        that row alone, bitwise.
+        randomized Hadamard transform and given one scale (a byte on a grid below the row's
+        exponent byte). A row's result depends on that row alone, bitwise.
       "tile" (the paper's): the message flattened, per minishard one float32 8x128 scale tile,
         scale[s, l] covering the K values at that tile position (mixes tokens).
       "hadamard": the flattened message rotated in runs of 128, one float32 scale per 128.

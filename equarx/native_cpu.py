@@ -148,15 +148,17 @@ def in_use() -> bool:
     return jax.default_backend() == "cpu" and available()
 
 
-def unrotate(codes: jax.Array, scale_bytes: jax.Array, mt: np.ndarray, code: str,
-             out_dtype, target: str = TARGET) -> jax.Array:
+def unrotate(codes: jax.Array, steps: jax.Array, exponents: jax.Array, mt: np.ndarray,
+             code: str, out_dtype, target: str = TARGET) -> jax.Array:
     """`groups.unrotate_codes` as the native kernel (CPU only; call `available()` first):
-    codes int8[..., C] (`code` "int8", "fp8": C = W; "int4": W / 2), scale bytes
-    int8[..., 2 W / g], mt = M^T float32[g, g] -> out_dtype[..., W]."""
+    codes int8[..., C] (`code` "int8", "fp8": C = W; "int4": W / 2), their runs' step bytes
+    int8[..., W / g] and rows' exponent bytes int8[..., 1], mt = M^T float32[g, g] ->
+    out_dtype[..., W]."""
     width = codes.shape[-1] * (2 if code == "int4" else 1)
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*codes.shape[:-1], width), out_dtype),
                            vmap_method="broadcast_all")(
-        codes, scale_bytes, np.ascontiguousarray(mt, np.float32), code=np.int64(CODE_IDS[code]))
+        codes, steps, exponents, np.ascontiguousarray(mt, np.float32),
+        code=np.int64(CODE_IDS[code]))
     return _varying_like(out, codes)
 
 
@@ -186,12 +188,11 @@ def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, group
                target: str = ENCODE_TARGET) -> jax.Array:
     """`codecs.encode_sum` as the native kernel (CPU only; call `available()` first):
     buf bfloat16 or float32 (the layout's buffer), shard an int32 scalar, arrivals wire bytes
-    int8[pieces, ., .] of the piece, geometry the piece's rows in buf
+    int8[pieces, .] of the piece, geometry the piece's rows in buf
     (`TokenLayout.piece_geometry`) -> the piece's wire bytes, as `groups.encode` lays them out."""
     pieces, rows, width = geometry["pieces"], geometry["rows"], geometry["width"]
-    code_bytes = group // 2 if code == "int4" else group
-    scale_bytes = 2 * rows * width // group
-    shape = (pieces, rows * width // group * code_bytes // scale_bytes + 1, scale_bytes)
+    codes = rows * width // 2 if code == "int4" else rows * width
+    shape = (pieces, codes + rows * (width // group + 1))
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, np.int8),
                            vmap_method="sequential")(
         buf.reshape(-1), jnp.asarray(shard, jnp.int32), *arrivals, code=np.int64(CODE_IDS[code]),

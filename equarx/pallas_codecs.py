@@ -124,17 +124,11 @@ class GroupCodec:
 
     def encode(self, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         amax = jnp.max(_magnitude(self._groups(v)), axis=1)  # [W / g, Tm]
-        s = amax * np.float32(1.0 / groups.CODES["int8"])  # as groups._scales
-        # groups._bf16_scale_up: round the float32 scale up to a bfloat16 (int32 arithmetic:
-        # finite scales are positive, so their bit patterns are far from overflowing).
-        bits = lax.bitcast_convert_type(s, jnp.int32)
-        up = lax.bitcast_convert_type((bits + 0xFFFF) & jnp.int32(-65536), jnp.float32)
-        s32 = jnp.where(s < jnp.inf, up, s)  # exactly a bfloat16 value (or Inf / NaN)
-        inv = 1.0 / jnp.where(s32 > 0, s32, 1.0)
-        usable = (s32 < jnp.inf) & (s32 > 0) & (inv < jnp.inf)
-        tiny = (s32 < jnp.inf) & ~usable
-        scale = jnp.where(tiny, 0.0, s32).astype(jnp.bfloat16)
-        inv = jnp.where(usable, inv, 0.0)
+        # groups.scale_parts along the token's runs (axis 0); the scale it picks is a
+        # bfloat16 value, which travels as such here (2 bytes where groups' wire packs the
+        # same scale in a step byte and a row's exponent byte).
+        _, _, s32, inv = groups.scale_parts(amax, groups.CODES["int8"], axis=0)
+        scale = s32.astype(jnp.bfloat16)
         q = groups.round_int8(self._groups(v) * inv[:, None, :])
         return q.reshape(self.rows, self.lanes), scale
 

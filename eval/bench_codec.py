@@ -4,15 +4,16 @@ Quantization and dequantize-add are memory-bound: their physical limit is the by
 move divided by the memory bandwidth. This times, on the default JAX device:
   copy         y = x + 1 over float32 (reads 4, writes 4 bytes a value): the achievable bandwidth
   rotate       f32 runs of 32 times the 32x32 rotation (reads 4, writes 4)
-  encode       rotated f32 partial -> int8 payload + bf16 scales (reads 4, writes 1 + 2/32)
-  decode_add   wire + local f32 partial -> f32 sum (reads 1 + 2/32 + 4, writes 4)
-  hop          decode_add then encode, as one reduce-scatter hop runs them (reads 1 + 2/32 + 4,
-               writes 1 + 2/32)
+  encode       rotated f32 partial -> int8 payload + scale bytes (reads 4, writes w = 1 + 1/32 +
+               1/1024: a scale byte per run, an exponent byte per row of 1024)
+  decode_add   wire + local f32 partial -> f32 sum (reads w + 4, writes 4)
+  hop          decode_add then encode, as one reduce-scatter hop runs them (reads w + 4,
+               writes w)
   encode_sum   the same as a schedule runs it (codecs.encode_sum): the local partial a bfloat16
-               piece of the token layout's buffer, read in place (reads 2 + 1 + 2/32, writes
-               1 + 2/32); on a CPU, a native kernel for int8 and int4
+               piece of the token layout's buffer, read in place (reads 2 + w, writes
+               w); on a CPU, a native kernel for int8 and int4
   unrotate     the all-gather's last step: codes and scales -> bf16 values with the rotation
-               undone (groups.unrotate_codes; reads 1 + 2/32, writes 2), on every device over
+               undone (groups.unrotate_codes; reads w, writes 2), on every device over
                the whole message; on a CPU, a native kernel (equarx.native_cpu)
   unrotate_jax the same in its pure-JAX form (what an accelerator runs; on a CPU, the default
                codec's largest cost before the native kernel)
@@ -53,8 +54,8 @@ def _time(fn, *args, repeats: int, inner: int = 1) -> float:
 
 def _round_trip(x: jax.Array, group: int, code: str) -> tuple[jax.Array, jax.Array]:
     wire = groups.encode(groups.rotate(x, group), group, code)
-    codes, scale_bytes = groups.wire_parts(wire, (1, x.shape[-1]))
-    back = groups.unrotate_codes(codes, scale_bytes, group, code, jnp.float32)
+    codes, steps, exponents = groups.wire_parts(wire, (1, x.shape[-1]), group, code)
+    back = groups.unrotate_codes(codes, steps, exponents, group, code, jnp.float32)
     return codes, back.reshape(x.shape)
 
 
@@ -84,7 +85,7 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (rows, 1024), jnp.float32)
     local = jax.random.normal(jax.random.PRNGKey(1), (rows, 1024), jnp.float32)
-    wire_bytes = groups.wire_bytes_per_value(group, code)
+    wire_bytes = groups.wire_bytes_per_value(group, code, 1024)
     encode = jax.jit(lambda v: groups.encode(v, group, code))
     wire = encode(x)
     kernels = {
@@ -105,14 +106,13 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     kernels["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
         (buf, groups.encode(local.reshape(1, rows, 1024), group, code)), 2.0 + 2 * wire_bytes)
-    codes, scale_bytes = groups.wire_parts(wire, (1, 1024))
+    parts = groups.wire_parts(wire, (1, 1024), group, code)
     kernels["unrotate"] = (
-        jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16)),
-        (codes, scale_bytes), wire_bytes + 2.0)
+        jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16)),
+        parts, wire_bytes + 2.0)
     kernels["unrotate_jax"] = (
-        jax.jit(lambda c, s: groups.unrotate_codes(c, s, group, code, jnp.bfloat16,
-                                                   native=False)),
-        (codes, scale_bytes), wire_bytes + 2.0)
+        jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16, native=False)),
+        parts, wire_bytes + 2.0)
     platform = jax.devices()[0].platform
     if inner is None:
         inner = 1 if platform == "cpu" else 10

@@ -119,7 +119,7 @@ def _token_schedule(cfg, variant: str, n_elements: int, n: int, dtype_bytes: int
     if cfg.method == "bf16_ring":
         rs_width = ag_width = 2.0
     else:
-        quantized = wire_bytes_per_value(cfg.group_size, cfg.method)
+        quantized = wire_bytes_per_value(cfg.group_size, cfg.method, layout.width)
         rs_width = quantized if cfg.phases in ("both", "rs") else dtype_bytes
         ag_width = quantized if cfg.phases in ("both", "ag") else dtype_bytes
     total = (n - 1) * shard * (rs_width + ag_width)
@@ -621,7 +621,7 @@ def rs_element_hops(topo: Topology, n_elements: float, method: str) -> float:
     return (topo.size - 1) / topo.size * n_elements
 
 
-INT8_WIRE_BYTES = wire_bytes_per_value(32, "int8")  # the default codec: int8 + bf16 scale / 32
+INT8_WIRE_BYTES = wire_bytes_per_value(32, "int8")  # the default codec: int8 + a scale byte / 32
 
 # method: (schedule, bytes per value). "xla-bf16" is XLA's all-reduce modelled as the best
 # schedule the torus allows (every axis, both directions: the multi-axis one) in bf16, or the

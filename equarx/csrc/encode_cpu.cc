@@ -1,7 +1,7 @@
 // The group codec's encode on a CPU, fused with the sum before it, as an XLA FFI handler
 // (equarx/native_cpu.py builds and registers it): one piece of the token layout's buffer, read in
 // place at the shard a device picks at run time, plus the decoded partial sums that arrived for
-// it -> the codes and bfloat16 scales of equarx.groups.encode, bit for bit. That is
+// it -> the codes and scale bytes of equarx.groups.encode, bit for bit. That is
 // codecs.encode_sum: every encode of a reduce-scatter, and the sum that ends it
 // together with the all-gather's encode.
 //
@@ -10,12 +10,13 @@
 // summed, and its group's absmax, scale and codes follow while the group is in registers.
 //
 // The same arithmetic as the JAX form, in the same order: each arrival's code times its scale
-// (exact: 8-bit codes times a bfloat16), added to the running float32 sum in arrival order; the
-// scale is the absmax times the float32 reciprocal of code_max, rounded up to a bfloat16; 1 /
-// scale its inverse (0 where the scale is 0, too small to invert, or not finite); a code the
-// value times that inverse, rounded to float32, then half to even to an integer. Built with
-// -ffp-contract=off, so no product and sum are fused into one rounding. A NaN counts as Inf in
-// the absmax, so its run decodes to NaN.
+// (exact: 8-bit codes times a bfloat16 value), added to the running float32 sum in arrival
+// order; the scale is the absmax times the float32 reciprocal of code_max, rounded up onto the
+// row's grid (group_codec.h: row_scale_parts); a code the value times 1 / scale, rounded to
+// float32, then half to even to an integer. Built with -ffp-contract=off, so no product and
+// sum are fused into one rounding. A NaN counts as Inf in the absmax, so its run decodes to NaN.
+// A row's scales need all its runs' absmaxes first: each row is summed into a buffer, then
+// scaled, then coded.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -38,20 +39,15 @@ struct Piece {
   int64_t g, pieces, rows, width, row_stride;
   int64_t code_bytes;  // per group: g (int8), g / 2 (int4)
   int64_t groups;      // per minishard: rows * width / g
-  int64_t bytes() const { return groups * (code_bytes + 2); }  // per minishard on the wire
+  int64_t per_row() const { return width / g; }
+  // Per minishard on the wire: the codes, the runs' step bytes, the rows' exponent bytes.
+  int64_t code_total() const { return groups * code_bytes; }
+  int64_t bytes() const { return code_total() + groups + rows; }
+  template <typename Byte>
+  Byte* steps(Byte* minishard, int64_t r) const { return minishard + code_total() + r * per_row(); }
+  template <typename Byte>
+  Byte* exponent(Byte* minishard, int64_t r) const { return minishard + code_total() + groups + r; }
 };
-
-// groups._scales for one group: its absmax -> (bfloat16 scale bits, 1 / scale or 0).
-inline void scale_of(float amax, float code_max, uint16_t* scale, float* inv) {
-  if (std::isnan(amax)) amax = INFINITY;
-  const float s = amax * float(1.0 / double(code_max));
-  const uint32_t up = std::isfinite(s) ? ((bits_of(s) + 0xffffu) & 0xffff0000u) : bits_of(s);
-  const float s32 = float_of(up);
-  const float iv = 1.0f / (s32 > 0 ? s32 : 1.0f);
-  const bool usable = std::isfinite(s32) && s32 > 0 && std::isfinite(iv);
-  *scale = (std::isfinite(s32) && !usable) ? 0 : uint16_t(up >> 16);
-  *inv = usable ? iv : 0.0f;
-}
 
 inline int8_t code_of(float v, float inv) {
   return int8_t(bits_of(std::nearbyint(v * inv) + kMagic));
@@ -60,44 +56,57 @@ inline int8_t code_of(float v, float inv) {
 inline float load_in(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 inline float load_in(const float* p, int64_t i) { return p[i]; }
 
+// The scales of each arrival's row r: sa[w * per_row + k] for arrival w, run k.
+inline void arrival_scales(const Piece& a, const std::vector<const int8_t*>& wires, int64_t b,
+                           int64_t r, float* sa) {
+  for (size_t w = 0; w < wires.size(); ++w) {
+    const int8_t* m = wires[w] + b * a.bytes();
+    row_scales(a.steps(m, r), a.exponent(m, r), 1, a.per_row(), sa + w * a.per_row());
+  }
+}
+
 // Any g, any processor: one group at a time.
 template <int G, typename In>
 void encode_generic(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
                     int8_t* out) {
   const float code_max = a.code == kInt4 ? 7.0f : 127.0f;
-  const int64_t per_row = a.width / G;
+  const int64_t per_row = a.per_row();
+  std::vector<float> xs(per_row * G), amax(per_row), inv(per_row), sa(wires.size() * per_row);
   for (int64_t b = 0; b < a.pieces; ++b) {
     int8_t* codes = out + b * a.bytes();
-    auto* scales = reinterpret_cast<uint16_t*>(codes + a.groups * a.code_bytes);
     for (int64_t r = 0; r < a.rows; ++r) {
       const In* row = in + (b * a.rows + r) * a.row_stride;
+      arrival_scales(a, wires, b, r, sa.data());
       for (int64_t j = 0; j < per_row; ++j) {
         const int64_t k = r * per_row + j;
-        float x[G];
+        float* x = xs.data() + j * G;
         for (int i = 0; i < G; ++i) x[i] = load_in(row, j * G + i);
-        for (const int8_t* w : wires) {
-          const int8_t* wb = w + b * a.bytes();
+        for (size_t w = 0; w < wires.size(); ++w) {
           float q[G];
-          load_codes<G>(a.code, wb, k, q);
-          const float s = bf16_to_f32(
-              reinterpret_cast<const uint16_t*>(wb + a.groups * a.code_bytes)[k]);
+          load_codes<G>(a.code, wires[w] + b * a.bytes(), k, q);
+          const float s = sa[w * per_row + j];
           for (int i = 0; i < G; ++i) x[i] = x[i] + q[i] * s;
         }
-        float amax = 0.0f;
+        float m = 0.0f;
         bool nan = false;
         for (int i = 0; i < G; ++i) {
           const float v = std::fabs(x[i]);
           nan |= std::isnan(v);
-          amax = v > amax ? v : amax;
+          m = v > m ? v : m;
         }
-        float inv;
-        scale_of(nan ? NAN : amax, code_max, &scales[k], &inv);
+        amax[j] = nan ? INFINITY : m;
+      }
+      row_scale_parts(amax.data(), per_row, code_max, a.steps(codes, r), a.exponent(codes, r),
+                      inv.data());
+      for (int64_t j = 0; j < per_row; ++j) {
+        const int64_t k = r * per_row + j;
+        const float* x = xs.data() + j * G;
         if (a.code == kInt4) {
           for (int i = 0; i < G / 2; ++i)
-            codes[k * (G / 2) + i] = int8_t((code_of(x[i], inv) & 0x0f) |
-                                            (uint8_t(code_of(x[i + G / 2], inv)) << 4));
+            codes[k * (G / 2) + i] = int8_t((code_of(x[i], inv[j]) & 0x0f) |
+                                            (uint8_t(code_of(x[i + G / 2], inv[j])) << 4));
         } else {
-          for (int i = 0; i < G; ++i) codes[k * G + i] = code_of(x[i], inv);
+          for (int i = 0; i < G; ++i) codes[k * G + i] = code_of(x[i], inv[j]);
         }
       }
     }
@@ -110,29 +119,6 @@ inline __m512 load16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-// scale_of for 16 groups at once (lanes past `n` hold an absmax of 0 and are not stored).
-inline __m512 scales16(__m512 amax, float code_max, uint16_t* scales, int n) {
-  const __m512 inf = _mm512_set1_ps(INFINITY), one = _mm512_set1_ps(1.0f);
-  const __m512 s = _mm512_mul_ps(amax, _mm512_set1_ps(float(1.0 / double(code_max))));
-  const __mmask16 finite = _mm512_cmp_ps_mask(s, inf, _CMP_LT_OQ);
-  const __m512i up = _mm512_and_si512(
-      _mm512_add_epi32(_mm512_castps_si512(s), _mm512_set1_epi32(0xffff)),
-      _mm512_set1_epi32(int32_t(0xffff0000u)));
-  const __m512i bits = _mm512_mask_blend_epi32(finite, _mm512_castps_si512(s), up);
-  const __m512 s32 = _mm512_castsi512_ps(bits);
-  const __mmask16 positive = _mm512_cmp_ps_mask(s32, _mm512_setzero_ps(), _CMP_GT_OQ);
-  const __m512 iv = _mm512_div_ps(one, _mm512_mask_blend_ps(positive, one, s32));
-  const __mmask16 finite32 = _mm512_cmp_ps_mask(s32, inf, _CMP_LT_OQ);
-  const __mmask16 usable = finite32 & positive & _mm512_cmp_ps_mask(iv, inf, _CMP_LT_OQ);
-  const __mmask16 tiny = finite32 & ~usable;
-  alignas(32) uint16_t out[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(out),
-                     _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(
-                         __mmask16(~tiny), _mm512_srli_epi32(bits, 16))));
-  std::memcpy(scales, out, 2 * n);
-  return _mm512_maskz_mov_ps(usable, iv);
-}
 
 // 16 codes: the conversion rounds half to even (the rounding mode XLA:CPU's threads keep); for
 // a finite product the same integer as round-then-magic-add (the scalar form).
@@ -159,59 +145,58 @@ inline __m512 lane_maxima(__m512* m) {
       _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), folded);
 }
 
-// g = 32: a group is two vectors; a row's groups go 16 at a time through three steps: sums and
-// absmaxes, the 16 scales in one vector, then the codes.
+// g = 32: a group is two vectors; a row's groups go 16 at a time through the sums and
+// absmaxes (16 absmaxes folded into one vector), then the row's scales, then its codes.
 template <Code kCode, typename In>
 void encode32(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
               int8_t* out) {
   const float code_max = kCode == kInt4 ? 7.0f : 127.0f;
-  const int64_t per_row = a.width / 32;
-  alignas(64) float xs[16 * 32];
-  alignas(64) float inv[16];
+  const int64_t per_row = a.per_row();
+  std::vector<float> xs(per_row * 32), amax(per_row + 16), inv(per_row),
+      sa(wires.size() * per_row);
   __m512 m[16];
   const __m512 inf = _mm512_set1_ps(INFINITY);
   for (int64_t b = 0; b < a.pieces; ++b) {
     int8_t* codes = out + b * a.bytes();
-    auto* scales = reinterpret_cast<uint16_t*>(codes + a.groups * a.code_bytes);
     for (int64_t r = 0; r < a.rows; ++r) {
       const In* row = in + (b * a.rows + r) * a.row_stride;
+      arrival_scales(a, wires, b, r, sa.data());
       for (int64_t j0 = 0; j0 < per_row; j0 += 16) {
         const int n = int(per_row - j0 < 16 ? per_row - j0 : 16);
-        const int64_t k0 = r * per_row + j0;
         for (int j = 0; j < n; ++j) {
           __m512 lo = load16(row + (j0 + j) * 32), hi = load16(row + (j0 + j) * 32 + 16);
-          for (const int8_t* w : wires) {
-            const int8_t* wb = w + b * a.bytes();
+          for (size_t w = 0; w < wires.size(); ++w) {
             __m512 c0, c1;
-            load32(kCode, wb, k0 + j, &c0, &c1);
-            const __m512 s = _mm512_set1_ps(bf16_to_f32(
-                reinterpret_cast<const uint16_t*>(wb + a.groups * a.code_bytes)[k0 + j]));
+            load32(kCode, wires[w] + b * a.bytes(), r * per_row + j0 + j, &c0, &c1);
+            const __m512 s = _mm512_set1_ps(sa[w * per_row + j0 + j]);
             lo = _mm512_add_ps(lo, _mm512_mul_ps(c0, s));
             hi = _mm512_add_ps(hi, _mm512_mul_ps(c1, s));
           }
-          _mm512_store_ps(xs + 32 * j, lo);
-          _mm512_store_ps(xs + 32 * j + 16, hi);
+          _mm512_storeu_ps(xs.data() + 32 * (j0 + j), lo);
+          _mm512_storeu_ps(xs.data() + 32 * (j0 + j) + 16, hi);
           // A NaN counts as Inf (a maximum would drop it): its group's absmax is Inf.
           m[j] = _mm512_mask_mov_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)),
                                     _mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q), inf);
         }
         for (int j = n; j < 16; ++j) m[j] = _mm512_setzero_ps();
-        const __m512 amax = lane_maxima(m);
-        _mm512_store_ps(inv, scales16(amax, code_max, scales + k0, n));
-        for (int j = 0; j < n; ++j) {
-          const __m512 iv = _mm512_set1_ps(inv[j]);
-          const __m128i q0 = codes16(_mm512_load_ps(xs + 32 * j), iv);
-          const __m128i q1 = codes16(_mm512_load_ps(xs + 32 * j + 16), iv);
-          if (kCode == kInt4) {
-            const __m128i packed = _mm_or_si128(
-                _mm_and_si128(q0, _mm_set1_epi8(0x0f)),
-                _mm_and_si128(_mm_slli_epi16(q1, 4), _mm_set1_epi8(int8_t(0xf0))));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + (k0 + j) * 16), packed);
-          } else {
-            auto* p = reinterpret_cast<__m128i*>(codes + (k0 + j) * 32);
-            _mm_storeu_si128(p, q0);
-            _mm_storeu_si128(p + 1, q1);
-          }
+        _mm512_storeu_ps(amax.data() + j0, lane_maxima(m));
+      }
+      row_scale_parts(amax.data(), per_row, code_max, a.steps(codes, r), a.exponent(codes, r),
+                      inv.data());
+      for (int64_t j = 0; j < per_row; ++j) {
+        const int64_t k = r * per_row + j;
+        const __m512 iv = _mm512_set1_ps(inv[j]);
+        const __m128i q0 = codes16(_mm512_loadu_ps(xs.data() + 32 * j), iv);
+        const __m128i q1 = codes16(_mm512_loadu_ps(xs.data() + 32 * j + 16), iv);
+        if (kCode == kInt4) {
+          const __m128i packed = _mm_or_si128(
+              _mm_and_si128(q0, _mm_set1_epi8(0x0f)),
+              _mm_and_si128(_mm_slli_epi16(q1, 4), _mm_set1_epi8(int8_t(0xf0))));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k * 16), packed);
+        } else {
+          auto* p = reinterpret_cast<__m128i*>(codes + k * 32);
+          _mm_storeu_si128(p, q0);
+          _mm_storeu_si128(p + 1, q1);
         }
       }
     }
@@ -243,7 +228,7 @@ ffi::Error dispatch(const Piece& a, const In* in, const std::vector<const int8_t
 
 // buf bfloat16 or float32 (the layout's whole buffer), shard int32[] (the run-time part of the
 // piece's offset), then any number of arrivals (wire bytes of the same piece); out the piece's
-// wire bytes int8[pieces, ., .]. The piece's rows: row i (of pieces * rows) starts at element
+// wire bytes int8[pieces, .]. The piece's rows: row i (of pieces * rows) starts at element
 // base + shard * shard_stride + i * row_stride and holds `width` values; 0 <= shard < shards.
 ffi::Error EncodeSum(ffi::AnyBuffer buf, ffi::Buffer<ffi::S32> shard, ffi::RemainingArgs arrivals,
                      ffi::Result<ffi::Buffer<ffi::S8>> out, int64_t code, int64_t group,

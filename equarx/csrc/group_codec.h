@@ -1,9 +1,10 @@
 // What the group codec's CPU kernels share (equarx/csrc/*.cc, built into one library by
-// equarx/native_cpu.py): float bits, bfloat16 conversions as XLA does them, the code ids, and
-// with AVX-512 the load of a run's 32 codes.
+// equarx/native_cpu.py): float bits, bfloat16 conversions as XLA does them, the code ids, the
+// scales' bytes (equarx.groups.scale_parts), and with AVX-512 the load of a run's 32 codes.
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -35,6 +36,57 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 enum Code : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
+
+// The scale grid of equarx.groups: NOT_FINITE, E_MIN, E_MAX, _STEP_BITS.
+constexpr int kNotFinite = 255, kEMin = -100, kEMax = 126, kStepBits = 18;
+
+// groups._scale_value: a run's scale from its step byte and its row's exponent (the float
+// whose bits are 2^e's less step * 2^18).
+inline float scale_value(int step, int e) {
+  if (step == kNotFinite) return float_of(0x7fc00000u);
+  return float_of((uint32_t(e + 127) << 23) - (uint32_t(step) << kStepBits));
+}
+
+// groups._row_scales for `rows` rows of `per_row` runs: their step bytes (per_row a row) and
+// exponent bytes (one a row, biased by 127) -> out[rows * per_row].
+inline void row_scales(const int8_t* steps, const int8_t* exponents, int64_t rows,
+                       int64_t per_row, float* out) {
+  for (int64_t t = 0; t < rows; ++t, steps += per_row, out += per_row) {
+    const int e = int(uint8_t(exponents[t])) - 127;
+    for (int64_t k = 0; k < per_row; ++k) out[k] = scale_value(uint8_t(steps[k]), e);
+  }
+}
+
+// groups.scale_parts for one row: its runs' absmaxes (a NaN counted as Inf) -> its runs' step
+// bytes, its exponent byte (biased by 127) and each run's 1 / scale (0: not finite).
+// The same integer steps as the JAX form: the row's exponent from the bits of its largest
+// finite scale, then each run's scale rounded up to 5 mantissa bits and counted down from 2^e.
+inline void row_scale_parts(const float* amax, int64_t per_row, float code_max, int8_t* steps,
+                            int8_t* exponent, float* inv) {
+  const float recip = float(1.0 / double(code_max));
+  float m = 0.0f;
+  for (int64_t k = 0; k < per_row; ++k) {
+    const float s = amax[k] * recip;
+    if (s < INFINITY && s > m) m = s;
+  }
+  const uint32_t mb = bits_of(m);
+  int e = int((mb >> 23) & 0xffu) - 127 + ((mb & 0x7fffffu) != 0);
+  e = e < kEMin ? kEMin : (e > kEMax ? kEMax : e);
+  for (int64_t k = 0; k < per_row; ++k) {
+    const float s = amax[k] * recip;
+    int step = kNotFinite;
+    inv[k] = 0.0f;
+    if (s < INFINITY) {
+      constexpr uint32_t unit = (1u << kStepBits) - 1;
+      const uint32_t up = (bits_of(s) + unit) & ~unit;  // rounded up to 5 mantissa bits
+      const int64_t at = (int64_t(uint32_t(e + 127) << 23) - int64_t(up)) >> kStepBits;
+      step = int(at < kNotFinite - 1 ? at : kNotFinite - 1);
+      inv[k] = 1.0f / scale_value(step, e);
+    }
+    steps[k] = int8_t(uint8_t(step));
+  }
+  *exponent = int8_t(uint8_t(e + 127));
+}
 
 // e4m3 (no infinities; S.1111.111 is NaN) as float32, exactly.
 inline float fp8_to_f32(uint8_t b) {

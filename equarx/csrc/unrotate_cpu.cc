@@ -1,10 +1,11 @@
 // The all-gather's last step on a CPU, as an XLA FFI handler (equarx/native_cpu.py builds and
-// registers it): int8, int4 or fp8 (e4m3) codes of rotated runs of g values and their bfloat16
-// scales -> the values with the rotation undone, in bfloat16 or float32. The same function as
+// registers it): int8, int4 or fp8 (e4m3) codes of rotated runs of g values and their rows'
+// scale bytes -> the values with the rotation undone, in bfloat16 or float32. The same function as
 // equarx.groups.unrotate_codes, bit for bit: a run's inverse rotation is (M q) s / g with M = D H
 // (D the fixed signs, H the Sylvester Hadamard matrix, entries +-1), whose sums of the codes are
 // exact in float32 in any order (integers below 2^12; e4m3 codes are multiples of 2^-9 below 2^9,
-// so runs of up to 64 stay below 2^24 units), then one product with s / g and one rounding.
+// so runs of up to 64 stay below 2^24 units), then one product with s / g (a bfloat16 value over
+// a power of two) and one rounding.
 //
 // Why a kernel of its own: XLA:CPU runs that product as a fused broadcast-multiply-reduce at
 // about 25 GFLOP/s, the default codec's largest cost between blocking transfers; with AVX-512 a
@@ -52,7 +53,7 @@ inline void stage_constants(int lanes, int h, int32_t* idx, float* sign) {
 // Any g: acc = M q as a matrix-vector product (mt = M^T, row j = column j of M). Sums start from
 // +0, so a zero sum is +0 as in XLA's reduce.
 template <int G, typename Out>
-void unrotate_generic(Code code, const int8_t* codes, const uint16_t* scales, const float* mt,
+void unrotate_generic(Code code, const int8_t* codes, const float* scales, const float* mt,
                       Out* out, Rows shape) {
   for (int64_t t = 0, k = 0; t < shape.rows; ++t)
   for (int64_t j = 0; j < shape.per_row; ++j, ++k) {
@@ -65,7 +66,7 @@ void unrotate_generic(Code code, const int8_t* codes, const uint16_t* scales, co
       const float* col = mt + j * G;
       for (int i = 0; i < G; ++i) acc[i] += col[i] * qj;
     }
-    const float s = bf16_to_f32(scales[k]) / float(G);
+    const float s = scales[k] / float(G);
     for (int i = 0; i < G; ++i) store<Out>(o, i, acc[i] * s);
   }
 }
@@ -115,7 +116,7 @@ inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
 // g = 32: H q by the fast Walsh-Hadamard transform on two vectors of 16 (the stride-16 stage
 // between them, strides 8..1 inside each), then the signs D (the first row of M^T).
 template <typename Out>
-void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
+void unrotate32(Code code, const int8_t* codes, const float* scales, const float* mt, Out* out,
                 Rows shape) {
   __m512 sign[4];
   for (int s = 0; s < 4; ++s) {
@@ -139,7 +140,7 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
     // The signs as d v + 0: a zero sum stays +0, as the plain sum of products gives it.
     lo = _mm512_fmadd_ps(lo, d_lo, zero);
     hi = _mm512_fmadd_ps(hi, d_hi, zero);
-    const __m512 sc = _mm512_set1_ps(bf16_to_f32(scales[k]) / 32.0f);
+    const __m512 sc = _mm512_set1_ps(scales[k] / 32.0f);
     store16(o, _mm512_mul_ps(lo, sc));
     store16(o + 16, _mm512_mul_ps(hi, sc));
   }
@@ -186,7 +187,7 @@ inline void store32(float* o, const __m256* v) {
 }
 
 template <typename Out>
-void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const float* mt, Out* out,
+void unrotate32(Code code, const int8_t* codes, const float* scales, const float* mt, Out* out,
                 Rows shape) {
   __m256i swap[3];
   __m256 sign[3];
@@ -220,7 +221,7 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
       v[r] = _mm256_add_ps(a, b);
       v[r + 1] = _mm256_sub_ps(a, b);
     }
-    const __m256 sc = _mm256_set1_ps(bf16_to_f32(scales[k]) / 32.0f);
+    const __m256 sc = _mm256_set1_ps(scales[k] / 32.0f);
     for (int r = 0; r < 4; ++r) {
       for (int s = 0; s < 3; ++s) v[r] = butterfly8(v[r], swap[s], sign[s]);
       // The signs as d v + 0: a zero sum stays +0, as the plain sum of products gives it.
@@ -232,7 +233,7 @@ void unrotate32(Code code, const int8_t* codes, const uint16_t* scales, const fl
 #endif
 
 template <typename Out>
-ffi::Error dispatch(Code code, int64_t g, const int8_t* c, const uint16_t* s, const float* mt,
+ffi::Error dispatch(Code code, int64_t g, const int8_t* c, const float* s, const float* mt,
                     Out* o, Rows groups) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (g == 32) {
@@ -250,24 +251,29 @@ ffi::Error dispatch(Code code, int64_t g, const int8_t* c, const uint16_t* s, co
   return ffi::Error::Success();
 }
 
-// codes int8[..., C] (C = W, or W / 2 for int4), scale bytes int8[..., 2 W / g], mt float32
-// [..., g, g] (only its first g x g block is read: under vmap it may be broadcast), out
-// bfloat16 or float32 [..., W]; `code` 0 int8, 1 int4, 2 fp8.
-ffi::Error Unrotate(ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::S8> scale_bytes,
-                    ffi::Buffer<ffi::F32> mt, int64_t code, ffi::Result<ffi::AnyBuffer> out) {
+// codes int8[..., C] (C = W, or W / 2 for int4), steps int8[..., W / g] and exponents
+// int8[..., 1] (a row's scale bytes, group_codec.h), mt float32 [..., g, g] (only its first
+// g x g block is read: under vmap it may be broadcast), out bfloat16 or float32 [..., W];
+// `code` 0 int8, 1 int4, 2 fp8.
+ffi::Error Unrotate(ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::S8> steps,
+                    ffi::Buffer<ffi::S8> exponents, ffi::Buffer<ffi::F32> mt, int64_t code,
+                    ffi::Result<ffi::AnyBuffer> out) {
   const auto dims = mt.dimensions();
   if (dims.size() < 2) return ffi::Error::InvalidArgument("the matrix must be g x g");
   if (code != kInt8 && code != kInt4 && code != kFp8)
     return ffi::Error::InvalidArgument("code must be 0 (int8), 1 (int4) or 2 (fp8)");
-  const int64_t g = dims[dims.size() - 1];
-  const int64_t values = out->element_count();
-  if (g <= 0 || g % 2 != 0 || values % g != 0 ||
+  const int64_t g = dims[dims.size() - 1], values = out->element_count();
+  const int64_t rows = exponents.element_count();
+  if (g <= 0 || g % 2 != 0 || rows < 1 || values % (g * rows) != 0 ||
       codes.element_count() != (code == kInt4 ? values / 2 : values) ||
-      scale_bytes.element_count() != 2 * (values / g))
+      steps.element_count() != values / g)
     return ffi::Error::InvalidArgument("codes, scales and output do not match the group size");
+  std::vector<float> scales(values / g);
+  row_scales(steps.typed_data(), exponents.typed_data(), rows, values / (g * rows),
+             scales.data());
   const Rows groups{1, values / g, 0};
   const int8_t* c = codes.typed_data();
-  const auto* s = reinterpret_cast<const uint16_t*>(scale_bytes.typed_data());
+  const float* s = scales.data();
   const float* m = mt.typed_data();
   const Code k = Code(code);
   switch (out->element_type()) {
@@ -306,7 +312,7 @@ ffi::Error GatherUnrotate(ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::F32> mt
     return ffi::Error::InvalidArgument("the device index is outside the shards");
   const int64_t d = device.typed_data()[0], per_row = width / g;
   const int64_t code_bytes = (code == kInt4 ? g / 2 : g) * per_row * rows;
-  const int64_t minishard_bytes = code_bytes + 2 * per_row * rows;
+  const int64_t minishard_bytes = code_bytes + (per_row + 1) * rows;
   std::vector<std::pair<const int8_t*, int64_t>> wire;  // (bytes, out offset) per argument
   for (int64_t r = 0; r < shards; ++r) {
     for (int64_t p = 0; p < pieces; ++p) {
@@ -320,12 +326,13 @@ ffi::Error GatherUnrotate(ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::F32> mt
     }
   }
   const float* m = mt.typed_data();
+  std::vector<float> s(rows * per_row);
   const auto run = [&](auto* o) -> ffi::Error {
     for (size_t i = 0; i < wire.size(); ++i) {
       for (int64_t b = 0; b < counts[int64_t(i) % pieces]; ++b) {
         const int8_t* c = wire[i].first + b * minishard_bytes;
-        const auto* s = reinterpret_cast<const uint16_t*>(c + code_bytes);
-        const ffi::Error e = dispatch(Code(code), g, c, s, m, o + wire[i].second +
+        row_scales(c + code_bytes, c + code_bytes + rows * per_row, rows, per_row, s.data());
+        const ffi::Error e = dispatch(Code(code), g, c, s.data(), m, o + wire[i].second +
                                       b * rows * row_stride, Rows{rows, per_row, row_stride});
         if (e.failure()) return e;
       }
@@ -358,6 +365,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxGatherUnrotate, GatherUnrotate,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxUnrotate, Unrotate,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -26,8 +26,9 @@ ALL_METHODS = {
     "int8-semi-unpipelined+tile": AllReduceConfig("int8", "semi", pipelined=False, blocks="tile"),
     "int8-full+hadamard": AllReduceConfig("int8", "full", blocks="hadamard"),
 }
-# Per codec: the largest rounding error as a fraction of its block's absmax (bf16 scales are
-# rounded up, by at most 2^-7), and an rms error bound for the random tests below.
+# Per codec: the largest rounding error as a fraction of its block's absmax (the tile codec's
+# float32 scales are exact; the group codec's are rounded up onto a grid of 32 steps an octave,
+# by at most 3%), and an rms error bound for the random tests below.
 HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14, "fp8": 1 / 16}
 RMS_BOUND = {"int8": 0.02, "int4": 0.3, "fp8": 0.08}
 SHAPES = [(1,), (3, 1000), (5, 3, 129)]
@@ -101,7 +102,7 @@ def test_every_method_shape_and_axis_size(n):
                 # Each quantization errs by at most half a step, absmax/254, and no partial sum
                 # exceeds sum_d |x_d|; the rms error must also be small (a misrouted shard
                 # would be off by O(1)).
-                half_step = HALF_STEP[cfg.method] * (1 + 2**-7)
+                half_step = HALF_STEP[cfg.method] * (1.03 if cfg.blocks == "group" else 1 + 2**-7)
                 bound = _quantizations(cfg, n) * _largest_block_absmax(cfg, x) * half_step
                 assert err.max() <= bound, where
                 if x[0].size >= 1000:  # an rms over a handful of values says little

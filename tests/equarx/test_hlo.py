@@ -95,17 +95,19 @@ def test_layout_never_cuts_below_the_minimum_minishard():
     assert (small.minishards, small.tiles, small.padded_elements) == (1, 1, 8 * 1024)
 
 
-@pytest.mark.parametrize("label,per_value", [
-    ("int8", 1 + 2 / 32), ("int8-full", 1 + 2 / 32), ("int8-semi/64", 1 + 2 / 64),
-    ("int4", 0.5 + 2 / 32), ("fp8", 1 + 2 / 32), ("bf16_ring", 2), ("bf16_ring-full", 2)])
-def test_token_layout_sends_payload_plus_bf16_scales(label, per_value):
+@pytest.mark.parametrize("label,payload,group", [
+    ("int8", 1, 32), ("int8-full", 1, 32), ("int8-semi/64", 1, 64), ("int4", 0.5, 32),
+    ("fp8", 1, 32), ("bf16_ring", 2, None), ("bf16_ring-full", 2, None)])
+def test_token_layout_sends_payload_plus_scale_bytes(label, payload, group):
     """The token layout at the model's message (512 tokens x 640 at tp=4): every schedule sends
-    2 (N-1) shards of the (padded) message; the group codecs add one bfloat16 scale per group."""
+    2 (N-1) shards of the (padded) message; the group codecs add a scale byte per group and an
+    exponent byte per row of a piece."""
     n, shape = 4, (512, 640)
     cfg = AllReduceConfig.from_label(label)
     program = _compile(n, cfg, shape)
     assert {op.kind for op in collectives(program)} == {"collective-permute"}
     layout = plan_for(cfg, shape, n, resolved_variant(cfg, n, 512 * 640 * 2))
+    per_value = payload + (1 / group + 1 / layout.width if group else 0)
     assert bytes_sent_per_device(program) == pytest.approx(
         2 * (n - 1) / n * layout.padded_elements * per_value)
 

@@ -51,11 +51,11 @@ def _wire(rows: int, width: int = 1024, seed: int = 0, edges: bool = True, code:
         # zero, and the kernel, run on its threads, does the same.
         x[7, :G] = rng.standard_normal(G) * 1e-36
     wire = groups.encode(groups.rotate(jnp.asarray(x), G), G, code)
-    return groups.wire_parts(wire, (1, width))
+    return groups.wire_parts(wire, (1, width), G, code)
 
 
-def _pure(codes, scale_bytes, dtype, code="int8"):
-    return groups.unrotate_codes(codes, scale_bytes, G, code, dtype, native=False)
+def _pure(codes, steps, exponents, dtype, code="int8"):
+    return groups.unrotate_codes(codes, steps, exponents, G, code, dtype, native=False)
 
 
 def test_the_kernel_builds_here():
@@ -66,11 +66,11 @@ def test_the_kernel_builds_here():
 @pytest.mark.parametrize("code", CODES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_same_bits_as_the_pure_form(dtype, code):
-    codes, scale_bytes = _wire(64, code=code)
-    native = jax.jit(lambda c, s: groups.unrotate_codes(c, s, G, code, dtype))
-    assert native_cpu.TARGET in native.lower(codes, scale_bytes).as_text()
-    got = native(codes, scale_bytes)
-    want = jax.jit(_pure, static_argnums=(2, 3))(codes, scale_bytes, dtype, code)
+    parts = _wire(64, code=code)
+    native = jax.jit(lambda *p: groups.unrotate_codes(*p, G, code, dtype))
+    assert native_cpu.TARGET in native.lower(*parts).as_text()
+    got = native(*parts)
+    want = jax.jit(_pure, static_argnums=(3, 4))(*parts, dtype, code)
     assert got.dtype == want.dtype == dtype and got.shape == want.shape == (64, 1, 1024)
     if code == "fp8":
         _assert_same(got, want)
@@ -83,13 +83,14 @@ def test_same_bits_as_the_pure_form(dtype, code):
 
 
 def test_leading_shapes_and_vmap():
-    codes, scale_bytes = _wire(48, width=256, seed=1)
-    c, s = codes.reshape(4, 12, 1, 256), scale_bytes.reshape(4, 12, 1, 16)
-    want = _pure(c, s, jnp.bfloat16)
+    codes, steps, exponents = _wire(48, width=256, seed=1)
+    parts = (codes.reshape(4, 12, 1, 256), steps.reshape(4, 12, 1, 256 // G),
+             exponents.reshape(4, 12, 1, 1))
+    want = _pure(*parts, jnp.bfloat16)
     np.testing.assert_array_equal(
-        _bits(groups.unrotate_codes(c, s, G, "int8", jnp.bfloat16)), _bits(want))
-    vmapped = jax.vmap(lambda a, b: groups.unrotate_codes(a, b, G, "int8", jnp.bfloat16))
-    np.testing.assert_array_equal(_bits(vmapped(c, s)), _bits(want))
+        _bits(groups.unrotate_codes(*parts, G, "int8", jnp.bfloat16)), _bits(want))
+    vmapped = jax.vmap(lambda *p: groups.unrotate_codes(*p, G, "int8", jnp.bfloat16))
+    np.testing.assert_array_equal(_bits(vmapped(*parts)), _bits(want))
 
 
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
@@ -104,11 +105,11 @@ def test_the_other_builds_give_the_same_bits(arch, tmp_path):
     unrotate_target, encode_target, gather_target = native_cpu.register(
         lib, f"_test_{arch.replace('-', '_')}")
     for code in CODES:
-        codes, scale_bytes = _wire(64, seed=2, code=code)
+        parts = _wire(64, seed=2, code=code)
         for dtype in (jnp.bfloat16, jnp.float32):
-            got = jax.jit(lambda c, s, d=dtype, k=code: native_cpu.unrotate(
-                c, s, groups.rotation(G).T, k, d, target=unrotate_target))(codes, scale_bytes)
-            _assert_same(got, _pure(codes, scale_bytes, dtype, code))
+            got = jax.jit(lambda c, s, e, d=dtype, k=code: native_cpu.unrotate(
+                c, s, e, groups.rotation(G).T, k, d, target=unrotate_target))(*parts)
+            _assert_same(got, _pure(*parts, dtype, code))
     for code in ("int8", "int4"):
         for dtype in (jnp.bfloat16, jnp.float32):
             layout, buf, arrivals = _summands(dtype, code, seed=5)
@@ -203,11 +204,11 @@ def test_encode_sum_gives_the_pure_bits(dtype, code):
         for n in range(3):
             got = _encode_sum(buf, layout, shard, piece, arrivals[:n], code)
             want = _encode_sum(buf, layout, shard, piece, arrivals[:n], code, native=False)
-            assert got.shape == want.shape == (piece[1] - piece[0], G // (4 if code == "int4"
-                                                                        else 2) + 1, 1024)
+            codes = 32 * 512 // (2 if code == "int4" else 1)  # 32 rows of 512 per minishard
+            assert got.shape == want.shape == (piece[1] - piece[0], codes + 32 * (512 // G + 1))
             np.testing.assert_array_equal(got, want)
             if (piece, n) == ((1, 3), 0):  # the edge cases are in what was compared
-                out = np.asarray(groups.decode(jnp.asarray(got), G, code)).reshape(2, 32, 512)
+                out = np.asarray(groups.decode(jnp.asarray(got), G, code, (2, 32, 512)))
                 assert (out[0, :2] == 0).all() and (out[0, 2, :G] == 0).all()  # zero, tiny
                 assert np.isclose(out[0, 3, 8:88], 3e38, rtol=0.1).all()  # huge
                 assert out[0, 4, 18] == 0 and np.isfinite(out).all()
@@ -222,17 +223,17 @@ def test_encode_sum_keeps_a_nan_group_nan():
     x[1, 5, 1, 0, 100] = -np.inf  # row 5: group 3
     buf = jnp.asarray(x)
     got = _encode_sum(buf, layout, 1, (1, 2), arrivals[:1], "int8")
-    out = np.asarray(groups.decode(jnp.asarray(got), G, "int8")).reshape(32, 16, G)
+    out = np.asarray(groups.decode(jnp.asarray(got), G, "int8", (1, 32, 512))).reshape(32, 16, G)
     assert np.isnan(out[3, 1]).all() and np.isnan(out[5, 3]).all()
     bad = np.zeros((32, 16), bool)
     bad[3, 1] = bad[5, 3] = True
     assert np.isfinite(out[~bad]).all()
     want = _encode_sum(buf, layout, 1, (1, 2), arrivals[:1], "int8", native=False)
-    pure = np.asarray(groups.decode(jnp.asarray(want), G, "int8")).reshape(32, 16, G)
+    pure = np.asarray(groups.decode(jnp.asarray(want), G, "int8", (1, 32, 512))).reshape(32, 16,
+                                                                                       G)
     np.testing.assert_array_equal(np.isnan(pure), np.isnan(out))
     ok_codes = np.repeat(~bad.reshape(-1), G)
-    np.testing.assert_array_equal(got[0, :-1].reshape(-1)[ok_codes],
-                                  want[0, :-1].reshape(-1)[ok_codes])
+    np.testing.assert_array_equal(got[0, :32 * 512][ok_codes], want[0, :32 * 512][ok_codes])
 
 
 def test_encode_sum_refuses_a_piece_outside_its_buffer():
@@ -240,7 +241,7 @@ def test_encode_sum_refuses_a_piece_outside_its_buffer():
     layout, buf, _ = _summands(jnp.float32, "int8", edges=False)
     f = jax.jit(lambda b, s: native_cpu.encode_sum(b, s, (), layout.piece_geometry(3, 4), G,
                                                    "int8"))
-    assert f(buf, jnp.int32(1)).shape == (1, 17, 1024)
+    assert f(buf, jnp.int32(1)).shape == (1, 32 * 512 + 32 * (512 // G + 1))
     with pytest.raises(Exception, match="outside the buffer"):
         f(buf, jnp.int32(2)).block_until_ready()
     with pytest.raises(Exception, match="shard index is outside"):
@@ -281,9 +282,9 @@ def test_without_a_compiler_it_warns_once_and_runs_pure(tmp_path, monkeypatch, c
             assert not native_cpu.available()
         assert len([r for r in caplog.records if "pure JAX" in r.message]) == 1
         assert not list(tmp_path.glob("*.so*"))  # nothing half-written left behind
-        codes, scale_bytes = _wire(8, edges=False)
-        f = jax.jit(lambda c, s: groups.unrotate_codes(c, s, G, "int8", jnp.bfloat16))
-        assert native_cpu.TARGET not in f.lower(codes, scale_bytes).as_text()
+        parts = _wire(8, edges=False)
+        f = jax.jit(lambda *p: groups.unrotate_codes(*p, G, "int8", jnp.bfloat16))
+        assert native_cpu.TARGET not in f.lower(*parts).as_text()
         monkeypatch.setenv("EQUARX_NATIVE_CPU", "0")
         monkeypatch.delenv("CXX")
         native_cpu._load.cache_clear()

@@ -10,8 +10,9 @@ def test_every_kernel_is_timed_with_its_bytes(tmp_path):
     out = tmp_path / "codec.json"
     report = bench_codec.main(["--values", "64K", "--repeats", "2", "--out", str(out)])
     assert report["values"] == 64 * 1024
-    # int8 groups of 32: 1 byte a value plus a bfloat16 scale per 32 values on the wire.
-    wire = 1 + 2 / 32
+    # int8 groups of 32: 1 byte a value, a scale byte per 32 values and an exponent byte per
+    # row (of 1024) on the wire.
+    wire = 1 + 1 / 32 + 1 / 1024
     moved = {"copy": 8.0, "rotate": 8.0, "encode": 4 + wire, "decode_add": wire + 8,
              "hop": 2 * wire + 4, "encode_sum": 2 * wire + 2, "unrotate": wire + 2,
              "unrotate_jax": wire + 2}
@@ -44,4 +45,4 @@ def test_fp8_times_its_unrotate_too():
     # int8's bytes on the wire.
     report = bench_codec.run(16 * 1024, code="fp8", repeats=1)
     k = report["kernels"]["unrotate"]
-    assert k["GB/s"] * 1e9 * k["ms"] / 1e3 / report["values"] == pytest.approx(1 + 2 / 32 + 2)
+    assert k["GB/s"] * 1e9 * k["ms"] / 1e3 / report["values"] == pytest.approx(1 + 1 / 32 + 1 / 1024 + 2)

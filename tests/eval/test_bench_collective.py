@@ -32,8 +32,9 @@ def test_a_tiny_run_reports_consistent_rows():
     assert by["bf16_ring"]["bytes_vs_ideal_bf16_ring"] == pytest.approx(1.0)
     # 16 tiles per shard: one minishard whose 4 KiB of scales add 1/4 to the int8 payload.
     assert by["int8-semi+tile"]["bytes_vs_ideal_bf16_ring"] == pytest.approx((1 + 4 / 16) / 2)
-    # The group codec: a bfloat16 scale per 32 values (the 256 KiB message is 32 rows of 4096).
-    assert by["int8"]["bytes_vs_ideal_bf16_ring"] == pytest.approx((1 + 2 / 32) / 2)
+    # The group codec: a scale byte per 32 values and an exponent byte per row of a piece (the
+    # 256 KiB message is 32 rows of 4096: pieces of 512 columns on 8 devices).
+    assert by["int8"]["bytes_vs_ideal_bf16_ring"] == pytest.approx((1 + 1 / 32 + 1 / 512) / 2)
     # XLA:CPU promotes a bf16 all-reduce to float32: twice the ideal bf16 bytes.
     assert by["bf16"]["bytes_vs_ideal_bf16_ring"] == pytest.approx(2.0)
     # Two-shot bf16: exact bf16 inputs summed in float32, one rounding, as the psum.
