@@ -44,9 +44,13 @@ struct Piece {
   int64_t code_total() const { return groups * code_bytes; }
   int64_t bytes() const { return code_total() + groups + rows; }
   template <typename Byte>
-  Byte* steps(Byte* minishard, int64_t r) const { return minishard + code_total() + r * per_row(); }
+  Byte* steps(Byte* minishard, int64_t r) const {
+    return minishard + code_total() + r * per_row();
+  }
   template <typename Byte>
-  Byte* exponent(Byte* minishard, int64_t r) const { return minishard + code_total() + groups + r; }
+  Byte* exponent(Byte* minishard, int64_t r) const {
+    return minishard + code_total() + groups + r;
+  }
 };
 
 inline int8_t code_of(float v, float inv) {
