@@ -31,7 +31,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from equarx import groups

@@ -148,11 +148,14 @@ def int8_tp4(params, golden):
 # Floors one position (of 167) under the lowest measured agreement, so a regression shows at once
 # (the count moves by a position or two with the CPU's float summation order):
 #   full + tile (the paper's scales)  measured 0.886-0.898 (148-150 of 167)  floor 0.88 (147)
-#   auto + group (the default int8:   measured 0.982 (164)                   floor 0.976 (163)
-#     two-shot here, token-local groups of 32; the target is >= 0.97)
+#   auto + group (the default int8:   measured 0.970 (162; 0.982, 164, with  floor 0.97 (162)
+#     two-shot here, token-local       bfloat16 scales until 2026-11-26: its
+#     groups of 32)                    5 misses are near ties, asserted below)
+#   The default's floor is the target itself (>= 0.97): one position under it would
+#   pass the floor and fail the target.
 # The older rotated-row codecs (full / semi + hadamard: 0.976-0.994, misses near ties) are
 # measured by `python -m eval.quality` rather than here, to keep the suite's time.
-INT8_TP4_FLOORS = {("full", "tile"): 0.88, ("auto", "group"): 0.976}
+INT8_TP4_FLOORS = {("full", "tile"): 0.88, ("auto", "group"): 0.97}
 DEFAULT_INT8_TARGET = 0.97
 NEAR_TIE = 0.2
 
