@@ -93,10 +93,10 @@ class GroupCodec:
                                           self.code, self.unrotate_to, shape, geometries)
 
     def sums_natively(self, arrival_codec, layout, dtype) -> bool:
-        """Whether `encode_sum` runs as the native CPU kernel (equarx.native_cpu) here: integer
-        codes, the token layout's buffer in bfloat16 or float32, arrivals in this codec's own
+        """Whether `encode_sum` runs as the native CPU kernel (equarx.native_cpu) here: the
+        group codec's codes, the token layout's buffer in bfloat16 or float32, arrivals in its own
         groups and code, on the CPU backend once the kernel is built."""
-        return (self.code in ("int8", "int4") and isinstance(layout, TokenLayout)
+        return (self.code in ("int8", "int4", "fp8") and isinstance(layout, TokenLayout)
                 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32)
                 and isinstance(arrival_codec, GroupCodec)
                 and (arrival_codec.group, arrival_codec.code) == (self.group, self.code)
@@ -129,8 +129,8 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
     `arrivals` (wire bytes of that piece from `arrival_codec`, by default `codec`), decoded and
     added in float32 in their order. With no arrivals the piece is encoded in its own dtype.
 
-    The group codec's int8 and int4 run this on the CPU as one native kernel that reads the
-    piece in place (codecs.GroupCodec.sums_natively), with the same bits."""
+    The group codec's int8, int4 and fp8 run this on the CPU as one native kernel that reads
+    the piece in place (codecs.GroupCodec.sums_natively), with the same bits."""
     arrival_codec = arrival_codec or codec
 
     def pure(buf, shard, *arrivals):

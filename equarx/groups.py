@@ -13,9 +13,10 @@ Why this shape of block:
 - The scale is rounded up so that no value exceeds the code's range, onto a grid of 32 steps
   per octave below the row's own power of two (`scale_parts`): one byte per run of 32 and one
   per row (int8 then moves about 0.52x the bytes of bf16, where a bfloat16 scale per run made
-  it 0.53x). Every grid point is a bfloat16 value, and the step it sets is on average ~1% above
-  the float32 one (a bfloat16 scale: 0.2%); measured, the same KL and top-1 (docs/quality.md).
-  The row's exponent makes the scale a function of the row: still token-local.
+  it 0.53x: the link time the default lost to the paper's tile codec). Every grid point is a
+  bfloat16 value, and the step it sets is on average ~1% above the float32 one (a bfloat16
+  scale: 0.2%), too little to move the model's KL measurably (docs/results.md). The row's
+  exponent makes the scale a function of the row: still token-local.
 
 Groups run along a row's columns (the last axis, a multiple of the group size); encoded pieces
 are one int8 array so that one ppermute moves payload and scales.

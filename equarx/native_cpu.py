@@ -8,7 +8,7 @@ Kernels with the pure-JAX forms' bits (for fp8, up to the bits of a NaN):
   form of it takes every arrived piece and writes each straight into its place in the
   layout's buffer (`codecs.GroupCodec.unrotate_gathered`), where XLA:CPU first puts codes and
   scales in place as bytes and copies them;
-- the encode fused with the sum before it (int8, int4; equarx/csrc/encode_cpu.cc,
+- the encode fused with the sum before it (int8, int4, fp8; equarx/csrc/encode_cpu.cc,
   `codecs.encode_sum`): a piece read in place from the layout's strided buffer plus
   the decoded arrivals, quantized while each group is in registers, where XLA:CPU copies the
   piece out, widens it for the absmax and reads it again to quantize.

@@ -13,8 +13,9 @@
 // (exact: 8-bit codes times a bfloat16 value), added to the running float32 sum in arrival
 // order; the scale is the absmax times the float32 reciprocal of code_max, rounded up onto the
 // row's grid (group_codec.h: row_scale_parts); a code the value times 1 / scale, rounded to
-// float32, then half to even to an integer. Built with -ffp-contract=off, so no product and
-// sum are fused into one rounding. A NaN counts as Inf in the absmax, so its run decodes to NaN.
+// float32, then half to even to an integer (fp8: to e4m3, half to even, as XLA converts).
+// Built with -ffp-contract=off, so no product and sum are fused into one rounding. A NaN counts
+// as Inf in the absmax, so its run decodes to NaN.
 // A row's scales need all its runs' absmaxes first: each row is summed into a buffer, then
 // scaled, then coded.
 #include <cmath>
@@ -57,6 +58,29 @@ inline int8_t code_of(float v, float inv) {
   return int8_t(bits_of(std::nearbyint(v * inv) + kMagic));
 }
 
+// v as float8 e4m3fn, rounded to nearest even as XLA converts: below 2^-6 a multiple of 2^-9
+// (the conversion to an integer rounds half to even), above it 3 mantissa bits (the float32
+// bits rounded half to even at bit 20); a NaN, or past the largest finite value 448, is NaN.
+inline uint32_t fp8_bits(float v) {
+  const uint32_t u = bits_of(v), a = u & 0x7fffffffu, sign = (u >> 24) & 0x80u;
+  uint32_t b;
+  if (a > 0x7f800000u) {
+    b = 0x7f;
+  } else if (a < 0x3c800000u) {
+    b = uint32_t(std::nearbyint(float_of(a) * 512.0f));
+  } else {
+    b = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - 960;
+    if (b > 0x7e) b = 0x7f;
+  }
+  return b | sign;
+}
+
+inline int8_t fp8_of(float v, float inv) { return int8_t(uint8_t(fp8_bits(v * inv))); }
+
+inline float code_max_of(Code code) {
+  return code == kInt4 ? 7.0f : (code == kFp8 ? 448.0f : 127.0f);
+}
+
 inline float load_in(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 inline float load_in(const float* p, int64_t i) { return p[i]; }
 
@@ -73,7 +97,7 @@ inline void arrival_scales(const Piece& a, const std::vector<const int8_t*>& wir
 template <int G, typename In>
 void encode_generic(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
                     int8_t* out) {
-  const float code_max = a.code == kInt4 ? 7.0f : 127.0f;
+  const float code_max = code_max_of(a.code);
   const int64_t per_row = a.per_row();
   std::vector<float> xs(per_row * G), amax(per_row), inv(per_row), sa(wires.size() * per_row);
   for (int64_t b = 0; b < a.pieces; ++b) {
@@ -109,6 +133,8 @@ void encode_generic(const Piece& a, const In* in, const std::vector<const int8_t
           for (int i = 0; i < G / 2; ++i)
             codes[k * (G / 2) + i] = int8_t((code_of(x[i], inv[j]) & 0x0f) |
                                             (uint8_t(code_of(x[i + G / 2], inv[j])) << 4));
+        } else if (a.code == kFp8) {
+          for (int i = 0; i < G; ++i) codes[k * G + i] = fp8_of(x[i], inv[j]);
         } else {
           for (int i = 0; i < G; ++i) codes[k * G + i] = code_of(x[i], inv[j]);
         }
@@ -128,6 +154,25 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 // a finite product the same integer as round-then-magic-add (the scalar form).
 inline __m128i codes16(__m512 x, __m512 inv) {
   return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)));
+}
+
+// fp8_bits of 16 products at once.
+inline __m128i fp8_16(__m512 x, __m512 inv) {
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, inv));
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i sign = _mm512_srli_epi32(_mm512_xor_si512(u, a), 24);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(a, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7ffff)));
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(up, 20), _mm512_set1_epi32(960));
+  const __m512i small = _mm512_cvtps_epi32(
+      _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f)));
+  __m512i b = _mm512_mask_blend_epi32(
+      _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x3c800000)), normal, small);
+  b = _mm512_mask_mov_epi32(
+      b, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000)) |
+             _mm512_cmpgt_epi32_mask(b, _mm512_set1_epi32(0x7e)),
+      _mm512_set1_epi32(0x7f));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(b, sign));
 }
 
 // The maxima of 16 vectors' lanes, m[j] -> lane j: pairs of vectors fold their halves into one
@@ -154,7 +199,7 @@ inline __m512 lane_maxima(__m512* m) {
 template <Code kCode, typename In>
 void encode32(const Piece& a, const In* in, const std::vector<const int8_t*>& wires,
               int8_t* out) {
-  const float code_max = kCode == kInt4 ? 7.0f : 127.0f;
+  const float code_max = code_max_of(kCode);
   const int64_t per_row = a.per_row();
   std::vector<float> xs(per_row * 32), amax(per_row + 16), inv(per_row),
       sa(wires.size() * per_row);
@@ -190,8 +235,10 @@ void encode32(const Piece& a, const In* in, const std::vector<const int8_t*>& wi
       for (int64_t j = 0; j < per_row; ++j) {
         const int64_t k = r * per_row + j;
         const __m512 iv = _mm512_set1_ps(inv[j]);
-        const __m128i q0 = codes16(_mm512_loadu_ps(xs.data() + 32 * j), iv);
-        const __m128i q1 = codes16(_mm512_loadu_ps(xs.data() + 32 * j + 16), iv);
+        const __m512 x0 = _mm512_loadu_ps(xs.data() + 32 * j);
+        const __m512 x1 = _mm512_loadu_ps(xs.data() + 32 * j + 16);
+        const __m128i q0 = kCode == kFp8 ? fp8_16(x0, iv) : codes16(x0, iv);
+        const __m128i q1 = kCode == kFp8 ? fp8_16(x1, iv) : codes16(x1, iv);
         if (kCode == kInt4) {
           const __m128i packed = _mm_or_si128(
               _mm_and_si128(q0, _mm_set1_epi8(0x0f)),
@@ -215,6 +262,8 @@ ffi::Error dispatch(const Piece& a, const In* in, const std::vector<const int8_t
   if (a.g == 32) {
     if (a.code == kInt4)
       encode32<kInt4, In>(a, in, wires, out);
+    else if (a.code == kFp8)
+      encode32<kFp8, In>(a, in, wires, out);
     else
       encode32<kInt8, In>(a, in, wires, out);
     return ffi::Error::Success();
@@ -238,8 +287,8 @@ ffi::Error EncodeSum(ffi::AnyBuffer buf, ffi::Buffer<ffi::S32> shard, ffi::Remai
                      ffi::Result<ffi::Buffer<ffi::S8>> out, int64_t code, int64_t group,
                      int64_t pieces, int64_t rows, int64_t width, int64_t row_stride,
                      int64_t base, int64_t shard_stride, int64_t shards) {
-  if (code != kInt8 && code != kInt4)
-    return ffi::Error::InvalidArgument("code must be 0 (int8) or 1 (int4)");
+  if (code != kInt8 && code != kInt4 && code != kFp8)
+    return ffi::Error::InvalidArgument("code must be 0 (int8), 1 (int4) or 2 (fp8)");
   if (group <= 0 || group % 2 != 0 || width % group != 0 || pieces < 1 || rows < 1)
     return ffi::Error::InvalidArgument("width must be a multiple of an even group size");
   const Piece a{Code(code), group, pieces, rows, width, row_stride,

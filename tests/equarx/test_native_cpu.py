@@ -9,6 +9,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -110,7 +111,7 @@ def test_the_other_builds_give_the_same_bits(arch, tmp_path):
             got = jax.jit(lambda c, s, e, d=dtype, k=code: native_cpu.unrotate(
                 c, s, e, groups.rotation(G).T, k, d, target=unrotate_target))(*parts)
             _assert_same(got, _pure(*parts, dtype, code))
-    for code in ("int8", "int4"):
+    for code in ("int8", "int4", "fp8"):
         for dtype in (jnp.bfloat16, jnp.float32):
             layout, buf, arrivals = _summands(dtype, code, seed=5)
             for n in (0, 2):
@@ -194,7 +195,7 @@ def _encode_sum(buf, layout, shard, piece, arrivals, code, native=True):
         return np.asarray(f(buf, jnp.int32(shard), *arrivals))
 
 
-@pytest.mark.parametrize("code", ["int8", "int4"])
+@pytest.mark.parametrize("code", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_encode_sum_gives_the_pure_bits(dtype, code):
     """A strided piece read in place at a run-time shard, with 0, 1 and 2 arrivals added, every
@@ -212,6 +213,35 @@ def test_encode_sum_gives_the_pure_bits(dtype, code):
                 assert (out[0, :2] == 0).all() and (out[0, 2, :G] == 0).all()  # zero, tiny
                 assert np.isclose(out[0, 3, 8:88], 3e38, rtol=0.1).all()  # huge
                 assert out[0, 4, 18] == 0 and np.isfinite(out).all()
+
+
+def test_fp8_encode_rounds_ties_to_even_as_xla():
+    """fp8 codes of every midpoint between neighbouring e4m3 values (subnormals included), and
+    of the float32 values either side of each, in runs whose scale is exactly 1 (absmax 447:
+    447 / 448 rounds up to 1 on the 5-bit grid): the kernel's codes are the pure form's (XLA's
+    conversion), and both are ml_dtypes' round-half-to-even."""
+    layout = dataclasses.replace(plan_token_layout((128, 1024), 2, 4, granule=G), minishards=4,
+                                 rows_per_minishard=32)
+    e4m3 = np.arange(1, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    mids = ((e4m3[:-1].astype(np.float64) + e4m3[1:]) / 2).astype(np.float32)
+    values = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf)])
+    values *= np.where(np.random.default_rng(8).random(values.size) < 0.5, -1, 1)
+    runs = values[:len(values) // 31 * 31].reshape(-1, 31)
+    x = np.zeros((128, 1024), np.float32)
+    cells = x.reshape(-1, G)
+    at = np.arange(len(runs)) * 17  # runs in both shards' columns (a row holds 32 runs)
+    cells[at, 0] = 447.0
+    cells[at, 1:] = runs
+    buf = layout.split(jnp.asarray(x))
+    for shard in (0, 1):
+        got = _encode_sum(buf, layout, shard, (0, 4), [], "fp8")
+        np.testing.assert_array_equal(
+            got, _encode_sum(buf, layout, shard, (0, 4), [], "fp8", native=False))
+        decoded = np.asarray(groups.decode(jnp.asarray(got), G, "fp8", (4, 32, 512)))
+        values = np.asarray(layout.piece(buf, shard, 0, 4))
+        assert (values == 447).sum() >= len(runs) // 3  # the runs are in these pieces
+        np.testing.assert_array_equal(
+            decoded, values.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
 
 
 def test_encode_sum_keeps_a_nan_group_nan():
@@ -264,7 +294,7 @@ def test_the_collective_gives_the_same_bits_either_way(label, monkeypatch):
     f, native = run()
     text = f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
     assert native_cpu.GATHER_TARGET in text
-    assert (native_cpu.ENCODE_TARGET in text) == (label != "fp8")  # integer codes only
+    assert native_cpu.ENCODE_TARGET in text
     monkeypatch.setattr(native_cpu, "available", lambda: False)
     f, pure = run()
     text = f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
