@@ -69,13 +69,45 @@ def _times(v: jax.Array, m: np.ndarray, fence_out: bool = True,
     with its own matrix each product fuses its broadcast. The forward rotation keeps the
     shared broadcast: given its own, its bits in a model program change (the reduce's
     summation order), which moved the tp=4 golden agreement of tests/models/test_parity.py by
-    one position; the inverse's bits do not change."""
+    one position; the inverse's bits do not change.
+
+    Off the CPU it is a float32 dot: on a GPU the summed form compiled for 86 s and ran at 5% of
+    a copy's bandwidth, the dot at 89% (an H100, docs/results.md). Whether a dot's bits depend
+    on the row count is up to the backend's kernel choice: on the H100 they did not (1 to 30000
+    rows). Integer codes (`unrotate_codes`) sum exactly in any order either way."""
     if own_matrix:
         v, mat = lax.optimization_barrier((v, jnp.asarray(m)))
     else:
         v, mat = lax.optimization_barrier(v), jnp.asarray(m)
-    out = jnp.sum(v[:, :, None] * mat[None], axis=1)
+
+    def summed(v, mat):
+        return jnp.sum(v[:, :, None] * mat[None], axis=1)
+
+    def dot(v, mat):
+        return jnp.dot(v, mat, precision=lax.Precision.HIGHEST)
+
+    out = lax.platform_dependent(v, mat, cpu=summed, default=dot)
     return lax.optimization_barrier(out) if fence_out else out
+
+
+def butterflies(v: jax.Array) -> jax.Array:
+    """f32[n, g] times the g x g Sylvester Hadamard matrix H, as log2(g) stages of sums and
+    differences of pairs: elementwise, so a row's bits never depend on the row count on any
+    backend (a dot's kernel, and so its summation order, may change with the number of rows).
+    M = D H, so v M = butterflies(v * signs) and v M^T = butterflies(v) * signs."""
+    n, g = v.shape
+    h = g // 2
+    while h >= 1:
+        pairs = v.reshape(n, g // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        v = jnp.stack([a + b, a - b], axis=2).reshape(n, g)
+        h //= 2
+    return v
+
+
+def signs(g: int) -> np.ndarray:
+    """The diagonal of D in M = D H (`rotation`): M's first column."""
+    return rotation(g)[:, 0].copy()
 
 
 def to_f32(x: jax.Array) -> jax.Array:
@@ -222,12 +254,30 @@ def round_int8(v: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(rounded + _ROUNDING_MAGIC, jnp.int32).astype(jnp.int8)
 
 
+def _gpu_kernels(width: int, g: int, code: str) -> bool:
+    """Whether programs traced now include the GPU kernels (equarx.triton_codecs) for rows of
+    `width` values: a CUDA backend is present and the kernels take the shape."""
+    from equarx import triton_codecs  # here, not at the top: it builds on this module
+    return triton_codecs.in_use() and triton_codecs.supports(width, g, code)
+
+
 def encode(x: jax.Array, g: int, code: str) -> jax.Array:
     """f32[B, ..., R] (R a multiple of g) -> int8[B, N]: per leading index, the payload (the
     codes of each row of R values in turn), the runs' step bytes, then the rows' exponent bytes
     (`scale_parts`). Contiguous parts keep the join a few copies: a per-token join of payload
     and scales compiles to a per-element select on XLA:CPU and costs more than the
-    quantization."""
+    quantization. On a CUDA GPU, int8 and int4 run as one kernel with the same bits
+    (equarx.triton_codecs)."""
+    if x.ndim >= 2 and _gpu_kernels(x.shape[-1], g, code):
+        from equarx import triton_codecs
+        return lax.platform_dependent(
+            x, cuda=lambda x: triton_codecs.encode(x, g, code),
+            default=lambda x: _encode(x, g, code))
+    return _encode(x, g, code)
+
+
+def _encode(x: jax.Array, g: int, code: str) -> jax.Array:
+    """`encode` in XLA ops."""
     b, r = x.shape[0], x.shape[-1]
     v = x.reshape(b, -1, r // g, g)
     # The absmax in the input's own dtype (exact: a maximum of its values), widened after: a
@@ -296,19 +346,30 @@ def unrotate_codes(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: 
 
     On the CPU backend, to bfloat16 or float32, this runs as a native kernel with the same bits
     (equarx.native_cpu; fp8: the same up to the bits of a NaN), unless `native=False` or it
-    could not be built."""
+    could not be built; on a CUDA GPU, int8 and int4 as one kernel with the same bits
+    (equarx.triton_codecs), unless `native=False`."""
     def pure(codes, steps, exponents):
         s32 = _row_scales(steps, exponents).reshape(-1)
         sums = _times(_codes_f32(codes, g, code), rotation(g).T, fence_out=False,
                       own_matrix=True)
         return (sums * (s32 / g)[:, None]).astype(out_dtype).reshape(*codes.shape[:-1], -1)
 
-    if (native and jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float32)
-            and native_cpu.in_use()):
+    if not native or jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float32):
+        return pure(codes, steps, exponents)
+    kernels = {}
+    if native_cpu.in_use():
         def on_cpu(codes, steps, exponents):
             return native_cpu.unrotate(codes, steps, exponents, rotation(g).T, code, out_dtype)
-        return lax.platform_dependent(codes, steps, exponents, cpu=on_cpu, default=pure)
-    return pure(codes, steps, exponents)
+        kernels["cpu"] = on_cpu
+    if _gpu_kernels(steps.shape[-1] * g, g, code):
+        from equarx import triton_codecs
+
+        def on_gpu(codes, steps, exponents):
+            return triton_codecs.unrotate(codes, steps, exponents, g, code, out_dtype)
+        kernels["cuda"] = on_gpu
+    if not kernels:
+        return pure(codes, steps, exponents)
+    return lax.platform_dependent(codes, steps, exponents, default=pure, **kernels)
 
 
 def wire_bytes_per_value(g: int, code: str, width: int | None = None) -> float:

@@ -3,9 +3,10 @@
 Quantization and dequantize-add are memory-bound: their physical limit is the bytes they must
 move divided by the memory bandwidth. This times, on the default JAX device:
   copy         y = x + 1 over float32 (reads 4, writes 4 bytes a value): the achievable bandwidth
-  rotate       f32 runs of 32 times the 32x32 rotation (reads 4, writes 4)
+  rotate       f32 runs of 32 times the 32x32 rotation (reads 4, writes 4); off the CPU a dot
   encode       rotated f32 partial -> int8 payload + scale bytes (reads 4, writes w = 1 + 1/32 +
-               1/1024: a scale byte per run, an exponent byte per row of 1024)
+               1/1024: a scale byte per run, an exponent byte per row of 1024); on a CUDA GPU
+               one kernel (equarx.triton_codecs)
   decode_add   wire + local f32 partial -> f32 sum (reads w + 4, writes 4)
   hop          decode_add then encode, as one reduce-scatter hop runs them (reads w + 4,
                writes w)
@@ -14,14 +15,25 @@ move divided by the memory bandwidth. This times, on the default JAX device:
                w); on a CPU, a native kernel for int8 and int4
   unrotate     the all-gather's last step: codes and scales -> bf16 values with the rotation
                undone (groups.unrotate_codes; reads w, writes 2), on every device over
-               the whole message; on a CPU, a native kernel (equarx.native_cpu)
-  unrotate_jax the same in its pure-JAX form (what an accelerator runs; on a CPU, the default
-               codec's largest cost before the native kernel)
+               the whole message; on a CPU a native kernel (equarx.native_cpu), on a CUDA GPU
+               one Triton kernel (equarx.triton_codecs)
+  unrotate_jax the same in its pure-JAX form (on a CPU, the default codec's largest cost before
+               the native kernel)
 and reports each one's bytes / time as GB/s and as a fraction of the copy's. On an accelerator
 each timing is of `inner` calls dispatched back to back (so the host's dispatch cost overlaps the
 device's work) over their count. With the timings come two checks of the kernels' results: the
 round trip's error (rotate, encode, un-rotate against the input) and, off the CPU, how many of
 the device's codes equal the CPU's for the same input (the rotation's summation order may differ).
+
+`--forms` adds other forms of the kernels, each with the same bytes, and checks of their bits
+(token_local: a row's result the same whatever rows come with it; equal_cpu / equal_pure: the
+same bits as the XLA:CPU program / the pure-JAX form):
+  encode_piece        encode of one piece of all the rows (the token layout's shape)
+  encode_xla          the same in XLA ops (groups._encode: what a GPU ran before its kernel)
+  encode_triton_B_W   the GPU kernel with blocks of B values and W warps (GPU only)
+  unrotate_triton_B_W the same for the un-rotation (GPU only)
+  rotate_butterfly    the rotation as Hadamard butterflies (groups.butterflies)
+  rotate_dot          the rotation as a float32 dot (what runs off the CPU)
 
   python -m eval.bench_codec --values 64M --repeats 20
 """
@@ -34,8 +46,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from equarx import codecs, groups
+from equarx import codecs, groups, triton_codecs
 from equarx.layout import plan_token_layout
 from eval.reports import write_json
 
@@ -78,9 +91,78 @@ def check(x: jax.Array, group: int, code: str, cpu_values: int = 1 << 22) -> dic
     return out
 
 
+def _rotate_butterfly(x, g):
+    v = x.reshape(-1, g) * groups.signs(g)
+    return groups.butterflies(v).reshape(x.shape)
+
+
+def _rotate_dot(x, g):
+    return jnp.dot(x.reshape(-1, g), jnp.asarray(groups.rotation(g)),
+                   precision=lax.Precision.HIGHEST).reshape(x.shape)
+
+
+def _token_local(fn, *args) -> bool:
+    """Whether fn's result for the first rows of its inputs equals its result's first rows,
+    bit for bit, for a few row counts (the rows of every input along axis 0)."""
+    full = np.asarray(jax.device_get(fn(*args)))
+    for k in (1, 3, 64):
+        part = np.asarray(jax.device_get(fn(*(a[:k] for a in args))))
+        if part.shape != full[:k].shape or part.tobytes() != full[:k].tobytes():
+            return False
+    return True
+
+
+def _encode_equal_cpu(fn, piece: jax.Array, group: int, code: str, rows: int = 4096) -> float:
+    """The share of fn's wire bytes for the piece's first `rows` rows equal to the XLA:CPU
+    program's (`groups._encode` on the CPU device)."""
+    cpu = jax.devices("cpu")[0]
+    part = piece[:, :rows]
+    ref = jax.jit(lambda v: groups._encode(v, group, code))(jax.device_put(part, cpu))
+    return float(np.mean(np.asarray(fn(part)) == np.asarray(ref)))
+
+
+def forms(x: jax.Array, wire_parts: tuple, group: int, code: str, wire_bytes: float,
+          on_gpu: bool) -> dict:
+    """The forms of the kernels beside the defaults (see the module's docstring): name ->
+    (jitted function, its arguments, bytes a value, a check of its bits or None)."""
+    rows, width = x.shape
+    piece = x.reshape(1, rows, width)
+    out = {"encode_piece": (jax.jit(lambda v: groups.encode(v, group, code)), (piece,),
+                            4.0 + wire_bytes, None),
+           "encode_xla": (jax.jit(lambda v: groups._encode(v, group, code)), (piece,),
+                          4.0 + wire_bytes, None)}
+    if on_gpu and triton_codecs.supports(width, group, code):
+        for block, warps in ((8192, 8), (4096, 4), (16384, 16)):
+            fn = jax.jit(lambda v, b=block, w=warps: triton_codecs.encode(
+                v, group, code, block_values=b, num_warps=w))
+            out[f"encode_triton_{block}_{warps}"] = (
+                fn, (piece,), 4.0 + wire_bytes, lambda fn=fn: {
+                    "equal_cpu": _encode_equal_cpu(fn, piece, group, code),
+                    "token_local": _token_local(
+                        lambda v: fn(v[None])[0, :v.shape[0] * width].reshape(-1, width), x)})
+        pure = jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16,
+                                                        native=False))
+        for block, warps in ((8192, 8), (4096, 4)):
+            fn = jax.jit(lambda *p, b=block, w=warps: triton_codecs.unrotate(
+                *p, group, code, jnp.bfloat16, block_values=b, num_warps=w))
+            out[f"unrotate_triton_{block}_{warps}"] = (
+                fn, wire_parts, wire_bytes + 2.0, lambda fn=fn: {
+                    "equal_pure": bool(np.array_equal(
+                        np.asarray(fn(*wire_parts), np.float32),
+                        np.asarray(pure(*wire_parts), np.float32))),
+                    "token_local": _token_local(fn, *wire_parts)})
+    for name, f in (("rotate_butterfly", _rotate_butterfly), ("rotate_dot", _rotate_dot)):
+        fn = jax.jit(lambda v, f=f: f(v, group))
+        out[name] = (fn, (x,), 8.0, lambda fn=fn: {"token_local": _token_local(fn, x)})
+    return out
+
+
 def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
-        inner: int | None = None, on_kernel=None) -> dict:
-    """Times every kernel; `on_kernel(name, row)` is called as each one finishes."""
+        inner: int | None = None, on_kernel=None, kernels: list[str] | None = None,
+        with_forms: bool = False, with_check: bool = True, hlo_path: str | None = None) -> dict:
+    """Times every kernel (or those named in `kernels`, in that order); `on_kernel(name, row)`
+    is called as each one finishes. `with_forms` adds the accelerator forms (`forms`);
+    `hlo_path` collects each kernel's compiled program there."""
     rows = n_values // 1024
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (rows, 1024), jnp.float32)
@@ -88,7 +170,7 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     wire_bytes = groups.wire_bytes_per_value(group, code, 1024)
     encode = jax.jit(lambda v: groups.encode(v, group, code))
     wire = encode(x)
-    kernels = {
+    table = {
         "copy": (jax.jit(lambda v: v + 1.0), (x,), 8.0),
         "rotate": (jax.jit(lambda v: groups.rotate(v, group)), (x,), 8.0),
         "encode": (encode, (x,), 4.0 + wire_bytes),
@@ -103,30 +185,59 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     layout = plan_token_layout((rows, 2048), 2, 1, granule=group)
     buf = layout.split(jnp.concatenate([x, local], axis=1).astype(jnp.bfloat16))
     codec = codecs.GroupCodec(group, code, layout.piece_shape)
-    kernels["encode_sum"] = (
+    table["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
         (buf, groups.encode(local.reshape(1, rows, 1024), group, code)), 2.0 + 2 * wire_bytes)
     parts = groups.wire_parts(wire, (1, 1024), group, code)
-    kernels["unrotate"] = (
+    table["unrotate"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16)),
         parts, wire_bytes + 2.0)
-    kernels["unrotate_jax"] = (
+    table["unrotate_jax"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16, native=False)),
         parts, wire_bytes + 2.0)
     platform = jax.devices()[0].platform
+    checks = {}
+    if with_forms:
+        for name, (fn, args, nbytes, chk) in forms(x, parts, group, code, wire_bytes,
+                                                   platform == "gpu").items():
+            table[name] = (fn, args, nbytes)
+            if chk is not None:
+                checks[name] = chk
     if inner is None:
         inner = 1 if platform == "cpu" else 10
     out = {"device": str(jax.devices()[0].device_kind), "platform": platform,
            "values": rows * 1024, "group": group, "code": code, "inner": inner, "kernels": {}}
-    for name, (fn, args, bytes_per_value) in kernels.items():
+    for name in kernels or list(table):
+        if name not in table:
+            raise ValueError(f"no kernel {name!r} here (on {platform}); have {sorted(table)}")
+        fn, args, bytes_per_value = table[name]
+        t0 = time.perf_counter()
+        try:
+            jax.block_until_ready(fn(*args))
+        except Exception as e:  # an accelerator form that does not compile there: say so
+            if not with_forms:
+                raise
+            out["kernels"][name] = row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if on_kernel is not None:
+                on_kernel(name, row)
+            continue
+        first = time.perf_counter() - t0
         s = _time(fn, *args, repeats=repeats, inner=inner)
-        out["kernels"][name] = {"ms": s * 1e3, "GB/s": bytes_per_value * rows * 1024 / s / 1e9}
+        row = {"ms": s * 1e3, "GB/s": bytes_per_value * rows * 1024 / s / 1e9,
+               "first_call_s": round(first, 2)}
+        if name in checks:
+            row.update(checks[name]())
+        if hlo_path:
+            with open(hlo_path, "a") as f:
+                f.write(f"# ---- {name}\n{fn.lower(*args).compile().as_text()}\n")
+        out["kernels"][name] = row
         if on_kernel is not None:
-            on_kernel(name, out["kernels"][name])
-    copy = out["kernels"]["copy"]["GB/s"]
+            on_kernel(name, row)
+    copy = out["kernels"].get("copy", {}).get("GB/s")
     for k in out["kernels"].values():
-        k["of_copy"] = k["GB/s"] / copy
-    out["check"] = check(x, group, code)
+        k["of_copy"] = k["GB/s"] / copy if copy and "GB/s" in k else None
+    if with_check:
+        out["check"] = check(x, group, code)
     return out
 
 
@@ -138,19 +249,33 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--inner", type=int, default=None,
                    help="calls per timing (default: 1 on a CPU, 10 on an accelerator)")
+    p.add_argument("--kernels", default=None,
+                   help="comma-separated kernels to time, in this order (default: all)")
+    p.add_argument("--forms", action="store_true",
+                   help="add the accelerator forms of the kernels (see the docstring)")
+    p.add_argument("--no-check", action="store_true", help="skip the round-trip check")
+    p.add_argument("--hlo", default=None, help="append each kernel's compiled program here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     mult = {"K": 1 << 10, "M": 1 << 20}.get(args.values[-1:].upper(), 1)
     n = int(float(args.values.rstrip("KkMm")) * mult)
     report = run(n, args.group, args.code, args.repeats, args.inner,
-                 on_kernel=lambda name, k: print(f"  {name}: {k['ms']:.3f} ms", file=sys.stderr,
-                                                 flush=True))
+                 on_kernel=lambda name, k: print(f"  {name}: {k}", file=sys.stderr, flush=True),
+                 kernels=args.kernels.split(",") if args.kernels else None,
+                 with_forms=args.forms, with_check=not args.no_check, hlo_path=args.hlo)
     print(f"# {report['device']} ({report['platform']}), {report['values']} values, "
           f"{report['code']} groups of {report['group']}")
     print(f"{'kernel':<12} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
     for name, k in report["kernels"].items():
-        print(f"{name:<12} {k['ms']:>8.3f} {k['GB/s']:>8.1f} {100 * k['of_copy']:>7.1f}%")
-    print("check: " + ", ".join(f"{k} {v:.4g}" for k, v in report["check"].items()))
+        if "error" in k:
+            print(f"{name:<12} failed: {k['error']}")
+            continue
+        share = f"{100 * k['of_copy']:>7.1f}%" if k["of_copy"] is not None else "       -"
+        notes = " ".join(f"{key}={val}" for key, val in k.items()
+                         if key not in ("ms", "GB/s", "of_copy", "first_call_s"))
+        print(f"{name:<12} {k['ms']:>8.3f} {k['GB/s']:>8.1f} {share} {notes}")
+    if "check" in report:
+        print("check: " + ", ".join(f"{k} {v:.4g}" for k, v in report["check"].items()))
     write_json(args.out, report)
     return report
 

@@ -46,3 +46,16 @@ def test_fp8_times_its_unrotate_too():
     report = bench_codec.run(16 * 1024, code="fp8", repeats=1)
     k = report["kernels"]["unrotate"]
     assert k["GB/s"] * 1e9 * k["ms"] / 1e3 / report["values"] == pytest.approx(1 + 1 / 32 + 1 / 1024 + 2)
+
+
+def test_forms_are_timed_with_their_bytes_and_their_bits_checked():
+    # Without a GPU the forms are the XLA ones; the butterflies are token-local on any backend.
+    report = bench_codec.run(64 * 1024, repeats=1, with_forms=True, with_check=False)
+    k = report["kernels"]
+    assert {"encode_piece", "encode_xla", "rotate_butterfly", "rotate_dot"} <= set(k)
+    assert not any(name.startswith(("encode_triton", "unrotate_triton")) for name in k)
+    for name, like in (("encode_piece", "encode"), ("encode_xla", "encode"),
+                       ("rotate_butterfly", "rotate"), ("rotate_dot", "rotate")):
+        assert k[name]["GB/s"] * k[name]["ms"] == pytest.approx(k[like]["GB/s"] * k[like]["ms"])
+    assert k["rotate_butterfly"]["token_local"] is True
+    assert "check" not in report
