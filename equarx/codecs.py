@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx import groups, native_cpu
+from equarx import groups, native_cpu, triton_codecs
 from equarx import quantize as qz
 from equarx.layout import TokenLayout
 
@@ -92,15 +92,27 @@ class GroupCodec:
         return native_cpu.gather_unrotate(device, wires, groups.rotation(self.group).T,
                                           self.code, self.unrotate_to, shape, geometries)
 
-    def sums_natively(self, arrival_codec, layout, dtype) -> bool:
-        """Whether `encode_sum` runs as the native CPU kernel (equarx.native_cpu) here: the
-        group codec's codes, the token layout's buffer in bfloat16 or float32, arrivals in its own
-        groups and code, on the CPU backend once the kernel is built."""
-        return (self.code in ("int8", "int4", "fp8") and isinstance(layout, TokenLayout)
+    def _sums_in_one_kernel(self, arrival_codec, layout, dtype) -> bool:
+        """The token layout's buffer in bfloat16 or float32, arrivals in this codec's own groups
+        and code: what a kernel that reads the piece in place takes."""
+        return (isinstance(layout, TokenLayout)
                 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32)
                 and isinstance(arrival_codec, GroupCodec)
-                and (arrival_codec.group, arrival_codec.code) == (self.group, self.code)
+                and (arrival_codec.group, arrival_codec.code) == (self.group, self.code))
+
+    def sums_natively(self, arrival_codec, layout, dtype) -> bool:
+        """Whether `encode_sum` runs as the native CPU kernel (equarx.native_cpu) here: the
+        group codec's codes, on the CPU backend once the kernel is built."""
+        return (self.code in ("int8", "int4", "fp8")
+                and self._sums_in_one_kernel(arrival_codec, layout, dtype)
                 and native_cpu.in_use())
+
+    def sums_on_gpu(self, arrival_codec, layout, dtype) -> bool:
+        """Whether programs traced now include `encode_sum`'s GPU kernel
+        (equarx.triton_codecs): int8 or int4, with a CUDA backend present."""
+        return (self._sums_in_one_kernel(arrival_codec, layout, dtype)
+                and triton_codecs.in_use()
+                and triton_codecs.supports(self.piece_shape[-1], self.group, self.code))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,19 +142,26 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
     added in float32 in their order. With no arrivals the piece is encoded in its own dtype.
 
     The group codec's int8, int4 and fp8 run this on the CPU as one native kernel that reads
-    the piece in place (codecs.GroupCodec.sums_natively), with the same bits."""
+    the piece in place (codecs.GroupCodec.sums_natively), int8 and int4 on a CUDA GPU as one
+    Triton kernel (`sums_on_gpu`), both with the same bits."""
     arrival_codec = arrival_codec or codec
 
     def pure(buf, shard, *arrivals):
         return codec.encode(_plus(layout.piece(buf, shard, *piece), arrivals, arrival_codec))
 
-    if isinstance(codec, GroupCodec) and codec.sums_natively(arrival_codec, layout, buf.dtype):
-        def on_cpu(buf, shard, *arrivals):
-            return native_cpu.encode_sum(buf, shard, arrivals, layout.piece_geometry(*piece),
-                                         codec.group, codec.code)
-        return lax.platform_dependent(buf, jnp.asarray(shard, jnp.int32), *arrivals,
-                                      cpu=on_cpu, default=pure)
-    return pure(buf, shard, *arrivals)
+    kernels = {}
+    if isinstance(codec, GroupCodec):
+        geometry = layout.piece_geometry(*piece) if isinstance(layout, TokenLayout) else None
+        if codec.sums_natively(arrival_codec, layout, buf.dtype):
+            kernels["cpu"] = lambda buf, shard, *arrivals: native_cpu.encode_sum(
+                buf, shard, arrivals, geometry, codec.group, codec.code)
+        if codec.sums_on_gpu(arrival_codec, layout, buf.dtype):
+            kernels["cuda"] = lambda buf, shard, *arrivals: triton_codecs.encode_sum(
+                buf, shard, arrivals, geometry, codec.group, codec.code)
+    if not kernels:
+        return pure(buf, shard, *arrivals)
+    return lax.platform_dependent(buf, jnp.asarray(shard, jnp.int32), *arrivals, default=pure,
+                                  **kernels)
 
 
 def reduced(codec: Codec, buf: jax.Array, layout, shard, arrivals: dict) -> jax.Array:

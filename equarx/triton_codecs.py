@@ -40,8 +40,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from equarx import groups
 
-BLOCK_VALUES = 8192  # values a program holds (padded): 32 KiB of float32, in registers
-NUM_WARPS = 8  # an H100: 8192 / 8 warps 93% of a copy's bandwidth, 8192 / 4 81% (results.md)
+# Values a program holds (padded; 16 KiB of float32, in registers) and its warps. An H100, two
+# runs: encode 92-96% of a copy's bandwidth with 4096 / 4, 92-94% with 8192 / 8, 81% with
+# 8192 / 4; the un-rotation 86-90% and 82-86% (docs/results.md).
+BLOCK_VALUES = 4096
+NUM_WARPS = 4
 _MAX_INDEX = 1 << 31  # offsets are int32
 
 
@@ -103,6 +106,83 @@ def _grid(i, br: int, wp: int, total: int, width: int):
     return rows, rows.reshape(br), cols, (rows < total) & (cols < width)
 
 
+class _Wire:
+    """Where a block's bytes lie in a wire int8[B, n] of pieces of `rows` rows of `width`
+    values (`groups.encode`'s layout), flattened: codes, then step bytes, then exponent bytes."""
+
+    def __init__(self, rows: int, width: int, g: int, code: str):
+        self.rows, self.g, self.code = rows, g, code
+        self.runs = width // g
+        self.payload = width // 2 if code == "int4" else width
+        self.n = rows * (self.payload + self.runs + 1)
+
+    def steps_at(self, rows2, run):
+        piece, row = rows2 // self.rows, rows2 % self.rows
+        return piece * self.n + self.rows * self.payload + row * self.runs + run
+
+    def exponents_at(self, rows1):
+        piece, row = rows1 // self.rows, rows1 % self.rows
+        return piece * self.n + self.rows * (self.payload + self.runs) + row
+
+    def codes_at(self, rows2, pcols):
+        return (rows2 // self.rows) * self.n + (rows2 % self.rows) * self.payload + pcols
+
+
+def _store_encoded(o_ref, v, wire: _Wire, rows2, rows1, total: int):
+    """Encode f32[br, wp / g, g] (a block of rows, padded with zeros) into `o_ref`, the flat
+    wire, as `groups.encode` would (the module's docstring says how the rounding is kept)."""
+    br, rp, g = v.shape
+    code_max = groups.CODES[wire.code]
+    mag = jnp.abs(v)
+    amax = jnp.max(jnp.where(mag != mag, jnp.inf, mag), axis=-1)
+    step, e, scale, _ = groups.scale_parts(amax, code_max)
+    # A max that changes no value (|scaled| <= code_max) between the product and the rounding
+    # add: no compiler may then fuse the two into one multiply-add.
+    scaled = jnp.maximum(v * _reciprocal(scale, step)[..., None], -2.0 * code_max)
+    bits = lax.bitcast_convert_type(scaled + groups._ROUNDING_MAGIC, jnp.int32)
+    if wire.code == "int4":  # a run's first half in the low nibbles, its second half high
+        q = bits.reshape(br, rp, 2, g // 2)
+        second = lax.broadcasted_iota(jnp.int32, q.shape, 2) == 1
+        bits = ((jnp.sum(jnp.where(second, 0, q), axis=2) & 0x0F)
+                | (jnp.sum(jnp.where(second, q, 0), axis=2) << 4))
+    pp = rp * g // 2 if wire.code == "int4" else rp * g
+    pcols = lax.broadcasted_iota(jnp.int32, (1, pp), 1)
+    live = rows2 < total
+    plgpu.store(o_ref.at[wire.codes_at(rows2, pcols)], bits.reshape(br, pp).astype(jnp.int8),
+                mask=live & (pcols < wire.payload))
+    run = lax.broadcasted_iota(jnp.int32, (1, rp), 1)
+    plgpu.store(o_ref.at[wire.steps_at(rows2, run)], step.astype(jnp.int8),
+                mask=live & (run < wire.runs))
+    plgpu.store(o_ref.at[wire.exponents_at(rows1)], (e.reshape(br) + 127).astype(jnp.int8),
+                mask=rows1 < total)
+
+
+def _load_decoded(w_ref, wire: _Wire, rows2, rows1, cols, total: int, wp: int):
+    """`groups.decode` of a block of rows of the flat wire in `w_ref`: f32[br, wp / g, g]
+    (zeros past the rows' ends). A code times its scale is exact (7 and 6 significant bits),
+    so a multiply-add a compiler may form with what it is added to rounds as the sum does."""
+    br, g = rows2.shape[0], wire.g
+    rp = wp // g
+    live = rows2 < total
+    if wire.code == "int4":  # column j of a run: byte j mod g/2 of its half, the high nibble past it
+        half = g // 2
+        at = wire.codes_at(rows2, (cols // g) * half + cols % half)
+        b = plgpu.load(w_ref.at[at], mask=live & (cols < wire.runs * g), other=0)
+        q = jnp.where(cols % g >= half, b >> 4, (b << 4) >> 4)
+    else:
+        q = plgpu.load(w_ref.at[wire.codes_at(rows2, cols)],
+                       mask=live & (cols < wire.payload), other=0)
+    run = lax.broadcasted_iota(jnp.int32, (1, rp), 1)
+    st = plgpu.load(w_ref.at[wire.steps_at(rows2, run)], mask=live & (run < wire.runs), other=0)
+    ex = plgpu.load(w_ref.at[wire.exponents_at(rows1)], mask=rows1 < total, other=0)
+    s = groups._row_scales(st, ex.reshape(br, 1))
+    return q.astype(jnp.float32).reshape(br, rp, g) * s[..., None]
+
+
+def _params(interpret: bool, num_warps: int):
+    return None if interpret else plgpu.CompilerParams(num_warps=num_warps)
+
+
 def encode(x: jax.Array, g: int, code: str, interpret: bool = False,
            block_values: int = BLOCK_VALUES, num_warps: int = NUM_WARPS) -> jax.Array:
     """f32/bf16[B, ..., W] -> int8[B, N]: `groups.encode`'s wire, bit for bit."""
@@ -111,54 +191,63 @@ def encode(x: jax.Array, g: int, code: str, interpret: bool = False,
         raise ValueError(f"triton_codecs.encode takes int8/int4 rows of a multiple of {g} "
                          f"values, got {x.shape} {code}")
     rows = math.prod(x.shape[1:-1])
-    total, runs = b * rows, w // g
-    payload = w // 2 if code == "int4" else w
-    n = rows * (payload + runs + 1)  # one piece's wire bytes
-    if max(total * w, b * n) >= _MAX_INDEX:
+    total, wire = b * rows, _Wire(rows, w, g, code)
+    if max(total * w, b * wire.n) >= _MAX_INDEX:
         raise ValueError(f"triton_codecs.encode takes fewer than 2^31 values, got {x.shape}")
     wp = _pow2_at_least(w)
     br = _block_rows(w, g, block_values)
-    code_max = groups.CODES[code]
 
     def kernel(x_ref, o_ref):
         rows2, rows1, cols, valid = _grid(pl.program_id(0), br, wp, total, w)
         v = plgpu.load(x_ref.at[rows2 * w + cols], mask=valid, other=0).astype(jnp.float32)
-        v = v.reshape(br, wp // g, g)
-        mag = jnp.abs(v)
-        amax = jnp.max(jnp.where(mag != mag, jnp.inf, mag), axis=-1)
-        step, e, scale, _ = groups.scale_parts(amax, code_max)
-        # A max that changes no value (|scaled| <= code_max) between the product and the
-        # rounding add: no compiler may then fuse the two into one multiply-add.
-        scaled = jnp.maximum(v * _reciprocal(scale, step)[..., None], -2.0 * code_max)
-        bits = lax.bitcast_convert_type(scaled + groups._ROUNDING_MAGIC, jnp.int32)
-        if code == "int4":  # a run's first half in the low nibbles, its second half high
-            q = bits.reshape(br, wp // g, 2, g // 2)
-            second = lax.broadcasted_iota(jnp.int32, q.shape, 2) == 1
-            bits = ((jnp.sum(jnp.where(second, 0, q), axis=2) & 0x0F)
-                    | (jnp.sum(jnp.where(second, q, 0), axis=2) << 4))
-        piece, row = rows2 // rows, rows2 % rows
-        pp = wp // 2 if code == "int4" else wp
-        pcols = lax.broadcasted_iota(jnp.int32, (1, pp), 1)
-        plgpu.store(o_ref.at[piece * n + row * payload + pcols],
-                    bits.reshape(br, pp).astype(jnp.int8),
-                    mask=(rows2 < total) & (pcols < payload))
-        run = lax.broadcasted_iota(jnp.int32, (1, wp // g), 1)
-        plgpu.store(o_ref.at[piece * n + rows * payload + row * runs + run],
-                    step.astype(jnp.int8), mask=(rows2 < total) & (run < runs))
-        piece1, row1 = rows1 // rows, rows1 % rows
-        plgpu.store(o_ref.at[piece1 * n + rows * (payload + runs) + row1],
-                    (e.reshape(br) + 127).astype(jnp.int8), mask=rows1 < total)
+        _store_encoded(o_ref, v.reshape(br, wp // g, g), wire, rows2, rows1, total)
 
     out = pl.pallas_call(
-        kernel,
-        out_shape=_out((b * n,), jnp.int8, x),
-        grid=(-(-total // br),),
-        in_specs=[pl.no_block_spec],
-        out_specs=pl.no_block_spec,
-        interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
+        kernel, out_shape=_out((b * wire.n,), jnp.int8, x), grid=(-(-total // br),),
+        in_specs=[pl.no_block_spec], out_specs=pl.no_block_spec, interpret=interpret,
+        compiler_params=_params(interpret, num_warps),
     )(x.reshape(-1))
-    return out.reshape(b, n)
+    return out.reshape(b, wire.n)
+
+
+def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, g: int, code: str,
+               interpret: bool = False, block_values: int = BLOCK_VALUES,
+               num_warps: int = NUM_WARPS) -> jax.Array:
+    """`codecs.encode_sum` of the group codec as one kernel, bit for bit: the piece of the
+    token layout's buffer `buf` (bfloat16 or float32) at `shard` that `geometry` places
+    (`TokenLayout.piece_geometry`), read in place, plus each arrival (wire bytes int8[pieces,
+    n] of that piece) decoded, added in float32 in order, encoded -> int8[pieces, n]. One
+    reduce-scatter hop: 2 or 4 bytes read a value, plus 1 + 1/g + 1/W an arrival, 1 + 1/g + 1/W
+    written (XLA's form writes the float32 sum out and reads it back)."""
+    pieces, rows, w = geometry["pieces"], geometry["rows"], geometry["width"]
+    if not supports(w, g, code):
+        raise ValueError(f"triton_codecs.encode_sum takes int8/int4 rows of a multiple of {g} "
+                         f"values, got {w} {code}")
+    total, wire = pieces * rows, _Wire(rows, w, g, code)
+    if max(buf.size, pieces * wire.n) >= _MAX_INDEX:
+        raise ValueError(f"triton_codecs.encode_sum takes fewer than 2^31 values, got {buf.shape}")
+    wp = _pow2_at_least(w)
+    br = _block_rows(w, g, block_values)
+    base, row_stride = geometry["base"], geometry["row_stride"]
+    shard_stride = geometry["shard_stride"]
+
+    def kernel(buf_ref, shard_ref, *refs):
+        *arrival_refs, o_ref = refs
+        rows2, rows1, cols, valid = _grid(pl.program_id(0), br, wp, total, w)
+        at = base + shard_ref[0] * shard_stride + rows2 * row_stride + cols
+        v = plgpu.load(buf_ref.at[at], mask=valid, other=0).astype(jnp.float32)
+        v = v.reshape(br, wp // g, g)
+        for a_ref in arrival_refs:
+            v = v + _load_decoded(a_ref, wire, rows2, rows1, cols, total, wp)
+        _store_encoded(o_ref, v, wire, rows2, rows1, total)
+
+    out = pl.pallas_call(
+        kernel, out_shape=_out((pieces * wire.n,), jnp.int8, buf), grid=(-(-total // br),),
+        in_specs=[pl.no_block_spec] * (2 + len(arrivals)), out_specs=pl.no_block_spec,
+        interpret=interpret, compiler_params=_params(interpret, num_warps),
+    )(buf.reshape(-1), jnp.asarray(shard, jnp.int32).reshape(1),
+      *(a.reshape(-1) for a in arrivals))
+    return out.reshape(pieces, wire.n)
 
 
 def unrotate(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: int, code: str,
@@ -210,7 +299,6 @@ def unrotate(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: int, c
         grid=(-(-total // br),),
         in_specs=[pl.no_block_spec] * (3 + len(mats)),
         out_specs=pl.no_block_spec,
-        interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
+        interpret=interpret, compiler_params=_params(interpret, num_warps),
     )(codes.reshape(-1), steps.reshape(-1), exponents.reshape(-1), *mats)
     return out.reshape(*lead, w)

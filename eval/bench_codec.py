@@ -132,7 +132,7 @@ def forms(x: jax.Array, wire_parts: tuple, group: int, code: str, wire_bytes: fl
            "encode_xla": (jax.jit(lambda v: groups._encode(v, group, code)), (piece,),
                           4.0 + wire_bytes, None)}
     if on_gpu and triton_codecs.supports(width, group, code):
-        for block, warps in ((8192, 8), (4096, 4), (16384, 16)):
+        for block, warps in ((4096, 4), (8192, 8), (2048, 4)):
             fn = jax.jit(lambda v, b=block, w=warps: triton_codecs.encode(
                 v, group, code, block_values=b, num_warps=w))
             out[f"encode_triton_{block}_{warps}"] = (
@@ -142,7 +142,7 @@ def forms(x: jax.Array, wire_parts: tuple, group: int, code: str, wire_bytes: fl
                         lambda v: fn(v[None])[0, :v.shape[0] * width].reshape(-1, width), x)})
         pure = jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16,
                                                         native=False))
-        for block, warps in ((8192, 8), (4096, 4)):
+        for block, warps in ((4096, 4), (8192, 8)):
             fn = jax.jit(lambda *p, b=block, w=warps: triton_codecs.unrotate(
                 *p, group, code, jnp.bfloat16, block_values=b, num_warps=w))
             out[f"unrotate_triton_{block}_{warps}"] = (

@@ -1,5 +1,7 @@
 """equarx.triton_codecs: the GPU kernels give the group codec's bits (`groups`' XLA forms), run
 here in Pallas' interpreter, and lower to Triton for a CUDA GPU (checked without one)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx import groups, triton_codecs
+from equarx import codecs, groups, triton_codecs
+from equarx.layout import plan_token_layout
 
 # (shape [B, rows, W], code, dtype): widths that are and are not powers of two, row counts that
 # are not a multiple of a block's rows, one row of one run.
@@ -90,15 +93,22 @@ def test_the_kernels_lower_to_triton_inside_shard_map(code):
     # What a CUDA machine compiles, lowered here: the Pallas side of the Triton lowering (block
     # sizes, masks, the dot) and the result types shard_map(check_vma=True) asks for.
     mesh = jax.make_mesh((2,), ("x",))
-    x = jax.device_put(jnp.ones((2, 12, 640), jnp.bfloat16), NamedSharding(mesh, P("x")))
+    x = jax.device_put(jnp.ones((4, 12, 640), jnp.bfloat16), NamedSharding(mesh, P("x")))
+
+    layout = dataclasses.replace(plan_token_layout((24, 1280), 2, 2, granule=32), minishards=2,
+                                 rows_per_minishard=12)
 
     def body(v):
         wire = triton_codecs.encode(v, 32, code)
         parts = groups.wire_parts(wire, (12, 640), 32, code)
-        return triton_codecs.unrotate(*parts, 32, code, jnp.bfloat16)
+        back = triton_codecs.unrotate(*parts, 32, code, jnp.bfloat16)
+        buf = layout.split(back.reshape(24, 640).repeat(2, axis=1))
+        summed = triton_codecs.encode_sum(buf, jnp.int32(1), [wire], layout.piece_geometry(0, 2),
+                                          32, code)
+        return back, summed
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == 3
 
 
 def test_which_shapes_the_kernels_take():
@@ -110,3 +120,32 @@ def test_which_shapes_the_kernels_take():
         triton_codecs.encode(jnp.ones((1, 2, 48)), 32, "int8")
     # No CUDA backend here: programs traced on this machine keep the XLA and native forms.
     assert not triton_codecs.in_use()
+
+
+@pytest.mark.parametrize("code,dtype,halves", [("int8", jnp.bfloat16, 1), ("int4", jnp.float32, 2)])
+def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves):
+    # A strided piece of the token layout's buffer read in place at a run-time shard, with 0, 1
+    # and 2 arrivals decoded and added: the bits of codecs.encode_sum (its native CPU kernel,
+    # itself the pure form's bits). Rows of 640 (padded to 1024 in a block), huge values whose
+    # sums overflow, zero runs, exact bfloat16 ties.
+    layout = dataclasses.replace(
+        plan_token_layout((96, 2 * 640 * halves), 2, 3, halves=halves, granule=32),
+        minishards=3, rows_per_minishard=32)
+    x = np.array(_values((96, 2 * 640 * halves), jnp.float32, seed=5))
+    col = np.arange(x.shape[1]) % 640  # the same columns of every shard and half
+    x[40, (col >= 96) & (col < 200)] = 3e38
+    x[41, col < 32] = np.float32(x[41, 32]) * np.tile(np.arange(32) / 2, x.shape[1] // 640)
+    buf = layout.split(jnp.asarray(np.nan_to_num(x, nan=1.0, posinf=2.0), dtype))
+    codec = codecs.GroupCodec(32, code, layout.piece_shape)
+    shape = (layout.minishards * halves, *layout.piece_shape)
+    arrivals = [codec.encode(_values(shape, jnp.float32, seed=6 + i) * 4) for i in range(2)]
+    for shard, piece, n in ((0, (0, 1), 1), (1, (1, 3), 2), (1, (3 * halves - 1, 3 * halves), 0)):
+        got_in = [a[piece[0]:piece[1]] for a in arrivals[:n]]
+        want = codecs.encode_sum(codec, buf, layout, jnp.int32(shard), piece, got_in)
+        got = jax.jit(lambda b, s, *a: triton_codecs.encode_sum(
+            b, s, a, layout.piece_geometry(*piece), 32, code, interpret=True))(
+                buf, jnp.int32(shard), *got_in)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        if piece == (1, 3):  # the edge cases were in what was compared
+            out = np.asarray(groups.decode(got, 32, code, (2, 32, 640)))
+            assert np.isinf(out[0, 8]).any() or (np.abs(out[0, 8]) > 1e38).any()
