@@ -23,7 +23,8 @@ and reports each one's bytes / time as GB/s and as a fraction of the copy's. On 
 each timing is of `inner` calls dispatched back to back (so the host's dispatch cost overlaps the
 device's work) over their count. With the timings come two checks of the kernels' results: the
 round trip's error (rotate, encode, un-rotate against the input) and, off the CPU, how many of
-the device's codes equal the CPU's for the same input (the rotation's summation order may differ).
+the device's codes equal the CPU's for the same input (the rotation's summation order may differ)
+and how many of the real all_reduce's values, over 4 devices emulated on it (`all_reduce_equal_cpu`).
 
 `--forms` adds other forms of the kernels, each with the same bytes, and checks of their bits
 (token_local: a row's result the same whatever rows come with it; equal_cpu / equal_pure: the
@@ -88,6 +89,32 @@ def check(x: jax.Array, group: int, code: str, cpu_values: int = 1 << 22) -> dic
         out["codes_equal_cpu"] = float(np.mean(mine == ref))
         if code == "int8":
             out["max_code_diff"] = float(np.max(np.abs(mine - ref)))
+        out.update(all_reduce_equal_cpu(next(iter(x.devices())), code))
+    return out
+
+
+def all_reduce_equal_cpu(device, code: str, n: int = 4) -> dict:
+    """The real `equarx.all_reduce` with the default group codec of `code` over n devices
+    emulated by vmap (bfloat16 partials of 512 tokens of the 270M's width, 640), run on
+    `device` and on the CPU: the share of result values with equal bits, rotating at run time
+    and with the rotation folded into the partials (rotated=True). Everything the schedule
+    computes is specified to the bit (groups), so only the forward rotation, a dot off the
+    CPU, may round otherwise."""
+    from equarx import AllReduceConfig, all_reduce
+
+    cpu = jax.devices("cpu")[0]
+    key = jax.random.split(jax.random.PRNGKey(7), 2)
+    parts = (jax.random.normal(key[0], (n, 512, 640))
+             * jnp.exp(jax.random.normal(key[1], (n, 512, 1)))).astype(jnp.bfloat16)
+    out = {}
+    for rotated in (False, True):
+        def f(p, rotated=rotated):
+            return jax.vmap(lambda q: all_reduce(q, "emulated", AllReduceConfig(code),
+                                                 rotated=rotated), axis_name="emulated")(p)
+        mine = np.asarray(jax.jit(f)(jax.device_put(parts, device)), np.float32)
+        ref = np.asarray(jax.jit(f)(jax.device_put(parts, cpu)), np.float32)
+        out[f"all_reduce_{'folded' if rotated else 'rotating'}_equal_cpu"] = float(
+            np.mean(mine.view(np.uint32) == ref.view(np.uint32)))
     return out
 
 

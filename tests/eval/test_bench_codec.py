@@ -36,6 +36,7 @@ def test_check_compares_a_device_codes_with_the_cpu():
     on_other = jax.device_put(x, jax.devices()[1])
     int8 = bench_codec.check(on_other, 32, "int8")
     assert int8["codes_equal_cpu"] == 1.0 and int8["max_code_diff"] == 0.0
+    assert int8["all_reduce_rotating_equal_cpu"] == int8["all_reduce_folded_equal_cpu"] == 1.0
     int4 = bench_codec.check(on_other, 32, "int4")
     assert int4["round_trip_rel_err"] > 5 * int8["round_trip_rel_err"]
 
