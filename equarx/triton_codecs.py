@@ -1,18 +1,23 @@
-"""The group codec's encode and un-rotation as GPU kernels (Pallas, Triton lowering).
+"""The group codec's encode, reduce-scatter hop and un-rotation as GPU kernels (Pallas, Triton
+lowering), which `groups` and `codecs` choose on a CUDA backend.
 
 Written in XLA ops, `groups.encode` reads its input more than once on a GPU: the runs' absmax is
 a reduction, the row's exponent a second one over its result, and the codes a third pass that
-reads the values again and joins payload and scale bytes into one array (an H100: 28% of a
+reads the values again and joins payload and scale bytes into one array (an H100: 28-52% of a
 copy's bandwidth, docs/results.md). `encode` here reads a block of rows once, keeps it in
 registers, and writes the codes, the runs' step bytes and the rows' exponent bytes straight
 into their places in `groups.encode`'s wire: 4 bytes read and 1 + 1/g + 1/W written per float32
 value, the least the codec can move.
 
+`encode_sum` is a reduce-scatter hop (`codecs.encode_sum`) the same way: the piece read in
+place from the token layout's buffer, each arrival decoded and added, the sum encoded, with no
+float32 sum written out and read back.
+
 `unrotate` is `groups.unrotate_codes` in one pass: codes, steps and exponents in, values out.
 The inner products with the rotation's +-1 are a bfloat16 dot accumulated in float32 on the
 tensor cores: exact, since codes and +-1 are bfloat16 values and their sums integers below 2^12.
 
-Both give the bits of the XLA:CPU programs and of the native CPU kernels (equarx.native_cpu),
+All three give the bits of the XLA:CPU programs and of the native CPU kernels (equarx.native_cpu),
 as `groups` defines them; two things differ in how, because a Triton kernel has no round
 instruction and its float32 division may round the last bit otherwise:
 - the codes are rounded by adding 1.5 * 2^23, with a max that changes no value between the
