@@ -5,7 +5,7 @@ move divided by the memory bandwidth. This times, on the default JAX device:
   copy         y = x + 1 over float32 (reads 4, writes 4 bytes a value): the achievable bandwidth
   rotate       f32 runs of 32 times the 32x32 rotation (reads 4, writes 4); off the CPU a dot
   encode       rotated f32 partial -> int8 payload + scale bytes (reads 4, writes w = 1 + 1/32 +
-               1/1024: a scale byte per run, an exponent byte per row of 1024); on a CUDA GPU
+               1/1024: a scale byte per run, an exponent byte per row of --width 1024); on a CUDA GPU
                one kernel (equarx.triton_codecs)
   decode_add   wire + local f32 partial -> f32 sum (reads w + 4, writes 4)
   hop          decode_add then encode, as one reduce-scatter hop runs them (reads w + 4,
@@ -186,15 +186,17 @@ def forms(x: jax.Array, wire_parts: tuple, group: int, code: str, wire_bytes: fl
 
 def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
         inner: int | None = None, on_kernel=None, kernels: list[str] | None = None,
-        with_forms: bool = False, with_check: bool = True, hlo_path: str | None = None) -> dict:
+        with_forms: bool = False, with_check: bool = True, hlo_path: str | None = None,
+        width: int = 1024) -> dict:
     """Times every kernel (or those named in `kernels`, in that order); `on_kernel(name, row)`
-    is called as each one finishes. `with_forms` adds the accelerator forms (`forms`);
+    is called as each one finishes; rows of `width` values (a multiple of `group`). `with_forms`
+    adds the other forms (`forms`);
     `hlo_path` collects each kernel's compiled program there."""
-    rows = n_values // 1024
+    rows = n_values // width
     key = jax.random.PRNGKey(0)
-    x = jax.random.normal(key, (rows, 1024), jnp.float32)
-    local = jax.random.normal(jax.random.PRNGKey(1), (rows, 1024), jnp.float32)
-    wire_bytes = groups.wire_bytes_per_value(group, code, 1024)
+    x = jax.random.normal(key, (rows, width), jnp.float32)
+    local = jax.random.normal(jax.random.PRNGKey(1), (rows, width), jnp.float32)
+    wire_bytes = groups.wire_bytes_per_value(group, code, width)
     encode = jax.jit(lambda v: groups.encode(v, group, code))
     wire = encode(x)
     table = {
@@ -209,13 +211,13 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     }
     # What a schedule runs: a bfloat16 piece (half the columns of a 2-shard token layout) read
     # in place, an arrival decoded and added, the sum encoded (the native kernel on a CPU).
-    layout = plan_token_layout((rows, 2048), 2, 1, granule=group)
+    layout = plan_token_layout((rows, 2 * width), 2, 1, granule=group)
     buf = layout.split(jnp.concatenate([x, local], axis=1).astype(jnp.bfloat16))
     codec = codecs.GroupCodec(group, code, layout.piece_shape)
     table["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
-        (buf, groups.encode(local.reshape(1, rows, 1024), group, code)), 2.0 + 2 * wire_bytes)
-    parts = groups.wire_parts(wire, (1, 1024), group, code)
+        (buf, groups.encode(local.reshape(1, rows, width), group, code)), 2.0 + 2 * wire_bytes)
+    parts = groups.wire_parts(wire, (1, width), group, code)
     table["unrotate"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16)),
         parts, wire_bytes + 2.0)
@@ -233,7 +235,7 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     if inner is None:
         inner = 1 if platform == "cpu" else 10
     out = {"device": str(jax.devices()[0].device_kind), "platform": platform,
-           "values": rows * 1024, "group": group, "code": code, "inner": inner, "kernels": {}}
+           "values": rows * width, "width": width, "group": group, "code": code, "inner": inner, "kernels": {}}
     for name in kernels or list(table):
         if name not in table:
             raise ValueError(f"no kernel {name!r} here (on {platform}); have {sorted(table)}")
@@ -250,7 +252,7 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
             continue
         first = time.perf_counter() - t0
         s = _time(fn, *args, repeats=repeats, inner=inner)
-        row = {"ms": s * 1e3, "GB/s": bytes_per_value * rows * 1024 / s / 1e9,
+        row = {"ms": s * 1e3, "GB/s": bytes_per_value * rows * width / s / 1e9,
                "first_call_s": round(first, 2)}
         if name in checks:
             row.update(checks[name]())
@@ -272,6 +274,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--values", default="64M", help="values per array (K/M suffixes)")
     p.add_argument("--group", type=int, default=32)
+    p.add_argument("--width", type=int, default=1024,
+                   help="values a row (a token's piece; a multiple of --group; Gemma 3's are "
+                        "not powers of two, which the GPU kernels pad)")
     p.add_argument("--code", default="int8", choices=sorted(groups.CODES))
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--inner", type=int, default=None,
@@ -289,9 +294,10 @@ def main(argv=None) -> dict:
     report = run(n, args.group, args.code, args.repeats, args.inner,
                  on_kernel=lambda name, k: print(f"  {name}: {k}", file=sys.stderr, flush=True),
                  kernels=args.kernels.split(",") if args.kernels else None,
-                 with_forms=args.forms, with_check=not args.no_check, hlo_path=args.hlo)
-    print(f"# {report['device']} ({report['platform']}), {report['values']} values, "
-          f"{report['code']} groups of {report['group']}")
+                 with_forms=args.forms, with_check=not args.no_check, hlo_path=args.hlo,
+                 width=args.width)
+    print(f"# {report['device']} ({report['platform']}), {report['values']} values in rows of "
+          f"{report['width']}, {report['code']} groups of {report['group']}")
     print(f"{'kernel':<12} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
     for name, k in report["kernels"].items():
         if "error" in k:
