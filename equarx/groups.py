@@ -254,11 +254,12 @@ def round_int8(v: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(rounded + _ROUNDING_MAGIC, jnp.int32).astype(jnp.int8)
 
 
-def _gpu_kernels(width: int, g: int, code: str) -> bool:
-    """Whether programs traced now include the GPU kernels (equarx.triton_codecs) for rows of
-    `width` values: a CUDA backend is present and the kernels take the shape."""
+def _gpu_kernels(width: int, g: int, code: str):
+    """equarx.triton_codecs if programs traced now include its GPU kernels for rows of `width`
+    values (a CUDA backend is present and the kernels take the shape), else None."""
     from equarx import triton_codecs  # here, not at the top: it builds on this module
-    return triton_codecs.in_use() and triton_codecs.supports(width, g, code)
+    return (triton_codecs if triton_codecs.in_use() and triton_codecs.supports(width, g, code)
+            else None)
 
 
 def encode(x: jax.Array, g: int, code: str) -> jax.Array:
@@ -268,10 +269,10 @@ def encode(x: jax.Array, g: int, code: str) -> jax.Array:
     and scales compiles to a per-element select on XLA:CPU and costs more than the
     quantization. On a CUDA GPU, int8 and int4 run as one kernel with the same bits
     (equarx.triton_codecs)."""
-    if x.ndim >= 2 and _gpu_kernels(x.shape[-1], g, code):
-        from equarx import triton_codecs
+    kernels = _gpu_kernels(x.shape[-1], g, code) if x.ndim >= 2 else None
+    if kernels is not None:
         return lax.platform_dependent(
-            x, cuda=lambda x: triton_codecs.encode(x, g, code),
+            x, cuda=lambda x: kernels.encode(x, g, code),
             default=lambda x: _encode(x, g, code))
     return _encode(x, g, code)
 
@@ -361,11 +362,10 @@ def unrotate_codes(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: 
         def on_cpu(codes, steps, exponents):
             return native_cpu.unrotate(codes, steps, exponents, rotation(g).T, code, out_dtype)
         kernels["cpu"] = on_cpu
-    if _gpu_kernels(steps.shape[-1] * g, g, code):
-        from equarx import triton_codecs
-
+    gpu = _gpu_kernels(steps.shape[-1] * g, g, code)
+    if gpu is not None:
         def on_gpu(codes, steps, exponents):
-            return triton_codecs.unrotate(codes, steps, exponents, g, code, out_dtype)
+            return gpu.unrotate(codes, steps, exponents, g, code, out_dtype)
         kernels["cuda"] = on_gpu
     if not kernels:
         return pure(codes, steps, exponents)

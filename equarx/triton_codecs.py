@@ -137,9 +137,7 @@ def _store_encoded(o_ref, v, wire: _Wire, rows2, rows1, total: int):
     wire, as `groups.encode` would (the module's docstring says how the rounding is kept)."""
     br, rp, g = v.shape
     code_max = groups.CODES[wire.code]
-    mag = jnp.abs(v)
-    amax = jnp.max(jnp.where(mag != mag, jnp.inf, mag), axis=-1)
-    step, e, scale, _ = groups.scale_parts(amax, code_max)
+    step, e, scale, _ = groups.scale_parts(groups._absmax(v, -1), code_max)
     # A max that changes no value (|scaled| <= code_max) between the product and the rounding
     # add: no compiler may then fuse the two into one multiply-add.
     scaled = jnp.maximum(v * _reciprocal(scale, step)[..., None], -2.0 * code_max)
