@@ -12,6 +12,12 @@ every tensor-parallel reduction (the model's reduction hook):
   a label    any AllReduce label, as `equarx.all_reduce` runs it (a codec's rotation, if any,
              at run time, as eval.quality's ":unfolded" modes: the error is the codec's, not
              the folded weights' rounding).
+With --group-stats the reference's own reductions (noise:0) also measure what any code of the
+sum could gain by spending its bits unevenly: the ratio of the arithmetic to the geometric mean
+of each row's run variances (runs of 32 values, the default codec's groups; a rotation within a
+run keeps its variance), which is what an ideal allocation of a row's bits over its runs gains
+in mean squared error (reverse water-filling, at high rate), and the partial sums' energy
+against their sum's (how much a reduce-scatter that quantizes the partials adds).
 For each variant: the relative rms error of its reductions against the exact sum as the
 reference delivers it (rounded to the model's dtype), over every reduction of every scored
 window (sum of squared errors / sum of squared sums, on the model's real partial sums), and
@@ -63,6 +69,46 @@ class ErrorMeter:
         return math.sqrt(self.err2 / self.ref2) if self.ref2 > 0 else None
 
 
+class GroupStats:
+    """Sums over every reduction of a run, fed like ErrorMeter: of each row's arithmetic and
+    geometric mean of its runs' variances, of the partial sums' energy and of the sum's."""
+
+    def __init__(self):
+        self.sums = [0.0, 0.0, 0.0, 0.0]
+        self.reductions = 0
+        self._lock = threading.Lock()
+
+    def add(self, am, gm, parts2, sum2) -> None:
+        values = [float(v) for v in (am, gm, parts2, sum2)]
+        with self._lock:
+            self.sums = [a + b for a, b in zip(self.sums, values)]
+            self.reductions += 1
+
+    def report(self, devices: int) -> dict | None:
+        am, gm, parts2, sum2 = self.sums
+        if gm <= 0 or sum2 <= 0:
+            return None
+        return {"reductions": self.reductions // devices, "run_var_am_over_gm": am / gm,
+                "ideal_allocation_rms_gain": math.sqrt(am / gm),
+                "partials_energy_over_sum": parts2 / sum2}
+
+
+def run_variance_means(rows, g: int):
+    """Per row of f32[..., d]: the arithmetic and geometric means of the variances (mean
+    squares) of its runs of g values. A run far below its row's mean (an all-zero one) is
+    floored at 1e-6 of it, where an allocation would give it no bits anyway."""
+    import jax.numpy as jnp
+
+    d = rows.shape[-1]
+    if d % g:
+        raise ValueError(f"rows of {d} values do not split into runs of {g}")
+    var = jnp.mean(jnp.square(rows.reshape(-1, d // g, g)), axis=-1)
+    am = jnp.mean(var, axis=-1)
+    var = jnp.maximum(var, 1e-6 * am[:, None])
+    gm = jnp.exp(jnp.mean(jnp.log(jnp.where(am[:, None] > 0, var, 1.0)), axis=-1))
+    return am, jnp.where(am > 0, gm, 0.0)
+
+
 def _as_delivered(exact, dtype):
     """Float32 values rounded to `dtype` (as the reference hands its exact sum on).
     reduce_precision, not a round trip through astype: XLA drops a float32 -> bfloat16 ->
@@ -94,9 +140,11 @@ def row_noise(exact, eps: float):
 
 
 def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
-                       eps: float | None = None):
+                       eps: float | None = None, stats: GroupStats | None = None,
+                       group_size: int = 32):
     """A model reduction hook (x, axis) -> x: `config`'s all_reduce, or (eps) the exact sum plus
-    `row_noise`; either way its error against the delivered exact sum goes to `meter`."""
+    `row_noise`; either way its error against the delivered exact sum goes to `meter`, and with
+    `stats` the exact sum's `run_variance_means` and the partials' energy go there."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -112,6 +160,11 @@ def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
                else _as_delivered(exact + row_noise(exact, eps), x.dtype).astype(x.dtype))
         err = out.astype(jnp.float32) - _as_delivered(exact, x.dtype)
         jax.debug.callback(meter.add, jnp.sum(err * err), jnp.sum(exact * exact))
+        if stats is not None:
+            am, gm = run_variance_means(exact, group_size)
+            x32 = x.astype(jnp.float32)
+            jax.debug.callback(stats.add, jnp.sum(am), jnp.sum(gm),
+                               lax.psum(jnp.sum(x32 * x32), axis), jnp.sum(exact * exact))
         return out
 
     return reduce
@@ -125,17 +178,21 @@ def parse_noise(text: str) -> list[float]:
 
 
 def run(model: str, tp: int, modes: list[str], noise: list[float], n_tokens: int, window: int,
-        dtype: str, log=print) -> dict:
+        dtype: str, log=print, group_stats: bool = False) -> dict:
     import jax
 
     configs = collective_configs(modes)
+    stats = GroupStats() if group_stats else None
+    if stats is not None and 0.0 not in noise:
+        noise = [0.0, *noise]
     base, windows = load_reference(model, tp, dtype, n_tokens, window)
     meters, variants = {}, {}
     for name, cfg, eps in ([(m, configs[m], None) for m in modes]
                            + [(f"{NOISE}{e:g}", None, e) for e in noise]):
         meters[name] = ErrorMeter()
         variants[name] = base.with_allreduce(
-            AllReduceConfig(REFERENCE), reduction=measured_reduction(meters[name], cfg, eps))
+            AllReduceConfig(REFERENCE), reduction=measured_reduction(
+                meters[name], cfg, eps, stats=stats if eps == 0 else None))
     sums, _ = score_windows(base, variants, windows, log=lambda msg: log(f"  {msg}"))
     jax.effects_barrier()
     rows = [{"variant": name, "noise": name.startswith(NOISE),
@@ -145,7 +202,8 @@ def run(model: str, tp: int, modes: list[str], noise: list[float], n_tokens: int
             for name, s in sums.items()]
     return {"model": model, "dtype": dtype, "tp": tp, "corpus": corpus.SOURCE, "window": window,
             "tokens_scored": rows[0]["tokens"] if rows else 0, "reference": REFERENCE,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
+            "group_stats": stats.report(tp) if stats is not None else None}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -166,17 +224,28 @@ def main(argv=None) -> dict:
                    help="comma list of AllReduce labels (may be empty)")
     p.add_argument("--noise", default=",".join(f"{e:g}" for e in DEFAULT_NOISE),
                    help="comma list of noise sizes, relative to each row's rms")
+    p.add_argument("--group-stats", action="store_true",
+                   help="also measure the reference's runs of 32: how unequal their variances "
+                        "are within a row, and the partials' energy against the sum's")
     args = p.parse_args(argv)
     modes = comma_list(args.modes)
     noise = parse_noise(args.noise)
     from serving.jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(args.tp)
-    report = run(args.model, args.tp, modes, noise, args.tokens, args.window, args.dtype)
+    report = run(args.model, args.tp, modes, noise, args.tokens, args.window, args.dtype,
+                 group_stats=args.group_stats)
     title = (f"# {report['model']} ({report['dtype']}) at tp={args.tp}, "
              f"{report['tokens_scored']} predictions; error: rms of (output - exact sum in the "
              f"model's dtype) / rms of the sum, over every reduction")
-    return show_and_write(report, title, format_table(report["rows"]), args.out)
+    table = format_table(report["rows"])
+    if report["group_stats"]:
+        gs = report["group_stats"]
+        table += (f"\nruns of 32 in a row, AM/GM of their variances {gs['run_var_am_over_gm']:.3f} "
+                  f"(an ideal allocation of a row's bits: {gs['ideal_allocation_rms_gain']:.3f}x "
+                  f"less rms error); partials' energy / the sum's "
+                  f"{gs['partials_energy_over_sum']:.3f}, over {gs['reductions']} reductions")
+    return show_and_write(report, title, table, args.out)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,38 @@ def test_error_meter_loses_nothing_to_concurrent_callbacks():
     for t in threads:
         t.join()
     assert (meter.err2, meter.ref2) == (n_threads * n_adds, 2 * n_threads * n_adds)
+
+
+def test_run_variance_means_and_group_stats():
+    import jax.numpy as jnp
+    import numpy as np
+
+    # Row 0: runs of mean square 1 and 4 (AM 2.5, GM 2); row 1: one run all zero, floored at
+    # 1e-6 of the row's mean; row 2: all zero (no runs to allocate: AM 0, GM 0).
+    rows = np.zeros((3, 8), np.float32)
+    rows[0, :4], rows[0, 4:] = 1.0, -2.0
+    rows[1, :4] = 3.0
+    am, gm = qs.run_variance_means(jnp.asarray(rows), 4)
+    np.testing.assert_allclose(am, [2.5, 4.5, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(gm, [2.0, math.sqrt(9.0 * 4.5e-6), 0.0], rtol=1e-5)
+    with pytest.raises(ValueError, match="runs of 3"):
+        qs.run_variance_means(jnp.asarray(rows), 3)
+
+    stats = qs.GroupStats()
+    assert stats.report(2) is None
+    stats.add(2.5, 2.0, 3.0, 2.0)
+    stats.add(2.5, 2.0, 3.0, 2.0)
+    assert stats.report(2) == {"reductions": 1, "run_var_am_over_gm": 1.25,
+                               "ideal_allocation_rms_gain": math.sqrt(1.25),
+                               "partials_energy_over_sum": 1.5}
+
+
+def test_group_stats_measure_the_references_own_reductions():
+    report = qs.run("random:tiny", 2, [], [1e-2], n_tokens=63, window=64, dtype="float32",
+                    log=lambda *a: None, group_stats=True)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["noise:0"]["kl_to_f32"] == 0  # added: the stats come from the reference itself
+    gs = report["group_stats"]
+    assert gs["reductions"] > 0 and gs["run_var_am_over_gm"] > 1.0
+    # Two partials of a real layer's output are not one the negative of the other.
+    assert 0.2 < gs["partials_energy_over_sum"] < 5
