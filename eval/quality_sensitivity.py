@@ -12,12 +12,12 @@ every tensor-parallel reduction (the model's reduction hook):
   a label    any AllReduce label, as `equarx.all_reduce` runs it (a codec's rotation, if any,
              at run time, as eval.quality's ":unfolded" modes: the error is the codec's, not
              the folded weights' rounding).
-With --group-stats the reference's own reductions (noise:0) also measure what any code of the
-sum could gain by spending its bits unevenly: the ratio of the arithmetic to the geometric mean
-of each row's run variances (runs of 32 values, the default codec's groups; a rotation within a
-run keeps its variance), which is what an ideal allocation of a row's bits over its runs gains
-in mean squared error (reverse water-filling, at high rate), and the partial sums' energy
-against their sum's (how much a reduce-scatter that quantizes the partials adds).
+With --group-stats the reference's own reductions (noise:0) also measure what a code of the
+sum could gain by spending its bits unevenly over a row's runs of 32 (the default codec's,
+rotated as it rotates them): the ratio of the arithmetic to the geometric mean of the runs'
+variances (what an ideal allocation gains in mean squared error: reverse water-filling, at high
+rate, fractional bits), the gain of the best whole widths (2-16 bits) within each piece a
+two-shot owner encodes, and the partial sums' energy against their sum's.
 For each variant: the relative rms error of its reductions against the exact sum as the
 reference delivers it (rounded to the model's dtype), over every reduction of every scored
 window (sum of squared errors / sum of squared sums, on the model's real partial sums), and
@@ -37,6 +37,8 @@ import argparse
 import math
 import threading
 import time
+
+import numpy as np
 
 from equarx import AllReduceConfig
 from eval import corpus
@@ -70,43 +72,80 @@ class ErrorMeter:
 
 
 class GroupStats:
-    """Sums over every reduction of a run, fed like ErrorMeter: of each row's arithmetic and
-    geometric mean of its runs' variances, of the partial sums' energy and of the sum's."""
+    """What a code of the reductions' sums could gain by spending a row's bits unevenly over its
+    runs, from the reference's own reductions: each run's mean square and largest square after
+    the codec's rotation (`run_squares`, kept from device 0: the sum is the same on every
+    device), and the partial sums' energy against the sum's."""
 
     def __init__(self):
-        self.sums = [0.0, 0.0, 0.0, 0.0]
-        self.reductions = 0
+        self.runs: list[np.ndarray] = []  # [2, rows, runs] per reduction
+        self.energy = [0.0, 0.0]
         self._lock = threading.Lock()
 
-    def add(self, am, gm, parts2, sum2) -> None:
-        values = [float(v) for v in (am, gm, parts2, sum2)]
+    def add(self, squares, parts2, sum2, device) -> None:
+        if int(device) != 0:
+            return
+        squares = np.asarray(squares, np.float64)
         with self._lock:
-            self.sums = [a + b for a, b in zip(self.sums, values)]
-            self.reductions += 1
+            self.runs.append(squares.reshape(2, -1, squares.shape[-1]))
+            self.energy[0] += float(parts2)
+            self.energy[1] += float(sum2)
 
-    def report(self, devices: int) -> dict | None:
-        am, gm, parts2, sum2 = self.sums
-        if gm <= 0 or sum2 <= 0:
+    def report(self, pieces: int) -> dict | None:
+        if not self.runs or self.energy[1] <= 0:
             return None
-        return {"reductions": self.reductions // devices, "run_var_am_over_gm": am / gm,
-                "ideal_allocation_rms_gain": math.sqrt(am / gm),
-                "partials_energy_over_sum": parts2 / sum2}
+        var, max2 = (np.concatenate([r[i] for r in self.runs]) for i in (0, 1))
+        am = var.mean(axis=1)
+        live = am > 0
+        # A run far below its row's mean (an all-zero one) is floored at 1e-6 of it, where an
+        # allocation would give it no bits anyway.
+        gm = np.exp(np.log(np.maximum(var[live], 1e-6 * am[live, None])).mean(axis=1))
+        runs = var.shape[1]
+        per_piece = runs // pieces if runs % pieces == 0 else runs
+        return {"reductions": len(self.runs), "runs_per_row": runs,
+                "run_var_am_over_gm": float(am[live].sum() / gm.sum()),
+                "ideal_allocation_rms_gain": float(math.sqrt(am[live].sum() / gm.sum())),
+                "runs_per_piece": per_piece,
+                "integer_allocation_rms_gain": allocation_gain(max2.reshape(-1, per_piece)),
+                "partials_energy_over_sum": self.energy[0] / self.energy[1]}
 
 
-def run_variance_means(rows, g: int):
-    """Per row of f32[..., d]: the arithmetic and geometric means of the variances (mean
-    squares) of its runs of g values. A run far below its row's mean (an all-zero one) is
-    floored at 1e-6 of it, where an allocation would give it no bits anyway."""
+def run_squares(rows, g: int):
+    """f32[..., d] (d a multiple of g) -> f32[2, T, d / g]: each run's mean square and largest
+    square after `groups.rotate` (unnormalized: both scale alike, and only ratios are used)."""
     import jax.numpy as jnp
+
+    from equarx import groups
 
     d = rows.shape[-1]
     if d % g:
         raise ValueError(f"rows of {d} values do not split into runs of {g}")
-    var = jnp.mean(jnp.square(rows.reshape(-1, d // g, g)), axis=-1)
-    am = jnp.mean(var, axis=-1)
-    var = jnp.maximum(var, 1e-6 * am[:, None])
-    gm = jnp.exp(jnp.mean(jnp.log(jnp.where(am[:, None] > 0, var, 1.0)), axis=-1))
-    return am, jnp.where(am > 0, gm, 0.0)
+    r = jnp.square(groups.rotate(rows.reshape(-1, d), g).reshape(-1, d // g, g))
+    return jnp.stack([jnp.mean(r, axis=-1), jnp.max(r, axis=-1)])
+
+
+def allocation_gain(max2: np.ndarray, bits: int = 8, low: int = 2, high: int = 16) -> float:
+    """The rms error of a uniform code of `bits` bits on every run (a step of max / (2^(bits-1)
+    - 1), (step^2 / 12) a value) over that of the best whole widths from `low` to `high` bits
+    that keep each row's total (max2 f32[rows, runs], each run's largest square): bits moved
+    one at a time from the run that loses least to the one that gains most, while that lowers
+    the row's error (optimal, the error being convex in the width)."""
+    def err(b):
+        return max2 / np.square(np.exp2(b - 1.0) - 1.0)
+
+    b = np.full(max2.shape, bits)
+    rows = np.arange(len(b))
+    for _ in range((high - low) * max2.shape[1]):
+        gain = np.where(b < high, err(b) - err(b + 1), -np.inf)
+        loss = np.where(b > low, err(b - 1) - err(b), np.inf)
+        i, j = gain.argmax(axis=1), loss.argmin(axis=1)
+        move = (gain[rows, i] > loss[rows, j]) & (i != j)
+        if not move.any():
+            break
+        b[rows[move], i[move]] += 1
+        b[rows[move], j[move]] -= 1
+    uniform = (max2 / np.square(2.0 ** (bits - 1) - 1)).sum()
+    return float(math.sqrt(uniform / err(b).sum())) if uniform > 0 else 1.0
 
 
 def _as_delivered(exact, dtype):
@@ -144,7 +183,7 @@ def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
                        group_size: int = 32):
     """A model reduction hook (x, axis) -> x: `config`'s all_reduce, or (eps) the exact sum plus
     `row_noise`; either way its error against the delivered exact sum goes to `meter`, and with
-    `stats` the exact sum's `run_variance_means` and the partials' energy go there."""
+    `stats` the exact sum's `run_squares` and the partials' energy go there."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -161,10 +200,10 @@ def measured_reduction(meter: ErrorMeter, config: AllReduceConfig | None = None,
         err = out.astype(jnp.float32) - _as_delivered(exact, x.dtype)
         jax.debug.callback(meter.add, jnp.sum(err * err), jnp.sum(exact * exact))
         if stats is not None:
-            am, gm = run_variance_means(exact, group_size)
             x32 = x.astype(jnp.float32)
-            jax.debug.callback(stats.add, jnp.sum(am), jnp.sum(gm),
-                               lax.psum(jnp.sum(x32 * x32), axis), jnp.sum(exact * exact))
+            jax.debug.callback(stats.add, run_squares(exact, group_size),
+                               lax.psum(jnp.sum(x32 * x32), axis), jnp.sum(exact * exact),
+                               lax.axis_index(axis))
         return out
 
     return reduce
@@ -241,10 +280,12 @@ def main(argv=None) -> dict:
     table = format_table(report["rows"])
     if report["group_stats"]:
         gs = report["group_stats"]
-        table += (f"\nruns of 32 in a row, AM/GM of their variances {gs['run_var_am_over_gm']:.3f} "
-                  f"(an ideal allocation of a row's bits: {gs['ideal_allocation_rms_gain']:.3f}x "
-                  f"less rms error); partials' energy / the sum's "
-                  f"{gs['partials_energy_over_sum']:.3f}, over {gs['reductions']} reductions")
+        table += (f"\n{gs['runs_per_row']} rotated runs of 32 a row, over {gs['reductions']} "
+                  f"reductions: AM/GM of their variances {gs['run_var_am_over_gm']:.3f} (an ideal "
+                  f"allocation of a row's bits: {gs['ideal_allocation_rms_gain']:.3f}x less rms "
+                  f"error); whole widths over a piece's {gs['runs_per_piece']} runs, a uniform "
+                  f"code's error / the best's: {gs['integer_allocation_rms_gain']:.3f}; the "
+                  f"partials' energy / the sum's: {gs['partials_energy_over_sum']:.3f}")
     return show_and_write(report, title, table, args.out)
 
 

@@ -77,28 +77,42 @@ def test_error_meter_loses_nothing_to_concurrent_callbacks():
     assert (meter.err2, meter.ref2) == (n_threads * n_adds, 2 * n_threads * n_adds)
 
 
-def test_run_variance_means_and_group_stats():
+def test_run_squares_allocation_gain_and_group_stats():
     import jax.numpy as jnp
     import numpy as np
 
-    # Row 0: runs of mean square 1 and 4 (AM 2.5, GM 2); row 1: one run all zero, floored at
-    # 1e-6 of the row's mean; row 2: all zero (no runs to allocate: AM 0, GM 0).
-    rows = np.zeros((3, 8), np.float32)
-    rows[0, :4], rows[0, 4:] = 1.0, -2.0
-    rows[1, :4] = 3.0
-    am, gm = qs.run_variance_means(jnp.asarray(rows), 4)
-    np.testing.assert_allclose(am, [2.5, 4.5, 0.0], rtol=1e-6)
-    np.testing.assert_allclose(gm, [2.0, math.sqrt(9.0 * 4.5e-6), 0.0], rtol=1e-5)
+    from equarx import groups
+
+    rows = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    sq = np.asarray(qs.run_squares(jnp.asarray(rows), 32))
+    r = np.square(np.asarray(groups.rotate(jnp.asarray(rows), 32))).reshape(3, 2, 32)
+    np.testing.assert_allclose(sq, np.stack([r.mean(-1), r.max(-1)]), rtol=1e-6)
+    # The rotation keeps a run's energy (times g: it is unnormalized).
+    np.testing.assert_allclose(sq[0], 32 * np.square(rows).reshape(3, 2, 32).mean(-1), rtol=1e-5)
     with pytest.raises(ValueError, match="runs of 3"):
-        qs.run_variance_means(jnp.asarray(rows), 3)
+        qs.run_squares(jnp.asarray(rows), 3)
+
+    # Equal runs: nothing to gain. Runs 16x apart in largest square: one bit moves (7 + 9
+    # bits), a second would cost more than it saves.
+    assert qs.allocation_gain(np.ones((4, 5))) == 1.0
+    uniform = 17 / 127 ** 2
+    moved = 1 / 63 ** 2 + 16 / 255 ** 2
+    assert qs.allocation_gain(np.array([[1.0, 16.0]])) == pytest.approx(math.sqrt(uniform / moved))
+    assert moved < 1 / 31 ** 2 + 16 / 511 ** 2
+    assert qs.allocation_gain(np.zeros((2, 3))) == 1.0
 
     stats = qs.GroupStats()
     assert stats.report(2) is None
-    stats.add(2.5, 2.0, 3.0, 2.0)
-    stats.add(2.5, 2.0, 3.0, 2.0)
-    assert stats.report(2) == {"reductions": 1, "run_var_am_over_gm": 1.25,
-                               "ideal_allocation_rms_gain": math.sqrt(1.25),
-                               "partials_energy_over_sum": 1.5}
+    squares = np.stack([np.array([[1.0, 4.0]]), np.array([[1.0, 16.0]])])  # [2, rows, runs]
+    stats.add(squares, 3.0, 2.0, 0)
+    stats.add(squares, 3.0, 2.0, 1)  # another device's copy of the same sum: not counted twice
+    report = stats.report(1)
+    assert report["reductions"] == 1 and report["runs_per_row"] == 2
+    assert report["run_var_am_over_gm"] == pytest.approx(2.5 / 2.0)
+    assert report["integer_allocation_rms_gain"] == pytest.approx(math.sqrt(uniform / moved))
+    assert report["partials_energy_over_sum"] == 1.5
+    assert stats.report(2)["runs_per_piece"] == 1  # two pieces of one run: nothing to move
+    assert stats.report(2)["integer_allocation_rms_gain"] == 1.0
 
 
 def test_group_stats_measure_the_references_own_reductions():
@@ -108,5 +122,6 @@ def test_group_stats_measure_the_references_own_reductions():
     assert rows["noise:0"]["kl_to_f32"] == 0  # added: the stats come from the reference itself
     gs = report["group_stats"]
     assert gs["reductions"] > 0 and gs["run_var_am_over_gm"] > 1.0
+    assert gs["integer_allocation_rms_gain"] >= 1.0
     # Two partials of a real layer's output are not one the negative of the other.
     assert 0.2 < gs["partials_energy_over_sum"] < 5
