@@ -186,7 +186,8 @@ def _scale_value(step: jax.Array, e: jax.Array) -> jax.Array:
     return jnp.where(step == NOT_FINITE, jnp.float32(jnp.nan), s)
 
 
-def scale_parts(amax: jax.Array, code_max: float, axis: int = -1
+def scale_parts(amax: jax.Array, code_max: float, axis: int = -1,
+                row_max: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per-run absmax f32[..., G, ...] (the runs of one row along `axis`) -> (step int32 [like
     amax], row exponent int32 [keepdims along axis], scale f32 [like amax], 1/scale f32).
@@ -198,19 +199,18 @@ def scale_parts(amax: jax.Array, code_max: float, axis: int = -1
     per row on the wire), for a step on average ~1% coarser than the exact one. A run more than
     8 octaves below its row's largest takes the grid's last scale (its error stays 2^-8 of the
     largest run's). A NaN or Inf makes a run's step NOT_FINITE (decoded as NaN), its 1/scale
-    0, and leaves the row's other runs alone.
+    0, and leaves the row's other runs alone. `row_max` (the row's `largest_scale`, given when
+    `amax` holds only some of a row's runs, as a GPU kernel's pieces of a row do) stands for
+    the maximum over `axis`.
 
     After the float32 scale everything is integer arithmetic on its bits, the same in every
     program and in the native kernels (a product with 2^-e, say, XLA folds into the reciprocal
     when e is a constant, and then flushes it to zero)."""
-    amax = jnp.where(jnp.isnan(amax), jnp.inf, amax)
-    # Times the float32 reciprocal, not divided: XLA:CPU turns a division by a constant into
-    # that product in some fusions and not in others, which would move a scale with the program
-    # around it.
-    s = amax * np.float32(1.0 / code_max)
+    s = _run_scales(amax, code_max)
     finite = s < jnp.inf
-    m = lax.bitcast_convert_type(jnp.max(jnp.where(finite, s, 0.0), axis=axis, keepdims=True),
-                                 jnp.int32)
+    if row_max is None:
+        row_max = jnp.max(jnp.where(finite, s, 0.0), axis=axis, keepdims=True)
+    m = lax.bitcast_convert_type(row_max, jnp.int32)
     # ceil(log2 m) from the bits; 0 and subnormal maxima land below E_MIN.
     e = jnp.clip(((m >> 23) & 0xFF) - 127 + ((m & 0x7FFFFF) != 0), E_MIN, E_MAX)
     # Rounded up to 5 mantissa bits (a carry moves into the exponent, as it should); a zero or
@@ -222,6 +222,22 @@ def scale_parts(amax: jax.Array, code_max: float, axis: int = -1
     scale = _scale_value(step, e)
     inv = jnp.where(finite, 1.0 / jnp.where(finite, scale, 1.0), 0.0)
     return step, e, scale, inv
+
+
+def _run_scales(amax: jax.Array, code_max: float) -> jax.Array:
+    """The runs' float32 scales before rounding, Inf for a run holding a NaN or Inf."""
+    amax = jnp.where(jnp.isnan(amax), jnp.inf, amax)
+    # Times the float32 reciprocal, not divided: XLA:CPU turns a division by a constant into
+    # that product in some fusions and not in others, which would move a scale with the program
+    # around it.
+    return amax * np.float32(1.0 / code_max)
+
+
+def largest_scale(amax: jax.Array, code_max: float, axis: int = -1) -> jax.Array:
+    """The largest finite run scale along `axis` (keepdims), as `scale_parts` takes it: the
+    maximum of those of a row's parts is the row's."""
+    s = _run_scales(amax, code_max)
+    return jnp.max(jnp.where(s < jnp.inf, s, 0.0), axis=axis, keepdims=True)
 
 
 def _as_bytes(v: jax.Array) -> jax.Array:

@@ -28,8 +28,10 @@ On an H100 the encode's codes equalled the CPU's on all of 64M values, where XLA
 of `groups.encode` differed on 25 (docs/results.md).
 
 Rows of any width W (a multiple of g) and count: a block is a power of two of rows by W padded
-to a power of two (Triton's block sizes), its edges masked. Each row is encoded from its own
-values alone, so the bits are the same whatever rows come with it (token-local).
+to a power of two (Triton's block sizes), its edges masked, or with `chunked=True` by W's
+binary decomposition into power-of-two pieces, which leaves no lane idle (not yet timed on a
+GPU: docs/algorithm.md). Each row is encoded from its own values alone, so the bits are the same
+whatever rows come with it (token-local).
 """
 from __future__ import annotations
 
@@ -56,6 +58,25 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _pow2_at_most(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def _chunks(width: int, g: int, chunked: bool) -> tuple[tuple[int, int], ...]:
+    """A row's columns as the (offset, size) pieces a kernel loads, each a power of two (a
+    Triton block's sides must be): one at or above the width, its end masked, or (`chunked`)
+    the width's binary decomposition into runs, largest first, with no lane wasted (a row of
+    640 as 512 + 128, of 160 as 128 + 32, where padding leaves 37.5% of the lanes idle)."""
+    if not chunked:
+        return ((0, _pow2_at_least(width)),)
+    runs, out, off = width // g, [], 0
+    for bit in reversed(range(runs.bit_length())):
+        if runs >> bit & 1:
+            out.append((off, g << bit))
+            off += g << bit
+    return tuple(out)
+
+
 @functools.cache
 def in_use() -> bool:
     """Whether a CUDA backend is present (then programs traced include these kernels beside the
@@ -74,11 +95,12 @@ def supports(width: int, g: int, code: str) -> bool:
             and width % g == 0)
 
 
-def _block_rows(width: int, g: int, block_values: int) -> int:
-    """Rows per block: a power of two, so that the padded block holds about `block_values`
-    values and its runs fill a dot's 16 rows."""
-    wp = _pow2_at_least(width)
-    return max(1, block_values // wp, 16 * g // wp)
+def _block_rows(chunks, g: int, block_values: int) -> int:
+    """Rows per block: a power of two, so that the block holds about `block_values` values
+    (padding counted: it takes registers too) and each piece's runs fill a dot's 16 rows."""
+    per_row = sum(size for _, size in chunks)
+    smallest = min(size for _, size in chunks)
+    return max(_pow2_at_most(max(1, block_values // per_row)), 16 * g // smallest, 1)
 
 
 def _reciprocal(scale: jax.Array, step: jax.Array) -> jax.Array:
@@ -102,12 +124,15 @@ def _out(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 
 
-def _grid(i, br: int, wp: int, total: int, width: int):
-    """A block's global row indices [br, 1] and [br], its columns [1, wp], and the mask of
-    real values [br, wp]."""
+def _rows(i, br: int):
+    """A block's global row indices, [br, 1] and [br]."""
     rows = i * br + lax.broadcasted_iota(jnp.int32, (br, 1), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (1, wp), 1)
-    return rows, rows.reshape(br), cols, (rows < total) & (cols < width)
+    return rows, rows.reshape(br)
+
+
+def _cols(off: int, size: int):
+    """The global columns [1, size] of the piece of a row at `off`."""
+    return off + lax.broadcasted_iota(jnp.int32, (1, size), 1)
 
 
 class _Wire:
@@ -132,53 +157,67 @@ class _Wire:
         return (rows2 // self.rows) * self.n + (rows2 % self.rows) * self.payload + pcols
 
 
-def _store_encoded(o_ref, v, wire: _Wire, rows2, rows1, total: int):
-    """Encode f32[br, wp / g, g] (a block of rows, padded with zeros) into `o_ref`, the flat
-    wire, as `groups.encode` would (the module's docstring says how the rounding is kept)."""
-    br, rp, g = v.shape
+def _store_encoded(o_ref, parts, wire: _Wire, rows2, rows1, total: int):
+    """Encode a block of rows, given as its pieces [(offset, f32[br, size / g, g])] (zeros past
+    a row's end), into `o_ref`, the flat wire, as `groups.encode` would (the module's docstring
+    says how the rounding is kept)."""
     code_max = groups.CODES[wire.code]
-    step, e, scale, _ = groups.scale_parts(groups._absmax(v, -1), code_max)
-    # A max that changes no value (|scaled| <= code_max) between the product and the rounding
-    # add: no compiler may then fuse the two into one multiply-add.
-    scaled = jnp.maximum(v * _reciprocal(scale, step)[..., None], -2.0 * code_max)
-    bits = lax.bitcast_convert_type(scaled + groups._ROUNDING_MAGIC, jnp.int32)
-    if wire.code == "int4":  # a run's first half in the low nibbles, its second half high
-        q = bits.reshape(br, rp, 2, g // 2)
-        second = lax.broadcasted_iota(jnp.int32, q.shape, 2) == 1
-        bits = ((jnp.sum(jnp.where(second, 0, q), axis=2) & 0x0F)
-                | (jnp.sum(jnp.where(second, q, 0), axis=2) << 4))
-    pp = rp * g // 2 if wire.code == "int4" else rp * g
-    pcols = lax.broadcasted_iota(jnp.int32, (1, pp), 1)
+    amaxes = [groups._absmax(v, -1) for _, v in parts]
+    row_max = None  # one piece: scale_parts takes the row's maximum itself
+    if len(parts) > 1:
+        row_max = functools.reduce(jnp.maximum,
+                                   [groups.largest_scale(a, code_max) for a in amaxes])
     live = rows2 < total
-    plgpu.store(o_ref.at[wire.codes_at(rows2, pcols)], bits.reshape(br, pp).astype(jnp.int8),
-                mask=live & (pcols < wire.payload))
-    run = lax.broadcasted_iota(jnp.int32, (1, rp), 1)
-    plgpu.store(o_ref.at[wire.steps_at(rows2, run)], step.astype(jnp.int8),
-                mask=live & (run < wire.runs))
+    for (off, v), amax in zip(parts, amaxes):
+        br, rp, g = v.shape
+        step, e, scale, _ = groups.scale_parts(amax, code_max, row_max=row_max)
+        # A max that changes no value (|scaled| <= code_max) between the product and the
+        # rounding add: no compiler may then fuse the two into one multiply-add.
+        scaled = jnp.maximum(v * _reciprocal(scale, step)[..., None], -2.0 * code_max)
+        bits = lax.bitcast_convert_type(scaled + groups._ROUNDING_MAGIC, jnp.int32)
+        if wire.code == "int4":  # a run's first half in the low nibbles, its second half high
+            q = bits.reshape(br, rp, 2, g // 2)
+            second = lax.broadcasted_iota(jnp.int32, q.shape, 2) == 1
+            bits = ((jnp.sum(jnp.where(second, 0, q), axis=2) & 0x0F)
+                    | (jnp.sum(jnp.where(second, q, 0), axis=2) << 4))
+            pcols = _cols(off // 2, rp * g // 2)
+        else:
+            pcols = _cols(off, rp * g)
+        plgpu.store(o_ref.at[wire.codes_at(rows2, pcols)],
+                    bits.reshape(br, pcols.shape[1]).astype(jnp.int8),
+                    mask=live & (pcols < wire.payload))
+        run = _cols(off // g, rp)
+        plgpu.store(o_ref.at[wire.steps_at(rows2, run)], step.astype(jnp.int8),
+                    mask=live & (run < wire.runs))
     plgpu.store(o_ref.at[wire.exponents_at(rows1)], (e.reshape(br) + 127).astype(jnp.int8),
                 mask=rows1 < total)
 
 
-def _load_decoded(w_ref, wire: _Wire, rows2, rows1, cols, total: int, wp: int):
-    """`groups.decode` of a block of rows of the flat wire in `w_ref`: f32[br, wp / g, g]
-    (zeros past the rows' ends). A code times its scale is exact (7 and 6 significant bits),
-    so a multiply-add a compiler may form with what it is added to rounds as the sum does."""
+def _load_decoded(w_ref, wire: _Wire, rows2, rows1, chunks, total: int):
+    """`groups.decode` of a block of rows of the flat wire in `w_ref`, as its pieces: a list of
+    f32[br, size / g, g], one per chunk (zeros past the rows' ends). A code times its scale is
+    exact (7 and 6 significant bits), so a multiply-add a compiler may form with what it is
+    added to rounds as the sum does."""
     br, g = rows2.shape[0], wire.g
-    rp = wp // g
     live = rows2 < total
-    if wire.code == "int4":  # column j of a run: byte j mod g/2 of its half, the high nibble past it
-        half = g // 2
-        at = wire.codes_at(rows2, (cols // g) * half + cols % half)
-        b = plgpu.load(w_ref.at[at], mask=live & (cols < wire.runs * g), other=0)
-        q = jnp.where(cols % g >= half, b >> 4, (b << 4) >> 4)
-    else:
-        q = plgpu.load(w_ref.at[wire.codes_at(rows2, cols)],
-                       mask=live & (cols < wire.payload), other=0)
-    run = lax.broadcasted_iota(jnp.int32, (1, rp), 1)
-    st = plgpu.load(w_ref.at[wire.steps_at(rows2, run)], mask=live & (run < wire.runs), other=0)
     ex = plgpu.load(w_ref.at[wire.exponents_at(rows1)], mask=rows1 < total, other=0)
-    s = groups._row_scales(st, ex.reshape(br, 1))
-    return q.astype(jnp.float32).reshape(br, rp, g) * s[..., None]
+    out = []
+    for off, size in chunks:
+        cols = _cols(off, size)
+        if wire.code == "int4":  # column j of a run: byte j mod g/2 of its half, high nibble past it
+            half = g // 2
+            at = wire.codes_at(rows2, (cols // g) * half + cols % half)
+            b = plgpu.load(w_ref.at[at], mask=live & (cols < wire.runs * g), other=0)
+            q = jnp.where(cols % g >= half, b >> 4, (b << 4) >> 4)
+        else:
+            q = plgpu.load(w_ref.at[wire.codes_at(rows2, cols)],
+                           mask=live & (cols < wire.payload), other=0)
+        run = _cols(off // g, size // g)
+        st = plgpu.load(w_ref.at[wire.steps_at(rows2, run)], mask=live & (run < wire.runs),
+                        other=0)
+        s = groups._row_scales(st, ex.reshape(br, 1))
+        out.append(q.astype(jnp.float32).reshape(br, size // g, g) * s[..., None])
+    return out
 
 
 def _params(interpret: bool, num_warps: int):
@@ -186,8 +225,10 @@ def _params(interpret: bool, num_warps: int):
 
 
 def encode(x: jax.Array, g: int, code: str, interpret: bool = False,
-           block_values: int = BLOCK_VALUES, num_warps: int = NUM_WARPS) -> jax.Array:
-    """f32/bf16[B, ..., W] -> int8[B, N]: `groups.encode`'s wire, bit for bit."""
+           block_values: int = BLOCK_VALUES, num_warps: int = NUM_WARPS,
+           chunked: bool = False) -> jax.Array:
+    """f32/bf16[B, ..., W] -> int8[B, N]: `groups.encode`'s wire, bit for bit. `chunked`: a
+    row's columns in power-of-two pieces instead of one padded block (`_chunks`)."""
     b, w = x.shape[0], x.shape[-1]
     if len(x.shape) < 2 or not supports(w, g, code):
         raise ValueError(f"triton_codecs.encode takes int8/int4 rows of a multiple of {g} "
@@ -196,13 +237,18 @@ def encode(x: jax.Array, g: int, code: str, interpret: bool = False,
     total, wire = b * rows, _Wire(rows, w, g, code)
     if max(total * w, b * wire.n) >= _MAX_INDEX:
         raise ValueError(f"triton_codecs.encode takes fewer than 2^31 values, got {x.shape}")
-    wp = _pow2_at_least(w)
-    br = _block_rows(w, g, block_values)
+    chunks = _chunks(w, g, chunked)
+    br = _block_rows(chunks, g, block_values)
 
     def kernel(x_ref, o_ref):
-        rows2, rows1, cols, valid = _grid(pl.program_id(0), br, wp, total, w)
-        v = plgpu.load(x_ref.at[rows2 * w + cols], mask=valid, other=0).astype(jnp.float32)
-        _store_encoded(o_ref, v.reshape(br, wp // g, g), wire, rows2, rows1, total)
+        rows2, rows1 = _rows(pl.program_id(0), br)
+        parts = []
+        for off, size in chunks:
+            cols = _cols(off, size)
+            v = plgpu.load(x_ref.at[rows2 * w + cols], mask=(rows2 < total) & (cols < w),
+                           other=0).astype(jnp.float32)
+            parts.append((off, v.reshape(br, size // g, g)))
+        _store_encoded(o_ref, parts, wire, rows2, rows1, total)
 
     out = pl.pallas_call(
         kernel, out_shape=_out((b * wire.n,), jnp.int8, x), grid=(-(-total // br),),
@@ -214,7 +260,7 @@ def encode(x: jax.Array, g: int, code: str, interpret: bool = False,
 
 def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, g: int, code: str,
                interpret: bool = False, block_values: int = BLOCK_VALUES,
-               num_warps: int = NUM_WARPS) -> jax.Array:
+               num_warps: int = NUM_WARPS, chunked: bool = False) -> jax.Array:
     """`codecs.encode_sum` of the group codec as one kernel, bit for bit: the piece of the
     token layout's buffer `buf` (bfloat16 or float32) at `shard` that `geometry` places
     (`TokenLayout.piece_geometry`), read in place, plus each arrival (wire bytes int8[pieces,
@@ -228,20 +274,26 @@ def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, g: in
     total, wire = pieces * rows, _Wire(rows, w, g, code)
     if max(buf.size, pieces * wire.n) >= _MAX_INDEX:
         raise ValueError(f"triton_codecs.encode_sum takes fewer than 2^31 values, got {buf.shape}")
-    wp = _pow2_at_least(w)
-    br = _block_rows(w, g, block_values)
+    chunks = _chunks(w, g, chunked)
+    br = _block_rows(chunks, g, block_values)
     base, row_stride = geometry["base"], geometry["row_stride"]
     shard_stride = geometry["shard_stride"]
 
     def kernel(buf_ref, shard_ref, *refs):
         *arrival_refs, o_ref = refs
-        rows2, rows1, cols, valid = _grid(pl.program_id(0), br, wp, total, w)
-        at = base + shard_ref[0] * shard_stride + rows2 * row_stride + cols
-        v = plgpu.load(buf_ref.at[at], mask=valid, other=0).astype(jnp.float32)
-        v = v.reshape(br, wp // g, g)
+        rows2, rows1 = _rows(pl.program_id(0), br)
+        start = base + shard_ref[0] * shard_stride + rows2 * row_stride
+        parts = []
+        for off, size in chunks:
+            cols = _cols(off, size)
+            v = plgpu.load(buf_ref.at[start + cols], mask=(rows2 < total) & (cols < w),
+                           other=0).astype(jnp.float32)
+            parts.append(v.reshape(br, size // g, g))
         for a_ref in arrival_refs:
-            v = v + _load_decoded(a_ref, wire, rows2, rows1, cols, total, wp)
-        _store_encoded(o_ref, v, wire, rows2, rows1, total)
+            decoded = _load_decoded(a_ref, wire, rows2, rows1, chunks, total)
+            parts = [v + d for v, d in zip(parts, decoded)]
+        _store_encoded(o_ref, [(off, v) for (off, _), v in zip(chunks, parts)], wire, rows2,
+                       rows1, total)
 
     out = pl.pallas_call(
         kernel, out_shape=_out((pieces * wire.n,), jnp.int8, buf), grid=(-(-total // br),),
@@ -254,7 +306,7 @@ def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, g: in
 
 def unrotate(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: int, code: str,
              out_dtype, interpret: bool = False, block_values: int = BLOCK_VALUES,
-             num_warps: int = NUM_WARPS) -> jax.Array:
+             num_warps: int = NUM_WARPS, chunked: bool = False) -> jax.Array:
     """`groups.unrotate_codes` (codes [..., C], steps [..., W / g], exponents [..., 1]) ->
     out_dtype[..., W], bit for bit."""
     w = steps.shape[-1] * g
@@ -265,35 +317,37 @@ def unrotate(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: int, c
     c, runs = codes.shape[-1], w // g
     if total * w >= _MAX_INDEX:
         raise ValueError(f"triton_codecs.unrotate takes fewer than 2^31 values, got {lead}")
-    wp = _pow2_at_least(w)
-    br = _block_rows(w, g, block_values)
-    rp = wp // g  # runs of a padded row
+    chunks = _chunks(w, g, chunked)
+    br = _block_rows(chunks, g, block_values)
     half = g // 2
     mt = jnp.asarray(groups.rotation(g).T, jnp.bfloat16)
     mats = (mt[:half], mt[half:]) if code == "int4" else (mt,)
 
     def kernel(codes_ref, steps_ref, exps_ref, *refs):
         *mat_refs, o_ref = refs
-        rows2, rows1, cols, valid = _grid(pl.program_id(0), br, wp, total, w)
-        run = lax.broadcasted_iota(jnp.int32, (1, rp), 1)
-        st = plgpu.load(steps_ref.at[rows2 * runs + run], mask=(rows2 < total) & (run < runs),
-                        other=0)
+        rows2, rows1 = _rows(pl.program_id(0), br)
+        live = rows2 < total
         ex = plgpu.load(exps_ref.at[rows1], mask=rows1 < total, other=0)
-        s = groups._row_scales(st, ex.reshape(br, 1)) / g  # [br, rp]
-        if code == "int4":
-            pcols = lax.broadcasted_iota(jnp.int32, (1, wp // 2), 1)
-            packed = plgpu.load(codes_ref.at[rows2 * c + pcols],
-                                mask=(rows2 < total) & (pcols < c), other=0)
-            low = ((packed << 4) >> 4).astype(jnp.bfloat16).reshape(br * rp, half)
-            high = (packed >> 4).astype(jnp.bfloat16).reshape(br * rp, half)
-            sums = (jnp.dot(low, mat_refs[0][...], preferred_element_type=jnp.float32)
-                    + jnp.dot(high, mat_refs[1][...], preferred_element_type=jnp.float32))
-        else:
-            q = plgpu.load(codes_ref.at[rows2 * c + cols], mask=valid, other=0)
-            sums = jnp.dot(q.astype(jnp.bfloat16).reshape(br * rp, g), mat_refs[0][...],
-                           preferred_element_type=jnp.float32)
-        out = (sums * s.reshape(br * rp, 1)).astype(out_dtype).reshape(br, wp)
-        plgpu.store(o_ref.at[rows2 * w + cols], out, mask=valid)
+        for off, size in chunks:
+            rp = size // g  # runs of this piece of a row
+            cols = _cols(off, size)
+            run = _cols(off // g, rp)
+            st = plgpu.load(steps_ref.at[rows2 * runs + run], mask=live & (run < runs), other=0)
+            s = groups._row_scales(st, ex.reshape(br, 1)) / g  # [br, rp]
+            if code == "int4":
+                pcols = _cols(off // 2, size // 2)
+                packed = plgpu.load(codes_ref.at[rows2 * c + pcols], mask=live & (pcols < c),
+                                    other=0)
+                low = ((packed << 4) >> 4).astype(jnp.bfloat16).reshape(br * rp, half)
+                high = (packed >> 4).astype(jnp.bfloat16).reshape(br * rp, half)
+                sums = (jnp.dot(low, mat_refs[0][...], preferred_element_type=jnp.float32)
+                        + jnp.dot(high, mat_refs[1][...], preferred_element_type=jnp.float32))
+            else:
+                q = plgpu.load(codes_ref.at[rows2 * c + cols], mask=live & (cols < w), other=0)
+                sums = jnp.dot(q.astype(jnp.bfloat16).reshape(br * rp, g), mat_refs[0][...],
+                               preferred_element_type=jnp.float32)
+            out = (sums * s.reshape(br * rp, 1)).astype(out_dtype).reshape(br, size)
+            plgpu.store(o_ref.at[rows2 * w + cols], out, mask=live & (cols < w))
 
     out = pl.pallas_call(
         kernel,

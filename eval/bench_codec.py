@@ -33,6 +33,10 @@ same bits as the XLA:CPU program / the pure-JAX form):
   encode_xla          the same in XLA ops (groups._encode: what a GPU ran before its kernel)
   encode_triton_B_W   the GPU kernel with blocks of B values and W warps (GPU only)
   unrotate_triton_B_W the same for the un-rotation (GPU only)
+  ..._triton_chunked_B_W, encode_sum_triton_chunked
+                      the encode, un-rotation and hop kernels with a row of a width that is not
+                      a power of two loaded as power-of-two pieces instead of one padded block
+                      (GPU only; equal_default: the same bits as the default kernel)
   rotate_butterfly    the rotation as Hadamard butterflies (groups.butterflies)
   rotate_dot          the rotation as a float32 dot (what runs off the CPU)
 
@@ -159,20 +163,21 @@ def forms(x: jax.Array, wire_parts: tuple, group: int, code: str, wire_bytes: fl
            "encode_xla": (jax.jit(lambda v: groups._encode(v, group, code)), (piece,),
                           4.0 + wire_bytes, None)}
     if on_gpu and triton_codecs.supports(width, group, code):
-        for block, warps in ((4096, 4), (8192, 8), (2048, 4)):
-            fn = jax.jit(lambda v, b=block, w=warps: triton_codecs.encode(
-                v, group, code, block_values=b, num_warps=w))
-            out[f"encode_triton_{block}_{warps}"] = (
+        for block, warps, chunked in ((4096, 4, False), (8192, 8, False), (2048, 4, False),
+                                      (4096, 4, True)):
+            fn = jax.jit(lambda v, b=block, w=warps, c=chunked: triton_codecs.encode(
+                v, group, code, block_values=b, num_warps=w, chunked=c))
+            out[f"encode_triton{'_chunked' * chunked}_{block}_{warps}"] = (
                 fn, (piece,), 4.0 + wire_bytes, lambda fn=fn: {
                     "equal_cpu": _encode_equal_cpu(fn, piece, group, code),
                     "token_local": _token_local(
                         lambda v: fn(v[None])[0, :v.shape[0] * width].reshape(-1, width), x)})
         pure = jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16,
                                                         native=False))
-        for block, warps in ((4096, 4), (8192, 8)):
-            fn = jax.jit(lambda *p, b=block, w=warps: triton_codecs.unrotate(
-                *p, group, code, jnp.bfloat16, block_values=b, num_warps=w))
-            out[f"unrotate_triton_{block}_{warps}"] = (
+        for block, warps, chunked in ((4096, 4, False), (8192, 8, False), (4096, 4, True)):
+            fn = jax.jit(lambda *p, b=block, w=warps, c=chunked: triton_codecs.unrotate(
+                *p, group, code, jnp.bfloat16, block_values=b, num_warps=w, chunked=c))
+            out[f"unrotate_triton{'_chunked' * chunked}_{block}_{warps}"] = (
                 fn, wire_parts, wire_bytes + 2.0, lambda fn=fn: {
                     "equal_pure": bool(np.array_equal(
                         np.asarray(fn(*wire_parts), np.float32),
@@ -217,6 +222,16 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     table["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
         (buf, groups.encode(local.reshape(1, rows, width), group, code)), 2.0 + 2 * wire_bytes)
+    platform = jax.devices()[0].platform
+    checks = {}
+    if with_forms and platform == "gpu" and triton_codecs.supports(width, group, code):
+        # The hop kernel with a row in power-of-two pieces instead of one padded block.
+        hop_args = table["encode_sum"][1]
+        chunked = jax.jit(lambda b, w: triton_codecs.encode_sum(
+            b, 1, [w], layout.piece_geometry(0, 1), group, code, chunked=True))
+        table["encode_sum_triton_chunked"] = (chunked, hop_args, table["encode_sum"][2])
+        checks["encode_sum_triton_chunked"] = lambda: {"equal_default": bool(np.array_equal(
+            np.asarray(chunked(*hop_args)), np.asarray(table["encode_sum"][0](*hop_args))))}
     parts = groups.wire_parts(wire, (1, width), group, code)
     table["unrotate"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16)),
@@ -224,8 +239,6 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     table["unrotate_jax"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16, native=False)),
         parts, wire_bytes + 2.0)
-    platform = jax.devices()[0].platform
-    checks = {}
     if with_forms:
         for name, (fn, args, nbytes, chk) in forms(x, parts, group, code, wire_bytes,
                                                    platform == "gpu").items():

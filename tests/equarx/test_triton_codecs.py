@@ -36,33 +36,55 @@ def _bits(a):
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-@pytest.mark.parametrize("shape,code,dtype", SHAPES)
-def test_encode_gives_the_group_codecs_wire(shape, code, dtype):
+# The chunked blocks (a row as power-of-two pieces, `_chunks`) where a width is not a power of
+# two: 160 = 128 + 32, 96 = 64 + 32, 640 = 512 + 128.
+CHUNKED = [(shape, code, dtype, True) for shape, code, dtype in SHAPES
+           if shape[-1] & (shape[-1] - 1)]
+
+
+@pytest.mark.parametrize("shape,code,dtype,chunked",
+                         [(*case, False) for case in SHAPES] + CHUNKED)
+def test_encode_gives_the_group_codecs_wire(shape, code, dtype, chunked):
     x = _values(shape, dtype)
     want = jax.jit(lambda v: groups.encode(v, 32, code))(x)
-    got = jax.jit(lambda v: triton_codecs.encode(v, 32, code, interpret=True))(x)
+    got = jax.jit(lambda v: triton_codecs.encode(v, 32, code, interpret=True,
+                                                 chunked=chunked))(x)
     assert got.shape == want.shape and got.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("shape,code,dtype,out_dtype",
-                         [(*case, (jnp.bfloat16, jnp.float32)[i % 2])
-                          for i, case in enumerate(SHAPES)])
-def test_unrotate_gives_unrotate_codes(shape, code, dtype, out_dtype):
+def test_chunks_cover_a_row_in_powers_of_two():
+    assert triton_codecs._chunks(640, 32, False) == ((0, 1024),)
+    assert triton_codecs._chunks(640, 32, True) == ((0, 512), (512, 128))
+    assert triton_codecs._chunks(352, 32, True) == ((0, 256), (256, 64), (320, 32))
+    assert triton_codecs._chunks(1024, 32, True) == ((0, 1024),)
+    # A block's rows: about BLOCK_VALUES values, and 16 runs of its smallest piece for the dot.
+    assert triton_codecs._block_rows(((0, 1024),), 32, 4096) == 4
+    assert triton_codecs._block_rows(((0, 128), (128, 32)), 32, 4096) == 16
+    assert triton_codecs._block_rows(((0, 64), (64, 32)), 32, 4096) == 32
+
+
+@pytest.mark.parametrize("shape,code,dtype,out_dtype,chunked",
+                         [(*case, (jnp.bfloat16, jnp.float32)[i % 2], False)
+                          for i, case in enumerate(SHAPES)]
+                         + [(*case[:3], jnp.bfloat16, True) for case in CHUNKED])
+def test_unrotate_gives_unrotate_codes(shape, code, dtype, out_dtype, chunked):
     rows, w = int(np.prod(shape[1:-1])), shape[-1]
     wire = groups.encode(_values(shape, dtype), 32, code)
     parts = groups.wire_parts(wire, (rows, w), 32, code)
     want = groups.unrotate_codes(*parts, 32, code, out_dtype, native=False)
-    got = jax.jit(lambda *p: triton_codecs.unrotate(*p, 32, code, out_dtype,
-                                                    interpret=True))(*parts)
+    got = jax.jit(lambda *p: triton_codecs.unrotate(*p, 32, code, out_dtype, interpret=True,
+                                                    chunked=chunked))(*parts)
     assert got.shape == want.shape == (*shape[:-1], w) and got.dtype == out_dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-def test_a_rows_codes_do_not_depend_on_the_rows_beside_it():
-    # Blocks of 8 rows of 1024 (or of 640, padded to 1024): the first k rows' wire is the same
-    # alone as in a longer piece, whatever the other rows hold.
-    enc = jax.jit(lambda v: triton_codecs.encode(v, 32, "int8", interpret=True))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_rows_codes_do_not_depend_on_the_rows_beside_it(chunked):
+    # Blocks of 4 rows of 1024 (or of 640, padded to 1024 or in pieces of 512 and 128): the
+    # first k rows' wire is the same alone as in a longer piece, whatever the other rows hold.
+    enc = jax.jit(lambda v: triton_codecs.encode(v, 32, "int8", interpret=True,
+                                                 chunked=chunked))
     for w in (1024, 640):
         x = _values((1, 40, w), jnp.float32, seed=1)
         for k in (1, 13):
@@ -87,8 +109,9 @@ def test_under_vmap_each_slice_is_encoded_as_alone():
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-@pytest.mark.parametrize("code", ["int8", "int4"])
-def test_the_kernels_lower_to_triton_inside_shard_map(code):
+@pytest.mark.parametrize("code,chunked", [("int8", False), ("int4", False), ("int8", True),
+                                          ("int4", True)])
+def test_the_kernels_lower_to_triton_inside_shard_map(code, chunked):
     # What a CUDA machine compiles, lowered here: the Pallas side of the Triton lowering (block
     # sizes, masks, the dot) and the result types shard_map(check_vma=True) asks for.
     mesh = jax.make_mesh((2,), ("x",))
@@ -98,12 +121,12 @@ def test_the_kernels_lower_to_triton_inside_shard_map(code):
                                  rows_per_minishard=12)
 
     def body(v):
-        wire = triton_codecs.encode(v, 32, code)
+        wire = triton_codecs.encode(v, 32, code, chunked=chunked)
         parts = groups.wire_parts(wire, (12, 640), 32, code)
-        back = triton_codecs.unrotate(*parts, 32, code, jnp.bfloat16)
+        back = triton_codecs.unrotate(*parts, 32, code, jnp.bfloat16, chunked=chunked)
         buf = layout.split(back.reshape(24, 640).repeat(2, axis=1))
         summed = triton_codecs.encode_sum(buf, jnp.int32(1), [wire], layout.piece_geometry(0, 2),
-                                          32, code)
+                                          32, code, chunked=chunked)
         return back, summed
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -121,8 +144,10 @@ def test_which_shapes_the_kernels_take():
     assert not triton_codecs.in_use()
 
 
-@pytest.mark.parametrize("code,dtype,halves", [("int8", jnp.bfloat16, 1), ("int4", jnp.float32, 2)])
-def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves):
+@pytest.mark.parametrize("code,dtype,halves,chunked",
+                         [("int8", jnp.bfloat16, 1, False), ("int4", jnp.float32, 2, False),
+                          ("int8", jnp.float32, 2, True), ("int4", jnp.bfloat16, 1, True)])
+def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves, chunked):
     # A strided piece of the token layout's buffer read in place at a run-time shard, with 0, 1
     # and 2 arrivals decoded and added: the bits of codecs.encode_sum (its native CPU kernel,
     # itself the pure form's bits). Rows of 640 (padded to 1024 in a block), huge values whose
@@ -142,7 +167,8 @@ def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves):
         got_in = [a[piece[0]:piece[1]] for a in arrivals[:n]]
         want = codecs.encode_sum(codec, buf, layout, jnp.int32(shard), piece, got_in)
         got = jax.jit(lambda b, s, *a: triton_codecs.encode_sum(
-            b, s, a, layout.piece_geometry(*piece), 32, code, interpret=True))(
+            b, s, a, layout.piece_geometry(*piece), 32, code, interpret=True,
+            chunked=chunked))(
                 buf, jnp.int32(shard), *got_in)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         if piece == (1, 3):  # the edge cases were in what was compared
