@@ -37,9 +37,9 @@ def _bits(a):
 
 
 # The chunked blocks (a row as power-of-two pieces, `_chunks`) where a width is not a power of
-# two: 160 = 128 + 32, 96 = 64 + 32, 640 = 512 + 128.
+# two: 160 = 128 + 32, 96 = 64 + 32, 640 = 512 + 128, 352 = 256 + 64 + 32.
 CHUNKED = [(shape, code, dtype, True) for shape, code, dtype in SHAPES
-           if shape[-1] & (shape[-1] - 1)]
+           if shape[-1] & (shape[-1] - 1)] + [((2, 7, 352), "int4", jnp.bfloat16, True)]
 
 
 @pytest.mark.parametrize("shape,code,dtype,chunked",
