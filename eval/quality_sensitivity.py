@@ -77,7 +77,8 @@ class GroupStats:
     the codec's rotation (`run_squares`, kept from device 0: the sum is the same on every
     device), and the partial sums' energy against the sum's."""
 
-    def __init__(self):
+    def __init__(self, group_size: int = 32):
+        self.group_size = group_size
         self.runs: list[np.ndarray] = []  # [2, rows, runs] per reduction
         self.energy = [0.0, 0.0]
         self._lock = threading.Lock()
@@ -102,12 +103,19 @@ class GroupStats:
         gm = np.exp(np.log(np.maximum(var[live], 1e-6 * am[live, None])).mean(axis=1))
         runs = var.shape[1]
         per_piece = runs // pieces if runs % pieces == 0 else runs
+        # How Gaussian the rotated runs are: the rms over runs of (largest / rms), beside the
+        # same for runs of standard normal values (the rate-distortion bound's case).
+        g = self.group_size
+        z = np.square(np.random.default_rng(0).standard_normal((1 << 16, g)))
+        nonzero = var > 0
         return {"reductions": len(self.runs), "runs_per_row": runs,
                 "run_var_am_over_gm": float(am[live].sum() / gm.sum()),
                 "ideal_allocation_rms_gain": float(math.sqrt(am[live].sum() / gm.sum())),
                 "runs_per_piece": per_piece,
                 "integer_allocation_rms_gain": allocation_gain(max2.reshape(-1, per_piece)),
-                "partials_energy_over_sum": self.energy[0] / self.energy[1]}
+                "partials_energy_over_sum": self.energy[0] / self.energy[1],
+                "run_peak_to_rms": float(np.sqrt(np.mean(max2[nonzero] / var[nonzero]))),
+                "gaussian_run_peak_to_rms": float(np.sqrt(np.mean(z.max(1) / z.mean(1))))}
 
 
 def run_squares(rows, g: int):
@@ -285,7 +293,9 @@ def main(argv=None) -> dict:
                   f"allocation of a row's bits: {gs['ideal_allocation_rms_gain']:.3f}x less rms "
                   f"error); whole widths over a piece's {gs['runs_per_piece']} runs, a uniform "
                   f"code's error / the best's: {gs['integer_allocation_rms_gain']:.3f}; the "
-                  f"partials' energy / the sum's: {gs['partials_energy_over_sum']:.3f}")
+                  f"partials' energy / the sum's: {gs['partials_energy_over_sum']:.3f}; a run's "
+                  f"largest / its rms (rms over runs) {gs['run_peak_to_rms']:.3f}, Gaussian "
+                  f"runs' {gs['gaussian_run_peak_to_rms']:.3f}")
     return show_and_write(report, title, table, args.out)
 
 

@@ -111,6 +111,8 @@ def test_run_squares_allocation_gain_and_group_stats():
     assert report["run_var_am_over_gm"] == pytest.approx(2.5 / 2.0)
     assert report["integer_allocation_rms_gain"] == pytest.approx(math.sqrt(uniform / moved))
     assert report["partials_energy_over_sum"] == 1.5
+    assert report["run_peak_to_rms"] == pytest.approx(math.sqrt((1 + 4) / 2))
+    assert 2.3 < report["gaussian_run_peak_to_rms"] < 2.5  # the largest of 32 normal values
     assert stats.report(2)["runs_per_piece"] == 1  # two pieces of one run: nothing to move
     assert stats.report(2)["integer_allocation_rms_gain"] == 1.0
 
