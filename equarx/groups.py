@@ -208,9 +208,7 @@ def scale_parts(amax: jax.Array, code_max: float, axis: int = -1,
     when e is a constant, and then flushes it to zero)."""
     s = _run_scales(amax, code_max)
     finite = s < jnp.inf
-    if row_max is None:
-        row_max = jnp.max(jnp.where(finite, s, 0.0), axis=axis, keepdims=True)
-    m = lax.bitcast_convert_type(row_max, jnp.int32)
+    m = lax.bitcast_convert_type(_largest(s, axis) if row_max is None else row_max, jnp.int32)
     # ceil(log2 m) from the bits; 0 and subnormal maxima land below E_MIN.
     e = jnp.clip(((m >> 23) & 0xFF) - 127 + ((m & 0x7FFFFF) != 0), E_MIN, E_MAX)
     # Rounded up to 5 mantissa bits (a carry moves into the exponent, as it should); a zero or
@@ -233,11 +231,15 @@ def _run_scales(amax: jax.Array, code_max: float) -> jax.Array:
     return amax * np.float32(1.0 / code_max)
 
 
+def _largest(s: jax.Array, axis: int) -> jax.Array:
+    """The largest finite run scale along `axis` (keepdims; 0 where none is finite)."""
+    return jnp.max(jnp.where(s < jnp.inf, s, 0.0), axis=axis, keepdims=True)
+
+
 def largest_scale(amax: jax.Array, code_max: float, axis: int = -1) -> jax.Array:
     """The largest finite run scale along `axis` (keepdims), as `scale_parts` takes it: the
     maximum of those of a row's parts is the row's."""
-    s = _run_scales(amax, code_max)
-    return jnp.max(jnp.where(s < jnp.inf, s, 0.0), axis=axis, keepdims=True)
+    return _largest(_run_scales(amax, code_max), axis)
 
 
 def _as_bytes(v: jax.Array) -> jax.Array:

@@ -152,10 +152,11 @@ def _encode_equal_cpu(fn, piece: jax.Array, group: int, code: str, rows: int = 4
     return float(np.mean(np.asarray(fn(part)) == np.asarray(ref)))
 
 
-def forms(x: jax.Array, wire_parts: tuple, group: int, code: str, wire_bytes: float,
-          on_gpu: bool) -> dict:
+def forms(x: jax.Array, wire_parts: tuple, hop: tuple, group: int, code: str,
+          wire_bytes: float, on_gpu: bool) -> dict:
     """The forms of the kernels beside the defaults (see the module's docstring): name ->
-    (jitted function, its arguments, bytes a value, a check of its bits or None)."""
+    (jitted function, its arguments, bytes a value, a check of its bits or None). `hop`: the
+    default `encode_sum` as (its token layout, function, arguments, bytes a value)."""
     rows, width = x.shape
     piece = x.reshape(1, rows, width)
     out = {"encode_piece": (jax.jit(lambda v: groups.encode(v, group, code)), (piece,),
@@ -183,6 +184,12 @@ def forms(x: jax.Array, wire_parts: tuple, group: int, code: str, wire_bytes: fl
                         np.asarray(fn(*wire_parts), np.float32),
                         np.asarray(pure(*wire_parts), np.float32))),
                     "token_local": _token_local(fn, *wire_parts)})
+        layout, default, hop_args, hop_bytes = hop
+        fn = jax.jit(lambda b, w: triton_codecs.encode_sum(
+            b, 1, [w], layout.piece_geometry(0, 1), group, code, chunked=True))
+        out["encode_sum_triton_chunked"] = (fn, hop_args, hop_bytes, lambda fn=fn: {
+            "equal_default": bool(np.array_equal(np.asarray(fn(*hop_args)),
+                                                 np.asarray(default(*hop_args))))})
     for name, f in (("rotate_butterfly", _rotate_butterfly), ("rotate_dot", _rotate_dot)):
         fn = jax.jit(lambda v, f=f: f(v, group))
         out[name] = (fn, (x,), 8.0, lambda fn=fn: {"token_local": _token_local(fn, x)})
@@ -222,16 +229,6 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     table["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
         (buf, groups.encode(local.reshape(1, rows, width), group, code)), 2.0 + 2 * wire_bytes)
-    platform = jax.devices()[0].platform
-    checks = {}
-    if with_forms and platform == "gpu" and triton_codecs.supports(width, group, code):
-        # The hop kernel with a row in power-of-two pieces instead of one padded block.
-        hop_args = table["encode_sum"][1]
-        chunked = jax.jit(lambda b, w: triton_codecs.encode_sum(
-            b, 1, [w], layout.piece_geometry(0, 1), group, code, chunked=True))
-        table["encode_sum_triton_chunked"] = (chunked, hop_args, table["encode_sum"][2])
-        checks["encode_sum_triton_chunked"] = lambda: {"equal_default": bool(np.array_equal(
-            np.asarray(chunked(*hop_args)), np.asarray(table["encode_sum"][0](*hop_args))))}
     parts = groups.wire_parts(wire, (1, width), group, code)
     table["unrotate"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16)),
@@ -239,8 +236,11 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     table["unrotate_jax"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16, native=False)),
         parts, wire_bytes + 2.0)
+    platform = jax.devices()[0].platform
+    checks = {}
     if with_forms:
-        for name, (fn, args, nbytes, chk) in forms(x, parts, group, code, wire_bytes,
+        for name, (fn, args, nbytes, chk) in forms(x, parts, (layout, *table["encode_sum"]),
+                                                   group, code, wire_bytes,
                                                    platform == "gpu").items():
             table[name] = (fn, args, nbytes)
             if chk is not None:

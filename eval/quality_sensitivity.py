@@ -142,6 +142,7 @@ def allocation_gain(max2: np.ndarray, bits: int = 8, low: int = 2, high: int = 1
         return max2 / np.square(np.exp2(b - 1.0) - 1.0)
 
     b = np.full(max2.shape, bits)
+    uniform = err(b).sum()
     rows = np.arange(len(b))
     for _ in range((high - low) * max2.shape[1]):
         gain = np.where(b < high, err(b) - err(b + 1), -np.inf)
@@ -152,7 +153,6 @@ def allocation_gain(max2: np.ndarray, bits: int = 8, low: int = 2, high: int = 1
             break
         b[rows[move], i[move]] += 1
         b[rows[move], j[move]] -= 1
-    uniform = (max2 / np.square(2.0 ** (bits - 1) - 1)).sum()
     return float(math.sqrt(uniform / err(b).sum())) if uniform > 0 else 1.0
 
 

@@ -60,3 +60,33 @@ def test_forms_are_timed_with_their_bytes_and_their_bits_checked():
         assert k[name]["GB/s"] * k[name]["ms"] == pytest.approx(k[like]["GB/s"] * k[like]["ms"])
     assert k["rotate_butterfly"]["token_local"] is True
     assert "check" not in report
+
+
+def test_the_gpu_forms_build_and_check_their_bits(monkeypatch):
+    # What `--forms` runs on a CUDA GPU, here with the kernels in Pallas' interpreter: every
+    # form's check must run and hold (a device session has minutes, not retries).
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from equarx import codecs, groups, triton_codecs
+    from equarx.layout import plan_token_layout
+
+    for name in ("encode", "unrotate", "encode_sum"):
+        monkeypatch.setattr(triton_codecs, name,
+                            functools.partial(getattr(triton_codecs, name), interpret=True))
+    rows, width = 64, 640
+    x = jax.random.normal(jax.random.PRNGKey(0), (rows, width))
+    layout = plan_token_layout((rows, 2 * width), 2, 1, granule=32)
+    buf = layout.split(jnp.concatenate([x, x / 2], axis=1).astype(jnp.bfloat16))
+    codec = codecs.GroupCodec(32, "int8", layout.piece_shape)
+    hop = (layout, jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
+           (buf, groups.encode((x / 2).reshape(1, rows, width), 32, "int8")), 3.0)
+    parts = groups.wire_parts(groups.encode(x, 32, "int8"), (1, width), 32, "int8")
+    forms = bench_codec.forms(x, parts, hop, 32, "int8", 1.03, on_gpu=True)
+    gpu = [name for name in forms if "triton" in name]
+    assert {"encode_triton_chunked_4096_4", "unrotate_triton_chunked_4096_4",
+            "encode_sum_triton_chunked"} <= set(gpu) and len(gpu) == 8
+    for name in gpu:
+        assert all(v not in (False, 0.0) for v in forms[name][3]().values()), name
