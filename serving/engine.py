@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
+from serving.dispatch_window import DispatchWindow
 from serving.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,9 @@ class ModelEngine:
         self._prompt_logprobs = jax.jit(sampling.prompt_logprobs)
         self._last_logits = jax.jit(_last_logits)
         self._feed = jax.jit(_feed_tokens)
+        # Every program below is counted here: dispatches must not run too far ahead of the
+        # devices (serving/dispatch_window.py: XLA:CPU wedges otherwise at tp >= 2).
+        self.window = DispatchWindow(lambda: self.cache)
 
     def bucket_for(self, length: int) -> int:
         return self.info.bucket_for(length)
@@ -219,12 +223,15 @@ class ModelEngine:
         # The model places host arrays on its mesh itself (replicated).
         logits, self.cache = self.model.prefill(self.cache, inputs.tokens, inputs.lengths, inputs.slots,
                                                 return_all_logits=inputs.prompt_logprobs)
+        self.window.dispatched(logits)
         logits = self._to_sample_device(logits)
         extra = ()
         if inputs.prompt_logprobs:
             extra = self._prompt_logprobs(logits, inputs.tokens)
             logits = self._last_logits(logits, inputs.lengths)
+            self.window.dispatched((extra, logits), 2)
         out = self._sample(logits, inputs.sampling.resolve(), inputs.lengths)
+        self.window.dispatched(out)
         return _to_host(self._jax, out, extra)
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
@@ -247,11 +254,14 @@ class ModelEngine:
             prev, src = feed
             src = np.pad(np.asarray(src, np.int32), (0, pad), constant_values=-1)
             tokens = self._feed(prev.tokens, tokens, src)
+            self.window.dispatched(tokens)
         logits, self.cache = self.model.decode_step(self.cache, tokens, positions)
+        self.window.dispatched(logits, programs=2)  # the step and its cache write
         logits = self._to_sample_device(logits)
         # After the dispatch: waiting for a grammar's masks overlaps the device's step.
         sampling = inputs.sampling.padded(rows + pad).resolve()
         out = self._sample(logits, sampling, positions + 1)
+        self.window.dispatched(out)
         return PendingDecode(self._jax, out, rows)
 
     def run_chunk(self, inputs: ChunkInputs) -> StepOutputs | None:
@@ -261,10 +271,13 @@ class ModelEngine:
         c = self.info.chunk_size
         for i, block in enumerate(inputs.restore):
             self.cache = self.model.write_chunk(self.cache, self._blocks[block], i * c, c, inputs.slot)
+            self.window.dispatched()
         tokens = np.asarray(inputs.tokens, np.int32)[None]
         logits, kv = self.model.prefill_chunk(self.cache, tokens, inputs.start, inputs.length,
                                               inputs.slot, logits=inputs.final)
+        self.window.dispatched((logits, kv))
         self.cache = self.model.write_chunk(self.cache, kv, inputs.start, inputs.length, inputs.slot)
+        self.window.dispatched()
         if inputs.save_block >= 0:
             if inputs.length != c or tokens.shape[1] != c:
                 raise ValueError("only a full chunk can be kept as a prefix block")
@@ -273,19 +286,24 @@ class ModelEngine:
             return None
         logits = self._to_sample_device(logits)
         out = self._sample(logits, inputs.sampling.resolve(), np.array([inputs.start + inputs.length], np.int32))
+        self.window.dispatched(out)
         return _to_host(self._jax, out, ())
 
     def move_slot(self, src: int, dst: int) -> None:
         """Copy slot src's KV cache rows into slot dst (the scheduler then treats src as free)."""
         self.cache = self.model.move_slot(self.cache, src, dst)
+        self.window.dispatched()
 
     def _to_sample_device(self, logits):
         if not logits.is_fully_addressable:  # spread over processes: gather to all of them first
             logits = self._replicate(logits).addressable_data(0)
-        return self._jax.device_put(logits, self._sample_device)
+        logits = self._jax.device_put(logits, self._sample_device)
+        self.window.dispatched(logits)  # a copy (and a gather): counted as a program
+        return logits
 
     def reset(self) -> None:
         """A fresh cache (after a failed step, whose donated cache may be gone), no prefix blocks."""
+        self.window.reset()
         self.cache = self.model.init_cache(self.info.num_slots, self.info.max_seq_len)
         self._blocks.clear()
 

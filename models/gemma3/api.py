@@ -130,16 +130,18 @@ class Gemma3Model(Gemma3Engine):
         out = []
         for step in range(max_new_tokens):
             key, sub = jax.random.split(key)
-            next_ids = sample(logits, sub, temperature, top_k, top_p)
+            # Read back each step's ids before the next step: a loop that queued every step
+            # unread would wedge XLA:CPU at tp >= 2 (serving/dispatch_window.py says why).
+            next_ids = np.asarray(sample(logits, sub, temperature, top_k, top_p))
             out.append(next_ids)
             if stop:
-                done |= np.isin(np.asarray(next_ids), list(stop))
+                done |= np.isin(next_ids, list(stop))
                 if done.all():
                     break
             if step + 1 < max_new_tokens:
                 logits, cache = self.decode_step(cache, next_ids, positions)
                 positions += 1
-        ids = np.stack([np.asarray(x) for x in out], axis=1)
+        ids = np.stack(out, axis=1)
         result = []
         for row in ids.tolist():
             hits = [i for i, t in enumerate(row) if t in stop]

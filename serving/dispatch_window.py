@@ -1,0 +1,83 @@
+"""How far the engine's dispatches may run ahead of the devices: the one place that bounds it.
+
+JAX dispatches a program and returns before it has run, so an engine thread that feeds a long
+prompt's chunks (two programs each, no result read back until the last) can queue dozens of
+programs. XLA:CPU (the PjRt CPU client, jaxlib 0.10) cannot take that with several devices in one
+process: it admits at most 32 unfinished computations per device (a semaphore,
+`CpuClientOptions::max_inflight_computations_per_device`, which JAX does not expose), and a
+multi-device program takes that semaphore on a thread of the client's pool, whose size is
+max(cores, devices), the very threads that run the devices' programs. Once a device has 32
+computations queued, the pool threads that dispatch the next program block on the semaphore,
+while the device's queued collective needs a pool thread for its other participant: the collective
+never completes and XLA reports "Expected 2 threads to join the rendezvous, but not all of them
+arrived", then aborts the process. docs/engine.md ("Why a tp >= 2 server wedged on long prompts")
+has the thread stacks and a standalone reproduction.
+
+So the engine counts every program it dispatches and, after `limit` of them, waits until all of
+them have finished (`DispatchWindow.dispatched`). Between two waits at most `limit` programs
+(plus the few of one engine call) are unfinished on any device, far below the runtime's 32,
+whatever the engine dispatches and however slow the devices are. The cost is one short pipeline
+bubble (the host's dispatch time of a program) every `limit` programs; the overlapped decode loop
+keeps its overlap on every other step.
+
+A TPU or GPU runtime blocks the dispatching thread (not a device's thread) when its queue is full,
+so there the window is only a bound on host run-ahead and costs the same bubble.
+
+Why a full drain and not a sliding window: the engine's programs donate the KV cache to the next
+one, so most programs leave no output that can be waited on later; the newest cache (which every
+earlier cache program precedes, by data dependence) and the outputs that are never donated
+(sampled tokens, logits, a chunk's keys and values) together cover every program dispatched.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+# The XLA:CPU runtime's per-device limit (see the module docstring).
+XLA_CPU_MAX_INFLIGHT = 32
+DEFAULT_LIMIT = 20
+
+
+class DispatchWindow:
+    """Counts dispatched programs; every `limit` of them, waits until all have finished.
+
+    latest: returns the arrays that every program dispatched so far without a kept output
+    precedes (the engine's newest KV cache)."""
+
+    def __init__(self, latest: Callable[[], object], limit: int = DEFAULT_LIMIT):
+        if not 1 <= limit <= XLA_CPU_MAX_INFLIGHT - 8:  # room for one engine call's programs
+            raise ValueError(f"the dispatch window must be 1..{XLA_CPU_MAX_INFLIGHT - 8} programs, "
+                             f"got {limit}")
+        self.limit = limit
+        self._latest = latest
+        self._kept: list = []  # outputs of programs since the last wait that no program donates
+        self._count = 0  # programs dispatched since the last wait
+        self.drains = 0  # waits so far (for tests and logs)
+        self.most_unfinished = 0  # the most programs dispatched between two waits
+
+    def dispatched(self, outputs=(), programs: int = 1) -> None:
+        """Call after dispatching `programs` programs; `outputs` are arrays they returned that
+        no later program donates (others may be left out: the newest cache covers them)."""
+        import jax
+
+        self._kept.extend(x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array))
+        self._count += programs
+        self.most_unfinished = max(self.most_unfinished, self._count)
+        if self._count >= self.limit:
+            self.drain()
+
+    def drain(self) -> None:
+        """Waits until every program dispatched so far has finished."""
+        import jax
+
+        waits = [x for x in self._kept if not x.is_deleted()]
+        waits += [x for x in jax.tree.leaves(self._latest())
+                  if isinstance(x, jax.Array) and not x.is_deleted()]
+        jax.block_until_ready(waits)
+        self._kept.clear()
+        self._count = 0
+        self.drains += 1
+
+    def reset(self) -> None:
+        """Forget what was dispatched (after a failed step: nothing of it will be waited on)."""
+        self._kept.clear()
+        self._count = 0
