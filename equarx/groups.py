@@ -20,6 +20,20 @@ Why this shape of block:
 
 Groups run along a row's columns (the last axis, a multiple of the group size); encoded pieces
 are one int8 array so that one ppermute moves payload and scales.
+
+NaN: a run holding a NaN or an Inf gets the step byte NOT_FINITE and decodes as NaN, whatever
+its codes (they are unspecified). Every form of the codec (these XLA ops, the native CPU
+kernels on each instruction set, the GPU kernels) promises the pure-JAX form's result with one
+freedom: a NaN where it has a NaN, of any payload and sign; every other value bit for bit, the
+sign of a zero included (tests/testkit.assert_same_bits checks exactly that). The NaN's own bits
+are left free because XLA:CPU does not fix them either. Such a run's scale is the float32 NaN
+0x7FC00000 and its products keep it; the conversion to bfloat16 then depends on where XLA:CPU
+puts it: fused with the un-rotation's product-sum into a YNNPACK call, whose conversion YNNPACK
+picks by processor (0x7FC0 with AVX512-BF16; on an AVX2 processor 0x7FC1, its portable
+(bits >> 16) | 1, or 0x7FC0 for a message of a few thousand values), or in XLA's own loops
+(sign | 0x7FC0). The native kernels keep the top bits and set the quiet bit (0x7FC0 on every
+path); with fp8 codes a NaN code enters the sums too, and which NaN survives, so its sign,
+follows the order of the operations (the plain loops' differs from the butterflies').
 """
 from __future__ import annotations
 
@@ -367,7 +381,7 @@ def unrotate_codes(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: 
     default codec's compute).
 
     On the CPU backend, to bfloat16 or float32, this runs as a native kernel with the same bits
-    (equarx.native_cpu; fp8: the same up to the bits of a NaN), unless `native=False` or it
+    (equarx.native_cpu; a NaN's own bits aside, see "NaN" above), unless `native=False` or it
     could not be built; on a CUDA GPU, int8 and int4 as one kernel with the same bits
     (equarx.triton_codecs), unless `native=False`."""
     def pure(codes, steps, exponents):

@@ -1,6 +1,6 @@
 """Native CPU kernels of the group codec, as XLA FFI handlers built on first use.
 
-Kernels with the pure-JAX forms' bits (for fp8, up to the bits of a NaN):
+Kernels with the pure-JAX forms' bits (a NaN's own bits aside: equarx.groups, "NaN"):
 - the all-gather's un-rotation of the codes (int8, int4, fp8; equarx/csrc/unrotate_cpu.cc,
   `groups.unrotate_codes`): on XLA:CPU a fused broadcast product-sum at about 25 GFLOP/s, the
   default codec's largest cost between blocking transfers; here a run's Hadamard structure as

@@ -77,3 +77,39 @@ def stop_processes(procs) -> None:
             p.kill()
             p.wait()
         log.close()
+
+
+def assert_same_bits(got, want, wire: tuple | None = None, err_msg: str = "") -> None:
+    """The codec's promise across backends (equarx.groups, "NaN"), checked against `want`, the
+    pure-JAX form's result: a NaN where `want` has one (of any payload and sign) and every other
+    value bit for bit (a zero's sign too). Integer arrays compare exactly; with
+    wire=(piece_shape, g, code) they are `groups.encode`'s bytes, whose non-finite runs (step
+    byte NOT_FINITE: they decode as NaN) may hold any codes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    got, want = np.asarray(got), np.asarray(want)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype), (
+        f"{got.shape} {got.dtype} against {want.shape} {want.dtype} {err_msg}")
+    if wire is not None:
+        from equarx import groups
+
+        (codes, steps, exps), (want_codes, want_steps, want_exps) = (
+            [np.asarray(p) for p in groups.wire_parts(jnp.asarray(w), *wire)]
+            for w in (got, want))
+        np.testing.assert_array_equal(steps, want_steps, err_msg=f"step bytes {err_msg}")
+        np.testing.assert_array_equal(exps, want_exps, err_msg=f"exponent bytes {err_msg}")
+        finite = np.repeat(want_steps.view(np.uint8) != groups.NOT_FINITE,
+                           codes.shape[-1] // steps.shape[-1], axis=-1)
+        np.testing.assert_array_equal(codes[finite], want_codes[finite],
+                                      err_msg=f"codes of finite runs {err_msg}")
+        return
+    if not jnp.issubdtype(got.dtype, jnp.floating):
+        np.testing.assert_array_equal(got, want, err_msg=err_msg)
+        return
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan,
+                                  err_msg=f"where the NaNs are {err_msg}")
+    bits = np.dtype(f"u{got.dtype.itemsize}")
+    np.testing.assert_array_equal(got.view(bits)[~nan], want.view(bits)[~nan],
+                                  err_msg=f"the bits of the values other than NaN {err_msg}")

@@ -1,11 +1,13 @@
-"""equarx.native_cpu: the CPU kernels give the pure-JAX forms' bits and are what the CPU
-program runs. The un-rotation of int8, int4 and fp8 codes (groups.unrotate_codes): AVX-512, AVX2
-and plain builds, bfloat16 and float32, NaN / Inf / zero / tiny groups, vmap, inside the
-collective; fp8 NaNs as NaNs. The encode with its sum (codecs.encode_sum): int8 and int4, a
-strided piece of a bfloat16 or float32 buffer read in place with 0-2 arrivals, zero / tiny / huge
-groups, NaN and Inf groups decoded as NaN, bad geometry refused. Both fall back cleanly."""
+"""equarx.native_cpu: the CPU kernels give the pure-JAX forms' bits (a NaN where they have a
+NaN, of any bits: equarx.groups, "NaN"; testkit.assert_same_bits) and are what the CPU program
+runs. The un-rotation of int8, int4 and fp8 codes (groups.unrotate_codes): bfloat16 and float32,
+NaN / Inf / zero / tiny groups, vmap, inside the collective. The encode with its sum
+(codecs.encode_sum): a strided piece of a bfloat16 or float32 buffer read in place with 0-2
+arrivals, zero / tiny / huge groups, NaN and Inf groups decoded as NaN, bad geometry refused.
+The AVX-512, AVX2 and plain builds each against the pure-JAX form. Both fall back cleanly."""
 import dataclasses
 import logging
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -17,24 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, codecs, groups, native_cpu
 from equarx.layout import plan_token_layout
+from testkit import assert_same_bits
 
 G = 32
 
 
 CODES = ["int8", "int4", "fp8"]
-
-
-def _bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32)
-
-
-def _assert_same(got, want):
-    """Bit for bit, except that a NaN only has to be a NaN (fp8's NaN codes: the sum's NaN
-    payload follows the order of the additions)."""
-    nan = np.isnan(np.asarray(want, np.float32))
-    np.testing.assert_array_equal(np.isnan(np.asarray(got, np.float32)), nan)
-    np.testing.assert_array_equal(_bits(got)[~nan], _bits(want)[~nan])
 
 
 def _wire(rows: int, width: int = 1024, seed: int = 0, edges: bool = True, code: str = "int8"):
@@ -73,14 +63,11 @@ def test_same_bits_as_the_pure_form(dtype, code):
     got = native(*parts)
     want = jax.jit(_pure, static_argnums=(3, 4))(*parts, dtype, code)
     assert got.dtype == want.dtype == dtype and got.shape == want.shape == (64, 1, 1024)
-    if code == "fp8":
-        _assert_same(got, want)
-    else:
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_same_bits(got, want)
     # Every edge case is there: a NaN group, an Inf group, +0 groups (not -0), finite values.
-    out = np.asarray(got, np.float32).reshape(-1, G)
+    out = np.asarray(got, np.float32).reshape(64, 1024)
     assert np.isnan(out).any() and np.isfinite(out).any()
-    assert (_bits(got).reshape(-1, G)[3 * 32] == 0).all()  # row 3's groups: +0.0, bit for bit
+    assert (out[3] == 0).all() and not np.signbit(out[3]).any()  # row 3: +0.0
 
 
 def test_leading_shapes_and_vmap():
@@ -88,42 +75,50 @@ def test_leading_shapes_and_vmap():
     parts = (codes.reshape(4, 12, 1, 256), steps.reshape(4, 12, 1, 256 // G),
              exponents.reshape(4, 12, 1, 1))
     want = _pure(*parts, jnp.bfloat16)
-    np.testing.assert_array_equal(
-        _bits(groups.unrotate_codes(*parts, G, "int8", jnp.bfloat16)), _bits(want))
+    assert_same_bits(groups.unrotate_codes(*parts, G, "int8", jnp.bfloat16), want)
     vmapped = jax.vmap(lambda *p: groups.unrotate_codes(*p, G, "int8", jnp.bfloat16))
-    np.testing.assert_array_equal(_bits(vmapped(*parts)), _bits(want))
+    assert_same_bits(vmapped(*parts), want)
 
 
-@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
-def test_the_other_builds_give_the_same_bits(arch, tmp_path):
-    """The AVX2 path (x86-64-v3: no AVX-512) and the plain loops kept for any other processor
-    and group size (x86-64), each built and called beside the default build."""
-    import platform
+# The kernels' instruction-set paths on x86-64: each build's -march and the processor features
+# (/proc/cpuinfo's names) it needs. x86-64-v4 runs the AVX-512 butterflies (with the integer
+# bfloat16 rounding; the default build on a processor with AVX512-BF16 runs its one
+# instruction, checked above), x86-64-v3 the AVX2 ones, x86-64 the plain loops.
+_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe")
+BUILDS = {"x86-64-v4": _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+          "x86-64-v3": _V3, "x86-64": ()}
 
+
+@pytest.mark.parametrize("arch", list(BUILDS))
+def test_each_instruction_set_build_gives_the_pure_bits(arch):
+    """Each build against the pure-JAX form (XLA), not against another build: without AVX-512
+    the default build is the AVX2 one, and a comparison of the two would hide what they share.
+    The un-rotation, the encode with its sum and the all-gather's end, every code and both
+    dtypes, with NaN, Inf, zero, tiny and huge groups."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the other builds are checked on x86-64")
-    lib = native_cpu.build(native_cpu.compiler(), arch=arch, directory=tmp_path)
+        pytest.skip("the instruction-set builds are x86-64's")
+    flags = native_cpu._cpu_flags().partition(":")[2].split()
+    missing = [f for f in BUILDS[arch] if f not in flags]
+    if missing:
+        pytest.skip(f"this processor cannot run the {arch} build: it lacks {' '.join(missing)}")
+    lib = native_cpu.build(native_cpu.compiler(), arch=arch)
     unrotate_target, encode_target, gather_target = native_cpu.register(
         lib, f"_test_{arch.replace('-', '_')}")
     for code in CODES:
-        parts = _wire(64, seed=2, code=code)
+        parts = _wire(16, width=256, seed=2, code=code)
         for dtype in (jnp.bfloat16, jnp.float32):
             got = jax.jit(lambda c, s, e, d=dtype, k=code: native_cpu.unrotate(
                 c, s, e, groups.rotation(G).T, k, d, target=unrotate_target))(*parts)
-            _assert_same(got, _pure(*parts, dtype, code))
-    for code in ("int8", "int4", "fp8"):
-        for dtype in (jnp.bfloat16, jnp.float32):
-            layout, buf, arrivals = _summands(dtype, code, seed=5)
+            assert_same_bits(got, _pure(*parts, dtype, code), err_msg=f"{code} {dtype}")
+            layout, buf, arrivals = _summands(dtype, code, seed=5, non_finite=True)
             for n in (0, 2):
                 got = jax.jit(lambda b, *a, k=code: native_cpu.encode_sum(
                     b, 1, a, layout.piece_geometry(1, 3), G, k, target=encode_target))(
                     buf, *[a[1:3] for a in arrivals[:n]])
-                np.testing.assert_array_equal(
-                    got, _encode_sum(buf, layout, 1, (1, 3), arrivals[:n], code, native=False))
-
-
-    for code in CODES:
-        for dtype in (jnp.bfloat16, jnp.float32):
+                want = _encode_sum(buf, layout, 1, (1, 3), arrivals[:n], code, native=False)
+                assert (want[:, -32 * 17:-32] == -1).any()  # NOT_FINITE runs are in it
+                assert_same_bits(got, want, wire=(layout.piece_shape, G, code),
+                                 err_msg=f"{code} {dtype} {n} arrivals")
             _check_gather(code, dtype, device=1, target=gather_target)
 
 
@@ -135,9 +130,15 @@ def _check_gather(code: str, dtype, device: int, target: str = native_cpu.GATHER
     pieces = [(0, 1), (1, 3)]
     rng = np.random.default_rng(6)
     piece_codec = codecs.GroupCodec(G, code, layout.piece_shape)
-    rows = [[piece_codec.encode(jnp.asarray(rng.standard_normal((b - a, 32, 256)) * 3,
-                                            jnp.float32)) for a, b in pieces]
-            for _ in range(3)]
+
+    def values(minishards):
+        v = rng.standard_normal((minishards, 32, 256)) * 3
+        v[0, 0, :G] = 0.0  # a zero run, a NaN run, an Inf run
+        v[0, 1, 5] = np.nan
+        v[0, 2, 9] = -np.inf
+        return jnp.asarray(v, jnp.float32)
+
+    rows = [[piece_codec.encode(values(b - a)) for a, b in pieces] for _ in range(3)]
     got = jax.jit(lambda d, *w: native_cpu.gather_unrotate(
         d, w, groups.rotation(G).T, code, dtype, (3, 32, 3, 1, 256),
         [layout.piece_geometry(*p) for p in pieces], target=target))(
@@ -148,7 +149,7 @@ def _check_gather(code: str, dtype, device: int, target: str = native_cpu.GATHER
             values = groups.unrotate_codes(*piece_codec.wire_parts(wire), G, code, dtype,
                                            native=False)
             want[a:b, :, (device + r) % 3, 0] = np.asarray(values, np.float32)
-    _assert_same(got, jnp.asarray(want, dtype))
+    assert_same_bits(got, jnp.asarray(want, dtype))
 
 
 @pytest.mark.parametrize("code", CODES)
@@ -158,10 +159,11 @@ def test_gather_unrotate_puts_every_piece_in_place(code):
         _check_gather(code, jnp.bfloat16 if device else jnp.float32, device)
 
 
-def _summands(dtype, code: str, seed: int = 0, edges: bool = True):
+def _summands(dtype, code: str, seed: int = 0, edges: bool = True, non_finite: bool = False):
     """(layout, buffer, two arrivals) for encode_sum: 2 shards of 4 minishards of 32 rows of
-    512 columns; the buffer's values spread far apart from row to row, with edge cases; each
-    arrival holds all 4 minishards (a piece's are arrival[j0:j1])."""
+    512 columns; the buffer's values spread far apart from row to row, with edge cases (and
+    NaN and Inf runs in shard 1's minishards 1 and 2); each arrival holds all 4 minishards (a
+    piece's are arrival[j0:j1])."""
     # Four minishards (the planner keeps a piece of a message this small whole).
     layout = dataclasses.replace(plan_token_layout((128, 1024), 2, 4, granule=G), minishards=4,
                                  rows_per_minishard=32)
@@ -175,6 +177,10 @@ def _summands(dtype, code: str, seed: int = 0, edges: bool = True):
         x[35, 520:600] = 3e38  # huge values: their sums with the arrivals overflow
         x[36, 530] = 1e-30  # far below its group's step: a zero code
         x[37, 512 + G:512 + 2 * G] = x[37, 512 + 2 * G] * np.arange(G) / 2  # exact ties (bf16)
+    if non_finite:
+        x[38, 512 + 40] = np.nan
+        x[39, 512 + 100] = -np.inf
+        x[70, 512 + 300] = np.inf
     buf = layout.split(jnp.asarray(x, dtype))
     piece_codec = codecs.GroupCodec(G, code, layout.piece_shape)
     arrivals = [piece_codec.encode(jnp.asarray(rng.standard_normal((4, 32, 512)), jnp.float32)
@@ -207,7 +213,7 @@ def test_encode_sum_gives_the_pure_bits(dtype, code):
             want = _encode_sum(buf, layout, shard, piece, arrivals[:n], code, native=False)
             codes = 32 * 512 // (2 if code == "int4" else 1)  # 32 rows of 512 per minishard
             assert got.shape == want.shape == (piece[1] - piece[0], codes + 32 * (512 // G + 1))
-            np.testing.assert_array_equal(got, want)
+            assert_same_bits(got, want)
             if (piece, n) == ((1, 3), 0):  # the edge cases are in what was compared
                 out = np.asarray(groups.decode(jnp.asarray(got), G, code, (2, 32, 512)))
                 assert (out[0, :2] == 0).all() and (out[0, 2, :G] == 0).all()  # zero, tiny
@@ -235,8 +241,7 @@ def test_fp8_encode_rounds_ties_to_even_as_xla():
     buf = layout.split(jnp.asarray(x))
     for shard in (0, 1):
         got = _encode_sum(buf, layout, shard, (0, 4), [], "fp8")
-        np.testing.assert_array_equal(
-            got, _encode_sum(buf, layout, shard, (0, 4), [], "fp8", native=False))
+        assert_same_bits(got, _encode_sum(buf, layout, shard, (0, 4), [], "fp8", native=False))
         decoded = np.asarray(groups.decode(jnp.asarray(got), G, "fp8", (4, 32, 512)))
         values = np.asarray(layout.piece(buf, shard, 0, 4))
         assert (values == 447).sum() >= len(runs) // 3  # the runs are in these pieces
@@ -259,11 +264,9 @@ def test_encode_sum_keeps_a_nan_group_nan():
     bad[3, 1] = bad[5, 3] = True
     assert np.isfinite(out[~bad]).all()
     want = _encode_sum(buf, layout, 1, (1, 2), arrivals[:1], "int8", native=False)
-    pure = np.asarray(groups.decode(jnp.asarray(want), G, "int8", (1, 32, 512))).reshape(32, 16,
-                                                                                       G)
-    np.testing.assert_array_equal(np.isnan(pure), np.isnan(out))
-    ok_codes = np.repeat(~bad.reshape(-1), G)
-    np.testing.assert_array_equal(got[0, :32 * 512][ok_codes], want[0, :32 * 512][ok_codes])
+    assert_same_bits(got, want, wire=(layout.piece_shape, G, "int8"))
+    assert_same_bits(out, groups.decode(jnp.asarray(want), G, "int8", (1, 32, 512)).reshape(
+        32, 16, G))
 
 
 def test_encode_sum_refuses_a_piece_outside_its_buffer():
@@ -299,7 +302,7 @@ def test_the_collective_gives_the_same_bits_either_way(label, monkeypatch):
     f, pure = run()
     text = f.lower(jnp.asarray(x, jnp.bfloat16)).as_text()
     assert not any(target in text for target in native_cpu.TARGETS)
-    _assert_same(native, pure)
+    assert_same_bits(native, pure)
 
 
 def test_without_a_compiler_it_warns_once_and_runs_pure(tmp_path, monkeypatch, caplog):

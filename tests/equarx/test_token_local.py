@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, groups, resolved_variant, schedule
+from testkit import assert_same_bits
 
 TOKEN_LOCAL = ["bf16_ring", "bf16_ring-semi", "int8", "int8-full", "int8-twoshot-rs", "int4",
                "int8-semi/64", "bf16"]
@@ -144,8 +145,7 @@ def test_unrotating_the_codes_is_decoding_then_unrotating_bit_for_bit(code):
         got = groups.unrotate_codes(*groups.wire_parts(wire, (6, 128), 32, code), 32, code,
                                     dtype)
         assert got.dtype == dtype and got.shape == shape
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
-                                      np.asarray(want.astype(dtype).astype(jnp.float32)))
+        assert_same_bits(got, want.astype(dtype))
 
 
 @pytest.mark.parametrize("g", [32, 64])
@@ -168,9 +168,7 @@ def test_unrotating_fp8_codes_rounds_once(g):
     for dtype in (jnp.float32, jnp.bfloat16):
         got = groups.unrotate_codes(codes, steps, exponents, g, "fp8", dtype)
         assert got.dtype == dtype and got.shape == (2, 6, 256)
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
-                                      np.asarray(jnp.asarray(want32).astype(dtype)
-                                                 .astype(jnp.float32)))
+        assert_same_bits(got, jnp.asarray(want32).astype(dtype))
     assert np.isnan(want32[0, 1, :g]).all() and not want32[0, 0, :g].any()
     # Decode-then-unrotate is within a few float32 roundings of it.
     twice = np.asarray(groups.unrotate(groups.decode(wire, g, "fp8", (2, 6, 256)), g))

@@ -1,5 +1,6 @@
-"""equarx.triton_codecs: the GPU kernels give the group codec's bits (`groups`' XLA forms), run
-here in Pallas' interpreter, and lower to Triton for a CUDA GPU (checked without one)."""
+"""equarx.triton_codecs: the GPU kernels give the group codec's bits (`groups`' XLA forms, a NaN
+of any bits where they have a NaN: testkit.assert_same_bits), run here in Pallas' interpreter,
+and lower to Triton for a CUDA GPU (checked without one)."""
 import dataclasses
 
 import jax
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from equarx import codecs, groups, triton_codecs
 from equarx.layout import plan_token_layout
+from testkit import assert_same_bits
 
 # (shape [B, rows, W], code, dtype): widths that are and are not powers of two, row counts that
 # are not a multiple of a block's rows, one row of one run.
@@ -31,11 +33,6 @@ def _values(shape, dtype, seed=0):
     return x.reshape(shape).astype(dtype)
 
 
-def _bits(a):
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
 # The chunked blocks (a row as power-of-two pieces, `_chunks`) where a width is not a power of
 # two: 160 = 128 + 32, 96 = 64 + 32, 640 = 512 + 128, 352 = 256 + 64 + 32.
 CHUNKED = [(shape, code, dtype, True) for shape, code, dtype in SHAPES
@@ -50,7 +47,7 @@ def test_encode_gives_the_group_codecs_wire(shape, code, dtype, chunked):
     got = jax.jit(lambda v: triton_codecs.encode(v, 32, code, interpret=True,
                                                  chunked=chunked))(x)
     assert got.shape == want.shape and got.dtype == jnp.int8
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_same_bits(got, want, wire=(shape[1:], 32, code))
 
 
 def test_chunks_cover_a_row_in_powers_of_two():
@@ -76,7 +73,7 @@ def test_unrotate_gives_unrotate_codes(shape, code, dtype, out_dtype, chunked):
     got = jax.jit(lambda *p: triton_codecs.unrotate(*p, 32, code, out_dtype, interpret=True,
                                                     chunked=chunked))(*parts)
     assert got.shape == want.shape == (*shape[:-1], w) and got.dtype == out_dtype
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -92,21 +89,22 @@ def test_a_rows_codes_do_not_depend_on_the_rows_beside_it(chunked):
             alone = groups.wire_parts(enc(x[:, :k]), (k, w), 32, "int8")
             for full in (x, other):
                 for a, b in zip(alone, groups.wire_parts(enc(full), (40, w), 32, "int8")):
-                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b[:, :k]))
+                    assert_same_bits(a, b[:, :k])
 
 
 def test_under_vmap_each_slice_is_encoded_as_alone():
     x = _values((3, 2, 5, 160), jnp.float32)
     got = jax.vmap(lambda v: triton_codecs.encode(v, 32, "int8", interpret=True))(x)
     want = jnp.stack([groups.encode(x[i], 32, "int8") for i in range(3)])
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for i in range(3):
+        assert_same_bits(got[i], want[i], wire=((5, 160), 32, "int8"))
     parts = [jnp.stack(p) for p in zip(*(groups.wire_parts(want[i], (5, 160), 32, "int8")
                                          for i in range(3)))]
     got = jax.vmap(lambda *p: triton_codecs.unrotate(*p, 32, "int8", jnp.bfloat16,
                                                      interpret=True))(*parts)
     want = jax.vmap(lambda *p: groups.unrotate_codes(*p, 32, "int8", jnp.bfloat16,
                                                      native=False))(*parts)
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("code,chunked", [("int8", False), ("int4", False), ("int8", True),
@@ -170,7 +168,7 @@ def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves, chunked):
             b, s, a, layout.piece_geometry(*piece), 32, code, interpret=True,
             chunked=chunked))(
                 buf, jnp.int32(shard), *got_in)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert_same_bits(got, want, wire=(layout.piece_shape, 32, code))
         if piece == (1, 3):  # the edge cases were in what was compared
             out = np.asarray(groups.decode(got, 32, code, (2, 32, 640)))
             assert np.isinf(out[0, 8]).any() or (np.abs(out[0, 8]) > 1e38).any()
