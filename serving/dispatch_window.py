@@ -20,8 +20,9 @@ whatever the engine dispatches and however slow the devices are. The cost is one
 bubble (the host's dispatch time of a program) every `limit` programs; the overlapped decode loop
 keeps its overlap on every other step.
 
-A TPU or GPU runtime blocks the dispatching thread (not a device's thread) when its queue is full,
-so there the window is only a bound on host run-ahead and costs the same bubble.
+Only XLA:CPU with several devices in one process needs it (`needed`): with one device the
+runtime takes the semaphore on the dispatching thread, and a TPU or GPU runtime blocks the
+dispatching thread (not a device's) when its queue is full. Elsewhere the window only counts.
 
 Why a full drain and not a sliding window: the engine's programs donate the KV cache to the next
 one, so most programs leave no output that can be waited on later; the newest cache (which every
@@ -37,15 +38,23 @@ XLA_CPU_MAX_INFLIGHT = 32
 DEFAULT_LIMIT = 20
 
 
+def needed(devices) -> bool:
+    """Whether programs over `devices` (this process's devices of a mesh) can wedge the runtime
+    when queued: XLA:CPU with more than one of them."""
+    devices = list(devices)
+    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+
 class DispatchWindow:
-    """Counts dispatched programs; every `limit` of them, waits until all have finished.
+    """Counts dispatched programs; every `limit` of them, waits until all have finished
+    (limit 0: never waits, only counts).
 
     latest: returns the arrays that every program dispatched so far without a kept output
     precedes (the engine's newest KV cache)."""
 
     def __init__(self, latest: Callable[[], object], limit: int = DEFAULT_LIMIT):
-        if not 1 <= limit <= XLA_CPU_MAX_INFLIGHT - 8:  # room for one engine call's programs
-            raise ValueError(f"the dispatch window must be 1..{XLA_CPU_MAX_INFLIGHT - 8} programs, "
+        if not 0 <= limit <= XLA_CPU_MAX_INFLIGHT - 8:  # room for one engine call's programs
+            raise ValueError(f"the dispatch window must be 0..{XLA_CPU_MAX_INFLIGHT - 8} programs, "
                              f"got {limit}")
         self.limit = limit
         self._latest = latest
@@ -57,11 +66,13 @@ class DispatchWindow:
     def dispatched(self, outputs=(), programs: int = 1) -> None:
         """Call after dispatching `programs` programs; `outputs` are arrays they returned that
         no later program donates (others may be left out: the newest cache covers them)."""
+        self._count += programs
+        self.most_unfinished = max(self.most_unfinished, self._count)
+        if not self.limit:
+            return
         import jax
 
         self._kept.extend(x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array))
-        self._count += programs
-        self.most_unfinished = max(self.most_unfinished, self._count)
         if self._count >= self.limit:
             self.drain()
 

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
-from serving.dispatch_window import DispatchWindow
+from serving import dispatch_window
 from serving.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,9 @@ class ModelEngine:
         self._feed = jax.jit(_feed_tokens)
         # Every program below is counted here: dispatches must not run too far ahead of the
         # devices (serving/dispatch_window.py: XLA:CPU wedges otherwise at tp >= 2).
-        self.window = DispatchWindow(lambda: self.cache)
+        local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
+        self.window = dispatch_window.DispatchWindow(
+            lambda: self.cache, dispatch_window.DEFAULT_LIMIT if dispatch_window.needed(local) else 0)
 
     def bucket_for(self, length: int) -> int:
         return self.info.bucket_for(length)

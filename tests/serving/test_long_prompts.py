@@ -114,3 +114,14 @@ def test_long_prompts_and_concurrent_requests_each_as_alone(server):
     # Each alone (long ones first, so the short ones also run on a server that just served them).
     for p, got in zip(long_prompts + short, together):
         assert _complete(url, p, 4) == got
+
+
+def test_the_window_waits_only_where_the_runtime_can_wedge():
+    import jax
+
+    from serving import dispatch_window
+
+    cpu = jax.devices("cpu")
+    assert dispatch_window.needed(cpu[:2]) and not dispatch_window.needed(cpu[:1])
+    with pytest.raises(ValueError, match="0..24 programs"):
+        dispatch_window.DispatchWindow(lambda: (), limit=30)
