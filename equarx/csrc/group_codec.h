@@ -27,7 +27,8 @@ inline float float_of(uint32_t u) {
 
 inline float bf16_to_f32(uint16_t b) { return float_of(uint32_t(b) << 16); }
 
-// Round to nearest even, as XLA converts; a NaN keeps its sign and top bits, made quiet.
+// Round to nearest even, as XLA converts; a NaN keeps its sign and top bits, made quiet (XLA
+// leaves a NaN's bits free: equarx/groups.py, "NaN").
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u = bits_of(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
