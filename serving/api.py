@@ -131,8 +131,9 @@ def _authorize(runtime: Runtime, request: Request) -> None:
 def _check_ready(runtime: Runtime) -> None:
     if runtime.status == "ready":
         return
-    why = {"loading": "the model is still loading", "shutting_down": "the server is shutting down"}
-    raise ApiError(503, why.get(runtime.status, f"the model failed to load: {runtime.error}"),
+    why = {"loading": "the model is still loading", "shutting_down": "the server is shutting down",
+           "stuck": runtime.error}
+    raise ApiError(503, why.get(runtime.status) or f"the model failed to load: {runtime.error}",
                    "service_unavailable", headers={"Retry-After": "5"})
 
 

@@ -51,7 +51,9 @@ def serve_main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = _config(parser, args, extra=tuple(jax_platform.GROUP_FLAGS))
     try:
-        group = jax_platform.group_from(vars(args))
+        # The watchdog's limits are server settings (from flags, the environment or the file).
+        group = jax_platform.group_from({**vars(args), "step_timeout": config.step_timeout,
+                                         "compile_timeout": config.compile_timeout})
         jax_platform.request_cpu_devices(group.local_device_count(config.tp))
     except ValueError as e:
         parser.error(str(e))
@@ -106,7 +108,8 @@ def serve_main(argv: list[str] | None = None) -> None:
              config.model_name, config.host, config.port)
     runtime.start_loading()
     server.run()
-    runtime.shutdown(drain_timeout=0.0)
+    if not runtime.shutdown(drain_timeout=0.0, join_timeout=ENGINE_STOP_GRACE_S) or runtime.status == "stuck":
+        _exit_stuck(runtime)
     if leader is not None and runtime.engine is not None:
         runtime.engine.close()  # the other processes leave their step loops
     if failed:
@@ -114,6 +117,26 @@ def serve_main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     if not server.started:
         sys.exit(1)  # e.g. the port was taken (uvicorn logged why)
+
+
+# After SIGTERM and the HTTP server's own shutdown, how long the engine thread may take to end.
+ENGINE_STOP_GRACE_S = 3.0
+
+
+def _exit_stuck(runtime) -> None:
+    """Ends the process at once: its engine thread is stuck (possibly inside the runtime, where
+    nothing reaches it; a normal exit could wait for it forever)."""
+    from serving.watchdog import EXIT_STUCK
+
+    core = runtime.core
+    why = core.stuck or (f"the engine thread did not stop within {ENGINE_STOP_GRACE_S:g}s: it is in "
+                         f"{core.busy_with() or 'an engine call'}")
+    log.error("exiting with status %d without waiting for the engine thread: %s", EXIT_STUCK, why)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_STUCK)
 
 
 # ---- gemma3-generate ----

@@ -113,6 +113,11 @@ class ServerConfig:
                                            "them; unset: $XDG_CACHE_HOME/gemma3-equarx/jax-compile-cache, "
                                            "with ~/.cache when XDG_CACHE_HOME is not set)")
     shutdown_timeout: float = _field(30.0, "seconds given to in-flight requests on SIGTERM")
+    step_timeout: float = _field(30.0, "step watchdog: seconds an engine step may run before the "
+                                 "server counts as stuck (its requests fail with 500, /health and "
+                                 "new requests get 503 until a restart; a multi-host group exits)")
+    compile_timeout: float = _field(600.0, "step watchdog: the same for a step whose kind and shapes "
+                                    "run for the first time (it may compile)")
     log_level: str = _field("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self):
@@ -128,6 +133,8 @@ class ServerConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not 0 <= self.admission_wait_ms <= 1000:
             raise ValueError(f"admission_wait_ms must be in [0, 1000], got {self.admission_wait_ms}")
+        if not (self.step_timeout > 0 and self.compile_timeout > 0):
+            raise ValueError("step_timeout and compile_timeout must be > 0")
         if self.allreduce_min_bytes < 0:
             raise ValueError("allreduce_min_bytes must be >= 0")
         if not 0 <= self.port < 65536:

@@ -10,7 +10,9 @@ single compiled program whatever the step. When process 0 is idle it broadcasts 
 every `heartbeat_s` seconds, so a worker that hears nothing for `step_timeout_s` knows that process
 0 is gone or stuck. Any failure of a step (a peer died mid-collective, or the watchdog fired) ends
 the process with a clear error: the processes can no longer be kept in step, so serving on is not
-an option.
+an option. The watchdog is `serving.watchdog`'s, the single-process server's: a step gets
+`step_timeout_s`, or `compile_timeout_s` the first time its kind and shapes run (it may compile);
+a wait for the other processes may last as long as the step they may still be running.
 
 No jax import at module level (the process joins its group, `serving.jax_platform.join_process_group`,
 before jax creates its backends).
@@ -26,7 +28,9 @@ from typing import Callable
 
 import numpy as np
 
+from serving import watchdog
 from serving.jax_platform import GroupFormationError, ProcessGroup, exit_group_not_formed
+from serving.watchdog import StepLimits, describe, step_key
 
 log = logging.getLogger(__name__)
 
@@ -146,39 +150,16 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
 
 # ---- failure detection ----
 
-class Watchdog:
-    """Ends the process when an armed wait lasts longer than `timeout_s`: a collective whose peer
-    vanished can block forever inside the runtime, where no Python exception reaches it."""
+class Watchdog(watchdog.Watchdog):
+    """The group's watchdog: ends the process when an armed wait outlasts its limit (`timeout_s`
+    unless `arm` gives another); a collective whose peer vanished can block forever inside the
+    runtime, where no Python exception reaches it."""
 
     def __init__(self, timeout_s: float, what: str, exit: Callable[[int], None] = os._exit):
-        self.timeout_s = timeout_s
-        self.what = what
-        self._exit = exit
-        self._armed_at: float | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
-        self._thread.start()
+        def end(what: str, limit: float) -> None:
+            fatal(f"no progress for {limit:.0f}s while {what}: another process has died or hangs", exit)
 
-    def arm(self) -> None:
-        with self._lock:
-            self._armed_at = time.monotonic()
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._armed_at = None
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
-            with self._lock:
-                armed = self._armed_at
-            if armed is not None and time.monotonic() - armed > self.timeout_s:
-                fatal(f"no progress for {self.timeout_s:.0f}s while {self.what}: another process has "
-                      "died or hangs", self._exit)
-                return
+        super().__init__(end, timeout_s, what)
 
 
 def fatal(message: str, exit: Callable[[int], None] = os._exit) -> None:
@@ -212,6 +193,8 @@ class LeaderEngine:
     """Process 0's engine: the scheduler drives it exactly like the local engine it wraps; each
     step is broadcast to the workers first. Idle heartbeats keep the workers' watchdogs quiet."""
 
+    watches_steps = True  # its watchdog ends the group: the engine core needs none of its own
+
     def __init__(self, engine, settings: ProcessGroup):
         self.engine = engine
         self.info = engine.info
@@ -223,6 +206,8 @@ class LeaderEngine:
         self._last = time.monotonic()
         self._closed = False
         self._watchdog = Watchdog(settings.step_timeout_s, "running a step on process 0")
+        self._limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
+        self._peer_limit = self._limits.compile_s  # the others may still run the last step this long
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="step-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -260,19 +245,26 @@ class LeaderEngine:
             if self._closed:
                 raise RuntimeError("the process group has shut down")
             self._send(kind, inputs)
-            self._watchdog.arm()
+            key = step_key(_KIND_NAMES[kind], inputs)
+            limit = self._limits.limit(key)
+            self._watchdog.arm(f"running a {describe(key)} on process 0", limit)
             try:
-                return run()
+                out = run()
             except Exception as e:
                 # The workers ran (or failed) the same step; nothing keeps the group in step now.
                 fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}")
                 raise
             finally:
                 self._watchdog.disarm()
+            self._limits.done(key)
+            self._peer_limit = limit
+            return out
 
     def _send(self, kind: int, inputs) -> None:
         buf = encode_step(kind, inputs, self.capacity)
-        self._watchdog.arm()
+        # Every process must join the broadcast: the others may still be running the last step.
+        self._watchdog.arm(f"broadcasting the {_KIND_NAMES[kind]} step",
+                           max(self._peer_limit, self._limits.limit("broadcast")))
         try:
             self._bcast(buf)
         except Exception as e:
@@ -281,6 +273,8 @@ class LeaderEngine:
             raise
         finally:
             self._watchdog.disarm()
+        self._limits.done("broadcast")
+        self._peer_limit = self._limits.step_s
         self._last = time.monotonic()
 
     def _beat(self) -> None:
@@ -300,12 +294,17 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
     info = engine.info
     capacity = _capacity(info)
     bcast = _Broadcaster(capacity)
-    watchdog = Watchdog(settings.step_timeout_s, "waiting for process 0's next step")
+    dog = Watchdog(settings.step_timeout_s, "waiting for process 0's next step")
+    limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
+    wait = limits.compile_s  # process 0 may still be running the last step (or its first broadcast)
     steps = 0
     while True:
-        watchdog.arm()
+        dog.arm(timeout_s=wait)
         try:
             kind, inputs = decode_step(bcast(None))
+            key = step_key(_KIND_NAMES[kind], inputs)
+            wait = limits.limit(key)
+            dog.arm(f"running a {describe(key)}", wait)
             if kind == PREFILL:
                 engine.run_prefill(inputs)
             elif kind == DECODE:
@@ -317,12 +316,13 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
             elif kind == RESET:
                 engine.reset()
             elif kind == SHUTDOWN:
-                watchdog.close()
+                dog.close()
                 log.info("shutdown step received after %d steps", steps)
                 return 0
         except Exception as e:
             fatal(f"worker step failed (process 0 has died?): {type(e).__name__}: {e}")
             return EXIT_PEER_LOST
+        limits.done(key)
         steps += kind in (PREFILL, DECODE, CHUNK)
 
 

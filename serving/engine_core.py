@@ -17,6 +17,14 @@ runs the new step. So a stop is seen one step late: a sequence that ended in ste
 step N+1, whose token for it is discarded (its slot is freed after step N's outputs, and the
 next plan may reuse it). Any other step (one-shot prefills, slot moves, logits processing) first
 waits for the step in flight, then runs as without overlap. Greedy and seeded outputs are the same either way.
+
+The step watchdog (`step_timeout`, `serving/watchdog.py`): every engine call, and every wait for a
+step in flight, runs armed. One that outlasts its limit (`compile_timeout` the first time a call
+of its kind and shapes runs, since it may compile) is stuck, typically inside the runtime where
+nothing reaches it: the watchdog's thread logs it, fails every sequence (running and waiting) with
+an error event, refuses new work (`EngineStuck`) and tells `on_stuck`. The engine thread is never
+trusted again: if its step returns after all, the thread leaves (`StepStuck`) without touching
+the cache, the scheduler or the outputs.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ import logging
 import random
 import threading
 import time
+from typing import Callable
+
 import numpy as np
 
 from serving.engine import ChunkInputs, DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
@@ -34,6 +44,7 @@ from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
 from serving.sampling import LogitsExtras, SamplingParams, SlotSampling
 from serving.scheduler import ChunkStep, Plan, PrefillGroup, Scheduler, Sequence
+from serving.watchdog import StepLimits, StepStuck, Watchdog, describe, step_key
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +53,24 @@ class ShuttingDown(RuntimeError):
     """The engine core no longer accepts work."""
 
 
+class EngineStuck(ShuttingDown):
+    """The engine core stopped for good: a step got stuck (the process must be restarted)."""
+
+
 class EngineCore:
+    """step_timeout, compile_timeout: the watchdog's limits in seconds (module docstring; None: no
+    watchdog); on_stuck(message): told once when a step got stuck, after the core stopped
+    accepting work and before the failed sequences' events go out. stall_step: a test hook, the
+    stall_step-th engine call (1-based) blocks forever."""
+
     def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0,
-                 overlap: bool = True):
+                 overlap: bool = True, step_timeout: float | None = None, compile_timeout: float | None = None,
+                 on_stuck: Callable[[str], None] | None = None, stall_step: int | None = None):
         self.engine = engine
         # Overlapped decode steps (module docstring): needs an engine that can dispatch a step
         # and return before its outputs reach the host.
         self.overlap = bool(overlap) and callable(getattr(engine, "dispatch_decode", None))
-        self._inflight = None  # (Plan, the engine's pending step) dispatched, outputs not read
+        self._inflight = None  # (Plan, the engine's pending step, its step_key): outputs not read
         self.metrics = metrics or NullMetrics()
         self.scheduler = Scheduler(engine.info, max_waiting)
         self.outputs = OutputProcessor(engine.tokenizer, engine.info, self.metrics)
@@ -63,6 +84,14 @@ class EngineCore:
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._stuck: str | None = None  # why the engine stopped for good
+        self.on_stuck = on_stuck
+        self._calls = 0  # engine calls made (the stall hook counts them)
+        self._stall_step = stall_step
+        self._watchdog: Watchdog | None = None
+        if step_timeout is not None:
+            self._limits = StepLimits(step_timeout, compile_timeout or step_timeout)
+            self._watchdog = Watchdog(self._on_stuck, name="engine-watchdog")
 
     # ---- consumer side (any thread) ----
 
@@ -79,6 +108,8 @@ class EngineCore:
                           seed=params.seed32(random.getrandbits(32)), want_prompt_logprobs=prompt_logprobs), sink)
                 for prompt, params, sink in requests]
         with self._lock:
+            if self._stuck is not None:
+                raise EngineStuck(self._stuck)
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
             self.scheduler.add([s for s, _ in seqs])
@@ -104,6 +135,16 @@ class EngineCore:
     def kv_usage(self) -> float:
         return self.scheduler.kv_usage()
 
+    @property
+    def stuck(self) -> str | None:
+        """Why the engine stopped for good (a step got stuck), None while it runs."""
+        return self._stuck
+
+    def busy_with(self) -> str | None:
+        """The engine call running now and for how long, as the watchdog sees it (None: none)."""
+        now = self._watchdog.current() if self._watchdog is not None else None
+        return None if now is None else f"a {now[0]}, running for {now[1]:.1f}s"
+
     # ---- lifecycle ----
 
     def start(self) -> "EngineCore":
@@ -115,22 +156,39 @@ class EngineCore:
         with self._lock:
             self._accepting = False
 
-    def shutdown(self, drain_timeout: float = 0.0) -> None:
+    def shutdown(self, drain_timeout: float = 0.0, join_timeout: float | None = None) -> bool:
         """Stops accepting; lets running and waiting sequences finish for up to `drain_timeout`
-        seconds, then aborts the rest and joins the engine thread."""
+        seconds, then aborts the rest and joins the engine thread: for up to `join_timeout`
+        seconds (None: as long as it takes), never once a step is stuck (it may never return).
+        Returns whether the engine thread ended."""
         self.stop_accepting()
         deadline = time.monotonic() + drain_timeout
-        while time.monotonic() < deadline and (self.num_waiting or self.num_running):
+        while time.monotonic() < deadline and (self.num_waiting or self.num_running) and self._stuck is None:
             time.sleep(0.02)
         with self._lock:
             self._stop = True
             self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is None:
+            return True
+        deadline = None if join_timeout is None else time.monotonic() + join_timeout
+        while self._thread.is_alive() and self._stuck is None and (deadline is None or time.monotonic() < deadline):
+            self._thread.join(0.05)
+        if self._thread.is_alive():
+            return False
+        if self._watchdog is not None:
+            self._watchdog.close()
+        return True
 
     # ---- engine thread ----
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except StepStuck as e:
+            log.error("the stuck %s returned after the watchdog gave up on it; the engine stays "
+                      "stopped (its state may be inconsistent): restart the server", e)
+
+    def _loop(self) -> None:
         while True:
             with self._lock:
                 while not (self._stop or self.num_waiting or self._cancelled or self.num_running
@@ -186,20 +244,23 @@ class EngineCore:
             self._run_chunk(plan.chunk)
         for group in plan.prefills:
             t0 = time.perf_counter()
-            out = self.engine.run_prefill(prefill_inputs(group, self._extras))
+            inputs = prefill_inputs(group, self._extras)
+            out = self._call(step_key("prefill", inputs), lambda: self.engine.run_prefill(inputs))
             now = time.perf_counter()
             log.debug("prefill of %d prompt(s), lengths %s, in bucket %d x%d: %.3fs", len(group.seqs),
                       [len(s.prompt) for s in group.seqs], group.bucket, group.batch, now - t0)
             self._publish(self.outputs.on_prefill(group, out, t0, now))
         for src, dst in plan.moves:
-            self.engine.move_slot(src, dst)
+            self._call(step_key("move"), lambda: self.engine.move_slot(src, dst))
         if any(s is not None for s in plan.decode):
-            out = self.engine.run_decode(decode_inputs(plan, self._extras))
+            inputs = decode_inputs(plan, self._extras)
+            out = self._call(step_key("decode", inputs), lambda: self.engine.run_decode(inputs))
             self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()
-        out = self.engine.run_chunk(chunk_inputs(step, self._extras))
+        inputs = chunk_inputs(step, self._extras)
+        out = self._call(step_key("chunk", inputs), lambda: self.engine.run_chunk(inputs))
         now = time.perf_counter()
         if step.lookup is not None:
             self.metrics.on_prefix_cache(*step.lookup)
@@ -225,7 +286,7 @@ class EngineCore:
         feed = None
         inputs = decode_inputs(plan)
         if self._inflight is not None:
-            prev_plan, prev = self._inflight
+            prev_plan, prev, _ = self._inflight
             prev_rows = {s.id: i for i, s in enumerate(prev_plan.decode) if s is not None}
             src = np.full(len(plan.decode), -1, np.int32)
             for i, s in enumerate(plan.decode):
@@ -234,18 +295,19 @@ class EngineCore:
                     src[i] = j
                     inputs.positions[i] = s.length
             feed = (prev, src)
-        pending = self.engine.dispatch_decode(inputs, feed)
+        key = step_key("decode", inputs, feed=feed is not None)
+        pending = self._call(key, lambda: self.engine.dispatch_decode(inputs, feed))
         self._drain()
-        self._inflight = (plan, pending)
+        self._inflight = (plan, pending, key)
 
     def _drain(self) -> None:
         """Waits for the step in flight, if any, and processes its outputs (rows of sequences
         that ended meanwhile are dropped by the output processor)."""
         if self._inflight is None:
             return
-        plan, pending = self._inflight
+        plan, pending, key = self._inflight
         self._inflight = None
-        out = pending.result()
+        out = self._call(key, pending.result, count=False)
         self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
 
     def _without_ended(self, plan: Plan) -> Plan:
@@ -283,9 +345,59 @@ class EngineCore:
         reset = getattr(self.engine, "reset", None)
         if reset is not None:
             try:
-                reset()
+                self._call(step_key("reset"), reset)
             except Exception:
                 log.exception("engine reset failed")
+
+    def _call(self, key: tuple, run: Callable[[], object], count: bool = True):
+        """run() (an engine call, or a wait for one: count=False) under the watchdog, limited by
+        its kind and shapes (`key`). Raises StepStuck if the watchdog declared it stuck first."""
+        stall = False
+        if count:
+            self._calls += 1
+            stall = self._calls == self._stall_step
+        dog = self._watchdog
+        if dog is None:
+            if stall:
+                _stall_forever(self._calls, key)
+            return run()
+        dog.arm(describe(key), self._limits.limit(key))
+        try:
+            if stall:
+                _stall_forever(self._calls, key)
+            out = run()
+        except BaseException:
+            if not dog.disarm():
+                raise StepStuck(describe(key))
+            raise
+        if not dog.disarm():
+            raise StepStuck(describe(key))
+        self._limits.done(key)
+        return out
+
+    def _on_stuck(self, what: str, limit: float) -> None:
+        """The watchdog's action (on its thread; the engine thread is blocked and may never
+        return): stop for good, fail every sequence, tell `on_stuck`."""
+        message = (f"the engine is stuck: a {what} did not finish within {limit:g}s "
+                   "(--step-timeout / --compile-timeout); the server must be restarted")
+        with self._lock:
+            self._accepting = False
+            self._stuck = message
+            failed = self.scheduler.abort_all()
+            self._lock.notify_all()
+        log.error("%s. Failing %d sequence(s) in flight; new requests are refused.", message, len(failed))
+        if self.on_stuck is not None:
+            try:
+                self.on_stuck(message)
+            except Exception:
+                log.exception("on_stuck failed")
+        self.outputs.deliver(self.outputs.finish(failed, "error", message, time.perf_counter()))
+
+
+def _stall_forever(n: int, key: tuple) -> None:
+    """The test hook (`stall_step`): this engine call never returns, as if wedged in the runtime."""
+    log.warning("test hook: engine call %d (%s) blocks forever", n, describe(key))
+    threading.Event().wait()
 
 
 # An idle row of a decode step: greedy, so that it costs the sampler nothing.

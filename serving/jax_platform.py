@@ -231,7 +231,10 @@ class ProcessGroup:
     process_id: int | None = None
     auto: bool = False
     heartbeat_timeout_s: int = 30  # jax's coordination service declares a silent process dead
-    step_timeout_s: float = 600.0  # serving's watchdog: longest wait for (or run of) one step
+    # The step watchdog's limits (serving's settings `step_timeout`, `compile_timeout`): the
+    # longest run of (or wait for) one step, and of one whose shapes run for the first time.
+    step_timeout_s: float = 30.0
+    compile_timeout_s: float = 600.0
     heartbeat_s: float = 2.0  # serving: process 0 broadcasts an idle step this often
     join_timeout_s: int = 600  # every process must have connected to the coordinator by then
     load_timeout_s: float = 1800.0  # longest wait at the loaded/compiled barriers
@@ -248,7 +251,8 @@ class ProcessGroup:
         if self.coordinator_address is None and not self.auto and (
                 self.num_processes not in (None, 1) or self.process_id not in (None, 0)):
             raise ValueError("--num-processes/--process-id need --coordinator-address (or --distributed auto)")
-        if self.heartbeat_timeout_s < 1 or self.step_timeout_s <= 0 or self.heartbeat_s <= 0 \
+        if self.heartbeat_timeout_s < 1 or self.step_timeout_s <= 0 or self.compile_timeout_s <= 0 \
+                or self.heartbeat_s <= 0 \
                 or self.join_timeout_s < 1 or self.load_timeout_s <= 0 or self.shutdown_timeout_s < 1:
             raise ValueError("timeouts must be positive")
         if self.heartbeat_s >= self.step_timeout_s:
@@ -277,8 +281,6 @@ GROUP_FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
                     "TPU_WORKER_HOSTNAMES lists several hosts); 'off'"),
     "heartbeat_timeout": (("GEMMA3_HEARTBEAT_TIMEOUT",), int,
                           "seconds after which a silent process counts as dead (default 30)"),
-    "step_timeout": (("GEMMA3_STEP_TIMEOUT",), float,
-                     "watchdog: seconds a process may wait for or run one step (default 600)"),
     "join_timeout": (("GEMMA3_JOIN_TIMEOUT",), int,
                      "seconds every process has to start and connect to process 0's coordinator "
                      "(default 600)"),
@@ -300,7 +302,9 @@ def add_group_arguments(parser, only: tuple[str, ...] | None = None) -> None:
 
 
 def group_from(values: Mapping[str, object], env: Mapping[str, str] | None = None) -> ProcessGroup:
-    """Flags (None = not given) over environment variables over defaults."""
+    """Flags (None = not given) over environment variables over defaults. The watchdog's
+    `step_timeout` and `compile_timeout` are server settings (`serving.config`): taken from
+    `values` alone."""
     env = os.environ if env is None else env
     merged: dict[str, object] = {}
     for dest, (envs, kind, _) in GROUP_FLAGS.items():
@@ -325,9 +329,11 @@ def group_from(values: Mapping[str, object], env: Mapping[str, str] | None = Non
         kw["join_timeout_s"] = merged.pop("join_timeout")
     if "load_timeout" in merged:
         kw["load_timeout_s"] = merged.pop("load_timeout")
-    if "step_timeout" in merged:
-        kw["step_timeout_s"] = merged.pop("step_timeout")
+    if values.get("step_timeout") is not None:
+        kw["step_timeout_s"] = float(values["step_timeout"])
         kw["heartbeat_s"] = min(2.0, kw["step_timeout_s"] / 4)
+    if values.get("compile_timeout") is not None:
+        kw["compile_timeout_s"] = float(values["compile_timeout"])
     return ProcessGroup(auto=mode == "auto", **merged, **kw)
 
 

@@ -1,5 +1,8 @@
 """What a running server holds: its settings, the engine once loaded and warmed up, the engine
 core that runs it and the metrics. Loading runs on a background thread so that /health answers 503 meanwhile.
+
+Test hook: `GEMMA3_TEST_STALL_STEP=<n>`, read when the engine core is built, makes its n-th engine
+call block forever (as a step wedged in the runtime would), to exercise the step watchdog.
 """
 from __future__ import annotations
 
@@ -15,13 +18,15 @@ from serving.engine_core import EngineCore
 
 log = logging.getLogger(__name__)
 
+STALL_STEP_ENV = "GEMMA3_TEST_STALL_STEP"
+
 EngineFactory = Callable[[ServerConfig, Callable[[str], None]], object]
 
 
 class Runtime:
     def __init__(self, config: ServerConfig, engine_factory: EngineFactory | None = None):
         self.config = config
-        self.status = "loading"  # loading -> ready -> shutting_down; or error
+        self.status = "loading"  # loading -> ready -> shutting_down; or error (load), stuck (a step)
         self.error: str | None = None
         self.engine = None
         self.core: EngineCore | None = None
@@ -60,10 +65,21 @@ class Runtime:
         info = engine.info
         self.engine = engine
         self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype)
-        self.core = EngineCore(engine, max_waiting=self.config.max_waiting, metrics=self.metrics,
-                               admission_wait=self.config.admission_wait_ms / 1000).start()
+        c = self.config
+        # A multi-host group's leader watches its steps itself (a stuck step ends the group).
+        watched = not getattr(engine, "watches_steps", False)
+        stall = _stall_step()
+        self.core = EngineCore(engine, max_waiting=c.max_waiting, metrics=self.metrics,
+                               admission_wait=c.admission_wait_ms / 1000,
+                               step_timeout=c.step_timeout if watched else None,
+                               compile_timeout=c.compile_timeout, on_stuck=self._on_stuck,
+                               stall_step=stall).start()
         if self.status == "loading":
             self.status = "ready"
+
+    def _on_stuck(self, message: str) -> None:
+        """A step got stuck (the engine core's watchdog): unhealthy until restarted."""
+        self.status, self.error = "stuck", message
 
     def begin_shutdown(self) -> None:
         """Stop accepting new requests (running ones continue)."""
@@ -72,10 +88,12 @@ class Runtime:
         if self.core is not None:
             self.core.stop_accepting()
 
-    def shutdown(self, drain_timeout: float = 0.0) -> None:
+    def shutdown(self, drain_timeout: float = 0.0, join_timeout: float | None = None) -> bool:
+        """Returns whether the engine thread ended (not if a step is stuck: `EngineCore.shutdown`)."""
         self.begin_shutdown()
-        if self.core is not None:
-            self.core.shutdown(drain_timeout)
+        if self.core is None:
+            return True
+        return self.core.shutdown(drain_timeout, join_timeout)
 
     def describe(self) -> dict:
         """Model, parallelism and AllReduce mode (shown by /health and /v1/models)."""
@@ -92,6 +110,18 @@ class Runtime:
                      deterministic=info.deterministic, prefill_chunk=info.chunk_size,
                      prefix_cache_blocks=info.prefix_blocks)
         return d
+
+
+def _stall_step() -> int | None:
+    """The test hook's step (module docstring), None when it is not set."""
+    value = os.environ.get(STALL_STEP_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        log.error("ignoring %s=%r: not a step number (1, 2, ...)", STALL_STEP_ENV, value)
+        return None
+    log.warning("test hook %s=%s: engine call %s will block forever", STALL_STEP_ENV, value, value)
+    return int(value)
 
 
 def configure_jax(config: ServerConfig) -> None:
