@@ -1,0 +1,80 @@
+"""What the engine's dispatch window costs (serving/dispatch_window.py): overlapped decode steps
+(each dispatched before the previous one's tokens are read back, as the engine core runs them)
+with the window on and with it off, alternating, in one process.
+
+    python -m eval.bench_dispatch_window --tp 2 --steps 48 --repeats 4
+
+With the window off the loop itself keeps only about two steps in flight, so it cannot wedge; the
+difference is the window's drains (every 20 programs, every 4 steps here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def run(model: str = "gemma3-270m", tp: int = 2, slots: int = 8, steps: int = 48, repeats: int = 4,
+        log=print) -> dict:
+    from serving import jax_platform
+
+    jax_platform.ensure_cpu_devices(tp)
+    import numpy as np
+
+    from models.gemma3 import load_model
+    from serving.engine import DecodeInputs, ModelEngine
+    from serving.sampling import SlotSampling
+
+    engine = ModelEngine(load_model(model, tp=tp, max_seq_len=1024), num_slots=slots, max_seq_len=1024,
+                         chunk_size=16, deterministic=True)
+    engine.warmup(lambda _: None)
+    on = engine.window.limit
+
+    def steps_ms(limit: int, n: int) -> float:
+        engine.window.limit = limit
+        engine.window.drain()
+        prev = None
+        t0 = time.perf_counter()
+        for i in range(n):
+            inputs = DecodeInputs(np.zeros(slots, np.int32), np.full(slots, 10 + i, np.int32),
+                                  SlotSampling.greedy(slots))
+            feed = None if prev is None else (prev, np.arange(slots, dtype=np.int32))
+            pending = engine.dispatch_decode(inputs, feed)
+            if prev is not None:
+                prev.result()
+            prev = pending
+        prev.result()
+        return (time.perf_counter() - t0) / n * 1e3
+
+    for limit in (on, 0):  # warm both
+        steps_ms(limit, 8)
+    times = {"window": [], "none": []}
+    for _ in range(repeats):
+        times["window"].append(steps_ms(on, steps))
+        times["none"].append(steps_ms(0, steps))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    report = {"model": model, "tp": tp, "slots": slots, "steps": steps, "window_limit": on,
+              "ms_per_step": times, "median_ms": med, "ratio": med["window"] / med["none"]}
+    log(f"tp={tp}, {slots} rows, window of {on} programs: {med['window']:.1f} ms a step, without "
+        f"{med['none']:.1f} ms: {report['ratio']:.3f}x")
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--out", help="write the report as JSON here")
+    args = p.parse_args(argv)
+    report = run(args.model, args.tp, args.slots, args.steps, args.repeats)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
