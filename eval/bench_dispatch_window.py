@@ -4,8 +4,9 @@ with the window on and with it off, alternating, in one process.
 
     python -m eval.bench_dispatch_window --tp 2 --steps 48 --repeats 4
 
-With the window off the loop itself keeps only about two steps in flight, so it cannot wedge; the
-difference is the window's drains (every 20 programs, every 4 steps here).
+With the window off the loop itself keeps only about two steps in flight, so it cannot wedge; with
+it on, the loop's read-backs retire its programs, so it should never wait: the ratio shows what
+the window's bookkeeping costs there.
 """
 from __future__ import annotations
 

@@ -13,12 +13,14 @@ never completes and XLA reports "Expected 2 threads to join the rendezvous, but 
 arrived", then aborts the process. docs/engine.md ("Why a tp >= 2 server wedged on long prompts")
 has the thread stacks and a standalone reproduction.
 
-So the engine counts every program it dispatches and, after `limit` of them, waits until all of
-them have finished (`DispatchWindow.dispatched`). Between two waits at most `limit` programs
-(plus the few of one engine call) are unfinished on any device, far below the runtime's 32,
-whatever the engine dispatches and however slow the devices are. The cost is one short pipeline
-bubble (the host's dispatch time of a program) every `limit` programs; the overlapped decode loop
-keeps its overlap on every other step.
+So the engine counts every program it dispatches and, once `limit` of them are not known to have
+finished, waits until all have (`DispatchWindow.dispatched`). A program is known to have finished
+after a wait, or once the host read back an output that depends on it (`retired`: a decode
+step's sampled tokens, read one step late by the overlapped loop, which so never waits here).
+At most `limit` programs (plus the few of one engine call) are ever unfinished on any device, far
+below the runtime's 32, whatever the engine dispatches and however slow the devices are. The cost
+is one short pipeline bubble (the host's dispatch time of a program) every `limit` programs of a
+stretch that reads nothing back, such as a long prompt's chunks.
 
 Only XLA:CPU with several devices in one process needs it (`needed`): with one device the
 runtime takes the semaphore on the dispatching thread, and a TPU or GPU runtime blocks the
@@ -58,37 +60,55 @@ class DispatchWindow:
                              f"got {limit}")
         self.limit = limit
         self._latest = latest
-        self._kept: list = []  # outputs of programs since the last wait that no program donates
-        self._count = 0  # programs dispatched since the last wait
+        self._total = 0  # programs dispatched so far
+        self._done = 0  # of which the first _done are known to have finished
+        self._kept: list = []  # (ticket, output) of unfinished programs that no program donates
         self.drains = 0  # waits so far (for tests and logs)
-        self.most_unfinished = 0  # the most programs dispatched between two waits
+        self.most_unfinished = 0  # the most programs not known to have finished
 
-    def dispatched(self, outputs=(), programs: int = 1) -> None:
+    @property
+    def unfinished(self) -> int:
+        """Programs dispatched and not known to have finished."""
+        return self._total - self._done
+
+    def dispatched(self, outputs=(), programs: int = 1) -> int:
         """Call after dispatching `programs` programs; `outputs` are arrays they returned that
-        no later program donates (others may be left out: the newest cache covers them)."""
-        self._count += programs
-        self.most_unfinished = max(self.most_unfinished, self._count)
-        if not self.limit:
-            return
-        import jax
+        no later program donates (others may be left out: the newest cache covers them).
+        Returns a ticket for `retired`."""
+        self._total += programs
+        self.most_unfinished = max(self.most_unfinished, self.unfinished)
+        if self.limit:
+            import jax
 
-        self._kept.extend(x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array))
-        if self._count >= self.limit:
-            self.drain()
+            self._kept.extend((self._total, x) for x in jax.tree.leaves(outputs)
+                              if isinstance(x, jax.Array))
+            if self.unfinished >= self.limit:
+                self.drain()
+        return self._total
+
+    def retired(self, ticket: int) -> None:
+        """The host has read back an output that depends on every program dispatched up to
+        `ticket` (the engine's sampled tokens: each depends on its step's logits, so on the
+        whole cache chain before it, and on the tokens fed from the step before): those have
+        finished. Keeps the overlapped decode loop, which reads every step back one step late,
+        from ever reaching a drain."""
+        if ticket > self._done:
+            self._done = ticket
+            self._kept = [(t, x) for t, x in self._kept if t > ticket]
 
     def drain(self) -> None:
         """Waits until every program dispatched so far has finished."""
         import jax
 
-        waits = [x for x in self._kept if not x.is_deleted()]
+        waits = [x for _, x in self._kept if not x.is_deleted()]
         waits += [x for x in jax.tree.leaves(self._latest())
                   if isinstance(x, jax.Array) and not x.is_deleted()]
         jax.block_until_ready(waits)
         self._kept.clear()
-        self._count = 0
+        self._done = self._total
         self.drains += 1
 
     def reset(self) -> None:
         """Forget what was dispatched (after a failed step: nothing of it will be waited on)."""
         self._kept.clear()
-        self._count = 0
+        self._done = self._total

@@ -233,8 +233,10 @@ class ModelEngine:
             logits = self._last_logits(logits, inputs.lengths)
             self.window.dispatched((extra, logits), 2)
         out = self._sample(logits, inputs.sampling.resolve(), inputs.lengths)
-        self.window.dispatched(out)
-        return _to_host(self._jax, out, extra)
+        ticket = self.window.dispatched(out)
+        host = _to_host(self._jax, out, extra)
+        self.window.retired(ticket)
+        return host
 
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
         return self.dispatch_decode(inputs).result()
@@ -263,8 +265,8 @@ class ModelEngine:
         # After the dispatch: waiting for a grammar's masks overlaps the device's step.
         sampling = inputs.sampling.padded(rows + pad).resolve()
         out = self._sample(logits, sampling, positions + 1)
-        self.window.dispatched(out)
-        return PendingDecode(self._jax, out, rows)
+        ticket = self.window.dispatched(out)
+        return PendingDecode(self._jax, out, rows, lambda: self.window.retired(ticket))
 
     def run_chunk(self, inputs: ChunkInputs) -> StepOutputs | None:
         """Copies the prefix blocks to restore into the slot, runs the chunk and stores its keys
@@ -288,8 +290,10 @@ class ModelEngine:
             return None
         logits = self._to_sample_device(logits)
         out = self._sample(logits, inputs.sampling.resolve(), np.array([inputs.start + inputs.length], np.int32))
-        self.window.dispatched(out)
-        return _to_host(self._jax, out, ())
+        ticket = self.window.dispatched(out)
+        host = _to_host(self._jax, out, ())
+        self.window.retired(ticket)
+        return host
 
     def move_slot(self, src: int, dst: int) -> None:
         """Copy slot src's KV cache rows into slot dst (the scheduler then treats src as free)."""
@@ -425,16 +429,18 @@ class PendingDecode:
     """A dispatched decode step: its sampled tokens as a device array (`tokens`, padded rows, to
     feed a later step) and, on `result()`, its outputs on the host (waits for the device)."""
 
-    def __init__(self, jax, out, rows: int):
+    def __init__(self, jax, out, rows: int, on_result: Callable[[], None] = lambda: None):
         self._jax, self._out, self.rows = jax, out, rows
         self.tokens = out[0]
         self._host: StepOutputs | None = None
+        self._on_result = on_result  # told once the outputs are on the host
 
     def result(self) -> StepOutputs:
         if self._host is None:
             host = _to_host(self._jax, self._out, ())
             self._host = StepOutputs(*(a[:self.rows] for a in host[:4]))
             self._out = None
+            self._on_result()
         return self._host
 
 
