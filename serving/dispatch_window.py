@@ -48,8 +48,8 @@ def needed(devices) -> bool:
 
 
 class DispatchWindow:
-    """Counts dispatched programs; every `limit` of them, waits until all have finished
-    (limit 0: never waits, only counts).
+    """Counts dispatched programs; once `limit` are not known to have finished, waits until all
+    have (limit 0: never waits, only counts).
 
     latest: returns the arrays that every program dispatched so far without a kept output
     precedes (the engine's newest KV cache)."""
