@@ -1,6 +1,7 @@
 """Test session set-up: 8 virtual CPU devices on the CPU backend, asked for (through
 `serving.jax_platform`, the same set-up the CLI and eval use) before any test starts JAX."""
 import gc
+import threading
 
 import pytest
 
@@ -24,11 +25,56 @@ def pytest_configure(config):
         # The native CPU kernel (equarx.native_cpu) is built there too, once for the session.
         os.environ["EQUARX_CACHE_DIR"] = os.path.join(os.environ[_CACHE_ENV], "equarx")
     jax_platform.enable_compilation_cache(os.environ[_CACHE_ENV])
+    if not hasattr(config, "workerinput"):
+        config._native_build = threading.Thread(target=_build_native_cpu_kernels, daemon=True)
+        config._native_build.start()
+
+
+def _build_native_cpu_kernels():
+    """Build equarx.native_cpu's kernels into the session's cache once, in the controller while
+    the workers start and collect, rather than in the processes that first need them: those
+    came several at once (a multi-host test's two servers and the worker computing its
+    reference: three C++ builds side by side, ~20 s of that test), and a file's first child
+    process paid for one. The tests wait for it (`pytest_collection_finish`); a failure is left
+    to the processes that load the kernels to report (they try to build them themselves)."""
+    import os
+
+    try:
+        from equarx import native_cpu
+
+        if os.environ.get("EQUARX_NATIVE_CPU", "1") != "0" and native_cpu.compiler():
+            native_cpu.build(native_cpu.compiler())
+    except Exception:  # the processes that load the kernels report it
+        pass
+    finally:
+        os.makedirs(os.environ["EQUARX_CACHE_DIR"], exist_ok=True)
+        open(os.path.join(os.environ["EQUARX_CACHE_DIR"], _BUILT), "w").close()
+
+
+_BUILT = "session-build-done"
+
+
+def pytest_collection_finish(session):
+    """Before the first test: wait for the controller's build of the native kernels."""
+    import os
+    import time
+
+    build = getattr(session.config, "_native_build", None)
+    if build is not None:  # this process is the controller (no xdist)
+        build.join()
+        return
+    marker = os.path.join(os.environ["EQUARX_CACHE_DIR"], _BUILT)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def pytest_unconfigure(config):
     import shutil
 
+    build = getattr(config, "_native_build", None)
+    if build is not None:
+        build.join()  # before its directory goes
     directory = getattr(config, "_compilation_cache", None)
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
@@ -47,16 +93,18 @@ def _release_memory_between_modules():
 
 
 # Files that take longest (compiles of the real 270M, or waits on other processes) run first,
-# longest first (as measured on 2 cores): with two xdist workers taking a whole file
+# longest first (as measured file by file on 2 cores; the group-formation file mostly sleeps, so
+# it stretches least when the other worker is busy): with two xdist workers taking a whole file
 # at a time, a long file started last would leave one worker idle while the other finishes it.
 LONG_FILES_FIRST = (
-    "models/test_hf_checkpoint.py", "serving/test_multihost.py", "models/test_parity.py",
-    "eval/test_quality.py", "equarx/test_collective.py", "serving/test_group_formation.py",
-    "serving/test_batch_invariance.py", "eval/test_quality_scaling.py",
-    "serving/test_structured_e2e.py", "equarx/test_pallas.py", "serving/test_server_e2e.py",
-    "models/test_program_cache.py", "eval/test_bench_engine.py", "serving/test_soak.py",
-    "models/test_weights_cache.py", "models/test_model.py", "serving/test_tools.py",
-    "equarx/test_token_local.py", "models/test_model_checkpoint.py",
+    "equarx/test_pallas.py", "models/test_parity.py", "serving/test_multihost.py",
+    "equarx/test_collective.py", "models/test_model.py", "serving/test_batch_invariance.py",
+    "models/test_hf_checkpoint.py", "serving/test_group_formation.py",
+    "serving/test_server_e2e.py", "serving/test_structured_e2e.py",
+    "serving/test_long_prompts.py", "serving/test_watchdog.py", "equarx/test_token_local.py",
+    "models/test_weights_cache.py", "models/test_program_cache.py", "serving/test_soak.py",
+    "eval/test_quality.py", "eval/test_quality_scaling.py", "eval/test_bench_engine.py",
+    "models/test_model_checkpoint.py", "serving/test_tools.py",
 )
 
 

@@ -8,6 +8,8 @@ wait for each other at coordination-service barriers once loaded and once compil
 
 Process 1's loading is slowed down here by wrapping `serving.runtime.load_configured_model`
 (a 32 s gap keeps the test short; GROUP_GAP_S=120 runs the 120 s case, see docs/engine.md).
+That group starts with the module, so that the groups that cannot form run their course while
+its process 1 is still loading.
 """
 import os
 import signal
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from serving import jax_platform
 from testkit import free_port, stop_processes, wait_group_ready
@@ -50,29 +53,22 @@ def _start(pid: int, port: int, coord: int, delay: float, log_dir: Path, *flags:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
 
 
-def test_group_forms_when_one_process_loads_much_later(tmp_path):
+@pytest.fixture(scope="module")
+def late_group(tmp_path_factory):
+    """A group whose process 1 loads GAP_S seconds after process 0: (url, procs)."""
+    log_dir = tmp_path_factory.mktemp("late-group")
     port, coord = free_port(), free_port()
     timeout = str(int(GAP_S) + 90)
-    procs = [_start(0, port, coord, 0, tmp_path, "--load-timeout", timeout),
-             _start(1, port, coord, GAP_S, tmp_path, "--load-timeout", timeout)]
-    url = f"http://127.0.0.1:{port}"
+    procs = [_start(0, port, coord, 0, log_dir, "--load-timeout", timeout),
+             _start(1, port, coord, GAP_S, log_dir, "--load-timeout", timeout)]
     try:
-        wait_group_ready(url, procs, GAP_S + 120)
-        r = httpx.post(url + "/generate", json={"prompt_ids": [2, 40, 41, 42], "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200 and len(r.json()["token_ids"]) == 3, r.text
-        log0 = Path(procs[0][1].name).read_text()
-        assert "every process loaded (waited" in log0
-        waited = float(log0.split("every process loaded (waited ")[1].split("s)")[0])
-        assert waited > GAP_S - 5  # longer than gloo's own rendezvous deadline (30 s)
-        print(f"process 0 waited {waited:.1f}s for process 1 to load; the group formed")
-        procs[0][0].send_signal(signal.SIGTERM)
-        assert procs[0][0].wait(60) == 0
-        assert procs[1][0].wait(60) == 0
+        yield f"http://127.0.0.1:{port}", procs
     finally:
         stop_processes(procs)
 
 
-def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path):
+def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path, late_group):
+    # Runs while `late_group` (started first, for the next test) waits for its process 1.
     # A process that never starts: process 0 gives up after --join-timeout.
     procs = [_start(0, free_port(), free_port(), 0, tmp_path, "--join-timeout", "4")]
     try:
@@ -94,3 +90,18 @@ def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path):
         assert "not every process was loaded within 4s (--load-timeout)" in log0, log0[-2000:]
     finally:
         stop_processes(procs)
+
+
+def test_group_forms_when_one_process_loads_much_later(late_group):
+    url, procs = late_group
+    wait_group_ready(url, procs, GAP_S + 120)
+    r = httpx.post(url + "/generate", json={"prompt_ids": [2, 40, 41, 42], "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["token_ids"]) == 3, r.text
+    log0 = Path(procs[0][1].name).read_text()
+    assert "every process loaded (waited" in log0
+    waited = float(log0.split("every process loaded (waited ")[1].split("s)")[0])
+    assert waited > GAP_S - 5  # longer than gloo's own rendezvous deadline (30 s)
+    print(f"process 0 waited {waited:.1f}s for process 1 to load; the group formed")
+    procs[0][0].send_signal(signal.SIGTERM)
+    assert procs[0][0].wait(60) == 0
+    assert procs[1][0].wait(60) == 0
