@@ -103,6 +103,19 @@ class EngineInfo:
     chunk_buckets: tuple[int, ...] = ()
     deterministic: bool = False
     prefix_blocks: int = 0  # prefix-cache blocks (of chunk_size tokens) kept; 0: no prefix cache
+    # The paged engine (serving/paged_engine.py; page_size 0: the slot engine above). num_slots
+    # is then its --max-num-seqs, prefix_blocks > 0 turns prefix caching on, chunk_size is the
+    # most prompt tokens a sequence computes in one step.
+    page_size: int = 0
+    num_global_pages: int = 0  # in each pool, the scratch page included
+    num_local_pages: int = 0
+    max_num_batched_tokens: int = 0  # the token budget of one step
+    sliding_window: int | None = None  # the local layers' window (None: no local layers)
+    has_global_layers: bool = True
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
 
     def chunked(self, prompt_len: int, prompt_logprobs: bool = False) -> bool:
         """Whether a prompt is prefilled in chunks (prompts whose own logprobs are wanted need

@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 from serving.engine import ChunkInputs, DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
+from serving.paged_scheduler import PagedScheduler, StepPlan
 from serving.logits_processing import step_extras
 from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
@@ -72,7 +73,10 @@ class EngineCore:
         self.overlap = bool(overlap) and callable(getattr(engine, "dispatch_decode", None))
         self._inflight = None  # (Plan, the engine's pending step, its step_key): outputs not read
         self.metrics = metrics or NullMetrics()
-        self.scheduler = Scheduler(engine.info, max_waiting)
+        # The paged engine runs one ragged step a step (serving/paged_engine.py); the slot engine
+        # prefills, chunks and decodes (serving/engine.py).
+        self.scheduler = (PagedScheduler(engine.info, max_waiting) if engine.info.paged
+                          else Scheduler(engine.info, max_waiting))
         self.outputs = OutputProcessor(engine.tokenizer, engine.info, self.metrics)
         self.admission_wait = admission_wait
         self._freed = 0  # slots freed by the last step
@@ -234,7 +238,10 @@ class EngineCore:
                 break
             self._lock.wait(left)
 
-    def _execute(self, plan: Plan) -> None:
+    def _execute(self, plan: Plan | StepPlan) -> None:
+        if isinstance(plan, StepPlan):
+            self._execute_step(plan)
+            return
         if self.overlap and self._overlappable(plan):
             self._dispatch_overlapped(plan)
             return
@@ -256,6 +263,23 @@ class EngineCore:
             inputs = decode_inputs(plan, self._extras)
             out = self._call(step_key("decode", inputs), lambda: self.engine.run_decode(inputs))
             self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
+
+    def _execute_step(self, plan: StepPlan) -> None:
+        """One ragged step of the paged engine: every piece of the plan in one program."""
+        from serving.paged_engine import step_inputs
+
+        for queried, hit in plan.lookups:
+            self.metrics.on_prefix_cache(queried, hit)
+        if plan.preempted:
+            log.info("preempted %d sequence(s) for KV-cache pages; they will recompute",
+                     len(plan.preempted))
+        if not plan.pieces:
+            return
+        t0 = time.perf_counter()
+        inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras)
+        key = step_key("ragged", inputs, buckets=tuple(dataclasses.astuple(inputs.buckets)))
+        out = self._call(key, lambda: self.engine.run_step(inputs))
+        self._publish(self.outputs.on_step(plan, out, t0, time.perf_counter()))
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()
@@ -329,8 +353,7 @@ class EngineCore:
         consumer woken by a last event sees the slot free). Counts the slots freed, aborted
         sequences' included (the scheduler took those out already; `finish` is idempotent)."""
         for e in events:
-            if e.event.finish_reason is not None and e.seq.slot >= 0:
-                self.scheduler.finish(e.seq)
+            if e.event.finish_reason is not None and (self.scheduler.finish(e.seq) or e.seq.slot >= 0):
                 self._freed += 1
         self.outputs.deliver(events)
 

@@ -112,6 +112,26 @@ class OutputProcessor:
         self.structured.prefetch()
         return events
 
+    def on_step(self, plan, out: StepOutputs | None, started: float, now: float) -> list[Emitted]:
+        """A ragged step of the paged engine (`paged_scheduler.StepPlan`) that began at
+        `started`: the next token of every piece that samples (row i is piece i)."""
+        events = []
+        decoding = 0
+        for row, p in enumerate(plan.pieces):
+            s = p.seq
+            if p.admitted and not s.generated and s.id in self._live:
+                self.metrics.on_scheduled(started - self._live[s.id].arrival)
+            if p.end - p.start > 1 or not s.generated:
+                self.metrics.on_prefill([p.end - p.start], now - started, plan.num_tokens, len(plan.pieces))
+            else:
+                decoding += 1
+            if p.sample and s.id in self._live:
+                events.append(self._on_token(s, out, row, now, None))
+        if decoding:
+            self.metrics.on_decode(len(plan.pieces), decoding)
+        self.structured.prefetch()
+        return events
+
     def on_decode(self, plan: Plan, out: StepOutputs, now: float) -> list[Emitted]:
         """The next token of every sequence of a decode step (after the plan's slot moves)."""
         for _ in plan.moves:

@@ -43,6 +43,22 @@ class QueueFull(RuntimeError):
     """Too many waiting sequences; the caller should retry later."""
 
 
+def check_context(limit: int, prompt_len: int, max_tokens: int) -> None:
+    """Raises InvalidParameter when a prompt (plus its max_tokens) does not fit a context of
+    `limit` tokens."""
+    if prompt_len < 1:
+        raise InvalidParameter("prompt", "the prompt is empty")
+    if prompt_len >= limit:
+        raise InvalidParameter(
+            "prompt", f"This model's maximum context length is {limit} tokens; the prompt has "
+            f"{prompt_len} tokens (at most {limit - 1} leave room for one generated token).")
+    if prompt_len + max_tokens > limit:
+        raise InvalidParameter(
+            "max_tokens", f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+            f"in the completion). Please reduce the prompt or max_tokens.")
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     """One prompt being generated: what the policy and the engine core need, nothing more."""
@@ -182,18 +198,7 @@ class Scheduler:
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Raises InvalidParameter when a prompt (plus its max_tokens) does not fit the context."""
-        limit = self.info.max_seq_len
-        if prompt_len < 1:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        if prompt_len >= limit:
-            raise InvalidParameter(
-                "prompt", f"This model's maximum context length is {limit} tokens; the prompt has "
-                f"{prompt_len} tokens (at most {limit - 1} leave room for one generated token).")
-        if prompt_len + max_tokens > limit:
-            raise InvalidParameter(
-                "max_tokens", f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
-                f"in the completion). Please reduce the prompt or max_tokens.")
+        check_context(self.info.max_seq_len, prompt_len, max_tokens)
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queues sequences, all or none. Raises InvalidParameter or QueueFull."""
@@ -206,10 +211,12 @@ class Scheduler:
 
     # ---- leaving ----
 
-    def finish(self, seq: Sequence) -> None:
-        """Frees a running sequence's slot (it ended)."""
+    def finish(self, seq: Sequence) -> bool:
+        """Frees a running sequence's slot (it ended). Returns whether it held one."""
         if 0 <= seq.slot < len(self.slots) and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
+            return True
+        return False
 
     def abort(self, ids) -> list[Sequence]:
         """Removes the sequences with these ids, waiting or running; returns them."""

@@ -1,0 +1,281 @@
+"""The paged engine: one ragged model step over a paged KV cache, plus on-device sampling.
+
+Every step runs one program (`models.gemma3.ragged`) over a flat batch of tokens mixing decode
+tokens and prompt pieces of any number of sequences, each token with its sequence, position and
+cache slots; attention reads each sequence's pages through its block tables. So a step's cost
+follows the tokens and pages it touches, not `--max-seq-len` x slots, and a lone request runs a
+small program (docs/engine.md, "The paged engine").
+
+The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions); `step_inputs`
+turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays padded to buckets
+(`Buckets`), which bound the number of compiled programs; `PagedEngine.run_step` runs them and
+returns the sampled tokens of the rows that sample. It knows nothing about requests or HTTP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from serving import dispatch_window
+from serving.engine import EngineInfo, StepOutputs
+from serving.kv_pages import SCRATCH, KVPages
+from serving.paged_scheduler import StepPlan
+from serving.sampling import SamplingParams, SlotSampling
+
+log = logging.getLogger(__name__)
+
+# A row that does not sample this step: greedy, so that it costs the sampler nothing.
+_IDLE = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _pow2(n: int, smallest: int = 1) -> int:
+    return max(smallest, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The padded shapes of one step: T tokens, S sequence rows, Q query tokens per row in the
+    attention view, Pg global and Pl local pages per row. Each is a power of two (Q: 1 or a
+    power of two from the page size up to the chunk; Pl follows Q), so the programs a server
+    compiles are few: see `count`."""
+
+    tokens: int
+    seqs: int
+    queries: int
+    global_pages: int
+    local_pages: int
+    logits: bool = True
+
+
+def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
+    """Local pages a row reads for `queries` query tokens: the window before the first query
+    plus the queries, rounded out to whole pages at both ends."""
+    if window is None:
+        return 1
+    return -(-(window - 1 + queries) // page_size) + 1
+
+
+def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
+                logits: bool) -> Buckets:
+    q = 1 if longest_piece == 1 else min(_pow2(longest_piece, info.page_size), _pow2(info.chunk_size))
+    max_pages = -(-info.max_seq_len // info.page_size)
+    return Buckets(tokens=_pow2(tokens), seqs=_pow2(seqs), queries=q,
+                   global_pages=min(_pow2(pages), _pow2(max_pages)),
+                   local_pages=local_pages_for(q, info.sliding_window, info.page_size),
+                   logits=logits)
+
+
+class StepInputs(NamedTuple):
+    """One ragged step as plain numpy arrays (see `models.gemma3.ragged.RaggedBatch`)."""
+
+    batch: dict  # RaggedBatch's fields -> int32 arrays
+    sampling: SlotSampling  # [S]
+    sample_positions: np.ndarray  # int32 [S]: the position of the token each row samples
+    buckets: Buckets
+    rows: int  # real sequence rows (the first `rows` of S)
+
+
+def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> StepInputs:
+    """The arrays of a planned step: the pieces' tokens laid out one after another, each with
+    its sequence row, position and the slots its keys/values go to; every row's block tables.
+    Padding tokens write to the scratch page; padding rows read only it (always masked).
+
+    extras(rows) -> LogitsExtras | None for the rows' logits processing (None for rows that do
+    not sample)."""
+    pieces = plan.pieces
+    if not pieces:
+        raise ValueError("an empty step")
+    n_tok = plan.num_tokens
+    pages = max(len(kv.seqs[p.seq.id].global_pages) for p in pieces) if kv.global_pool else 1
+    b = buckets_for(info, n_tok, len(pieces), max(p.end - p.start for p in pieces), pages,
+                    any(p.sample for p in pieces))
+    t, s, q, pg, pl = b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages
+    ps = info.page_size
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    seq = np.zeros(t, np.int32)
+    col = np.zeros(t, np.int32)
+    write_global = np.full(t, SCRATCH * ps, np.int32)
+    write_local = np.full(t, SCRATCH * ps, np.int32)
+    queries = np.zeros((s, q), np.int32)
+    global_table = np.full((s, pg), SCRATCH, np.int32)
+    local_table = np.full((s, pl), SCRATCH, np.int32)
+    local_first = np.zeros(s, np.int32)
+    last = np.zeros(s, np.int32)
+    sample_positions = np.zeros(s, np.int32)
+    i = 0
+    for row, p in enumerate(pieces):
+        n = p.end - p.start
+        sp = kv.seqs[p.seq.id]
+        span = slice(i, i + n)
+        tokens[span] = p.tokens
+        positions[span] = np.arange(p.start, p.end)
+        seq[span] = row
+        col[span] = np.arange(n)
+        for j, pos in enumerate(range(p.start, p.end)):
+            write_global[i + j], write_local[i + j] = kv.slot(p.seq.id, pos)
+        queries[row, :n] = np.arange(i, i + n)
+        global_table[row, :len(sp.global_pages)] = sp.global_pages
+        if kv.local_pool is not None:
+            first = kv.local_span(p.start, p.end)[0]
+            held = sp.local_pages[first - sp.local_first:]
+            local_first[row] = first
+            local_table[row, :len(held)] = held[:pl]
+        last[row] = i + n - 1
+        sample_positions[row] = p.end
+        i += n
+    batch = dict(tokens=tokens, positions=positions, visible=positions.copy(), seq=seq, col=col,
+                 write_global=write_global, write_local=write_local, queries=queries,
+                 global_table=global_table, local_table=local_table, local_first=local_first,
+                 last=last)
+    rows = [p.seq if p.sample else None for p in pieces] + [None] * (s - len(pieces))
+    sampling = SlotSampling.of([_IDLE if r is None else r.params for r in rows],
+                               [0 if r is None else r.seed for r in rows])
+    if extras is not None:
+        sampling = sampling._replace(extras=extras(rows))
+    return StepInputs(batch, sampling, sample_positions, b, len(pieces))
+
+
+class PagedEngine:
+    """Engine over a `models.gemma3` model with a paged KV cache (see the module docstring).
+
+    max_num_seqs: sequences running at once; kv_cache_tokens: the global layers' pool in tokens
+    (the sum of the contexts the running sequences may hold; default max_num_seqs x
+    max_seq_len); the local (sliding-window) pool holds every running sequence's window twice
+    over, the second half for prefix-cached windows. chunk_size: the most prompt tokens one
+    sequence computes in a step (a multiple of page_size); max_num_batched_tokens: the step's
+    token budget (default max_num_seqs + chunk_size: every decode plus one prompt piece)."""
+
+    def __init__(self, model, *, max_num_seqs: int, max_seq_len: int, page_size: int = 16,
+                 kv_cache_tokens: int | None = None, chunk_size: int = 16,
+                 max_num_batched_tokens: int | None = None, prefix_caching: bool = True,
+                 deterministic: bool = False, model_name: str = "gemma3-270m"):
+        import jax
+
+        from serving import sampling
+
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.info = paged_engine_info(model, max_num_seqs, max_seq_len, page_size, kv_cache_tokens,
+                                      chunk_size, max_num_batched_tokens, prefix_caching,
+                                      deterministic, model_name)
+        self._jax = jax
+        self.pages = model.init_pages(self.info.num_global_pages, self.info.num_local_pages,
+                                      page_size)
+        self._sample_device = next(d for d in model.mesh.devices.flat
+                                   if d.process_index == jax.process_index())
+        self._sample = sampling.make_sampler()
+        local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
+        self.window = dispatch_window.DispatchWindow(
+            lambda: self.pages,
+            dispatch_window.DEFAULT_LIMIT if dispatch_window.needed(local) else 0)
+        self.programs_run: set[Buckets] = set()
+
+    def run_step(self, inputs: StepInputs) -> StepOutputs | None:
+        """Runs one ragged step; returns the sampled tokens of its S rows (rows that do not
+        sample hold junk), or None for a step that samples nothing (no device-to-host wait)."""
+        from models.gemma3.ragged import RaggedBatch
+
+        self.programs_run.add(inputs.buckets)
+        batch = RaggedBatch(**inputs.batch)
+        logits, self.pages = self.model.ragged_step(self.pages, batch, logits=inputs.buckets.logits)
+        self.window.dispatched(logits)
+        if not inputs.buckets.logits:
+            return None
+        logits = self._jax.device_put(logits, self._sample_device)
+        self.window.dispatched(logits)
+        out = self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions)
+        ticket = self.window.dispatched(out)
+        host = self._jax.device_get(tuple(out))
+        self.window.retired(ticket)
+        return StepOutputs(*host)
+
+    def reset(self) -> None:
+        """Fresh pages (after a failed step, whose donated pages may be gone)."""
+        self.window.reset()
+        self.pages = self.model.init_pages(self.info.num_global_pages, self.info.num_local_pages,
+                                           self.info.page_size)
+
+    def warmup(self, progress: Callable[[str], None] = log.info) -> float:
+        """Runs the steps every server meets first (a lone prompt's pieces, a lone decode and a
+        full batch's decode at the smallest page bucket), so that they do not wait for a
+        compile; other buckets compile on first use. Returns seconds."""
+        from serving.paged_scheduler import PagedScheduler
+        from serving.scheduler import Sequence
+
+        t0 = time.perf_counter()
+        info = self.info
+        for n_seqs in sorted({1, info.num_slots}):
+            sched = PagedScheduler(dataclasses.replace(info, prefix_blocks=0))
+            prompt = [self.tokenizer.bos_id] * min(info.chunk_size + 1, info.max_seq_len - 1)
+            sched.add([Sequence(id=i, prompt=list(prompt), params=_IDLE, seed=0)
+                       for i in range(n_seqs)])
+            for _ in range(64):
+                plan = sched.schedule()
+                if not plan.pieces:
+                    break
+                out = self.run_step(step_inputs(plan, sched.kv, info))
+                progress(f"warm-up step {plan.num_tokens} token(s), {len(plan.pieces)} row(s)")
+                for row, p in enumerate(plan.pieces):
+                    if p.sample:
+                        p.seq.generated.append(int(out.tokens[row]))
+                if all(len(s.generated) >= 2 for s in sched.running) and not sched.num_waiting:
+                    break
+        self.reset()
+        return time.perf_counter() - t0
+
+
+def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int,
+                      kv_cache_tokens: int | None, chunk_size: int,
+                      max_num_batched_tokens: int | None, prefix_caching: bool,
+                      deterministic: bool, model_name: str) -> EngineInfo:
+    """The facts a PagedEngine over `model` serves with (no device work)."""
+    c = model.config
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if not 2 <= max_seq_len <= c.max_seq_len:
+        raise ValueError(f"max_seq_len must lie in 2..{c.max_seq_len}, got {max_seq_len}")
+    if page_size < 1 or chunk_size < page_size or chunk_size % page_size:
+        raise ValueError(f"chunk_size ({chunk_size}) must be a positive multiple of page_size "
+                         f"({page_size})")
+    budget = max_num_batched_tokens or max_num_seqs + chunk_size
+    if budget < chunk_size:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= the chunk size "
+                         f"({chunk_size}): a prompt piece must fit one step")
+    tokens = kv_cache_tokens or max_num_seqs * max_seq_len
+    if tokens < max_seq_len:
+        raise ValueError(f"kv_cache_tokens ({tokens}) must hold at least one sequence of "
+                         f"max_seq_len ({max_seq_len}) tokens")
+    has_local = any(not c.is_global(i) for i in range(c.num_layers))
+    has_global = any(c.is_global(i) for i in range(c.num_layers))
+    window = c.sliding_window if has_local else None
+    per_seq_local = local_pages_for(_pow2(chunk_size), window, page_size)
+    tokenizer = model.tokenizer
+    return EngineInfo(
+        model_name=model_name,
+        num_slots=max_num_seqs,
+        max_seq_len=max_seq_len,
+        prefill_buckets=(chunk_size,),
+        prefill_batch_sizes=(1,),
+        vocab_size=c.vocab_size,
+        eos_ids=tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id, tokenizer.end_of_turn_id))),
+        tp=int(model.tp),
+        dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
+        allreduce=model.allreduce.to_dict(),
+        allreduce_label=model.allreduce.label,
+        chunk_size=chunk_size,
+        chunk_buckets=(chunk_size,),
+        deterministic=bool(deterministic),
+        prefix_blocks=1 if prefix_caching else 0,
+        page_size=page_size,
+        num_global_pages=math.ceil(tokens / page_size) + 1 if has_global else 2,
+        num_local_pages=2 * max_num_seqs * per_seq_local + 1 if has_local else 2,
+        max_num_batched_tokens=budget,
+        sliding_window=window,
+        has_global_layers=has_global,
+    )

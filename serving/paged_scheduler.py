@@ -1,0 +1,234 @@
+"""The token-budget policy of the paged engine: which sequences compute which tokens in the next
+ragged step. Plain data in, a `StepPlan` out; it runs nothing (vLLM v1's scheduler).
+
+Every step is one flat batch of at most `max_num_batched_tokens` tokens:
+1. Running sequences first, oldest first: one token each for those decoding, the next piece of
+   the prompt (at most `chunk_size` tokens) for those still prefilling.
+2. Then waiting sequences, oldest first, while the budget, `max_num_seqs` and free pages last: a
+   prefix-cache lookup, then their first piece.
+A sequence computes tokens `computed .. computed+n-1` of `prompt + generated`; when that reaches
+its last token the step samples its next one. So a decode is a piece of one token, and a
+sequence that was preempted simply recomputes its whole text in pieces.
+
+Pages (`serving/kv_pages.py`) are taken as a piece needs them. A running sequence that finds none
+free takes them from the newest running sequence, which is preempted: its pages go back (full
+prompt pages stay cached), it returns to the head of the waiting queue and recomputes later,
+losing no token it produced (vLLM's recompute preemption). Admission never preempts: a waiting
+sequence waits for pages.
+
+Pieces of a prompt start at multiples of the page size and, except the last, cover whole pages:
+full pages are named in the prefix cache as soon as they are planned (a later step's reader runs
+after the writer: the device runs steps in order). In deterministic mode every piece is exactly
+`chunk_size` tokens at multiples of it (the last one shorter), whatever else runs in the step, so
+a request's pieces are a function of the request alone.
+
+Not thread-safe: the engine core serialises every call.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from serving.engine import EngineInfo
+from serving.kv_pages import KVPages, block_hashes
+from serving.sampling import InvalidParameter
+from serving.scheduler import QueueFull, Sequence, check_context
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Tokens start..end-1 of `seq`'s text computed in one step; `sample`: the step samples the
+    sequence's next token from the logits of position end-1."""
+
+    seq: Sequence
+    start: int
+    end: int
+    admitted: bool = False  # the sequence left the waiting queue for this step
+
+    @property
+    def sample(self) -> bool:
+        return self.end == self.seq.length
+
+    @property
+    def tokens(self) -> list[int]:
+        text = self.seq.prompt + self.seq.generated
+        return text[self.start:self.end]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    pieces: tuple[Piece, ...] = ()
+    preempted: tuple[Sequence, ...] = ()  # sent back to the waiting queue by this step
+    lookups: tuple[tuple[int, int], ...] = ()  # (prompt tokens looked up, tokens found) per admission
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.end - p.start for p in self.pieces)
+
+
+class PagedScheduler:
+    def __init__(self, info: EngineInfo, max_waiting: int = 256):
+        if not info.page_size:
+            raise ValueError("the paged scheduler needs an engine with a page size")
+        self.info = info
+        self.max_waiting = max_waiting
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []  # admission order (the newest is preempted first)
+        self.kv = KVPages(info.page_size, info.num_global_pages, info.num_local_pages,
+                          info.sliding_window, info.has_global_layers)
+        self.prefix_caching = bool(info.prefix_blocks)
+        self.num_preemptions = 0
+
+    # ---- admission ----
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        check_context(self.info.max_seq_len, prompt_len, max_tokens)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queues sequences, all or none. Raises InvalidParameter or QueueFull."""
+        for s in seqs:
+            self.check(len(s.prompt), s.params.max_tokens)
+            if s.want_prompt_logprobs:
+                raise InvalidParameter("logprobs", "the prompt's own logprobs (echo with logprobs) "
+                                       "are not served by the paged engine yet: use --engine slots")
+        if len(self.waiting) + len(seqs) > self.max_waiting:
+            raise QueueFull(f"too many waiting requests ({len(self.waiting)} waiting, limit "
+                            f"{self.max_waiting}); retry later")
+        self.waiting.extend(seqs)
+
+    # ---- leaving ----
+
+    def finish(self, seq: Sequence) -> bool:
+        """A sequence ended: its pages go back. Returns whether it was running."""
+        if seq in self._running:
+            self._running.remove(seq)
+            self.kv.free(seq.id)
+            return True
+        return False
+
+    def abort(self, ids) -> list[Sequence]:
+        ids = set(ids)
+        dropped = [s for s in self.waiting if s.id in ids]
+        self.waiting = collections.deque(s for s in self.waiting if s.id not in ids)
+        dropped += [s for s in self._running if s.id in ids]
+        for s in dropped:
+            self.finish(s)
+        return dropped
+
+    def abort_running(self) -> list[Sequence]:
+        return self.abort([s.id for s in self._running])
+
+    def abort_all(self) -> list[Sequence]:
+        return self.abort([s.id for s in self.waiting] + [s.id for s in self._running])
+
+    def reset_prefix_cache(self) -> None:
+        """After an engine failure: the device pages may be lost (running sequences were
+        aborted before)."""
+        self.kv.reset()
+
+    # ---- state ----
+
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage()
+
+    # ---- the policy ----
+
+    def schedule(self) -> StepPlan:
+        budget = self.info.max_num_batched_tokens
+        pieces: list[Piece] = []
+        preempted: list[Sequence] = []
+        for s in list(self._running):
+            if s not in self._running:  # preempted for an older sequence in this loop
+                continue
+            n = self._piece_len(s, budget)
+            if n == 0:
+                continue
+            while not self.kv.fits(*self._need(s, n)):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is s:
+                    break
+            if s not in self._running:
+                break
+            self.kv.allocate(s.id, s.computed, s.computed + n)
+            pieces.append(Piece(s, s.computed, s.computed + n))
+            budget -= n
+        lookups = []
+        while self.waiting and budget > 0 and len(self._running) < self.info.num_slots:
+            s = self.waiting[0]
+            hit = 0
+            if s.hashes is None:
+                s.hashes = block_hashes(s.prompt, self.info.page_size) if self.prefix_caching else []
+            if s.computed == 0 and self.prefix_caching:
+                # The last token is always computed: it yields the next token.
+                hit = self.kv.lookup_prefix(s.hashes, (s.length - 1) // self.info.page_size)
+                hit = self._aligned_hit(hit)
+            start = hit * self.info.page_size
+            n = self._piece_len(s, budget, start)
+            if n == 0 or not self.kv.fits(self.kv.pages_needed(s.id, start, start + n)):
+                break
+            self.waiting.popleft()
+            if hit:
+                self.kv.attach_prefix(s.id, s.hashes, hit)
+            s.computed = start
+            self.kv.allocate(s.id, start, start + n)
+            self._running.append(s)
+            if self.prefix_caching:
+                lookups.append((s.length, start))
+                self.kv.queries += s.length
+                self.kv.hits += start
+            pieces.append(Piece(s, start, start + n, admitted=True))
+            budget -= n
+        for p in pieces:
+            p.seq.computed = p.end
+            if self.prefix_caching:
+                self.kv.name_full_pages(p.seq.id, p.seq.hashes, p.end)
+        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups))
+
+    def _aligned_hit(self, pages: int) -> int:
+        """In deterministic mode a prefix hit must end on a chunk boundary (pieces start there)."""
+        if not self.info.deterministic:
+            return pages
+        per_chunk = self.info.chunk_size // self.info.page_size
+        return pages - pages % per_chunk
+
+    def _need(self, s: Sequence, n: int):
+        return (self.kv.pages_needed(s.id, s.computed, s.computed + n),
+                self.kv._window_frees(s.id, s.computed))
+
+    def _piece_len(self, s: Sequence, budget: int, start: int | None = None) -> int:
+        """Tokens the sequence computes this step within `budget` (0: none)."""
+        start = s.computed if start is None else start
+        left = s.length - start
+        if left <= 0:
+            return 0
+        if left == 1:
+            return 1 if budget >= 1 else 0
+        c, p = self.info.chunk_size, self.info.page_size
+        n = min(left, c - start % c if self.info.deterministic else c)
+        if n <= budget:
+            return n
+        if self.info.deterministic:
+            return 0  # a piece is never cut by what else runs
+        return budget - budget % p  # whole pages (0 when less than a page is left)
+
+    def _preempt(self, s: Sequence) -> None:
+        """Frees a running sequence's pages and puts it first in line to recompute."""
+        self._running.remove(s)
+        self.kv.free(s.id)
+        s.computed = 0
+        self.waiting.appendleft(s)
+        self.num_preemptions += 1
