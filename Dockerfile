@@ -19,6 +19,7 @@ RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin gemma
 
 WORKDIR /opt/gemma3-equarx
 COPY pyproject.toml README.md ./
+COPY jax_platform ./jax_platform
 COPY equarx ./equarx
 COPY models ./models
 COPY serving ./serving
@@ -33,7 +34,7 @@ RUN python -c "from models.gemma3.gguf import default_gguf_path; print(default_g
 
 # Serve on every interface inside the container (the CLI's own default is 127.0.0.1).
 # GLIBC_TUNABLES: malloc keeps freed blocks up to 32 MiB and backs large ones with huge pages, so
-# host buffers are not page-faulted afresh on every step (serving/jax_platform.py).
+# host buffers are not page-faulted afresh on every step (jax_platform/__init__.py).
 ENV GEMMA3_HOST=0.0.0.0 \
     GEMMA3_PORT=8000 \
     GEMMA3_COMPILE_CACHE_DIR=/home/gemma/.cache/jax \

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from equarx import (AllReduceConfig, all_reduce, bytes_sent_per_device, folds_rotation, groups,
                     ideal_ring_bytes)
 from eval.reports import write_json
-from serving.jax_platform import ensure_cpu_devices, keep_freed_memory, malloc_label
+from jax_platform import ensure_cpu_devices, keep_freed_memory, malloc_label
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 DEFAULT_METHODS = "bf16,bf16_ring,int8,int8-full+tile"
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-mse", action="store_true", help="skip the MSE column")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
-                        "pages for worker processes; see serving.jax_platform)")
+                        "pages for worker processes; see jax_platform)")
     p.add_argument("--out", default=None, help="write the rows and settings as JSON")
     p.add_argument("--predict-from", default=None, metavar="UNSHAPED.json",
                    help="add the alpha-beta prediction from an unshaped run with as many "

@@ -17,7 +17,7 @@ import time
 
 def run(model: str = "gemma3-270m", tp: int = 2, slots: int = 8, steps: int = 48, repeats: int = 4,
         log=print) -> dict:
-    from serving import jax_platform
+    import jax_platform
 
     jax_platform.ensure_cpu_devices(tp)
     import numpy as np

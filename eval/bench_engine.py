@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from serving import jax_platform
+import jax_platform
 
 
 def _text_ids(tokenizer, n: int, seed: int) -> list[int]:

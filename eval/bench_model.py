@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from serving import jax_platform
+import jax_platform
 
 SECTIONS = ("prefill", "decode", "kv", "cold")
 

@@ -39,8 +39,8 @@ import numpy as np
 from equarx import AllReduceConfig
 from eval import cost_model, prefill_report
 from eval.quality import UNFOLDED, mode_config
-from serving import jax_platform
-from serving.jax_platform import keep_freed_memory, malloc_label
+import jax_platform
+from jax_platform import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-tpu-prediction", action="store_true")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
-                        "pages for worker processes; see serving.jax_platform)")
+                        "pages for worker processes; see jax_platform)")
     # One process of a multi-host group (e.g. each host of a TPU slice runs this command).
     jax_platform.add_group_arguments(p, only=GROUP_FLAGS)
     args = p.parse_args(argv)

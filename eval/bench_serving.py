@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from serving import jax_platform
+import jax_platform
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -277,7 +277,7 @@ def run_child(n_devices: int, cases: list[dict], timeout: float = 1800) -> list[
     """Run `cases` in a child process with `n_devices` virtual CPU devices; one dict per case
     (plus a leading selfcheck row when there are interpret cases). Raises on a crashed or
     hung child, with its output."""
-    from serving import jax_platform
+    import jax_platform
 
     env = jax_platform.child_environment(malloc_tunables=False, cpu_devices=n_devices)
     env["JAX_PLATFORMS"] = "cpu"

@@ -912,7 +912,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = [int(t) for t in args.tokens.split(",")]
         print(format_topology_predictions(topology_predictions(tokens)))
     if args.emulated:
-        from serving.jax_platform import ensure_cpu_devices
+        from jax_platform import ensure_cpu_devices
 
         with open(args.emulated[0]) as f:
             run = json.load(f)

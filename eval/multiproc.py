@@ -34,7 +34,7 @@ import time
 import uuid
 from typing import Any, Iterator, Sequence
 
-from serving import jax_platform
+import jax_platform
 
 
 def run(
@@ -62,7 +62,7 @@ def run(
     sysctls: kernel settings applied inside the namespace only (needs link_gbit), e.g.
       {"net.ipv4.tcp_slow_start_after_idle": "0"}.
     malloc_tunables: start the workers with glibc's malloc keeping freed blocks and using
-      transparent huge pages (`serving.jax_platform`): XLA:CPU's per-execution buffers then
+      transparent huge pages (`jax_platform`): XLA:CPU's per-execution buffers then
       stop paying page faults on every run.
     torus: dimensions of an emulated torus (eval.torus; needs root): process i runs as node i,
       in its own namespace, with one veth link shaped to link_gbit per torus neighbour (left

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=16, help="greedy continuation length")
     args = p.parse_args(argv)
     tps = tuple(int(t) for t in args.tp.split(","))
-    from serving.jax_platform import ensure_cpu_devices
+    from jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(max(tps))
     def save(report: dict) -> None:

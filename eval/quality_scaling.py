@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default="int8,int8-full,int8-semi,bf16_ring",
                    help="comma list of AllReduce labels")
     args = p.parse_args(argv)
-    from serving.jax_platform import ensure_cpu_devices
+    from jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(TP)
     report = run(args.model, [int(v) for v in comma_list(args.devices)], comma_list(args.modes),

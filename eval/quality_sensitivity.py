@@ -277,7 +277,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     modes = comma_list(args.modes)
     noise = parse_noise(args.noise)
-    from serving.jax_platform import ensure_cpu_devices
+    from jax_platform import ensure_cpu_devices
 
     ensure_cpu_devices(args.tp)
     report = run(args.model, args.tp, modes, noise, args.tokens, args.window, args.dtype,

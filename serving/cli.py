@@ -2,7 +2,7 @@
 streamed to the terminal) and `gemma3-convert` (weights converted once, for fast restarts, or
 written as a Hugging Face checkpoint).
 
-Process set-up comes from `serving.jax_platform`. On a CPU-only machine `--tp N` runs on N
+Process set-up comes from `jax_platform`. On a CPU-only machine `--tp N` runs on N
 virtual CPU devices, which XLA only creates when they are asked for before its backend starts;
 so each entry point reads its settings, asks for the devices, and only then imports the serving
 stack (inside the functions).
@@ -17,11 +17,8 @@ import sys
 import threading
 import time
 
-from serving import jax_platform
+import jax_platform
 from serving.config import ServerConfig, add_arguments, from_sources
-
-# Old name, still imported by tests/serving/test_serving_units.py; use jax_platform's.
-_use_cpu_devices = jax_platform.request_cpu_devices
 
 log = logging.getLogger("serving")
 

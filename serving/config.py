@@ -23,7 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
-from serving.jax_platform import default_compilation_cache_dir
+from jax_platform import default_compilation_cache_dir
 
 ENV_PREFIX = "GEMMA3_"
 DEFAULT_MODEL = "gemma3-270m"

@@ -14,7 +14,7 @@ an option. The watchdog is `serving.watchdog`'s, the single-process server's: a 
 `step_timeout_s`, or `compile_timeout_s` the first time its kind and shapes run (it may compile);
 a wait for the other processes may last as long as the step they may still be running.
 
-No jax import at module level (the process joins its group, `serving.jax_platform.join_process_group`,
+No jax import at module level (the process joins its group, `jax_platform.join_process_group`,
 before jax creates its backends).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from serving import watchdog
-from serving.jax_platform import GroupFormationError, ProcessGroup, exit_group_not_formed
+from jax_platform import GroupFormationError, ProcessGroup, exit_group_not_formed
 from serving.watchdog import StepLimits, describe, step_key
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
 
 # The group's settings and how a process joins it are process set-up, shared with eval:
-# `serving.jax_platform` (ProcessGroup, add_group_arguments, group_from, join_process_group).
+# `jax_platform` (ProcessGroup, add_group_arguments, group_from, join_process_group).
 
 # ---- the step wire format ----
 

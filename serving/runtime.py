@@ -128,8 +128,8 @@ def configure_jax(config: ServerConfig) -> None:
     """Persistent compilation cache: a restart (or the second server) loads compiled programs
     instead of compiling them again, which is most of the start-up time on CPU. (The traced
     programs are kept beside it, see `load_engine`.) Also keeps freed host memory for reuse (no
-    page faults on every large temporary). Both from `serving.jax_platform`."""
-    from serving import jax_platform
+    page faults on every large temporary). Both from `jax_platform`."""
+    import jax_platform
 
     jax_platform.keep_freed_memory()
     jax_platform.enable_compilation_cache(config.compile_cache_dir)
@@ -188,7 +188,7 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
              f"{time.perf_counter() - t:.1f}s")
     engine = ModelEngine(model, **shape, prefix_blocks=prefix_blocks(config, model))
     if not overlap:
-        from serving import jax_platform
+        import jax_platform
 
         jax_platform.group_barrier("loaded")
         compile_programs(model, engine.info, progress)

@@ -1,11 +1,11 @@
 """Test session set-up: 8 virtual CPU devices on the CPU backend, asked for (through
-`serving.jax_platform`, the same set-up the CLI and eval use) before any test starts JAX."""
+`jax_platform`, the same set-up the CLI and eval use) before any test starts JAX."""
 import gc
 import threading
 
 import pytest
 
-from serving import jax_platform
+import jax_platform
 
 
 _CACHE_ENV = "GEMMA3_TEST_COMPILATION_CACHE"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import jax_platform
+import jax_platform
 from serving.config import ALLREDUCE_ALIASES, ENV_PREFIX, ServerConfig
 from testkit import free_port
 

@@ -56,6 +56,6 @@ def test_pyflakes_finds_nothing():
     from pyflakes.reporter import Reporter
 
     out, err = io.StringIO(), io.StringIO()
-    paths = [str(ROOT / p) for p in ("equarx", "models", "serving", "eval", "tests")]
+    paths = [str(ROOT / p) for p in ("jax_platform", "equarx", "models", "serving", "eval", "tests")]
     count = checkRecursive(paths, Reporter(out, err))
     assert count == 0 and not err.getvalue(), out.getvalue() + err.getvalue()

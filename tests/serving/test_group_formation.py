@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving import jax_platform
+import jax_platform
 from testkit import free_port, stop_processes, wait_group_ready
 
 ROOT = Path(__file__).resolve().parents[2]

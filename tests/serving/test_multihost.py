@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from serving import distributed as dist
-from serving import jax_platform
+import jax_platform
 from serving.engine import DecodeInputs, PrefillInputs
 from serving.sampling import SlotSampling
 from testkit import free_port, stop_processes, wait_group_ready

@@ -26,7 +26,7 @@ import numpy as np
 import openai
 import pytest
 
-from serving import jax_platform
+import jax_platform
 from testkit import free_port
 
 pytestmark = pytest.mark.slow

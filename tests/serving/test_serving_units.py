@@ -1,7 +1,6 @@
 """Unit tests of the serving pieces that need no model: detokenizer, stop strings, sampler, chat
 template, settings."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -250,20 +249,6 @@ def test_served_model_name():
 
 
 # ---- command line ----
-
-def test_tp_sets_virtual_cpu_devices_before_jax(monkeypatch):
-    from serving.cli import _use_cpu_devices
-
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
-    _use_cpu_devices(4)
-    assert os.environ["XLA_FLAGS"] == ("--xla_cpu_foo=1 --xla_cpu_collective_call_terminate_timeout_seconds=600"
-                                       " --xla_force_host_platform_device_count=4")
-    _use_cpu_devices(2)  # enough devices already: unchanged
-    assert os.environ["XLA_FLAGS"].endswith("count=4")
-    monkeypatch.delenv("XLA_FLAGS")
-    _use_cpu_devices(1)
-    assert "XLA_FLAGS" not in os.environ
-
 
 @pytest.mark.parametrize("main,argv", [
     ("serve_main", ["--allreduce", "int3"]),

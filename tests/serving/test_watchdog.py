@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serving import jax_platform
+import jax_platform
 from serving.config import from_sources
 from serving.engine_core import EngineCore, EngineStuck
 from serving.fake_engine import FakeEngine

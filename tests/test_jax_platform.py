@@ -1,4 +1,4 @@
-"""serving.jax_platform: the one process set-up (XLA flags and virtual CPU devices, the
+"""jax_platform: the one process set-up (XLA flags and virtual CPU devices, the
 compilation cache, glibc malloc settings that stop large host buffers from being page-faulted
 afresh on every use), and that importing the modules that use it changes nothing."""
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from serving import jax_platform
-from serving.jax_platform import TUNABLES, with_malloc_tunables
+import jax_platform
+from jax_platform import TUNABLES, with_malloc_tunables
 
 DEVICES = "--xla_force_host_platform_device_count"
 TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
@@ -22,7 +22,7 @@ _FAULTS = """
 import resource, sys, numpy as np
 np._core.multiarray._set_madvise_hugepage(False)
 if sys.argv[1] == "mallopt":
-    from serving.jax_platform import keep_freed_memory
+    from jax_platform import keep_freed_memory
     assert keep_freed_memory()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for mib in range(1, 17):
@@ -107,7 +107,7 @@ def test_default_compilation_cache_dir_is_read_when_asked():
 _IMPORTS = """
 import json, os, sys
 before = dict(os.environ)
-import serving.cli, serving.config, serving.jax_platform, serving.distributed
+import serving.cli, serving.config, jax_platform, serving.distributed
 import eval.bench_model, eval.bench_serving, eval.multiproc
 imported_jax = "jax" in sys.modules
 os.environ.pop("XDG_CACHE_HOME", None)
@@ -116,8 +116,8 @@ cache_dir = serving.config.ServerConfig().compile_cache_dir
 os.environ.clear(); os.environ.update(before)
 unchanged = dict(os.environ) == before
 import jax
-on = serving.jax_platform.enable_compilation_cache(sys.argv[2])
-off = serving.jax_platform.enable_compilation_cache("")
+on = jax_platform.enable_compilation_cache(sys.argv[2])
+off = jax_platform.enable_compilation_cache("")
 print(json.dumps({"jax": imported_jax, "env_unchanged": unchanged, "cache_dir": cache_dir,
                   "on": on, "off": off, "dir": jax.config.jax_compilation_cache_dir,
                   "min_time": jax.config.jax_persistent_cache_min_compile_time_secs,

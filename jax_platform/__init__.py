@@ -3,12 +3,14 @@ cache, glibc malloc, and joining a multi-process group. The one copy of this set
 command-line tools (`serving.cli`), the benchmarks and quality runs (`eval/`) and the test
 session (`tests/conftest.py`).
 
-Why it lives in `serving` (and is one of its public modules): `equarx` is a collective library a
-reader should be able to take alone, with no opinion about a process's allocator or caches, and
-`models` knows the architecture, not processes. `serving` owns the processes a user starts
-(`gemma3-serve`, `gemma3-generate`); `eval` measures those same processes and, by the project's
-rule, uses only the public API a user would. So this module is that API: it imports nothing else
-from `serving` (importing it pulls in no web stack, no model) and no jax at module level.
+Why a small top-level package, below every other one: `serving`, `eval`, the tests and the
+collective's own benchmarks all start JAX processes, and each needs this set-up before JAX's
+backend starts. It cannot live in `serving`: then every benchmark of the collective would depend on
+the server package. Nor in `equarx`: that is a collective library a reader should be able to take
+alone, with no opinion about a process's allocator, caches or a server's multi-host flags, and
+importing `equarx` imports jax, which a command-line tool must not pay for before it has parsed
+its arguments. So this package imports nothing from the project and no jax at module level
+(importing it pulls in no web stack, no model, no jax), and every package may import it.
 
 Nothing happens at import. Each function changes the process (os.environ, jax.config, glibc's
 malloc) only when called. Order: `request_cpu_devices` and `join_process_group` must run before
