@@ -13,7 +13,7 @@ from models.gemma3.hf_checkpoint import CONFIG_FILE, HFWeights, read_config, wri
 from models.gemma3.projector import image_features
 from models.gemma3.vision import VISION_CONFIGS, encode, random_vision_weights
 from models.gemma3.projector import random_projector_weights
-from models.gemma3.vision_checkpoint import (VisionModel, load_hf_vision, save_hf_multimodal,
+from models.gemma3.vision_checkpoint import (load_hf_vision, save_hf_multimodal,
                                              vision_from_official, vision_to_official)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gemma3_vision_tiny_hf.npz"
