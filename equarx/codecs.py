@@ -8,13 +8,14 @@ it, decoded and added in order, encoded (the group codec runs that as one kernel
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx import groups, native_cpu, triton_codecs
+from equarx import backends, codec_spec, groups, native_cpu, triton_codecs
 from equarx import quantize as qz
 from equarx.layout import TokenLayout
 
@@ -62,11 +63,11 @@ class GroupCodec:
     def decode(self, wire: jax.Array) -> jax.Array:
         if self.unrotate_to is not None:
             return self.decode_parts(*self.wire_parts(wire))
-        return groups.decode(wire, self.group, self.code, (wire.shape[0], *self.piece_shape))
+        return codec_spec.decode(wire, self.group, self.code, (wire.shape[0], *self.piece_shape))
 
     def wire_parts(self, wire: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(codes, steps, exponents), one row per token each (see groups.wire_parts)."""
-        return groups.wire_parts(wire, self.piece_shape, self.group, self.code)
+        """(codes, steps, exponents), one row per token each (see codec_spec.wire_parts)."""
+        return codec_spec.wire_parts(wire, self.piece_shape, self.group, self.code)
 
     def decode_parts(self, codes: jax.Array, steps: jax.Array, exponents: jax.Array
                      ) -> jax.Array:
@@ -75,10 +76,11 @@ class GroupCodec:
                                      self.unrotate_to)
 
     def gathers_natively(self, layout) -> bool:
-        """Whether `unrotate_gathered` runs as the native CPU kernel here."""
+        """Whether `unrotate_gathered` runs as a kernel here (equarx.backends'
+        gather_unrotate: the native CPU kernel)."""
         return (self.unrotate_to is not None and isinstance(layout, TokenLayout)
-                and jnp.dtype(self.unrotate_to) in (jnp.bfloat16, jnp.float32)
-                and native_cpu.in_use())
+                and "cpu" in backends.kernels("gather_unrotate", self.piece_shape[-1],
+                                              self.group, self.code, self.unrotate_to))
 
     def unrotate_gathered(self, device: jax.Array, rows: list[list[jax.Array]],
                           pieces: list[tuple[int, int]], layout) -> jax.Array:
@@ -89,30 +91,18 @@ class GroupCodec:
         geometries = [layout.piece_geometry(*p) for p in pieces]
         shape = (layout.minishards, layout.rows_per_minishard, layout.n_devices, layout.halves,
                  layout.width)
-        return native_cpu.gather_unrotate(device, wires, groups.rotation(self.group).T,
+        return native_cpu.gather_unrotate(device, wires, codec_spec.rotation(self.group).T,
                                           self.code, self.unrotate_to, shape, geometries)
 
-    def _sums_in_one_kernel(self, arrival_codec, layout, dtype) -> bool:
-        """The token layout's buffer in bfloat16 or float32, arrivals in this codec's own groups
-        and code: what a kernel that reads the piece in place takes."""
-        return (isinstance(layout, TokenLayout)
-                and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32)
-                and isinstance(arrival_codec, GroupCodec)
-                and (arrival_codec.group, arrival_codec.code) == (self.group, self.code))
-
-    def sums_natively(self, arrival_codec, layout, dtype) -> bool:
-        """Whether `encode_sum` runs as the native CPU kernel (equarx.native_cpu) here: the
-        group codec's codes, on the CPU backend once the kernel is built."""
-        return (self.code in ("int8", "int4", "fp8")
-                and self._sums_in_one_kernel(arrival_codec, layout, dtype)
-                and native_cpu.in_use())
-
-    def sums_on_gpu(self, arrival_codec, layout, dtype) -> bool:
-        """Whether programs traced now include `encode_sum`'s GPU kernel
-        (equarx.triton_codecs): int8 or int4, with a CUDA backend present."""
-        return (self._sums_in_one_kernel(arrival_codec, layout, dtype)
-                and triton_codecs.in_use()
-                and triton_codecs.supports(self.piece_shape[-1], self.group, self.code))
+    def sum_kernels(self, arrival_codec, layout, dtype) -> dict[str, str]:
+        """{platform: backend} of `encode_sum`'s kernels here (equarx.backends' encode_sum):
+        for the token layout's buffer with arrivals in this codec's own groups and code, what
+        a kernel that reads the piece in place takes."""
+        if not (isinstance(layout, TokenLayout) and isinstance(arrival_codec, GroupCodec)
+                and (arrival_codec.group, arrival_codec.code) == (self.group, self.code)):
+            return {}
+        return backends.kernels("encode_sum", self.piece_shape[-1], self.group, self.code,
+                                dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +131,8 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
     `arrivals` (wire bytes of that piece from `arrival_codec`, by default `codec`), decoded and
     added in float32 in their order. With no arrivals the piece is encoded in its own dtype.
 
-    The group codec's int8, int4 and fp8 run this on the CPU as one native kernel that reads
-    the piece in place (codecs.GroupCodec.sums_natively), int8 and int4 on a CUDA GPU as one
-    Triton kernel (`sums_on_gpu`), both with the same bits."""
+    The group codec runs this as one kernel that reads the piece in place where
+    equarx.backends has one (`GroupCodec.sum_kernels`), with the same bits."""
     arrival_codec = arrival_codec or codec
 
     def pure(buf, shard, *arrivals):
@@ -152,16 +141,18 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
     kernels = {}
     if isinstance(codec, GroupCodec):
         geometry = layout.piece_geometry(*piece) if isinstance(layout, TokenLayout) else None
-        if codec.sums_natively(arrival_codec, layout, buf.dtype):
-            kernels["cpu"] = lambda buf, shard, *arrivals: native_cpu.encode_sum(
-                buf, shard, arrivals, geometry, codec.group, codec.code)
-        if codec.sums_on_gpu(arrival_codec, layout, buf.dtype):
-            kernels["cuda"] = lambda buf, shard, *arrivals: triton_codecs.encode_sum(
-                buf, shard, arrivals, geometry, codec.group, codec.code)
+        impls = {"native_cpu": native_cpu.encode_sum, "triton": triton_codecs.encode_sum}
+        for platform, backend in codec.sum_kernels(arrival_codec, layout, buf.dtype).items():
+            kernels[platform] = functools.partial(_kernel_sum, impls[backend], geometry,
+                                                  codec.group, codec.code)
     if not kernels:
         return pure(buf, shard, *arrivals)
     return lax.platform_dependent(buf, jnp.asarray(shard, jnp.int32), *arrivals, default=pure,
                                   **kernels)
+
+
+def _kernel_sum(impl, geometry, group, code, buf, shard, *arrivals):
+    return impl(buf, shard, arrivals, geometry, group, code)
 
 
 def reduced(codec: Codec, buf: jax.Array, layout, shard, arrivals: dict) -> jax.Array:

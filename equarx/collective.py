@@ -68,7 +68,7 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str],
 
     rotated=True: x's rows already carry the group codec's rotation (`folds_rotation(config,
     x.shape[-1])` must hold): each run of `group_size` columns is the caller's partial times
-    `groups.rotation(group_size)`, because the weights that produced it were multiplied by it
+    `codec_spec.rotation(group_size)`, because the weights that produced it were multiplied by it
     (`groups.fold_rotation`). The schedule then skips its forward rotation, and the result is
     the sum of the un-rotated partials as usual. Paths that do not rotate (psums, an axis of
     size 1) un-rotate x first.

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from equarx import codec_spec
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -49,7 +51,7 @@ TARGET = "equarx_unrotate_cpu"
 ENCODE_TARGET = "equarx_encode_sum_cpu"
 GATHER_TARGET = "equarx_gather_unrotate_cpu"
 TARGETS = (TARGET, ENCODE_TARGET, GATHER_TARGET)
-CODE_IDS = {"int8": 0, "int4": 1, "fp8": 2}  # the kernel's `code` attribute
+CODE_IDS = codec_spec.CODE_IDS  # the kernel's `code` attribute
 _LOCK = threading.Lock()
 
 
@@ -80,7 +82,7 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
     # -ffp-contract=off: a product and a sum are never fused into one rounding (the kernels
     # give the pure-JAX form's bits).
     flags = ["-O3", f"-march={arch}", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC",
-             "-w"]
+             "-w", *codec_spec.cpp_defines()]  # the codec's constants: codec_spec
     key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), _cpu_flags().encode(),
                                      " ".join(flags).encode(), platform.machine().encode()]))
     directory = directory or _cache_dir()

@@ -13,7 +13,7 @@ int8 32x128), and only uses tile-aligned reshapes (splitting the sublane axis by
 - GroupCodec (blocks="group", the default): the token layout (equarx.layout.TokenLayout) with
   each piece transposed to [W columns, Tm tokens]: a group of g consecutive columns of one
   token lies along the sublanes of one lane, so its absmax is a reduction over a tile-aligned
-  [W / g, g, Tm] view, not a cross-lane one; scales are bfloat16 [W / g, Tm] (equarx.groups).
+  [W / g, g, Tm] view, not a cross-lane one; scales are bfloat16 [W / g, Tm] (codec_spec's grid values; its own wire: GroupCodec).
   Tm is a multiple of 128 (whole lanes), W a multiple of max(g, 32) (whole int8 tiles).
 - FloatCodec (bf16_ring, unquantized): the same transposed token layout (W a multiple of 16),
   the values rounded to bfloat16 on the wire, no scales.
@@ -31,9 +31,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from equarx import groups
+from equarx import codec_spec
 from equarx import quantize as qz
 from equarx.layout import MIN_PIECE_ELEMENTS, Layout, TokenLayout, plan_token_layout
 
@@ -58,12 +57,6 @@ def _magnitude(v: jax.Array) -> jax.Array:
     """|v| with NaN mapped to Inf (as equarx.quantize and equarx.groups do)."""
     mag = jnp.abs(v)
     return jnp.where(mag != mag, jnp.inf, mag)
-
-
-def _round_int8(v: jax.Array) -> jax.Array:
-    """Round half to even into int8 for |v| <= 127: the float adder rounds (see quantize)."""
-    bits = lax.bitcast_convert_type(v + qz._ROUNDING_MAGIC, jnp.int32)
-    return bits.astype(jnp.int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +87,7 @@ class TileCodec:
         inv = qz.QMAX / jnp.where(positive, amax, 1.0)
         usable = positive & (inv < jnp.inf)
         inv = jnp.where(usable, inv, 0.0)
-        q = _round_int8(v * self._per_value(inv))
+        q = codec_spec.round_int8(v * self._per_value(inv))
         q = jnp.where(self._per_value(usable.astype(jnp.int32)) != 0, q, jnp.int8(0))
         return q, scale
 
@@ -105,7 +98,18 @@ class TileCodec:
 @dataclasses.dataclass(frozen=True)
 class GroupCodec:
     """Rotated runs of `group` values (rotation done outside the kernel) on transposed pieces
-    [W, Tm]: q int8 [W, Tm], scale bf16 [W / group, Tm] (equarx.groups' int8 codec)."""
+    [W, Tm]: q int8 [W, Tm], scale bf16 [W / group, Tm]. The codes and the scale values are
+    equarx.codec_spec's (tests/equarx/test_codec_conformance.py); the wire is its own, label
+    "int8@pallas", `codec_spec.wire_bytes_per_value(g, "int8", scale="bf16")` (0.531 of bf16's
+    bytes where the specification's step and exponent bytes make 0.516).
+
+    Why not the specification's bytes here: the kernel's arrays are whole native TPU tiles
+    (int8 32x128), and a row's exponent byte would be an int8 array [1, Tm] (one sublane),
+    which Mosaic lays out, and its DMAs move, as a whole 32-row tile: 32 bytes a token instead
+    of one; the step bytes [W / g, Tm] pad to 32 rows as the bfloat16 scales pad to 16. Packing
+    the exponent into the step array (an extra sublane row) needs an unaligned sublane slice of
+    a packed int8 array, which this kernel avoids (see the module docstring). Until that is
+    written and timed on a TPU, this codec keeps the bfloat16 scale."""
 
     rows: int  # W
     lanes: int  # Tm
@@ -123,12 +127,12 @@ class GroupCodec:
 
     def encode(self, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         amax = jnp.max(_magnitude(self._groups(v)), axis=1)  # [W / g, Tm]
-        # groups.scale_parts along the token's runs (axis 0); the scale it picks is a
+        # codec_spec.scale_parts along the token's runs (axis 0); the scale it picks is a
         # bfloat16 value, which travels as such here (2 bytes where groups' wire packs the
         # same scale in a step byte and a row's exponent byte).
-        _, _, s32, inv = groups.scale_parts(amax, groups.CODES["int8"], axis=0)
+        _, _, s32, inv = codec_spec.scale_parts(amax, codec_spec.CODES["int8"], axis=0)
         scale = s32.astype(jnp.bfloat16)
-        q = groups.round_int8(self._groups(v) * inv[:, None, :])
+        q = codec_spec.round_int8(self._groups(v) * inv[:, None, :])
         return q.reshape(self.rows, self.lanes), scale
 
     def decode(self, q: jax.Array, scale: jax.Array) -> jax.Array:

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx.codec_spec import round_int8
+
 TILE = (8, 128)
 TILE_ELEMENTS = TILE[0] * TILE[1]
 QMAX = 127.0
@@ -77,16 +79,15 @@ def absmax(x: jax.Array) -> jax.Array:
     hop, the dequantize-and-add that makes x) is first written out in float32; a plain halving
     tree over |x| has the same problem once |x| feeds too many slices to be duplicated. Here
     the first stage takes |.| of each of 16 disjoint slices of x itself (every element read
-    once, one fused loop, 1/16 of the size out), then a halving tree finishes. Measured on 4M
-    values: 12 -> 1.5 ms when x is a decoded partial plus a local shard (every reduce-scatter
-    hop after the first).
+    once, one fused loop, 1/16 of the size out), then a halving tree finishes (its timings:
+    docs/results.md).
     """
     _check_minishards(x)
     if jnp.dtype(x.dtype).itemsize == 2:
         # A bfloat16 piece of the caller's message (the reduce-scatter's first hop): an integer
         # max-reduce over its bits reads 2 bytes per value where the float path below has XLA
-        # write a float32 copy first (4M values: 9.6 -> 2.2 ms). On float32 input the integer
-        # reduce is the slow one (16 vs 2 ms), so each dtype takes its own path.
+        # write a float32 copy first. On float32 input the integer reduce is the slower one, so
+        # each dtype takes its own path (docs/results.md).
         return _absmax_16bit(x)
     k = x.shape[-3]
     fan = min(_FAN_IN, k)
@@ -101,12 +102,6 @@ def absmax(x: jax.Array) -> jax.Array:
     return result
 
 
-# Adding 1.5 * 2^23 to a float32 of magnitude < 2^22 leaves round-half-to-even(v) in the low
-# mantissa bits: the float adder does the rounding, and the low byte of the bit pattern is the
-# int8 two's complement. Cheaper on CPU than round + clip + float->int conversion.
-_ROUNDING_MAGIC = 12582912.0
-
-
 def _round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Qp2 for any block shape: amax broadcasts against x (same rank)."""
     x = x.astype(jnp.float32)
@@ -115,8 +110,7 @@ def _round_cast(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     inv = QMAX / jnp.where(positive, amax, 1.0)
     usable = positive & jnp.isfinite(inv)
     inv = jnp.where(usable, inv, 0.0)
-    bits = jax.lax.bitcast_convert_type(x * inv + _ROUNDING_MAGIC, jnp.int32)
-    q = bits.astype(jnp.int8)  # integer narrowing keeps the low byte
+    q = round_int8(x * inv)  # the group codec's rounding (equarx.codec_spec)
     # Where x is NaN/Inf the sum is too and its low byte is meaningless: force q to 0.
     return jnp.where(usable, q, jnp.int8(0)), scale
 

@@ -20,9 +20,8 @@ tensor cores: exact, since codes and +-1 are bfloat16 values and their sums inte
 All three give the bits of the XLA:CPU programs and of the native CPU kernels (equarx.native_cpu),
 as `groups` defines them; two things differ in how, because a Triton kernel has no round
 instruction and its float32 division may round the last bit otherwise:
-- the codes are rounded by adding 1.5 * 2^23, with a max that changes no value between the
-  product and the add, so that no compiler fuses them into one multiply-add (whose single
-  rounding would round some ties of the float32 product the other way);
+- the codes' rounding (`codec_spec.round_half_even`) is fenced from the product by a max that
+  changes no value, not by a round, so that no compiler fuses them into one multiply-add;
 - 1 / scale comes from integer arithmetic on the scale's bits (`_reciprocal`), exact.
 On an H100 the encode's codes equalled the CPU's on all of 64M values, where XLA's GPU program
 of `groups.encode` differed on 25 (docs/results.md).
@@ -44,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from equarx import groups
+from equarx import codec_spec
 
 # Values a program holds (padded; 16 KiB of float32, in registers) and its warps. An H100, two
 # runs: encode 92-96% of a copy's bandwidth with 4096 / 4, 92-94% with 8192 / 8, 81% with
@@ -105,14 +104,14 @@ def _block_rows(chunks, g: int, block_values: int) -> int:
 
 def _reciprocal(scale: jax.Array, step: jax.Array) -> jax.Array:
     """1 / scale rounded to nearest, as a float32 division rounds it, from integer arithmetic.
-    A scale is 2^k (32 + m) / 32 (5 mantissa bits m, `groups.scale_parts`), so its reciprocal
+    A scale is 2^k (32 + m) / 32 (5 mantissa bits m, `codec_spec.scale_parts`), so its reciprocal
     is 2^-k for m = 0 and 2^(-k-1) times 2^29 / (32 + m) units of 2^-23 otherwise (never a
     tie). 0 for a NOT_FINITE run."""
     bits = lax.bitcast_convert_type(scale, jnp.int32)
     ef, m = (bits >> 23) & 0xFF, (bits >> 18) & 31
     q = ((1 << 29) + (32 + m) // 2) // (32 + m)
     inv = jnp.where(m == 0, (254 - ef) << 23, ((253 - ef) << 23) + q - (1 << 23))
-    return jnp.where(step == groups.NOT_FINITE, 0.0, lax.bitcast_convert_type(inv, jnp.float32))
+    return jnp.where(step == codec_spec.NOT_FINITE, 0.0, lax.bitcast_convert_type(inv, jnp.float32))
 
 
 def _out(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
@@ -161,20 +160,18 @@ def _store_encoded(o_ref, parts, wire: _Wire, rows2, rows1, total: int):
     """Encode a block of rows, given as its pieces [(offset, f32[br, size / g, g])] (zeros past
     a row's end), into `o_ref`, the flat wire, as `groups.encode` would (the module's docstring
     says how the rounding is kept)."""
-    code_max = groups.CODES[wire.code]
-    amaxes = [groups._absmax(v, -1) for _, v in parts]
+    code_max = codec_spec.CODES[wire.code]
+    amaxes = [codec_spec.absmax(v, -1) for _, v in parts]
     row_max = None  # one piece: scale_parts takes the row's maximum itself
     if len(parts) > 1:
         row_max = functools.reduce(jnp.maximum,
-                                   [groups.largest_scale(a, code_max) for a in amaxes])
+                                   [codec_spec.largest_scale(a, code_max) for a in amaxes])
     live = rows2 < total
     for (off, v), amax in zip(parts, amaxes):
         br, rp, g = v.shape
-        step, e, scale, _ = groups.scale_parts(amax, code_max, row_max=row_max)
-        # A max that changes no value (|scaled| <= code_max) between the product and the
-        # rounding add: no compiler may then fuse the two into one multiply-add.
-        scaled = jnp.maximum(v * _reciprocal(scale, step)[..., None], -2.0 * code_max)
-        bits = lax.bitcast_convert_type(scaled + groups._ROUNDING_MAGIC, jnp.int32)
+        step, e, scale, _ = codec_spec.scale_parts(amax, code_max, row_max=row_max)
+        # Fenced with a max (no round instruction here): codec_spec.round_half_even.
+        bits = codec_spec.round_half_even(v * _reciprocal(scale, step)[..., None], fence="max")
         if wire.code == "int4":  # a run's first half in the low nibbles, its second half high
             q = bits.reshape(br, rp, 2, g // 2)
             second = lax.broadcasted_iota(jnp.int32, q.shape, 2) == 1
@@ -215,7 +212,7 @@ def _load_decoded(w_ref, wire: _Wire, rows2, rows1, chunks, total: int):
         run = _cols(off // g, size // g)
         st = plgpu.load(w_ref.at[wire.steps_at(rows2, run)], mask=live & (run < wire.runs),
                         other=0)
-        s = groups._row_scales(st, ex.reshape(br, 1))
+        s = codec_spec.row_scales(st, ex.reshape(br, 1))
         out.append(q.astype(jnp.float32).reshape(br, size // g, g) * s[..., None])
     return out
 
@@ -320,7 +317,7 @@ def unrotate(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: int, c
     chunks = _chunks(w, g, chunked)
     br = _block_rows(chunks, g, block_values)
     half = g // 2
-    mt = jnp.asarray(groups.rotation(g).T, jnp.bfloat16)
+    mt = jnp.asarray(codec_spec.rotation(g).T, jnp.bfloat16)
     mats = (mt[:half], mt[half:]) if code == "int4" else (mt,)
 
     def kernel(codes_ref, steps_ref, exps_ref, *refs):
@@ -333,7 +330,7 @@ def unrotate(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: int, c
             cols = _cols(off, size)
             run = _cols(off // g, rp)
             st = plgpu.load(steps_ref.at[rows2 * runs + run], mask=live & (run < runs), other=0)
-            s = groups._row_scales(st, ex.reshape(br, 1)) / g  # [br, rp]
+            s = codec_spec.row_scales(st, ex.reshape(br, 1)) / g  # [br, rp]
             if code == "int4":
                 pcols = _cols(off // 2, size // 2)
                 packed = plgpu.load(codes_ref.at[rows2 * c + pcols], mask=live & (pcols < c),

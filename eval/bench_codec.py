@@ -30,7 +30,7 @@ and how many of the real all_reduce's values, over 4 devices emulated on it (`al
 (token_local: a row's result the same whatever rows come with it; equal_cpu / equal_pure: the
 same bits as the XLA:CPU program / the pure-JAX form):
   encode_piece        encode of one piece of all the rows (the token layout's shape)
-  encode_xla          the same in XLA ops (groups._encode: what a GPU ran before its kernel)
+  encode_xla          the same in XLA ops (codec_spec.encode: what a GPU ran before its kernel)
   encode_triton_B_W   the GPU kernel with blocks of B values and W warps (GPU only)
   unrotate_triton_B_W the same for the un-rotation (GPU only)
   ..._triton_chunked_B_W, encode_sum_triton_chunked
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from equarx import codecs, groups, triton_codecs
+from equarx import codec_spec, codecs, groups, triton_codecs
 from equarx.layout import plan_token_layout
 from eval.reports import write_json
 
@@ -72,7 +72,7 @@ def _time(fn, *args, repeats: int, inner: int = 1) -> float:
 
 def _round_trip(x: jax.Array, group: int, code: str) -> tuple[jax.Array, jax.Array]:
     wire = groups.encode(groups.rotate(x, group), group, code)
-    codes, steps, exponents = groups.wire_parts(wire, (1, x.shape[-1]), group, code)
+    codes, steps, exponents = codec_spec.wire_parts(wire, (1, x.shape[-1]), group, code)
     back = groups.unrotate_codes(codes, steps, exponents, group, code, jnp.float32)
     return codes, back.reshape(x.shape)
 
@@ -123,12 +123,12 @@ def all_reduce_equal_cpu(device, code: str, n: int = 4) -> dict:
 
 
 def _rotate_butterfly(x, g):
-    v = x.reshape(-1, g) * groups.signs(g)
+    v = x.reshape(-1, g) * codec_spec.signs(g)
     return groups.butterflies(v).reshape(x.shape)
 
 
 def _rotate_dot(x, g):
-    return jnp.dot(x.reshape(-1, g), jnp.asarray(groups.rotation(g)),
+    return jnp.dot(x.reshape(-1, g), jnp.asarray(codec_spec.rotation(g)),
                    precision=lax.Precision.HIGHEST).reshape(x.shape)
 
 
@@ -145,10 +145,10 @@ def _token_local(fn, *args) -> bool:
 
 def _encode_equal_cpu(fn, piece: jax.Array, group: int, code: str, rows: int = 4096) -> float:
     """The share of fn's wire bytes for the piece's first `rows` rows equal to the XLA:CPU
-    program's (`groups._encode` on the CPU device)."""
+    program's (`codec_spec.encode` on the CPU device)."""
     cpu = jax.devices("cpu")[0]
     part = piece[:, :rows]
-    ref = jax.jit(lambda v: groups._encode(v, group, code))(jax.device_put(part, cpu))
+    ref = jax.jit(lambda v: codec_spec.encode(v, group, code))(jax.device_put(part, cpu))
     return float(np.mean(np.asarray(fn(part)) == np.asarray(ref)))
 
 
@@ -161,7 +161,7 @@ def forms(x: jax.Array, wire_parts: tuple, hop: tuple, group: int, code: str,
     piece = x.reshape(1, rows, width)
     out = {"encode_piece": (jax.jit(lambda v: groups.encode(v, group, code)), (piece,),
                             4.0 + wire_bytes, None),
-           "encode_xla": (jax.jit(lambda v: groups._encode(v, group, code)), (piece,),
+           "encode_xla": (jax.jit(lambda v: codec_spec.encode(v, group, code)), (piece,),
                           4.0 + wire_bytes, None)}
     if on_gpu and triton_codecs.supports(width, group, code):
         for block, warps, chunked in ((4096, 4, False), (8192, 8, False), (2048, 4, False),
@@ -208,17 +208,17 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (rows, width), jnp.float32)
     local = jax.random.normal(jax.random.PRNGKey(1), (rows, width), jnp.float32)
-    wire_bytes = groups.wire_bytes_per_value(group, code, width)
+    wire_bytes = codec_spec.wire_bytes_per_value(group, code, width)
     encode = jax.jit(lambda v: groups.encode(v, group, code))
     wire = encode(x)
     table = {
         "copy": (jax.jit(lambda v: v + 1.0), (x,), 8.0),
         "rotate": (jax.jit(lambda v: groups.rotate(v, group)), (x,), 8.0),
         "encode": (encode, (x,), 4.0 + wire_bytes),
-        "decode_add": (jax.jit(lambda w, v: groups.decode(w, group, code, v.shape) + v),
+        "decode_add": (jax.jit(lambda w, v: codec_spec.decode(w, group, code, v.shape) + v),
                        (wire, local),
                        wire_bytes + 8.0),
-        "hop": (jax.jit(lambda w, v: groups.encode(groups.decode(w, group, code, v.shape) + v, group,
+        "hop": (jax.jit(lambda w, v: groups.encode(codec_spec.decode(w, group, code, v.shape) + v, group,
                                                    code)), (wire, local), 2 * wire_bytes + 4.0),
     }
     # What a schedule runs: a bfloat16 piece (half the columns of a 2-shard token layout) read
@@ -229,7 +229,7 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     table["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
         (buf, groups.encode(local.reshape(1, rows, width), group, code)), 2.0 + 2 * wire_bytes)
-    parts = groups.wire_parts(wire, (1, width), group, code)
+    parts = codec_spec.wire_parts(wire, (1, width), group, code)
     table["unrotate"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16)),
         parts, wire_bytes + 2.0)
@@ -290,7 +290,7 @@ def main(argv=None) -> dict:
     p.add_argument("--width", type=int, default=1024,
                    help="values a row (a token's piece; a multiple of --group; Gemma 3's are "
                         "not powers of two, which the GPU kernels pad)")
-    p.add_argument("--code", default="int8", choices=sorted(groups.CODES))
+    p.add_argument("--code", default="int8", choices=sorted(codec_spec.CODES))
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--inner", type=int, default=None,
                    help="calls per timing (default: 1 on a CPU, 10 on an accelerator)")

@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 from equarx import plan_for, plan_layout, resolved_variant
 from equarx.config import QUANTIZED
-from equarx.groups import wire_bytes_per_value
+from equarx.codec_spec import wire_bytes_per_value
 from equarx.quantize import SCALE_ROWS, TILE_ELEMENTS
 from eval.quality import mode_config
 

@@ -92,14 +92,14 @@ def assert_same_bits(got, want, wire: tuple | None = None, err_msg: str = "") ->
     assert (got.shape, got.dtype) == (want.shape, want.dtype), (
         f"{got.shape} {got.dtype} against {want.shape} {want.dtype} {err_msg}")
     if wire is not None:
-        from equarx import groups
+        from equarx import codec_spec
 
         (codes, steps, exps), (want_codes, want_steps, want_exps) = (
-            [np.asarray(p) for p in groups.wire_parts(jnp.asarray(w), *wire)]
+            [np.asarray(p) for p in codec_spec.wire_parts(jnp.asarray(w), *wire)]
             for w in (got, want))
         np.testing.assert_array_equal(steps, want_steps, err_msg=f"step bytes {err_msg}")
         np.testing.assert_array_equal(exps, want_exps, err_msg=f"exponent bytes {err_msg}")
-        finite = np.repeat(want_steps.view(np.uint8) != groups.NOT_FINITE,
+        finite = np.repeat(want_steps.view(np.uint8) != codec_spec.NOT_FINITE,
                            codes.shape[-1] // steps.shape[-1], axis=-1)
         np.testing.assert_array_equal(codes[finite], want_codes[finite],
                                       err_msg=f"codes of finite runs {err_msg}")

@@ -32,7 +32,6 @@ namespace {
 
 using namespace equarx;
 
-constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
 
 // Where a piece lies in the buffer and how its bytes are laid out on the wire.
 struct Piece {
@@ -78,7 +77,7 @@ inline uint32_t fp8_bits(float v) {
 inline int8_t fp8_of(float v, float inv) { return int8_t(uint8_t(fp8_bits(v * inv))); }
 
 inline float code_max_of(Code code) {
-  return code == kInt4 ? 7.0f : (code == kFp8 ? 448.0f : 127.0f);
+  return code == kInt4 ? kCodeMaxInt4 : (code == kFp8 ? kCodeMaxFp8 : kCodeMaxInt8);
 }
 
 inline float load_in(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }

@@ -1,6 +1,6 @@
 // What the group codec's CPU kernels share (equarx/csrc/*.cc, built into one library by
 // equarx/native_cpu.py): float bits, bfloat16 conversions as XLA does them, the code ids, the
-// scales' bytes (equarx.groups.scale_parts), and with AVX-512 the load of a run's 32 codes.
+// scales' bytes (equarx.codec_spec.scale_parts), and with AVX-512 the load of a run's 32 codes.
 #pragma once
 
 #include <array>
@@ -36,29 +36,40 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-enum Code : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
+// Every constant of the codec comes from equarx/codec_spec.py, its one specification, as the
+// build's -D flags (codec_spec.cpp_defines, equarx/native_cpu.py): none is written here.
+#ifndef EQUARX_NOT_FINITE
+#error "build through equarx/native_cpu.py: the codec's constants come from equarx/codec_spec.py"
+#endif
 
-// The scale grid of equarx.groups: NOT_FINITE, E_MIN, E_MAX, _STEP_BITS.
-constexpr int kNotFinite = 255, kEMin = -100, kEMax = 126, kStepBits = 18;
+enum Code : int64_t { kInt8 = EQUARX_CODE_ID_INT8, kInt4 = EQUARX_CODE_ID_INT4, kFp8 = EQUARX_CODE_ID_FP8 };
 
-// groups._scale_value: a run's scale from its step byte and its row's exponent (the float
+// The scale grid (codec_spec: NOT_FINITE, E_MIN, E_MAX, STEP_BITS, EXPONENT_BIAS), the rounding's
+// constant and each code's largest value.
+constexpr int kNotFinite = EQUARX_NOT_FINITE, kEMin = EQUARX_E_MIN, kEMax = EQUARX_E_MAX,
+              kStepBits = EQUARX_STEP_BITS, kExponentBias = EQUARX_EXPONENT_BIAS;
+constexpr float kMagic = EQUARX_ROUNDING_MAGIC;  // codec_spec.round_half_even
+constexpr float kCodeMaxInt8 = EQUARX_CODE_MAX_INT8, kCodeMaxInt4 = EQUARX_CODE_MAX_INT4,
+                kCodeMaxFp8 = EQUARX_CODE_MAX_FP8;
+
+// codec_spec.scale_value: a run's scale from its step byte and its row's exponent (the float
 // whose bits are 2^e's less step * 2^18).
 inline float scale_value(int step, int e) {
   if (step == kNotFinite) return float_of(0x7fc00000u);
   return float_of((uint32_t(e + 127) << 23) - (uint32_t(step) << kStepBits));
 }
 
-// groups._row_scales for `rows` rows of `per_row` runs: their step bytes (per_row a row) and
+// codec_spec.row_scales for `rows` rows of `per_row` runs: their step bytes (per_row a row) and
 // exponent bytes (one a row, biased by 127) -> out[rows * per_row].
 inline void row_scales(const int8_t* steps, const int8_t* exponents, int64_t rows,
                        int64_t per_row, float* out) {
   for (int64_t t = 0; t < rows; ++t, steps += per_row, out += per_row) {
-    const int e = int(uint8_t(exponents[t])) - 127;
+    const int e = int(uint8_t(exponents[t])) - kExponentBias;
     for (int64_t k = 0; k < per_row; ++k) out[k] = scale_value(uint8_t(steps[k]), e);
   }
 }
 
-// groups.scale_parts for one row: its runs' absmaxes (a NaN counted as Inf) -> its runs' step
+// codec_spec.scale_parts for one row: its runs' absmaxes (a NaN counted as Inf) -> its runs' step
 // bytes, its exponent byte (biased by 127) and each run's 1 / scale (0: not finite).
 // The same integer steps as the JAX form: the row's exponent from the bits of its largest
 // finite scale, then each run's scale rounded up to 5 mantissa bits and counted down from 2^e.
@@ -86,7 +97,7 @@ inline void row_scale_parts(const float* amax, int64_t per_row, float code_max, 
     }
     steps[k] = int8_t(uint8_t(step));
   }
-  *exponent = int8_t(uint8_t(e + 127));
+  *exponent = int8_t(uint8_t(e + kExponentBias));
 }
 
 // e4m3 (no infinities; S.1111.111 is NaN) as float32, exactly.

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from equarx import AllReduceConfig, all_reduce, groups, resolved_variant, schedule
+from equarx import AllReduceConfig, all_reduce, codec_spec, groups, resolved_variant, schedule
 from testkit import assert_same_bits
 
 TOKEN_LOCAL = ["bf16_ring", "bf16_ring-semi", "int8", "int8-full", "int8-twoshot-rs", "int4",
@@ -67,9 +67,9 @@ def test_group_codec_round_trip_is_within_half_a_step(code, half_step):
     x = rng.standard_normal((3, 7, 96)).astype(np.float32) * np.exp(rng.uniform(-8, 8, (3, 7, 1)))
     wire = groups.encode(jnp.asarray(x), 32, code)
     assert wire.dtype == jnp.int8
-    assert wire.size == x.size * groups.wire_bytes_per_value(32, code, 96)
+    assert wire.size == x.size * codec_spec.wire_bytes_per_value(32, code, 96)
     assert wire.size == 3 * (7 * 96 * (0.5 if code == "int4" else 1) + 7 * (3 + 1))
-    y = np.asarray(groups.decode(wire, 32, code, x.shape))
+    y = np.asarray(codec_spec.decode(wire, 32, code, x.shape))
     amax = np.abs(x).reshape(3, 7, 3, 32).max(-1, keepdims=True)
     err = np.abs(y - x).reshape(3, 7, 3, 32)
     # The scale is rounded up onto a grid of 32 bfloat16 steps per octave: at most 3% larger
@@ -83,7 +83,7 @@ def test_group_codec_special_values():
     x[0, 1, 40] = np.nan  # poisons its group only
     x[0, 2, 3] = np.inf
     x[0, 3, :32] = 1e-40  # too small for a finite 1/scale: decodes to 0
-    y = np.asarray(groups.decode(groups.encode(jnp.asarray(x), 32, "int8"), 32, "int8",
+    y = np.asarray(codec_spec.decode(groups.encode(jnp.asarray(x), 32, "int8"), 32, "int8",
                                  x.shape))
     assert np.all(y[0, 0, :32] == 0)
     assert np.isnan(y[0, 1, 32:]).all() and np.isfinite(y[0, 1, :32]).all()
@@ -92,7 +92,7 @@ def test_group_codec_special_values():
 
 
 def test_scales_are_the_finest_grid_point_at_or_above_the_run():
-    """groups.scale_parts against a search of the grid in float64: a row's exponent is the
+    """codec_spec.scale_parts against a search of the grid in float64: a row's exponent is the
     smallest power of two at or above its largest finite scale (absmax / code_max); a run's
     scale the finest of the 255 points 2^(e - k // 32) (64 - k % 32) / 64 (bfloat16 values:
     at most 7 significant bits) still at or above its
@@ -103,7 +103,7 @@ def test_scales_are_the_finest_grid_point_at_or_above_the_run():
     amax[0, 3], amax[1, 5], amax[2], amax[3, 2], amax[4, 0] = 0, np.inf, 0, np.nan, 3e38
     amax[5, 1] = amax[5, 0] * 2.0**-12  # far below its row's largest run
     step, e, scale, inv = (np.asarray(a) for a in
-                           jax.jit(lambda a: groups.scale_parts(a, 127.0))(amax))
+                           jax.jit(lambda a: codec_spec.scale_parts(a, 127.0))(amax))
     s = (amax * np.float32(1 / 127)).astype(np.float64)
     finite = np.isfinite(s)
     m = np.where(finite, s, 0).max(-1)
@@ -115,7 +115,7 @@ def test_scales_are_the_finest_grid_point_at_or_above_the_run():
     grid = np.exp2(want_e[:, None] - k // 32) * (64 - k % 32) / 64  # [rows, 255], decreasing
     assert (np.diff(grid, axis=1) < 0).all()
     assert (grid.astype(ml_dtypes.bfloat16).astype(np.float64) == grid).all()
-    want = np.where(finite, (grid[:, None, :] >= s[..., None]).sum(-1) - 1, groups.NOT_FINITE)
+    want = np.where(finite, (grid[:, None, :] >= s[..., None]).sum(-1) - 1, codec_spec.NOT_FINITE)
     np.testing.assert_array_equal(step, want)
     assert step[5, 1] == 254 and (step[2] == 254).all() and step[1, 5] == step[3, 2] == 255
     rows = np.arange(64)[:, None].repeat(12, 1)
@@ -140,9 +140,9 @@ def test_unrotating_the_codes_is_decoding_then_unrotating_bit_for_bit(code):
     x[1, 3, :32] = 1e-40
     shape = (2, 6, 128)
     wire = groups.encode(jnp.asarray(x), 32, code)
-    want = groups.unrotate(groups.decode(wire, 32, code, shape), 32)
+    want = groups.unrotate(codec_spec.decode(wire, 32, code, shape), 32)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = groups.unrotate_codes(*groups.wire_parts(wire, (6, 128), 32, code), 32, code,
+        got = groups.unrotate_codes(*codec_spec.wire_parts(wire, (6, 128), 32, code), 32, code,
                                     dtype)
         assert got.dtype == dtype and got.shape == shape
         assert_same_bits(got, want.astype(dtype))
@@ -159,11 +159,11 @@ def test_unrotating_fp8_codes_rounds_once(g):
     x[0, 0, :g] = 0.0
     x[0, 1, 3] = np.nan
     wire = groups.encode(jnp.asarray(x), g, "fp8")
-    codes, steps, exponents = groups.wire_parts(wire, (6, 256), g, "fp8")
+    codes, steps, exponents = codec_spec.wire_parts(wire, (6, 256), g, "fp8")
     q = np.asarray(lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32),
                    np.float64).reshape(-1, g)
-    s = np.asarray(groups._row_scales(steps, exponents), np.float64).reshape(-1, 1)
-    exact = (q @ groups.rotation(g).T.astype(np.float64)) * (s / g)
+    s = np.asarray(codec_spec.row_scales(steps, exponents), np.float64).reshape(-1, 1)
+    exact = (q @ codec_spec.rotation(g).T.astype(np.float64)) * (s / g)
     want32 = exact.astype(np.float32).reshape(2, 6, 256)
     for dtype in (jnp.float32, jnp.bfloat16):
         got = groups.unrotate_codes(codes, steps, exponents, g, "fp8", dtype)
@@ -171,13 +171,13 @@ def test_unrotating_fp8_codes_rounds_once(g):
         assert_same_bits(got, jnp.asarray(want32).astype(dtype))
     assert np.isnan(want32[0, 1, :g]).all() and not want32[0, 0, :g].any()
     # Decode-then-unrotate is within a few float32 roundings of it.
-    twice = np.asarray(groups.unrotate(groups.decode(wire, g, "fp8", (2, 6, 256)), g))
+    twice = np.asarray(groups.unrotate(codec_spec.decode(wire, g, "fp8", (2, 6, 256)), g))
     ok = np.isfinite(want32)
     np.testing.assert_allclose(twice[ok], want32[ok], rtol=1e-5, atol=0)
 
 
 def test_rotation_is_invertible_and_orthogonal_up_to_its_scale():
-    m = groups.rotation(32)
+    m = codec_spec.rotation(32)
     np.testing.assert_array_equal(m @ m.T, 32 * np.eye(32, dtype=np.float32))
     x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
     y = np.asarray(groups.unrotate(groups.rotate(jnp.asarray(x), 32), 32))

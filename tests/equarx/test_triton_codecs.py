@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx import codecs, groups, triton_codecs
+from equarx import codec_spec, codecs, groups, triton_codecs
 from equarx.layout import plan_token_layout
 from testkit import assert_same_bits
 
@@ -37,10 +37,13 @@ def _values(shape, dtype, seed=0):
 # two: 160 = 128 + 32, 96 = 64 + 32, 640 = 512 + 128, 352 = 256 + 64 + 32.
 CHUNKED = [(shape, code, dtype, True) for shape, code, dtype in SHAPES
            if shape[-1] & (shape[-1] - 1)] + [((2, 7, 352), "int4", jnp.bfloat16, True)]
+# Unchunked, the shapes tests/equarx/test_codec_conformance.py does not hold to the
+# specification (its pieces are 32 rows of Gemma's widths): few or odd rows, one run.
+ODD = [case for case in SHAPES if case[0] not in ((2, 16, 1024), (3, 37, 640))]
 
 
 @pytest.mark.parametrize("shape,code,dtype,chunked",
-                         [(*case, False) for case in SHAPES] + CHUNKED)
+                         [(*case, False) for case in ODD] + CHUNKED)
 def test_encode_gives_the_group_codecs_wire(shape, code, dtype, chunked):
     x = _values(shape, dtype)
     want = jax.jit(lambda v: groups.encode(v, 32, code))(x)
@@ -63,12 +66,12 @@ def test_chunks_cover_a_row_in_powers_of_two():
 
 @pytest.mark.parametrize("shape,code,dtype,out_dtype,chunked",
                          [(*case, (jnp.bfloat16, jnp.float32)[i % 2], False)
-                          for i, case in enumerate(SHAPES)]
+                          for i, case in enumerate(ODD)]
                          + [(*case[:3], jnp.bfloat16, True) for case in CHUNKED])
 def test_unrotate_gives_unrotate_codes(shape, code, dtype, out_dtype, chunked):
     rows, w = int(np.prod(shape[1:-1])), shape[-1]
     wire = groups.encode(_values(shape, dtype), 32, code)
-    parts = groups.wire_parts(wire, (rows, w), 32, code)
+    parts = codec_spec.wire_parts(wire, (rows, w), 32, code)
     want = groups.unrotate_codes(*parts, 32, code, out_dtype, native=False)
     got = jax.jit(lambda *p: triton_codecs.unrotate(*p, 32, code, out_dtype, interpret=True,
                                                     chunked=chunked))(*parts)
@@ -86,9 +89,9 @@ def test_a_rows_codes_do_not_depend_on_the_rows_beside_it(chunked):
         x = _values((1, 40, w), jnp.float32, seed=1)
         for k in (1, 13):
             other = x.at[:, k:].set(_values((1, 40 - k, w), jnp.float32, seed=k))
-            alone = groups.wire_parts(enc(x[:, :k]), (k, w), 32, "int8")
+            alone = codec_spec.wire_parts(enc(x[:, :k]), (k, w), 32, "int8")
             for full in (x, other):
-                for a, b in zip(alone, groups.wire_parts(enc(full), (40, w), 32, "int8")):
+                for a, b in zip(alone, codec_spec.wire_parts(enc(full), (40, w), 32, "int8")):
                     assert_same_bits(a, b[:, :k])
 
 
@@ -98,7 +101,7 @@ def test_under_vmap_each_slice_is_encoded_as_alone():
     want = jnp.stack([groups.encode(x[i], 32, "int8") for i in range(3)])
     for i in range(3):
         assert_same_bits(got[i], want[i], wire=((5, 160), 32, "int8"))
-    parts = [jnp.stack(p) for p in zip(*(groups.wire_parts(want[i], (5, 160), 32, "int8")
+    parts = [jnp.stack(p) for p in zip(*(codec_spec.wire_parts(want[i], (5, 160), 32, "int8")
                                          for i in range(3)))]
     got = jax.vmap(lambda *p: triton_codecs.unrotate(*p, 32, "int8", jnp.bfloat16,
                                                      interpret=True))(*parts)
@@ -120,7 +123,7 @@ def test_the_kernels_lower_to_triton_inside_shard_map(code, chunked):
 
     def body(v):
         wire = triton_codecs.encode(v, 32, code, chunked=chunked)
-        parts = groups.wire_parts(wire, (12, 640), 32, code)
+        parts = codec_spec.wire_parts(wire, (12, 640), 32, code)
         back = triton_codecs.unrotate(*parts, 32, code, jnp.bfloat16, chunked=chunked)
         buf = layout.split(back.reshape(24, 640).repeat(2, axis=1))
         summed = triton_codecs.encode_sum(buf, jnp.int32(1), [wire], layout.piece_geometry(0, 2),
@@ -143,8 +146,7 @@ def test_which_shapes_the_kernels_take():
 
 
 @pytest.mark.parametrize("code,dtype,halves,chunked",
-                         [("int8", jnp.bfloat16, 1, False), ("int4", jnp.float32, 2, False),
-                          ("int8", jnp.float32, 2, True), ("int4", jnp.bfloat16, 1, True)])
+                         [("int8", jnp.float32, 2, True), ("int4", jnp.bfloat16, 1, True)])
 def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves, chunked):
     # A strided piece of the token layout's buffer read in place at a run-time shard, with 0, 1
     # and 2 arrivals decoded and added: the bits of codecs.encode_sum (its native CPU kernel,
@@ -170,5 +172,5 @@ def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves, chunked):
                 buf, jnp.int32(shard), *got_in)
         assert_same_bits(got, want, wire=(layout.piece_shape, 32, code))
         if piece == (1, 3):  # the edge cases were in what was compared
-            out = np.asarray(groups.decode(got, 32, code, (2, 32, 640)))
+            out = np.asarray(codec_spec.decode(got, 32, code, (2, 32, 640)))
             assert np.isinf(out[0, 8]).any() or (np.abs(out[0, 8]) > 1e38).any()

@@ -70,7 +70,7 @@ def test_the_gpu_forms_build_and_check_their_bits(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from equarx import codecs, groups, triton_codecs
+    from equarx import codec_spec, codecs, groups, triton_codecs
     from equarx.layout import plan_token_layout
 
     for name in ("encode", "unrotate", "encode_sum"):
@@ -83,7 +83,7 @@ def test_the_gpu_forms_build_and_check_their_bits(monkeypatch):
     codec = codecs.GroupCodec(32, "int8", layout.piece_shape)
     hop = (layout, jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
            (buf, groups.encode((x / 2).reshape(1, rows, width), 32, "int8")), 3.0)
-    parts = groups.wire_parts(groups.encode(x, 32, "int8"), (1, width), 32, "int8")
+    parts = codec_spec.wire_parts(groups.encode(x, 32, "int8"), (1, width), 32, "int8")
     forms = bench_codec.forms(x, parts, hop, 32, "int8", 1.03, on_gpu=True)
     gpu = [name for name in forms if "triton" in name]
     assert {"encode_triton_chunked_4096_4", "unrotate_triton_chunked_4096_4",
