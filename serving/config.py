@@ -87,10 +87,22 @@ class ServerConfig:
     dtype: str = _field("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
     host: str = _field("127.0.0.1", "address to bind (loopback by default)")
     port: int = _field(8000, "port to bind")
-    max_batch: int = _field(8, "decode slots: sequences generated together")
+    engine: str = _field("slots", "the engine: 'slots' (a cache row of --max-seq-len per "
+                         "sequence, separate prefill/chunk/decode programs) or 'paged' (a paged KV "
+                         "cache and one ragged step mixing decode tokens and prompt pieces: cost and "
+                         "memory follow the work; single process only, no prompt logprobs yet)",
+                         choices=("slots", "paged"))
+    max_batch: int = _field(8, "decode slots: sequences generated together (the paged engine's "
+                            "max-num-seqs)")
     max_seq_len: int = _field(2048, "context length per sequence (prompt + generated tokens)")
     prefill_batch: int = _field(2, "prompts of up to 256 tokens prefilled together in one step (at most "
                                    "max_batch)")
+    kv_cache_tokens: int = _field(0, "paged engine: tokens of KV cache for the global layers, "
+                                  "shared by all sequences (0: max_batch x max_seq_len); the "
+                                  "sliding-window layers hold only each sequence's window")
+    max_num_batched_tokens: int = _field(0, "paged engine: the token budget of one step (0: "
+                                         "max_batch + prefill_chunk)")
+    page_size: int = _field(16, "paged engine: tokens per KV-cache page (divides prefill_chunk)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
     deterministic: bool = _field(True, "batch-invariant mode: a request's tokens do not depend on "
                                  "what else is batched (every prompt prefilled alone in chunks of "
@@ -124,8 +136,13 @@ class ServerConfig:
         for name in ("tp", "max_batch", "max_seq_len", "prefill_batch", "max_waiting", "allreduce_minishards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_chunk < 0 or self.prefix_cache_mb < 0:
-            raise ValueError("prefill_chunk and prefix_cache_mb must be >= 0")
+        if min(self.prefill_chunk, self.prefix_cache_mb, self.kv_cache_tokens,
+               self.max_num_batched_tokens) < 0 or self.page_size < 1:
+            raise ValueError("prefill_chunk, prefix_cache_mb, kv_cache_tokens and "
+                             "max_num_batched_tokens must be >= 0, page_size >= 1")
+        if self.engine == "paged" and (not self.prefill_chunk or self.prefill_chunk % self.page_size):
+            raise ValueError(f"the paged engine needs prefill_chunk ({self.prefill_chunk}) to be a "
+                             f"positive multiple of page_size ({self.page_size})")
         if not self.prefill_chunk and (self.deterministic or self.prefix_caching):
             raise ValueError("prefill_chunk 0 (no chunked prefill) needs --no-deterministic and "
                              "--no-prefix-caching")

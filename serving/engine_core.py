@@ -270,6 +270,8 @@ class EngineCore:
 
         for queried, hit in plan.lookups:
             self.metrics.on_prefix_cache(queried, hit)
+        pool = self.scheduler.kv.global_pool or self.scheduler.kv.local_pool
+        self.metrics.on_prefix_blocks(pool.num_cached, pool.num_pages - 1)
         if plan.preempted:
             log.info("preempted %d sequence(s) for KV-cache pages; they will recompute",
                      len(plan.preempted))

@@ -40,9 +40,15 @@ def _pow2(n: int, smallest: int = 1) -> int:
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The padded shapes of one step: T tokens, S sequence rows, Q query tokens per row in the
-    attention view, Pg global and Pl local pages per row. Each is a power of two (Q: 1 or a
-    power of two from the page size up to the chunk; Pl follows Q), so the programs a server
-    compiles are few: see `count`."""
+    attention view, Pg global and Pl local pages per row, and whether it returns logits.
+
+    Few values each, so that a server compiles few programs (each is one compile, kept by the
+    persistent compilation cache): S is 1 (a lone sequence) or max_num_seqs; Q is 1 (every row
+    decodes) or the chunk size; T is S when every row decodes, else a power of two from 8 up
+    to the token budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows
+    Q. With max_num_seqs 8, max_seq_len 2048, pages of 16 and chunks of 16 that is at most
+    2 x 5 decode programs and 2 x 3 x 5 x 2 with prompt pieces (50), of which a server meets
+    the ones its load needs. A lone request runs S = 1 programs: it never pays for the batch."""
 
     tokens: int
     seqs: int
@@ -60,12 +66,18 @@ def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
     return -(-(window - 1 + queries) // page_size) + 1
 
 
+MIN_PAGES = 8
+MIN_TOKENS = 8
+
+
 def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
                 logits: bool) -> Buckets:
-    q = 1 if longest_piece == 1 else min(_pow2(longest_piece, info.page_size), _pow2(info.chunk_size))
-    max_pages = -(-info.max_seq_len // info.page_size)
-    return Buckets(tokens=_pow2(tokens), seqs=_pow2(seqs), queries=q,
-                   global_pages=min(_pow2(pages), _pow2(max_pages)),
+    s = 1 if seqs == 1 else info.num_slots
+    q = 1 if longest_piece == 1 else info.chunk_size
+    t = s if q == 1 else max(MIN_TOKENS, _pow2(tokens))
+    max_pages = _pow2(-(-info.max_seq_len // info.page_size))
+    return Buckets(tokens=t, seqs=s, queries=q,
+                   global_pages=min(max(MIN_PAGES, _pow2(pages)), max(MIN_PAGES, max_pages)),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size),
                    logits=logits)
 

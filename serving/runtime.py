@@ -109,6 +109,11 @@ class Runtime:
                      max_batch=info.num_slots, prefill_buckets=list(info.prefill_buckets),
                      deterministic=info.deterministic, prefill_chunk=info.chunk_size,
                      prefix_cache_blocks=info.prefix_blocks)
+            if info.paged:
+                d.update(engine="paged", page_size=info.page_size,
+                         kv_cache_pages={"global": info.num_global_pages - 1,
+                                         "local": info.num_local_pages - 1},
+                         max_num_batched_tokens=info.max_num_batched_tokens)
         return d
 
 
@@ -176,6 +181,8 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
                  f"tokens), decode x{info.decode_row_counts}")
         compile_programs(model, info, progress)
 
+    if config.engine == "paged":
+        return _load_paged_engine(config, progress)
     t = time.perf_counter()
     # One process: programs compile on a thread while the weights load. Several processes
     # (multi-host) keep the two apart, so that every process issues its work in the same order,
@@ -193,6 +200,33 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
         jax_platform.group_barrier("loaded")
         compile_programs(model, engine.info, progress)
         jax_platform.group_barrier("compiled")
+    seconds = engine.warmup(progress)
+    progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
+    return engine
+
+
+def _load_paged_engine(config: ServerConfig, progress: Callable[[str], None]):
+    """The paged engine (serving/paged_engine.py): its programs compile on first use or in the
+    warm-up (a lone prompt, a lone decode, a full batch's decode)."""
+    import jax
+
+    from serving.paged_engine import PagedEngine
+
+    if jax.process_count() > 1:
+        raise ValueError("the paged engine runs in one process for now: use --engine slots for "
+                         "a multi-process group")
+    t = time.perf_counter()
+    model = load_configured_model(config)
+    progress(f"weights loaded in {time.perf_counter() - t:.1f}s")
+    engine = PagedEngine(model, max_num_seqs=config.max_batch, max_seq_len=config.max_seq_len,
+                         page_size=config.page_size, kv_cache_tokens=config.kv_cache_tokens or None,
+                         chunk_size=config.prefill_chunk,
+                         max_num_batched_tokens=config.max_num_batched_tokens or None,
+                         prefix_caching=config.prefix_caching, deterministic=config.deterministic,
+                         model_name=config.model_name)
+    info = engine.info
+    progress(f"paged KV cache: {info.num_global_pages - 1} global and {info.num_local_pages - 1} "
+             f"local pages of {info.page_size} tokens, step budget {info.max_num_batched_tokens} tokens")
     seconds = engine.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
     return engine
