@@ -1,5 +1,6 @@
 """The engine API a server drives: `init_cache`, `prefill`, `decode_step`, `move_slot`, and the
-ahead-of-time half (`lower_*`, `compile_*`, `warm_up`) that needs no weights.
+ahead-of-time half (`lower_*`, `compile_*`, `warm_up`) that needs no weights. The paged engine
+drives `init_pages` and `ragged_step` (one program a step over a paged cache) instead.
 
 `Gemma3Engine` is a model's programs (`ModelPrograms`) with its weights and tokenizer. Every call
 has static shapes: a new prompt length only picks a bucket, and a call whose shapes were
@@ -8,6 +9,7 @@ cache: never reuse a cache object after passing it in.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -16,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.gemma3.kv_cache import KVCache, move_slot
+from models.gemma3.paged_kv import PagedKV
 from models.gemma3.programs import ModelPrograms, ProgramKey
+from models.gemma3.ragged import RaggedBatch
 from models.gemma3.weights import Weights
 
 
@@ -71,6 +75,69 @@ class Gemma3Engine:
             if not 0 <= int(i) < cache.num_slots:
                 raise ValueError(f"{name} slot {i} outside 0..{cache.num_slots - 1}")
         return self._move_slot(cache, np.int32(src), np.int32(dst))
+
+    # -- the paged cache -----------------------------------------------------------------------
+    def pages_shapes(self, num_global_pages: int, num_local_pages: int,
+                     page_size: int) -> PagedKV:
+        """The paged cache's shapes (ShapeDtypeStructs, global shapes), e.g. for its bytes."""
+        return self.programs.pages_shapes(num_global_pages, num_local_pages, page_size)
+
+    def init_pages(self, num_global_pages: int, num_local_pages: int, page_size: int) -> PagedKV:
+        """Zeroed page pools (sharded over cache heads): every global layer's pool holds
+        num_global_pages pages of page_size positions, every local layer's num_local_pages.
+        Page 0 of each is scratch (never a sequence's)."""
+        return self.programs.zeros_pages(num_global_pages, num_local_pages, page_size)
+
+    def ragged_step(self, pages: PagedKV, batch: RaggedBatch, logits: bool = True):
+        """One ragged step (`models.gemma3.ragged`): batch's fields numpy or device int32
+        arrays. Returns (float32 logits [S, V] at each row's `last` token, vocab-sharded as
+        decode's, or None with logits=False; the pages). Donates the pages."""
+        b = RaggedBatch(**{f.name: self._ids(getattr(batch, f.name), _RAGGED_NDIM[f.name],
+                                             f.name)
+                           for f in dataclasses.fields(RaggedBatch)})
+        check_token_range(batch.tokens, self.config.vocab_size)
+        t, s, q, pg, pl = b.shape
+        shapes = {"positions", "visible", "seq", "col", "write_global", "write_local"}
+        if any(getattr(b, n).shape != (t,) for n in shapes) or any(
+                getattr(b, n).shape[0] != s for n in ("global_table", "local_table",
+                                                      "local_first", "last")):
+            raise ValueError("a RaggedBatch's per-token arrays must all be [T] and its per-row "
+                             f"arrays [S, ...]: got {_describe(b)}")
+        key = ProgramKey.ragged(t, s, q, pg, pl, pages, logits)
+        out = self.programs.runnable(key)(self.weights, pages, b)
+        return out if logits else (None, out)
+
+    def ragged_key(self, tokens: int, seqs: int, queries: int, global_pages: int,
+                   local_pages: int, pages: PagedKV, logits: bool = True) -> ProgramKey:
+        return ProgramKey.ragged(tokens, seqs, queries, global_pages, local_pages, pages, logits)
+
+    def lower_ragged(self, key: ProgramKey) -> jax.stages.Lowered:
+        """A ragged step's program (from `ragged_key`), lowered from abstract shapes."""
+        return self.programs.lower(key)
+
+    def compile_ragged(self, keys, workers: int = 2,
+                       progress: Callable[[str], None] | None = None) -> None:
+        """Compile (without running) and keep the ragged steps of `keys` (`ragged_key`s).
+
+        Buckets: every shape is its own program, so pad each of (T, S, Q, Pg, Pl) to a few
+        values. S: powers of two up to the running sequences. Q: 1 for a step of decode tokens
+        only, else the chunk size C (pieces are at most C tokens; Q below C saves nothing worth
+        a program). T: S when Q = 1 (one token a row), else powers of two from C up to the step's
+        token budget. Pg: powers of two up to the pages of the longest context. Pl: follows
+        from Q (the window before the first query plus the queries, in whole pages). Logits:
+        decode steps always; a step of prompt pieces none of which samples runs RAGGED_KV.
+        With n = log2(max sequences) + 1 row buckets, m = log2(context pages) + 1 page buckets
+        and u token buckets of mixed steps, that is at most n*m (decode) + 2*u*n*m (mixed, with
+        and without logits) programs: for 8 sequences, C = 16, a budget of 24 tokens (u = 2:
+        16, 32) and a 2,560-token context at 16-token pages (m = 9), 36 + 144 = 180, of which a
+        server meets few (a lone request: the one-row programs of its context's page buckets).
+        Compile the ones every server meets first here; the others compile on first use.
+        """
+        keys = list(keys)
+        self.programs.compile_all(
+            [(f"ragged step T={k.tokens} S={k.batch} Q={k.queries} Pg={k.global_pages} "
+              f"Pl={k.local_pages}" + ("" if k.program.value == "ragged" else " (no logits)"),
+              [k]) for k in keys], workers, progress)
 
     # -- running -------------------------------------------------------------------------------
     def prefill(self, cache: KVCache, tokens, lengths, slots, return_all_logits: bool = False):
@@ -216,6 +283,15 @@ class Gemma3Engine:
         cache = self.programs.cache_shapes(num_slots, max_seq_len)
         rows = rows or num_slots
         return [ProgramKey.decode(rows, cache), ProgramKey.write_token(rows, cache)]
+
+
+_RAGGED_NDIM = {f.name: 2 if f.name in ("queries", "global_table", "local_table") else 1
+                for f in dataclasses.fields(RaggedBatch)}
+
+
+def _describe(batch: RaggedBatch) -> str:
+    return ", ".join(f"{f.name} {tuple(getattr(batch, f.name).shape)}"
+                     for f in dataclasses.fields(RaggedBatch))
 
 
 def check_token_range(tokens, vocab_size: int) -> None:

@@ -11,6 +11,10 @@ The decode step is two programs: a forward pass that only reads the cache and re
 keys/values, then a write-only program (cache donated) that stores them in place: XLA:CPU
 copies a buffer that one program both reads and updates in place. Prefill never reads the
 cache, so it is one program.
+
+The paged engine's step (`ragged.ragged_step`) is one program, RAGGED, over a paged cache
+(`paged_kv`): it stores each layer's new keys/values before it reads the pool, which XLA
+updates in place (the pool is donated).
 """
 from __future__ import annotations
 
@@ -30,7 +34,9 @@ from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
 from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.loading import cache_dtype
+from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs
 from models.gemma3.program_cache import ProgramCache
+from models.gemma3.ragged import RaggedBatch, attention_impl, ragged_step
 from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
                                     resolve_tree, tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
@@ -59,6 +65,9 @@ class Program(enum.Enum):
                         the chunk's keys/values): one chunk of a prompt, reading the cache
     CHUNK_KV:           the same without the logits (a chunk before the prompt's last)
     WRITE_CHUNK:        (cache, chunk keys/values, start, length, slot) -> cache
+    RAGGED:             (weights, pages, RaggedBatch) -> (logits [S, V], pages): one ragged step
+                        over the paged cache
+    RAGGED_KV:          (weights, pages, RaggedBatch) -> pages: the same without logits
     """
 
     PREFILL = "prefill"
@@ -69,17 +78,23 @@ class Program(enum.Enum):
     CHUNK = "chunk"
     CHUNK_KV = "chunk_kv"
     WRITE_CHUNK = "write_chunk"
+    RAGGED = "ragged"
+    RAGGED_KV = "ragged_kv"
 
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
     """One program at one set of shapes: what a kept executable was compiled for.
 
-    batch: prompts (prefill, score) or leading cache slots (decode, write_token).
-    tokens: tokens per prompt (the bucket); 1 for the decode step.
+    batch: prompts (prefill, score) or leading cache slots (decode, write_token); sequence
+      rows S of a ragged step.
+    tokens: tokens per prompt (the bucket); 1 for the decode step; T of a ragged step.
     num_slots, max_seq_len: the KV cache the program reads or writes (0 for score: none), as
       `cache_shapes` takes them (max_seq_len is the global layers' length, which may be shorter
       than the local layers' window): `abstract_args` lowers the program from them.
+    queries, global_pages, local_pages: a ragged step's Q, Pg and Pl (`RaggedBatch`).
+    pools: a ragged step's paged cache, (global pages, local pages, page size), as
+      `paged_shapes` takes them.
     """
 
     program: Program
@@ -87,6 +102,10 @@ class ProgramKey:
     tokens: int = 1
     num_slots: int = 0
     max_seq_len: int = 0
+    queries: int = 0
+    global_pages: int = 0
+    local_pages: int = 0
+    pools: tuple[int, int, int] = (0, 0, 0)
 
     @classmethod
     def prefill(cls, batch: int, bucket: int, cache: KVCache,
@@ -115,6 +134,16 @@ class ProgramKey:
     @classmethod
     def score(cls, batch: int, length: int) -> ProgramKey:
         return cls(Program.SCORE, batch, length)
+
+    @classmethod
+    def ragged(cls, tokens: int, seqs: int, queries: int, global_pages: int, local_pages: int,
+               pages: PagedKV, logits: bool = True) -> ProgramKey:
+        """A ragged step padded to (T, S, Q, Pg, Pl) over `pages` (arrays or
+        ShapeDtypeStructs: only the pools' shapes are read)."""
+        program = Program.RAGGED if logits else Program.RAGGED_KV
+        pools = (pages.num_pages("global"), pages.num_pages("local"), pages.page_size)
+        return cls(program, seqs, tokens, queries=queries, global_pages=global_pages,
+                   local_pages=local_pages, pools=pools)
 
 
 class ModelPrograms:
@@ -155,6 +184,8 @@ class ModelPrograms:
                                 rotated_partials=self.rotation_folded)
         self._weight_specs = weight_specs(config, self.tp)
         self._cache_specs = cache_specs(config, self.tp)
+        self._pages_specs = paged_specs(config)
+        self.attention = attention_impl(mesh.devices.flat[0].platform)
         # Lowering needs only the weights' shapes and shardings, so it can run while they load.
         self.abstract_weights: Weights = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
@@ -162,6 +193,9 @@ class ModelPrograms:
         self._jitted = self._build_programs()
         self._zeros = jax.jit(self._zeros_cache, static_argnums=(0, 1),
                               out_shardings=named(mesh, self._cache_specs))
+        self._zeros_pages = jax.jit(
+            lambda *a: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pages_shapes(*a)),
+            static_argnums=(0, 1, 2), out_shardings=named(mesh, self._pages_specs))
         # Executables compiled ahead of time (`compile`): calls with their key run them
         # directly, with no tracing or cache lookup.
         self._executables: dict[ProgramKey, Callable] = {}
@@ -210,6 +244,25 @@ class ModelPrograms:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                             self.cache_shapes(num_slots, max_seq_len))
 
+    def pages_shapes(self, num_global_pages: int, num_local_pages: int,
+                     page_size: int) -> PagedKV:
+        heads = local_kv_heads(self.config, self.tp) * self.tp
+        return paged_shapes(self.config, num_global_pages, num_local_pages, page_size, heads,
+                            self.cache_dtype)
+
+    def abstract_pages(self, num_global_pages: int, num_local_pages: int,
+                       page_size: int) -> PagedKV:
+        """The paged cache's ShapeDtypeStructs, with their shardings."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            self.pages_shapes(num_global_pages, num_local_pages, page_size),
+                            named(self.mesh, self._pages_specs))
+
+    def zeros_pages(self, num_global_pages: int, num_local_pages: int,
+                    page_size: int) -> PagedKV:
+        """A zeroed, sharded paged cache (zeros: the scratch page must hold finite values)."""
+        self.pages_shapes(num_global_pages, num_local_pages, page_size)  # checks, eagerly
+        return self._zeros_pages(num_global_pages, num_local_pages, page_size)
+
     # -- building ------------------------------------------------------------------------------
     def _build_programs(self) -> dict[Program, Callable]:
         weights, cache, ids = self._weight_specs, self._cache_specs, P()
@@ -222,6 +275,12 @@ class ModelPrograms:
                                    return_all=True)[0]
 
         prefill = functools.partial(forward.prefill, ctx=self._ctx, return_all=False)
+        pages = self._pages_specs
+        batch = RaggedBatch(**{f.name: ids for f in dataclasses.fields(RaggedBatch)})
+        step = functools.partial(ragged_step, ctx=self._ctx, attention=self.attention)
+
+        def step_kv(w, kv, b):
+            return step(w, kv, b, logits=False)[1]
         prefill_all = functools.partial(forward.prefill, ctx=self._ctx, return_all=True)
         return {
             Program.PREFILL: self._jit(Program.PREFILL, prefill, (weights, cache, ids, ids, ids),
@@ -245,6 +304,10 @@ class ModelPrograms:
             Program.WRITE_CHUNK: self._jit(
                 Program.WRITE_CHUNK, functools.partial(forward.write_chunk, ctx=self._ctx),
                 (cache, chunk_kv, ids, ids, ids), cache, donate=(0,)),
+            Program.RAGGED: self._jit(Program.RAGGED, step, (weights, pages, batch),
+                                      (vocab_last, pages), donate=(1,)),
+            Program.RAGGED_KV: self._jit(Program.RAGGED_KV, step_kv, (weights, pages, batch),
+                                         pages, donate=(1,)),
         }
 
     def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
@@ -254,6 +317,9 @@ class ModelPrograms:
         # kernels' device ids (equarx.pallas_ring.check_untyped). The model's own ppermute
         # reductions keep the check.
         check = self.reduction is None and self.allreduce.impl == "ppermute"
+        # Nor the Pallas attention kernel's outputs (the ragged step on TPU).
+        if program in (Program.RAGGED, Program.RAGGED_KV) and self.attention == "pallas":
+            check = False
         fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
                                    in_specs=resolve_tree(self.mesh, in_specs),
                                    out_specs=resolve_tree(self.mesh, out_specs),
@@ -299,6 +365,15 @@ class ModelPrograms:
 
         if key.program is Program.SCORE:
             return self.abstract_weights, ids(key.batch, key.tokens), ids(key.batch)
+        if key.program in (Program.RAGGED, Program.RAGGED_KV):
+            t, s = key.tokens, key.batch
+            flat = {f: ids(t) for f in ("tokens", "positions", "visible", "seq", "col",
+                                        "write_global", "write_local")}
+            batch = RaggedBatch(**flat, queries=ids(s, key.queries),
+                                global_table=ids(s, key.global_pages),
+                                local_table=ids(s, key.local_pages), local_first=ids(s),
+                                last=ids(s))
+            return self.abstract_weights, self.abstract_pages(*key.pools), batch
         cache = self.abstract_cache(key.num_slots, key.max_seq_len)
         if key.program in (Program.PREFILL, Program.PREFILL_ALL_LOGITS):
             return (self.abstract_weights, cache, ids(key.batch, key.tokens), ids(key.batch),

@@ -1,0 +1,132 @@
+"""The paged KV cache: two page pools (global layers, sliding-window layers), shared page ids.
+
+Each layer holds its pool as one array `kv` [num_pages, page_size, 2 * Kc, H]: cached KV head
+i's keys at index 2i of the third axis, its values at 2i + 1. That is the page layout of the
+Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`, "combined" KV
+heads), so on TPU the kernel reads the pool as it is stored; separate key and value pools
+would have to be interleaved into a copy of the whole pool for every layer and step. On CPU
+the XLA form gathers a row's pages once for keys and values together and splits them with a
+strided slice that fuses into the gather, so the layout costs it nothing. Splitting the third
+axis over tp gives each device the (key, value) pairs of its own Kc / tp heads, the same heads
+the slot cache's heads axis gives it (Kc as in kv_cache.py: num_kv_heads, or tp when KV heads
+are replicated).
+
+All layers of one kind share page ids: page p of the global pool is page p in every global
+layer, so a sequence has one block table per kind. Page 0 of each pool is scratch (`SCRATCH`):
+never given to a sequence; padding tokens write there and unused table entries point there,
+always masked. A layer's keys are stored after QK-norm and RoPE, as in the slot cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from models.gemma3.config import Gemma3Config
+from models.gemma3.sharding import AXIS
+
+Array = Any
+
+SCRATCH = 0
+
+# Logical axes of a layer's pool; only the combined heads are split (over tp).
+PAGES_AXES = ("pages", "page_offset", "cache_heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerPages:
+    kv: Array  # [num_pages, page_size, 2 * Kc, H]: head i's keys at 2i, its values at 2i + 1
+
+    @property
+    def k(self) -> Array:
+        """[num_pages, page_size, Kc, H] (a strided view: for inspection, not the hot path)."""
+        return self.kv[:, :, 0::2]
+
+    @property
+    def v(self) -> Array:
+        return self.kv[:, :, 1::2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """Every layer's pool, in layer order; `kinds[i]` ("global" or "local") says which pool
+    layer i's pages belong to (static: part of the tree's structure)."""
+
+    layers: tuple[LayerPages, ...]
+    kinds: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+
+    @property
+    def page_size(self) -> int:
+        return self.layers[0].page_size
+
+    def num_pages(self, kind: str) -> int:
+        """Pages of the `kind` pool ("global" or "local"), scratch page included; 0 when no
+        layer is of that kind."""
+        return next((p.num_pages for p, k in zip(self.layers, self.kinds) if k == kind), 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(self))
+
+
+def layer_kinds(c: Gemma3Config) -> tuple[str, ...]:
+    return tuple("global" if c.is_global(i) else "local" for i in range(c.num_layers))
+
+
+def paged_shapes(c: Gemma3Config, num_global_pages: int, num_local_pages: int, page_size: int,
+                 cache_heads: int, dtype) -> PagedKV:
+    """Abstract pools (ShapeDtypeStruct leaves, global shapes); each needs its scratch page."""
+    kinds = layer_kinds(c)
+    for kind, n in (("global", num_global_pages), ("local", num_local_pages)):
+        if kind in kinds and n < 2:
+            raise ValueError(f"the {kind} pool needs at least 2 pages (page 0 is scratch), "
+                             f"got {n}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    layers = tuple(LayerPages(kv=jax.ShapeDtypeStruct(
+        (num_global_pages if kind == "global" else num_local_pages, page_size,
+         2 * cache_heads, c.head_dim), dtype)) for kind in kinds)
+    return PagedKV(layers=layers, kinds=kinds)
+
+
+def paged_specs(c: Gemma3Config) -> PagedKV:
+    """PartitionSpecs of the pools: the combined heads split over tp (whatever tp is: even
+    replicated KV heads are cached one per device, as in the slot cache)."""
+    spec = P(*(AXIS if a == "cache_heads" else None for a in PAGES_AXES))
+    kinds = layer_kinds(c)
+    return PagedKV(layers=tuple(LayerPages(kv=spec) for _ in kinds), kinds=kinds)
+
+
+def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> LayerPages:
+    """The pool with token t's key and value [T, Kl, H] at flat slot slots[t] = page *
+    page_size + offset. A scatter into the pool viewed as [pages * page_size, 2 * Kl, H] (a
+    reshape, no copy): in place when the pool is donated. Padding tokens all write the scratch
+    page; which of them lands there does not matter (never read unmasked)."""
+    n, size, heads, h = pages.kv.shape
+    new = jnp.stack([k, v], axis=2).reshape(k.shape[0], heads, h).astype(pages.kv.dtype)
+    flat = pages.kv.reshape(n * size, heads, h).at[slots].set(new, mode="promise_in_bounds")
+    return LayerPages(kv=flat.reshape(n, size, heads, h))
+
+
+def gather(pages: LayerPages, table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The pages of each row's block table table [S, Pn] as keys and values [S, Pn * page, Kl,
+    H] (logical order: column j's page holds the row's j-th page of its table)."""
+    s, pn = table.shape
+    _, size, heads, h = pages.kv.shape
+    rows = pages.kv[table].reshape(s, pn * size, heads // 2, 2, h)
+    return rows[..., 0, :], rows[..., 1, :]

@@ -1,0 +1,179 @@
+"""One ragged forward step over the paged KV cache: the paged engine's only model program.
+
+A step is a flat batch of T tokens from S sequence rows, each row's tokens contiguous: decode
+tokens (one per sequence) and prompt pieces (several) side by side, each token with its
+position, the last key position it may see, and the pool slots its keys/values go to
+(`RaggedBatch`, built on the host as numpy). The matmuls (QKV, output projection, MLP, logits)
+run over the flat T tokens. Per layer, the step first stores every token's keys/values in its
+pool (a scatter), then each row gathers its pages through its block table and attends with its
+queries gathered into a padded [S, Q] view, whose outputs go back to the flat layout. Storing
+first means a piece sees its own keys through the same pages as the earlier ones: one
+attention, one mask rule (`visible_keys`), whatever mix of work the step holds. Reading the
+pool only after the scatter also keeps the donated pool updated in place (XLA:CPU copies a
+buffer that one program reads *before* updating it, see model.py).
+
+The numerics are the slot engine's (model.py), cast for cast: the same building blocks, the same
+`attend` (float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models.gemma3 import model as forward
+from models.gemma3.paged_kv import LayerPages, PagedKV, gather, store
+from models.gemma3.weights import Weights
+
+Array = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """One step's tokens and tables (int32). T tokens, S sequence rows, Q query slots per row,
+    Pg / Pl pages per row in the global / local table. Rows 0..n-1 are the step's sequences in
+    the order of their runs of tokens (row s's run ends at last[s]); padding rows follow."""
+
+    tokens: Array  # [T] token ids (padding tokens: 0)
+    positions: Array  # [T] position of each token in its sequence
+    # [T] the last key position each token may attend to: its position (causal), or, for a
+    # token of a bidirectional span (an image's tokens), the span's last position.
+    visible: Array
+    seq: Array  # [T] the token's sequence row (padding: 0)
+    col: Array  # [T] the token's index among its row's tokens in this step (padding: 0)
+    write_global: Array  # [T] flat slot page * page_size + offset in the global pool
+    write_local: Array  # [T] the same in the local pool (padding: slots of scratch page 0)
+    queries: Array  # [S, Q] flat index of row s's j-th token (unused: 0, outputs discarded)
+    global_table: Array  # [S, Pg] physical pages of logical pages 0..Pg-1 (unused: 0)
+    local_table: Array  # [S, Pl] physical pages of logical pages local_first .. +Pl-1
+    local_first: Array  # [S]
+    last: Array  # [S] flat index of the token whose logits row s returns (unused rows: 0)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(T, S, Q, Pg, Pl): the bucket this batch is padded to."""
+        return (self.tokens.shape[0], *self.queries.shape, self.global_table.shape[1],
+                self.local_table.shape[1])
+
+
+def visible_keys(key_pos: jax.Array, positions: jax.Array, visible: jax.Array,
+                 window: int | None) -> jax.Array:
+    """The one mask rule: a query at `positions` that may see up to `visible` attends to a key
+    at logical position `key_pos` iff key_pos <= visible and, in a sliding-window layer,
+    key_pos > position - W. Broadcasts (e.g. key_pos [S, 1, L] against [S, Q, 1])."""
+    mask = key_pos <= visible
+    if window is not None:
+        mask = mask & (key_pos > positions - window)
+    return mask
+
+
+# -- attention over pages: the XLA form and the Pallas TPU kernel, chosen in one place ----------
+
+def attention_impl(platform: str) -> str:
+    """Which paged attention runs on `platform`: the Pallas kernel on TPU, XLA elsewhere (the
+    kernel is Mosaic-only; XLA:CPU and GPU run the gather-then-dense form)."""
+    return "pallas" if platform == "tpu" else "xla"
+
+
+def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: jax.Array,
+                    batch: RaggedBatch, window: int | None, impl: str = "xla") -> jax.Array:
+    """Every token's attention over its row's pages: q [T, Nl, H] (flat, as projected) ->
+    [T, Nl, H]. table [S, Pn]: physical pages holding the row's logical pages first[s] ..
+    first[s] + Pn - 1. The step's own keys/values are already stored.
+
+    impl "pallas" runs the TPU kernel for causal steps and the XLA form for a step with a
+    bidirectional span (`visible` beyond `positions` somewhere), which the kernel's mask cannot
+    express: `lax.cond` picks one per step on the device.
+    """
+    if impl == "xla":
+        return _xla_attention(q, pages, table, first, batch, window)
+    if impl != "pallas":
+        raise ValueError(f"paged attention impl must be 'xla' or 'pallas', got {impl!r}")
+    causal = jnp.all(batch.visible == batch.positions)
+    return lax.cond(causal,
+                    lambda: _pallas_attention(q, pages, table, first, batch, window),
+                    lambda: _xla_attention(q, pages, table, first, batch, window))
+
+
+def _xla_attention(q, pages, table, first, batch, window):
+    """Gather each row's pages whole and its queries into [S, Q], dense masked attention (the
+    slot engine's `attend`), then back to the flat tokens. Unused table entries point at the
+    scratch page, at logical positions the rule rejects (the engine's guarantee)."""
+    k, v = gather(pages, table)  # [S, L, Kl, H]
+    s, length = k.shape[:2]
+    size = pages.page_size
+    key_pos = first[:, None] * size + jnp.arange(length, dtype=first.dtype)[None, :]  # [S, L]
+    qpos, qvis = batch.positions[batch.queries], batch.visible[batch.queries]  # [S, Q]
+    mask = visible_keys(key_pos[:, None, :], qpos[:, :, None], qvis[:, :, None], window)
+    out = forward.attend(q[batch.queries], k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
+                         mask)  # [S, Q, Nl, H]
+    return out[batch.seq, batch.col]
+
+
+def kernel_metadata(batch: RaggedBatch, first: jax.Array, page_size: int):
+    """Our batch as the kernel's metadata: (kv_lens [S], cu_q_lens [S + 1], num_seqs [1]).
+
+    The kernel takes row s's queries as tokens cu_q_lens[s]..cu_q_lens[s+1]-1 at the last
+    positions of its kv_len keys, numbered from the table's first page: so kv_len is the
+    row's last position + 1 - first * page_size (a local table starts at local_first; the
+    window rule is relative, so the shift keeps it). Needs rows in the order of their runs
+    and each row's positions consecutive (true of every piece), and causal visibility."""
+    num_seqs = jnp.max(batch.seq, keepdims=True) + 1
+    ends = batch.last + 1
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends])
+    kv_lens = batch.positions[batch.last] + 1 - first * page_size
+    rows = jnp.arange(ends.shape[0])
+    # Rows past num_seqs are ignored by the kernel; keep them harmless all the same.
+    return jnp.where(rows < num_seqs, kv_lens, 0), cu_q_lens, num_seqs.astype(jnp.int32)
+
+
+def _pallas_attention(q, pages, table, first, batch, window):
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    kv_lens, cu_q_lens, num_seqs = kernel_metadata(batch, first, pages.page_size)
+    pn = table.shape[1]
+    out = ragged_paged_attention(
+        q, pages.kv, kv_lens, table, cu_q_lens, num_seqs, sm_scale=1.0,
+        sliding_window=window, mask_value=forward.K_MASK,
+        # Given, so that the kernel does not look up a tuned size from the device kind.
+        num_kv_pages_per_block=min(pn, 8), num_queries_per_block=min(q.shape[0], 32))
+    # Tokens past the last row are no query of the kernel's: their output block is never
+    # written. Zero them, so that padding stays finite (it is stored in the scratch page).
+    real = jnp.arange(q.shape[0]) < cu_q_lens[num_seqs[0]]
+    return jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+# -- the step -----------------------------------------------------------------------------------
+
+def ragged_step(weights: Weights, kv: PagedKV, batch: RaggedBatch, *, ctx: forward.Ctx,
+                logits: bool = True, attention: str = "xla") -> tuple[jax.Array | None, PagedKV]:
+    """The step (module docstring), on this device's shards. Returns float32 logits [S, Vl]
+    over this device's vocabulary rows at each row's `last` token (None with logits=False: a
+    step of prompt pieces that sample nothing skips reading the embedding table) and the
+    updated pages. `attention`: `attention_impl` of the platform."""
+    b = batch
+    positions = b.positions[None, :]  # [1, T]
+    origin = jnp.zeros_like(b.local_first)
+    layers = list(kv.layers)
+
+    def attn(x, w, layer, kind):
+        q, k, v = forward.project_qkv(x, w, positions, kind, ctx)  # [1, T, *, H]
+        glob = kind == "global"
+        pages = store(layers[layer], b.write_global if glob else b.write_local, k[0], v[0])
+        layers[layer] = pages
+        enc = paged_attention(q[0], pages, b.global_table if glob else b.local_table,
+                              origin if glob else b.local_first, b,
+                              None if glob else ctx.config.sliding_window, attention)
+        return forward.output_projection(enc[None], w.o), None
+
+    x = forward.embed_tokens(weights.embed, b.tokens[None, :], ctx)
+    x, _ = forward.run_layers(x, weights, attn, ctx)
+    out = None
+    if logits:
+        x = forward.rms_norm(x[0][b.last], weights.final_norm, ctx.config.norm_eps)
+        out = forward.output_logits(x, weights.embed)
+    return out, PagedKV(layers=tuple(layers), kinds=kv.kinds)
