@@ -104,10 +104,14 @@ class ServerConfig:
                                          "max_batch + prefill_chunk)")
     page_size: int = _field(16, "paged engine: tokens per KV-cache page (divides prefill_chunk)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
-    deterministic: bool = _field(True, "batch-invariant mode: a request's tokens do not depend on "
-                                 "what else is batched (every prompt prefilled alone in chunks of "
-                                 "--prefill-chunk tokens, every decode step over all slots); "
-                                 "--no-deterministic packs decode rows and batches short prompts")
+    deterministic: bool | None = _field(None, "batch-invariant mode: a request's tokens do not "
+                                        "depend on what else is batched. The slot engine (on by "
+                                        "default) prefills every prompt alone in chunks of "
+                                        "--prefill-chunk tokens and decodes over all slots; "
+                                        "--no-deterministic packs decode rows and batches short "
+                                        "prompts. The paged engine (off by default) then runs every "
+                                        "step at the full budget and context: a lone request pays "
+                                        "for the whole batch")
     prefill_chunk: int = _field(16, "prefill chunk length: longer prompts (all prompts when "
                                 "deterministic) are prefilled in chunks of this many tokens, each "
                                 "followed by a decode step of the running sequences (0: no chunks, "
@@ -133,6 +137,8 @@ class ServerConfig:
     log_level: str = _field("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self):
+        if self.deterministic is None:  # the engine's own default (see the setting's help)
+            object.__setattr__(self, "deterministic", self.engine == "slots")
         for name in ("tp", "max_batch", "max_seq_len", "prefill_batch", "max_waiting", "allreduce_minishards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -226,7 +232,7 @@ def _kind(name: str) -> type:
     if name in ALLREDUCE_ALIASES:
         return str
     t = _FIELDS[name].type  # a string: annotations are postponed
-    return {"int": int, "float": float, "bool": bool}.get(t, str)
+    return {"int": int, "float": float, "bool": bool, "bool | None": bool}.get(t, str)
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
@@ -300,7 +306,7 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
         if _kind(name) is bool:  # --deterministic / --no-deterministic
             parser.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
                                 default=None,
-                                help=f"{help} (default: {'on' if default else 'off'}; env "
+                                help=f"{help} (default: {'per engine' if default is None else 'on' if default else 'off'}; env "
                                      f"{ENV_PREFIX}{name.upper()}=1/0)")
             continue
         parser.add_argument("--" + name.replace("_", "-"), type=_kind(name), default=None,

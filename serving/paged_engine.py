@@ -44,8 +44,8 @@ class Buckets:
 
     Few values each, so that a server compiles few programs (each is one compile, kept by the
     persistent compilation cache): S is 1 (a lone sequence) or max_num_seqs; Q is 1 (every row
-    decodes) or the chunk size; T is S when every row decodes, else a power of two from 8 up
-    to the token budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows
+    decodes) or the chunk size; T is max(8, S) when every row decodes, else a power of two
+    from 8 up to the token budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows
     Q. With max_num_seqs 8, max_seq_len 2048, pages of 16 and chunks of 16 that is at most
     2 x 5 decode programs and 2 x 3 x 5 x 2 with prompt pieces (50), of which a server meets
     the ones its load needs. A lone request runs S = 1 programs: it never pays for the batch."""
@@ -67,15 +67,26 @@ def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
 
 
 MIN_PAGES = 8
+# XLA:CPU lowers a one-token store into the pool to a select over a dynamic slice of the whole
+# pool, which it then copies (every layer, every step: 4x a lone decode's time for the 270M);
+# from 8 tokens on the store is an in-place scatter.
 MIN_TOKENS = 8
 
 
 def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
                 logits: bool) -> Buckets:
+    max_pages = _pow2(-(-info.max_seq_len // info.page_size))
+    if info.deterministic:
+        # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
+        # apart), so no bucket that follows the neighbours is neutral: batch invariance needs
+        # one shape for every step, the whole budget and context, as the slot engine does.
+        q = info.chunk_size
+        return Buckets(tokens=max(MIN_TOKENS, _pow2(info.max_num_batched_tokens)),
+                       seqs=info.num_slots, queries=q, global_pages=max(MIN_PAGES, max_pages),
+                       local_pages=local_pages_for(q, info.sliding_window, info.page_size))
     s = 1 if seqs == 1 else info.num_slots
     q = 1 if longest_piece == 1 else info.chunk_size
-    t = s if q == 1 else max(MIN_TOKENS, _pow2(tokens))
-    max_pages = _pow2(-(-info.max_seq_len // info.page_size))
+    t = max(MIN_TOKENS, s if q == 1 else _pow2(tokens))
     return Buckets(tokens=t, seqs=s, queries=q,
                    global_pages=min(max(MIN_PAGES, _pow2(pages)), max(MIN_PAGES, max_pages)),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size),
@@ -158,10 +169,11 @@ class PagedEngine:
 
     max_num_seqs: sequences running at once; kv_cache_tokens: the global layers' pool in tokens
     (the sum of the contexts the running sequences may hold; default max_num_seqs x
-    max_seq_len); the local (sliding-window) pool holds every running sequence's window twice
-    over, the second half for prefix-cached windows. chunk_size: the most prompt tokens one
-    sequence computes in a step (a multiple of page_size); max_num_batched_tokens: the step's
-    token budget (default max_num_seqs + chunk_size: every decode plus one prompt piece)."""
+    max_seq_len); the local (sliding-window) pool holds every running sequence's window plus a
+    quarter more, which keeps the windows of recent prompts for prefix-cache hits. chunk_size:
+    the most prompt tokens one sequence computes in a step (a multiple of page_size);
+    max_num_batched_tokens: the step's token budget (default max_num_seqs + chunk_size: every
+    decode plus one prompt piece)."""
 
     def __init__(self, model, *, max_num_seqs: int, max_seq_len: int, page_size: int = 16,
                  kv_cache_tokens: int | None = None, chunk_size: int = 16,
@@ -286,7 +298,7 @@ def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         prefix_blocks=1 if prefix_caching else 0,
         page_size=page_size,
         num_global_pages=math.ceil(tokens / page_size) + 1 if has_global else 2,
-        num_local_pages=2 * max_num_seqs * per_seq_local + 1 if has_local else 2,
+        num_local_pages=max_num_seqs * per_seq_local * 5 // 4 + 1 if has_local else 2,
         max_num_batched_tokens=budget,
         sliding_window=window,
         has_global_layers=has_global,

@@ -119,19 +119,10 @@ class Gemma3Engine:
                        progress: Callable[[str], None] | None = None) -> None:
         """Compile (without running) and keep the ragged steps of `keys` (`ragged_key`s).
 
-        Buckets: every shape is its own program, so pad each of (T, S, Q, Pg, Pl) to a few
-        values. S: powers of two up to the running sequences. Q: 1 for a step of decode tokens
-        only, else the chunk size C (pieces are at most C tokens; Q below C saves nothing worth
-        a program). T: S when Q = 1 (one token a row), else powers of two from C up to the step's
-        token budget. Pg: powers of two up to the pages of the longest context. Pl: follows
-        from Q (the window before the first query plus the queries, in whole pages). Logits:
-        decode steps always; a step of prompt pieces none of which samples runs RAGGED_KV.
-        With n = log2(max sequences) + 1 row buckets, m = log2(context pages) + 1 page buckets
-        and u token buckets of mixed steps, that is at most n*m (decode) + 2*u*n*m (mixed, with
-        and without logits) programs: for 8 sequences, C = 16, a budget of 24 tokens (u = 2:
-        16, 32) and a 2,560-token context at 16-token pages (m = 9), 36 + 144 = 180, of which a
-        server meets few (a lone request: the one-row programs of its context's page buckets).
-        Compile the ones every server meets first here; the others compile on first use.
+        Every (T, S, Q, Pg, Pl) is its own program, so the caller pads each to a few values
+        (the paged engine's choice: `serving.paged_engine.Buckets`, which also says how many
+        programs that gives). Compile the ones every server meets first here; the others
+        compile on first use.
         """
         keys = list(keys)
         self.programs.compile_all(

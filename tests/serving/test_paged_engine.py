@@ -1,0 +1,95 @@
+"""The paged engine end to end on tiny random models (window 8, so prompts overflow the
+sliding window): the engine core drives `PagedEngine` through `PagedScheduler`, and every answer
+is checked against the slot engine's (an independent path: separate prefill, chunk and decode
+programs over a slot cache) and against itself alone.
+"""
+import numpy as np
+import pytest
+
+from serving.engine import ModelEngine
+from serving.engine_core import EngineCore
+from serving.metrics import Metrics
+from serving.paged_engine import PagedEngine
+from tests.serving.test_batch_invariance import generate, model, prompt
+
+PROMPTS = [prompt(n, seed) for seed, n in enumerate((1, 7, 23, 45, 9, 30))]
+
+
+def paged(m, **kw):
+    args = dict(max_num_seqs=4, max_seq_len=96, page_size=4, chunk_size=8)
+    args.update(kw)
+    return PagedEngine(m, **args)
+
+
+def tokens_of(results):
+    return [[t for t, _ in r] for r in results]
+
+
+def close(a, b, tol):
+    for ra, rb in zip(a, b):
+        assert [t for t, _ in ra] == [t for t, _ in rb]
+        np.testing.assert_allclose([lp for _, lp in ra], [lp for _, lp in rb], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_paged_engine_gives_the_slot_engines_tokens(tp):
+    m = model(tp)
+    slots = ModelEngine(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
+    want = generate(slots, PROMPTS, max_tokens=6)
+    got = generate(paged(m), PROMPTS, max_tokens=6)
+    close(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_request_alone_and_among_others_agree(deterministic):
+    """Deterministic mode runs one shape for every step: bit for bit. Otherwise the buckets
+    follow the work, and XLA:CPU's softmax may round the last bit differently."""
+    m = model(1)
+    engine = paged(m, deterministic=deterministic)
+    together = generate(engine, PROMPTS, max_tokens=8)
+    alone = [generate(engine, [p], max_tokens=8)[0] for p in PROMPTS]
+    assert tokens_of(together) == tokens_of(alone)
+    close(together, alone, 0.0 if deterministic else 1e-5)
+
+
+def test_pages_running_out_preempt_and_lose_nothing():
+    m = model(1)
+    # Room for 96 tokens of global cache: four sequences growing to ~70 tokens cannot all fit.
+    engine = paged(m, kv_cache_tokens=96)
+    core = EngineCore(engine).start()
+    try:
+        long = [prompt(40, 10 + i) for i in range(4)]
+        together = generate(engine, long, max_tokens=30, core=core)
+        preemptions = core.scheduler.num_preemptions
+    finally:
+        core.shutdown()
+    assert preemptions > 0
+    alone = [generate(engine, [p], max_tokens=30)[0] for p in long]
+    close(together, alone, 1e-5)
+
+
+def test_a_prefix_hit_gives_what_a_miss_gives_and_is_counted():
+    m = model(1)
+    engine = paged(m)
+    metrics = Metrics("tiny", "f32")
+    core = EngineCore(engine, metrics=metrics).start()
+    try:
+        p = prompt(45, 3)
+        first = generate(engine, [p], core=core)
+        second = generate(engine, [p], core=core)
+        other = generate(engine, [p[:30] + prompt(10, 4)], core=core)
+    finally:
+        core.shutdown()
+    close(second, first, 1e-6)
+    # the whole prompt but its last token (11 pages of 4), then the 7 full pages of the shared 30
+    assert metrics.prefix_hits._value.get() == 44 + 28
+    fresh = generate(paged(m, prefix_caching=False), [p[:30] + prompt(10, 4)])
+    close(other, fresh, 1e-5)
+
+
+def test_a_lone_request_runs_one_row_programs():
+    m = model(1)
+    engine = paged(m, max_num_seqs=8)
+    generate(engine, [prompt(20, 1)], max_tokens=5)
+    assert engine.programs_run and all(b.seqs == 1 for b in engine.programs_run)
+    assert {b.tokens for b in engine.programs_run} <= {1, 8}
