@@ -26,13 +26,12 @@ Not thread-safe: the engine core serialises every call.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 from serving.engine import EngineInfo
 from serving.kv_pages import KVPages, block_hashes
 from serving.sampling import InvalidParameter
-from serving.scheduler import QueueFull, Sequence, check_context
+from serving.scheduler import Sequence, WaitingQueue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,37 +65,21 @@ class StepPlan:
         return sum(p.end - p.start for p in self.pieces)
 
 
-class PagedScheduler:
+class PagedScheduler(WaitingQueue):
     def __init__(self, info: EngineInfo, max_waiting: int = 256):
         if not info.page_size:
             raise ValueError("the paged scheduler needs an engine with a page size")
-        self.info = info
-        self.max_waiting = max_waiting
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        super().__init__(info, max_waiting)
         self._running: list[Sequence] = []  # admission order (the newest is preempted first)
         self.kv = KVPages(info.page_size, info.num_global_pages, info.num_local_pages,
                           info.sliding_window, info.has_global_layers)
         self.prefix_caching = bool(info.prefix_blocks)
         self.num_preemptions = 0
 
-    # ---- admission ----
-
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        check_context(self.info.max_seq_len, prompt_len, max_tokens)
-
-    def add(self, seqs: list[Sequence]) -> None:
-        """Queues sequences, all or none. Raises InvalidParameter or QueueFull."""
-        for s in seqs:
-            self.check(len(s.prompt), s.params.max_tokens)
-            if s.want_prompt_logprobs:
-                raise InvalidParameter("logprobs", "the prompt's own logprobs (echo with logprobs) "
-                                       "are not served by the paged engine yet: use --engine slots")
-        if len(self.waiting) + len(seqs) > self.max_waiting:
-            raise QueueFull(f"too many waiting requests ({len(self.waiting)} waiting, limit "
-                            f"{self.max_waiting}); retry later")
-        self.waiting.extend(seqs)
-
-    # ---- leaving ----
+    def admissible(self, seq: Sequence) -> None:
+        if seq.want_prompt_logprobs:
+            raise InvalidParameter("logprobs", "the prompt's own logprobs (echo with logprobs) "
+                                   "are not served by the paged engine yet: use --engine slots")
 
     def finish(self, seq: Sequence) -> bool:
         """A sequence ended: its pages go back. Returns whether it was running."""
@@ -105,21 +88,6 @@ class PagedScheduler:
             self.kv.free(seq.id)
             return True
         return False
-
-    def abort(self, ids) -> list[Sequence]:
-        ids = set(ids)
-        dropped = [s for s in self.waiting if s.id in ids]
-        self.waiting = collections.deque(s for s in self.waiting if s.id not in ids)
-        dropped += [s for s in self._running if s.id in ids]
-        for s in dropped:
-            self.finish(s)
-        return dropped
-
-    def abort_running(self) -> list[Sequence]:
-        return self.abort([s.id for s in self._running])
-
-    def abort_all(self) -> list[Sequence]:
-        return self.abort([s.id for s in self.waiting] + [s.id for s in self._running])
 
     def reset_prefix_cache(self) -> None:
         """After an engine failure: the device pages may be lost (running sequences were
@@ -135,10 +103,6 @@ class PagedScheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
 
     def kv_usage(self) -> float:
         return self.kv.usage()

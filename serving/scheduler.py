@@ -186,37 +186,39 @@ class PrefixCache:
         self._free = list(range(self.num_blocks))[::-1]
 
 
-class Scheduler:
+class WaitingQueue:
+    """What every scheduling policy shares: the bounded waiting queue, the context check, and
+    removing sequences (waiting or running). A policy defines `running`, `finish` and
+    `schedule`; `admissible` may refuse what it cannot serve."""
+
     def __init__(self, info: EngineInfo, max_waiting: int = 256):
         self.info = info
         self.max_waiting = max_waiting
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.slots: list[Sequence | None] = [None] * info.num_slots
-        self.prefix_cache = PrefixCache(info.prefix_blocks if info.chunk_size else 0)
-
-    # ---- admission ----
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Raises InvalidParameter when a prompt (plus its max_tokens) does not fit the context."""
         check_context(self.info.max_seq_len, prompt_len, max_tokens)
 
+    def admissible(self, seq: Sequence) -> None:
+        """Raises InvalidParameter for a sequence this policy cannot serve."""
+
     def add(self, seqs: list[Sequence]) -> None:
         """Queues sequences, all or none. Raises InvalidParameter or QueueFull."""
         for s in seqs:
             self.check(len(s.prompt), s.params.max_tokens)
+            self.admissible(s)
         if len(self.waiting) + len(seqs) > self.max_waiting:
             raise QueueFull(f"too many waiting requests ({len(self.waiting)} waiting, limit "
                             f"{self.max_waiting}); retry later")
         self.waiting.extend(seqs)
 
-    # ---- leaving ----
+    @property
+    def running(self) -> list[Sequence]:
+        raise NotImplementedError
 
     def finish(self, seq: Sequence) -> bool:
-        """Frees a running sequence's slot (it ended). Returns whether it held one."""
-        if 0 <= seq.slot < len(self.slots) and self.slots[seq.slot] is seq:
-            self.slots[seq.slot] = None
-            return True
-        return False
+        raise NotImplementedError
 
     def abort(self, ids) -> list[Sequence]:
         """Removes the sequences with these ids, waiting or running; returns them."""
@@ -229,12 +231,30 @@ class Scheduler:
         return dropped
 
     def abort_running(self) -> list[Sequence]:
-        """Removes every running sequence (their cache rows are lost); returns them."""
+        """Removes every running sequence (their cache is lost); returns them."""
         return self.abort([s.id for s in self.running])
 
     def abort_all(self) -> list[Sequence]:
         """Removes every sequence, waiting ones first; returns them."""
         return self.abort([s.id for s in self.waiting] + [s.id for s in self.running])
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+
+class Scheduler(WaitingQueue):
+    def __init__(self, info: EngineInfo, max_waiting: int = 256):
+        super().__init__(info, max_waiting)
+        self.slots: list[Sequence | None] = [None] * info.num_slots
+        self.prefix_cache = PrefixCache(info.prefix_blocks if info.chunk_size else 0)
+
+    def finish(self, seq: Sequence) -> bool:
+        """Frees a running sequence's slot (it ended). Returns whether it held one."""
+        if 0 <= seq.slot < len(self.slots) and self.slots[seq.slot] is seq:
+            self.slots[seq.slot] = None
+            return True
+        return False
 
     # ---- state ----
 
@@ -245,10 +265,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return sum(s is not None for s in self.slots)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
 
     def kv_usage(self) -> float:
         used = sum(s.length for s in self.slots if s is not None)
