@@ -46,9 +46,10 @@ class Buckets:
     persistent compilation cache): S is 1 (a lone sequence) or max_num_seqs; Q is 1 (every row
     decodes) or the chunk size; T is max(8, S) when every row decodes, else a power of two
     from 8 up to the token budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows
-    Q. With max_num_seqs 8, max_seq_len 2048, pages of 16 and chunks of 16 that is at most
-    2 x 5 decode programs and 2 x 3 x 5 x 2 with prompt pieces (50), of which a server meets
-    the ones its load needs. A lone request runs S = 1 programs: it never pays for the batch."""
+    Q. With max_num_seqs 8, max_seq_len 2048, pages of 16 and chunks of 16 (a budget of 24
+    tokens: T 8, 16 or 32) that is at most 2 x 5 decode programs (S x Pg) and 2 x 3 x 5 x 2
+    with prompt pieces (S x T x Pg x logits), 70 in all, of which a server meets the ones its
+    load needs. A lone request runs S = 1 programs: it never pays for the batch."""
 
     tokens: int
     seqs: int
