@@ -197,6 +197,10 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
                fold_rotation: bool = True) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
+    Images: a Hugging Face `Gemma3ForConditionalGeneration` directory's vision tower and
+    projector load beside the text (`Gemma3Model.takes_images`); "random:<size>?vision=tiny"
+    gives a random model a random tower of that `vision.VISION_CONFIGS` name (for tests).
+
     tp_mesh: the shape of the TP mesh over those devices: None (default) a 1-D mesh; "2x2",
       "2x2x2" or (2, 2) a mesh of axes ("x", "y"[, "z"]) whose product must be tp: heads, FFN
       and vocabulary are split over the product, and every layer's AllReduce runs equarx's
@@ -232,6 +236,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
     parse_tp_mesh(tp_mesh, tp)  # a bad mesh fails before anything loads
     if isinstance(config, str):
         config = get_config(config)
+    source, vision_name = split_vision_option(source)
     cfg, place, tokenizer = resolve_source(source, config, dtype, tp, seed, weights_cache_dir)
     if max_seq_len is not None:
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
@@ -255,4 +260,50 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
         weights = programs.fold_weights(place(cfg, mesh), donate=True)
         if compiling is not None:
             compiling.result()
-    return Gemma3Model.from_programs(programs, weights, tokenizer)
+    model = Gemma3Model.from_programs(programs, weights, tokenizer)
+    vision = load_vision(source, cfg, vision_name, seed)
+    if vision is not None:
+        model.attach_vision(vision)
+    return model
+
+
+def split_vision_option(source):
+    """("random:tiny?layers=2", "tiny") from "random:tiny?layers=2&vision=tiny": the random
+    tower option is ours, not a text config field."""
+    if not isinstance(source, str) or not source.startswith("random:") or "?" not in source:
+        return source, None
+    import urllib.parse
+
+    head, _, query = source.partition("?")
+    pairs = urllib.parse.parse_qsl(query, strict_parsing=True)
+    vision = [v for k, v in pairs if k == "vision"]
+    rest = urllib.parse.urlencode([(k, v) for k, v in pairs if k != "vision"])
+    return (f"{head}?{rest}" if rest else head), (vision[-1] if vision else None)
+
+
+def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int):
+    """The VisionModel (host arrays) a source carries, or None for a text-only one."""
+    from models.gemma3 import hf_checkpoint
+
+    if vision_name is not None:
+        from models.gemma3.projector import random_projector_weights
+        from models.gemma3.vision import VISION_CONFIGS, random_vision_weights
+        from models.gemma3.vision_checkpoint import ImageTokenIds, VisionModel
+
+        if vision_name not in VISION_CONFIGS:
+            raise ValueError(f"unknown vision tower {vision_name!r}; known: "
+                             f"{sorted(VISION_CONFIGS)}")
+        c = VISION_CONFIGS[vision_name]
+        v = config.vocab_size
+        # A random model's vocabulary may lack the real image token ids: take the last rows
+        # (as the tiny golden checkpoint does), beyond what the byte tokenizer emits.
+        tokens = ImageTokenIds(start=v - 12, end=v - 11, soft=v - 10)
+        return VisionModel(config=c, vision=random_vision_weights(c, seed=seed + 7),
+                           projector=random_projector_weights(c, config.d_model, seed=seed + 8),
+                           tokens=tokens)
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source) \
+            and hf_checkpoint.is_hf_checkpoint(source):
+        from models.gemma3.vision_checkpoint import load_hf_vision
+
+        return load_hf_vision(source)
+    return None

@@ -20,7 +20,7 @@ import numpy as np
 from models.gemma3.kv_cache import KVCache, move_slot
 from models.gemma3.paged_kv import PagedKV
 from models.gemma3.programs import ModelPrograms, ProgramKey
-from models.gemma3.ragged import RaggedBatch
+from models.gemma3.ragged import ImageRows, RaggedBatch
 from models.gemma3.weights import Weights
 
 
@@ -45,6 +45,40 @@ class Gemma3Engine:
         self.prefill_buckets = programs.prefill_buckets
         self._tokenizer = tokenizer
         self._move_slot = jax.jit(move_slot, donate_argnums=(0,))
+        self.vision = None  # a VisionModel with placed weights (`attach_vision`), or None
+        self._image_features = None
+
+    # -- images --------------------------------------------------------------------------------
+    def attach_vision(self, vision) -> None:
+        """Serve images with `vision` (a `vision_checkpoint.VisionModel`, host arrays): its
+        tower and projector are placed replicated on the mesh (docs/vision.md: on this
+        machine the split gains nothing and replicated costs no collectives), in the model's
+        dtype, and `image_features` runs them."""
+        from models.gemma3.projector import image_features
+        from models.gemma3.vision_sharding import place_vision
+
+        cast = lambda x: np.asarray(x, self.dtype)  # noqa: E731
+        placed = dataclasses.replace(
+            vision, vision=place_vision(jax.tree.map(cast, vision.vision), vision.config,
+                                        self.mesh, split=False),
+            projector=jax.device_put(jax.tree.map(cast, vision.projector),
+                                     self.programs.replicated))
+        c = vision.config
+        self._image_features = jax.jit(lambda v, p, x: image_features(v, p, x, c))
+        self.vision = placed
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
+
+    def image_features(self, pixels) -> jax.Array:
+        """pixels [n, H, W, 3] float32 (preprocessed, `serving.media`) -> features
+        [n, tokens_per_image, D] in the model's dtype, replicated on the mesh."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower: it takes no images")
+        pixels = jnp.asarray(pixels, self.dtype)
+        v = self.vision
+        return self._image_features(v.vision, v.projector, pixels).astype(self.dtype)
 
     @property
     def tokenizer(self):
@@ -88,10 +122,13 @@ class Gemma3Engine:
         Page 0 of each is scratch (never a sequence's)."""
         return self.programs.zeros_pages(num_global_pages, num_local_pages, page_size)
 
-    def ragged_step(self, pages: PagedKV, batch: RaggedBatch, logits: bool = True):
+    def ragged_step(self, pages: PagedKV, batch: RaggedBatch, logits: bool = True,
+                    images: ImageRows | None = None):
         """One ragged step (`models.gemma3.ragged`): batch's fields numpy or device int32
         arrays. Returns (float32 logits [S, V] at each row's `last` token, vocab-sharded as
-        decode's, or None with logits=False; the pages). Donates the pages."""
+        decode's, or None with logits=False; the pages). Donates the pages. `images`: the
+        feature rows [F, D] the step's soft tokens take (index [T], -1 for text); each F is
+        its own program (pad F to a few sizes)."""
         b = RaggedBatch(**{f.name: self._ids(getattr(batch, f.name), _RAGGED_NDIM[f.name],
                                              f.name)
                            for f in dataclasses.fields(RaggedBatch)})
@@ -103,13 +140,28 @@ class Gemma3Engine:
                                                       "local_first", "last")):
             raise ValueError("a RaggedBatch's per-token arrays must all be [T] and its per-row "
                              f"arrays [S, ...]: got {_describe(b)}")
-        key = ProgramKey.ragged(t, s, q, pg, pl, pages, logits)
-        out = self.programs.runnable(key)(self.weights, pages, b)
+        args = (self.weights, pages, b)
+        features = 0
+        if images is not None:
+            feats = images.features
+            if feats.ndim != 2 or feats.shape[1] != self.config.d_model:
+                raise ValueError(f"image features must be [F, {self.config.d_model}], got "
+                                 f"{tuple(feats.shape)}")
+            feats = jax.device_put(jnp.asarray(feats, self.dtype), self.programs.replicated)
+            index = self._ids(images.index, 1, "index")
+            if index.shape != (t,):
+                raise ValueError(f"the image index must be [T]={t}, got {index.shape}")
+            features = feats.shape[0]
+            args += (ImageRows(features=feats, index=index),)
+        key = ProgramKey.ragged(t, s, q, pg, pl, pages, logits, features)
+        out = self.programs.runnable(key)(*args)
         return out if logits else (None, out)
 
     def ragged_key(self, tokens: int, seqs: int, queries: int, global_pages: int,
-                   local_pages: int, pages: PagedKV, logits: bool = True) -> ProgramKey:
-        return ProgramKey.ragged(tokens, seqs, queries, global_pages, local_pages, pages, logits)
+                   local_pages: int, pages: PagedKV, logits: bool = True,
+                   features: int = 0) -> ProgramKey:
+        return ProgramKey.ragged(tokens, seqs, queries, global_pages, local_pages, pages, logits,
+                                 features)
 
     def lower_ragged(self, key: ProgramKey) -> jax.stages.Lowered:
         """A ragged step's program (from `ragged_key`), lowered from abstract shapes."""
@@ -127,7 +179,9 @@ class Gemma3Engine:
         keys = list(keys)
         self.programs.compile_all(
             [(f"ragged step T={k.tokens} S={k.batch} Q={k.queries} Pg={k.global_pages} "
-              f"Pl={k.local_pages}" + ("" if k.program.value == "ragged" else " (no logits)"),
+              f"Pl={k.local_pages}" + (f" F={k.features}" if k.features else "")
+              + ("" if k.program.value.startswith("ragged") and not k.program.value.endswith(
+                  "_kv") else " (no logits)"),
               [k]) for k in keys], workers, progress)
 
     # -- running -------------------------------------------------------------------------------

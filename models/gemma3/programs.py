@@ -36,7 +36,7 @@ from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.loading import cache_dtype
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs
 from models.gemma3.program_cache import ProgramCache
-from models.gemma3.ragged import RaggedBatch, attention_impl, ragged_step
+from models.gemma3.ragged import ImageRows, RaggedBatch, attention_impl, ragged_step
 from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
                                     resolve_tree, tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
@@ -68,6 +68,10 @@ class Program(enum.Enum):
     RAGGED:             (weights, pages, RaggedBatch) -> (logits [S, V], pages): one ragged step
                         over the paged cache
     RAGGED_KV:          (weights, pages, RaggedBatch) -> pages: the same without logits
+    RAGGED_IMAGES:      (weights, pages, RaggedBatch, ImageRows) -> (logits, pages): a ragged
+                        step whose tokens include image soft tokens (their features replace
+                        their embeddings); text-only steps keep the programs above
+    RAGGED_IMAGES_KV:   the same without logits
     """
 
     PREFILL = "prefill"
@@ -80,6 +84,12 @@ class Program(enum.Enum):
     WRITE_CHUNK = "write_chunk"
     RAGGED = "ragged"
     RAGGED_KV = "ragged_kv"
+    RAGGED_IMAGES = "ragged_images"
+    RAGGED_IMAGES_KV = "ragged_images_kv"
+
+
+RAGGED_PROGRAMS = (Program.RAGGED, Program.RAGGED_KV, Program.RAGGED_IMAGES,
+                   Program.RAGGED_IMAGES_KV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +105,7 @@ class ProgramKey:
     queries, global_pages, local_pages: a ragged step's Q, Pg and Pl (`RaggedBatch`).
     pools: a ragged step's paged cache, (global pages, local pages, page size), as
       `paged_shapes` takes them.
+    features: F, the image feature rows of a ragged step with images (0: none).
     """
 
     program: Program
@@ -106,6 +117,7 @@ class ProgramKey:
     global_pages: int = 0
     local_pages: int = 0
     pools: tuple[int, int, int] = (0, 0, 0)
+    features: int = 0
 
     @classmethod
     def prefill(cls, batch: int, bucket: int, cache: KVCache,
@@ -137,13 +149,17 @@ class ProgramKey:
 
     @classmethod
     def ragged(cls, tokens: int, seqs: int, queries: int, global_pages: int, local_pages: int,
-               pages: PagedKV, logits: bool = True) -> ProgramKey:
+               pages: PagedKV, logits: bool = True, features: int = 0) -> ProgramKey:
         """A ragged step padded to (T, S, Q, Pg, Pl) over `pages` (arrays or
-        ShapeDtypeStructs: only the pools' shapes are read)."""
-        program = Program.RAGGED if logits else Program.RAGGED_KV
+        ShapeDtypeStructs: only the pools' shapes are read); `features` > 0: with that many
+        image feature rows (`ImageRows`)."""
+        if features:
+            program = Program.RAGGED_IMAGES if logits else Program.RAGGED_IMAGES_KV
+        else:
+            program = Program.RAGGED if logits else Program.RAGGED_KV
         pools = (pages.num_pages("global"), pages.num_pages("local"), pages.page_size)
         return cls(program, seqs, tokens, queries=queries, global_pages=global_pages,
-                   local_pages=local_pages, pools=pools)
+                   local_pages=local_pages, pools=pools, features=features)
 
 
 class ModelPrograms:
@@ -279,8 +295,9 @@ class ModelPrograms:
         batch = RaggedBatch(**{f.name: ids for f in dataclasses.fields(RaggedBatch)})
         step = functools.partial(ragged_step, ctx=self._ctx, attention=self.attention)
 
-        def step_kv(w, kv, b):
-            return step(w, kv, b, logits=False)[1]
+        def step_kv(w, kv, b, images=None):
+            return step(w, kv, b, images, logits=False)[1]
+        images = ImageRows(features=ids, index=ids)
         prefill_all = functools.partial(forward.prefill, ctx=self._ctx, return_all=True)
         return {
             Program.PREFILL: self._jit(Program.PREFILL, prefill, (weights, cache, ids, ids, ids),
@@ -308,6 +325,12 @@ class ModelPrograms:
                                       (vocab_last, pages), donate=(1,)),
             Program.RAGGED_KV: self._jit(Program.RAGGED_KV, step_kv, (weights, pages, batch),
                                          pages, donate=(1,)),
+            Program.RAGGED_IMAGES: self._jit(Program.RAGGED_IMAGES, step,
+                                             (weights, pages, batch, images),
+                                             (vocab_last, pages), donate=(1,)),
+            Program.RAGGED_IMAGES_KV: self._jit(Program.RAGGED_IMAGES_KV, step_kv,
+                                                (weights, pages, batch, images), pages,
+                                                donate=(1,)),
         }
 
     def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
@@ -318,7 +341,7 @@ class ModelPrograms:
         # reductions keep the check.
         check = self.reduction is None and self.allreduce.impl == "ppermute"
         # Nor the Pallas attention kernel's outputs (the ragged step on TPU).
-        if program in (Program.RAGGED, Program.RAGGED_KV) and self.attention == "pallas":
+        if program in RAGGED_PROGRAMS and self.attention == "pallas":
             check = False
         fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
                                    in_specs=resolve_tree(self.mesh, in_specs),
@@ -365,7 +388,7 @@ class ModelPrograms:
 
         if key.program is Program.SCORE:
             return self.abstract_weights, ids(key.batch, key.tokens), ids(key.batch)
-        if key.program in (Program.RAGGED, Program.RAGGED_KV):
+        if key.program in RAGGED_PROGRAMS:
             t, s = key.tokens, key.batch
             flat = {f: ids(t) for f in ("tokens", "positions", "visible", "seq", "col",
                                         "write_global", "write_local")}

@@ -60,6 +60,25 @@ class RaggedBatch:
                 self.local_table.shape[1])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ImageRows:
+    """The image features a step's soft tokens take: a separate argument (its own program
+    variant, `Program.RAGGED_IMAGES`), so that a text-only step carries and computes nothing."""
+
+    features: Array  # [F, D] projected image features (activation dtype; padding rows: 0)
+    index: Array  # [T] int32: the features row of each token, -1 for a text token
+
+
+def merge_image_rows(x: jax.Array, images: ImageRows) -> jax.Array:
+    """x [1, T, D] (token embeddings, already scaled by sqrt(D)) with each soft token's row
+    replaced by its feature row (not scaled: the features come out of the projector at the
+    text's scale, as transformers and the official library merge them)."""
+    index = images.index
+    rows = jnp.take(images.features, jnp.maximum(index, 0), axis=0).astype(x.dtype)
+    return jnp.where((index >= 0)[None, :, None], rows[None], x)
+
+
 def visible_keys(key_pos: jax.Array, positions: jax.Array, visible: jax.Array,
                  window: int | None) -> jax.Array:
     """The one mask rule: a query at `positions` that may see up to `visible` attends to a key
@@ -149,9 +168,11 @@ def _pallas_attention(q, pages, table, first, batch, window):
 
 # -- the step -----------------------------------------------------------------------------------
 
-def ragged_step(weights: Weights, kv: PagedKV, batch: RaggedBatch, *, ctx: forward.Ctx,
-                logits: bool = True, attention: str = "xla") -> tuple[jax.Array | None, PagedKV]:
-    """The step (module docstring), on this device's shards. Returns float32 logits [S, Vl]
+def ragged_step(weights: Weights, kv: PagedKV, batch: RaggedBatch, images: ImageRows | None = None,
+                *, ctx: forward.Ctx, logits: bool = True, attention: str = "xla"
+                ) -> tuple[jax.Array | None, PagedKV]:
+    """The step (module docstring), on this device's shards. `images`: the features of the
+    step's image soft tokens (their `visible` reaches their image's last soft token). Returns float32 logits [S, Vl]
     over this device's vocabulary rows at each row's `last` token (None with logits=False: a
     step of prompt pieces that sample nothing skips reading the embedding table) and the
     updated pages. `attention`: `attention_impl` of the platform."""
@@ -171,6 +192,8 @@ def ragged_step(weights: Weights, kv: PagedKV, batch: RaggedBatch, *, ctx: forwa
         return forward.output_projection(enc[None], w.o), None
 
     x = forward.embed_tokens(weights.embed, b.tokens[None, :], ctx)
+    if images is not None:
+        x = merge_image_rows(x, images)
     x, _ = forward.run_layers(x, weights, attn, ctx)
     out = None
     if logits:
