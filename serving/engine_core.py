@@ -105,12 +105,15 @@ class EngineCore:
 
     def submit(self, requests: list[tuple[list[int], SamplingParams, Sink]],
                prompt_logprobs: bool = False) -> list[int]:
-        """Queues sequences (all or none) and returns their ids. Raises QueueFull, ShuttingDown or
+        """Queues sequences (all or none) and returns their ids. A request may carry a fourth
+        item, its images (scheduler.SeqImage; the paged engine only). Raises QueueFull, ShuttingDown or
         InvalidParameter (prompt too long for the context)."""
         now = time.perf_counter()
         seqs = [(Sequence(id=next(self._ids), prompt=list(prompt), params=params,
-                          seed=params.seed32(random.getrandbits(32)), want_prompt_logprobs=prompt_logprobs), sink)
-                for prompt, params, sink in requests]
+                          seed=params.seed32(random.getrandbits(32)),
+                          want_prompt_logprobs=prompt_logprobs,
+                          images=tuple(images[0]) if images else ()), sink)
+                for prompt, params, sink, *images in requests]
         with self._lock:
             if self._stuck is not None:
                 raise EngineStuck(self._stuck)

@@ -31,13 +31,20 @@ import numpy as np
 SCRATCH = 0  # page 0 of each pool: padding tokens write there, unused table entries point there
 
 
-def block_hashes(tokens, page_size: int) -> list[bytes]:
+def block_hashes(tokens, page_size: int, images=()) -> list[bytes]:
     """The hash of every full `page_size`-token page of `tokens`, each over its parent's hash and
-    its own token ids (so a hash names the whole prefix up to its page's end)."""
+    its own token ids (so a hash names the whole prefix up to its page's end). `images`:
+    (spans, content hash) of the prompt's images: a page holding any of an image's soft tokens
+    hashes that image's content too, since the soft tokens' ids are the same for every image
+    (vLLM's multimodal hashes)."""
     out, parent = [], b""
     tokens = np.asarray(tokens, "<i4")
     for i in range(len(tokens) // page_size):
         h = hashlib.blake2b(parent, digest_size=16)
+        lo, hi = i * page_size, (i + 1) * page_size
+        for spans, key in images:
+            if any(a < hi and lo < b for a, b in spans):
+                h.update(str(key).encode())
         h.update(tokens[i * page_size:(i + 1) * page_size].tobytes())
         parent = h.digest()
         out.append(parent)

@@ -49,7 +49,13 @@ class Buckets:
     Q. With max_num_seqs 8, max_seq_len 2048, pages of 16 and chunks of 16 (a budget of 24
     tokens: T 8, 16 or 32) that is at most 2 x 5 decode programs (S x Pg) and 2 x 3 x 5 x 2
     with prompt pieces (S x T x Pg x logits), 70 in all, of which a server meets the ones its
-    load needs. A lone request runs S = 1 programs: it never pays for the batch."""
+    load needs. A lone request runs S = 1 programs: it never pays for the batch.
+
+    A prompt piece never ends inside an image's soft tokens (they attend to each other both
+    ways, so the step that computes them must write them all): such a piece runs on to the
+    image's end, past the chunk size, and Q (then T, and in deterministic mode the one shape)
+    grows to the power of two that holds it; a step with images also has its own programs,
+    one per power-of-two count of feature rows F (`models.gemma3.ragged.ImageRows`)."""
 
     tokens: int
     seqs: int
@@ -81,12 +87,12 @@ def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pa
         # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
         # apart), so no bucket that follows the neighbours is neutral: batch invariance needs
         # one shape for every step, the whole budget and context, as the slot engine does.
-        q = info.chunk_size
-        return Buckets(tokens=max(MIN_TOKENS, _pow2(info.max_num_batched_tokens)),
+        q = max(info.chunk_size, _pow2(longest_piece))
+        return Buckets(tokens=max(MIN_TOKENS, _pow2(info.max_num_batched_tokens), _pow2(tokens)),
                        seqs=info.num_slots, queries=q, global_pages=max(MIN_PAGES, max_pages),
                        local_pages=local_pages_for(q, info.sliding_window, info.page_size))
     s = 1 if seqs == 1 else info.num_slots
-    q = 1 if longest_piece == 1 else info.chunk_size
+    q = 1 if longest_piece == 1 else max(info.chunk_size, _pow2(longest_piece))
     t = max(MIN_TOKENS, s if q == 1 else _pow2(tokens))
     return Buckets(tokens=t, seqs=s, queries=q,
                    global_pages=min(max(MIN_PAGES, _pow2(pages)), max(MIN_PAGES, max_pages)),
@@ -102,6 +108,10 @@ class StepInputs(NamedTuple):
     sample_positions: np.ndarray  # int32 [S]: the position of the token each row samples
     buckets: Buckets
     rows: int  # real sequence rows (the first `rows` of S)
+    # The distinct images (scheduler.SeqImage) whose soft tokens the step computes, and per
+    # token [T] the row of its features among theirs concatenated in that order (-1: text).
+    images: tuple = ()
+    image_index: np.ndarray | None = None
 
 
 def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> StepInputs:
@@ -153,7 +163,9 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
         last[row] = i + n - 1
         sample_positions[row] = p.end
         i += n
-    batch = dict(tokens=tokens, positions=positions, visible=positions.copy(), seq=seq, col=col,
+    visible = positions.copy()
+    images, image_index = _image_rows(pieces, visible, t)
+    batch = dict(tokens=tokens, positions=positions, visible=visible, seq=seq, col=col,
                  write_global=write_global, write_local=write_local, queries=queries,
                  global_table=global_table, local_table=local_table, local_first=local_first,
                  last=last)
@@ -162,7 +174,30 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
                                [0 if r is None else r.seed for r in rows])
     if extras is not None:
         sampling = sampling._replace(extras=extras(rows))
-    return StepInputs(batch, sampling, sample_positions, b, len(pieces))
+    return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index)
+
+
+def _image_rows(pieces, visible: np.ndarray, t: int):
+    """The step's images and each token's features row (see `StepInputs`); sets `visible` of
+    every soft token to its image's last soft-token position (multimodal.visible_positions)."""
+    images, offsets, total = [], {}, 0
+    index = np.full(t, -1, np.int32)
+    i = 0
+    for p in pieces:
+        for im in p.seq.images:
+            for crop, (a, b) in enumerate(im.spans):
+                lo, hi = max(a, p.start), min(b, p.end)
+                if lo >= hi:
+                    continue
+                if im.key not in offsets:
+                    offsets[im.key] = total
+                    images.append(im)
+                    total += sum(e - s for s, e in im.spans)
+                at = i + lo - p.start
+                index[at:at + hi - lo] = offsets[im.key] + crop * (b - a) + np.arange(lo - a, hi - a)
+                visible[at:at + hi - lo] = b - 1
+        i += p.end - p.start
+    return tuple(images), (index if images else None)
 
 
 class PagedEngine:
@@ -200,6 +235,38 @@ class PagedEngine:
             lambda: self.pages,
             dispatch_window.DEFAULT_LIMIT if dispatch_window.needed(local) else 0)
         self.programs_run: set[Buckets] = set()
+        # Image features by content hash, most recently used last: the encoder runs once per
+        # distinct image while its features stay here.
+        self._features: dict[str, object] = {}
+        self.max_cached_images = 64
+        self.images_encoded = 0
+
+    def image_features(self, image):
+        """Features [n * tokens_per_image, D] (on the device) of a scheduler.SeqImage, from the
+        cache or the encoder."""
+        rows = self._features.pop(image.key, None)
+        if rows is None:
+            feats = self.model.image_features(image.pixels)
+            rows = feats.reshape(-1, feats.shape[-1])
+            self.images_encoded += 1
+        self._features[image.key] = rows
+        while len(self._features) > self.max_cached_images:
+            self._features.pop(next(iter(self._features)))
+        return rows
+
+    def _image_rows(self, inputs: StepInputs):
+        from models.gemma3.ragged import ImageRows
+
+        if not inputs.images:
+            return None
+        jnp = self._jax.numpy
+        rows = [self.image_features(im) for im in inputs.images]
+        n = sum(r.shape[0] for r in rows)
+        pad = _pow2(n) - n  # a few feature counts, so a few programs
+        if pad:
+            rows.append(jnp.zeros((pad, rows[0].shape[1]), rows[0].dtype))
+        feats = rows[0] if len(rows) == 1 else jnp.concatenate(rows)
+        return ImageRows(features=feats, index=inputs.image_index)
 
     def run_step(self, inputs: StepInputs) -> StepOutputs | None:
         """Runs one ragged step; returns the sampled tokens of its S rows (rows that do not
@@ -208,7 +275,9 @@ class PagedEngine:
 
         self.programs_run.add(inputs.buckets)
         batch = RaggedBatch(**inputs.batch)
-        logits, self.pages = self.model.ragged_step(self.pages, batch, logits=inputs.buckets.logits)
+        images = self._image_rows(inputs)  # the encoder runs here, before the step needing it
+        logits, self.pages = self.model.ragged_step(self.pages, batch, logits=inputs.buckets.logits,
+                                                    images=images)
         self.window.dispatched(logits)
         if not inputs.buckets.logits:
             return None

@@ -135,7 +135,9 @@ class PagedScheduler(WaitingQueue):
             s = self.waiting[0]
             hit = 0
             if s.hashes is None:
-                s.hashes = block_hashes(s.prompt, self.info.page_size) if self.prefix_caching else []
+                s.hashes = (block_hashes(s.prompt, self.info.page_size,
+                                         [(im.spans, im.key) for im in s.images])
+                            if self.prefix_caching else [])
             if s.computed == 0 and self.prefix_caching:
                 # The last token is always computed: it yields the next token.
                 hit = self.kv.lookup_prefix(s.hashes, (s.length - 1) // self.info.page_size)
@@ -174,8 +176,25 @@ class PagedScheduler(WaitingQueue):
                 self.kv._window_frees(s.id, s.computed))
 
     def _piece_len(self, s: Sequence, budget: int, start: int | None = None) -> int:
-        """Tokens the sequence computes this step within `budget` (0: none)."""
+        """Tokens the sequence computes this step within `budget` (0: none); a piece that
+        would end inside an image's soft tokens runs on to the image's end (`_past_images`)."""
         start = s.computed if start is None else start
+        n = self._plain_piece_len(s, budget, start)
+        return self._past_images(s, start, n) if n else 0
+
+    @staticmethod
+    def _past_images(s: Sequence, start: int, n: int) -> int:
+        """n, or more where start + n falls inside an image's soft-token span: the soft
+        tokens see each other both ways, so all of a span's keys must be written in the step
+        whose queries attend to them. Such a piece exceeds the chunk size (and the budget)
+        by at most one image."""
+        end = start + n
+        for a, b in s.image_spans:
+            if a < end < b:
+                end = b
+        return end - start
+
+    def _plain_piece_len(self, s: Sequence, budget: int, start: int) -> int:
         left = s.length - start
         if left <= 0:
             return 0

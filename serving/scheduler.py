@@ -59,6 +59,18 @@ def check_context(limit: int, prompt_len: int, max_tokens: int) -> None:
             f"in the completion). Please reduce the prompt or max_tokens.")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class SeqImage:
+    """One image of a prompt, as the paged engine needs it: the soft-token spans [start, end)
+    its features fill (the original image, then its pan-and-scan crops), the preprocessed
+    pixels [len(spans), H, W, 3] float32, and its content hash (the features cache's key and
+    part of the prefix-cache hash of every page it touches)."""
+
+    spans: tuple[tuple[int, int], ...]
+    pixels: object
+    key: str
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     """One prompt being generated: what the policy and the engine core need, nothing more."""
@@ -73,6 +85,11 @@ class Sequence:
     chunked: bool = False  # prefilled in chunks (decided on admission)
     computed: int = 0  # prompt tokens in (or being written to) its cache row, when chunked
     hashes: list[bytes] | None = None  # its prompt's prefix-block hashes (computed once)
+    images: tuple[SeqImage, ...] = ()  # its prompt's images, in prompt order (paged engine)
+
+    @property
+    def image_spans(self) -> list[tuple[int, int]]:
+        return [span for im in self.images for span in im.spans]
 
     @property
     def prefilling(self) -> bool:
