@@ -188,4 +188,14 @@ def _model_card(runtime: Runtime) -> dict:
     return {"id": runtime.config.model_name, "object": "model", "created": runtime.created,
             "owned_by": "gemma3-equarx", "root": runtime.config.model, "parent": None,
             "max_model_len": d["max_model_len"], "tp": d["tp"], "dtype": d["dtype"],
-            "allreduce": d["allreduce"], "allreduce_label": d["allreduce_label"]}
+            "allreduce": d["allreduce"], "allreduce_label": d["allreduce_label"],
+            "input_modalities": ["text", "image"] if _takes_images(runtime) else ["text"]}
+
+
+def _takes_images(runtime: Runtime) -> bool:
+    """Whether chat requests may carry images: a vision tower, served by the paged engine."""
+    from serving import chat_images
+
+    engine = runtime.engine
+    return (engine is not None and chat_images.vision_of(engine) is not None
+            and hasattr(engine, "image_features"))

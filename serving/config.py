@@ -122,6 +122,12 @@ class ServerConfig:
                                   "blocks give way)")
     admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
                                       "requests before the next decode step (0 disables)")
+    limit_mm_per_prompt: int = _field(4, "images one chat request may carry (more: 400); images "
+                                      "need --engine paged and a model with a vision tower")
+    allowed_media_domains: str = _field("", "comma-separated hosts whose http(s) image URLs the "
+                                        "server fetches (size and time limited, no redirects); "
+                                        "empty (the default): remote image URLs get 400, only "
+                                        "inline data: URLs are read", metavar="HOSTS")
     api_key: str | None = _field(None, "require 'Authorization: Bearer <key>' on /v1 and /generate")
     compile_cache_dir: str | None = _field(None,
                                            "JAX persistent compilation cache, with the traced programs "
@@ -152,6 +158,8 @@ class ServerConfig:
         if not self.prefill_chunk and (self.deterministic or self.prefix_caching):
             raise ValueError("prefill_chunk 0 (no chunked prefill) needs --no-deterministic and "
                              "--no-prefix-caching")
+        if self.limit_mm_per_prompt < 0:
+            raise ValueError(f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not 0 <= self.admission_wait_ms <= 1000:
@@ -173,6 +181,11 @@ class ServerConfig:
             parse_tp_mesh(self.tp_mesh, self.tp)
         if self.compile_cache_dir is None:  # resolved per config, never at import
             object.__setattr__(self, "compile_cache_dir", default_compilation_cache_dir())
+
+    @property
+    def media_domains(self) -> frozenset[str]:
+        return frozenset(h.strip().lower() for h in self.allowed_media_domains.split(",")
+                         if h.strip())
 
     @property
     def model_name(self) -> str:

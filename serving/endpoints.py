@@ -18,7 +18,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from serving import openai_format as fmt
 from serving import structured_output, tools as tool_calls
+from serving import chat_images, media
 from serving.chat_template import render_chat
+from serving.scheduler import SeqImage
 from serving.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     GenerateRequest, TokenizeRequest, error_body)
 from serving.runtime import Runtime
@@ -125,12 +127,13 @@ class _Run:
     """The sequences of one request and the queue their events arrive on."""
 
     def __init__(self, runtime: Runtime, prompts: list[list[int]], params: list[SamplingParams],
-                 prompt_logprobs: bool = False):
+                 prompt_logprobs: bool = False, images: tuple = ()):
         self.core = runtime.core
         self.model_name = runtime.config.model_name
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        reqs = [(p, sp, self._sink(loop, i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        reqs = [(p, sp, self._sink(loop, i)) + ((images,) if images else ())
+                for i, (p, sp) in enumerate(zip(prompts, params))]
         try:
             self.ids = self.core.submit(reqs, prompt_logprobs=prompt_logprobs)
         except InvalidParameter as e:
@@ -347,13 +350,35 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
         mode = tool_calls.tool_mode(req.tool_choice, tools)
     except InvalidParameter as e:
         raise ApiError(400, str(e), param=e.param) from None
-    turns = _chat_turns(req.messages)
+    parts = chat_images.image_parts(req.messages)
+    prepared, sentinel = [], None
+    if parts:
+        try:
+            chat_images.check_allowed(runtime.engine, len(parts), runtime.config.limit_mm_per_prompt)
+            vision = chat_images.vision_of(runtime.engine)
+            # Decoding and resizing take milliseconds to seconds: not on the event loop.
+            prepared = await asyncio.to_thread(chat_images.prepare, parts, vision.config.image_size,
+                                               runtime.config.media_domains)
+        except (chat_images.ImageRequestError, media.MediaError) as e:
+            raise ApiError(400, str(e), param="messages") from None
+        tok = chat_images.ImageTokenizer(tok, vision.tokens.start, vision.tokens.end,
+                                         vision.tokens.soft, vision.config.tokens_per_image)
+        sentinel = tok.sentinel
+    turns = _chat_turns(req.messages, sentinel)
     if mode != "none":  # the tools are described first, as a system message
         turns.insert(0, ("system", tool_calls.preamble(tools)))
     try:
         prompt = render_chat(turns, tok)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
+    images = ()
+    if prepared:
+        spans = chat_images.soft_spans(prompt, tok.soft)
+        if len(spans) != len(prepared):
+            raise ApiError(400, f"the chat template kept {len(spans)} of the request's "
+                           f"{len(prepared)} images", param="messages")
+        images = tuple(SeqImage(spans=(span,), pixels=p.pixels, key=p.content_hash)
+                       for span, p in zip(spans, prepared))
     spec = _request_grammar_spec(req)
     if mode not in ("none", "auto"):
         if spec is not None:
@@ -379,8 +404,8 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
     vocab = runtime.engine.info.vocab_size
     params = [_sampling(req, max_tokens, n_top, j, grammar, vocab) for j in range(req.n)]
-    run = _Run(runtime, [prompt] * req.n, params)
-    choices = [fmt.Choice(tok, i, n_top) for i in range(req.n)]
+    run = _Run(runtime, [prompt] * req.n, params, images=images)
+    choices = [fmt.Choice(runtime.engine.tokenizer, i, n_top) for i in range(req.n)]
     usage = lambda: fmt.usage(len(prompt), sum(c.num_generated for c in choices))  # noqa: E731
     streams = None
     if mode != "none":
@@ -388,12 +413,13 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     return await _openai_reply(run, request, req, choices, usage, chat=True, tool_streams=streams)
 
 
-def _chat_turns(messages) -> list[tuple[str, str]]:
+def _chat_turns(messages, image_sentinel: str | None = None) -> list[tuple[str, str]]:
     """(role, text) turns for the chat template: an assistant turn that called tools reads as the
-    calls in Gemma's format, a tool's result as a user turn (serving.tools)."""
+    calls in Gemma's format, a tool's result as a user turn (serving.tools). Image parts become
+    `image_sentinel` (serving.chat_images); without one they are refused."""
     turns = []
     for i, m in enumerate(messages):
-        text = _message_text(m.content, i)
+        text = _message_text(m.content, i, image_sentinel)
         if m.role == "assistant" and m.tool_calls:
             try:
                 calls = tool_calls.assistant_calls_text(m.tool_calls, i)
@@ -407,17 +433,25 @@ def _chat_turns(messages) -> list[tuple[str, str]]:
     return turns
 
 
-def _message_text(content, index: int) -> str:
+def _message_text(content, index: int, image_sentinel: str | None = None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    parts = []
+    parts, images = [], False
     for j, part in enumerate(content):
+        if part.get("type") == "image_url" and image_sentinel is not None:
+            images = True
+            continue
+        if part.get("type") == "image_url":  # (no sentinel: an endpoint without images)
+            raise ApiError(400, f"messages[{index}].content[{j}]: image_url parts are not "
+                           "supported here", param=f"messages.{index}.content")
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"messages[{index}].content[{j}]: only text parts are supported",
-                           param=f"messages.{index}.content")
+            raise ApiError(400, f"messages[{index}].content[{j}]: only text and image_url parts "
+                           "are supported", param=f"messages.{index}.content")
         parts.append(part["text"])
+    if images:
+        return chat_images.message_text(content, image_sentinel)
     return "\n".join(parts)
 
 

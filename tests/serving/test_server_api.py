@@ -102,8 +102,10 @@ def test_prompt_longer_than_context_states_the_limit(client):
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    # an image to a model without a vision tower (the fake engine's)
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content"),
+     "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools.0"),
 ])

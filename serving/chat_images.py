@@ -1,0 +1,141 @@
+"""Images in chat requests: which content parts are images, their checks and preprocessing (run
+on a thread, off the event loop), and the prompt ids with each image's soft tokens laid out.
+
+A message whose content holds an image is rendered as transformers' Gemma 3 template renders it:
+its parts concatenated in order, text parts trimmed, each image part in its place as one image
+(`multimodal.image_sequence`: "\\n\\n", start of image, the soft tokens, end of image, "\\n\\n",
+the newlines merging with the neighbouring text as the reference processor's textual expansion
+does). The image is marked in the message text by a sentinel unique to the request, so that
+text a user types (even "<start_of_image>") never becomes an image: only the sentinel is
+replaced, at the id level, by the model's own image token ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+
+from serving import media
+
+FETCH_SECONDS = 10.0
+
+
+class ImageRequestError(ValueError):
+    """A request whose images this server cannot take (a 400 with this message)."""
+
+
+def image_parts(messages) -> list[dict]:
+    """The image_url parts of chat messages, in prompt order."""
+    out = []
+    for m in messages:
+        if isinstance(m.content, list):
+            out += [p for p in m.content if isinstance(p, dict) and p.get("type") == "image_url"]
+    return out
+
+
+def vision_of(engine):
+    """The engine's model's vision tower (a placed VisionModel), or None."""
+    return getattr(getattr(engine, "model", None), "vision", None)
+
+
+def check_allowed(engine, count: int, limit: int) -> None:
+    """Raises ImageRequestError unless this engine can take `count` images in one prompt."""
+    if vision_of(engine) is None:
+        raise ImageRequestError("this model takes no images: it has no vision tower (a text-only "
+                                "checkpoint); send text only, or serve a multimodal checkpoint")
+    if not getattr(engine.info, "page_size", 0) or not hasattr(engine, "image_features"):
+        raise ImageRequestError("images are served by the paged engine only: start the server "
+                                "with --engine paged")
+    if count > limit:
+        raise ImageRequestError(f"the request has {count} images; this server takes at most "
+                                f"{limit} per prompt (--limit-mm-per-prompt)")
+
+
+def _fetch(url: str, domains: frozenset[str], max_bytes: int) -> bytes:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in domains:
+        raise media.RemoteImageError(
+            f"remote image URLs are not allowed for host {host!r} on this server; send the image "
+            "inline as a data: URL (data:image/png;base64,...), or the operator lists the host "
+            "in --allowed-media-domains")
+
+    class NoRedirects(urllib.request.HTTPRedirectHandler):
+        # A redirect could lead to a host the operator did not allow.
+        def redirect_request(self, *args, **kwargs):
+            raise media.RemoteImageError("the image URL redirects; give the final URL")
+
+    opener = urllib.request.build_opener(NoRedirects)
+    try:
+        with opener.open(url, timeout=FETCH_SECONDS) as r:
+            data = r.read(max_bytes + 1)
+    except media.MediaError:
+        raise
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise media.RemoteImageError(f"could not fetch the image URL: {e}") from None
+    if len(data) > max_bytes:
+        raise media.TooLargeError(f"image is larger than {max_bytes} bytes")
+    return data
+
+
+def prepare(parts: list[dict], image_size: int, domains: frozenset[str]) -> list[media.PreparedImage]:
+    """Decode and preprocess every image part (blocking: run it on a thread). Raises MediaError
+    subclasses, each message naming the part."""
+    out = []
+    for i, part in enumerate(parts):
+        try:
+            ref = part.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
+                out.append(media.prepare_image(_fetch(url, domains, media.MAX_BYTES),
+                                               size=image_size))
+            else:
+                out.append(media.image_from_content_part(part, size=image_size))
+        except media.MediaError as e:
+            raise type(e)(f"image {i + 1}: {e}") from None
+    return out
+
+
+@dataclasses.dataclass
+class ImageTokenizer:
+    """The model's tokenizer with each `sentinel` in a text becoming one image's ids (module
+    docstring); every other attribute is the tokenizer's."""
+
+    tok: object
+    start: int
+    end: int
+    soft: int
+    tokens_per_image: int
+    sentinel: str = dataclasses.field(default_factory=lambda: f"\ue000{uuid.uuid4().hex}\ue000")
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["tok"], name)
+
+    def encode(self, text: str) -> list[int]:
+        pieces = text.replace(self.sentinel, f"\n\n{self.sentinel}\n\n").split(self.sentinel)
+        ids = list(self.tok.encode(pieces[0])) if pieces[0] else []
+        for rest in pieces[1:]:
+            ids += [self.start, *[self.soft] * self.tokens_per_image, self.end]
+            ids += self.tok.encode(rest) if rest else []
+        return ids
+
+
+def message_text(content, sentinel: str) -> str:
+    """A message's content with images as `sentinel` (transformers' Gemma 3 template: parts
+    concatenated, text trimmed)."""
+    out = []
+    for part in content:
+        if part.get("type") == "image_url":
+            out.append(sentinel)
+        else:
+            out.append(part["text"].strip())
+    return "".join(out)
+
+
+def soft_spans(ids, soft: int) -> list[tuple[int, int]]:
+    from models.gemma3.multimodal import IMAGE_SOFT_TOKEN_ID, image_spans
+    import numpy as np
+
+    arr = np.asarray(ids)
+    return list(image_spans(np.where(arr == soft, IMAGE_SOFT_TOKEN_ID, 0)))
