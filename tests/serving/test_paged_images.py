@@ -133,3 +133,20 @@ def generate_alone(engine, ids, images):
         return generate(core, [(ids, images)], 4, True)[0]
     finally:
         core.shutdown()
+
+
+def test_deterministic_mixed_text_and_image_requests_equal_each_alone(model, golden):
+    """Deterministic mode: one shape a step (grown to hold a piece that runs to an image's
+    end), so a request's logprobs are bit-identical together and alone."""
+    engine = engine_of(model, deterministic=True)
+    text = golden["ids_0"].tolist()
+    requests = [(golden["ids_2"], images_of(model, golden, 2)), (text, ()),
+                (golden["ids_1"], images_of(model, golden, 1))]
+    core = EngineCore(engine).start()
+    try:
+        together = generate(core, requests, 6, True)
+        alone = [generate(core, [r], 6, True)[0] for r in requests]
+    finally:
+        core.shutdown()
+    assert together == alone
+    np.testing.assert_array_equal([t for t, _ in together[0]], golden["greedy_2"][:6])
