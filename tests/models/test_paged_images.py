@@ -7,7 +7,6 @@ image, and the greedy continuation the golden holds."""
 import dataclasses
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
