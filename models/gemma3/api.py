@@ -7,6 +7,7 @@ compiling ahead of time) plus the conveniences a user calls directly: `score`, `
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import os
 from typing import Callable, Sequence
@@ -25,6 +26,8 @@ from models.gemma3.sampling import sample
 from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
 from models.gemma3.sources import resolve_source
 from models.gemma3.weights import Weights
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Gemma3Model", "MIN_BUCKET", "load_model", "prefill_buckets"]
 
@@ -305,5 +308,11 @@ def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int
             and hf_checkpoint.is_hf_checkpoint(source):
         from models.gemma3.vision_checkpoint import load_hf_vision
 
-        return load_hf_vision(source)
+        try:
+            return load_hf_vision(source)
+        except hf_checkpoint.HFCheckpointError as e:
+            # The text still serves, as it did before towers were read: say why there are no
+            # images rather than refuse the whole checkpoint.
+            log.warning("serving text only: %s", e)
+            return None
     return None
