@@ -2,8 +2,8 @@
 ragged step. Plain data in, a `StepPlan` out; it runs nothing (vLLM v1's scheduler).
 
 Every step is one flat batch of at most `max_num_batched_tokens` tokens:
-1. Running sequences first, oldest first: one token each for those decoding, the next piece of
-   the prompt (at most `chunk_size` tokens) for those still prefilling.
+1. Running sequences first: one token each for those decoding (oldest first), then the next
+   piece of the prompt (at most `chunk_size` tokens) for those still prefilling.
 2. Then waiting sequences, oldest first, while the budget, `max_num_seqs` and free pages last: a
    prefix-cache lookup, then their first piece.
 A sequence computes tokens `computed .. computed+n-1` of `prompt + generated`; when that reaches
@@ -16,9 +16,9 @@ prompt pages stay cached), it returns to the head of the waiting queue and recom
 losing no token it produced (vLLM's recompute preemption). Admission never preempts: a waiting
 sequence waits for pages.
 
-Pieces of a prompt start at multiples of the page size and, except the last, cover whole pages:
-full pages are named in the prefix cache as soon as they are planned (a later step's reader runs
-after the writer: the device runs steps in order). In deterministic mode every piece is exactly
+A prompt piece takes what is left of the budget, up to `chunk_size` tokens; full pages are
+named in the prefix cache as soon as they are planned (a later step's reader runs after the
+writer: the device runs steps in order). In deterministic mode every piece is exactly
 `chunk_size` tokens at multiples of it (the last one shorter), whatever else runs in the step, so
 a request's pieces are a function of the request alone.
 
@@ -113,22 +113,30 @@ class PagedScheduler(WaitingQueue):
         budget = self.info.max_num_batched_tokens
         pieces: list[Piece] = []
         preempted: list[Sequence] = []
-        for s in list(self._running):
+        # Decodes first (oldest first), then the running prompts' pieces: a stream never waits
+        # for a prompt's prefill.
+        order = sorted(self._running, key=lambda q: q.length - q.computed > 1)
+        planned: set[int] = set()
+        for s in order:
             if s not in self._running:  # preempted for an older sequence in this loop
                 continue
             n = self._piece_len(s, budget)
             if n == 0:
                 continue
             while not self.kv.fits(*self._need(s, n)):
-                victim = self._running[-1]
+                # The newest running sequence not yet planned in this step gives way.
+                victim = next((v for v in reversed(self._running) if v.id not in planned), None)
+                if victim is None:
+                    break
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is s:
                     break
-            if s not in self._running:
-                break
+            if s not in self._running or not self.kv.fits(*self._need(s, n)):
+                continue
             self.kv.allocate(s.id, s.computed, s.computed + n)
             pieces.append(Piece(s, s.computed, s.computed + n))
+            planned.add(s.id)
             budget -= n
         lookups = []
         while self.waiting and budget > 0 and len(self._running) < self.info.num_slots:
@@ -200,13 +208,13 @@ class PagedScheduler(WaitingQueue):
             return 0
         if left == 1:
             return 1 if budget >= 1 else 0
-        c, p = self.info.chunk_size, self.info.page_size
+        c = self.info.chunk_size
         n = min(left, c - start % c if self.info.deterministic else c)
         if n <= budget:
             return n
         if self.info.deterministic:
             return 0  # a piece is never cut by what else runs
-        return budget - budget % p  # whole pages (0 when less than a page is left)
+        return budget
 
     def _preempt(self, s: Sequence) -> None:
         """Frees a running sequence's pages and puts it first in line to recompute."""
