@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_270m.npz"  # the official `gemma` package's
 HF_GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_270m_hf.npz"  # transformers'
+VISION_GOLDEN_NPZ = ROOT / "tests" / "golden" / "gemma3_vision_tiny_hf.npz"  # transformers, tiny multimodal
 PATTERN_GOLDEN_NPZ = ROOT / "tests" / "golden" / "tiny_pattern_hf.npz"  # transformers, 1 global : 2 local
 
 
@@ -113,3 +114,14 @@ def assert_same_bits(got, want, wire: tuple | None = None, err_msg: str = "") ->
     bits = np.dtype(f"u{got.dtype.itemsize}")
     np.testing.assert_array_equal(got.view(bits)[~nan], want.view(bits)[~nan],
                                   err_msg=f"the bits of the values other than NaN {err_msg}")
+
+
+def vision_golden_checkpoint(golden: dict, path: Path) -> Path:
+    """The tiny multimodal golden's state dict and config (VISION_GOLDEN_NPZ, made by
+    tests/golden/make_vision_golden.py) as a Hugging Face directory at `path`."""
+    from models.gemma3.hf_checkpoint import CONFIG_FILE, write_safetensors
+
+    tensors = {k[2:]: v for k, v in golden.items() if k.startswith("w:")}
+    write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
+    (path / CONFIG_FILE).write_text(str(golden["config"]))
+    return path

@@ -5,7 +5,6 @@ and all; prompts with 0, 1 and 2 images through ragged steps at tp=1 and tp=2 (f
 AllReduce): every position's logits, the logits at the ends of pieces that never end inside an
 image, and the greedy continuation the golden holds."""
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,11 +12,10 @@ import pytest
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
 from models.gemma3 import multimodal as mm
-from models.gemma3.hf_checkpoint import CONFIG_FILE, write_safetensors
 from models.gemma3.ragged import ImageRows
 from test_paged import Host, Piece  # the tests' page bookkeeping (tests/models/test_paged.py)
+from testkit import VISION_GOLDEN_NPZ, vision_golden_checkpoint
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gemma3_vision_tiny_hf.npz"
 F32 = AllReduceConfig(method="f32")
 PROMPTS = (0, 1, 2)
 PAGE, POOL = 3, 48
@@ -25,15 +23,12 @@ PAGE, POOL = 3, 48
 
 @pytest.fixture(scope="module")
 def golden():
-    return dict(np.load(GOLDEN))
+    return dict(np.load(VISION_GOLDEN_NPZ))
 
 
 @pytest.fixture(scope="module")
 def models(golden, tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf_mm")
-    tensors = {k[2:]: v for k, v in golden.items() if k.startswith("w:")}
-    write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
-    (path / CONFIG_FILE).write_text(str(golden["config"]))
+    path = vision_golden_checkpoint(golden, tmp_path_factory.mktemp("hf_mm"))
     return {tp: load_model(str(path), tp=tp, dtype="float32", allreduce=F32) for tp in (1, 2)}
 
 

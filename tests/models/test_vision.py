@@ -1,7 +1,6 @@
 """The vision encoder, projector, loaders and prompt layout against transformers'
 Gemma3ForConditionalGeneration on a tiny random config (tests/golden/make_vision_golden.py)."""
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,14 +8,14 @@ import numpy as np
 import pytest
 
 from models.gemma3 import multimodal as mm
-from models.gemma3.hf_checkpoint import CONFIG_FILE, HFWeights, read_config, write_safetensors
+from models.gemma3.hf_checkpoint import CONFIG_FILE, HFWeights, read_config
 from models.gemma3.projector import image_features
 from models.gemma3.vision import VISION_CONFIGS, encode, random_vision_weights
 from models.gemma3.projector import random_projector_weights
 from models.gemma3.vision_checkpoint import (load_hf_vision, save_hf_multimodal,
                                              vision_from_official, vision_to_official)
+from testkit import VISION_GOLDEN_NPZ, vision_golden_checkpoint
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gemma3_vision_tiny_hf.npz"
 SOFT = 502
 PROMPTS = range(4)
 
@@ -27,17 +26,13 @@ def rel(got, want) -> float:
 
 @pytest.fixture(scope="module")
 def golden():
-    return dict(np.load(GOLDEN))
+    return dict(np.load(VISION_GOLDEN_NPZ))
 
 
 @pytest.fixture(scope="module")
 def checkpoint(golden, tmp_path_factory):
     """The golden's state dict as a Hugging Face directory (transformers 5.x names)."""
-    path = tmp_path_factory.mktemp("hf_mm")
-    tensors = {k[2:]: v for k, v in golden.items() if k.startswith("w:")}
-    write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
-    (path / CONFIG_FILE).write_text(str(golden["config"]))
-    return path
+    return vision_golden_checkpoint(golden, tmp_path_factory.mktemp("hf_mm"))
 
 
 @pytest.fixture(scope="module")

@@ -3,35 +3,30 @@ tiny multimodal golden (transformers' Gemma3ForConditionalGeneration on random w
 from its Hugging Face files): pieces never end inside an image, the encoder runs once per
 distinct image, and the prefix cache never lends pages across different images."""
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
-from models.gemma3.hf_checkpoint import CONFIG_FILE, write_safetensors
 from serving.engine_core import EngineCore
 from serving.kv_pages import block_hashes
 from serving.paged_engine import PagedEngine
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
+from testkit import VISION_GOLDEN_NPZ, vision_golden_checkpoint
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gemma3_vision_tiny_hf.npz"
 
 
 @pytest.fixture(scope="module")
 def golden():
-    return dict(np.load(GOLDEN))
+    return dict(np.load(VISION_GOLDEN_NPZ))
 
 
 @pytest.fixture(scope="module")
 def model(golden, tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf_mm")
-    tensors = {k[2:]: v for k, v in golden.items() if k.startswith("w:")}
-    write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
-    (path / CONFIG_FILE).write_text(str(golden["config"]))
+    path = vision_golden_checkpoint(golden, tmp_path_factory.mktemp("hf_mm"))
     return load_model(str(path), tp=1, dtype="float32",
                       allreduce=AllReduceConfig(method="f32"))
 
