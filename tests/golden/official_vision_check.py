@@ -10,10 +10,10 @@ in a plain Flax environment with `kauldron.typing` (used only for shape annotati
 Two steps, two environments:
 
     # 1. this project's venv: random weights -> the official tree, pixels, our features
-    python tests/golden/official_vision_check.py export --config tiny /tmp/vision_case.npz
+    python tests/golden/official_vision_check.py export --config tiny vision_case.npz
     # 2. python 3.12 with flax and einops (pip install flax einops), and the gemma wheel unzipped
     #    (pip download --no-deps gemma; unzip gemma-*.whl -d gemma_src):
-    python tests/golden/official_vision_check.py run /tmp/vision_case.npz --gemma-src gemma_src
+    python tests/golden/official_vision_check.py run vision_case.npz --gemma-src gemma_src
 
 Step 2 prints the max relative difference of the features (after the projector).
 """
