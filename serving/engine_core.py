@@ -39,10 +39,10 @@ from typing import Callable
 import numpy as np
 
 from serving.engine import ChunkInputs, DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
-from serving.paged_scheduler import PagedScheduler, StepPlan
 from serving.logits_processing import step_extras
 from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
+from serving.paged_scheduler import PagedScheduler, StepPlan
 from serving.sampling import LogitsExtras, SamplingParams, SlotSampling
 from serving.scheduler import ChunkStep, Plan, PrefillGroup, Scheduler, Sequence
 from serving.watchdog import StepLimits, StepStuck, Watchdog, describe, step_key
@@ -428,10 +428,6 @@ def _stall_forever(n: int, key: tuple) -> None:
     threading.Event().wait()
 
 
-# An idle row of a decode step: greedy, so that it costs the sampler nothing.
-_IDLE = SamplingParams(max_tokens=1, temperature=0.0)
-
-
 def prefill_inputs(group: PrefillGroup, extras=None) -> PrefillInputs:
     """extras(rows) -> LogitsExtras | None: the logits processing of the rows (padding rows
     repeat the last sequence, as `pad_prefill_batch` does)."""
@@ -466,8 +462,7 @@ def decode_inputs(plan: Plan, extras=None) -> DecodeInputs:
         if s is not None:
             tokens[i] = s.generated[-1]
             positions[i] = s.length - 1
-    sampling = SlotSampling.of([_IDLE if s is None else s.params for s in plan.decode],
-                               [0 if s is None else s.seed for s in plan.decode])
+    sampling = SlotSampling.of_rows(plan.decode)
     if extras is not None:
         sampling = sampling._replace(extras=extras(plan.decode))
     return DecodeInputs(tokens, positions, sampling)

@@ -115,10 +115,6 @@ class PagePool:
         self._page_of[h] = page
         self._hash_of[page] = h
 
-    def touch(self, page: int) -> None:
-        if page in self._idle:
-            self._idle.move_to_end(page)
-
     def clear_names(self) -> None:
         """Forgets every hash (the device pages may be lost, after an engine failure)."""
         for page in list(self._idle):
@@ -219,7 +215,6 @@ class KVPages:
             for j in range(n):
                 page = self.global_pool.lookup(hashes[j])
                 self.global_pool.hold(page)
-                self.global_pool.touch(page)
                 sp.global_pages.append(page)
         if self.local_pool is not None and n:
             first = max(0, n * self.page_size - self.window) // self.page_size
@@ -248,10 +243,9 @@ class KVPages:
 
     def allocate(self, seq_id: int, start: int, end: int) -> None:
         """Gives sequence seq_id the pages to compute positions start..end-1: local pages out of
-        the window go back first. Check `fits(pages_needed(...))` before: MemoryError otherwise
+        the window go back first. Check `can_allocate` before: MemoryError otherwise
         (nothing is changed then)."""
-        need = self.pages_needed(seq_id, start, end)
-        if not self.fits(need, self._window_frees(seq_id, start)):
+        if not self.can_allocate(seq_id, start, end):
             raise MemoryError(f"not enough free KV-cache pages for positions {start}..{end - 1}")
         sp = self.seqs.setdefault(seq_id, SeqPages())
         if self.global_pool is not None:
@@ -264,6 +258,11 @@ class KVPages:
                 sp.local_first = first
             while sp.local_first + len(sp.local_pages) <= last:
                 sp.local_pages.append(self.local_pool.take())
+
+    def can_allocate(self, seq_id: int, start: int, end: int) -> bool:
+        """Whether `allocate(seq_id, start, end)` finds its pages (counting the local pages the
+        window gives back first)."""
+        return self.fits(self.pages_needed(seq_id, start, end), self._window_frees(seq_id, start))
 
     def _window_frees(self, seq_id: int, start: int) -> tuple[int, int]:
         sp = self.seqs.get(seq_id)

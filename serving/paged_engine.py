@@ -25,12 +25,10 @@ from serving import dispatch_window
 from serving.engine import EngineInfo, StepOutputs
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
-from serving.sampling import SamplingParams, SlotSampling
+from serving.sampling import IDLE, SlotSampling
 
 log = logging.getLogger(__name__)
 
-# A row that does not sample this step: greedy, so that it costs the sampler nothing.
-_IDLE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def _pow2(n: int, smallest: int = 1) -> int:
@@ -170,8 +168,7 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
                  global_table=global_table, local_table=local_table, local_first=local_first,
                  last=last)
     rows = [p.seq if p.sample else None for p in pieces] + [None] * (s - len(pieces))
-    sampling = SlotSampling.of([_IDLE if r is None else r.params for r in rows],
-                               [0 if r is None else r.seed for r in rows])
+    sampling = SlotSampling.of_rows(rows)
     if extras is not None:
         sampling = sampling._replace(extras=extras(rows))
     return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index)
@@ -307,7 +304,7 @@ class PagedEngine:
         for n_seqs in sorted({1, info.num_slots}):
             sched = PagedScheduler(dataclasses.replace(info, prefix_blocks=0))
             prompt = [self.tokenizer.bos_id] * min(info.chunk_size + 1, info.max_seq_len - 1)
-            sched.add([Sequence(id=i, prompt=list(prompt), params=_IDLE, seed=0)
+            sched.add([Sequence(id=i, prompt=list(prompt), params=IDLE, seed=0)
                        for i in range(n_seqs)])
             for _ in range(64):
                 plan = sched.schedule()

@@ -123,7 +123,7 @@ class PagedScheduler(WaitingQueue):
             n = self._piece_len(s, budget)
             if n == 0:
                 continue
-            while not self.kv.fits(*self._need(s, n)):
+            while not self.kv.can_allocate(s.id, s.computed, s.computed + n):
                 # The newest running sequence not yet planned in this step gives way.
                 victim = next((v for v in reversed(self._running) if v.id not in planned), None)
                 if victim is None:
@@ -132,7 +132,7 @@ class PagedScheduler(WaitingQueue):
                 preempted.append(victim)
                 if victim is s:
                     break
-            if s not in self._running or not self.kv.fits(*self._need(s, n)):
+            if s not in self._running or not self.kv.can_allocate(s.id, s.computed, s.computed + n):
                 continue
             self.kv.allocate(s.id, s.computed, s.computed + n)
             pieces.append(Piece(s, s.computed, s.computed + n))
@@ -152,7 +152,7 @@ class PagedScheduler(WaitingQueue):
                 hit = self._aligned_hit(hit)
             start = hit * self.info.page_size
             n = self._piece_len(s, budget, start)
-            if n == 0 or not self.kv.fits(self.kv.pages_needed(s.id, start, start + n)):
+            if n == 0 or not self.kv.can_allocate(s.id, start, start + n):
                 break
             self.waiting.popleft()
             if hit:
@@ -178,10 +178,6 @@ class PagedScheduler(WaitingQueue):
             return pages
         per_chunk = self.info.chunk_size // self.info.page_size
         return pages - pages % per_chunk
-
-    def _need(self, s: Sequence, n: int):
-        return (self.kv.pages_needed(s.id, s.computed, s.computed + n),
-                self.kv._window_frees(s.id, s.computed))
 
     def _piece_len(self, s: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens the sequence computes this step within `budget` (0: none); a piece that

@@ -171,6 +171,10 @@ class LogitsExtras(NamedTuple):
             seen_ids=np.full((n, length), UNUSED_ID, np.int32), seen_output=np.zeros((n, length), bool))
 
 
+# The parameters of a row that samples nothing useful (an idle row, a warm-up sequence).
+IDLE = SamplingParams(max_tokens=1, temperature=0.0)
+
+
 class SlotSampling(NamedTuple):
     """Sampling parameters of every row of a step, as plain arrays (the device program's input)."""
 
@@ -191,6 +195,13 @@ class SlotSampling(NamedTuple):
             top_p=np.array([p.top_p for p in params], np.float32),
             seed=np.array(seeds, np.uint32),
         )
+
+    @staticmethod
+    def of_rows(rows) -> "SlotSampling":
+        """Each row's sequence's parameters and seed (objects with `params` and `seed`), greedy
+        for an idle row (None), which then costs the sampler nothing."""
+        return SlotSampling.of([IDLE if r is None else r.params for r in rows],
+                               [0 if r is None else r.seed for r in rows])
 
     @staticmethod
     def greedy(n: int) -> "SlotSampling":
