@@ -100,8 +100,9 @@ class ServerConfig:
     kv_cache_tokens: int = _field(0, "paged engine: tokens of KV cache for the global layers, "
                                   "shared by all sequences (0: max_batch x max_seq_len); the "
                                   "sliding-window layers hold only each sequence's window")
-    max_num_batched_tokens: int = _field(0, "paged engine: the token budget of one step (0: "
-                                         "max_batch + prefill_chunk)")
+    max_num_batched_tokens: int = _field(0, "paged engine: the token budget of one step, which "
+                                         "a lone prompt takes whole (0: 256, or max_batch + "
+                                         "prefill_chunk when deterministic)")
     page_size: int = _field(16, "paged engine: tokens per KV-cache page (divides prefill_chunk)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
     deterministic: bool | None = _field(None, "batch-invariant mode: a request's tokens do not "

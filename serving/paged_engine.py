@@ -72,6 +72,10 @@ def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
 
 
 MIN_PAGES = 8
+# The default token budget of a step outside deterministic mode: prompt pieces of several
+# requests share it, and a lone prompt takes it whole (paged_scheduler). In deterministic mode
+# every step has the budget's shape, so it stays max_num_seqs + chunk_size there.
+STEP_BUDGET = 256
 # XLA:CPU lowers a one-token store into the pool to a select over a dynamic slice of the whole
 # pool, which it then copies (every layer, every step: 4x a lone decode's time for the 270M);
 # from 8 tokens on the store is an in-place scatter.
@@ -204,9 +208,10 @@ class PagedEngine:
     (the sum of the contexts the running sequences may hold; default max_num_seqs x
     max_seq_len); the local (sliding-window) pool holds every running sequence's window plus a
     quarter more, which keeps the windows of recent prompts for prefix-cache hits. chunk_size:
-    the most prompt tokens one sequence computes in a step (a multiple of page_size);
-    max_num_batched_tokens: the step's token budget (default max_num_seqs + chunk_size: every
-    decode plus one prompt piece)."""
+    the most prompt tokens one sequence computes in a step while others run (a multiple of
+    page_size); max_num_batched_tokens: the step's token budget, which a lone sequence's prompt
+    takes whole (default `STEP_BUDGET`; in deterministic mode, where every step has the
+    budget's shape, max_num_seqs + chunk_size: every decode plus one prompt piece)."""
 
     def __init__(self, model, *, max_num_seqs: int, max_seq_len: int, page_size: int = 16,
                  kv_cache_tokens: int | None = None, chunk_size: int = 16,
@@ -293,9 +298,10 @@ class PagedEngine:
                                            self.info.page_size)
 
     def warmup(self, progress: Callable[[str], None] = log.info) -> float:
-        """Runs the steps every server meets first (a lone prompt's pieces, a lone decode and a
-        full batch's decode at the smallest page bucket), so that they do not wait for a
-        compile; other buckets compile on first use. Returns seconds."""
+        """Runs the steps every server meets first (a lone prompt's pieces, whole-budget ones
+        outside deterministic mode, a lone decode and a full batch's decode at the smallest
+        page bucket), so that they do not wait for a compile; other buckets compile on first
+        use. Returns seconds."""
         from serving.paged_scheduler import PagedScheduler
         from serving.scheduler import Sequence
 
@@ -303,7 +309,8 @@ class PagedEngine:
         info = self.info
         for n_seqs in sorted({1, info.num_slots}):
             sched = PagedScheduler(dataclasses.replace(info, prefix_blocks=0))
-            prompt = [self.tokenizer.bos_id] * min(info.chunk_size + 1, info.max_seq_len - 1)
+            piece = info.max_num_batched_tokens if n_seqs == 1 else info.chunk_size
+            prompt = [self.tokenizer.bos_id] * min(piece + 1, info.max_seq_len - 1)
             sched.add([Sequence(id=i, prompt=list(prompt), params=IDLE, seed=0)
                        for i in range(n_seqs)])
             for _ in range(64):
@@ -334,7 +341,8 @@ def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     if page_size < 1 or chunk_size < page_size or chunk_size % page_size:
         raise ValueError(f"chunk_size ({chunk_size}) must be a positive multiple of page_size "
                          f"({page_size})")
-    budget = max_num_batched_tokens or max_num_seqs + chunk_size
+    budget = max_num_batched_tokens or (max_num_seqs + chunk_size if deterministic
+                                        else max(STEP_BUDGET, max_num_seqs + chunk_size))
     if budget < chunk_size:
         raise ValueError(f"max_num_batched_tokens ({budget}) must be >= the chunk size "
                          f"({chunk_size}): a prompt piece must fit one step")

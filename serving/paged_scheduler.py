@@ -16,7 +16,8 @@ prompt pages stay cached), it returns to the head of the waiting queue and recom
 losing no token it produced (vLLM's recompute preemption). Admission never preempts: a waiting
 sequence waits for pages.
 
-A prompt piece takes what is left of the budget, up to `chunk_size` tokens; full pages are
+A prompt piece takes what is left of the budget, up to `chunk_size` tokens (a lone sequence:
+the whole budget, see `_piece_len`); full pages are
 named in the prefix cache as soon as they are planned (a later step's reader runs after the
 writer: the device runs steps in order). In deterministic mode every piece is exactly
 `chunk_size` tokens at multiples of it (the last one shorter), whatever else runs in the step, so
@@ -117,10 +118,11 @@ class PagedScheduler(WaitingQueue):
         # for a prompt's prefill.
         order = sorted(self._running, key=lambda q: q.length - q.computed > 1)
         planned: set[int] = set()
+        alone = len(self._running) + len(self.waiting) == 1
         for s in order:
             if s not in self._running:  # preempted for an older sequence in this loop
                 continue
-            n = self._piece_len(s, budget)
+            n = self._piece_len(s, budget, alone=alone)
             if n == 0:
                 continue
             while not self.kv.can_allocate(s.id, s.computed, s.computed + n):
@@ -151,7 +153,7 @@ class PagedScheduler(WaitingQueue):
                 hit = self.kv.lookup_prefix(s.hashes, (s.length - 1) // self.info.page_size)
                 hit = self._aligned_hit(hit)
             start = hit * self.info.page_size
-            n = self._piece_len(s, budget, start)
+            n = self._piece_len(s, budget, start, alone=alone)
             if n == 0 or not self.kv.can_allocate(s.id, start, start + n):
                 break
             self.waiting.popleft()
@@ -179,11 +181,23 @@ class PagedScheduler(WaitingQueue):
         per_chunk = self.info.chunk_size // self.info.page_size
         return pages - pages % per_chunk
 
-    def _piece_len(self, s: Sequence, budget: int, start: int | None = None) -> int:
+    def _piece_len(self, s: Sequence, budget: int, start: int | None = None,
+                   alone: bool = False) -> int:
         """Tokens the sequence computes this step within `budget` (0: none); a piece that
-        would end inside an image's soft tokens runs on to the image's end (`_past_images`)."""
+        would end inside an image's soft tokens runs on to the image's end (`_past_images`).
+
+        A piece is at most `chunk_size` tokens while other sequences run or wait (a stream's
+        inter-token latency is one step, and prompts share the steps). A lone sequence
+        (`alone`: the only one running or waiting), outside deterministic mode, takes the whole
+        budget instead: a lone prompt is not fed `chunk_size` tokens a step with the budget
+        idle; but only as far as pages allow (a longer piece holds more of the window's local
+        pages). A request that arrives meanwhile waits for one such step at most."""
         start = s.computed if start is None else start
         n = self._plain_piece_len(s, budget, start)
+        if alone and n and not self.info.deterministic:
+            longer = self._plain_piece_len(s, budget, start, self.info.max_num_batched_tokens)
+            if longer > n and self.kv.can_allocate(s.id, start, start + longer):
+                n = longer
         return self._past_images(s, start, n) if n else 0
 
     @staticmethod
@@ -198,13 +212,14 @@ class PagedScheduler(WaitingQueue):
                 end = b
         return end - start
 
-    def _plain_piece_len(self, s: Sequence, budget: int, start: int) -> int:
+    def _plain_piece_len(self, s: Sequence, budget: int, start: int, limit: int = 0) -> int:
+        """The piece within `budget` and `limit` tokens (0: the chunk size)."""
         left = s.length - start
         if left <= 0:
             return 0
         if left == 1:
             return 1 if budget >= 1 else 0
-        c = self.info.chunk_size
+        c = limit or self.info.chunk_size
         n = min(left, c - start % c if self.info.deterministic else c)
         if n <= budget:
             return n

@@ -99,6 +99,7 @@ def run(sched, steps=500, finish_at=None):
     for _ in range(steps):
         if not sched.num_running and not sched.num_waiting:
             break
+        alone = sched.num_running + sched.num_waiting == 1
         plan = sched.schedule()
         plans.append(plan)
         assert plan.num_tokens <= sched.info.max_num_batched_tokens
@@ -109,7 +110,9 @@ def run(sched, steps=500, finish_at=None):
             for pos in range(p.start, p.end):
                 g, _ = sched.kv.slot(p.seq.id, pos)
                 assert sched.kv.global_pool.refs[g // sched.kv.page_size] == 1
-            assert p.end - p.start <= sched.info.chunk_size
+            # Only a lone sequence's piece may exceed the chunk (it takes the budget).
+            assert p.end - p.start <= sched.info.chunk_size or (
+                alone and not sched.info.deterministic)
         assert len(held) <= sched.info.num_global_pages - 1
         for p in plan.pieces:
             if p.sample:
@@ -192,6 +195,19 @@ def test_deterministic_pieces_are_whole_chunks_whatever_else_runs():
         for p in plan.pieces:
             if p.seq.id == 2 and p.end <= 50:
                 assert p.start % 16 == 0 and (p.end - p.start == 16 or p.end == 50)
+
+
+def test_a_lone_prompt_takes_the_whole_budget_and_shares_it_when_others_arrive():
+    sched = PagedScheduler(info(max_num_batched_tokens=40))
+    sched.add([seq(1, 100)])
+    first = sched.schedule()
+    assert [(p.start, p.end) for p in first.pieces] == [(0, 40)]
+    sched.add([seq(2, 5)])  # now it is not alone: chunks, and the newcomer gets the rest
+    second = sched.schedule()
+    assert [(p.seq.id, p.start, p.end) for p in second.pieces] == [(1, 40, 56), (2, 0, 5)]
+    det = PagedScheduler(info(max_num_batched_tokens=40, deterministic=True))
+    det.add([seq(1, 100)])
+    assert [(p.start, p.end) for p in det.schedule().pieces] == [(0, 16)]
 
 
 def test_prompt_logprobs_are_refused_clearly():
