@@ -71,6 +71,7 @@ class StepOutputs(NamedTuple):
     top_ids: np.ndarray  # int32 [B, K]
     top_logprobs: np.ndarray  # float32 [B, K]
     # With prompt_logprobs: logprob of prompt token t+1 given tokens <= t, and the top alternatives.
+    # Slot engine: [B, Tb-1] per prompt row; paged engine: [T] per token of the step.
     prompt_logprobs: np.ndarray | None = None  # float32 [B, Tb-1]
     prompt_top_ids: np.ndarray | None = None  # int32 [B, Tb-1, K]
     prompt_top_logprobs: np.ndarray | None = None  # float32 [B, Tb-1, K]

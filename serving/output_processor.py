@@ -65,6 +65,9 @@ class _Output:
     arrival: float
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # The paged engine's prompt logprobs, gathered piece by piece: position t -> TokenInfo of
+    # prompt token t + 1 (a recomputed piece overwrites its own).
+    prompt_lps: dict | None = None
 
 
 class OutputProcessor:
@@ -117,6 +120,7 @@ class OutputProcessor:
         `started`: the next token of every piece that samples (row i is piece i)."""
         events = []
         decoding = 0
+        first = 0  # the flat index of the piece's first token
         for row, p in enumerate(plan.pieces):
             s = p.seq
             if p.admitted and not s.generated and s.id in self._live:
@@ -125,8 +129,12 @@ class OutputProcessor:
                 self.metrics.on_prefill([p.end - p.start], now - started, plan.num_tokens, len(plan.pieces))
             else:
                 decoding += 1
+            lps = None
+            if s.want_prompt_logprobs and s.id in self._live and not s.generated:
+                lps = self._gather_prompt_logprobs(s, p, out, first)
             if p.sample and s.id in self._live:
-                events.append(self._on_token(s, out, row, now, None))
+                events.append(self._on_token(s, out, row, now, lps))
+            first += p.end - p.start
         if decoding:
             self.metrics.on_decode(len(plan.pieces), decoding)
         self.structured.prefetch()
@@ -150,6 +158,23 @@ class OutputProcessor:
         return [self._end(s, Event(text="", tokens=(), finish_reason=reason, num_prompt_tokens=len(s.prompt),
                                    num_generated=len(s.generated), error=error), now)
                 for s in seqs if s.id in self._live]
+
+    def _gather_prompt_logprobs(self, s: Sequence, p, out: StepOutputs, first: int):
+        """Keeps the logprobs of the prompt tokens after piece p's (flat tokens first..);
+        returns them all, in order, when the piece ends the prompt."""
+        o = self._live[s.id]
+        if o.prompt_lps is None:
+            o.prompt_lps = {}
+        n_top = s.params.logprobs or 0
+        for t in range(p.start, min(p.end, len(s.prompt) - 1)):
+            i = first + t - p.start
+            top = tuple((int(k), float(v)) for k, v in
+                        zip(out.prompt_top_ids[i, :n_top], out.prompt_top_logprobs[i, :n_top]))
+            o.prompt_lps[t] = TokenInfo(s.prompt[t + 1], float(out.prompt_logprobs[i]), top)
+        if not p.sample:
+            return None
+        lps, o.prompt_lps = o.prompt_lps, None
+        return tuple(lps[t] for t in range(len(s.prompt) - 1))
 
     @staticmethod
     def deliver(events: list[Emitted]) -> None:

@@ -61,6 +61,7 @@ class Buckets:
     global_pages: int
     local_pages: int
     logits: bool = True
+    every_token: bool = False  # also every token's logprobs (a sequence wants its prompt's)
 
 
 def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
@@ -114,6 +115,9 @@ class StepInputs(NamedTuple):
     # token [T] the row of its features among theirs concatenated in that order (-1: text).
     images: tuple = ()
     image_index: np.ndarray | None = None
+    # With buckets.every_token: per token [T] the next token of its sequence's text (the one
+    # its logprob is of; 0 past the text's end).
+    targets: np.ndarray | None = None
 
 
 def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> StepInputs:
@@ -130,6 +134,9 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
     pages = max(len(kv.seqs[p.seq.id].global_pages) for p in pieces) if kv.global_pool else 1
     b = buckets_for(info, n_tok, len(pieces), max(p.end - p.start for p in pieces), pages,
                     any(p.sample for p in pieces))
+    want = [p.seq.want_prompt_logprobs for p in pieces]
+    if any(want):
+        b = dataclasses.replace(b, every_token=True, logits=True)
     t, s, q, pg, pl = b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages
     ps = info.page_size
     tokens = np.zeros(t, np.int32)
@@ -144,6 +151,7 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
     local_first = np.zeros(s, np.int32)
     last = np.zeros(s, np.int32)
     sample_positions = np.zeros(s, np.int32)
+    targets = np.zeros(t, np.int32) if b.every_token else None
     i = 0
     for row, p in enumerate(pieces):
         n = p.end - p.start
@@ -164,6 +172,9 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
             local_table[row, :len(held)] = held[:pl]
         last[row] = i + n - 1
         sample_positions[row] = p.end
+        if targets is not None and want[row]:
+            ahead = (p.seq.prompt + p.seq.generated)[p.start + 1:p.end + 1]
+            targets[i:i + len(ahead)] = ahead
         i += n
     visible = positions.copy()
     images, image_index = _image_rows(pieces, visible, t)
@@ -175,7 +186,8 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
     sampling = SlotSampling.of_rows(rows)
     if extras is not None:
         sampling = sampling._replace(extras=extras(rows))
-    return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index)
+    return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index,
+                      targets)
 
 
 def _image_rows(pieces, visible: np.ndarray, t: int):
@@ -232,6 +244,7 @@ class PagedEngine:
         self._sample_device = next(d for d in model.mesh.devices.flat
                                    if d.process_index == jax.process_index())
         self._sample = sampling.make_sampler()
+        self._token_logprobs = jax.jit(sampling.token_logprobs)
         local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
         self.window = dispatch_window.DispatchWindow(
             lambda: self.pages,
@@ -278,16 +291,26 @@ class PagedEngine:
         self.programs_run.add(inputs.buckets)
         batch = RaggedBatch(**inputs.batch)
         images = self._image_rows(inputs)  # the encoder runs here, before the step needing it
-        logits, self.pages = self.model.ragged_step(self.pages, batch, logits=inputs.buckets.logits,
-                                                    images=images)
+        every = None
+        if inputs.buckets.every_token:
+            if images is not None:
+                raise ValueError("prompt logprobs of a prompt with images are not served")
+            logits, every, self.pages = self.model.ragged_step(self.pages, batch,
+                                                               every_token=True)
+        else:
+            logits, self.pages = self.model.ragged_step(
+                self.pages, batch, logits=inputs.buckets.logits, images=images)
         self.window.dispatched(logits)
         if not inputs.buckets.logits:
             return None
         logits = self._jax.device_put(logits, self._sample_device)
         self.window.dispatched(logits)
-        out = self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions)
+        out = tuple(self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions))
+        if every is not None:  # [T] logprobs of each token's next token, [T, K] top ones
+            every = self._jax.device_put(every, self._sample_device)
+            out += tuple(self._token_logprobs(every, inputs.targets))
         ticket = self.window.dispatched(out)
-        host = self._jax.device_get(tuple(out))
+        host = self._jax.device_get(out)
         self.window.retired(ticket)
         return StepOutputs(*host)
 

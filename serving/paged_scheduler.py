@@ -78,9 +78,9 @@ class PagedScheduler(WaitingQueue):
         self.num_preemptions = 0
 
     def admissible(self, seq: Sequence) -> None:
-        if seq.want_prompt_logprobs:
+        if seq.want_prompt_logprobs and seq.images:
             raise InvalidParameter("logprobs", "the prompt's own logprobs (echo with logprobs) "
-                                   "are not served by the paged engine yet: use --engine slots")
+                                   "are not served for prompts with images")
 
     def finish(self, seq: Sequence) -> bool:
         """A sequence ended: its pages go back. Returns whether it was running."""
@@ -148,7 +148,9 @@ class PagedScheduler(WaitingQueue):
                 s.hashes = (block_hashes(s.prompt, self.info.page_size,
                                          [(im.spans, im.key) for im in s.images])
                             if self.prefix_caching else [])
-            if s.computed == 0 and self.prefix_caching:
+            # A sequence that wants its prompt's logprobs computes every prompt token.
+            lookup = self.prefix_caching and not s.want_prompt_logprobs
+            if s.computed == 0 and lookup:
                 # The last token is always computed: it yields the next token.
                 hit = self.kv.lookup_prefix(s.hashes, (s.length - 1) // self.info.page_size)
                 hit = self._aligned_hit(hit)
@@ -162,7 +164,7 @@ class PagedScheduler(WaitingQueue):
             s.computed = start
             self.kv.allocate(s.id, start, start + n)
             self._running.append(s)
-            if self.prefix_caching:
+            if lookup:
                 lookups.append((s.length, start))
                 self.kv.queries += s.length
                 self.kv.hits += start

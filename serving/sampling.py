@@ -445,8 +445,14 @@ def _inverse_cdf_blocked(weights, u):
 def prompt_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprobs of a prompt's own tokens. logits float32 [B, T, V] at every position, tokens int32
     [B, T]. Returns (chosen [B, T-1]: log p(tokens[:, t+1]), top_ids [B, T-1, K], top_lps)."""
-    logits = logits[:, :-1].astype(jnp.float32)
+    return token_logprobs(logits[:, :-1], tokens[:, 1:])
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [..., V] and the token each row scores, targets int32 [...]: (log p(target) [...],
+    the MAX_TOP_LOGPROBS best ids [..., K] and their logprobs)."""
+    logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    chosen = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0] - lse
+    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
     vals, ids = _top_k(logits, MAX_TOP_LOGPROBS)
     return chosen, ids.astype(jnp.int32), vals - lse[..., None]

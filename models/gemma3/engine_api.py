@@ -123,12 +123,13 @@ class Gemma3Engine:
         return self.programs.zeros_pages(num_global_pages, num_local_pages, page_size)
 
     def ragged_step(self, pages: PagedKV, batch: RaggedBatch, logits: bool = True,
-                    images: ImageRows | None = None):
+                    images: ImageRows | None = None, every_token: bool = False):
         """One ragged step (`models.gemma3.ragged`): batch's fields numpy or device int32
         arrays. Returns (float32 logits [S, V] at each row's `last` token, vocab-sharded as
         decode's, or None with logits=False; the pages). Donates the pages. `images`: the
         feature rows [F, D] the step's soft tokens take (index [T], -1 for text); each F is
-        its own program (pad F to a few sizes)."""
+        its own program (pad F to a few sizes). every_token=True returns (row logits, logits
+        [T, V] at every token, pages) (`ragged.ragged_step`)."""
         b = RaggedBatch(**{f.name: self._ids(getattr(batch, f.name), _RAGGED_NDIM[f.name],
                                              f.name)
                            for f in dataclasses.fields(RaggedBatch)})
@@ -153,8 +154,10 @@ class Gemma3Engine:
                 raise ValueError(f"the image index must be [T]={t}, got {index.shape}")
             features = feats.shape[0]
             args += (ImageRows(features=feats, index=index),)
-        key = ProgramKey.ragged(t, s, q, pg, pl, pages, logits, features)
+        key = ProgramKey.ragged(t, s, q, pg, pl, pages, logits, features, every_token)
         out = self.programs.runnable(key)(*args)
+        if every_token:
+            return out
         return out if logits else (None, out)
 
     def ragged_key(self, tokens: int, seqs: int, queries: int, global_pages: int,

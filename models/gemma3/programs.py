@@ -72,6 +72,9 @@ class Program(enum.Enum):
                         step whose tokens include image soft tokens (their features replace
                         their embeddings); text-only steps keep the programs above
     RAGGED_IMAGES_KV:   the same without logits
+    RAGGED_ALL_LOGITS:  (weights, pages, RaggedBatch) -> (logits [S, V], logits [T, V] at every
+                        token, pages): a text step with a sequence that wants its prompt's
+                        logprobs
     """
 
     PREFILL = "prefill"
@@ -86,10 +89,11 @@ class Program(enum.Enum):
     RAGGED_KV = "ragged_kv"
     RAGGED_IMAGES = "ragged_images"
     RAGGED_IMAGES_KV = "ragged_images_kv"
+    RAGGED_ALL_LOGITS = "ragged_all"
 
 
 RAGGED_PROGRAMS = (Program.RAGGED, Program.RAGGED_KV, Program.RAGGED_IMAGES,
-                   Program.RAGGED_IMAGES_KV)
+                   Program.RAGGED_IMAGES_KV, Program.RAGGED_ALL_LOGITS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +153,16 @@ class ProgramKey:
 
     @classmethod
     def ragged(cls, tokens: int, seqs: int, queries: int, global_pages: int, local_pages: int,
-               pages: PagedKV, logits: bool = True, features: int = 0) -> ProgramKey:
+               pages: PagedKV, logits: bool = True, features: int = 0,
+               every_token: bool = False) -> ProgramKey:
         """A ragged step padded to (T, S, Q, Pg, Pl) over `pages` (arrays or
         ShapeDtypeStructs: only the pools' shapes are read); `features` > 0: with that many
-        image feature rows (`ImageRows`)."""
-        if features:
+        image feature rows (`ImageRows`); every_token: also the logits of every token."""
+        if every_token:
+            if features or not logits:
+                raise ValueError("every-token logits are for text steps that sample")
+            program = Program.RAGGED_ALL_LOGITS
+        elif features:
             program = Program.RAGGED_IMAGES if logits else Program.RAGGED_IMAGES_KV
         else:
             program = Program.RAGGED if logits else Program.RAGGED_KV
@@ -297,6 +306,9 @@ class ModelPrograms:
 
         def step_kv(w, kv, b, images=None):
             return step(w, kv, b, images, logits=False)[1]
+
+        def step_all(w, kv, b):
+            return step(w, kv, b, None, every_token=True)
         images = ImageRows(features=ids, index=ids)
         prefill_all = functools.partial(forward.prefill, ctx=self._ctx, return_all=True)
         return {
@@ -331,6 +343,9 @@ class ModelPrograms:
             Program.RAGGED_IMAGES_KV: self._jit(Program.RAGGED_IMAGES_KV, step_kv,
                                                 (weights, pages, batch, images), pages,
                                                 donate=(1,)),
+            Program.RAGGED_ALL_LOGITS: self._jit(Program.RAGGED_ALL_LOGITS, step_all,
+                                                 (weights, pages, batch),
+                                                 (vocab_last, vocab_last, pages), donate=(1,)),
         }
 
     def _jit(self, program: Program, body, in_specs, out_specs, donate=()):

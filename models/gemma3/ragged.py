@@ -169,13 +169,15 @@ def _pallas_attention(q, pages, table, first, batch, window):
 # -- the step -----------------------------------------------------------------------------------
 
 def ragged_step(weights: Weights, kv: PagedKV, batch: RaggedBatch, images: ImageRows | None = None,
-                *, ctx: forward.Ctx, logits: bool = True, attention: str = "xla"
-                ) -> tuple[jax.Array | None, PagedKV]:
+                *, ctx: forward.Ctx, logits: bool = True, attention: str = "xla",
+                every_token: bool = False):
     """The step (module docstring), on this device's shards. `images`: the features of the
     step's image soft tokens (their `visible` reaches their image's last soft token). Returns float32 logits [S, Vl]
     over this device's vocabulary rows at each row's `last` token (None with logits=False: a
     step of prompt pieces that sample nothing skips reading the embedding table) and the
-    updated pages. `attention`: `attention_impl` of the platform."""
+    updated pages. `attention`: `attention_impl` of the platform. every_token=True (prompt
+    logprobs) returns (logits [S, Vl], logits [T, Vl] at every token, pages): the row logits
+    are computed exactly as without it, so the step's sampling does not change."""
     b = batch
     positions = b.positions[None, :]  # [1, T]
     origin = jnp.zeros_like(b.local_first)
@@ -197,6 +199,10 @@ def ragged_step(weights: Weights, kv: PagedKV, batch: RaggedBatch, images: Image
     x, _ = forward.run_layers(x, weights, attn, ctx)
     out = None
     if logits:
-        x = forward.rms_norm(x[0][b.last], weights.final_norm, ctx.config.norm_eps)
-        out = forward.output_logits(x, weights.embed)
-    return out, PagedKV(layers=tuple(layers), kinds=kv.kinds)
+        last = forward.rms_norm(x[0][b.last], weights.final_norm, ctx.config.norm_eps)
+        out = forward.output_logits(last, weights.embed)
+    pages = PagedKV(layers=tuple(layers), kinds=kv.kinds)
+    if every_token:
+        every = forward.rms_norm(x[0], weights.final_norm, ctx.config.norm_eps)
+        return out, forward.output_logits(every, weights.embed), pages
+    return out, pages

@@ -3,6 +3,8 @@ sliding window): the engine core drives `PagedEngine` through `PagedScheduler`, 
 is checked against the slot engine's (an independent path: separate prefill, chunk and decode
 programs over a slot cache) and against itself alone.
 """
+import threading
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from serving.engine import ModelEngine
 from serving.engine_core import EngineCore
 from serving.metrics import Metrics
 from serving.paged_engine import PagedEngine
+from serving.sampling import SamplingParams
 from tests.serving.test_batch_invariance import generate, model, prompt
 
 PROMPTS = [prompt(n, seed) for seed, n in enumerate((1, 7, 23, 45, 9, 30))]
@@ -95,3 +98,44 @@ def test_a_lone_request_runs_one_row_programs():
     # Decodes run the smallest token bucket; the lone prompt went in one piece.
     assert {b.tokens for b in engine.programs_run if b.queries == 1} == {8}
     assert [b.queries for b in engine.programs_run].count(32) == 1
+
+
+def prompt_logprobs(engine, prompts, others=()):
+    """Each prompt's own logprobs (echo with logprobs=3), submitted beside `others` (plain
+    greedy streams): [(token, logprob, top ids)] per prompt position 1..n-1."""
+    core = EngineCore(engine).start()
+    try:
+        got, done = [], []
+        for p in list(prompts) + list(others):
+            ev, out = threading.Event(), []
+
+            def sink(e, out=out, ev=ev):
+                if e.prompt_logprobs:
+                    out.extend((t.id, t.logprob, [i for i, _ in t.top]) for t in e.prompt_logprobs)
+                if e.finish_reason is not None:
+                    ev.set()
+
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=3)
+            core.submit([(p, params, sink)], prompt_logprobs=p in prompts)
+            got.append(out)
+            done.append(ev)
+        assert all(ev.wait(120) for ev in done)
+    finally:
+        core.shutdown()
+    return got[:len(prompts)]
+
+
+def test_prompt_logprobs_match_the_slot_engines_alone_and_among_others():
+    """Echo with logprobs: computed piece by piece (prompts longer than a chunk and the
+    window), and never from prefix-cache pages."""
+    m = model(1)
+    slots = ModelEngine(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
+    asked = [PROMPTS[3], PROMPTS[5]]
+    want = prompt_logprobs(slots, asked)
+    engine = paged(m)
+    generate(engine, [PROMPTS[3]])  # its pages are now in the prefix cache
+    for got in (prompt_logprobs(engine, asked), prompt_logprobs(engine, asked, PROMPTS[:3])):
+        for g, w, p in zip(got, want, asked):
+            assert len(g) == len(p) - 1 and [t for t, _, _ in g] == list(p[1:])
+            np.testing.assert_allclose([lp for _, lp, _ in g], [lp for _, lp, _ in w], atol=1e-4)
+            assert [top for _, _, top in g] == [top for _, _, top in w]

@@ -210,9 +210,18 @@ def test_a_lone_prompt_takes_the_whole_budget_and_shares_it_when_others_arrive()
     assert [(p.start, p.end) for p in det.schedule().pieces] == [(0, 16)]
 
 
-def test_prompt_logprobs_are_refused_clearly():
+def test_prompt_logprobs_skip_the_prefix_cache_and_are_refused_with_images():
     sched = PagedScheduler(info())
-    s = seq(1, 5)
+    first = seq(1, 37)
+    sched.add([first])
+    run(sched)
+    again = seq(2, 37)
+    again.want_prompt_logprobs = True  # it must compute every prompt token
+    sched.add([again])
+    plan = sched.schedule()
+    assert plan.pieces[0].start == 0 and not plan.lookups
+    s = seq(3, 5)
     s.want_prompt_logprobs = True
+    s.images = (object(),)
     with pytest.raises(InvalidParameter):
         sched.add([s])
