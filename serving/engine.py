@@ -225,7 +225,7 @@ class ModelEngine:
         self._sample = sampling.make_sampler()
         self._prompt_logprobs = jax.jit(sampling.prompt_logprobs)
         self._last_logits = jax.jit(_last_logits)
-        self._feed = jax.jit(_feed_tokens)
+        self._feed = jax.jit(feed_tokens)
         # Every program below is counted here: dispatches must not run too far ahead of the
         # devices (serving/dispatch_window.py: XLA:CPU wedges otherwise at tp >= 2).
         local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -458,7 +458,7 @@ class PendingDecode:
         return self._host
 
 
-def _feed_tokens(prev, host, src):
+def feed_tokens(prev, host, src):
     """Input tokens of a step: row i is prev[src[i]] (a token still on the device) where
     src[i] >= 0, else host[i]."""
     import jax.numpy as jnp

@@ -17,6 +17,9 @@ runs the new step. So a stop is seen one step late: a sequence that ended in ste
 step N+1, whose token for it is discarded (its slot is freed after step N's outputs, and the
 next plan may reuse it). Any other step (one-shot prefills, slot moves, logits processing) first
 waits for the step in flight, then runs as without overlap. Greedy and seeded outputs are the same either way.
+The paged engine overlaps every ragged step the same way (`dispatch_step`): the scheduler plans
+the next step counting the tokens in flight (`Piece.fed`), unless a piece needs logits
+processing; then the step in flight is drained first and the pieces of sequences it ended dropped.
 
 The step watchdog (`step_timeout`, `serving/watchdog.py`): every engine call, and every wait for a
 step in flight, runs armed. One that outlasts its limit (`compile_timeout` the first time a call
@@ -70,7 +73,8 @@ class EngineCore:
         self.engine = engine
         # Overlapped decode steps (module docstring): needs an engine that can dispatch a step
         # and return before its outputs reach the host.
-        self.overlap = bool(overlap) and callable(getattr(engine, "dispatch_decode", None))
+        self.overlap = bool(overlap) and callable(
+            getattr(engine, "dispatch_step" if engine.info.paged else "dispatch_decode", None))
         self._inflight = None  # (Plan, the engine's pending step, its step_key): outputs not read
         self.metrics = metrics or NullMetrics()
         # The paged engine runs one ragged step a step (serving/paged_engine.py); the slot engine
@@ -278,13 +282,33 @@ class EngineCore:
         if plan.preempted:
             log.info("preempted %d sequence(s) for KV-cache pages; they will recompute",
                      len(plan.preempted))
+        prev = self._inflight
+        if prev is not None and any(p.seq.params.needs_extras for p in plan.pieces):
+            # Logits processing reads the last tokens on the host: wait for them, and drop
+            # the pieces of sequences that the step in flight ended.
+            self._drain()
+            prev = None
+            plan = dataclasses.replace(plan, pieces=tuple(
+                p for p in plan.pieces if self.outputs.is_live(p.seq.id)))
         if not plan.pieces:
+            self._drain()
             return
         t0 = time.perf_counter()
-        inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras)
-        key = step_key("ragged", inputs, buckets=tuple(dataclasses.astuple(inputs.buckets)))
-        out = self._call(key, lambda: self.engine.run_step(inputs))
-        self._publish(self.outputs.on_step(plan, out, t0, time.perf_counter()))
+        prev_rows = None if prev is None else {
+            p.seq.id: row for row, p in enumerate(prev[0].pieces) if p.sample}
+        inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras, prev_rows)
+        key = step_key("ragged", inputs, buckets=tuple(dataclasses.astuple(inputs.buckets)),
+                       feed=inputs.feed is not None)
+        if self.overlap:
+            pending = self._call(key, lambda: self.engine.dispatch_step(
+                inputs, None if prev is None else prev[1]))
+        else:
+            out = self._call(key, lambda: self.engine.run_step(inputs))
+            pending = _Ready(out)
+        self._drain()  # the step in flight's outputs, while the device runs this one
+        self._inflight = (plan, pending, key, t0)
+        if not self.overlap:
+            self._drain()
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()
@@ -334,10 +358,13 @@ class EngineCore:
         that ended meanwhile are dropped by the output processor)."""
         if self._inflight is None:
             return
-        plan, pending, key = self._inflight
+        plan, pending, key, *started = self._inflight
         self._inflight = None
         out = self._call(key, pending.result, count=False)
-        self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
+        if isinstance(plan, StepPlan):
+            self._publish(self.outputs.on_step(plan, out, started[0], time.perf_counter()))
+        else:
+            self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
 
     def _without_ended(self, plan: Plan) -> Plan:
         """The plan with decode rows of sequences that ended in the step just drained made idle
@@ -420,6 +447,16 @@ class EngineCore:
             except Exception:
                 log.exception("on_stuck failed")
         self.outputs.deliver(self.outputs.finish(failed, "error", message, time.perf_counter()))
+
+
+class _Ready:
+    """A step's outputs already on the host, as a dispatched step's (`result()`)."""
+
+    def __init__(self, out):
+        self._out = out
+
+    def result(self):
+        return self._out
 
 
 def _stall_forever(n: int, key: tuple) -> None:

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from serving import dispatch_window
-from serving.engine import EngineInfo, StepOutputs
+from serving.engine import EngineInfo, StepOutputs, feed_tokens
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
 from serving.sampling import IDLE, SlotSampling
@@ -118,15 +118,20 @@ class StepInputs(NamedTuple):
     # With buckets.every_token: per token [T] the next token of its sequence's text (the one
     # its logprob is of; 0 past the text's end).
     targets: np.ndarray | None = None
+    # Per token [T]: the row of the previous step whose sampled token it is, for a token not
+    # on the host when the step was built (overlapped loop), else -1.
+    feed: np.ndarray | None = None
 
 
-def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> StepInputs:
+def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None,
+                prev_rows: dict[int, int] | None = None) -> StepInputs:
     """The arrays of a planned step: the pieces' tokens laid out one after another, each with
     its sequence row, position and the slots its keys/values go to; every row's block tables.
     Padding tokens write to the scratch page; padding rows read only it (always masked).
 
     extras(rows) -> LogitsExtras | None for the rows' logits processing (None for rows that do
-    not sample)."""
+    not sample). prev_rows: sequence id -> its row in the step in flight, for the pieces whose
+    last token that step samples (`Piece.fed`; it is fed from the device)."""
     pieces = plan.pieces
     if not pieces:
         raise ValueError("an empty step")
@@ -152,12 +157,20 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
     last = np.zeros(s, np.int32)
     sample_positions = np.zeros(s, np.int32)
     targets = np.zeros(t, np.int32) if b.every_token else None
+    feed = None
     i = 0
     for row, p in enumerate(pieces):
         n = p.end - p.start
         sp = kv.seqs[p.seq.id]
         span = slice(i, i + n)
-        tokens[span] = p.tokens
+        known = p.tokens
+        tokens[i:i + len(known)] = known
+        if len(known) < n:  # the last token is the step in flight's sample, on the device
+            if prev_rows is None or p.seq.id not in prev_rows or len(known) != n - 1:
+                raise ValueError(f"sequence {p.seq.id}'s token at {p.end - 1} is in no step")
+            if feed is None:
+                feed = np.full(t, -1, np.int32)
+            feed[i + n - 1] = prev_rows[p.seq.id]
         positions[span] = np.arange(p.start, p.end)
         seq[span] = row
         col[span] = np.arange(n)
@@ -187,7 +200,7 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None) -> S
     if extras is not None:
         sampling = sampling._replace(extras=extras(rows))
     return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index,
-                      targets)
+                      targets, feed)
 
 
 def _image_rows(pieces, visible: np.ndarray, t: int):
@@ -245,6 +258,7 @@ class PagedEngine:
                                    if d.process_index == jax.process_index())
         self._sample = sampling.make_sampler()
         self._token_logprobs = jax.jit(sampling.token_logprobs)
+        self._feed = jax.jit(feed_tokens)
         local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
         self.window = dispatch_window.DispatchWindow(
             lambda: self.pages,
@@ -286,10 +300,23 @@ class PagedEngine:
     def run_step(self, inputs: StepInputs) -> StepOutputs | None:
         """Runs one ragged step; returns the sampled tokens of its S rows (rows that do not
         sample hold junk), or None for a step that samples nothing (no device-to-host wait)."""
+        return self.dispatch_step(inputs).result()
+
+    def dispatch_step(self, inputs: StepInputs, prev: "PendingStep | None" = None
+                      ) -> "PendingStep":
+        """Dispatches one ragged step and returns at once (JAX's asynchronous dispatch); its
+        outputs stay on the device until `result()`. prev: the step in flight whose sampled
+        tokens feed this one's (`StepInputs.feed`)."""
         from models.gemma3.ragged import RaggedBatch
 
         self.programs_run.add(inputs.buckets)
-        batch = RaggedBatch(**inputs.batch)
+        fields = dict(inputs.batch)
+        if inputs.feed is not None:
+            if prev is None or prev.tokens is None:
+                raise ValueError("a step fed from the step in flight needs that step")
+            fields["tokens"] = self._feed(prev.tokens, fields["tokens"], inputs.feed)
+            self.window.dispatched(fields["tokens"])
+        batch = RaggedBatch(**fields)
         images = self._image_rows(inputs)  # the encoder runs here, before the step needing it
         every = None
         if inputs.buckets.every_token:
@@ -302,7 +329,7 @@ class PagedEngine:
                 self.pages, batch, logits=inputs.buckets.logits, images=images)
         self.window.dispatched(logits)
         if not inputs.buckets.logits:
-            return None
+            return PendingStep(self._jax, None)
         logits = self._jax.device_put(logits, self._sample_device)
         self.window.dispatched(logits)
         out = tuple(self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions))
@@ -310,9 +337,7 @@ class PagedEngine:
             every = self._jax.device_put(every, self._sample_device)
             out += tuple(self._token_logprobs(every, inputs.targets))
         ticket = self.window.dispatched(out)
-        host = self._jax.device_get(out)
-        self.window.retired(ticket)
-        return StepOutputs(*host)
+        return PendingStep(self._jax, out, lambda: self.window.retired(ticket))
 
     def reset(self) -> None:
         """Fresh pages (after a failed step, whose donated pages may be gone)."""
@@ -349,6 +374,24 @@ class PagedEngine:
                     break
         self.reset()
         return time.perf_counter() - t0
+
+
+class PendingStep:
+    """A dispatched ragged step: its sampled tokens on the device (`tokens`, to feed the next
+    step; None for a step that samples nothing) and, on `result()`, its outputs on the host
+    (waits for the device)."""
+
+    def __init__(self, jax, out, on_result: Callable[[], None] = lambda: None):
+        self._jax, self._out, self._on_result = jax, out, on_result
+        self.tokens = None if out is None else out[0]
+        self._host: StepOutputs | None = None
+
+    def result(self) -> StepOutputs | None:
+        if self._out is not None:
+            self._host = StepOutputs(*self._jax.device_get(self._out))
+            self._out = None
+            self._on_result()
+        return self._host
 
 
 def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int,

@@ -38,19 +38,20 @@ from serving.scheduler import Sequence, WaitingQueue
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Tokens start..end-1 of `seq`'s text computed in one step; `sample`: the step samples the
-    sequence's next token from the logits of position end-1."""
+    sequence's next token from the logits of position end-1. `fed`: token end-1 is the one the
+    step before sampled, not on the host when the step was planned (the engine core's
+    overlapped loop feeds it from the device)."""
 
     seq: Sequence
     start: int
     end: int
     admitted: bool = False  # the sequence left the waiting queue for this step
-
-    @property
-    def sample(self) -> bool:
-        return self.end == self.seq.length
+    sample: bool = False
+    fed: bool = False
 
     @property
     def tokens(self) -> list[int]:
+        """The piece's tokens on the host (a fed piece's last one once it arrived)."""
         text = self.seq.prompt + self.seq.generated
         return text[self.start:self.end]
 
@@ -76,14 +77,24 @@ class PagedScheduler(WaitingQueue):
                           info.sliding_window, info.has_global_layers)
         self.prefix_caching = bool(info.prefix_blocks)
         self.num_preemptions = 0
+        # The text length each sequence has once the token the last planned step samples for
+        # it arrives: with the engine core's overlapped loop a step is planned before the
+        # previous step's outputs reach the host, so the text is one token longer than the
+        # host knows until then.
+        self._sampled_to: dict[int, int] = {}
 
     def admissible(self, seq: Sequence) -> None:
         if seq.want_prompt_logprobs and seq.images:
             raise InvalidParameter("logprobs", "the prompt's own logprobs (echo with logprobs) "
                                    "are not served for prompts with images")
 
+    def _length(self, s: Sequence) -> int:
+        """The sequence's text length, with the token a step in flight samples for it."""
+        return max(s.length, self._sampled_to.get(s.id, 0))
+
     def finish(self, seq: Sequence) -> bool:
         """A sequence ended: its pages go back. Returns whether it was running."""
+        self._sampled_to.pop(seq.id, None)
         if seq in self._running:
             self._running.remove(seq)
             self.kv.free(seq.id)
@@ -116,7 +127,7 @@ class PagedScheduler(WaitingQueue):
         preempted: list[Sequence] = []
         # Decodes first (oldest first), then the running prompts' pieces: a stream never waits
         # for a prompt's prefill.
-        order = sorted(self._running, key=lambda q: q.length - q.computed > 1)
+        order = sorted(self._running, key=lambda q: self._length(q) - q.computed > 1)
         planned: set[int] = set()
         alone = len(self._running) + len(self.waiting) == 1
         for s in order:
@@ -137,12 +148,14 @@ class PagedScheduler(WaitingQueue):
             if s not in self._running or not self.kv.can_allocate(s.id, s.computed, s.computed + n):
                 continue
             self.kv.allocate(s.id, s.computed, s.computed + n)
-            pieces.append(Piece(s, s.computed, s.computed + n))
+            pieces.append(self._piece(s, s.computed, s.computed + n))
             planned.add(s.id)
             budget -= n
         lookups = []
         while self.waiting and budget > 0 and len(self._running) < self.info.num_slots:
             s = self.waiting[0]
+            if s.length < self._length(s):  # preempted with its last token in flight
+                break
             hit = 0
             if s.hashes is None:
                 s.hashes = (block_hashes(s.prompt, self.info.page_size,
@@ -168,13 +181,19 @@ class PagedScheduler(WaitingQueue):
                 lookups.append((s.length, start))
                 self.kv.queries += s.length
                 self.kv.hits += start
-            pieces.append(Piece(s, start, start + n, admitted=True))
+            pieces.append(self._piece(s, start, start + n, admitted=True))
             budget -= n
         for p in pieces:
             p.seq.computed = p.end
+            if p.sample:
+                self._sampled_to[p.seq.id] = p.end + 1
             if self.prefix_caching:
                 self.kv.name_full_pages(p.seq.id, p.seq.hashes, p.end)
         return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups))
+
+    def _piece(self, s: Sequence, start: int, end: int, admitted: bool = False) -> Piece:
+        length = self._length(s)
+        return Piece(s, start, end, admitted, sample=end == length, fed=end > s.length)
 
     def _aligned_hit(self, pages: int) -> int:
         """In deterministic mode a prefix hit must end on a chunk boundary (pieces start there)."""
@@ -216,7 +235,7 @@ class PagedScheduler(WaitingQueue):
 
     def _plain_piece_len(self, s: Sequence, budget: int, start: int, limit: int = 0) -> int:
         """The piece within `budget` and `limit` tokens (0: the chunk size)."""
-        left = s.length - start
+        left = self._length(s) - start
         if left <= 0:
             return 0
         if left == 1:

@@ -1,6 +1,6 @@
 """The engine core's overlapped decode loop (a decode step dispatched before the previous one's
-tokens reach the host, stops seen one step late) against the plain loop, on the real engine over
-a tiny random model: the same tokens, logprobs and finish reasons; max_tokens, stop tokens and the
+tokens reach the host, stops seen one step late) against the plain loop, on the real engines
+(slot and paged) over a tiny random model: the same tokens, logprobs and finish reasons; max_tokens, stop tokens and the
 context limit honoured exactly; slots of sequences that ended reused; a cancel mid-stream."""
 import threading
 
@@ -11,6 +11,7 @@ from equarx import AllReduceConfig
 from models.gemma3 import load_model
 from serving.engine import ModelEngine
 from serving.engine_core import EngineCore
+from serving.paged_engine import PagedEngine
 from serving.sampling import SamplingParams
 
 _model = []
@@ -39,6 +40,10 @@ class Counting:
     def dispatch_decode(self, inputs, feed=None):
         self.fed += feed is not None and bool((feed[1] >= 0).any())
         return self._engine.dispatch_decode(inputs, feed)
+
+    def dispatch_step(self, inputs, prev=None):  # the paged engine's
+        self.fed += inputs.feed is not None
+        return self._engine.dispatch_step(inputs, prev)
 
 
 def run(engine, requests, overlap):
@@ -81,10 +86,18 @@ def same(a, b, bitwise):
         np.testing.assert_allclose([lp for _, lp in x], [lp for _, lp in y], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_overlapped_loop_gives_the_plain_loops_outputs(deterministic):
+def engine_maker(kind, deterministic):
+    if kind == "paged":
+        return lambda: PagedEngine(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
+                                   chunk_size=16, deterministic=deterministic)
     kw = dict(chunk_size=16, deterministic=True) if deterministic else dict(decode_batch_sizes=(1, 2, 4))
-    make = lambda: ModelEngine(model(), num_slots=4, max_seq_len=64, **kw)  # noqa: E731
+    return lambda: ModelEngine(model(), num_slots=4, max_seq_len=64, **kw)
+
+
+@pytest.mark.parametrize("kind,deterministic", [("slots", True), ("slots", False),
+                                                ("paged", True), ("paged", False)])
+def test_overlapped_loop_gives_the_plain_loops_outputs(kind, deterministic):
+    make = engine_maker(kind, deterministic)
     lengths = (1, 2, 3, 9, 17, 5, 12, 30)
     # More requests than slots, different lengths: sequences end at different steps and their
     # slots are reused while others run; two sampled (seeded) requests among the greedy ones.
@@ -115,8 +128,16 @@ def test_overlapped_loop_gives_the_plain_loops_outputs(deterministic):
         assert reason == "stop" and len(got) == k and n == k + 1
 
 
-def test_cancel_while_a_step_is_in_flight():
-    engine = Counting(ModelEngine(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True))
+def make_small(kind):
+    if kind == "paged":
+        return PagedEngine(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
+                           deterministic=True)
+    return ModelEngine(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_cancel_while_a_step_is_in_flight(kind):
+    engine = Counting(make_small(kind))
     core = EngineCore(engine, overlap=True).start()
     try:
         events, ended = [], threading.Event()
@@ -141,6 +162,6 @@ def test_cancel_while_a_step_is_in_flight():
         assert done.wait(60)
     finally:
         core.shutdown()
-    plain = run(ModelEngine(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True),
-                [(prompt(9, 2), greedy(7, ignore_eos=True))], overlap=False)
+    plain = run(make_small(kind), [(prompt(9, 2), greedy(7, ignore_eos=True))], overlap=False)
     assert plain[0][1] == got
+    assert engine.fed > 0
