@@ -41,13 +41,16 @@ class Buckets:
     attention view, Pg global and Pl local pages per row, and whether it returns logits.
 
     Few values each, so that a server compiles few programs (each is one compile, kept by the
-    persistent compilation cache): S is 1 (a lone sequence) or max_num_seqs; Q is 1 (every row
-    decodes) or the chunk size; T is max(8, S) when every row decodes, else a power of two
-    from 8 up to the token budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows
-    Q. With max_num_seqs 8, max_seq_len 2048, pages of 16 and chunks of 16 (a budget of 24
-    tokens: T 8, 16 or 32) that is at most 2 x 5 decode programs (S x Pg) and 2 x 3 x 5 x 2
-    with prompt pieces (S x T x Pg x logits), 70 in all, of which a server meets the ones its
-    load needs. A lone request runs S = 1 programs: it never pays for the batch.
+    persistent compilation cache): S is 1 (a lone sequence), else a power of two from 8 up to
+    max_num_seqs; Q is 1 (every row decodes), else the longest piece's power of two, at least
+    the chunk size (pieces beside other work are at most a chunk; a lone prompt's take the
+    budget); T is max(8, S) when every row decodes, else a power of two from 8 up to the
+    budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows Q. With
+    max_num_seqs 8, max_seq_len 2048, pages of 16, chunks of 16 and the default budget of 256
+    that is 2 x 5 decode programs (S x Pg), 6 x 5 x 2 with pieces beside other work (T x Pg x
+    logits) and 5 x 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256), 120 in all, of
+    which a server meets the ones its load needs. A lone request runs S = 1 programs: it never
+    pays for the batch.
 
     A prompt piece never ends inside an image's soft tokens (they attend to each other both
     ways, so the step that computes them must write them all): such a piece runs on to the
@@ -73,6 +76,9 @@ def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
 
 
 MIN_PAGES = 8
+# Sequence rows of a step: 1, then powers of two from 8 up to max_num_seqs, so that 8 streams
+# of a server allowing 64 do not gather pages for 64 rows.
+MIN_SEQS = 8
 # The default token budget of a step outside deterministic mode: prompt pieces of several
 # requests share it, and a lone prompt takes it whole (paged_scheduler). In deterministic mode
 # every step has the budget's shape, so it stays max_num_seqs + chunk_size there.
@@ -94,7 +100,7 @@ def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pa
         return Buckets(tokens=max(MIN_TOKENS, _pow2(info.max_num_batched_tokens), _pow2(tokens)),
                        seqs=info.num_slots, queries=q, global_pages=max(MIN_PAGES, max_pages),
                        local_pages=local_pages_for(q, info.sliding_window, info.page_size))
-    s = 1 if seqs == 1 else info.num_slots
+    s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, _pow2(seqs)))
     q = 1 if longest_piece == 1 else max(info.chunk_size, _pow2(longest_piece))
     t = max(MIN_TOKENS, s if q == 1 else _pow2(tokens))
     return Buckets(tokens=t, seqs=s, queries=q,

@@ -225,3 +225,18 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_are_refused_with_images():
     s.images = (object(),)
     with pytest.raises(InvalidParameter):
         sched.add([s])
+
+
+def test_step_buckets_follow_the_rows_and_pieces():
+    from serving.paged_engine import buckets_for
+
+    big = info(num_slots=32, max_num_batched_tokens=256, max_seq_len=2048)
+    assert buckets_for(big, 1, 1, 1, 3, True).seqs == 1  # a lone decode: one row
+    assert [buckets_for(big, n, n, 1, 3, True).seqs for n in (2, 8, 9, 17, 32)] == [8, 8, 16, 32, 32]
+    decode = buckets_for(big, 9, 9, 1, 3, True)
+    assert (decode.tokens, decode.queries, decode.global_pages) == (16, 1, 8)
+    lone = buckets_for(big, 200, 1, 200, 40, True)  # a lone prompt's whole-budget piece
+    assert (lone.tokens, lone.seqs, lone.queries, lone.global_pages) == (256, 1, 256, 64)
+    det = buckets_for(info(num_slots=32, max_num_batched_tokens=48, max_seq_len=2048,
+                           deterministic=True), 1, 1, 1, 3, True)
+    assert (det.tokens, det.seqs, det.queries, det.global_pages) == (64, 32, 16, 256)
