@@ -426,6 +426,9 @@ def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     has_global = any(c.is_global(i) for i in range(c.num_layers))
     window = c.sliding_window if has_local else None
     per_seq_local = local_pages_for(_pow2(chunk_size), window, page_size)
+    # ... and room for a lone prompt's whole-budget piece, whose window reaches further back.
+    local_pages = max(max_num_seqs * per_seq_local * 5 // 4,
+                      local_pages_for(_pow2(budget), window, page_size))
     tokenizer = model.tokenizer
     return EngineInfo(
         model_name=model_name,
@@ -445,7 +448,7 @@ def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         prefix_blocks=1 if prefix_caching else 0,
         page_size=page_size,
         num_global_pages=math.ceil(tokens / page_size) + 1 if has_global else 2,
-        num_local_pages=max_num_seqs * per_seq_local * 5 // 4 + 1 if has_local else 2,
+        num_local_pages=local_pages + 1 if has_local else 2,
         max_num_batched_tokens=budget,
         sliding_window=window,
         has_global_layers=has_global,

@@ -1,0 +1,100 @@
+"""A long prompt through the paged engine's ragged steps against a one-shot prefill of the same
+tokens: the last token's logits, max relative difference (max |paged - one-shot| / max
+|one-shot|). The real Gemma 3 270M in float32 with the f32 AllReduce, split over --tp virtual
+CPU devices, so that the only differences are float sums in another order.
+
+Not part of the test suite (minutes on 2 cores):
+
+    python -m eval.check_long_context                        # 8,192 tokens, tp=2
+    python -m eval.check_long_context --tokens 32000 --skip-one-shot
+
+The one-shot prefill materializes every layer's [heads, T, T] attention scores: 1 GiB at 8,192
+tokens, 16 GiB at 32,000 (more than this machine can hold beside the model), so at 32,000 tokens
+`--skip-one-shot` runs the paged steps alone (it still shows that they complete, in how many
+steps and seconds) and the comparison is the one at the largest length that fits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+import jax_platform
+
+
+def paged_last_logits(model, prompt: list[int], budget: int, chunk: int) -> tuple[np.ndarray, int]:
+    """The prompt through the paged engine's scheduler and ragged steps (pieces of `budget`
+    tokens: a lone prompt), returning the last token's float32 logits [V] and the step count."""
+    from models.gemma3.ragged import RaggedBatch
+    from serving.paged_engine import PagedEngine, step_inputs
+    from serving.paged_scheduler import PagedScheduler
+    from serving.sampling import SamplingParams
+    from serving.scheduler import Sequence
+
+    engine = PagedEngine(model, max_num_seqs=1, max_seq_len=len(prompt) + 1, page_size=16,
+                         chunk_size=chunk, max_num_batched_tokens=budget, prefix_caching=False,
+                         model_name="check")
+    sched = PagedScheduler(engine.info)
+    sched.add([Sequence(id=0, prompt=list(prompt), params=SamplingParams(max_tokens=1), seed=0)])
+    steps, logits = 0, None
+    while logits is None:
+        plan = sched.schedule()
+        inputs = step_inputs(plan, sched.kv, engine.info)
+        out, engine.pages = model.ragged_step(engine.pages, RaggedBatch(**inputs.batch),
+                                                     logits=inputs.buckets.logits)
+        steps += 1
+        if plan.pieces[0].sample:
+            logits = np.asarray(out, np.float32)[0]
+    return logits, steps
+
+
+def one_shot_last_logits(model, prompt: list[int]) -> np.ndarray:
+    """One prefill program over the whole prompt (the slot engine's, into a one-slot cache)."""
+    n = len(prompt)
+    cache = model.init_cache(1, n)
+    logits, _ = model.prefill(cache, np.asarray([prompt], np.int32),
+                                     np.asarray([n], np.int32), np.zeros(1, np.int32))
+    return np.asarray(logits, np.float32)[0]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=256, help="the paged step's token budget")
+    ap.add_argument("--skip-one-shot", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    jax_platform.request_cpu_devices(args.tp)
+    jax_platform.keep_freed_memory()
+    from equarx import AllReduceConfig
+    from eval.bench_engine import _text_ids
+    from models.gemma3 import load_model
+
+    model = load_model("gemma3-270m", tp=args.tp, dtype="float32", max_seq_len=args.tokens + 1,
+                       allreduce=AllReduceConfig.from_label("f32"))
+    tok = model.tokenizer
+    prompt = [tok.bos_id] + _text_ids(tok, args.tokens - 1, 7)
+    t0 = time.perf_counter()
+    paged, steps = paged_last_logits(model, prompt, args.budget, 16)
+    res = {"tokens": args.tokens, "tp": args.tp, "paged_steps": steps,
+           "paged_s": time.perf_counter() - t0}
+    print(f"paged: {args.tokens} tokens in {steps} steps, {res['paged_s']:.0f} s")
+    if not args.skip_one_shot:
+        t0 = time.perf_counter()
+        ref = one_shot_last_logits(model, prompt)
+        res["one_shot_s"] = time.perf_counter() - t0
+        res["max_rel_diff"] = float(np.max(np.abs(paged - ref)) / np.max(np.abs(ref)))
+        res["same_argmax"] = bool(np.argmax(paged) == np.argmax(ref))
+        print(f"one-shot: {res['one_shot_s']:.0f} s; last-token logits max relative difference "
+              f"{res['max_rel_diff']:.2e}, same argmax: {res['same_argmax']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
