@@ -282,7 +282,7 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras)
-        key = step_key("ragged", inputs, buckets=tuple(dataclasses.astuple(inputs.buckets)))
+        key = step_key("ragged", inputs)
         out = self._call(key, lambda: self.engine.run_step(inputs))
         self._publish(self.outputs.on_step(plan, out, t0, time.perf_counter()))
 

@@ -8,21 +8,27 @@ exit with a clear error soon after process 1 is killed (int8).
 
 The wire format, settings and watchdog are checked without starting any process.
 """
+import dataclasses
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import numpy as np
 import pytest
 
 from serving import distributed as dist
+from serving import wire
 import jax_platform
-from serving.engine import DecodeInputs, PrefillInputs
-from serving.sampling import SlotSampling
+from serving.engine import ChunkInputs, DecodeInputs, EngineInfo, PrefillInputs, SlotMove
+from serving.paged_engine import StepInputs, step_inputs
+from serving.paged_scheduler import PagedScheduler
+from serving.sampling import IDLE, LogitsExtras, SlotSampling
+from serving.scheduler import Sequence
 from testkit import free_port, stop_processes, wait_group_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,36 +45,100 @@ def _sampling(n: int, rng) -> SlotSampling:
                         rng.random(n, dtype=np.float32), rng.integers(0, 2**32, n, dtype=np.uint32))
 
 
-def test_step_round_trip():
+SLOT_INFO = EngineInfo(model_name="t", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32, 64),
+                       prefill_batch_sizes=(1, 2), vocab_size=1000, eos_ids=(1,),
+                       batched_prefill_max_bucket=32, chunk_size=16, chunk_buckets=(16,))
+PAGED_INFO = dataclasses.replace(SLOT_INFO, page_size=4, num_global_pages=65, num_local_pages=40,
+                                 max_num_batched_tokens=20, sliding_window=8, prefix_blocks=1)
+
+
+def _same(a, b) -> None:
+    """Equal inputs: arrays bit for bit with their dtypes, records field by field."""
+    if isinstance(a, tuple) and hasattr(a, "_fields") or dataclasses.is_dataclass(a):
+        assert type(a) is type(b)
+        names = a._fields if hasattr(a, "_fields") else [f.name for f in dataclasses.fields(a)]
+        for name in names:
+            _same(getattr(a, name), getattr(b, name))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)  # bit-exact floats and seeds
+    else:
+        assert a == b
+
+
+def test_slot_steps_round_trip_within_the_capacity_from_the_engine_info():
     rng = np.random.default_rng(0)
     pre = PrefillInputs(rng.integers(0, 262144, (2, 32), dtype=np.int32), np.array([5, 32], np.int32),
                         np.array([1, 0], np.int32), _sampling(2, rng), True)
     dec = DecodeInputs(rng.integers(0, 262144, 4, dtype=np.int32), np.array([3, 0, 31, 7], np.int32),
                        _sampling(4, rng))
-    cap = dist.step_capacity(4, (16, 32), lambda b: (1, 2))
-    assert cap == 8 + 2 * 32 + 6 * 2
-    for kind, inputs in ((dist.PREFILL, pre), (dist.DECODE, dec)):
+    chunk = ChunkInputs(rng.integers(0, 1000, 16, dtype=np.int32), 32, 9, 2, _sampling(1, rng), True,
+                        (4, 7), -1)
+    cap = dist.step_capacity(SLOT_INFO)
+    # The largest step is a prefill of 2 x 32 tokens (batches of 2 stop at bucket 32): the
+    # header, the tokens, lengths, slots and 4 sampling fields (each with its rank and shape
+    # first), the flag.
+    assert cap == 2 + (3 + 64) + 2 * (2 + 2) + 4 * (2 + 2) + 1 == 2 + len(wire.encode(pre))
+    for kind, inputs in ((dist.PREFILL, pre), (dist.DECODE, dec), (dist.CHUNK, chunk),
+                         (dist.MOVE, SlotMove(3, 1))):
         buf = dist.encode_step(kind, inputs, cap)
         assert buf.shape == (cap,) and buf.dtype == np.int32
         got_kind, got = dist.decode_step(buf)
-        assert got_kind == kind and type(got) is type(inputs)
-        for a, b in zip(got, inputs):
-            if isinstance(a, SlotSampling):
-                for x, y in zip(a, b):
-                    if x is None and y is None:  # no logits processing (extras) travels
-                        continue
-                    assert x.dtype == y.dtype and np.array_equal(x, y)  # bit-exact floats and seeds
-            else:
-                assert np.array_equal(a, b)
+        assert got_kind == kind
+        _same(got, inputs)
     for kind in (dist.IDLE, dist.RESET, dist.SHUTDOWN):
         assert dist.decode_step(dist.encode_step(kind, None, cap)) == (kind, None)
-    assert dist.decode_step(dist.encode_step(dist.MOVE, (3, 1), cap)) == (dist.MOVE, (3, 1))
     with pytest.raises(ValueError, match="exceeds the broadcast capacity"):
         dist.encode_step(dist.PREFILL, pre, cap - 1)
+    with pytest.raises(ValueError, match="carries PrefillInputs"):
+        dist.encode_step(dist.PREFILL, dec, cap)
     bad = dist.encode_step(dist.DECODE, dec, cap)
-    bad[4] -= 1
+    bad[1] -= 1
     with pytest.raises(ValueError, match="malformed step"):
         dist.decode_step(bad)
+
+
+def test_paged_steps_round_trip_and_fit_their_capacity():
+    """Real steps of the paged scheduler (prompt pieces of 4 sequences, then their decodes)
+    travel whole; the largest a step can be (`StepInputs.wire_examples`) sizes the broadcast.
+    The logits processing stays behind (process 0 alone samples); images cannot travel."""
+    cap = dist.step_capacity(PAGED_INFO)
+    sched = PagedScheduler(PAGED_INFO)
+    sched.add([Sequence(id=i, prompt=list(range(2, 2 + n)), params=IDLE, seed=i)
+               for i, n in enumerate((30, 3, 5, 9))])
+    shapes = set()
+    for _ in range(6):
+        plan = sched.schedule()
+        inputs = step_inputs(plan, sched.kv, PAGED_INFO)
+        extras = LogitsExtras.neutral(inputs.buckets.seqs, k=2)
+        kind, got = dist.decode_step(dist.encode_step(dist.RAGGED, inputs._replace(
+            sampling=inputs.sampling._replace(extras=extras)), cap))
+        assert kind == dist.RAGGED and got.sampling.extras is None
+        _same(got, inputs)
+        shapes.add(inputs.buckets)
+        for p in plan.pieces:
+            if p.sample:
+                p.seq.generated.append(5)
+    assert {b.queries for b in shapes} == {1, 16}  # prompt pieces and decode-only steps
+    [largest] = StepInputs.wire_examples(PAGED_INFO)
+    assert cap == 2 + len(wire.encode(largest))
+    assert all(getattr(largest.buckets, f) >= max(getattr(b, f) for b in shapes)
+               for f in ("tokens", "seqs", "queries", "global_pages", "local_pages"))
+    with pytest.raises(ValueError, match="step with images cannot be sent"):
+        dist.encode_step(dist.RAGGED, inputs._replace(images=(object(),)), cap)
+
+
+def test_a_step_type_must_say_how_every_field_travels():
+    class Partial(NamedTuple):
+        tokens: np.ndarray
+        new_field: int
+        WIRE = dict(tokens=wire.Array(np.int32))
+
+    with pytest.raises(TypeError, match="must list its fields"):
+        wire.encode(Partial(np.zeros(2, np.int32), 1))
 
 
 def test_process_group_from_flags_and_env():
