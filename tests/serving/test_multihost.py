@@ -9,9 +9,11 @@ exit with a clear error soon after process 1 is killed (int8).
 The wire format, settings and watchdog are checked without starting any process.
 """
 import dataclasses
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +37,12 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 32
 NEW_TOKENS = 6
 STARTUP_TIMEOUT = 600
-PEER_LOSS_DEADLINE = 30  # seconds process 0 may take to notice that process 1 is gone
+HEARTBEAT_TIMEOUT = 10  # the coordination service declares a silent process dead after this
+STEP_TIMEOUT = 120  # the group's step watchdog
+# Process 0 notices a lost peer through the coordination service's heartbeats, or at the latest
+# through its step watchdog (a broadcast the dead peer never joins); a loaded machine may delay
+# either, so the deadline is the later of them with as much again to spare, not a typical time.
+PEER_LOSS_DEADLINE = 2 * (STEP_TIMEOUT + HEARTBEAT_TIMEOUT)
 
 
 # ---- the step wire format, settings and watchdog ----
@@ -164,17 +171,28 @@ def test_process_group_from_flags_and_env():
 
 
 def test_watchdog_fires_only_when_armed_too_long():
-    exits = []
-    dog = dist.Watchdog(0.4, "testing", exit=exits.append)
+    """Behaviour, not timing: a wait disarmed in time never fires, however long one waits after
+    it; a wait left armed fires once. (`disarm` says which came first, so a machine that stalls
+    past the limit between arm and disarm is told apart from a watchdog that fired wrongly.)"""
+    exits, fired = [], threading.Event()
+
+    def exit(code):
+        exits.append(code)
+        fired.set()
+
+    limit = 0.5
+    dog = dist.Watchdog(limit, "testing", exit=exit)
     dog.arm()
-    time.sleep(0.2)
-    dog.disarm()
-    time.sleep(0.6)
-    assert exits == []
+    in_time = dog.disarm()
+    if in_time:
+        assert not fired.wait(3 * limit), "a disarmed wait fired"
+        assert exits == []
+    else:  # the machine stalled past the limit: then it must have fired, once
+        assert fired.wait(60) and exits == [dist.EXIT_PEER_LOST]
+        exits.clear()
+        fired.clear()
     dog.arm()
-    deadline = time.monotonic() + 5
-    while not exits and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert fired.wait(60), "an armed wait did not fire"
     assert exits == [dist.EXIT_PEER_LOST]
     dog.close()
 
@@ -183,18 +201,25 @@ def test_watchdog_fires_only_when_armed_too_long():
 
 
 
-def _start_group(allreduce: str, log_dir: Path, cache_dir: Path):
+def _server_command(port: int, cache_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
+            "--max-batch", "2", "--compile-cache-dir", str(cache_dir), "--step-timeout", str(STEP_TIMEOUT),
+            *args]
+
+
+def _start_group(allreduce: str, log_dir: Path, cache_dir: Path, *args: str, name: str = "",
+                 max_seq_len: int = MAX_SEQ_LEN):
+    """Two `gemma3-serve` processes forming one group (tp=2, a device each): (url, procs)."""
     port, coord = free_port(), free_port()
     # One device per process: the test session's 8 virtual devices are not the servers' business.
     env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
     procs = []
     for pid in range(2):
-        cmd = [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
-               "--allreduce", allreduce, "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2",
-               "--prefill-batch", "1", "--compile-cache-dir", str(cache_dir),
-               "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(pid),
-               "--heartbeat-timeout", "10", "--step-timeout", "120"]
-        log = open(log_dir / f"{allreduce}-p{pid}.log", "w")
+        cmd = _server_command(port, cache_dir, "--allreduce", allreduce, "--max-seq-len", str(max_seq_len),
+                              "--prefill-batch", "1", "--coordinator-address", f"127.0.0.1:{coord}",
+                              "--num-processes", "2", "--process-id", str(pid),
+                              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *args)
+        log = open(log_dir / f"{name or allreduce}-p{pid}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     return f"http://127.0.0.1:{port}", procs
 
@@ -275,6 +300,78 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
         assert code == dist.EXIT_PEER_LOST, log0[-2000:]
         assert "FATAL: multi-host serving failed in process 0 of 2" in log0
         print(f"process 0 exited {time.monotonic() - t0:.1f}s after process 1 was killed")
+    finally:
+        stop_processes(procs)
+
+
+PAGED_ARGS = ("--engine", "paged", "--deterministic", "--max-seq-len", "64")
+ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
+    """`--engine paged` as a 2-process group (tp=2 across them): the page allocator and
+    scheduler run on process 0, process 1 replays its ragged steps. Every answer (greedy,
+    sampled under a json_schema, with logit_bias, with penalties) equals a single-process
+    paged server's at tp=2 (deterministic mode: one step shape, so batching cannot change a
+    bit); an image request gets a 400 saying why."""
+    log_dir = tmp_path_factory.mktemp("multihost-paged")
+    cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
+    group_url, procs = _start_group("int8", log_dir, cache_dir, *PAGED_ARGS[:3], name="paged",
+                                    max_seq_len=64)
+    port = free_port()
+    env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
+    log = open(log_dir / "paged-single.log", "w")
+    procs.append((subprocess.Popen(_server_command(port, cache_dir, "--allreduce", "int8", *PAGED_ARGS),
+                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    single_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_group_ready(group_url, procs, STARTUP_TIMEOUT)
+        wait_group_ready(single_url, procs, STARTUP_TIMEOUT)
+        health = httpx.get(group_url + "/health", timeout=5).json()
+        assert health["engine"] == "paged" and health["tp"] == 2 and health["deterministic"]
+
+        def both(path, body):
+            """The same request to the group and to the single process, at the same time."""
+            def post(url):
+                r = httpx.post(url + path, json={"model": "gemma3-270m", **body}, timeout=300)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"]
+
+            with ThreadPoolExecutor(2) as pool:
+                group, single = pool.map(post, (group_url, single_url))
+            assert group == single
+            return group
+
+        ask = dict(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+        # Two prompts in one request: both sequences in every step, each its own pages.
+        plain = both("/v1/completions", dict(prompt=["The capital of France is", "def fibonacci(n):"], **ask))
+        r = httpx.post(group_url + "/generate", json={"prompt": "The capital of France is", "max_tokens": 1},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        banned = r.json()["token_ids"][0]  # the greedy first token, then banned
+        biased = both("/v1/completions", dict(prompt="The capital of France is", logit_bias={str(banned): -100},
+                                              **ask))
+        assert biased[0]["logprobs"]["tokens"][0] != plain[0]["logprobs"]["tokens"][0]
+        penalised = both("/v1/completions", dict(prompt="one two one two one two one two", presence_penalty=1.5,
+                                                  frequency_penalty=1.0, repetition_penalty=1.5, **ask))
+        plain_rep = both("/v1/completions", dict(prompt="one two one two one two one two", **ask))
+        assert penalised[0]["text"] != plain_rep[0]["text"]
+        structured = both("/v1/chat/completions", dict(
+            messages=[{"role": "user", "content": "Is the sky blue? Answer as JSON."}], max_tokens=24,
+            temperature=0.7, seed=11,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}))
+        import jsonschema
+
+        jsonschema.validate(json.loads(structured[0]["message"]["content"]), ANSWER)
+        pixel = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
+                 "z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+        r = httpx.post(group_url + "/v1/chat/completions", json={"model": "gemma3-270m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": pixel}}]}]}, timeout=30)
+        assert r.status_code == 400 and "multi-process group" in r.json()["error"]["message"], r.text
     finally:
         stop_processes(procs)
 
