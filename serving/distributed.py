@@ -4,9 +4,12 @@ JAX runs a multi-host slice as one program per host, and every process must call
 programs in the same order (each program's collectives pair up across processes). So only process
 0 serves HTTP and schedules; before every engine step it broadcasts the step's inputs (a few small
 numpy arrays) to the others, which loop: receive a step, run it, repeat, until a shutdown step.
+Both engines run so: the slot engine's prefills, chunks, decodes and slot moves, or the paged
+engine's ragged steps (its scheduler and page allocator live on process 0 alone).
 
 A step travels as one fixed-size int32 array (`encode_step`/`decode_step`), so the broadcast is a
-single compiled program whatever the step. When process 0 is idle it broadcasts a heartbeat step
+single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
+tables say (`serving/wire.py`), and its size is the largest step the engine's info allows. When process 0 is idle it broadcasts a heartbeat step
 every `heartbeat_s` seconds, so a worker that hears nothing for `step_timeout_s` knows that process
 0 is gone or stuck. Any failure of a step (a peer died mid-collective, or the watchdog fired) ends
 the process with a clear error: the processes can no longer be kept in step, so serving on is not
