@@ -9,13 +9,14 @@ engine's ragged steps (its scheduler and page allocator live on process 0 alone)
 
 A step travels as one fixed-size int32 array (`encode_step`/`decode_step`), so the broadcast is a
 single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
-tables say (`serving/wire.py`), and its size is the largest step the engine's info allows. When process 0 is idle it broadcasts a heartbeat step
-every `heartbeat_s` seconds, so a worker that hears nothing for `step_timeout_s` knows that process
-0 is gone or stuck. Any failure of a step (a peer died mid-collective, or the watchdog fired) ends
-the process with a clear error: the processes can no longer be kept in step, so serving on is not
-an option. The watchdog is `serving.watchdog`'s, the single-process server's: a step gets
-`step_timeout_s`, or `compile_timeout_s` the first time its kind and shapes run (it may compile);
-a wait for the other processes may last as long as the step they may still be running.
+tables say (`serving/wire.py`), and its size is the largest step the engine's info allows. When
+process 0 is idle it broadcasts a heartbeat step every `heartbeat_s` seconds, so a worker that
+hears nothing for `step_timeout_s` knows that process 0 is gone or stuck. Any failure of a step
+(a peer died mid-collective, or the watchdog fired) ends the process with a clear error: the
+processes can no longer be kept in step, so serving on is not an option. The watchdog is
+`serving.watchdog`'s, the single-process server's: a step gets `step_timeout_s`, or
+`compile_timeout_s` the first time its kind and shapes run (it may compile); a wait for the other
+processes may last as long as the step they may still be running.
 
 No jax import at module level (the process joins its group, `jax_platform.join_process_group`,
 before jax creates its backends).
@@ -117,10 +118,6 @@ def _run(engine, kind: int, inputs):
     method = {PREFILL: "run_prefill", DECODE: "run_decode", CHUNK: "run_chunk",
               RAGGED: "run_step"}.get(kind)
     return None if method is None else getattr(engine, method)(inputs)
-
-
-def _key(kind: int, inputs) -> tuple:
-    return step_key(_KIND_NAMES[kind], inputs)
 
 
 # ---- failure detection ----
@@ -231,7 +228,7 @@ class LeaderEngine:
             if self._closed:
                 raise RuntimeError("the process group has shut down")
             self._send(kind, inputs)
-            key = _key(kind, inputs)
+            key = step_key(_KIND_NAMES[kind], inputs)
             limit = self._limits.limit(key)
             self._watchdog.arm(f"running a {describe(key)} on process 0", limit)
             try:
@@ -288,7 +285,7 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
         dog.arm(timeout_s=wait)
         try:
             kind, inputs = decode_step(bcast(None))
-            key = _key(kind, inputs)
+            key = step_key(_KIND_NAMES[kind], inputs)
             wait = limits.limit(key)
             dog.arm(f"running a {describe(key)}", wait)
             _run(engine, kind, inputs)

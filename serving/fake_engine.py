@@ -205,16 +205,15 @@ class FakePagedModel:
         for i, (tok, pos) in enumerate(zip(batch.tokens, batch.positions)):
             glob.write(int(batch.write_global[i]), int(tok), int(pos))
             local.write(int(batch.write_local[i]), int(tok), int(pos))
-        if not logits:
-            return None, pages
         out = np.full((len(batch.last), self.config.vocab_size), _NEG, np.float32)
         out[:, _BYTE0 + _LETTERS.astype(np.int32)] = -1.0
         for row, last in enumerate(batch.last):
             if batch.seq[last] != row:
                 continue  # a padding row
+            # Every row reads its context, as the model's attention does, logits or not.
             context = self._context(batch, row, int(batch.positions[last]), glob, local)
             out[row, _continue_period(context)] = 0.0
-        return out, pages
+        return (out if logits else None), pages
 
     def _context(self, batch, row: int, last: int, glob: _Pool, local: _Pool) -> list[int]:
         ps, w = self.page_size, self.config.sliding_window
