@@ -11,6 +11,7 @@ The wire format, settings and watchdog are checked without starting any process.
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -43,6 +44,8 @@ STEP_TIMEOUT = 120  # the group's step watchdog
 # through its step watchdog (a broadcast the dead peer never joins); a loaded machine may delay
 # either, so the deadline is the later of them with as much again to spare, not a typical time.
 PEER_LOSS_DEADLINE = 2 * (STEP_TIMEOUT + HEARTBEAT_TIMEOUT)
+# A clean stop: the HTTP server's drain, the shutdown step, jax's exit wait for the others (30 s).
+SHUTDOWN_DEADLINE = 120
 
 
 # ---- the step wire format, settings and watchdog ----
@@ -372,6 +375,9 @@ def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
             {"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                          {"type": "image_url", "image_url": {"url": pixel}}]}]}, timeout=30)
         assert r.status_code == 400 and "multi-process group" in r.json()["error"]["message"], r.text
+        # SIGTERM to process 0 ends the group cleanly: its shutdown step ends process 1's loop.
+        procs[0][0].send_signal(signal.SIGTERM)
+        assert [p.wait(SHUTDOWN_DEADLINE) for p, _ in procs[:2]] == [0, 0]
     finally:
         stop_processes(procs)
 
