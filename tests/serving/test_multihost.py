@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
@@ -137,6 +138,8 @@ def test_paged_steps_round_trip_and_fit_their_capacity():
     assert cap == 2 + len(wire.encode(largest))
     assert all(getattr(largest.buckets, f) >= max(getattr(b, f) for b in shapes)
                for f in ("tokens", "seqs", "queries", "global_pages", "local_pages"))
+    indexed = inputs._replace(image_index=np.arange(inputs.buckets.tokens, dtype=np.int32) - 1)
+    _same(dist.decode_step(dist.encode_step(dist.RAGGED, indexed, cap))[1], indexed)
     with pytest.raises(ValueError, match="step with images cannot be sent"):
         dist.encode_step(dist.RAGGED, inputs._replace(images=(object(),)), cap)
 
@@ -307,7 +310,8 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
         stop_processes(procs)
 
 
-PAGED_ARGS = ("--engine", "paged", "--deterministic", "--max-seq-len", "64")
+PAGED_ARGS = ("--engine", "paged", "--deterministic")
+PAGED_MAX_SEQ_LEN = 64  # a chat prompt and its JSON answer
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
                                            "sure": {"type": "boolean"}},
           "required": ["answer", "sure"], "additionalProperties": False}
@@ -322,13 +326,14 @@ def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
     bit); an image request gets a 400 saying why."""
     log_dir = tmp_path_factory.mktemp("multihost-paged")
     cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
-    group_url, procs = _start_group("int8", log_dir, cache_dir, *PAGED_ARGS[:3], name="paged",
-                                    max_seq_len=64)
+    group_url, procs = _start_group("int8", log_dir, cache_dir, *PAGED_ARGS, name="paged",
+                                    max_seq_len=PAGED_MAX_SEQ_LEN)
     port = free_port()
     env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
     log = open(log_dir / "paged-single.log", "w")
-    procs.append((subprocess.Popen(_server_command(port, cache_dir, "--allreduce", "int8", *PAGED_ARGS),
-                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    cmd = _server_command(port, cache_dir, "--allreduce", "int8", "--max-seq-len", str(PAGED_MAX_SEQ_LEN),
+                          *PAGED_ARGS)
+    procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     single_url = f"http://127.0.0.1:{port}"
     try:
         wait_group_ready(group_url, procs, STARTUP_TIMEOUT)
@@ -349,31 +354,27 @@ def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
             return group
 
         ask = dict(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+        capital, counting = "The capital of France is", "one two one two one two one two"
         # Two prompts in one request: both sequences in every step, each its own pages.
-        plain = both("/v1/completions", dict(prompt=["The capital of France is", "def fibonacci(n):"], **ask))
-        r = httpx.post(group_url + "/generate", json={"prompt": "The capital of France is", "max_tokens": 1},
-                       timeout=300)
+        plain = both("/v1/completions", dict(prompt=[capital, "def fibonacci(n):"], **ask))
+        r = httpx.post(group_url + "/generate", json={"prompt": capital, "max_tokens": 1}, timeout=300)
         assert r.status_code == 200, r.text
         banned = r.json()["token_ids"][0]  # the greedy first token, then banned
-        biased = both("/v1/completions", dict(prompt="The capital of France is", logit_bias={str(banned): -100},
-                                              **ask))
+        biased = both("/v1/completions", dict(prompt=capital, logit_bias={str(banned): -100}, **ask))
         assert biased[0]["logprobs"]["tokens"][0] != plain[0]["logprobs"]["tokens"][0]
-        penalised = both("/v1/completions", dict(prompt="one two one two one two one two", presence_penalty=1.5,
-                                                  frequency_penalty=1.0, repetition_penalty=1.5, **ask))
-        plain_rep = both("/v1/completions", dict(prompt="one two one two one two one two", **ask))
-        assert penalised[0]["text"] != plain_rep[0]["text"]
+        penalties = dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5)
+        penalised = both("/v1/completions", dict(prompt=counting, **penalties, **ask))
+        assert penalised[0]["text"] != both("/v1/completions", dict(prompt=counting, **ask))[0]["text"]
         structured = both("/v1/chat/completions", dict(
             messages=[{"role": "user", "content": "Is the sky blue? Answer as JSON."}], max_tokens=24,
             temperature=0.7, seed=11,
             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}))
-        import jsonschema
-
         jsonschema.validate(json.loads(structured[0]["message"]["content"]), ANSWER)
         pixel = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
                  "z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
-        r = httpx.post(group_url + "/v1/chat/completions", json={"model": "gemma3-270m", "max_tokens": 2, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                         {"type": "image_url", "image_url": {"url": pixel}}]}]}, timeout=30)
+        image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": pixel}}]
+        r = httpx.post(group_url + "/v1/chat/completions", timeout=30, json={
+            "model": "gemma3-270m", "max_tokens": 2, "messages": [{"role": "user", "content": image}]})
         assert r.status_code == 400 and "multi-process group" in r.json()["error"]["message"], r.text
         # SIGTERM to process 0 ends the group cleanly: its shutdown step ends process 1's loop.
         procs[0][0].send_signal(signal.SIGTERM)
