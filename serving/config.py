@@ -90,7 +90,7 @@ class ServerConfig:
     engine: str = _field("slots", "the engine: 'slots' (a cache row of --max-seq-len per "
                          "sequence, separate prefill/chunk/decode programs) or 'paged' (a paged KV "
                          "cache and one ragged step mixing decode tokens and prompt pieces: cost and "
-                         "memory follow the work; single process only, no prompt logprobs yet)",
+                         "memory follow the work; no prompt logprobs yet, no images in a multi-process group)",
                          choices=("slots", "paged"))
     max_batch: int = _field(8, "decode slots: sequences generated together (the paged engine's "
                             "max-num-seqs)")

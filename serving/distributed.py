@@ -4,15 +4,19 @@ JAX runs a multi-host slice as one program per host, and every process must call
 programs in the same order (each program's collectives pair up across processes). So only process
 0 serves HTTP and schedules; before every engine step it broadcasts the step's inputs (a few small
 numpy arrays) to the others, which loop: receive a step, run it, repeat, until a shutdown step.
+Both engines run so: the slot engine's prefills, chunks, decodes and slot moves, or the paged
+engine's ragged steps (its scheduler and page allocator live on process 0 alone).
 
 A step travels as one fixed-size int32 array (`encode_step`/`decode_step`), so the broadcast is a
-single compiled program whatever the step. When process 0 is idle it broadcasts a heartbeat step
-every `heartbeat_s` seconds, so a worker that hears nothing for `step_timeout_s` knows that process
-0 is gone or stuck. Any failure of a step (a peer died mid-collective, or the watchdog fired) ends
-the process with a clear error: the processes can no longer be kept in step, so serving on is not
-an option. The watchdog is `serving.watchdog`'s, the single-process server's: a step gets
-`step_timeout_s`, or `compile_timeout_s` the first time its kind and shapes run (it may compile);
-a wait for the other processes may last as long as the step they may still be running.
+single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
+tables say (`serving/wire.py`), and its size is the largest step the engine's info allows. When
+process 0 is idle it broadcasts a heartbeat step every `heartbeat_s` seconds, so a worker that
+hears nothing for `step_timeout_s` knows that process 0 is gone or stuck. Any failure of a step
+(a peer died mid-collective, or the watchdog fired) ends the process with a clear error: the
+processes can no longer be kept in step, so serving on is not an option. The watchdog is
+`serving.watchdog`'s, the single-process server's: a step gets `step_timeout_s`, or
+`compile_timeout_s` the first time its kind and shapes run (it may compile); a wait for the other
+processes may last as long as the step they may still be running.
 
 No jax import at module level (the process joins its group, `jax_platform.join_process_group`,
 before jax creates its backends).
@@ -28,17 +32,18 @@ from typing import Callable
 
 import numpy as np
 
-from serving import watchdog
+from serving import watchdog, wire
 from jax_platform import GroupFormationError, ProcessGroup, exit_group_not_formed
 from serving.watchdog import StepLimits, describe, step_key
 
 log = logging.getLogger(__name__)
 
-# Step kinds (header[0]).
-IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE, CHUNK = 0, 1, 2, 3, 4, 5, 6
+# Step kinds (header[0]). Each kind that carries inputs names their type; the type's own WIRE
+# table says how its fields travel (serving/wire.py), so nothing here names a field.
+IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE, CHUNK, RAGGED = 0, 1, 2, 3, 4, 5, 6, 7
 _KIND_NAMES = {IDLE: "idle", PREFILL: "prefill", DECODE: "decode", RESET: "reset", SHUTDOWN: "shutdown",
-               MOVE: "move", CHUNK: "chunk"}
-_HEADER = 8  # kind, rows, columns, prompt_logprobs, payload length, (spare)
+               MOVE: "move", CHUNK: "chunk", RAGGED: "ragged"}
+_HEADER = 2  # kind, payload length
 
 EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
@@ -48,104 +53,71 @@ EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
 # ---- the step wire format ----
 
-def step_capacity(num_slots: int, buckets: tuple[int, ...], batch_sizes_for: Callable[[int], tuple[int, ...]],
-                  chunk_size: int = 0, max_seq_len: int = 0) -> int:
-    """Int32 words of the largest step an engine can be asked to run (header included)."""
-    need = _HEADER + 6 * num_slots  # decode: tokens, positions and 4 sampling fields per slot
-    for bucket in buckets:
-        for batch in batch_sizes_for(bucket):
-            need = max(need, _HEADER + batch * bucket + 6 * batch)
-    if chunk_size:  # tokens, start/length/slot/save_block, the blocks to restore, 1 sampling row
-        need = max(need, _HEADER + chunk_size + 4 + max_seq_len // chunk_size + 4)
-    return need
+def _input_types() -> dict[int, type]:
+    """The input type of each kind that carries inputs (imported on use: they import jax)."""
+    from serving.engine import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
+    from serving.paged_engine import StepInputs
+
+    return {PREFILL: PrefillInputs, DECODE: DecodeInputs, CHUNK: ChunkInputs, MOVE: SlotMove,
+            RAGGED: StepInputs}
 
 
-def _capacity(info) -> int:
-    return step_capacity(info.num_slots, info.prefill_buckets, info.batch_sizes_for,
-                         info.chunk_size, info.max_seq_len)
+def _kinds_of(info) -> tuple[int, ...]:
+    """The kinds with inputs an engine with `info` runs: the paged engine's ragged steps, or
+    the slot engine's prefills, decodes, slot moves and chunks."""
+    return (RAGGED,) if info.paged else (PREFILL, DECODE, MOVE, CHUNK)
 
 
-def _words(a: np.ndarray, dtype) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a, dtype)).reshape(-1).view(np.int32)
+def step_capacity(info) -> int:
+    """Int32 words of the largest step an engine with `info` can be asked to run (header
+    included): the largest of each input type's `wire_examples`."""
+    types = _input_types()
+    return _HEADER + max(len(wire.encode(x)) for kind in _kinds_of(info)
+                         for x in types[kind].wire_examples(info))
 
 
 def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:
-    """One step as int32 [capacity]: a header and the arrays bit-cast to int32, zero-padded."""
-    header = np.zeros(_HEADER, np.int32)
-    header[0] = kind
-    parts: list[np.ndarray] = []
-    if kind == PREFILL:
-        rows, cols = inputs.tokens.shape
-        header[1:4] = rows, cols, int(bool(inputs.prompt_logprobs))
-        parts = [_words(inputs.tokens, np.int32), _words(inputs.lengths, np.int32),
-                 _words(inputs.slots, np.int32)]
-    elif kind == DECODE:
-        header[1] = rows = inputs.tokens.shape[0]
-        parts = [_words(inputs.tokens, np.int32), _words(inputs.positions, np.int32)]
-    elif kind == MOVE:
-        header[1:3] = inputs  # (src, dst) slots
-    elif kind == CHUNK:
-        header[1:4] = len(inputs.tokens), len(inputs.restore), int(bool(inputs.final))
-        parts = [_words(inputs.tokens, np.int32),
-                 _words([inputs.start, inputs.length, inputs.slot, inputs.save_block], np.int32),
-                 _words(np.asarray(inputs.restore, np.int32), np.int32)]
-    elif inputs is not None:
-        raise ValueError(f"a {_KIND_NAMES.get(kind, kind)} step carries no inputs")
-    if kind in (PREFILL, DECODE, CHUNK):
-        s = inputs.sampling
-        parts += [_words(s.temperature, np.float32), _words(s.top_k, np.int32),
-                  _words(s.top_p, np.float32), _words(s.seed, np.uint32)]
-    payload = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    header[4] = payload.size
+    """One step as int32 [capacity]: a header and its inputs' words (serving/wire.py), zero-padded."""
+    if kind not in _KIND_NAMES:
+        raise ValueError(f"unknown step kind {kind}")
+    want = _input_types().get(kind)
+    if (inputs is None) != (want is None) or (want is not None and type(inputs) is not want):
+        raise ValueError(f"a {_KIND_NAMES[kind]} step carries "
+                         f"{'no inputs' if want is None else want.__name__}, got {type(inputs).__name__}")
+    payload = np.zeros(0, np.int32) if inputs is None else wire.encode(inputs)
     if _HEADER + payload.size > capacity:
         raise ValueError(f"step of {_HEADER + payload.size} words exceeds the broadcast capacity {capacity}")
     out = np.zeros(capacity, np.int32)
-    out[:_HEADER] = header
+    out[:_HEADER] = kind, payload.size
     out[_HEADER:_HEADER + payload.size] = payload
     return out
 
 
 def decode_step(buf: np.ndarray) -> tuple[int, object]:
-    """Inverse of `encode_step`: (kind, PrefillInputs | DecodeInputs | None)."""
-    from serving.engine import ChunkInputs, DecodeInputs, PrefillInputs
-    from serving.sampling import SlotSampling
-
+    """Inverse of `encode_step`: (kind, its inputs or None)."""
     buf = np.asarray(buf, np.int32)
-    kind, rows, cols, prompt_lps, size = (int(v) for v in buf[:5])
-    payload = buf[_HEADER:_HEADER + size]
+    kind, size = int(buf[0]), int(buf[1])
     if kind not in _KIND_NAMES:
         raise ValueError(f"unknown step kind {kind}")
-    if kind == MOVE:
-        return kind, (rows, cols)
-    if kind not in (PREFILL, DECODE, CHUNK):
+    if not 0 <= size <= buf.size - _HEADER:
+        raise ValueError(f"malformed step: {size} payload words in a buffer of {buf.size}")
+    cls = _input_types().get(kind)
+    if cls is None:
+        if size:
+            raise ValueError(f"malformed step: a {_KIND_NAMES[kind]} step with {size} payload words")
         return kind, None
-    pos = 0
+    return kind, wire.decode(cls, buf[_HEADER:_HEADER + size])
 
-    def take(n: int, dtype) -> np.ndarray:
-        nonlocal pos
-        chunk = payload[pos:pos + n]
-        pos += n
-        return chunk.view(dtype).copy()
 
-    if kind == CHUNK:
-        tokens, (start, length, slot, save) = take(rows, np.int32), take(4, np.int32)
-        restore = tuple(int(b) for b in take(cols, np.int32))
-        rows = 1
-    elif kind == PREFILL:
-        tokens = take(rows * cols, np.int32).reshape(rows, cols)
-        lengths, slots = take(rows, np.int32), take(rows, np.int32)
-    else:
-        tokens, positions = take(rows, np.int32), take(rows, np.int32)
-    sampling = SlotSampling(take(rows, np.float32), take(rows, np.int32), take(rows, np.float32),
-                            take(rows, np.uint32))
-    if pos != size:
-        raise ValueError(f"malformed step: {size} payload words, {pos} used")
-    if kind == CHUNK:
-        return kind, ChunkInputs(tokens, int(start), int(length), int(slot), sampling,
-                                 bool(prompt_lps), restore, int(save))
-    if kind == PREFILL:
-        return kind, PrefillInputs(tokens, lengths, slots, sampling, bool(prompt_lps))
-    return kind, DecodeInputs(tokens, positions, sampling)
+def _run(engine, kind: int, inputs):
+    """Runs a received step on the local engine, as process 0 ran it on its own."""
+    if kind == MOVE:
+        return engine.move_slot(inputs.src, inputs.dst)
+    if kind == RESET:
+        return engine.reset()
+    method = {PREFILL: "run_prefill", DECODE: "run_decode", CHUNK: "run_chunk",
+              RAGGED: "run_step"}.get(kind)
+    return None if method is None else getattr(engine, method)(inputs)
 
 
 # ---- failure detection ----
@@ -194,13 +166,18 @@ class LeaderEngine:
     step is broadcast to the workers first. Idle heartbeats keep the workers' watchdogs quiet."""
 
     watches_steps = True  # its watchdog ends the group: the engine core needs none of its own
+    # Every step travels as one compiled broadcast of a fixed size, sent for every decode and
+    # heartbeat too: an image's pixels (896 x 896 x 3 floats, 2.4M words) or its features
+    # (256 x d_model) would make that broadcast megabytes each step. So a group serves text.
+    refuses_images = ("images are not served by a multi-process group (--num-processes > 1) "
+                      "yet: send text only, or serve images from a single-process server")
 
     def __init__(self, engine, settings: ProcessGroup):
         self.engine = engine
         self.info = engine.info
         self.tokenizer = engine.tokenizer
         self.settings = settings
-        self.capacity = _capacity(self.info)
+        self.capacity = step_capacity(self.info)
         self._bcast = _Broadcaster(self.capacity)
         self._lock = threading.Lock()  # one step at a time: broadcasts must keep their order
         self._last = time.monotonic()
@@ -216,19 +193,24 @@ class LeaderEngine:
         return self.engine.bucket_for(length)
 
     def run_prefill(self, inputs):
-        return self._step(PREFILL, inputs, lambda: self.engine.run_prefill(inputs))
+        return self._step(PREFILL, inputs)
 
     def run_decode(self, inputs):
-        return self._step(DECODE, inputs, lambda: self.engine.run_decode(inputs))
+        return self._step(DECODE, inputs)
 
     def run_chunk(self, inputs):
-        return self._step(CHUNK, inputs, lambda: self.engine.run_chunk(inputs))
+        return self._step(CHUNK, inputs)
+
+    def run_step(self, inputs):
+        return self._step(RAGGED, inputs)
 
     def move_slot(self, src: int, dst: int) -> None:
-        self._step(MOVE, (src, dst), lambda: self.engine.move_slot(src, dst))
+        from serving.engine import SlotMove
+
+        self._step(MOVE, SlotMove(src, dst))
 
     def reset(self) -> None:
-        self._step(RESET, None, self.engine.reset)
+        self._step(RESET, None)
 
     def close(self) -> None:
         """Ends the workers' loops (they exit 0) and stops the heartbeat."""
@@ -240,7 +222,8 @@ class LeaderEngine:
             self._closed = True
         self._watchdog.close()
 
-    def _step(self, kind: int, inputs, run: Callable[[], object]):
+    def _step(self, kind: int, inputs):
+        """Sends the step, then runs it here exactly as the workers do (`_run`)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the process group has shut down")
@@ -249,7 +232,7 @@ class LeaderEngine:
             limit = self._limits.limit(key)
             self._watchdog.arm(f"running a {describe(key)} on process 0", limit)
             try:
-                out = run()
+                out = _run(self.engine, kind, inputs)
             except Exception as e:
                 # The workers ran (or failed) the same step; nothing keeps the group in step now.
                 fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}")
@@ -292,7 +275,7 @@ class LeaderEngine:
 def worker_loop(engine, settings: ProcessGroup) -> int:
     """A non-zero process's life after warm-up: run process 0's steps until it says shutdown."""
     info = engine.info
-    capacity = _capacity(info)
+    capacity = step_capacity(info)
     bcast = _Broadcaster(capacity)
     dog = Watchdog(settings.step_timeout_s, "waiting for process 0's next step")
     limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
@@ -305,17 +288,8 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
             key = step_key(_KIND_NAMES[kind], inputs)
             wait = limits.limit(key)
             dog.arm(f"running a {describe(key)}", wait)
-            if kind == PREFILL:
-                engine.run_prefill(inputs)
-            elif kind == DECODE:
-                engine.run_decode(inputs)
-            elif kind == CHUNK:
-                engine.run_chunk(inputs)
-            elif kind == MOVE:
-                engine.move_slot(*inputs)
-            elif kind == RESET:
-                engine.reset()
-            elif kind == SHUTDOWN:
+            _run(engine, kind, inputs)
+            if kind == SHUTDOWN:
                 dog.close()
                 log.info("shutdown step received after %d steps", steps)
                 return 0
@@ -323,7 +297,7 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
             fatal(f"worker step failed (process 0 has died?): {type(e).__name__}: {e}")
             return EXIT_PEER_LOST
         limits.done(key)
-        steps += kind in (PREFILL, DECODE, CHUNK)
+        steps += kind in (PREFILL, DECODE, CHUNK, RAGGED)
 
 
 def leader_factory(settings: ProcessGroup):

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
-from serving import dispatch_window
+from serving import dispatch_window, wire
 from serving.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,18 @@ class PrefillInputs(NamedTuple):
     slots: np.ndarray  # int32 [B], cache row of each prompt
     sampling: SlotSampling  # [B]
     prompt_logprobs: bool = False  # also return the logprobs of the prompt's own tokens
+
+    # How each field travels to a group's other processes (serving/wire.py).
+    WIRE = dict(tokens=wire.Array(np.int32), lengths=wire.Array(np.int32),
+                slots=wire.Array(np.int32), sampling=wire.Record(SlotSampling),
+                prompt_logprobs=wire.Bool())
+
+    @staticmethod
+    def wire_examples(info: "EngineInfo") -> list["PrefillInputs"]:
+        """The largest prefills an engine with `info` runs (sizing the group's broadcast)."""
+        batch = lambda b, t: PrefillInputs(np.zeros((b, t), np.int32), np.zeros(b, np.int32),  # noqa: E731
+                                           np.zeros(b, np.int32), SlotSampling.greedy(b), True)
+        return [batch(max(info.batch_sizes_for(t)), t) for t in info.prefill_buckets]
 
 
 class ChunkInputs(NamedTuple):
@@ -55,6 +67,19 @@ class ChunkInputs(NamedTuple):
     restore: tuple[int, ...] = ()
     save_block: int = -1
 
+    WIRE = dict(tokens=wire.Array(np.int32), start=wire.Int(), length=wire.Int(), slot=wire.Int(),
+                sampling=wire.Record(SlotSampling), final=wire.Bool(), restore=wire.Ints(),
+                save_block=wire.Int())
+
+    @staticmethod
+    def wire_examples(info: "EngineInfo") -> list["ChunkInputs"]:
+        """A full chunk restoring every block a prompt can have (none without chunks)."""
+        if not info.chunk_size:
+            return []
+        c = info.chunk_size
+        return [ChunkInputs(np.zeros(c, np.int32), 0, c, 0, SlotSampling.greedy(1), True,
+                            tuple(range(info.max_seq_len // c)), 0)]
+
 
 class DecodeInputs(NamedTuple):
     """One token for each of the first R slots (R <= num_slots; slots from R on are idle and
@@ -63,6 +88,27 @@ class DecodeInputs(NamedTuple):
     tokens: np.ndarray  # int32 [R], the last token of each slot (anything for an idle slot)
     positions: np.ndarray  # int32 [R], tokens already in the slot = position of `tokens`
     sampling: SlotSampling  # [R]
+
+    WIRE = dict(tokens=wire.Array(np.int32), positions=wire.Array(np.int32),
+                sampling=wire.Record(SlotSampling))
+
+    @staticmethod
+    def wire_examples(info: "EngineInfo") -> list["DecodeInputs"]:
+        n = info.num_slots
+        return [DecodeInputs(np.zeros(n, np.int32), np.zeros(n, np.int32), SlotSampling.greedy(n))]
+
+
+class SlotMove(NamedTuple):
+    """A slot move (`move_slot`) as a group's other processes receive it."""
+
+    src: int
+    dst: int
+
+    WIRE = dict(src=wire.Int(), dst=wire.Int())
+
+    @staticmethod
+    def wire_examples(info: "EngineInfo") -> list["SlotMove"]:
+        return [SlotMove(0, 0)]
 
 
 class StepOutputs(NamedTuple):

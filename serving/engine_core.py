@@ -297,8 +297,7 @@ class EngineCore:
         prev_rows = None if prev is None else {
             p.seq.id: row for row, p in enumerate(prev[0].pieces) if p.sample}
         inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras, prev_rows)
-        key = step_key("ragged", inputs, buckets=tuple(dataclasses.astuple(inputs.buckets)),
-                       feed=inputs.feed is not None)
+        key = step_key("ragged", inputs, feed=inputs.feed is not None)
         if self.overlap:
             pending = self._call(key, lambda: self.engine.dispatch_step(
                 inputs, None if prev is None else prev[1]))

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from serving import dispatch_window
+from serving import dispatch_window, wire
 from serving.engine import EngineInfo, StepOutputs, feed_tokens
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
@@ -66,6 +66,9 @@ class Buckets:
     logits: bool = True
     every_token: bool = False  # also every token's logprobs (a sequence wants its prompt's)
 
+    WIRE = dict(tokens=wire.Int(), seqs=wire.Int(), queries=wire.Int(), global_pages=wire.Int(),
+                local_pages=wire.Int(), logits=wire.Bool(), every_token=wire.Bool())
+
 
 def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
     """Local pages a row reads for `queries` query tokens: the window before the first query
@@ -109,6 +112,31 @@ def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pa
                    logits=logits)
 
 
+def largest_buckets(info: EngineInfo) -> tuple[Buckets, Buckets]:
+    """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
+    sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
+    (one piece of the whole budget). A piece of image tokens may run past them."""
+    q = max(info.chunk_size, _pow2(info.chunk_size))
+    t = max(MIN_TOKENS, info.num_slots, _pow2(info.max_num_batched_tokens))
+    pages = max(MIN_PAGES, _pow2(-(-info.max_seq_len // info.page_size)))
+    lone_q = max(q, _pow2(info.max_num_batched_tokens))
+    return (Buckets(tokens=t, seqs=info.num_slots, queries=q, global_pages=pages,
+                    local_pages=local_pages_for(q, info.sliding_window, info.page_size)),
+            Buckets(tokens=t, seqs=1, queries=lone_q, global_pages=pages,
+                    local_pages=local_pages_for(lone_q, info.sliding_window, info.page_size)))
+
+
+def _ragged_fields() -> tuple[str, ...]:
+    from models.gemma3.ragged import RaggedBatch
+
+    return tuple(f.name for f in dataclasses.fields(RaggedBatch))
+
+
+def _images_stay(images) -> str | None:
+    return ("a step with images cannot be sent to a group's other processes (their features "
+            "do not travel)") if images else None
+
+
 class StepInputs(NamedTuple):
     """One ragged step as plain numpy arrays (see `models.gemma3.ragged.RaggedBatch`)."""
 
@@ -127,6 +155,24 @@ class StepInputs(NamedTuple):
     # Per token [T]: the row of the previous step whose sampled token it is, for a token not
     # on the host when the step was built (overlapped loop), else -1.
     feed: np.ndarray | None = None
+
+    # How each field travels to a group's other processes (serving/wire.py). Images do not: a
+    # group refuses image requests (serving/chat_images.py says why).
+    WIRE = dict(batch=wire.ArrayDict(np.int32, _ragged_fields), sampling=wire.Record(SlotSampling),
+                sample_positions=wire.Array(np.int32), buckets=wire.Record(Buckets),
+                rows=wire.Int(), images=wire.Stays((), _images_stay),
+                image_index=wire.Optional(wire.Array(np.int32)),
+                targets=wire.Optional(wire.Array(np.int32)),
+                feed=wire.Optional(wire.Array(np.int32)))
+
+    @staticmethod
+    def wire_examples(info: EngineInfo) -> list["StepInputs"]:
+        """The largest steps of text an engine with `info` runs (sizing the group's
+        broadcast), every optional array present."""
+        return [StepInputs(_empty_batch(b, info.page_size), SlotSampling.greedy(b.seqs),
+                           np.zeros(b.seqs, np.int32), dataclasses.replace(b, every_token=True),
+                           b.seqs, (), *(np.zeros(b.tokens, np.int32),) * 3)
+                for b in largest_buckets(info)]
 
 
 def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None,
@@ -148,20 +194,14 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None,
     want = [p.seq.want_prompt_logprobs for p in pieces]
     if any(want):
         b = dataclasses.replace(b, every_token=True, logits=True)
-    t, s, q, pg, pl = b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages
-    ps = info.page_size
-    tokens = np.zeros(t, np.int32)
-    positions = np.zeros(t, np.int32)
-    seq = np.zeros(t, np.int32)
-    col = np.zeros(t, np.int32)
-    write_global = np.full(t, SCRATCH * ps, np.int32)
-    write_local = np.full(t, SCRATCH * ps, np.int32)
-    queries = np.zeros((s, q), np.int32)
-    global_table = np.full((s, pg), SCRATCH, np.int32)
-    local_table = np.full((s, pl), SCRATCH, np.int32)
-    local_first = np.zeros(s, np.int32)
-    last = np.zeros(s, np.int32)
-    sample_positions = np.zeros(s, np.int32)
+    t = b.tokens
+    batch = _empty_batch(b, info.page_size)
+    tokens, positions, seq, col = (batch[k] for k in ("tokens", "positions", "seq", "col"))
+    write_global, write_local, queries = batch["write_global"], batch["write_local"], batch["queries"]
+    global_table, local_table = batch["global_table"], batch["local_table"]
+    local_first, last = batch["local_first"], batch["last"]
+    pl = b.local_pages
+    sample_positions = np.zeros(b.seqs, np.int32)
     targets = np.zeros(t, np.int32) if b.every_token else None
     feed = None
     i = 0
@@ -195,18 +235,29 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None,
             ahead = (p.seq.prompt + p.seq.generated)[p.start + 1:p.end + 1]
             targets[i:i + len(ahead)] = ahead
         i += n
-    visible = positions.copy()
-    images, image_index = _image_rows(pieces, visible, t)
-    batch = dict(tokens=tokens, positions=positions, visible=visible, seq=seq, col=col,
-                 write_global=write_global, write_local=write_local, queries=queries,
-                 global_table=global_table, local_table=local_table, local_first=local_first,
-                 last=last)
-    rows = [p.seq if p.sample else None for p in pieces] + [None] * (s - len(pieces))
+    visible = batch["visible"]
+    visible[:] = positions
+    images, image_index = _image_rows(pieces, visible, b.tokens)
+    rows = [p.seq if p.sample else None for p in pieces] + [None] * (b.seqs - len(pieces))
     sampling = SlotSampling.of_rows(rows)
     if extras is not None:
         sampling = sampling._replace(extras=extras(rows))
     return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index,
                       targets, feed)
+
+
+def _empty_batch(b: Buckets, page_size: int) -> dict:
+    """A step's arrays at buckets `b`, all padding: padding tokens write to the scratch page,
+    padding rows read only it."""
+    t, s = b.tokens, b.seqs
+    scratch = np.full(t, SCRATCH * page_size, np.int32)
+    return dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+                visible=np.zeros(t, np.int32), seq=np.zeros(t, np.int32), col=np.zeros(t, np.int32),
+                write_global=scratch, write_local=scratch.copy(),
+                queries=np.zeros((s, b.queries), np.int32),
+                global_table=np.full((s, b.global_pages), SCRATCH, np.int32),
+                local_table=np.full((s, b.local_pages), SCRATCH, np.int32),
+                local_first=np.zeros(s, np.int32), last=np.zeros(s, np.int32))
 
 
 def _image_rows(pieces, visible: np.ndarray, t: int):
@@ -265,6 +316,10 @@ class PagedEngine:
         self._sample = sampling.make_sampler()
         self._token_logprobs = jax.jit(sampling.token_logprobs)
         self._feed = jax.jit(feed_tokens)
+        # In a multi-process group the logits are split over the processes: each one gathers
+        # them (one collective program, the same on all of them) and samples on its own device.
+        self._replicate = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
+            model.mesh, jax.sharding.PartitionSpec()))
         local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
         self.window = dispatch_window.DispatchWindow(
             lambda: self.pages,
@@ -336,6 +391,11 @@ class PagedEngine:
         self.window.dispatched(logits)
         if not inputs.buckets.logits:
             return PendingStep(self._jax, None)
+        if not getattr(logits, "is_fully_addressable", True):
+            logits = self._replicate(logits).addressable_data(0)
+            self.window.dispatched(logits)
+            if every is not None:
+                every = self._replicate(every).addressable_data(0)
         logits = self._jax.device_put(logits, self._sample_device)
         self.window.dispatched(logits)
         out = tuple(self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions))
@@ -356,10 +416,34 @@ class PagedEngine:
         outside deterministic mode, a lone decode and a full batch's decode at the smallest
         page bucket), so that they do not wait for a compile; other buckets compile on first
         use. Returns seconds."""
+        t0 = time.perf_counter()
+        self._warmup_steps(self.run_step, progress)
+        self.reset()
+        return time.perf_counter() - t0
+
+    def compile_warmup(self, progress: Callable[[str], None] = log.info) -> None:
+        """Compiles, without running, the ragged programs `warmup` runs: a multi-process group
+        compiles them before its processes meet at a barrier (serving/runtime.py), so that the
+        warm-up's first collective starts in every process at once however long each compiled."""
+        seen: list[Buckets] = []
+
+        def plan_only(inputs: StepInputs):
+            if inputs.buckets not in seen:
+                seen.append(inputs.buckets)
+            return StepOutputs(*(np.full(inputs.buckets.seqs, self.tokenizer.bos_id, np.int32),) * 4)
+
+        self._warmup_steps(plan_only, lambda msg: None)
+        self.model.compile_ragged([self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages,
+                                                         b.local_pages, self.pages, b.logits)
+                                   for b in seen], progress=progress)
+
+    def _warmup_steps(self, run: Callable[[StepInputs], StepOutputs | None],
+                      progress: Callable[[str], None]) -> None:
+        """The warm-up's steps, each given to `run`: a lone prompt, then a full batch, each until
+        every sequence decoded twice."""
         from serving.paged_scheduler import PagedScheduler
         from serving.scheduler import Sequence
 
-        t0 = time.perf_counter()
         info = self.info
         for n_seqs in sorted({1, info.num_slots}):
             sched = PagedScheduler(dataclasses.replace(info, prefix_blocks=0))
@@ -371,15 +455,13 @@ class PagedEngine:
                 plan = sched.schedule()
                 if not plan.pieces:
                     break
-                out = self.run_step(step_inputs(plan, sched.kv, info))
+                out = run(step_inputs(plan, sched.kv, info))
                 progress(f"warm-up step {plan.num_tokens} token(s), {len(plan.pieces)} row(s)")
                 for row, p in enumerate(plan.pieces):
                     if p.sample:
                         p.seq.generated.append(int(out.tokens[row]))
                 if all(len(s.generated) >= 2 for s in sched.running) and not sched.num_waiting:
                     break
-        self.reset()
-        return time.perf_counter() - t0
 
 
 class PendingStep:

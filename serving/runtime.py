@@ -207,17 +207,20 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
 
 def _load_paged_engine(config: ServerConfig, progress: Callable[[str], None]):
     """The paged engine (serving/paged_engine.py): its programs compile on first use or in the
-    warm-up (a lone prompt, a lone decode, a full batch's decode)."""
+    warm-up (a lone prompt, a lone decode, a full batch's decode). In a multi-process group
+    every process builds the same engine and warms it up in the same order; the warm-up's
+    programs are compiled between the group's two barriers, as the slot engine's are."""
     import jax
 
+    import jax_platform
     from serving.paged_engine import PagedEngine
 
-    if jax.process_count() > 1:
-        raise ValueError("the paged engine runs in one process for now: use --engine slots for "
-                         "a multi-process group")
+    group = jax.process_count() > 1
     t = time.perf_counter()
     model = load_configured_model(config)
     progress(f"weights loaded in {time.perf_counter() - t:.1f}s")
+    if group:
+        jax_platform.group_barrier("loaded")
     engine = PagedEngine(model, max_num_seqs=config.max_batch, max_seq_len=config.max_seq_len,
                          page_size=config.page_size, kv_cache_tokens=config.kv_cache_tokens or None,
                          chunk_size=config.prefill_chunk,
@@ -227,6 +230,9 @@ def _load_paged_engine(config: ServerConfig, progress: Callable[[str], None]):
     info = engine.info
     progress(f"paged KV cache: {info.num_global_pages - 1} global and {info.num_local_pages - 1} "
              f"local pages of {info.page_size} tokens, step budget {info.max_num_batched_tokens} tokens")
+    if group:
+        engine.compile_warmup(progress)
+        jax_platform.group_barrier("compiled")
     seconds = engine.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
     return engine

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving import wire
+
 NUM_CANDIDATES = 256
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
@@ -186,6 +188,12 @@ class SlotSampling(NamedTuple):
     # (an object with `result()`): `resolve` waits for it; the engine calls it after dispatching
     # the model's step, so that the grammar's host work overlaps the device's.
     extras: LogitsExtras | None = None
+
+    # How each field travels to a group's other processes (serving/wire.py). The logits
+    # processing stays on process 0: only its sampled tokens are used (the others' samplers run
+    # on their own devices, no collective, and their tokens are dropped).
+    WIRE = dict(temperature=wire.Array(np.float32), top_k=wire.Array(np.int32),
+                top_p=wire.Array(np.float32), seed=wire.Array(np.uint32), extras=wire.Stays(None))
 
     @staticmethod
     def of(params: list[SamplingParams], seeds: list[int]) -> "SlotSampling":

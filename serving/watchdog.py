@@ -13,6 +13,7 @@ group ends itself, since the group can no longer be kept in step (`distributed.p
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -125,8 +126,9 @@ class StepLimits:
 
 def step_key(kind: str, inputs=None, **more) -> tuple:
     """(kind, ((name, value), ...)): an engine step's kind and what decides which programs it
-    runs: its token shape, prompt logprobs, a final chunk, restored prefix blocks, the shapes of
-    its logits processing (`more`: anything else, e.g. an overlapped step's feed)."""
+    runs: its token shape (a paged step's buckets), prompt logprobs, a final chunk, restored
+    prefix blocks, the shapes of its logits processing (`more`: anything else, e.g. an
+    overlapped step's feed)."""
     parts = []
     tokens = getattr(inputs, "tokens", None)
     if tokens is not None:
@@ -136,6 +138,9 @@ def step_key(kind: str, inputs=None, **more) -> tuple:
             parts.append((name, True))
     if getattr(inputs, "restore", ()):
         parts.append(("restore", True))
+    buckets = getattr(inputs, "buckets", None)  # a paged step's shapes
+    if buckets is not None:
+        parts.append(("buckets", dataclasses.astuple(buckets)))
     extras = getattr(getattr(inputs, "sampling", None), "extras", None)
     if extras is not None:
         parts.append(("extras", tuple((f, tuple(getattr(v, "shape", ())))

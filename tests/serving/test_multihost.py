@@ -8,28 +8,45 @@ exit with a clear error soon after process 1 is killed (int8).
 
 The wire format, settings and watchdog are checked without starting any process.
 """
+import dataclasses
+import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
 from serving import distributed as dist
+from serving import wire
 import jax_platform
-from serving.engine import DecodeInputs, PrefillInputs
-from serving.sampling import SlotSampling
+from serving.engine import ChunkInputs, DecodeInputs, EngineInfo, PrefillInputs, SlotMove
+from serving.paged_engine import StepInputs, step_inputs
+from serving.paged_scheduler import PagedScheduler
+from serving.sampling import IDLE, LogitsExtras, SlotSampling
+from serving.scheduler import Sequence
 from testkit import free_port, stop_processes, wait_group_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 32
 NEW_TOKENS = 6
 STARTUP_TIMEOUT = 600
-PEER_LOSS_DEADLINE = 30  # seconds process 0 may take to notice that process 1 is gone
+HEARTBEAT_TIMEOUT = 10  # the coordination service declares a silent process dead after this
+STEP_TIMEOUT = 120  # the group's step watchdog
+# Process 0 notices a lost peer through the coordination service's heartbeats, or at the latest
+# through its step watchdog (a broadcast the dead peer never joins); a loaded machine may delay
+# either, so the deadline is the later of them with as much again to spare, not a typical time.
+PEER_LOSS_DEADLINE = 2 * (STEP_TIMEOUT + HEARTBEAT_TIMEOUT)
+# A clean stop: the HTTP server's drain, the shutdown step, jax's exit wait for the others (30 s).
+SHUTDOWN_DEADLINE = 120
 
 
 # ---- the step wire format, settings and watchdog ----
@@ -39,36 +56,102 @@ def _sampling(n: int, rng) -> SlotSampling:
                         rng.random(n, dtype=np.float32), rng.integers(0, 2**32, n, dtype=np.uint32))
 
 
-def test_step_round_trip():
+SLOT_INFO = EngineInfo(model_name="t", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32, 64),
+                       prefill_batch_sizes=(1, 2), vocab_size=1000, eos_ids=(1,),
+                       batched_prefill_max_bucket=32, chunk_size=16, chunk_buckets=(16,))
+PAGED_INFO = dataclasses.replace(SLOT_INFO, page_size=4, num_global_pages=65, num_local_pages=40,
+                                 max_num_batched_tokens=20, sliding_window=8, prefix_blocks=1)
+
+
+def _same(a, b) -> None:
+    """Equal inputs: arrays bit for bit with their dtypes, records field by field."""
+    if isinstance(a, tuple) and hasattr(a, "_fields") or dataclasses.is_dataclass(a):
+        assert type(a) is type(b)
+        names = a._fields if hasattr(a, "_fields") else [f.name for f in dataclasses.fields(a)]
+        for name in names:
+            _same(getattr(a, name), getattr(b, name))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)  # bit-exact floats and seeds
+    else:
+        assert a == b
+
+
+def test_slot_steps_round_trip_within_the_capacity_from_the_engine_info():
     rng = np.random.default_rng(0)
     pre = PrefillInputs(rng.integers(0, 262144, (2, 32), dtype=np.int32), np.array([5, 32], np.int32),
                         np.array([1, 0], np.int32), _sampling(2, rng), True)
     dec = DecodeInputs(rng.integers(0, 262144, 4, dtype=np.int32), np.array([3, 0, 31, 7], np.int32),
                        _sampling(4, rng))
-    cap = dist.step_capacity(4, (16, 32), lambda b: (1, 2))
-    assert cap == 8 + 2 * 32 + 6 * 2
-    for kind, inputs in ((dist.PREFILL, pre), (dist.DECODE, dec)):
+    chunk = ChunkInputs(rng.integers(0, 1000, 16, dtype=np.int32), 32, 9, 2, _sampling(1, rng), True,
+                        (4, 7), -1)
+    cap = dist.step_capacity(SLOT_INFO)
+    # The largest step is a prefill of 2 x 32 tokens (batches of 2 stop at bucket 32): the
+    # header, the tokens, lengths, slots and 4 sampling fields (each with its rank and shape
+    # first), the flag.
+    assert cap == 2 + (3 + 64) + 2 * (2 + 2) + 4 * (2 + 2) + 1 == 2 + len(wire.encode(pre))
+    for kind, inputs in ((dist.PREFILL, pre), (dist.DECODE, dec), (dist.CHUNK, chunk),
+                         (dist.MOVE, SlotMove(3, 1))):
         buf = dist.encode_step(kind, inputs, cap)
         assert buf.shape == (cap,) and buf.dtype == np.int32
         got_kind, got = dist.decode_step(buf)
-        assert got_kind == kind and type(got) is type(inputs)
-        for a, b in zip(got, inputs):
-            if isinstance(a, SlotSampling):
-                for x, y in zip(a, b):
-                    if x is None and y is None:  # no logits processing (extras) travels
-                        continue
-                    assert x.dtype == y.dtype and np.array_equal(x, y)  # bit-exact floats and seeds
-            else:
-                assert np.array_equal(a, b)
+        assert got_kind == kind
+        _same(got, inputs)
     for kind in (dist.IDLE, dist.RESET, dist.SHUTDOWN):
         assert dist.decode_step(dist.encode_step(kind, None, cap)) == (kind, None)
-    assert dist.decode_step(dist.encode_step(dist.MOVE, (3, 1), cap)) == (dist.MOVE, (3, 1))
     with pytest.raises(ValueError, match="exceeds the broadcast capacity"):
         dist.encode_step(dist.PREFILL, pre, cap - 1)
+    with pytest.raises(ValueError, match="carries PrefillInputs"):
+        dist.encode_step(dist.PREFILL, dec, cap)
     bad = dist.encode_step(dist.DECODE, dec, cap)
-    bad[4] -= 1
+    bad[1] -= 1
     with pytest.raises(ValueError, match="malformed step"):
         dist.decode_step(bad)
+
+
+def test_paged_steps_round_trip_and_fit_their_capacity():
+    """Real steps of the paged scheduler (prompt pieces of 4 sequences, then their decodes)
+    travel whole; the largest a step can be (`StepInputs.wire_examples`) sizes the broadcast.
+    The logits processing stays behind (process 0 alone samples); images cannot travel."""
+    cap = dist.step_capacity(PAGED_INFO)
+    sched = PagedScheduler(PAGED_INFO)
+    sched.add([Sequence(id=i, prompt=list(range(2, 2 + n)), params=IDLE, seed=i)
+               for i, n in enumerate((30, 3, 5, 9))])
+    shapes = set()
+    for _ in range(6):
+        plan = sched.schedule()
+        inputs = step_inputs(plan, sched.kv, PAGED_INFO)
+        extras = LogitsExtras.neutral(inputs.buckets.seqs, k=2)
+        kind, got = dist.decode_step(dist.encode_step(dist.RAGGED, inputs._replace(
+            sampling=inputs.sampling._replace(extras=extras)), cap))
+        assert kind == dist.RAGGED and got.sampling.extras is None
+        _same(got, inputs)
+        shapes.add(inputs.buckets)
+        for p in plan.pieces:
+            if p.sample:
+                p.seq.generated.append(5)
+    assert {b.queries for b in shapes} == {1, 16}  # prompt pieces and decode-only steps
+    examples = StepInputs.wire_examples(PAGED_INFO)
+    assert cap == 2 + max(len(wire.encode(e)) for e in examples)
+    assert all(max(getattr(e.buckets, f) for e in examples) >= max(getattr(b, f) for b in shapes)
+               for f in ("tokens", "seqs", "queries", "global_pages", "local_pages"))
+    indexed = inputs._replace(image_index=np.arange(inputs.buckets.tokens, dtype=np.int32) - 1)
+    _same(dist.decode_step(dist.encode_step(dist.RAGGED, indexed, cap))[1], indexed)
+    with pytest.raises(ValueError, match="step with images cannot be sent"):
+        dist.encode_step(dist.RAGGED, inputs._replace(images=(object(),)), cap)
+
+
+def test_a_step_type_must_say_how_every_field_travels():
+    class Partial(NamedTuple):
+        tokens: np.ndarray
+        new_field: int
+        WIRE = dict(tokens=wire.Array(np.int32))
+
+    with pytest.raises(TypeError, match="must list its fields"):
+        wire.encode(Partial(np.zeros(2, np.int32), 1))
 
 
 def test_process_group_from_flags_and_env():
@@ -94,17 +177,28 @@ def test_process_group_from_flags_and_env():
 
 
 def test_watchdog_fires_only_when_armed_too_long():
-    exits = []
-    dog = dist.Watchdog(0.4, "testing", exit=exits.append)
+    """Behaviour, not timing: a wait disarmed in time never fires, however long one waits after
+    it; a wait left armed fires once. (`disarm` says which came first, so a machine that stalls
+    past the limit between arm and disarm is told apart from a watchdog that fired wrongly.)"""
+    exits, fired = [], threading.Event()
+
+    def exit(code):
+        exits.append(code)
+        fired.set()
+
+    limit = 0.5
+    dog = dist.Watchdog(limit, "testing", exit=exit)
     dog.arm()
-    time.sleep(0.2)
-    dog.disarm()
-    time.sleep(0.6)
-    assert exits == []
+    in_time = dog.disarm()
+    if in_time:
+        assert not fired.wait(3 * limit), "a disarmed wait fired"
+        assert exits == []
+    else:  # the machine stalled past the limit: then it must have fired, once
+        assert fired.wait(60) and exits == [dist.EXIT_PEER_LOST]
+        exits.clear()
+        fired.clear()
     dog.arm()
-    deadline = time.monotonic() + 5
-    while not exits and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert fired.wait(60), "an armed wait did not fire"
     assert exits == [dist.EXIT_PEER_LOST]
     dog.close()
 
@@ -113,18 +207,25 @@ def test_watchdog_fires_only_when_armed_too_long():
 
 
 
-def _start_group(allreduce: str, log_dir: Path, cache_dir: Path):
+def _server_command(port: int, cache_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
+            "--max-batch", "2", "--compile-cache-dir", str(cache_dir), "--step-timeout", str(STEP_TIMEOUT),
+            *args]
+
+
+def _start_group(allreduce: str, log_dir: Path, cache_dir: Path, *args: str, name: str = "",
+                 max_seq_len: int = MAX_SEQ_LEN):
+    """Two `gemma3-serve` processes forming one group (tp=2, a device each): (url, procs)."""
     port, coord = free_port(), free_port()
     # One device per process: the test session's 8 virtual devices are not the servers' business.
     env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
     procs = []
     for pid in range(2):
-        cmd = [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
-               "--allreduce", allreduce, "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2",
-               "--prefill-batch", "1", "--compile-cache-dir", str(cache_dir),
-               "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(pid),
-               "--heartbeat-timeout", "10", "--step-timeout", "120"]
-        log = open(log_dir / f"{allreduce}-p{pid}.log", "w")
+        cmd = _server_command(port, cache_dir, "--allreduce", allreduce, "--max-seq-len", str(max_seq_len),
+                              "--prefill-batch", "1", "--coordinator-address", f"127.0.0.1:{coord}",
+                              "--num-processes", "2", "--process-id", str(pid),
+                              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *args)
+        log = open(log_dir / f"{name or allreduce}-p{pid}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     return f"http://127.0.0.1:{port}", procs
 
@@ -205,6 +306,79 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
         assert code == dist.EXIT_PEER_LOST, log0[-2000:]
         assert "FATAL: multi-host serving failed in process 0 of 2" in log0
         print(f"process 0 exited {time.monotonic() - t0:.1f}s after process 1 was killed")
+    finally:
+        stop_processes(procs)
+
+
+PAGED_ARGS = ("--engine", "paged", "--deterministic")
+PAGED_MAX_SEQ_LEN = 64  # a chat prompt and its JSON answer
+ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
+    """`--engine paged` as a 2-process group (tp=2 across them): the page allocator and
+    scheduler run on process 0, process 1 replays its ragged steps. Every answer (greedy,
+    sampled under a json_schema, with logit_bias, with penalties) equals a single-process
+    paged server's at tp=2 (deterministic mode: one step shape, so batching cannot change a
+    bit); an image request gets a 400 saying why."""
+    log_dir = tmp_path_factory.mktemp("multihost-paged")
+    cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
+    group_url, procs = _start_group("int8", log_dir, cache_dir, *PAGED_ARGS, name="paged",
+                                    max_seq_len=PAGED_MAX_SEQ_LEN)
+    port = free_port()
+    env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
+    log = open(log_dir / "paged-single.log", "w")
+    cmd = _server_command(port, cache_dir, "--allreduce", "int8", "--max-seq-len", str(PAGED_MAX_SEQ_LEN),
+                          *PAGED_ARGS)
+    procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    single_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_group_ready(group_url, procs, STARTUP_TIMEOUT)
+        wait_group_ready(single_url, procs, STARTUP_TIMEOUT)
+        health = httpx.get(group_url + "/health", timeout=5).json()
+        assert health["engine"] == "paged" and health["tp"] == 2 and health["deterministic"]
+
+        def both(path, body):
+            """The same request to the group and to the single process, at the same time."""
+            def post(url):
+                r = httpx.post(url + path, json={"model": "gemma3-270m", **body}, timeout=300)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"]
+
+            with ThreadPoolExecutor(2) as pool:
+                group, single = pool.map(post, (group_url, single_url))
+            assert group == single
+            return group
+
+        ask = dict(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+        capital, counting = "The capital of France is", "one two one two one two one two"
+        # Two prompts in one request: both sequences in every step, each its own pages.
+        plain = both("/v1/completions", dict(prompt=[capital, "def fibonacci(n):"], **ask))
+        r = httpx.post(group_url + "/generate", json={"prompt": capital, "max_tokens": 1}, timeout=300)
+        assert r.status_code == 200, r.text
+        banned = r.json()["token_ids"][0]  # the greedy first token, then banned
+        biased = both("/v1/completions", dict(prompt=capital, logit_bias={str(banned): -100}, **ask))
+        assert biased[0]["logprobs"]["tokens"][0] != plain[0]["logprobs"]["tokens"][0]
+        penalties = dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5)
+        penalised = both("/v1/completions", dict(prompt=counting, **penalties, **ask))
+        assert penalised[0]["text"] != both("/v1/completions", dict(prompt=counting, **ask))[0]["text"]
+        structured = both("/v1/chat/completions", dict(
+            messages=[{"role": "user", "content": "Is the sky blue? Answer as JSON."}], max_tokens=24,
+            temperature=0.7, seed=11,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}))
+        jsonschema.validate(json.loads(structured[0]["message"]["content"]), ANSWER)
+        pixel = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
+                 "z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+        image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": pixel}}]
+        r = httpx.post(group_url + "/v1/chat/completions", timeout=30, json={
+            "model": "gemma3-270m", "max_tokens": 2, "messages": [{"role": "user", "content": image}]})
+        assert r.status_code == 400 and "multi-process group" in r.json()["error"]["message"], r.text
+        # SIGTERM to process 0 ends the group cleanly: its shutdown step ends process 1's loop.
+        procs[0][0].send_signal(signal.SIGTERM)
+        assert [p.wait(SHUTDOWN_DEADLINE) for p, _ in procs[:2]] == [0, 0]
     finally:
         stop_processes(procs)
 

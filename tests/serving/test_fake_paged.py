@@ -1,0 +1,81 @@
+"""The paged path's fake (`serving.fake_engine.fake_paged_engine`: the real PagedEngine,
+scheduler, pages and sampler over `FakePagedModel`): it answers as the slot engine's fake does,
+through prompt pieces, page-table growth, a sliding window that outgrows its first pages,
+preemption and prefix-cache hits, and a wrong block table raises instead of passing."""
+import threading
+
+import pytest
+
+from serving.engine_core import EngineCore
+from serving.fake_engine import ByteTokenizer, FakeEngine, fake_paged_engine
+from serving.metrics import Metrics
+from serving.paged_engine import step_inputs
+from serving.paged_scheduler import PagedScheduler
+from serving.sampling import IDLE, SamplingParams
+from serving.scheduler import Sequence
+
+TOK = ByteTokenizer()
+# Prompts whose text after BOS has no border (no prefix that is also a suffix): the two fakes'
+# rules agree on them. 3 to 44 tokens: one piece, several pieces, past the window of 8.
+PROMPTS = [[TOK.bos_id] + TOK.encode(t) for t in
+           ("Hi!", "The quick brown fox jumps over the lazy dog", "paged attention", "0123456789")]
+
+
+def answers(engine, prompts, max_tokens=12, core=None):
+    """Greedy token ids of every prompt, all submitted at once (through `core` when given, else
+    a core of its own); and the core's preemptions."""
+    own = core is None
+    core = EngineCore(engine).start() if own else core
+    got, done = {}, []
+    try:
+        for i, p in enumerate(prompts):
+            ev, ids = threading.Event(), []
+
+            def sink(e, ids=ids, ev=ev, i=i):
+                ids.extend(t.id for t in e.tokens)
+                if e.finish_reason is not None:
+                    assert e.error is None, e.error
+                    got[i] = ids
+                    ev.set()
+
+            core.submit([(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), sink)])
+            done.append(ev)
+        for ev in done:
+            assert ev.wait(60)
+        preemptions = getattr(core.scheduler, "num_preemptions", 0)
+    finally:
+        if own:
+            core.shutdown()
+    return [got[i] for i in range(len(prompts))], preemptions
+
+
+def test_the_paged_fake_answers_as_the_slot_fake():
+    want, _ = answers(FakeEngine(num_slots=4, max_seq_len=64), PROMPTS)
+    got, _ = answers(fake_paged_engine(num_slots=4, max_seq_len=64), PROMPTS)
+    assert got == want
+    # Room for 64 tokens of global cache: four sequences growing to 15-56 tokens cannot all fit.
+    squeezed, preemptions = answers(fake_paged_engine(num_slots=4, max_seq_len=64, kv_cache_tokens=64),
+                                    PROMPTS)
+    assert preemptions > 0 and squeezed == want
+    engine, metrics = fake_paged_engine(num_slots=4, max_seq_len=64), Metrics("fake", "bf16")
+    core = EngineCore(engine, metrics=metrics).start()
+    try:
+        first, _ = answers(engine, PROMPTS[1:2], core=core)
+        again, _ = answers(engine, PROMPTS[1:2], core=core)  # its full pages are cache hits
+    finally:
+        core.shutdown()
+    assert first == again == want[1:2]
+    assert metrics.prefix_hits._value.get() == 40  # 44 tokens: 10 pages of 4 before the last
+
+
+def test_a_wrong_block_table_raises():
+    engine = fake_paged_engine(num_slots=2, max_seq_len=64, max_num_batched_tokens=10)
+    sched = PagedScheduler(engine.info)
+    sched.add([Sequence(id=0, prompt=PROMPTS[1], params=IDLE, seed=0)])
+    plan = sched.schedule()
+    engine.run_step(step_inputs(plan, sched.kv, engine.info))  # the prompt's first piece: 8 tokens
+    plan = sched.schedule()
+    inputs = step_inputs(plan, sched.kv, engine.info)
+    inputs.batch["global_table"][0, 0] += 1  # the sequence's first page is another one
+    with pytest.raises(AssertionError, match="not where its block table says"):
+        engine.run_step(inputs)
