@@ -17,12 +17,12 @@ against the one-shot prefill at the lengths where that fits (tests/serving/test_
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 
 import jax_platform
+from eval.reports import write_json
 
 
 def paged_last_logits(model, prompt: list[int], budget: int, chunk: int) -> tuple[np.ndarray, int]:
@@ -108,9 +108,7 @@ def main(argv=None) -> dict:
         res["same_argmax"] = bool(np.argmax(paged) == np.argmax(ref))
         print(f"{args.reference}: {res['reference_s']:.0f} s; last-token logits max relative "
               f"difference {res['max_rel_diff']:.2e}, same argmax: {res['same_argmax']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return res
 
 
