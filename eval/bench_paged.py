@@ -11,6 +11,15 @@ same machine, runs alternating:
     python -m eval.bench_paged                                # gemma3-270m bfloat16, tp=1
     python -m eval.bench_paged --max-seq-len 2048,32768 --tokens 48 --repeats 3 --out r.json
 
+The other measurements (`--only`):
+  ttft      a lone prompt of --prompt-tokens (e.g. 900): its time to first token, the slot
+            engine (default mode) and the paged engine alternating.
+  streams   the paged engine with max_num_seqs = the largest of --streams: output tokens/s at
+            each stream count.
+  capacity  how many sequences of --prompt-tokens the paged engine serves at once in the KV
+            bytes of the slot engine's 8 x 8,192 cache (the allocator and scheduler run for
+            real; no model steps: the pages a sequence holds do not depend on the values).
+
 Engines: "slots" is the slot engine in its default deterministic mode, "slots-packed" the slot
 engine with --no-deterministic (decode over the busy slots only), "paged" the paged engine.
 """
@@ -23,8 +32,9 @@ import time
 
 import numpy as np
 
-from eval.bench_engine import _submit, _text_ids
 import jax_platform
+from eval.bench_engine import _submit, _text_ids
+from eval.reports import write_json
 
 
 def build(model, kind: str, max_seq_len: int, chunk: int):
@@ -64,29 +74,129 @@ def batch_tok_s(core, prompts, tokens: int) -> float:
     return sum(len(s.times) for s in streams) / (time.perf_counter() - t0)
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-seq-len", default="2048,32768")
-    p.add_argument("--engines", default="slots,slots-packed,paged")
-    p.add_argument("--tokens", type=int, default=48)
-    p.add_argument("--prompt-tokens", type=int, default=200)
-    p.add_argument("--prefill-chunk", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out")
-    args = p.parse_args(argv)
-    jax_platform.keep_freed_memory()
-    from models.gemma3 import load_model
+def lone_ttft(model, length: int, prompt_tokens: int, repeats: int, chunk: int) -> dict:
+    """TTFT of one prompt of `prompt_tokens` alone, the slot engine (default, deterministic)
+    and the paged engine alternating (`--only ttft`)."""
     from serving.engine_core import EngineCore
 
-    model = load_model(args.model, dtype=args.dtype, max_seq_len=max(
-        int(x) for x in args.max_seq_len.split(",")))
+    tok = model.tokenizer
+    cores = {k: EngineCore(build(model, k, length, chunk)[0]).start() for k in ("slots", "paged")}
+    times = {k: [] for k in cores}
+    try:
+        for r in range(repeats + 1):
+            prompt = [tok.bos_id] + _text_ids(tok, prompt_tokens - 1, 100 + r)
+            for kind in (list(cores) if r % 2 == 0 else list(cores)[::-1]):
+                t0 = time.perf_counter()
+                s = _submit(cores[kind], prompt, 2).wait()
+                if r:  # the first round compiles the buckets this prompt meets
+                    times[kind].append(s.times[0] - t0)
+    finally:
+        for core in cores.values():
+            core.shutdown()
+    out = {}
+    for kind, ts in times.items():
+        out[f"{kind}@{length}"] = {"ttft_s": ts, "ttft_median_s": float(np.median(ts))}
+        print(f"  {kind:6s} a lone {prompt_tokens}-token prompt: TTFT "
+              f"{np.median(ts) * 1000:6.0f} ms", file=sys.stderr)
+    return out
+
+
+def streams_scaling(model, length: int, counts: list[int], tokens: int, prompt_tokens: int,
+                    repeats: int, chunk: int) -> dict:
+    """Output tokens/s of the paged engine (max_num_seqs = the largest count) at each number
+    of concurrent greedy streams (`--only streams`)."""
+    from serving.engine_core import EngineCore
+    from serving.paged_engine import PagedEngine
+
+    tok = model.tokenizer
+    engine = PagedEngine(model, max_num_seqs=max(counts), max_seq_len=length, page_size=16,
+                         chunk_size=chunk, prefix_caching=False, model_name="bench")
+    engine.warmup(lambda msg: None)
+    core = EngineCore(engine).start()
+    rates = {n: [] for n in counts}
+    try:
+        for r in range(repeats):
+            for n in (counts if r % 2 == 0 else counts[::-1]):
+                prompts = [[tok.bos_id] + _text_ids(tok, prompt_tokens - 1, 1000 * r + i)
+                           for i in range(n)]
+                rates[n].append(batch_tok_s(core, prompts, tokens))
+    finally:
+        core.shutdown()
+    out = {}
+    for n, rs in rates.items():
+        out[f"paged@{n}"] = {"tok_s": rs, "tok_s_median": float(np.median(rs))}
+        print(f"  paged, max_num_seqs {max(counts)}: {n:3d} streams {np.median(rs):6.1f} tok/s",
+              file=sys.stderr)
+    return out
+
+
+def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int = 8192) -> dict:
+    """How many concurrent sequences of `prompt_tokens` the paged engine serves in the KV bytes
+    of the slot engine's `slots` x `slot_len` cache (`--only capacity`): the allocator and
+    scheduler run for real (no model steps: the pages a sequence holds do not depend on the
+    values computed)."""
+    from models.gemma3.kv_cache import bytes_per_sequence
+    from serving.paged_engine import local_pages_for, paged_engine_info
+    from serving.paged_scheduler import PagedScheduler
+    from serving.sampling import SamplingParams
+    from serving.scheduler import Sequence
+
+    c = model.config
+    dtype = np.dtype(model.cache_dtype)
+    budget = slots * bytes_per_sequence(c, slot_len, dtype)
+    n_global, n_local = c.num_global_layers, c.num_local_layers
+    token_layer = 2 * c.num_kv_heads * c.head_dim * dtype.itemsize
+    page = 16
+    per_seq_local = local_pages_for(page, c.sliding_window, page)
+    per_seq_global = -(-(prompt_tokens + 16) // page)
+    per_seq = (per_seq_local * n_local + per_seq_global * n_global) * page * token_layer
+
+    def pool_bytes(info):
+        return ((info.num_global_pages - 1) * n_global
+                + (info.num_local_pages - 1) * n_local) * page * token_layer
+
+    # The most sequences whose pools (as the engine sizes them: a quarter more local pages
+    # than the windows need, for prefix-cache hits) fit in the slot engine's bytes.
+    fits = int(budget // per_seq) + 1
+    while True:
+        info = paged_engine_info(model, fits, slot_len, page, fits * per_seq_global * page, page,
+                                 None, False, False, "bench")
+        if pool_bytes(info) <= budget:
+            break
+        fits -= 1
+    sched = PagedScheduler(info)
+    sched.add([Sequence(id=i, prompt=[2] * prompt_tokens, params=SamplingParams(
+        max_tokens=16, temperature=0.0, ignore_eos=True), seed=0) for i in range(seqs)])
+    most, steps = 0, 0
+    while sched.num_running or sched.num_waiting:
+        plan = sched.schedule()
+        steps += 1
+        most = max(most, sched.num_running)
+        for p in plan.pieces:
+            if p.sample:
+                p.seq.generated.append(7)
+                if len(p.seq.generated) >= 16:
+                    sched.finish(p.seq)
+    res = {"slot_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
+           "sequences_that_fit": fits, "pool_bytes": int(pool_bytes(info)), "most_running": most,
+           "preemptions": sched.num_preemptions, "steps": steps,
+           "bytes_for_all": int(per_seq * seqs)}
+    print(f"  KV bytes of {slots} slots x {slot_len}: {budget / 2**20:.0f} MiB; a {prompt_tokens}-"
+          f"token sequence holds {per_seq / 2**20:.2f} MiB of pages ({per_seq_local} local pages "
+          f"x {n_local} layers + {per_seq_global} global x {n_global}); {fits} fit, ran {most} at "
+          f"once, {sched.num_preemptions} preemptions; {seqs} need "
+          f"{per_seq * seqs / budget:.2f}x the bytes", file=sys.stderr)
+    return res
+
+
+def compare_engines(model, args) -> dict:
+    """The default run: lone ITL, 8-stream tokens/s and KV bytes per engine and --max-seq-len."""
+    from serving.engine_core import EngineCore
+
     tok = model.tokenizer
     prompts = [[tok.bos_id] + _text_ids(tok, args.prompt_tokens - 1, i) for i in range(8)]
-    results: dict = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens,
-                     "prompt_tokens": args.prompt_tokens, "runs": {}}
-    for length in (int(x) for x in args.max_seq_len.split(",")):
+    results: dict = {}
+    for length in _lengths(args):
         cores, sizes = {}, {}
         for kind in args.engines.split(","):
             engine, sizes[kind] = build(model, kind, length, args.prefill_chunk)
@@ -105,14 +215,54 @@ def main(argv=None) -> dict:
             entry = {"kv_cache_bytes": sizes[kind], **run,
                      "lone_itl_median_s": float(np.median(run["lone_itl_s"])),
                      "batch_tok_s_median": float(np.median(run["batch_tok_s"]))}
-            results["runs"][f"{kind}@{length}"] = entry
+            results[f"{kind}@{length}"] = entry
             print(f"  {kind:13s} max_seq_len {length:6d}: lone ITL "
                   f"{entry['lone_itl_median_s'] * 1000:6.1f} ms, 8 streams "
                   f"{entry['batch_tok_s_median']:6.1f} tok/s, KV {sizes[kind] / 2**20:7.0f} MiB",
                   file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    return results
+
+
+def _lengths(args) -> list[int]:
+    return [int(x) for x in args.max_seq_len.split(",")]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=("ttft", "streams", "capacity"),
+                   help="one of the other measurements instead of the engines' comparison")
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-seq-len", default="2048,32768")
+    p.add_argument("--engines", default="slots,slots-packed,paged")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--prefill-chunk", type=int, default=16)
+    p.add_argument("--streams", default="8,32", help="with --only streams: stream counts")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    jax_platform.keep_freed_memory()
+    from models.gemma3 import load_model
+
+    lengths = _lengths(args)
+    if args.only == "capacity":
+        lengths = [max(lengths + [8192])]
+    model = load_model(args.model, dtype=args.dtype, max_seq_len=max(lengths))
+    results: dict = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens,
+                     "prompt_tokens": args.prompt_tokens, "only": args.only}
+    if args.only == "ttft":
+        results["runs"] = lone_ttft(model, lengths[0], args.prompt_tokens, args.repeats,
+                                    args.prefill_chunk)
+    elif args.only == "streams":
+        results["runs"] = streams_scaling(model, lengths[0], [int(x) for x in args.streams.split(",")],
+                                          args.tokens, args.prompt_tokens, args.repeats,
+                                          args.prefill_chunk)
+    elif args.only == "capacity":
+        results["runs"] = capacity(model, 48, args.prompt_tokens)
+    else:
+        results["runs"] = compare_engines(model, args)
+    write_json(args.out, results)
     print(json.dumps(results, indent=1))
     return results
 
