@@ -77,6 +77,10 @@ class EngineCore:
         # prefills, chunks and decodes (serving/engine.py).
         self.scheduler = (PagedScheduler(engine.info, max_waiting) if engine.info.paged
                           else Scheduler(engine.info, max_waiting))
+        if engine.info.paged and callable(getattr(engine, "image_ready", None)):
+            # Pieces wait for their images' features, which the engine encodes a bounded
+            # piece per step (serving/image_encoder.py) instead of whole inside one step.
+            self.scheduler.image_ready = engine.image_ready
         self.outputs = OutputProcessor(engine.tokenizer, engine.info, self.metrics)
         self.admission_wait = admission_wait
         self._freed = 0  # slots freed by the last step
@@ -278,13 +282,15 @@ class EngineCore:
         if plan.preempted:
             log.info("preempted %d sequence(s) for KV-cache pages; they will recompute",
                      len(plan.preempted))
-        if not plan.pieces:
-            return
-        t0 = time.perf_counter()
-        inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras)
-        key = step_key("ragged", inputs, buckets=tuple(dataclasses.astuple(inputs.buckets)))
-        out = self._call(key, lambda: self.engine.run_step(inputs))
-        self._publish(self.outputs.on_step(plan, out, t0, time.perf_counter()))
+        if plan.pieces:
+            t0 = time.perf_counter()
+            inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras)
+            key = step_key("ragged", inputs, buckets=tuple(dataclasses.astuple(inputs.buckets)))
+            out = self._call(key, lambda: self.engine.run_step(inputs))
+            self._publish(self.outputs.on_step(plan, out, t0, time.perf_counter()))
+        if plan.encode:  # after the step's tokens went out: the streams do not wait for it
+            self._call(step_key("encode", images=len(plan.encode)),
+                       lambda: self.engine.advance_images(plan.encode))
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Callable
+
 from serving.engine import EngineInfo
 from serving.kv_pages import KVPages, block_hashes
 from serving.sampling import InvalidParameter
@@ -59,6 +61,9 @@ class StepPlan:
     pieces: tuple[Piece, ...] = ()
     preempted: tuple[Sequence, ...] = ()  # sent back to the waiting queue by this step
     lookups: tuple[tuple[int, int], ...] = ()  # (prompt tokens looked up, tokens found) per admission
+    # Images (scheduler.SeqImage) whose features a piece waits for, oldest sequence first: the
+    # engine advances their encoding after the step (serving/image_encoder.py).
+    encode: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +80,11 @@ class PagedScheduler(WaitingQueue):
                           info.sliding_window, info.has_global_layers)
         self.prefix_caching = bool(info.prefix_blocks)
         self.num_preemptions = 0
+        # Whether an image's features (by content hash) are ready; the engine core sets it to
+        # the engine's. Always, by default: then the engine encodes an image in the step that
+        # needs it.
+        self.image_ready: Callable[[str], bool] = lambda key: True
+        self._wanted: list = []
 
     def admissible(self, seq: Sequence) -> None:
         if seq.want_prompt_logprobs:
@@ -111,6 +121,7 @@ class PagedScheduler(WaitingQueue):
 
     def schedule(self) -> StepPlan:
         budget = self.info.max_num_batched_tokens
+        self._wanted = []
         pieces: list[Piece] = []
         preempted: list[Sequence] = []
         # Decodes first (oldest first), then the running prompts' pieces: a stream never waits
@@ -170,7 +181,7 @@ class PagedScheduler(WaitingQueue):
             p.seq.computed = p.end
             if self.prefix_caching:
                 self.kv.name_full_pages(p.seq.id, p.seq.hashes, p.end)
-        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups))
+        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups), tuple(self._wanted))
 
     def _aligned_hit(self, pages: int) -> int:
         """In deterministic mode a prefix hit must end on a chunk boundary (pieces start there)."""
@@ -183,8 +194,20 @@ class PagedScheduler(WaitingQueue):
         """Tokens the sequence computes this step within `budget` (0: none); a piece that
         would end inside an image's soft tokens runs on to the image's end (`_past_images`)."""
         start = s.computed if start is None else start
-        n = self._plain_piece_len(s, budget, start)
+        n = self._before_unready_image(s, start, self._plain_piece_len(s, budget, start))
         return self._past_images(s, start, n) if n else 0
+
+    def _before_unready_image(self, s: Sequence, start: int, n: int) -> int:
+        """n, or fewer where the piece would reach the soft tokens of an image whose features
+        are not ready: it stops before them and the image joins the step's `encode` list. In
+        deterministic mode such a piece waits whole (0): pieces stay a function of the request
+        alone, whatever the encoder's progress."""
+        for im in s.images:
+            if any(a < start + n and start < b for a, b in im.spans) and not self.image_ready(im.key):
+                self._wanted.append(im)
+                a = min(a for a, b in im.spans if a < start + n and start < b)
+                return 0 if self.info.deterministic else max(0, a - start)
+        return n
 
     @staticmethod
     def _past_images(s: Sequence, start: int, n: int) -> int:
