@@ -321,9 +321,11 @@ def convert_main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="directory to write (created; an existing checkpoint there is replaced)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="dtype of the stored weights")
-    parser.add_argument("--format", default="orbax", choices=("orbax", "hf"),
-                        help="orbax: ours, fastest to restore; hf: Hugging Face Gemma3ForCausalLM "
-                             "(config.json, safetensors, tokenizer files)")
+    parser.add_argument("--format", default="orbax", choices=("orbax", "hf", "official"),
+                        help="orbax: ours, fastest to restore (text only); hf: Hugging Face "
+                             "Gemma3ForCausalLM, or Gemma3ForConditionalGeneration with the vision "
+                             "tower (config.json, safetensors, tokenizer files); official: the "
+                             "official gemma library's parameter tree (orbax), tower included")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="--format hf: largest safetensors file, in GiB (more files and an index "
                              "beyond it)")
