@@ -289,8 +289,10 @@ class EngineCore:
             out = self._call(key, lambda: self.engine.run_step(inputs))
             self._publish(self.outputs.on_step(plan, out, t0, time.perf_counter()))
         if plan.encode:  # after the step's tokens went out: the streams do not wait for it
-            self._call(step_key("encode", images=len(plan.encode)),
-                       lambda: self.engine.advance_images(plan.encode))
+            # A step that ran nothing has nothing to stall: the encoder may run whole.
+            bounded = bool(plan.pieces)
+            self._call(step_key("encode", images=len(plan.encode), bounded=bounded),
+                       lambda: self.engine.advance_images(plan.encode, bounded))
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()

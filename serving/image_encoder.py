@@ -11,6 +11,11 @@ step with encoder work stalls the running decodes no longer than a step with a p
 (A single stage costlier than the budget still runs whole: `blocks_for` makes the stages small
 enough for every published pairing of tower and text model at the default chunk of 16.)
 
+A step that ran nothing else (every running sequence waits for an image, none could be
+admitted) has no stream to stall: then, outside deterministic mode, the images it waits for
+are encoded whole, by the one-shot encoder when not yet begun (its one large program beats the
+stages' many small ones: a lone image request's time to first token is the encoder's).
+
 Images at the same stage run as one batch, oldest first; the oldest image moves on first, so
 an image's encode ends after a bounded number of steps whatever arrives after it. The features
 equal the one-shot encoder's to float32 rounding (a stage is the same functions on fewer rows,
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 
 
 BATCH_FRAMES = 4
+MAX_IN_PROGRESS = 16
 
 
 def _pow2(n: int) -> int:
@@ -97,28 +103,54 @@ class ImageEncoder:
         while len(self._features) > self.max_cached:
             self._features.popitem(last=False)
 
-    def advance(self, wanted) -> float:
+    def advance(self, wanted, bounded: bool = True) -> float:
         """Runs encoder stages for `wanted` (SeqImages, oldest request first) worth at most
-        `budget_flops` (at least one stage); returns the FLOPs run. Work on images no longer
-        wanted (their requests ended) is dropped."""
+        `budget_flops` (at least one stage); returns the FLOPs run. bounded=False (the step ran
+        nothing else: no stream to stall) encodes them all, an image not yet begun by the
+        one-shot encoder (the stages' small programs cost more in all); never in deterministic
+        mode, where an image's bits must not depend on the load."""
+        if not bounded and not self.deterministic:
+            return self._encode_all(wanted)
+        spent = self._advance(wanted, self.budget_flops)
+        if self.last_work:
+            self.advances += 1
+            self.max_advance_flops = max(self.max_advance_flops, spent)
+        return spent
+
+    def _advance(self, wanted, budget: float) -> float:
         pending, seen = [], set()
         for im in wanted:
             if im.key not in seen and not self.ready(im.key):
                 seen.add(im.key)
                 pending.append(im)
-        self._progress = {im.key: self._progress.get(im.key) or _Progress(im) for im in pending}
+                self._progress.setdefault(im.key, _Progress(im))
+        # Work on images not wanted now is kept a while (a waiting request's image is wanted
+        # only in steps that try to admit it), the oldest dropped beyond MAX_IN_PROGRESS
+        # (requests that ended).
+        idle = [k for k in self._progress if k not in seen]
+        for key in idle[:max(0, len(self._progress) - MAX_IN_PROGRESS)]:
+            del self._progress[key]
         self.last_work = []
         spent = 0.0
         while pending:
-            batch, cost = self._batch(pending, self.budget_flops - spent, first=not self.last_work)
+            batch, cost = self._batch(pending, budget - spent, first=not self.last_work)
             if not batch:
                 break
             self._run(batch)
             spent += cost
             pending = [im for im in pending if not self.ready(im.key)]
-        if self.last_work:
-            self.advances += 1
-            self.max_advance_flops = max(self.max_advance_flops, spent)
+        return spent
+
+    def _encode_all(self, wanted) -> float:
+        spent = 0.0
+        for im in wanted:
+            if self.ready(im.key):
+                continue
+            if im.key in self._progress:  # begun in stages: finish them
+                spent += self._advance([im], float("inf"))
+            else:
+                self.features(im)
+                spent += sum(st.flops for st in self.stages) * len(im.spans)
         return spent
 
     def _batch(self, pending, left: float, first: bool):

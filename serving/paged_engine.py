@@ -254,10 +254,11 @@ class PagedEngine:
         keeps a prompt's piece short of an image until they are)."""
         return self.encoder.ready(key)
 
-    def advance_images(self, wanted) -> float:
+    def advance_images(self, wanted, bounded: bool = True) -> float:
         """Runs a bounded piece of the encoder for the images the scheduler waits for
-        (StepPlan.encode); returns its FLOPs."""
-        return self.encoder.advance(wanted)
+        (StepPlan.encode), or all of it where nothing else runs (bounded=False); returns its
+        FLOPs."""
+        return self.encoder.advance(wanted, bounded)
 
     def image_features(self, image):
         """Features [n * tokens_per_image, D] (on the device) of a scheduler.SeqImage, from the

@@ -181,7 +181,13 @@ class PagedScheduler(WaitingQueue):
             p.seq.computed = p.end
             if self.prefix_caching:
                 self.kv.name_full_pages(p.seq.id, p.seq.hashes, p.end)
-        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups), tuple(self._wanted))
+        self._next_images()
+        encode, seen = [], set()
+        for im in self._wanted:  # each image once, oldest sequence first
+            if im.key not in seen:
+                seen.add(im.key)
+                encode.append(im)
+        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups), tuple(encode))
 
     def _aligned_hit(self, pages: int) -> int:
         """In deterministic mode a prefix hit must end on a chunk boundary (pieces start there)."""
@@ -196,6 +202,15 @@ class PagedScheduler(WaitingQueue):
         start = s.computed if start is None else start
         n = self._before_unready_image(s, start, self._plain_piece_len(s, budget, start))
         return self._past_images(s, start, n) if n else 0
+
+    def _next_images(self) -> None:
+        """Every running sequence's next image whose features are not ready joins the step's
+        `encode` list, whether or not the token budget let the sequence run a piece: the
+        encoder's work has its own budget (serving/image_encoder.py), and starts early."""
+        for s in self._running:
+            im = next((im for im in s.images if max(b for _, b in im.spans) > s.computed), None)
+            if im is not None and not self.image_ready(im.key):
+                self._wanted.append(im)
 
     def _before_unready_image(self, s: Sequence, start: int, n: int) -> int:
         """n, or fewer where the piece would reach the soft tokens of an image whose features

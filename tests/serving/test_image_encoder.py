@@ -138,3 +138,37 @@ def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, golde
     whole = sum(st.flops for st in enc.stages) * len(images)
     assert enc.advances >= whole / enc.budget_flops > 4  # the images took several steps
     assert len(set(during)) >= enc.advances - 2
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic):
+    """With nothing else running, the images are encoded whole in the first step that waits
+    for them; in deterministic mode always by the bounded stages (the bits must not depend on
+    the load)."""
+    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+                         deterministic=deterministic)
+    engine.encoder_budget_flops = small_budget(model)
+    core = EngineCore(engine).start()
+    done, got = threading.Event(), []
+
+    def sink(e):
+        got.extend(t.id for t in e.tokens)
+        if e.finish_reason is not None:
+            done.set()
+
+    try:
+        core.submit([(golden["ids_2"].tolist(), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                ignore_eos=True),
+                      sink, images_of(model, golden, 2))])
+        assert done.wait(120)
+    finally:
+        core.shutdown()
+    np.testing.assert_array_equal(got, golden["greedy_2"][:8])
+    enc = engine.encoder
+    assert engine.images_encoded == 2
+    whole = sum(st.flops for st in enc.stages) * 2
+    if deterministic:
+        assert enc.advances >= whole / enc.budget_flops
+    else:
+        # bounded advances only in the steps that also ran text (before each image)
+        assert enc.advances <= 3 < whole / enc.budget_flops / 2
