@@ -10,7 +10,7 @@ import pytest
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
 from serving.engine_core import EngineCore
-from serving.image_encoder import ImageEncoder, chunk_flops
+from serving.image_encoder import ImageEncoder
 from serving.paged_engine import PagedEngine
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
