@@ -10,6 +10,10 @@ A sequence computes tokens `computed .. computed+n-1` of `prompt + generated`; w
 its last token the step samples its next one. So a decode is a piece of one token, and a
 sequence that was preempted simply recomputes its whole text in pieces.
 
+A piece stops before the soft tokens of an image whose features are not ready yet
+(`image_ready`), and the plan lists the images its sequences wait for (`StepPlan.encode`): the
+engine encodes them a bounded piece per step (`serving/image_encoder.py`).
+
 Pages (`serving/kv_pages.py`) are taken as a piece needs them. A running sequence that finds none
 free takes them from the newest running sequence, which is preempted: its pages go back (full
 prompt pages stay cached), it returns to the head of the waiting queue and recomputes later,
@@ -27,7 +31,6 @@ Not thread-safe: the engine core serialises every call.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Callable
 
 from serving.engine import EngineInfo
