@@ -172,3 +172,24 @@ def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic)
     else:
         # bounded advances only in the steps that also ran text (before each image)
         assert enc.advances <= 3 < whole / enc.budget_flops / 2
+
+
+def test_a_waiting_image_stays_listed_while_other_pieces_run(model, golden):
+    """A running sequence that waits for its image keeps it in `encode`, every step until it
+    is ready, while another prompt's pieces take every token of the steps."""
+    engine = PagedEngine(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
+                         max_num_batched_tokens=8)
+    sched = PagedScheduler(engine.info)
+    sched.image_ready = lambda key: False
+    image = images_of(model, golden, 1)[0]
+    waits = Sequence(id=0, prompt=golden["ids_1"].tolist(), params=SamplingParams(max_tokens=1),
+                     seed=0, images=(image,))
+    sched.add([waits])
+    while waits.computed < image.spans[0][0]:
+        assert sched.schedule().encode == (image,)
+    long = Sequence(id=1, prompt=list(range(3, 80)), params=SamplingParams(max_tokens=1), seed=0)
+    sched.add([long])
+    for _ in range(4):
+        plan = sched.schedule()
+        assert [p.seq.id for p in plan.pieces] == [1] and plan.num_tokens == 8
+        assert plan.encode == (image,)
