@@ -154,9 +154,12 @@ def generate_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in Gemma's chat template")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image file (png, jpeg, webp, gif) shown before the prompt "
+                        "(repeatable; implies --chat; needs a model with a vision tower)")
     add_arguments(parser, only=_GENERATE_SETTINGS)
     args = parser.parse_args(argv)
-    own = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat")
+    own = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat", "image")
     config = _config(parser, args, extra=own)
     if config.log_level == "info":
         config = ServerConfig(**{**config.__dict__, "log_level": "warning"})
@@ -172,10 +175,40 @@ def generate_main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     if not args.prompt:
         parser.error("the prompt is empty")
-    sys.exit(_generate(config, args.prompt, params, args.chat))
+    sys.exit(_generate(config, args.prompt, params, args.chat or bool(args.image), args.image))
 
 
-def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
+def _image_prompt(model, prompt: str, paths: list[str]):
+    """(ids, images) of one user turn holding the images at `paths`, then the prompt, as the
+    chat endpoint lays out such a message (serving/chat_images.py); raises ValueError (a
+    MediaError for an unreadable image) with a message for the user."""
+    from serving import chat_images, media
+    from serving.chat_template import render_chat
+    from serving.scheduler import SeqImage
+
+    vision = getattr(model, "vision", None)
+    if vision is None:
+        raise ValueError(f"{model.config.name}: this model has no vision tower: it takes no images")
+    prepared = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ValueError(f"{path}: {e.strerror}") from None
+        try:
+            prepared.append(media.prepare_image(data, size=vision.config.image_size))
+        except media.MediaError as e:
+            raise ValueError(f"{path}: {e}") from None
+    tok = chat_images.ImageTokenizer(model.tokenizer, vision.tokens.start, vision.tokens.end,
+                                     vision.tokens.soft, vision.config.tokens_per_image)
+    ids = render_chat([("user", tok.sentinel * len(paths) + prompt.strip())], tok)
+    spans = chat_images.soft_spans(ids, tok.soft)
+    return ids, tuple(SeqImage(spans=(span,), pixels=p.pixels, key=p.content_hash)
+                      for span, p in zip(spans, prepared))
+
+
+def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths=()) -> int:
     import numpy as np
 
     from serving.chat_template import render_chat
@@ -205,20 +238,30 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
                  "while the weights load")
         model.warm_up(1, info.max_seq_len, buckets=[bucket], decode_rows=(1,))
 
-    model = load_configured_model(config, compile_while_loading)
-    engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len, model_name=config.model_name)
+    model = load_configured_model(config, None if image_paths else compile_while_loading)
+    images = ()
+    if image_paths:
+        # Images run through the paged engine only (its steps carry image features).
+        from serving.paged_engine import PagedEngine
+        engine = PagedEngine(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
+                             page_size=config.page_size, chunk_size=config.prefill_chunk,
+                             model_name=config.model_name)
+    else:
+        engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len,
+                             model_name=config.model_name)
     tok = engine.tokenizer
-    ids = token_ids(tok)
     core = EngineCore(engine, max_waiting=1)
     try:
+        ids, images = _image_prompt(model, prompt, image_paths) if image_paths else (token_ids(tok), ())
         core.check(len(ids), params.max_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Run the two programs once (the sampler's compile), before timing the generation.
-    bucket = engine.bucket_for(len(ids))
-    engine.run_prefill(pad_prefill_batch([([tok.bos_id], 0, SlotSampling.greedy(1))], bucket, 1))
-    engine.run_decode(DecodeInputs(np.zeros(1, np.int32), np.zeros(1, np.int32), SlotSampling.greedy(1)))
+    if not image_paths:
+        # Run the two programs once (the sampler's compile), before timing the generation.
+        bucket = engine.bucket_for(len(ids))
+        engine.run_prefill(pad_prefill_batch([([tok.bos_id], 0, SlotSampling.greedy(1))], bucket, 1))
+        engine.run_decode(DecodeInputs(np.zeros(1, np.int32), np.zeros(1, np.int32), SlotSampling.greedy(1)))
     progress("generating", done=True)
 
     done = threading.Event()
@@ -234,7 +277,7 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool) -> int:
 
     t0 = time.perf_counter()
     core.start()
-    core.submit([(ids, params, sink)])
+    core.submit([(ids, params, sink, images)])
     try:
         done.wait()
     except KeyboardInterrupt:
@@ -278,9 +321,11 @@ def convert_main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="directory to write (created; an existing checkpoint there is replaced)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="dtype of the stored weights")
-    parser.add_argument("--format", default="orbax", choices=("orbax", "hf"),
-                        help="orbax: ours, fastest to restore; hf: Hugging Face Gemma3ForCausalLM "
-                             "(config.json, safetensors, tokenizer files)")
+    parser.add_argument("--format", default="orbax", choices=("orbax", "hf", "official"),
+                        help="orbax: ours, fastest to restore (text only); hf: Hugging Face "
+                             "Gemma3ForCausalLM, or Gemma3ForConditionalGeneration with the vision "
+                             "tower (config.json, safetensors, tokenizer files); official: the "
+                             "official gemma library's parameter tree (orbax), tower included")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="--format hf: largest safetensors file, in GiB (more files and an index "
                              "beyond it)")

@@ -81,6 +81,10 @@ class EngineCore:
         # prefills, chunks and decodes (serving/engine.py).
         self.scheduler = (PagedScheduler(engine.info, max_waiting) if engine.info.paged
                           else Scheduler(engine.info, max_waiting))
+        if engine.info.paged and callable(getattr(engine, "image_ready", None)):
+            # Pieces wait for their images' features, which the engine encodes a bounded
+            # piece per step (serving/image_encoder.py) instead of whole inside one step.
+            self.scheduler.image_ready = engine.image_ready
         self.outputs = OutputProcessor(engine.tokenizer, engine.info, self.metrics)
         self.admission_wait = admission_wait
         self._freed = 0  # slots freed by the last step
@@ -290,24 +294,30 @@ class EngineCore:
             prev = None
             plan = dataclasses.replace(plan, pieces=tuple(
                 p for p in plan.pieces if self.outputs.is_live(p.seq.id)))
-        if not plan.pieces:
-            self._drain()
-            return
-        t0 = time.perf_counter()
-        prev_rows = None if prev is None else {
-            p.seq.id: row for row, p in enumerate(prev[0].pieces) if p.sample}
-        inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras, prev_rows)
-        key = step_key("ragged", inputs, feed=inputs.feed is not None)
-        if self.overlap:
-            pending = self._call(key, lambda: self.engine.dispatch_step(
-                inputs, None if prev is None else prev[1]))
+        if plan.pieces:
+            t0 = time.perf_counter()
+            prev_rows = None if prev is None else {
+                p.seq.id: row for row, p in enumerate(prev[0].pieces) if p.sample}
+            inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras,
+                                 prev_rows)
+            key = step_key("ragged", inputs, feed=inputs.feed is not None)
+            if self.overlap:
+                pending = self._call(key, lambda: self.engine.dispatch_step(
+                    inputs, None if prev is None else prev[1]))
+            else:
+                out = self._call(key, lambda: self.engine.run_step(inputs))
+                pending = _Ready(out)
+            self._drain()  # the step in flight's outputs, while the device runs this one
+            self._inflight = (plan, pending, key, t0)
+            if not self.overlap:
+                self._drain()
         else:
-            out = self._call(key, lambda: self.engine.run_step(inputs))
-            pending = _Ready(out)
-        self._drain()  # the step in flight's outputs, while the device runs this one
-        self._inflight = (plan, pending, key, t0)
-        if not self.overlap:
             self._drain()
+        if plan.encode:  # after the step's tokens went out: the streams do not wait for it
+            # A step that ran nothing has nothing to stall: the encoder may run whole.
+            bounded = bool(plan.pieces)
+            self._call(step_key("encode", images=len(plan.encode), bounded=bounded),
+                       lambda: self.engine.advance_images(plan.encode, bounded))
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()

@@ -325,24 +325,38 @@ class PagedEngine:
             lambda: self.pages,
             dispatch_window.DEFAULT_LIMIT if dispatch_window.needed(local) else 0)
         self.programs_run: set[Buckets] = set()
-        # Image features by content hash, most recently used last: the encoder runs once per
-        # distinct image while its features stay here.
-        self._features: dict[str, object] = {}
-        self.max_cached_images = 64
-        self.images_encoded = 0
+        self._encoder = None  # serving.image_encoder.ImageEncoder, made on first use
+        self.encoder_budget_flops = None  # encoder work a step; None: one prompt piece's FLOPs
+
+    @property
+    def encoder(self):
+        """The features cache and staged encoder (serving/image_encoder.py), for a model with a
+        tower."""
+        if self._encoder is None:
+            from serving.image_encoder import ImageEncoder
+            self._encoder = ImageEncoder(self.model, self.info.chunk_size, self.info.deterministic,
+                                         self.encoder_budget_flops)
+        return self._encoder
+
+    @property
+    def images_encoded(self) -> int:
+        return self._encoder.images_encoded if self._encoder is not None else 0
+
+    def image_ready(self, key: str) -> bool:
+        """Whether the features of the image with content hash `key` are ready (the scheduler
+        keeps a prompt's piece short of an image until they are)."""
+        return self.encoder.ready(key)
+
+    def advance_images(self, wanted, bounded: bool = True) -> float:
+        """Runs a bounded piece of the encoder for the images the scheduler waits for
+        (StepPlan.encode), or all of it where nothing else runs (bounded=False); returns its
+        FLOPs."""
+        return self.encoder.advance(wanted, bounded)
 
     def image_features(self, image):
         """Features [n * tokens_per_image, D] (on the device) of a scheduler.SeqImage, from the
-        cache or the encoder."""
-        rows = self._features.pop(image.key, None)
-        if rows is None:
-            feats = self.model.image_features(image.pixels)
-            rows = feats.reshape(-1, feats.shape[-1])
-            self.images_encoded += 1
-        self._features[image.key] = rows
-        while len(self._features) > self.max_cached_images:
-            self._features.pop(next(iter(self._features)))
-        return rows
+        cache, or the whole encoder at once for a caller that did not wait for them."""
+        return self.encoder.features(image)
 
     def _image_rows(self, inputs: StepInputs):
         from models.gemma3.ragged import ImageRows
@@ -378,7 +392,7 @@ class PagedEngine:
             fields["tokens"] = self._feed(prev.tokens, fields["tokens"], inputs.feed)
             self.window.dispatched(fields["tokens"])
         batch = RaggedBatch(**fields)
-        images = self._image_rows(inputs)  # the encoder runs here, before the step needing it
+        images = self._image_rows(inputs)  # ready features (the encoder ran in earlier steps)
         every = None
         if inputs.buckets.every_token:
             if images is not None:

@@ -10,6 +10,10 @@ A sequence computes tokens `computed .. computed+n-1` of `prompt + generated`; w
 its last token the step samples its next one. So a decode is a piece of one token, and a
 sequence that was preempted simply recomputes its whole text in pieces.
 
+A piece stops before the soft tokens of an image whose features are not ready yet
+(`image_ready`), and the plan lists the images its sequences wait for (`StepPlan.encode`): the
+engine encodes them a bounded piece per step (`serving/image_encoder.py`).
+
 Pages (`serving/kv_pages.py`) are taken as a piece needs them. A running sequence that finds none
 free takes them from the newest running sequence, which is preempted: its pages go back (full
 prompt pages stay cached), it returns to the head of the waiting queue and recomputes later,
@@ -28,6 +32,7 @@ Not thread-safe: the engine core serialises every call.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from serving.engine import EngineInfo
 from serving.kv_pages import KVPages, block_hashes
@@ -61,6 +66,9 @@ class StepPlan:
     pieces: tuple[Piece, ...] = ()
     preempted: tuple[Sequence, ...] = ()  # sent back to the waiting queue by this step
     lookups: tuple[tuple[int, int], ...] = ()  # (prompt tokens looked up, tokens found) per admission
+    # Images (scheduler.SeqImage) whose features a piece waits for, oldest sequence first: the
+    # engine advances their encoding after the step (serving/image_encoder.py).
+    encode: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +90,11 @@ class PagedScheduler(WaitingQueue):
         # previous step's outputs reach the host, so the text is one token longer than the
         # host knows until then.
         self._sampled_to: dict[int, int] = {}
+        # Whether an image's features (by content hash) are ready; the engine core sets it to
+        # the engine's. Always, by default: then the engine encodes an image in the step that
+        # needs it.
+        self.image_ready: Callable[[str], bool] = lambda key: True
+        self._wanted: list = []
 
     def admissible(self, seq: Sequence) -> None:
         if seq.want_prompt_logprobs and seq.images:
@@ -123,6 +136,7 @@ class PagedScheduler(WaitingQueue):
 
     def schedule(self) -> StepPlan:
         budget = self.info.max_num_batched_tokens
+        self._wanted = []
         pieces: list[Piece] = []
         preempted: list[Sequence] = []
         # Decodes first (oldest first), then the running prompts' pieces: a stream never waits
@@ -189,7 +203,13 @@ class PagedScheduler(WaitingQueue):
                 self._sampled_to[p.seq.id] = p.end + 1
             if self.prefix_caching:
                 self.kv.name_full_pages(p.seq.id, p.seq.hashes, p.end)
-        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups))
+        self._next_images()
+        encode, seen = [], set()
+        for im in self._wanted:  # each image once, oldest sequence first
+            if im.key not in seen:
+                seen.add(im.key)
+                encode.append(im)
+        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups), tuple(encode))
 
     def _piece(self, s: Sequence, start: int, end: int, admitted: bool = False) -> Piece:
         length = self._length(s)
@@ -219,7 +239,29 @@ class PagedScheduler(WaitingQueue):
             longer = self._plain_piece_len(s, budget, start, self.info.max_num_batched_tokens)
             if longer > n and self.kv.can_allocate(s.id, start, start + longer):
                 n = longer
+        n = self._before_unready_image(s, start, n)
         return self._past_images(s, start, n) if n else 0
+
+    def _next_images(self) -> None:
+        """Every running sequence's next image whose features are not ready joins the step's
+        `encode` list, whether or not the token budget let the sequence run a piece: the
+        encoder's work has its own budget (serving/image_encoder.py), and starts early."""
+        for s in self._running:
+            im = next((im for im in s.images if max(b for _, b in im.spans) > s.computed), None)
+            if im is not None and not self.image_ready(im.key):
+                self._wanted.append(im)
+
+    def _before_unready_image(self, s: Sequence, start: int, n: int) -> int:
+        """n, or fewer where the piece would reach the soft tokens of an image whose features
+        are not ready: it stops before them and the image joins the step's `encode` list. In
+        deterministic mode such a piece waits whole (0): pieces stay a function of the request
+        alone, whatever the encoder's progress."""
+        for im in s.images:
+            if any(a < start + n and start < b for a, b in im.spans) and not self.image_ready(im.key):
+                self._wanted.append(im)
+                a = min(a for a, b in im.spans if a < start + n and start < b)
+                return 0 if self.info.deterministic else max(0, a - start)
+        return n
 
     @staticmethod
     def _past_images(s: Sequence, start: int, n: int) -> int:

@@ -158,7 +158,9 @@ class Gemma3Model(Gemma3Engine):
         format "orbax": our converted, sharded checkpoint, for a fast restart. "hf": a Hugging
         Face Gemma3ForCausalLM directory (config.json, safetensors sharded at
         `max_shard_bytes` with their index, tokenizer files, generation_config.json) that
-        transformers loads too; `dtype` (default: the model's) is the stored one.
+        transformers loads too; `dtype` (default: the model's) is the stored one. With a vision
+        tower, "hf" writes a Gemma3ForConditionalGeneration directory (one safetensors file).
+        "official": the official `gemma` library's parameter tree (orbax), tower included.
         A model whose weights carry the AllReduce's rotation (`load_model`'s fold_rotation)
         cannot save: they would no longer be the checkpoint's.
         """
@@ -170,17 +172,47 @@ class Gemma3Model(Gemma3Engine):
         if format == "hf":
             from models.gemma3 import hf_checkpoint, hf_tokenizer
 
-            hf_checkpoint.save_hf_weights(
-                path, self.weights, self.config, dtype or self.dtype,
-                max_shard_bytes or hf_checkpoint.DEFAULT_MAX_SHARD_BYTES)
+            if self.vision is not None:
+                from models.gemma3.vision_checkpoint import save_hf_multimodal
+                save_hf_multimodal(path, self.weights, self.config, self._host_vision(),
+                                   dtype or self.dtype)
+            else:
+                hf_checkpoint.save_hf_weights(
+                    path, self.weights, self.config, dtype or self.dtype,
+                    max_shard_bytes or hf_checkpoint.DEFAULT_MAX_SHARD_BYTES)
             if self.tokenizer is not None and hasattr(self.tokenizer, "control_tokens"):
                 hf_tokenizer.save_tokenizer(path, self.tokenizer)
             return
+        if format == "official":
+            loading.save_official_checkpoint(path, self._official_tree(dtype or self.dtype))
+            return
         if format != "orbax":
-            raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
+            raise ValueError(f"format must be 'orbax', 'hf' or 'official', got {format!r}")
+        if self.vision is not None:
+            log.warning("the orbax format keeps the text model only: the vision tower is not "
+                        "saved (save with format 'hf' or 'official' to keep it)")
         serialized = getattr(self.tokenizer, "serialized_model", None)
         loading.save_checkpoint(path, self.weights, self.config,
                                 serialized() if serialized is not None else None)
+
+    def _host_vision(self):
+        """The tower and projector as host arrays (they are placed replicated)."""
+        import dataclasses
+        return dataclasses.replace(self.vision, vision=jax.tree.map(np.asarray, self.vision.vision),
+                                   projector=jax.tree.map(np.asarray, self.vision.projector))
+
+    def _official_tree(self, dtype) -> dict:
+        """The official `gemma` parameter tree (nested, as its Gemma 3 models name it), tower
+        and projector included, in `dtype` (host arrays)."""
+        from models.gemma3.weights import to_official_tree
+
+        tree = to_official_tree(self.weights, self.config)
+        if self.vision is not None:
+            from models.gemma3.vision_checkpoint import vision_to_official
+            vision = vision_to_official(self._host_vision())
+            tree["embedder"].update(vision.pop("embedder"))
+            tree.update(vision)
+        return jax.tree.map(lambda x: np.asarray(x, dtype), tree)
 
     def __repr__(self) -> str:
         allreduce = (self.allreduce.label if self.reduction is None
@@ -240,6 +272,9 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
     if isinstance(config, str):
         config = get_config(config)
     source, vision_name = split_vision_option(source)
+    if _is_official_dir(source):
+        # Read once: the text and the vision tower come from the same tree.
+        source = loading.read_official_checkpoint(source)
     cfg, place, tokenizer = resolve_source(source, config, dtype, tp, seed, weights_cache_dir)
     if max_seq_len is not None:
         cfg = cfg.replace(max_seq_len=int(max_seq_len))
@@ -284,9 +319,22 @@ def split_vision_option(source):
     return (f"{head}?{rest}" if rest else head), (vision[-1] if vision else None)
 
 
+def _is_official_dir(source) -> bool:
+    """A directory that is neither Hugging Face nor ours: an official Flax/orbax checkpoint."""
+    from models.gemma3 import hf_checkpoint
+
+    return (isinstance(source, (str, os.PathLike)) and os.path.isdir(source)
+            and not hf_checkpoint.is_hf_checkpoint(source)
+            and not loading.is_converted_checkpoint(source))
+
+
 def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int):
     """The VisionModel (host arrays) a source carries, or None for a text-only one."""
     from models.gemma3 import hf_checkpoint
+
+    if isinstance(source, dict):  # an official tree (read from a directory or given)
+        from models.gemma3.vision_checkpoint import load_official_vision
+        return load_official_vision(source, config.vocab_size)
 
     if vision_name is not None:
         from models.gemma3.projector import random_projector_weights

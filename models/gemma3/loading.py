@@ -214,6 +214,15 @@ def restore_checkpoint(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Me
         return _from_tree(ckptr.restore(Path(path).absolute() / PARAMS_DIR, _to_tree(target)))
 
 
+def save_official_checkpoint(path: str | os.PathLike, tree: dict) -> None:
+    """An official parameter tree (nested dicts of host arrays) as an orbax checkpoint that
+    `read_official_checkpoint` and the official `gemma` library read."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(Path(path).absolute(), tree, force=True)
+
+
 def read_official_checkpoint(path: str | os.PathLike) -> dict:
     """An official Flax/orbax checkpoint (nested or flat "transformer/..." tree) as host arrays."""
     import orbax.checkpoint as ocp

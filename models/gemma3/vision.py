@@ -207,20 +207,47 @@ def _identity(x: jax.Array) -> jax.Array:
     return x
 
 
+def attention_inputs(x: jax.Array, w: VisionLayerWeights, c: VisionConfig
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A block's first half on x [B, L, W]: the queries (already scaled), keys and values
+    [B, L, N, Hd] of every token. Split from `block_rows` so that a staged encoder
+    (`vision_stages`) can run the rest of a block a few rows at a time."""
+    y = layer_norm(x, w.ln1_scale, w.ln1_bias, c.norm_eps)
+    qkv = _mm("blw,wcnh->blcnh", y, w.qkv) + w.qkv_bias.astype(x.dtype)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    return q * jnp.asarray(c.head_dim ** -0.5, q.dtype), k, v
+
+
+def block_rows(x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, w: VisionLayerWeights,
+               c: VisionConfig, reduce: Callable[[jax.Array], jax.Array] = _identity,
+               query_chunk: int = 1024) -> jax.Array:
+    """A block's second half for some rows: x [B, R, W] and their queries [B, R, N, Hd]
+    attend to all keys and values [B, L, N, Hd], then the MLP; every row independent."""
+    att = _attention(q, k, v, query_chunk)
+    x = x + (reduce(_mm("blnh,nhw->blw", att, w.o)) + w.o_bias.astype(x.dtype))
+    y = layer_norm(x, w.ln2_scale, w.ln2_bias, c.norm_eps)
+    y = jax.nn.gelu(_mm("blw,wf->blf", y, w.fc1) + w.fc1_bias.astype(x.dtype), approximate=True)
+    return x + (reduce(_mm("blf,fw->blw", y, w.fc2)) + w.fc2_bias.astype(x.dtype))
+
+
 def encoder_layer(x: jax.Array, w: VisionLayerWeights, c: VisionConfig,
                   reduce: Callable[[jax.Array], jax.Array] = _identity,
                   query_chunk: int = 1024) -> jax.Array:
     """One block on x [B, L, W]. The weights may be a shard of the heads and of the MLP's hidden
     units: `reduce` then sums the two partial products (the attention output and the MLP's down
     projection) over the shards before their biases are added."""
-    y = layer_norm(x, w.ln1_scale, w.ln1_bias, c.norm_eps)
-    qkv = _mm("blw,wcnh->blcnh", y, w.qkv) + w.qkv_bias.astype(x.dtype)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    att = _attention(q * jnp.asarray(c.head_dim ** -0.5, q.dtype), k, v, query_chunk)
-    x = x + (reduce(_mm("blnh,nhw->blw", att, w.o)) + w.o_bias.astype(x.dtype))
-    y = layer_norm(x, w.ln2_scale, w.ln2_bias, c.norm_eps)
-    y = jax.nn.gelu(_mm("blw,wf->blf", y, w.fc1) + w.fc1_bias.astype(x.dtype), approximate=True)
-    return x + (reduce(_mm("blf,fw->blw", y, w.fc2)) + w.fc2_bias.astype(x.dtype))
+    q, k, v = attention_inputs(x, w, c)
+    return block_rows(x, q, k, v, w, c, reduce, query_chunk)
+
+
+def embed_patches(weights: VisionWeights, pixels: jax.Array, c: VisionConfig,
+                  patched: bool = False) -> jax.Array:
+    """pixels [B, H, W, 3] (normalized) -> the first block's input [B, num_patches, W]; or, with
+    patched, some patches [B, R, P*P*C] -> theirs (pos_embed then holds those R rows)."""
+    dtype = weights.patch_embed.dtype
+    patches = pixels.astype(dtype) if patched else patchify(pixels.astype(dtype), c)
+    x = _mm("bpd,dw->bpw", patches, weights.patch_embed)
+    return x + weights.patch_bias.astype(dtype) + weights.pos_embed.astype(dtype)[None]
 
 
 def encode(weights: VisionWeights, pixels: jax.Array, c: VisionConfig,
@@ -228,9 +255,16 @@ def encode(weights: VisionWeights, pixels: jax.Array, c: VisionConfig,
            query_chunk: int = 1024) -> jax.Array:
     """pixels [B, H, W, 3] (normalized) -> the encoder's last hidden state [B, num_patches, W]
     (after the final LayerNorm), in the weights' dtype."""
-    dtype = weights.patch_embed.dtype
-    x = _mm("bpd,dw->bpw", patchify(pixels.astype(dtype), c), weights.patch_embed)
-    x = x + weights.patch_bias.astype(dtype) + weights.pos_embed.astype(dtype)[None]
+    x = embed_patches(weights, pixels, c)
     for w in weights.layers:
         x = encoder_layer(x, w, c, reduce, query_chunk)
     return layer_norm(x, weights.final_norm_scale, weights.final_norm_bias, c.norm_eps)
+
+
+def layer_flops(c: VisionConfig) -> tuple[float, float]:
+    """Matmul FLOPs of one block for one image: (the queries, keys and values of every token,
+    the rest of the block for every row: attention, output projection and MLP)."""
+    n, w = c.num_patches, c.width
+    qkv = 2.0 * n * w * 3 * w
+    rows = 4.0 * n * n * w + 2.0 * n * w * w + 4.0 * n * w * c.mlp_hidden
+    return qkv, rows

@@ -305,6 +305,49 @@ def vision_from_official(tree: dict, c: VisionConfig) -> VisionModel | None:
     return VisionModel(c, vision, projector)
 
 
+def vision_config_from_official(tree: dict) -> VisionConfig | None:
+    """The tower's sizes from an official tree's shapes (None without a vision encoder).
+    Official checkpoints carry no config: the pooled token count is that of the known tower
+    with these shapes (256 for So400m), else 256 when the patch grid pools to it evenly."""
+    from models.gemma3.vision import VISION_CONFIGS
+
+    tree = _nest(tree.get("params", tree) if len(tree) == 1 else tree)
+    enc = tree.get("vision_encoder") or tree.get("SigLiPFromPatches_0")
+    if enc is None:
+        return None
+    enc = enc["siglip_encoder"]
+    blocks = enc["Transformer"]
+    P, _, C, W = np.shape(_get(enc, ("embedding", "kernel")))
+    L = np.shape(_get(enc, ("pos_embedding",)))[-2]
+    att = ("encoderblock_0", "MultiHeadDotProductAttention_0")
+    N = np.shape(_get(blocks, (*att, "query", "kernel")))[1]
+    F = np.shape(_get(blocks, ("encoderblock_0", "MlpBlock_0", "Dense_0", "kernel")))[1]
+    layers = sum(1 for k in blocks if str(k).startswith("encoderblock_"))
+    side = round(L ** 0.5)
+    sizes = dict(image_size=side * int(P), patch_size=int(P), width=int(W), num_layers=layers,
+                 num_heads=int(N), mlp_hidden=int(F), channels=int(C))
+    for known in VISION_CONFIGS.values():
+        if all(getattr(known, k) == v for k, v in sizes.items()):
+            return known.replace(name="siglip")
+    return VisionConfig(name="siglip", **sizes, tokens_per_image=256 if side % 16 == 0 else side * side)
+
+
+def official_token_ids(vocab_size: int) -> ImageTokenIds:
+    """The image token ids of an official checkpoint: the Gemma 3 tokenizer's, or for a
+    vocabulary too small to hold them (test models) its last rows, as random towers take."""
+    if vocab_size > IMAGE_SOFT_TOKEN_ID:
+        return ImageTokenIds()
+    return ImageTokenIds(start=vocab_size - 12, end=vocab_size - 11, soft=vocab_size - 10)
+
+
+def load_official_vision(tree: dict, vocab_size: int) -> VisionModel | None:
+    """The tower and projector of an official tree (None when it has no vision encoder)."""
+    c = vision_config_from_official(tree)
+    if c is None:
+        return None
+    return dataclasses.replace(vision_from_official(tree, c), tokens=official_token_ids(vocab_size))
+
+
 def vision_to_official(vm: VisionModel) -> dict:
     """{"vision_encoder": {...}, "embedder": {mm_* only}}: merge into the text model's tree."""
     c, v = vm.config, vm.vision
@@ -333,4 +376,5 @@ def vision_to_official(vm: VisionModel) -> dict:
 
 __all__ = ["ImageTokenIds", "VisionModel", "VisionLayerWeights", "has_hf_vision",
            "load_hf_vision", "save_hf_multimodal", "hf_vision_tensors", "vision_config_from_hf",
-           "vision_config_to_hf", "token_ids_from_hf", "vision_from_official", "vision_to_official"]
+           "vision_config_to_hf", "token_ids_from_hf", "vision_from_official", "vision_to_official",
+           "vision_config_from_official", "official_token_ids", "load_official_vision"]

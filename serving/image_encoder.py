@@ -1,0 +1,187 @@
+"""The paged engine's image encoder: features cached by content hash, computed a bounded piece
+per engine step, batched across the images that wait at the same stage.
+
+Run whole on the engine thread, one So400m image (~5.5 TFLOP) would hold up every running stream
+for the whole encode. Instead the scheduler keeps a prompt's piece from reaching an image whose
+features are not ready (`PagedScheduler.image_ready`) and lists the images it waits for
+(`StepPlan.encode`); after each step the engine core calls `advance` with them, which runs
+stages of the encoder (`models.gemma3.vision_stages`) worth at most `budget_flops`: by default
+the matmul FLOPs of one prefill piece of `chunk_size` tokens through the text model, so that a
+step with encoder work stalls the running decodes no longer than a step with a prompt piece.
+(A single stage costlier than the budget still runs whole: `blocks_for` makes the stages small
+enough for every published pairing of tower and text model at the default chunk of 16.)
+
+A step that ran nothing else (every running sequence waits for an image, none could be
+admitted) has no stream to stall: then, outside deterministic mode, the images it waits for
+are encoded whole, by the one-shot encoder when not yet begun (its one large program beats the
+stages' many small ones: a lone image request's time to first token is the encoder's).
+
+Images at the same stage run as one batch, oldest first; the oldest image moves on first, so
+an image's encode ends after a bounded number of steps whatever arrives after it. The features
+equal the one-shot encoder's to float32 rounding (a stage is the same functions on fewer rows,
+tests/serving/test_image_encoder.py). In deterministic mode every image runs alone in a batch
+of its own frames: a batch's shape changes the last bits of its rows, and a request's features
+must not depend on what else is encoded beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+
+log = logging.getLogger(__name__)
+
+
+BATCH_FRAMES = 4
+MAX_IN_PROGRESS = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def chunk_flops(config, tokens: int) -> float:
+    """Matmul FLOPs of `tokens` prompt tokens through a text model's projections and MLP (the
+    attention over the context, small for a short piece, left out)."""
+    c = config
+    per_layer = (2 * c.num_heads + 2 * c.num_kv_heads) * c.d_model * c.head_dim + 3 * c.d_model * c.ffn_hidden
+    return 2.0 * per_layer * c.num_layers * tokens
+
+
+@dataclasses.dataclass
+class _Progress:
+    image: object  # scheduler.SeqImage
+    stage: int = 0
+    state: object = None  # vision_stages.State between stages
+
+
+class ImageEncoder:
+    """Features of scheduler.SeqImages by content hash (module docstring). `model` is a
+    Gemma3Engine with a tower (`takes_images`)."""
+
+    def __init__(self, model, chunk_size: int, deterministic: bool = False,
+                 budget_flops: float | None = None, max_cached: int = 64):
+        from models.gemma3.vision_stages import StagedEncoder, blocks_for, stages
+
+        c = model.vision.config
+        self.budget_flops = float(budget_flops or chunk_flops(model.config, chunk_size))
+        # Stages small enough that BATCH_FRAMES frames of one fit the budget together: images
+        # that wait at the same stage then share a program.
+        blocks = blocks_for(c, self.budget_flops / BATCH_FRAMES)
+        self.stages = stages(c, blocks, model.config.d_model)
+        self._staged = StagedEncoder(model.vision, c, blocks, model.dtype)
+        self._model = model
+        self.deterministic = deterministic
+        self.max_cached = max_cached
+        self._features: OrderedDict[str, object] = OrderedDict()  # most recently used last
+        self._progress: dict[str, _Progress] = {}
+        self.images_encoded = 0
+        self.last_work: list[tuple[int, int, float]] = []  # (stage, frames, FLOPs) of the last advance
+        # For the tests and metrics: advances that ran work, the most FLOPs one ran, the most
+        # frames one program took.
+        self.advances = 0
+        self.max_advance_flops = 0.0
+        self.max_batch_frames = 0
+
+    def ready(self, key: str) -> bool:
+        return key in self._features
+
+    def features(self, image):
+        """Features [frames * tokens_per_image, D] of a SeqImage: from the cache, or encoded
+        at once (only for a caller that did not wait for `ready`, e.g. a bare engine)."""
+        rows = self._features.get(image.key)
+        if rows is None:
+            feats = self._model.image_features(image.pixels)
+            rows = feats.reshape(-1, feats.shape[-1])
+            self._store(image.key, rows)
+        self._features.move_to_end(image.key)
+        return rows
+
+    def _store(self, key: str, rows) -> None:
+        self._features[key] = rows
+        self.images_encoded += 1
+        while len(self._features) > self.max_cached:
+            self._features.popitem(last=False)
+
+    def advance(self, wanted, bounded: bool = True) -> float:
+        """Runs encoder stages for `wanted` (SeqImages, oldest request first) worth at most
+        `budget_flops` (at least one stage); returns the FLOPs run. bounded=False (the step ran
+        nothing else: no stream to stall) encodes them all, an image not yet begun by the
+        one-shot encoder (the stages' small programs cost more in all); never in deterministic
+        mode, where an image's bits must not depend on the load."""
+        if not bounded and not self.deterministic:
+            return self._encode_all(wanted)
+        spent = self._advance(wanted, self.budget_flops)
+        if self.last_work:
+            self.advances += 1
+            self.max_advance_flops = max(self.max_advance_flops, spent)
+        return spent
+
+    def _advance(self, wanted, budget: float) -> float:
+        pending, seen = [], set()
+        for im in wanted:
+            if im.key not in seen and not self.ready(im.key):
+                seen.add(im.key)
+                pending.append(im)
+                self._progress.setdefault(im.key, _Progress(im))
+        # Work on images not wanted now is kept a while (a waiting request's image is wanted
+        # only in steps that try to admit it), the oldest dropped beyond MAX_IN_PROGRESS
+        # (requests that ended).
+        idle = [k for k in self._progress if k not in seen]
+        for key in idle[:max(0, len(self._progress) - MAX_IN_PROGRESS)]:
+            del self._progress[key]
+        self.last_work = []
+        spent = 0.0
+        while pending:
+            batch, cost = self._batch(pending, budget - spent, first=not self.last_work)
+            if not batch:
+                break
+            self._run(batch)
+            spent += cost
+            pending = [im for im in pending if not self.ready(im.key)]
+        return spent
+
+    def _encode_all(self, wanted) -> float:
+        spent = 0.0
+        for im in wanted:
+            if self.ready(im.key):
+                continue
+            if im.key in self._progress:  # begun in stages: finish them
+                spent += self._advance([im], float("inf"))
+            else:
+                self.features(im)
+                spent += sum(st.flops for st in self.stages) * len(im.spans)
+        return spent
+
+    def _batch(self, pending, left: float, first: bool):
+        """The oldest pending image and those at its stage after it, as many as `left` FLOPs
+        pay for (the oldest alone when nothing has run yet in this step, whatever it costs)."""
+        stage = self._progress[pending[0].key].stage
+        flops = self.stages[stage].flops
+        batch, cost = [], 0.0
+        for im in pending:
+            if self._progress[im.key].stage != stage:
+                continue
+            more = flops * len(im.spans)
+            if cost + more > left and (batch or not first):
+                break
+            batch.append(im)
+            cost += more
+            if self.deterministic:
+                break
+        return batch, cost
+
+    def _run(self, batch) -> None:
+        progress = [self._progress[im.key] for im in batch]
+        s = progress[0].stage
+        stage = self.stages[s]
+        frames = sum(len(im.spans) for im in batch)
+        states = [p.state if s else p.image.pixels for p in progress]
+        out = self._staged.run(stage, states, _pow2(frames))
+        self.last_work.append((s, frames, stage.flops * frames))
+        self.max_batch_frames = max(self.max_batch_frames, frames)
+        for p, state in zip(progress, out):
+            p.stage, p.state = s + 1, state
+            if p.stage == len(self.stages):
+                del self._progress[p.image.key]
+                self._store(p.image.key, state)

@@ -1,0 +1,195 @@
+"""The staged image encoder (serving/image_encoder.py) on the tiny multimodal golden: its
+features equal the one-shot encoder's and transformers', no advance runs more than its budget,
+images at the same stage share one program, and a running stream keeps decoding, one token a
+step, while another request's image encodes."""
+import threading
+
+import numpy as np
+import pytest
+
+from equarx import AllReduceConfig
+from models.gemma3 import load_model
+from serving.engine_core import EngineCore
+from serving.image_encoder import ImageEncoder
+from serving.paged_engine import PagedEngine
+from serving.paged_scheduler import PagedScheduler
+from serving.sampling import SamplingParams
+from serving.scheduler import SeqImage, Sequence
+from testkit import VISION_GOLDEN_NPZ, vision_golden_checkpoint
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return dict(np.load(VISION_GOLDEN_NPZ))
+
+
+@pytest.fixture(scope="module")
+def model(golden, tmp_path_factory):
+    path = vision_golden_checkpoint(golden, tmp_path_factory.mktemp("hf_mm"))
+    return load_model(str(path), tp=1, dtype="float32", allreduce=AllReduceConfig(method="f32"))
+
+
+def images_of(m, golden, k):
+    ids = golden[f"ids_{k}"]
+    soft = np.flatnonzero(ids == m.vision.tokens.soft)
+    return tuple(SeqImage(spans=((int(a), int(a) + 16),), pixels=golden[f"pixels_{k}"][j:j + 1],
+                          key=f"img{k}-{j}") for j, a in enumerate(soft[::16]))
+
+
+def small_budget(m):
+    """One block's rows for one image: the tower runs in 4 row blocks (each 1/4 of that, so
+    that 4 images' stages fit together)."""
+    from models.gemma3.vision import layer_flops
+    return max(layer_flops(m.vision.config))
+
+
+def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, golden):
+    enc = ImageEncoder(model, chunk_size=8, budget_flops=small_budget(model))
+    c = model.vision.config
+    assert len(enc.stages) == 4 + c.num_layers * 2 * 4 + 1  # embed, 4 + 4 blocks a layer, finish
+    images = images_of(model, golden, 2) + images_of(model, golden, 1)
+    steps = 0
+    while not all(enc.ready(im.key) for im in images):
+        spent = enc.advance(images)
+        steps += 1
+        assert spent <= enc.budget_flops or len(enc.last_work) == 1
+    assert enc.advances == steps and enc.max_advance_flops <= enc.budget_flops
+    assert enc.max_batch_frames == 3  # the three images ran each stage in one program
+    assert steps >= len(enc.stages) // 2
+    for k, found in ((2, images[:2]), (1, images[2:])):
+        staged = np.stack([np.asarray(enc.features(im)) for im in found])
+        one_shot = np.asarray(model.image_features(golden[f"pixels_{k}"]))
+        scale = np.abs(one_shot).max()
+        assert np.abs(staged - one_shot).max() / scale < 2e-6
+        assert np.abs(staged - golden[f"features_{k}"]).max() / scale < 1e-4
+    assert enc.images_encoded == 3
+
+
+def test_deterministic_features_do_not_depend_on_what_encodes_beside(model, golden):
+    def run(images):
+        enc = ImageEncoder(model, chunk_size=8, deterministic=True, budget_flops=small_budget(model))
+        while not all(enc.ready(im.key) for im in images):
+            enc.advance(images)
+        assert enc.max_batch_frames == 1
+        return np.asarray(enc.features(images[-1]))
+
+    a = images_of(model, golden, 1)
+    np.testing.assert_array_equal(run(a), run(images_of(model, golden, 2) + a))
+
+
+def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, golden):
+    ids = golden["ids_1"].tolist()
+    image = images_of(model, golden, 1)[0]
+    a, b = image.spans[0]
+    for deterministic in (False, True):
+        engine = PagedEngine(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
+                             deterministic=deterministic)
+        sched = PagedScheduler(engine.info)
+        ready = set()
+        sched.image_ready = lambda key: key in ready
+        seq = Sequence(id=0, prompt=list(ids), params=SamplingParams(max_tokens=1), seed=0,
+                       images=(image,))
+        sched.add([seq])
+        ends = []
+        for _ in range(3):
+            plan = sched.schedule()
+            ends += [p.end for p in plan.pieces]
+            assert plan.encode == (image,)
+        # normal mode: the text before the image runs; deterministic: its chunk waits whole
+        assert ends == ([a] if not deterministic else list(range(8, a - a % 8 + 1, 8)))
+        ready.add(image.key)
+        plan = sched.schedule()
+        assert plan.pieces[0].end >= b and plan.encode == ()
+
+
+def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, golden):
+    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine.encoder_budget_flops = small_budget(model)
+    core = EngineCore(engine).start()
+    seen, done = [], [threading.Event(), threading.Event()]
+    results = [[], []]
+
+    def sink(i):
+        def on(e):
+            results[i].extend(t.id for t in e.tokens)
+            if i == 0:
+                seen.extend([engine.images_encoded, engine.encoder.advances] for _ in e.tokens)
+            if e.finish_reason is not None:
+                assert e.error is None, e.error
+                done[i].set()
+        return on
+
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    try:
+        core.submit([(golden["ids_0"].tolist(), params, sink(0), ())])
+        while len(results[0]) < 3:
+            threading.Event().wait(0.01)
+        images = images_of(model, golden, 2)
+        core.submit([(golden["ids_2"].tolist(), params.__class__(max_tokens=8, temperature=0.0,
+                                                                ignore_eos=True), sink(1), images)])
+        assert done[0].wait(120) and done[1].wait(120)
+    finally:
+        core.shutdown()
+    enc = engine.encoder
+    assert enc.max_advance_flops <= enc.budget_flops
+    np.testing.assert_array_equal(results[1], golden["greedy_2"][:8])
+    # Every advance while the image encoded came after a step that gave the stream a token.
+    during = [adv for n, adv in seen if n < len(images) and 0 < adv]
+    whole = sum(st.flops for st in enc.stages) * len(images)
+    assert enc.advances >= whole / enc.budget_flops > 4  # the images took several steps
+    assert len(set(during)) >= enc.advances - 2
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic):
+    """With nothing else running, the images are encoded whole in the first step that waits
+    for them; in deterministic mode always by the bounded stages (the bits must not depend on
+    the load)."""
+    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+                         deterministic=deterministic)
+    engine.encoder_budget_flops = small_budget(model)
+    core = EngineCore(engine).start()
+    done, got = threading.Event(), []
+
+    def sink(e):
+        got.extend(t.id for t in e.tokens)
+        if e.finish_reason is not None:
+            done.set()
+
+    try:
+        core.submit([(golden["ids_2"].tolist(), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                ignore_eos=True),
+                      sink, images_of(model, golden, 2))])
+        assert done.wait(120)
+    finally:
+        core.shutdown()
+    np.testing.assert_array_equal(got, golden["greedy_2"][:8])
+    enc = engine.encoder
+    assert engine.images_encoded == 2
+    whole = sum(st.flops for st in enc.stages) * 2
+    if deterministic:
+        assert enc.advances >= whole / enc.budget_flops
+    else:
+        # bounded advances only in the steps that also ran text (before each image)
+        assert enc.advances <= 3 < whole / enc.budget_flops / 2
+
+
+def test_a_waiting_image_stays_listed_while_other_pieces_run(model, golden):
+    """A running sequence that waits for its image keeps it in `encode`, every step until it
+    is ready, while another prompt's pieces take every token of the steps."""
+    engine = PagedEngine(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
+                         max_num_batched_tokens=8)
+    sched = PagedScheduler(engine.info)
+    sched.image_ready = lambda key: False
+    image = images_of(model, golden, 1)[0]
+    waits = Sequence(id=0, prompt=golden["ids_1"].tolist(), params=SamplingParams(max_tokens=1),
+                     seed=0, images=(image,))
+    sched.add([waits])
+    while waits.computed < image.spans[0][0]:
+        assert sched.schedule().encode == (image,)
+    long = Sequence(id=1, prompt=list(range(3, 80)), params=SamplingParams(max_tokens=1), seed=0)
+    sched.add([long])
+    for _ in range(4):
+        plan = sched.schedule()
+        assert [p.seq.id for p in plan.pieces] == [1] and plan.num_tokens == 8
+        assert plan.encode == (image,)
