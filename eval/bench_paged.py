@@ -12,6 +12,10 @@ same machine, runs alternating:
     python -m eval.bench_paged --max-seq-len 2048,32768 --tokens 48 --repeats 3 --out r.json
 
 The other measurements (`--only`):
+  step      one decode step of 8 rows at a 256-token context (`--step-context`), engine-level
+            (the model program, sampling and the tokens back to the host), the paged engine
+            and the slot engine alternating: the attention's cost without the scheduling and
+            prefill around it.
   ttft      a lone prompt of --prompt-tokens (e.g. 900): its time to first token, the slot
             engine (default mode) and the paged engine alternating.
   streams   the paged engine with max_num_seqs = the largest of --streams: output tokens/s at
@@ -189,6 +193,56 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
     return res
 
 
+def step_runners(model, length: int, context: int, rows: int = 8) -> dict:
+    """Per engine, a function that runs one decode step of `rows` sequences at position
+    `context` (what their caches hold does not matter to the time: zeros) and waits for its
+    tokens. The paged rows hold their pages as the allocator gives them out."""
+    from serving.engine import DecodeInputs, ModelEngine
+    from serving.kv_pages import KVPages
+    from serving.paged_engine import PagedEngine, step_inputs
+    from serving.paged_scheduler import Piece, StepPlan
+    from serving.sampling import IDLE, SlotSampling
+    from serving.scheduler import Sequence
+
+    paged = PagedEngine(model, max_num_seqs=rows, max_seq_len=length, page_size=16,
+                        prefix_caching=False, model_name="bench")
+    info = paged.info
+    kv = KVPages(info.page_size, info.num_global_pages, info.num_local_pages,
+                 info.sliding_window, info.has_global_layers)
+    seqs = [Sequence(id=i, prompt=[2] * (context + 1), params=IDLE, seed=0) for i in range(rows)]
+    for s in seqs:
+        kv.allocate(s.id, 0, context + 1)
+    inputs = step_inputs(StepPlan(tuple(Piece(s, context, context + 1, sample=True) for s in seqs)), kv, info)
+    slots = ModelEngine(model, num_slots=rows, max_seq_len=length, deterministic=True, chunk_size=16,
+                        model_name="bench")
+    decode = DecodeInputs(np.full(rows, 2, np.int32), np.full(rows, context, np.int32),
+                          SlotSampling.of_rows(seqs))
+    return {"slots": lambda: slots.run_decode(decode), "paged": lambda: paged.run_step(inputs)}
+
+
+def step_times(model, lengths: list[int], context: int, repeats: int) -> dict:
+    """Median seconds of one 8-row decode step per engine and --max-seq-len (see `step`)."""
+    out = {}
+    for length in lengths:
+        runners = step_runners(model, length, context)
+        times = {k: [] for k in runners}
+        for run in runners.values():
+            run()  # compile
+            run()
+        for r in range(repeats):
+            for kind in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
+                t0 = time.perf_counter()
+                runners[kind]()
+                times[kind].append(time.perf_counter() - t0)
+        for kind, ts in times.items():
+            out[f"{kind}@{length}"] = {"step_s": ts, "step_median_s": float(np.median(ts))}
+            print(f"  {kind:6s} max_seq_len {length:6d}: 8-row decode step at context {context}: "
+                  f"{np.median(ts) * 1000:6.1f} ms (quartiles {np.percentile(ts, 25) * 1000:.1f}"
+                  f"-{np.percentile(ts, 75) * 1000:.1f})", file=sys.stderr)
+        del runners
+    return out
+
+
 def compare_engines(model, args) -> dict:
     """The default run: lone ITL, 8-stream tokens/s and KV bytes per engine and --max-seq-len."""
     from serving.engine_core import EngineCore
@@ -229,7 +283,7 @@ def _lengths(args) -> list[int]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("ttft", "streams", "capacity"),
+    p.add_argument("--only", choices=("step", "ttft", "streams", "capacity"),
                    help="one of the other measurements instead of the engines' comparison")
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--dtype", default="bfloat16")
@@ -239,6 +293,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--streams", default="8,32", help="with --only streams: stream counts")
+    p.add_argument("--step-context", type=int, default=256, help="with --only step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -251,7 +306,9 @@ def main(argv=None) -> dict:
     model = load_model(args.model, dtype=args.dtype, max_seq_len=max(lengths))
     results: dict = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens,
                      "prompt_tokens": args.prompt_tokens, "only": args.only}
-    if args.only == "ttft":
+    if args.only == "step":
+        results["runs"] = step_times(model, lengths, args.step_context, args.repeats)
+    elif args.only == "ttft":
         results["runs"] = lone_ttft(model, lengths[0], args.prompt_tokens, args.repeats,
                                     args.prefill_chunk)
     elif args.only == "streams":
