@@ -7,9 +7,14 @@ same machine, runs alternating:
   Both at each --max-seq-len given: the slot engine's decode attends over every slot's whole
   global-layer row, the paged engine's over the pages the sequences hold.
   memory the KV cache each engine allocates for the setting (bytes counted from the arrays).
+  step   (`--only step`, not in the default run) one decode step of 8 rows at a 256-token
+         context (`--step-context`), engine-level (the model program, sampling and the tokens
+         back to the host), the paged engine and the slot engine alternating: the cost of the
+         attention itself, without the scheduling and prefill around it.
 
     python -m eval.bench_paged                                # gemma3-270m bfloat16, tp=1
     python -m eval.bench_paged --max-seq-len 2048,32768 --tokens 48 --repeats 3 --out r.json
+    python -m eval.bench_paged --only step --max-seq-len 2048,32768 --repeats 20
 
 Engines: "slots" is the slot engine in its default deterministic mode, "slots-packed" the slot
 engine with --no-deterministic (decode over the busy slots only), "paged" the paged engine.
@@ -64,6 +69,56 @@ def batch_tok_s(core, prompts, tokens: int) -> float:
     return sum(len(s.times) for s in streams) / (time.perf_counter() - t0)
 
 
+def step_runners(model, length: int, context: int, rows: int = 8) -> dict:
+    """Per engine, a function that runs one decode step of `rows` sequences at position
+    `context` (what their caches hold does not matter to the time: zeros) and waits for its
+    tokens. The paged rows hold their pages as the allocator gives them out."""
+    from serving.engine import DecodeInputs, ModelEngine
+    from serving.kv_pages import KVPages
+    from serving.paged_engine import PagedEngine, step_inputs
+    from serving.paged_scheduler import Piece, StepPlan
+    from serving.sampling import IDLE, SlotSampling
+    from serving.scheduler import Sequence
+
+    paged = PagedEngine(model, max_num_seqs=rows, max_seq_len=length, page_size=16,
+                        prefix_caching=False, model_name="bench")
+    info = paged.info
+    kv = KVPages(info.page_size, info.num_global_pages, info.num_local_pages,
+                 info.sliding_window, info.has_global_layers)
+    seqs = [Sequence(id=i, prompt=[2] * (context + 1), params=IDLE, seed=0) for i in range(rows)]
+    for s in seqs:
+        kv.allocate(s.id, 0, context + 1)
+    inputs = step_inputs(StepPlan(tuple(Piece(s, context, context + 1) for s in seqs)), kv, info)
+    slots = ModelEngine(model, num_slots=rows, max_seq_len=length, deterministic=True, chunk_size=16,
+                        model_name="bench")
+    decode = DecodeInputs(np.full(rows, 2, np.int32), np.full(rows, context, np.int32),
+                          SlotSampling.of_rows(seqs))
+    return {"slots": lambda: slots.run_decode(decode), "paged": lambda: paged.run_step(inputs)}
+
+
+def step_times(model, lengths: list[int], context: int, repeats: int) -> dict:
+    """Median seconds of one 8-row decode step per engine and --max-seq-len (see `step`)."""
+    out = {}
+    for length in lengths:
+        runners = step_runners(model, length, context)
+        times = {k: [] for k in runners}
+        for run in runners.values():
+            run()  # compile
+            run()
+        for r in range(repeats):
+            for kind in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
+                t0 = time.perf_counter()
+                runners[kind]()
+                times[kind].append(time.perf_counter() - t0)
+        for kind, ts in times.items():
+            out[f"{kind}@{length}"] = {"step_s": ts, "step_median_s": float(np.median(ts))}
+            print(f"  {kind:6s} max_seq_len {length:6d}: 8-row decode step at context {context}: "
+                  f"{np.median(ts) * 1000:6.1f} ms (quartiles {np.percentile(ts, 25) * 1000:.1f}"
+                  f"-{np.percentile(ts, 75) * 1000:.1f})", file=sys.stderr)
+        del runners
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gemma3-270m")
@@ -74,6 +129,8 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", default="serve", help="serve (lone, batch, memory) or step")
+    p.add_argument("--step-context", type=int, default=256)
     p.add_argument("--out")
     args = p.parse_args(argv)
     jax_platform.keep_freed_memory()
@@ -86,7 +143,12 @@ def main(argv=None) -> dict:
     prompts = [[tok.bos_id] + _text_ids(tok, args.prompt_tokens - 1, i) for i in range(8)]
     results: dict = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens,
                      "prompt_tokens": args.prompt_tokens, "runs": {}}
-    for length in (int(x) for x in args.max_seq_len.split(",")):
+    lengths = [int(x) for x in args.max_seq_len.split(",")]
+    if args.only == "step":
+        results = {"model": args.model, "dtype": args.dtype, "context": args.step_context,
+                   "steps": step_times(model, lengths, args.step_context, args.repeats)}
+        lengths = []
+    for length in lengths:
         cores, sizes = {}, {}
         for kind in args.engines.split(","):
             engine, sizes[kind] = build(model, kind, length, args.prefill_chunk)

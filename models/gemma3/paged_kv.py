@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from models.gemma3.config import Gemma3Config
@@ -45,11 +46,11 @@ class LayerPages:
     @property
     def k(self) -> Array:
         """[num_pages, page_size, Kc, H] (a strided view: for inspection, not the hot path)."""
-        return self.kv[:, :, 0::2]
+        return as_values(self.kv[:, :, 0::2])
 
     @property
     def v(self) -> Array:
-        return self.kv[:, :, 1::2]
+        return as_values(self.kv[:, :, 1::2])
 
     @property
     def num_pages(self) -> int:
@@ -82,6 +83,32 @@ class PagedKV:
     def nbytes(self) -> int:
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                    for x in jax.tree.leaves(self))
+
+
+def pool_dtype(dtype, platform: str):
+    """The dtype the pools are held in for activations of `dtype` on `platform`: the
+    activation dtype, except bfloat16 on CPU, held as uint16 (its bits, `as_values`).
+
+    XLA:CPU has no bfloat16 scatter: a bfloat16 pool was converted whole to float32 and back
+    around every layer's store. A float32 pool (the slot cache's answer, loading.cache_dtype)
+    doubles the bytes every step gathers. uint16 stores in place and gathers half the bytes;
+    the bits are reinterpreted, never converted, so the numerics are a bfloat16 cache's."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and platform == "cpu":
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def as_values(x: jax.Array) -> jax.Array:
+    """Pool contents as values: a uint16 pool's bits as the bfloat16 they are (`pool_dtype`)."""
+    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+
+
+def as_stored(x: jax.Array, dtype) -> jax.Array:
+    """Values as a pool of `dtype` holds them (rounded to bfloat16 for a uint16 pool)."""
+    if jnp.dtype(dtype) == jnp.uint16:
+        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(dtype)
 
 
 def layer_kinds(c: Gemma3Config) -> tuple[str, ...]:
@@ -118,15 +145,21 @@ def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> La
     reshape, no copy): in place when the pool is donated. Padding tokens all write the scratch
     page; which of them lands there does not matter (never read unmasked)."""
     n, size, heads, h = pages.kv.shape
-    new = jnp.stack([k, v], axis=2).reshape(k.shape[0], heads, h).astype(pages.kv.dtype)
+    new = as_stored(jnp.stack([k, v], axis=2).reshape(k.shape[0], heads, h), pages.kv.dtype)
     flat = pages.kv.reshape(n * size, heads, h).at[slots].set(new, mode="promise_in_bounds")
     return LayerPages(kv=flat.reshape(n, size, heads, h))
 
 
 def gather(pages: LayerPages, table: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The pages of each row's block table table [S, Pn] as keys and values [S, Pn * page, Kl,
-    H] (logical order: column j's page holds the row's j-th page of its table)."""
+    H] (logical order: column j's page holds the row's j-th page of its table).
+
+    Keys and values are gathered apart, each through a strided view of the pool: XLA fuses
+    the view into its gather, so each comes out contiguous in one pass. Gathering the pages
+    whole and splitting them afterwards made XLA:CPU write the gather, then copy each half
+    out of it again for the attention's dots."""
     s, pn = table.shape
     _, size, heads, h = pages.kv.shape
-    rows = pages.kv[table].reshape(s, pn * size, heads // 2, 2, h)
-    return rows[..., 0, :], rows[..., 1, :]
+    k = pages.kv[:, :, 0::2][table].reshape(s, pn * size, heads // 2, h)
+    v = pages.kv[:, :, 1::2][table].reshape(s, pn * size, heads // 2, h)
+    return as_values(k), as_values(v)

@@ -34,7 +34,7 @@ from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
 from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.loading import cache_dtype
-from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs
+from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
 from models.gemma3.ragged import ImageRows, RaggedBatch, attention_impl, ragged_step
 from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
@@ -264,7 +264,7 @@ class ModelPrograms:
                      page_size: int) -> PagedKV:
         heads = local_kv_heads(self.config, self.tp) * self.tp
         return paged_shapes(self.config, num_global_pages, num_local_pages, page_size, heads,
-                            self.cache_dtype)
+                            pool_dtype(self.dtype, self.mesh.devices.flat[0].platform))
 
     def abstract_pages(self, num_global_pages: int, num_local_pages: int,
                        page_size: int) -> PagedKV:

@@ -128,9 +128,23 @@ def _xla_attention(q, pages, table, first, batch, window):
     key_pos = first[:, None] * size + jnp.arange(length, dtype=first.dtype)[None, :]  # [S, L]
     qpos, qvis = batch.positions[batch.queries], batch.visible[batch.queries]  # [S, Q]
     mask = visible_keys(key_pos[:, None, :], qpos[:, :, None], qvis[:, :, None], window)
-    out = forward.attend(q[batch.queries], k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
-                         mask)  # [S, Q, Nl, H]
+    out = attend_gathered(q[batch.queries], k, v, mask)  # [S, Q, Nl, H]
     return out[batch.seq, batch.col]
+
+
+def attend_gathered(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """`forward.attend`'s numerics, cast for cast, over keys and values as gathered: q [S, Q,
+    Nl, H], k, v [S, L, Kl, H], mask [S, Q, L] -> [S, Q, Nl, H]. The dots contract the gathered
+    arrays as they lie (a batched matmul reads its right operand transposed for free); moving
+    them into the slot cache's layouts first cost XLA:CPU a copy of every row's pages."""
+    s, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(s, t, kv_heads, n // kv_heads, h)
+    logits = jnp.einsum("stkgh,slkh->skgtl", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None], logits.astype(q.dtype), forward.K_MASK)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    out = jnp.einsum("skgtl,slkh->stkgh", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(s, t, n, h)
 
 
 def kernel_metadata(batch: RaggedBatch, first: jax.Array, page_size: int):
