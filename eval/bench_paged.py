@@ -89,7 +89,8 @@ def step_runners(model, length: int, context: int, rows: int = 8) -> dict:
     for s in seqs:
         kv.allocate(s.id, 0, context + 1)
     inputs = step_inputs(StepPlan(tuple(Piece(s, context, context + 1) for s in seqs)), kv, info)
-    slots = ModelEngine(model, num_slots=rows, max_seq_len=length, deterministic=True, chunk_size=16,
+    slots = ModelEngine(model, num_slots=rows, max_seq_len=length, deterministic=True,
+                        chunk_size=16,
                         model_name="bench")
     decode = DecodeInputs(np.full(rows, 2, np.int32), np.full(rows, context, np.int32),
                           SlotSampling.of_rows(seqs))
