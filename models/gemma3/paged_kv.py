@@ -5,8 +5,8 @@ i's keys at index 2i of the third axis, its values at 2i + 1. That is the page l
 Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`, "combined" KV
 heads), so on TPU the kernel reads the pool as it is stored; separate key and value pools
 would have to be interleaved into a copy of the whole pool for every layer and step. On CPU
-the XLA form gathers a row's pages once for keys and values together and splits them with a
-strided slice that fuses into the gather, so the layout costs it nothing. Splitting the third
+the XLA form gathers keys and values apart through strided views of the pool, which fuse
+into the gathers (`gather`), so the layout costs it nothing. Splitting the third
 axis over tp gives each device the (key, value) pairs of its own Kc / tp heads, the same heads
 the slot cache's heads axis gives it (Kc as in kv_cache.py: num_kv_heads, or tp when KV heads
 are replicated).
