@@ -12,25 +12,10 @@ def program_transfers(program, partition_to_node: Sequence[int]) -> list[list[Tr
     """The compiled program's collective-permutes, each as one step of (source chip,
     destination chip, bytes) transfers; partition p of the program runs on chip
     partition_to_node[p]. Other collectives (XLA's psum) are not included."""
-    import re
+    from equarx import collectives
 
-    from equarx import accounting as acc
-
-    steps = []
-    for line in acc.hlo_text(program).splitlines():
-        found = acc._INSTR.match(line)
-        if not found or found.group("op") != "collective-permute":
-            continue
-        shapes = acc._shapes(found.group("shape"))
-        if found.group("start"):
-            shapes = shapes[:1]
-        size = sum(acc._nbytes(s) for s in shapes)
-        pairs = acc._PAIRS.search(line)
-        if not pairs:
-            continue
-        steps.append([(partition_to_node[int(a)], partition_to_node[int(b)], size)
-                      for a, b in re.findall(r"\{(\d+),(\d+)\}", "{" + pairs.group(1) + "}")])
-    return steps
+    return [[(partition_to_node[a], partition_to_node[b], op.buffer_bytes) for a, b in op.pairs]
+            for op in collectives(program) if op.kind == "collective-permute" and op.pairs]
 
 
 def emulated_link_terms(methods: Sequence[str], sizes: Sequence[int], dims: tuple[int, ...],
