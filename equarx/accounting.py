@@ -46,6 +46,14 @@ class CollectiveOp:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of the counted buffers
     group_size: int
     bytes_by_device: dict
+    # A collective-permute's (source, target) device pairs, in the program's order; a link-level
+    # model needs who sends to whom, not only how much each device sends.
+    pairs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def buffer_bytes(self) -> float:
+        """Bytes of the counted buffers: for a collective-permute, one message of one pair."""
+        return sum(_nbytes(s) for s in self.shapes)
 
 
 def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -105,12 +113,12 @@ def collectives(program) -> list[CollectiveOp]:
             if is_start:  # (operand, result, contexts...): the operand is what moves
                 shapes = shapes[:1]
             size = sum(_nbytes(s) for s in shapes)
-            pairs = _PAIRS.search(line)
-            sources = collections.Counter(
-                int(a) for a, _ in re.findall(r"\{(\d+),(\d+)\}", "{" + pairs.group(1) + "}")
-            ) if pairs else collections.Counter()
+            found_pairs = _PAIRS.search(line)
+            pairs = tuple((int(a), int(b)) for a, b in re.findall(
+                r"\{(\d+),(\d+)\}", "{" + found_pairs.group(1) + "}")) if found_pairs else ()
+            sources = collections.Counter(a for a, _ in pairs)
             by_dev = {dev: size * count for dev, count in sources.items()}
-            ops.append(CollectiveOp(kind, tuple(shapes), 2, by_dev))
+            ops.append(CollectiveOp(kind, tuple(shapes), 2, by_dev, pairs))
             continue
         groups = _groups(line, default_size)
         n = len(groups[0]) if isinstance(groups, list) else groups

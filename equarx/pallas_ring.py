@@ -197,6 +197,214 @@ class PartRing:
         return w * (self.steps - 1) * self.g + t * size + i
 
 
+class _PartsKernel:
+    """One trace of parts_kernel_call's kernel: the refs it was handed, the parts' static rings
+    and this device's place on the mesh. Each item of each stream is traced in the same order
+    as one closure would, in methods short enough to read one step at a time."""
+
+    def __init__(self, refs, axis_names: tuple[str, ...], rings: list[PartRing],
+                 codec: KernelCodec, phase: str):
+        n_parts = len(rings)
+        self.rings, self.codec, self.phase = rings, codec, phase
+        self.scaled = codec.scale_shape is not None
+        self.x_hbms, self.out_hbms = refs[:n_parts], refs[n_parts:2 * n_parts]
+        self.xin, self.stage, self.send_p, self.recv_p, *rest = refs[2 * n_parts:]
+        self.send_s = self.recv_s = None
+        if self.scaled:
+            self.send_s, self.recv_s, *rest = rest
+        self.local_sem, self.out_sem, self.send_sem, self.recv_sem, self.capacity = rest
+        self.index, self.mesh_id, self.neighbours = meet_neighbours(axis_names)
+
+    def shard(self, q, offset):  # absolute shard of relative offset (any sign, |offset| < N)
+        return lax.rem(self.index[q] + offset + self.rings[q].n, self.rings[q].n)
+
+    def local_copy(self, j, k):
+        """The local minishard item k of stream j reads (step <= N-1)."""
+        q, h = divmod(j, 2)
+        pr = self.rings[q]
+        w, t, i, _ = pr.coords(k)
+        src = self.shard(q, (1 - 2 * h) * (pr.n - 1 - t))  # t = N-1: the own shard
+        return pltpu.make_async_copy(self.x_hbms[q].at[src, h, w * pr.g + i],
+                                     self.xin.at[j, lax.rem(k, 2)],
+                                     self.local_sem.at[j, lax.rem(k, 2)])
+
+    def out_copy(self, j, k):
+        """Item k's output minishard (step >= N-1) back to HBM."""
+        q, h = divmod(j, 2)
+        pr = self.rings[q]
+        w, t, i, _ = pr.coords(k)
+        if self.phase == "rs":
+            dst = self.out_hbms[q].at[h, w * pr.g + i]
+        else:
+            owner = self.shard(q, -(1 - 2 * h) * (t - (pr.n - 1)))  # t = N-1: the own shard
+            dst = self.out_hbms[q].at[owner, h, w * pr.g + i]
+        return pltpu.make_async_copy(self.stage.at[j, lax.rem(k, 2)], dst,
+                                     self.out_sem.at[j, lax.rem(k, 2)])
+
+    def remote(self, j, m, src_slot=None, send_slot=0):
+        """Message m of stream j into the neighbour's receive slot m mod S: from send
+        buffer `send_slot`, or forwarded from this device's receive slot `src_slot`."""
+        q, h = divmod(j, 2)
+        left, right = self.neighbours(q)
+        dst = right if h == 0 else left
+        slot = lax.rem(m, self.rings[q].slots)
+        copies = []
+        kinds = [(self.send_p, self.recv_p)] + ([(self.send_s, self.recv_s)] if self.scaled else [])
+        for kind, (send_buf, recv_buf) in enumerate(kinds):
+            src = send_buf.at[j, send_slot] if src_slot is None else recv_buf.at[j, src_slot]
+            copies.append(pltpu.make_async_remote_copy(
+                src, recv_buf.at[j, slot], self.send_sem.at[j, kind],
+                self.recv_sem.at[j, slot, kind],
+                device_id=self.mesh_id(q, dst), device_id_type=pl.DeviceIdType.MESH))
+        return copies
+
+    def item(self, j, k):
+        q, h = divmod(j, 2)
+        pr = self.rings[q]
+        n = pr.n
+        left, right = self.neighbours(q)
+        sender = left if h == 0 else right  # who sends to this device in stream j
+        w, t, i, size = pr.coords(k)
+        got = pr.message(w, t - 1, i, size)  # the message this item consumes (t >= 1)
+        got_slot = lax.rem(got, pr.slots)
+        mine = lax.rem(k, 2)
+
+        # 1. This item's local minishard (prefetched); prefetch the next item's.
+        @pl.when(t <= n - 1)
+        def _():
+            self.local_copy(j, k).wait()
+
+        @pl.when((k + 1 < pr.items) & (pr.coords(k + 1)[1] <= n - 1))
+        def _():
+            self.local_copy(j, k + 1).start()
+
+        # The output buffer this item may write was last written back at item k - 2.
+        @pl.when((k >= 2) & (pr.coords(k - 2)[1] >= n - 1))
+        def _():
+            self.out_copy(j, k - 2).wait()
+
+        # 2. The message the neighbour sent at its item k - window has landed.
+        @pl.when(t >= 1)
+        def _():
+            for c in self.remote(j, got):
+                c.wait_recv()
+
+        self.compute(j, k, t, got_slot, mine)
+        self.release(j, k, sender)
+        self.send(j, (w, t, i, size), got_slot, mine)
+
+    def compute(self, j, k, t, got_slot, mine):
+        """3. A reduce-scatter partial to encode, or an output to decode."""
+        n, codec, scaled = self.rings[j // 2].n, self.codec, self.scaled
+
+        def local():
+            return self.xin[j, mine].astype(jnp.float32)
+
+        def received():
+            return codec.decode(self.recv_p[j, got_slot],
+                                self.recv_s[j, got_slot] if scaled else None)
+
+        def encode_to_send(v):
+            q_, sc = codec.encode(v)
+            self.send_p[j, mine] = q_
+            if scaled:
+                self.send_s[j, mine] = sc
+            return q_, sc
+
+        def stage_out(v):
+            self.stage[j, mine] = v.astype(self.stage.dtype)
+            self.out_copy(j, k).start()
+
+        @pl.when(t == 0)
+        def _():
+            encode_to_send(local())
+
+        @pl.when((t >= 1) & (t <= n - 2))
+        def _():
+            encode_to_send(received() + local())
+
+        if self.phase == "rs":
+            @pl.when(t == n - 1)
+            def _():
+                stage_out(local() + received())
+        else:
+            @pl.when(t == n - 1)
+            def _():
+                stage_out(codec.decode(*encode_to_send(local() + received())))
+
+            @pl.when(t >= n)
+            def _():
+                stage_out(received())
+
+    def release(self, j, k, sender):
+        """4. Flow control. Item k - 1's send is complete: its send buffer is free, and so is
+        the receive slot item k - 1 consumed (decoded, and forwarded if it was)."""
+        q = j // 2
+        pr = self.rings[q]
+
+        @pl.when(k >= 1)
+        def _():
+            w1, t1, i1, size1 = pr.coords(k - 1)
+
+            @pl.when(t1 <= pr.steps - 2)
+            def _():
+                for c in self.remote(j, 0):
+                    c.wait_send()
+
+            release = pr.message(w1, t1 - 1, i1, size1)
+
+            @pl.when((t1 >= 1) & (release + pr.slots < pr.messages))
+            def _():
+                pl.semaphore_signal(self.capacity.at[j], 1, device_id=self.mesh_id(q, sender),
+                                    device_id_type=pl.DeviceIdType.MESH)
+
+    def send(self, j, coords, got_slot, mine):
+        """5. Send this item's message once the neighbour has freed its slot."""
+        pr = self.rings[j // 2]
+        w, t, i, size = coords
+
+        @pl.when(t <= pr.steps - 2)
+        def _():
+            sent = pr.message(w, t, i, size)
+
+            @pl.when(sent >= pr.slots)
+            def _():
+                pl.semaphore_wait(self.capacity.at[j], 1)
+
+            @pl.when(t <= pr.n - 1)
+            def _():
+                for c in self.remote(j, sent, send_slot=mine):
+                    c.start()
+
+            @pl.when(t >= pr.n)
+            def _():
+                for c in self.remote(j, sent, src_slot=got_slot):
+                    c.start()
+
+    def run(self):
+        streams = 2 * len(self.rings)
+        max_items = max(pr.items for pr in self.rings)
+        for j in range(streams):
+            self.local_copy(j, 0).start()
+
+        def body(k, carry):
+            for j in range(streams):
+                if self.rings[j // 2].items == max_items:
+                    self.item(j, k)
+                else:  # a shorter part: done once its own items are
+                    pl.when(k < self.rings[j // 2].items)(lambda j=j: self.item(j, k))
+            return carry
+
+        lax.fori_loop(0, max_items, body, 0)
+        # Drain the last two output copies of each stream (every send was waited for in the
+        # loop: an item that sends is followed by one of the same window).
+        for j in range(streams):
+            pr = self.rings[j // 2]
+            for k in (pr.items - 2, pr.items - 1):
+                if k >= 0 and pr.static_step(k) >= pr.n - 1:
+                    self.out_copy(j, k).wait()
+
+
 def parts_kernel_call(bufs, axis_names: tuple[str, ...], codec: KernelCodec, out_dtype,
                       interpret=None, phase: str = "both") -> list[jax.Array]:
     """The ring over several parts at once, part q along mesh axis `axis_names[q]` (distinct
@@ -225,187 +433,12 @@ def parts_kernel_call(bufs, axis_names: tuple[str, ...], codec: KernelCodec, out
     rings = [PartRing(b.shape[0], b.shape[2], phase) for b in bufs]
     streams = 2 * n_parts  # stream j: part j // 2, direction j % 2 (0: +1, 1: -1)
     max_slots = max(pr.slots for pr in rings)
-    max_items = max(pr.items for pr in rings)
     scaled = codec.scale_shape is not None
     if phase == "rs":
         out_dtype = jnp.float32
 
     def kernel(*refs):
-        x_hbms, out_hbms = refs[:n_parts], refs[n_parts:2 * n_parts]
-        xin, stage, send_p, recv_p, *rest = refs[2 * n_parts:]
-        if scaled:
-            send_s, recv_s, *rest = rest
-        local_sem, out_sem, send_sem, recv_sem, capacity = rest
-        index, mesh_id, neighbours = meet_neighbours(axis_names)
-
-        def shard(q, offset):  # absolute shard of relative offset (any sign, |offset| < N)
-            return lax.rem(index[q] + offset + rings[q].n, rings[q].n)
-
-        def local_copy(j, k):
-            """The local minishard item k of stream j reads (step <= N-1)."""
-            q, h = divmod(j, 2)
-            pr = rings[q]
-            w, t, i, _ = pr.coords(k)
-            src = shard(q, (1 - 2 * h) * (pr.n - 1 - t))  # t = N-1: the own shard
-            return pltpu.make_async_copy(x_hbms[q].at[src, h, w * pr.g + i],
-                                         xin.at[j, lax.rem(k, 2)],
-                                         local_sem.at[j, lax.rem(k, 2)])
-
-        def out_copy(j, k):
-            """Item k's output minishard (step >= N-1) back to HBM."""
-            q, h = divmod(j, 2)
-            pr = rings[q]
-            w, t, i, _ = pr.coords(k)
-            if phase == "rs":
-                dst = out_hbms[q].at[h, w * pr.g + i]
-            else:
-                owner = shard(q, -(1 - 2 * h) * (t - (pr.n - 1)))  # t = N-1: the own shard
-                dst = out_hbms[q].at[owner, h, w * pr.g + i]
-            return pltpu.make_async_copy(stage.at[j, lax.rem(k, 2)], dst,
-                                         out_sem.at[j, lax.rem(k, 2)])
-
-        def remote(j, m, src_slot=None, send_slot=0):
-            """Message m of stream j into the neighbour's receive slot m mod S: from send
-            buffer `send_slot`, or forwarded from this device's receive slot `src_slot`."""
-            q, h = divmod(j, 2)
-            left, right = neighbours(q)
-            dst = right if h == 0 else left
-            slot = lax.rem(m, rings[q].slots)
-            copies = []
-            kinds = [(send_p, recv_p)] + ([(send_s, recv_s)] if scaled else [])
-            for kind, (send_buf, recv_buf) in enumerate(kinds):
-                src = send_buf.at[j, send_slot] if src_slot is None else recv_buf.at[j, src_slot]
-                copies.append(pltpu.make_async_remote_copy(
-                    src, recv_buf.at[j, slot], send_sem.at[j, kind], recv_sem.at[j, slot, kind],
-                    device_id=mesh_id(q, dst), device_id_type=pl.DeviceIdType.MESH))
-            return copies
-
-        def item(j, k):
-            q, h = divmod(j, 2)
-            pr = rings[q]
-            n, steps, items, slots = pr.n, pr.steps, pr.items, pr.slots
-            left, right = neighbours(q)
-            sender = left if h == 0 else right  # who sends to this device in stream j
-            w, t, i, size = pr.coords(k)
-            got = pr.message(w, t - 1, i, size)  # the message this item consumes (t >= 1)
-            got_slot = lax.rem(got, slots)
-            mine = lax.rem(k, 2)
-
-            # 1. This item's local minishard (prefetched); prefetch the next item's.
-            @pl.when(t <= n - 1)
-            def _():
-                local_copy(j, k).wait()
-
-            @pl.when((k + 1 < items) & (pr.coords(k + 1)[1] <= n - 1))
-            def _():
-                local_copy(j, k + 1).start()
-
-            # The output buffer this item may write was last written back at item k - 2.
-            @pl.when((k >= 2) & (pr.coords(k - 2)[1] >= n - 1))
-            def _():
-                out_copy(j, k - 2).wait()
-
-            # 2. The message the neighbour sent at its item k - window has landed.
-            @pl.when(t >= 1)
-            def _():
-                for c in remote(j, got):
-                    c.wait_recv()
-
-            # 3. Compute: a reduce-scatter partial to encode, or an output to decode.
-            def local():
-                return xin[j, mine].astype(jnp.float32)
-
-            def received():
-                return codec.decode(recv_p[j, got_slot], recv_s[j, got_slot] if scaled else None)
-
-            def encode_to_send(v):
-                q_, sc = codec.encode(v)
-                send_p[j, mine] = q_
-                if scaled:
-                    send_s[j, mine] = sc
-                return q_, sc
-
-            def stage_out(v):
-                stage[j, mine] = v.astype(stage.dtype)
-                out_copy(j, k).start()
-
-            @pl.when(t == 0)
-            def _():
-                encode_to_send(local())
-
-            @pl.when((t >= 1) & (t <= n - 2))
-            def _():
-                encode_to_send(received() + local())
-
-            if phase == "rs":
-                @pl.when(t == n - 1)
-                def _():
-                    stage_out(local() + received())
-            else:
-                @pl.when(t == n - 1)
-                def _():
-                    stage_out(codec.decode(*encode_to_send(local() + received())))
-
-                @pl.when(t >= n)
-                def _():
-                    stage_out(received())
-
-            # 4. Flow control. Item k - 1's send is complete: its send buffer is free, and so
-            #    is the receive slot item k - 1 consumed (decoded, and forwarded if it was).
-            @pl.when(k >= 1)
-            def _():
-                w1, t1, i1, size1 = pr.coords(k - 1)
-
-                @pl.when(t1 <= steps - 2)
-                def _():
-                    for c in remote(j, 0):
-                        c.wait_send()
-
-                release = pr.message(w1, t1 - 1, i1, size1)
-
-                @pl.when((t1 >= 1) & (release + slots < pr.messages))
-                def _():
-                    pl.semaphore_signal(capacity.at[j], 1, device_id=mesh_id(q, sender),
-                                        device_id_type=pl.DeviceIdType.MESH)
-
-            # 5. Send this item's message once the neighbour has freed its slot.
-            @pl.when(t <= steps - 2)
-            def _():
-                sent = pr.message(w, t, i, size)
-
-                @pl.when(sent >= slots)
-                def _():
-                    pl.semaphore_wait(capacity.at[j], 1)
-
-                @pl.when(t <= n - 1)
-                def _():
-                    for c in remote(j, sent, send_slot=mine):
-                        c.start()
-
-                @pl.when(t >= n)
-                def _():
-                    for c in remote(j, sent, src_slot=got_slot):
-                        c.start()
-
-        for j in range(streams):
-            local_copy(j, 0).start()
-
-        def body(k, carry):
-            for j in range(streams):
-                if rings[j // 2].items == max_items:
-                    item(j, k)
-                else:  # a shorter part: done once its own items are
-                    pl.when(k < rings[j // 2].items)(lambda j=j: item(j, k))
-            return carry
-
-        lax.fori_loop(0, max_items, body, 0)
-        # Drain the last two output copies of each stream (every send was waited for in the
-        # loop: an item that sends is followed by one of the same window).
-        for j in range(streams):
-            pr = rings[j // 2]
-            for k in (pr.items - 2, pr.items - 1):
-                if k >= 0 and pr.static_step(k) >= pr.n - 1:
-                    out_copy(j, k).wait()
+        _PartsKernel(refs, axis_names, rings, codec, phase).run()
 
     scratch = [pltpu.VMEM((streams, 2, r, l), in_dtype), pltpu.VMEM((streams, 2, r, l), out_dtype),
                pltpu.VMEM((streams, 2, r, l), codec.wire_dtype),

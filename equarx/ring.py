@@ -96,6 +96,16 @@ def chains_for(variant: str, n_devices: int, n_minishards: int, pipelined: bool 
     raise ValueError(f"unknown ring variant {variant!r}")
 
 
+def ring_hops(variant: str, n_devices: int) -> tuple[int, int]:
+    """(hops one after another in one phase, hops each value makes in one phase summed over the
+    chains that carry it), read off the chains themselves so a cost model cannot drift from
+    them: full-loop (n-1, n-1), each minishard on one of two chains; semi-loop (right, right +
+    left), every minishard on both."""
+    rs, _ = chains_for(variant, n_devices, 2, pipelined=False)
+    per_value = sum(c.hops * len(c.minishards) for c in rs)
+    return max(c.hops for c in rs), per_value // 2
+
+
 def _ring_perm(n: int, direction: int) -> list[tuple[int, int]]:
     return [(i, (i + direction) % n) for i in range(n)]
 

@@ -1,5 +1,5 @@
 """variant="auto": which schedule a message takes, from the axis size, its bytes and the
-topology. The same alpha-beta reasoning as eval/cost_model.py, reduced to a comparison.
+topology. The same alpha-beta reasoning as eval/cost_model/, reduced to a comparison.
 
 - Two devices: every schedule makes the same sends; two-shot.
 - Switched (every pair one hop: GPUs behind NVSwitch, hosts behind a switch): two-shot sends
@@ -13,9 +13,15 @@ topology. The same alpha-beta reasoning as eval/cost_model.py, reduced to a comp
 """
 from __future__ import annotations
 
-# A TPU v5e ICI link: ~45 GB/s per direction and ~2 us per hop (published figures, rounded).
-RING_LINK_BYTES_PER_S = 45e9
-RING_HOP_S = 2e-6
+# One TPU v5e ICI link, one direction: 4.5e10 bytes/s, the figure of the JAX scaling book
+# ("How to Scale Your Model", the TPU chapter's hardware table). Google Cloud's v5e page gives
+# only the per-chip total (400 GB/s bidirectional over 4 ports), which read as an even split
+# would be 50 GB/s; the book's per-link number is the one used everywhere (eval.cost_model too).
+V5E_LINK_BYTES_PER_S = 45e9
+# Latency of one ring step on ICI: an assumption (not published), shared with eval.cost_model.
+V5E_HOP_S = 2e-6
+RING_LINK_BYTES_PER_S = V5E_LINK_BYTES_PER_S
+RING_HOP_S = V5E_HOP_S
 
 
 def two_shot_link_load(n: int) -> float:

@@ -331,7 +331,7 @@ def format_ratios(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="bf16 message bytes per device")
     p.add_argument("--methods", default=DEFAULT_METHODS,
@@ -371,6 +371,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--show", default=None, metavar="RUN.json",
                    help="print a saved run's table (with --predict-from: and its model) instead "
                         "of measuring")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = _parser()
     args = p.parse_args(argv)
     torus = None
     if args.torus:
@@ -384,20 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--unshaped needs --torus")
     mesh_dims = parse_dims_arg(args.mesh) if args.mesh else torus
     if args.show:
-        with open(args.show) as f:
-            report = json.load(f)
-        link = report.get("link_gbit")
-        if link and not report.get("torus"):
-            unshaped = None
-            if args.predict_from:
-                with open(args.predict_from) as f:
-                    unshaped = json.load(f)["rows"]
-            add_predictions(report["rows"], unshaped, link)
-        print(f"# {report['mode']}; {report['settings']}")
-        print(format_table(report["rows"]))
-        print()
-        print(format_ratios(report["rows"]))
-        return report
+        return _show(args.show, args.predict_from)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:  # fail early on a typo
@@ -418,23 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
                   pipelined=not args.one_message_per_hop, mse=not args.no_mse,
                   mesh_dims=mesh_dims)
     if args.processes > 0:
-        from eval import multiproc
-
-        results = multiproc.run("eval.bench_collective:worker", args.processes, args=(params,),
-                                link_gbit=args.link_gbit, malloc_tunables=not args.plain_malloc,
-                                torus=torus, burst=args.burst)
-        rows = results[0]["rows"]
-        if torus:
-            rate = ("unshaped" if args.unshaped else
-                    f"each direction shaped to {args.link_gbit} Gbit/s, burst {args.burst}")
-            mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a "
-                    f"veth per neighbour, {rate})")
-        else:
-            mode = f"{args.processes} processes (gloo, 127.0.0.1"
-            mode += (f", loopback shaped to {args.link_gbit} Gbit/s, burst {args.burst})"
-                     if args.link_gbit else ")")
-        for row, *others in zip(rows, *(r["rows"] for r in results[1:])):
-            row["median_by_process"] = [row["median"]] + [o["median"] for o in others]
+        rows, mode = _run_processes(args, params, torus)
     else:
         if not args.plain_malloc:
             keep_freed_memory()
@@ -462,6 +438,47 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_ratios(rows))
     write_json(args.out, report)
     return report
+
+
+def _show(path: str, predict_from: str | None) -> dict:
+    """Mode --show: a saved run's table (and, for a shaped loopback, its model column)."""
+    with open(path) as f:
+        report = json.load(f)
+    link = report.get("link_gbit")
+    if link and not report.get("torus"):
+        unshaped = None
+        if predict_from:
+            with open(predict_from) as f:
+                unshaped = json.load(f)["rows"]
+        add_predictions(report["rows"], unshaped, link)
+    print(f"# {report['mode']}; {report['settings']}")
+    print(format_table(report["rows"]))
+    print()
+    print(format_ratios(report["rows"]))
+    return report
+
+
+def _run_processes(args, params: dict, torus) -> tuple[list[dict], str]:
+    """Mode --processes / --torus: one worker per device; rows of process 0 with every
+    process's median beside them, and the mode line."""
+    from eval import multiproc
+
+    results = multiproc.run("eval.bench_collective:worker", args.processes, args=(params,),
+                            link_gbit=args.link_gbit, malloc_tunables=not args.plain_malloc,
+                            torus=torus, burst=args.burst)
+    rows = results[0]["rows"]
+    if torus:
+        rate = ("unshaped" if args.unshaped else
+                f"each direction shaped to {args.link_gbit} Gbit/s, burst {args.burst}")
+        mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a "
+                f"veth per neighbour, {rate})")
+    else:
+        mode = f"{args.processes} processes (gloo, 127.0.0.1"
+        mode += (f", loopback shaped to {args.link_gbit} Gbit/s, burst {args.burst})"
+                 if args.link_gbit else ")")
+    for row, *others in zip(rows, *(r["rows"] for r in results[1:])):
+        row["median_by_process"] = [row["median"]] + [o["median"] for o in others]
+    return rows, mode
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class Stream:
 
 
 def _submit(core, ids, max_tokens: int) -> Stream:
-    from serving.sampling import SamplingParams
+    from serving import SamplingParams
 
     s = Stream()
     core.submit([(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0), s)])
@@ -68,7 +68,7 @@ def _submit(core, ids, max_tokens: int) -> Stream:
 
 
 def _engine(model, args, deterministic: bool, prefix: bool, slots: int, chunk: int | None = None):
-    from serving.engine import ModelEngine
+    from serving import ModelEngine
 
     chunk = args.prefill_chunk if chunk is None else chunk
     blocks = 0
@@ -92,7 +92,7 @@ def bench_throughput(model, args) -> dict:
     another, a short prompt each and an output length drawn from [L/2, 3L/2] (L = args.tokens,
     the same draws for both modes). The two modes' runs alternate (a shared machine's load
     drifts); tokens/s of the whole run, median over the repeats."""
-    from serving.engine_core import EngineCore
+    from serving import EngineCore
 
     lengths = np.random.default_rng(0).integers(args.tokens // 2, 3 * args.tokens // 2 + 1, (8, args.requests))
     prompts = [[model.tokenizer.bos_id] + _text_ids(model.tokenizer, 24, i) for i in range(8 * args.requests)]
@@ -134,7 +134,7 @@ def bench_throughput(model, args) -> dict:
 
 def bench_prefix(model, args) -> dict:
     """TTFT of a request sharing a 1,500-token prefix with an earlier one, against the earlier one's."""
-    from serving.engine_core import EngineCore
+    from serving import EngineCore
 
     engine = _engine(model, args, True, prefix=True, slots=args.slots)
     tok = model.tokenizer
@@ -157,7 +157,7 @@ def bench_prefix(model, args) -> dict:
 
 def bench_itl(model, args) -> dict:
     """4 running streams; a 2,000-token prompt arrives; their gaps during its admission."""
-    from serving.engine_core import EngineCore
+    from serving import EngineCore
 
     out = {}
     for name, det in (("deterministic", True), ("packed", False))[:1 if args.itl_modes == 1 else 2]:
@@ -225,8 +225,7 @@ def main(argv=None) -> None:
     jax_platform.request_cpu_devices(args.tp)
 
     from eval.reports import write_json
-    from serving.config import ServerConfig
-    from serving.runtime import configure_jax, load_configured_model
+    from serving import ServerConfig, configure_jax, load_configured_model
 
     config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
                           max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,

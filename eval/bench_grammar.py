@@ -43,11 +43,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from models.gemma3 import load_model
-    from serving import structured_output as so
-    from serving.engine import DecodeInputs, ModelEngine, pad_prefill_batch
-    from serving.logits_processing import step_extras
-    from serving.sampling import SamplingParams, SlotSampling
-    from serving.scheduler import Sequence
+    from serving import (DecodeInputs, ModelEngine, SamplingParams, Sequence, SlotSampling,
+                         StructuredOutputs, build_grammar, pad_prefill_batch, step_extras)
     from eval.reports import write_json
 
     b = args.batch
@@ -60,23 +57,16 @@ def main(argv=None) -> None:
         engines[kind].warmup(lambda _: None)
     tok, info = model.tokenizer, engines["plain"].info
     t0 = time.perf_counter()
-    grammar = so.build_grammar("json_schema", SCHEMA, "bench", tok, info.eos_ids)
+    grammar = build_grammar("json_schema", SCHEMA, "bench", tok, info.eos_ids)
     compile_s = time.perf_counter() - t0
     prompt = [tok.bos_id] + tok.encode("A user record as JSON: ")
 
     def run(with_grammar: bool):
         """Yields each decode step's seconds; returns (texts, host mask seconds)."""
         engine = engines["grammar" if with_grammar else "plain"]
-        structured = so.StructuredOutputs(info.vocab_size, info.eos_ids, info.max_seq_len, tok)
-        host: list[float] = []
-        compute = structured._compute
-
-        def timed_compute(*a):  # the worker's mask work, timed where it runs
-            t = time.perf_counter()
-            compute(*a)
-            host.append(time.perf_counter() - t)
-
-        structured._compute = timed_compute
+        host: list[float] = []  # the worker's mask work, timed where it runs
+        structured = StructuredOutputs(info.vocab_size, info.eos_ids, info.max_seq_len, tok,
+                                       mask_timer=host.append)
         seqs = []
         for i in range(b):
             params = SamplingParams(max_tokens=args.steps + 1, temperature=1.0, seed=i,

@@ -262,7 +262,7 @@ def _one_process(params: dict) -> dict:
     return measure(**params)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:1b",
                    help="gemma3-270m, a .gguf path, or random:<size>[?k=v] (270m/1b/4b/12b/27b)")
@@ -309,8 +309,13 @@ def main(argv: list[str] | None = None) -> dict:
                         "pages for worker processes; see jax_platform)")
     # One process of a multi-host group (e.g. each host of a TPU slice runs this command).
     jax_platform.add_group_arguments(p, only=GROUP_FLAGS)
-    args = p.parse_args(argv)
+    return p
 
+
+def _checked_args(p: argparse.ArgumentParser, argv: list[str] | None):
+    """Parsed arguments with the flag combinations checked: (args, methods, lengths, torus);
+    --torus sets --processes and --link-gbit becomes a float (or stays 'third')."""
+    args = p.parse_args(argv)
     methods = [m.strip() for m in args.allreduce.split(",") if m.strip()]
     for m in methods:
         try:
@@ -344,6 +349,12 @@ def main(argv: list[str] | None = None) -> dict:
     if (args.link_gbit == "third" or args.calibrate_only) and not (
             args.calibrate_gbit or args.calibration):
         p.error("--link-gbit third and --calibrate-only need --calibrate-gbit or --calibration")
+    return args, methods, lengths, torus
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = _parser()
+    args, methods, lengths, torus = _checked_args(p, argv)
     try:
         group = jax_platform.group_from(vars(args))
     except ValueError as e:
@@ -368,78 +379,18 @@ def main(argv: list[str] | None = None) -> dict:
                            "malloc": malloc_label(args.plain_malloc, args.processes > 0)},
               "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
               "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    baseline, calibration, fit = None, None, None
+    baseline, fit = None, None
     if group.enabled:
-        import jax
-
-        result = worker(params)  # every process measures; process 0 reports
-        if jax.process_index() != 0:
+        result, mode = _run_group(params)
+        if mode is None:  # not process 0: it measured, process 0 reports
             return result
-        mode = f"{jax.process_count()} processes (jax.distributed, {jax.device_count()} devices)"
     elif args.processes > 0:
-        from eval import multiproc
-
-        jax_platform.ensure_cpu_devices(args.tp)  # the one-process runs below use tp virtual devices
-        paired = args.base_link_gbit is not None and args.link_gbit is not None
-        if args.baseline:
-            with open(args.baseline) as f:
-                baseline = json.load(f)
-        elif args.link_gbit == "third" or (args.link_gbit is not None and not paired
-                                           and not torus):
-            print("# one-process run first (compute + quantization, no link) ...")
-            baseline = _one_process(params)
-        if args.calibration:
-            with open(args.calibration) as f:
-                calibration = json.load(f)["cost_model"]["calibration"]
-        elif args.calibrate_gbit:
-            # The messages the prefill's AllReduces carry: batch x padded bucket x d_model.
-            d_model, buckets = _message_shape(source, lengths)
-            calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
-                                    [args.batch * b * d_model for b in buckets], methods,
-                                    args.minishards, args.calibration_repeats,
-                                    pipelined=not args.one_message_per_hop,
-                                    malloc_tunables=not args.plain_malloc)
-        if calibration is not None:
-            try:
-                fit = fit_from(calibration)
-            except ValueError as e:  # e.g. messages inside the token bucket's burst
-                raise SystemExit(f"cannot fit the link model: {e}; calibration samples: "
-                                 f"{json.dumps(calibration['samples'])}")
-            print(f"# cost model fit: {fit.describe()}")
-            third = _link_for_third(baseline, fit, baseline["config"], args) if baseline else None
-            if third:
-                print(f"# link at which {third['method']} communication is 1/3 of prefill at "
-                      f"length {third['length']}: {third['gbit']:.3g} Gbit/s")
-            if args.link_gbit == "third":
-                args.link_gbit = round(third["gbit"], 3)
-                report["settings"]["link_gbit"] = args.link_gbit
-            report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
-                                    "calibration": calibration, "link_gbit_for_third": third}
-            if args.calibrate_only:
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(report, f, indent=1)
-                return report
-        links = [args.base_link_gbit, args.link_gbit] if paired else None
-        print(f"# {args.processes} processes ...")
-        results = multiproc.run("eval.bench_prefill:worker", args.processes,
-                                args=({**params, "links": links},), link_gbit=args.link_gbit,
-                                malloc_tunables=not args.plain_malloc, torus=torus)
-        result = results[0]
-        for row, *others in zip(result["rows"], *(r["rows"] for r in results[1:])):
-            row["median_ms_by_process"] = [row["median_ms"]] + [o["median_ms"] for o in others]
-        mode = f"{args.processes} processes (gloo over TCP on 127.0.0.1"
-        if torus:
-            mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a veth "
-                    f"per neighbour, each direction shaped to {args.link_gbit} Gbit/s; model "
-                    f"mesh {args.tp_mesh or '1-D, snake order'})")
-        elif paired:
-            base = (f"{args.base_link_gbit} Gbit/s" if args.base_link_gbit
-                    else "the unshaped loopback (rows with Gbit/s 0)")
-            mode += (f", loopback shaped to {args.link_gbit} Gbit/s, alternating every "
-                     f"iteration with {base})")
-        else:
-            mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
+        baseline = _baseline_for(args, params, torus)
+        fit = _calibrate_for_run(args, params, source, lengths, methods, baseline, report)
+        if args.calibrate_only:
+            _write_json(report, args.out)
+            return report
+        result, mode = _run_processes(args, params, torus)
     else:
         result = _one_process(params)
         mode = f"1 process, {args.tp} virtual CPU devices"
@@ -452,6 +403,103 @@ def main(argv: list[str] | None = None) -> dict:
     report.update(mode=mode, model=source, config=cfg, full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
+    _print_report(report, rows, args.link_gbit)
+    _write_json(report, args.out)
+    if args.plot:
+        prefill_report.plot(report, args.plot)
+    return report
+
+
+def _run_group(params: dict) -> tuple[dict, str | None]:
+    """Mode: one process of a jax.distributed group; every process measures, process 0 reports
+    (the others get no mode)."""
+    import jax
+
+    result = worker(params)
+    if jax.process_index() != 0:
+        return result, None
+    return result, f"{jax.process_count()} processes (jax.distributed, {jax.device_count()} devices)"
+
+
+def _baseline_for(args, params: dict, torus) -> dict | None:
+    """Mode --processes: the one-process run the link predictions start from (read from
+    --baseline, or measured first when a shaped link is predicted rather than paired)."""
+    jax_platform.ensure_cpu_devices(args.tp)  # the one-process runs use tp virtual devices
+    paired = args.base_link_gbit is not None and args.link_gbit is not None
+    if args.baseline:
+        with open(args.baseline) as f:
+            return json.load(f)
+    if args.link_gbit == "third" or (args.link_gbit is not None and not paired and not torus):
+        print("# one-process run first (compute + quantization, no link) ...")
+        return _one_process(params)
+    return None
+
+
+def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], methods: list[str],
+                       baseline: dict | None, report: dict) -> cost_model.Fit | None:
+    """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report;
+    resolves --link-gbit third to the fitted rate."""
+    if args.calibration:
+        with open(args.calibration) as f:
+            calibration = json.load(f)["cost_model"]["calibration"]
+    elif args.calibrate_gbit:
+        # The messages the prefill's AllReduces carry: batch x padded bucket x d_model.
+        d_model, buckets = _message_shape(source, lengths)
+        calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
+                                [args.batch * b * d_model for b in buckets], methods,
+                                args.minishards, args.calibration_repeats,
+                                pipelined=not args.one_message_per_hop,
+                                malloc_tunables=not args.plain_malloc)
+    else:
+        return None
+    try:
+        fit = fit_from(calibration)
+    except ValueError as e:  # e.g. messages inside the token bucket's burst
+        raise SystemExit(f"cannot fit the link model: {e}; calibration samples: "
+                         f"{json.dumps(calibration['samples'])}")
+    print(f"# cost model fit: {fit.describe()}")
+    third = _link_for_third(baseline, fit, baseline["config"], args) if baseline else None
+    if third:
+        print(f"# link at which {third['method']} communication is 1/3 of prefill at "
+              f"length {third['length']}: {third['gbit']:.3g} Gbit/s")
+    if args.link_gbit == "third":
+        args.link_gbit = round(third["gbit"], 3)
+        report["settings"]["link_gbit"] = args.link_gbit
+    report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
+                            "calibration": calibration, "link_gbit_for_third": third}
+    return fit
+
+
+def _run_processes(args, params: dict, torus) -> tuple[dict, str]:
+    """Mode --processes (and --torus): one worker process per device, the loopback or each torus
+    link shaped to --link-gbit; with --base-link-gbit the workers alternate two rates."""
+    from eval import multiproc
+
+    paired = args.base_link_gbit is not None and args.link_gbit is not None
+    links = [args.base_link_gbit, args.link_gbit] if paired else None
+    print(f"# {args.processes} processes ...")
+    results = multiproc.run("eval.bench_prefill:worker", args.processes,
+                            args=({**params, "links": links},), link_gbit=args.link_gbit,
+                            malloc_tunables=not args.plain_malloc, torus=torus)
+    result = results[0]
+    for row, *others in zip(result["rows"], *(r["rows"] for r in results[1:])):
+        row["median_ms_by_process"] = [row["median_ms"]] + [o["median_ms"] for o in others]
+    mode = f"{args.processes} processes (gloo over TCP on 127.0.0.1"
+    if torus:
+        mode = (f"{args.processes} processes on an emulated {args.torus} torus (gloo, a veth "
+                f"per neighbour, each direction shaped to {args.link_gbit} Gbit/s; model "
+                f"mesh {args.tp_mesh or '1-D, snake order'})")
+    elif paired:
+        base = (f"{args.base_link_gbit} Gbit/s" if args.base_link_gbit
+                else "the unshaped loopback (rows with Gbit/s 0)")
+        mode += (f", loopback shaped to {args.link_gbit} Gbit/s, alternating every "
+                 f"iteration with {base})")
+    else:
+        mode += f", loopback shaped to {args.link_gbit} Gbit/s)" if args.link_gbit else ")"
+    return result, mode
+
+
+def _print_report(report: dict, rows: list[dict], link_gbit) -> None:
     print(prefill_report.header(report))
     print(prefill_report.format_table(rows))
     share = prefill_report.comm_share_line(rows)
@@ -462,15 +510,15 @@ def main(argv: list[str] | None = None) -> dict:
         third = report["cost_model"]["link_gbit_for_third"]
         if third:
             print(f"# link at which {third['method']} communication is 1/3 of prefill at length "
-                  f"{third['length']}: {third['gbit']:.3g} Gbit/s (this run: {args.link_gbit})")
+                  f"{third['length']}: {third['gbit']:.3g} Gbit/s (this run: {link_gbit})")
     if "tpu_predictions" in report:
         print(cost_model.format_tpu_predictions(report["tpu_predictions"]))
-    if args.out:
-        with open(args.out, "w") as f:
+
+
+def _write_json(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(report, f, indent=1)
-    if args.plot:
-        prefill_report.plot(report, args.plot)
-    return report
 
 
 def _predict(rows: list[dict], baseline: dict | None, fit: cost_model.Fit, cfg: dict,

@@ -125,8 +125,7 @@ def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = F
     each step fed the previous step's tokens, positions from `start`): the engine alone. With
     `overlapped`, each step is dispatched fed from the previous one on the device before that
     one's tokens are read back (`dispatch_decode`), as the engine core's overlapped loop does."""
-    from serving.engine import DecodeInputs
-    from serving.sampling import SlotSampling
+    from serving import DecodeInputs, SlotSampling
 
     rows = engine.info.num_slots
     tokens = np.full(rows, engine.tokenizer.bos_id, np.int32)
@@ -151,8 +150,7 @@ def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = F
 
 def load_local_engine(args):
     """The engine the started server builds (same flags), in this process."""
-    from serving.config import ServerConfig
-    from serving.runtime import load_engine
+    from serving import ServerConfig, load_engine
 
     if args.server_arg:
         raise SystemExit("--engine-ratio does not pass --server-arg to the local engine: drop them")

@@ -6,4 +6,40 @@ Layers, from the model up: `engine` (the model's prefill/decode programs, cache 
 conditions, events, per-request `metrics`), `endpoints` / `api` (FastAPI app, validation, OpenAI
 formats), and `cli` (`gemma3-serve`, `gemma3-generate`) configured by `config`. `fake_engine` is
 a deterministic stand-in for the model used to test the layers above the engine.
+
+The public API is the names below, for programs that drive the engine without HTTP (the
+benchmarks in eval/ use nothing else): build it from a `ServerConfig` (`load_engine`, or
+`configure_jax` + `load_configured_model` + `ModelEngine` or `PagedEngine`), run it step by step (`DecodeInputs`,
+`SlotSampling`, `pad_prefill_batch`) or through an `EngineCore` (submit requests with
+`SamplingParams`); `build_grammar`, `StructuredOutputs`, `Sequence` and `step_extras` are the
+pieces of a constrained step. They load on first use, so importing `serving` imports no jax.
 """
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "ServerConfig": "serving.config",
+    "configure_jax": "serving.runtime",
+    "load_configured_model": "serving.runtime",
+    "load_engine": "serving.runtime",
+    "ModelEngine": "serving.engine",
+    "DecodeInputs": "serving.engine",
+    "pad_prefill_batch": "serving.engine",
+    "PagedEngine": "serving.paged_engine",
+    "EngineCore": "serving.engine_core",
+    "SamplingParams": "serving.sampling",
+    "SlotSampling": "serving.sampling",
+    "Sequence": "serving.scheduler",
+    "StructuredOutputs": "serving.structured_output",
+    "build_grammar": "serving.structured_output",
+    "step_extras": "serving.logits_processing",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'serving' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

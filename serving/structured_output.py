@@ -22,7 +22,9 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 import weakref
+from typing import Callable
 
 import numpy as np
 
@@ -277,7 +279,9 @@ class StructuredOutputs:
     thread (llguidance's executor releases the GIL and may use more threads for a large batch)."""
 
     def __init__(self, vocab_size: int, eos_ids: tuple[int, ...], max_seq_len: int | None = None,
-                 tokenizer=None):
+                 tokenizer=None, mask_timer: Callable[[float], None] | None = None):
+        """mask_timer: called with the seconds of each mask job, on the worker thread where it
+        runs (a benchmark's view of the host work a constrained step adds)."""
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.eos_ids = tuple(eos_ids)
@@ -286,6 +290,7 @@ class StructuredOutputs:
         self._rows: dict[int, _Row] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor = None
+        self._mask_timer = mask_timer
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -355,9 +360,12 @@ class StructuredOutputs:
     def _compute(self, matchers, out: np.ndarray, closing) -> None:
         from llguidance.numpy import fill_next_token_bitmask_par
 
+        t0 = time.perf_counter()
         fill_next_token_bitmask_par(self._executor, matchers, out)
         for i, row in closing:
             self._close_in_time(row, out[i])
+        if self._mask_timer is not None:
+            self._mask_timer(time.perf_counter() - t0)
 
     def _close_in_time(self, row: _Row, mask: np.ndarray) -> None:
         """Near the end of a sequence's token budget: when the shortest way we know to complete

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -69,23 +68,24 @@ def late_group(tmp_path_factory):
 
 def test_a_group_that_cannot_form_says_so_in_bounded_time(tmp_path, late_group):
     # Runs while `late_group` (started first, for the next test) waits for its process 1.
-    # A process that never starts: process 0 gives up after --join-timeout.
+    # A process that never starts: process 0 gives up at its own --join-timeout (the log names
+    # that deadline), not at gloo's or jax's; wait()'s limit only keeps a hang from stalling the
+    # suite, it does not measure the deadline.
     procs = [_start(0, free_port(), free_port(), 0, tmp_path, "--join-timeout", "4")]
     try:
-        t0 = time.monotonic()
-        assert procs[0][0].wait(60) == jax_platform.EXIT_GROUP_NOT_FORMED
-        assert time.monotonic() - t0 < 30
-        assert "FATAL: the process group did not form" in Path(procs[0][1].name).read_text()
+        assert procs[0][0].wait(120) == jax_platform.EXIT_GROUP_NOT_FORMED
+        log0 = Path(procs[0][1].name).read_text()
+        assert "FATAL: the process group did not form" in log0, log0[-2000:]
+        assert "within 4s (--join-timeout)" in log0, log0[-2000:]
     finally:
         stop_processes(procs)
-    # A process that loads for longer than --load-timeout allows.
+    # A process that loads for longer than --load-timeout allows: process 0 ends at that
+    # deadline (long before process 1's 60 s delay is over), saying which deadline.
     port, coord = free_port(), free_port()
     procs = [_start(0, port, coord, 0, tmp_path, "--load-timeout", "4"),
              _start(1, port, coord, 60, tmp_path, "--load-timeout", "4")]
     try:
-        t0 = time.monotonic()
-        assert procs[0][0].wait(60) == jax_platform.EXIT_GROUP_NOT_FORMED
-        assert time.monotonic() - t0 < 40
+        assert procs[0][0].wait(120) == jax_platform.EXIT_GROUP_NOT_FORMED
         log0 = Path(procs[0][1].name).read_text()
         assert "not every process was loaded within 4s (--load-timeout)" in log0, log0[-2000:]
     finally:

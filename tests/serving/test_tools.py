@@ -161,3 +161,27 @@ def test_call_grammar_names_and_refs():
         "type": "object", "properties": {"a b": {"type": "string"}}, "required": ["a b"]}}}])
     with pytest.raises(InvalidParameter):
         T.call_grammar(bad, "required")
+
+
+def test_mask_timer_sees_each_mask_job():
+    """StructuredOutputs reports the seconds of every mask job it runs (what bench_grammar
+    measures as the host work of a constrained step), and only when the matcher moved."""
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+    from serving import SamplingParams, Sequence, StructuredOutputs, build_grammar
+
+    tok, eos = ByteTokenizer(512), (1, 106)
+    grammar = build_grammar("json_schema", {"enum": ["ab"]}, "response_format", tok, eos)
+    seconds: list[float] = []
+    structured = StructuredOutputs(512, eos, tokenizer=tok, mask_timer=seconds.append)
+    try:
+        seq = Sequence(1, [2], SamplingParams(max_tokens=8, grammar=grammar), seed=0, slot=0)
+        structured.add(seq)
+        structured.masks([seq.id]).result()
+        assert len(seconds) == 1 and seconds[0] >= 0
+        structured.masks([seq.id]).result()  # nothing moved: the same mask, no new job
+        assert len(seconds) == 1
+        structured.accept(seq.id, tok.encode('"')[0])
+        structured.masks([seq.id]).result()
+        assert len(seconds) == 2
+    finally:
+        structured.close()

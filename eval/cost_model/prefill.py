@@ -1,0 +1,86 @@
+"""Prefill time on a link: the one-process time plus every AllReduce's fitted link time."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from eval.cost_model.link import Fit, LinkModel
+from eval.cost_model.schedule import allreduce_schedule
+
+
+def allreduces_per_prefill(num_layers: int) -> int:
+    """Two per layer: after the attention output projection and after the MLP down projection."""
+    return 2 * num_layers
+
+
+def predict_prefill_s(nolink_s: float, label: str, *, tokens: int, d_model: int, num_layers: int,
+                      n_devices: int, link: LinkModel, minishards: int = 4,
+                      embed_psum: bool = True, pipelined: bool = True,
+                      base_link: LinkModel | None = None) -> float:
+    """Prefill seconds on `link`: measured no-link time plus the modelled communication.
+
+    embed_psum: the model's vocabulary-parallel embedding lookup ends with one exact XLA psum
+    of the same [tokens, d_model] shape, in every method's program.
+    base_link: `nolink_s` was measured on this link rather than without one; its modelled
+    communication is taken out.
+    """
+    s = allreduce_schedule(label, tokens * d_model, n_devices, minishards, pipelined=pipelined)
+    embed = allreduce_schedule("bf16", tokens * d_model, n_devices)
+
+    def comm(lk: LinkModel) -> float:
+        t = allreduces_per_prefill(num_layers) * lk.comm_time(s, n_devices)
+        if embed_psum and n_devices > 1:
+            t += lk.comm_time(embed, n_devices)
+        return t
+
+    return nolink_s + comm(link) - (comm(base_link) if base_link is not None else 0.0)
+
+
+def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: int, d_model: int,
+                        num_layers: int, n_devices: int, fit: "Fit", minishards: int = 4,
+                        pipelined: bool = True) -> float:
+    """The link rate (Gbit/s, shared loopback) at which communication is `share` of the
+    predicted prefill time of `label`: solves comm / (nolink + comm) = share for the rate."""
+    if not 0 < share < 1:
+        raise ValueError(f"share must be in (0, 1), got {share}")
+    want = share / (1 - share) * nolink_s  # seconds of communication
+    fast, slow = fit.link(1e6), fit.link(1.0)  # latency only / latency + 1 Gbit/s of bytes
+    kw = dict(tokens=tokens, d_model=d_model, num_layers=num_layers, n_devices=n_devices,
+              minishards=minishards, pipelined=pipelined)
+    latency = predict_prefill_s(0.0, label, link=fast, **kw)
+    per_gbit = predict_prefill_s(0.0, label, link=slow, **kw) - latency  # seconds x Gbit/s
+    if want <= latency:
+        raise ValueError("latency alone exceeds that share: no link rate gives it")
+    return per_gbit / (want - latency)
+
+
+def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: float, *,
+                 d_model: int, num_layers: int, minishards: int = 4,
+                 pipelined: bool = True, baseline: str = "bf16",
+                 base_gbit: float | None = None) -> list[dict]:
+    """Add predicted_ms and predicted_speedup_vs_bf16 to benchmark rows.
+
+    nolink_ms maps (length, batch, method) to the one-process median of the same program, or
+    with base_gbit to the median of the same program on a link of that rate.
+    An AllReduce carries batch x bucket (the padded length) x d_model values.
+    """
+    link = fit.link(link_gbit, shared=True)
+    base_link = fit.link(base_gbit, shared=True) if base_gbit is not None else None
+    out = []
+    pred_ms = {}
+    rows = list(rows)
+    for r in rows:
+        key = (r["length"], r["batch"], r["method"])
+        if key in nolink_ms:
+            tokens = r.get("bucket", r["length"]) * r["batch"]
+            pred_ms[key] = 1e3 * predict_prefill_s(
+                nolink_ms[key] / 1e3, r["method"], tokens=tokens, d_model=d_model,
+                num_layers=num_layers, n_devices=r["tp"], link=link, minishards=minishards,
+                pipelined=pipelined, base_link=base_link)
+    for r in rows:
+        r = dict(r)
+        key = (r["length"], r["batch"], r["method"])
+        base = pred_ms.get((r["length"], r["batch"], baseline))
+        r["predicted_ms"] = pred_ms.get(key)
+        r["predicted_speedup_vs_bf16"] = (base / pred_ms[key]) if key in pred_ms and base else None
+        out.append(r)
+    return out
