@@ -44,7 +44,7 @@ def _on_event(name: str, seconds: float, **_) -> None:
 def image_request(model, text_ids: list[int], seed: int):
     """A prompt with one image after `text_ids` (the Gemma 3 layout: start, soft tokens, end)
     and its SeqImage (random pixels: a new content hash for each seed)."""
-    from serving.scheduler import SeqImage
+    from serving import SeqImage
 
     t = model.vision.tokens
     n = model.vision.config.tokens_per_image
@@ -56,7 +56,7 @@ def image_request(model, text_ids: list[int], seed: int):
 
 
 def _params(n: int):
-    from serving.sampling import SamplingParams
+    from serving import SamplingParams
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
@@ -149,8 +149,8 @@ def main(argv=None) -> dict:
     jax.monitoring.register_event_duration_secs_listener(_on_event)
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
-    from serving.engine_core import EngineCore
-    from serving.paged_engine import PagedEngine
+    from serving import EngineCore
+    from serving import PagedEngine
 
     model = load_model(args.model, tp=args.tp, dtype=args.dtype, max_seq_len=4096 + 512,
                        allreduce=AllReduceConfig(method="f32"))

@@ -42,8 +42,8 @@ from eval.reports import write_json
 
 
 def build(model, kind: str, max_seq_len: int, chunk: int):
-    from serving.engine import ModelEngine
-    from serving.paged_engine import PagedEngine
+    from serving import ModelEngine
+    from serving import PagedEngine
 
     if kind == "paged":
         engine = PagedEngine(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
@@ -81,7 +81,7 @@ def batch_tok_s(core, prompts, tokens: int) -> float:
 def lone_ttft(model, length: int, prompt_tokens: int, repeats: int, chunk: int) -> dict:
     """TTFT of one prompt of `prompt_tokens` alone, the slot engine (default, deterministic)
     and the paged engine alternating (`--only ttft`)."""
-    from serving.engine_core import EngineCore
+    from serving import EngineCore
 
     tok = model.tokenizer
     cores = {k: EngineCore(build(model, k, length, chunk)[0]).start() for k in ("slots", "paged")}
@@ -109,8 +109,8 @@ def streams_scaling(model, length: int, counts: list[int], tokens: int, prompt_t
                     repeats: int, chunk: int) -> dict:
     """Output tokens/s of the paged engine (max_num_seqs = the largest count) at each number
     of concurrent greedy streams (`--only streams`)."""
-    from serving.engine_core import EngineCore
-    from serving.paged_engine import PagedEngine
+    from serving import EngineCore
+    from serving import PagedEngine
 
     tok = model.tokenizer
     engine = PagedEngine(model, max_num_seqs=max(counts), max_seq_len=length, page_size=16,
@@ -140,10 +140,10 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
     scheduler run for real (no model steps: the pages a sequence holds do not depend on the
     values computed)."""
     from models.gemma3.kv_cache import bytes_per_sequence
-    from serving.paged_engine import local_pages_for, paged_engine_info
-    from serving.paged_scheduler import PagedScheduler
-    from serving.sampling import SamplingParams
-    from serving.scheduler import Sequence
+    from serving import local_pages_for, paged_engine_info
+    from serving import PagedScheduler
+    from serving import SamplingParams
+    from serving import Sequence
 
     c = model.config
     dtype = np.dtype(model.cache_dtype)
@@ -197,12 +197,12 @@ def step_runners(model, length: int, context: int, rows: int = 8) -> dict:
     """Per engine, a function that runs one decode step of `rows` sequences at position
     `context` (what their caches hold does not matter to the time: zeros) and waits for its
     tokens. The paged rows hold their pages as the allocator gives them out."""
-    from serving.engine import DecodeInputs, ModelEngine
-    from serving.kv_pages import KVPages
-    from serving.paged_engine import PagedEngine, step_inputs
-    from serving.paged_scheduler import Piece, StepPlan
-    from serving.sampling import IDLE, SlotSampling
-    from serving.scheduler import Sequence
+    from serving import DecodeInputs, ModelEngine
+    from serving import KVPages
+    from serving import PagedEngine, step_inputs
+    from serving import Piece, StepPlan
+    from serving import IDLE, SlotSampling
+    from serving import Sequence
 
     paged = PagedEngine(model, max_num_seqs=rows, max_seq_len=length, page_size=16,
                         prefix_caching=False, model_name="bench")
@@ -245,7 +245,7 @@ def step_times(model, lengths: list[int], context: int, repeats: int) -> dict:
 
 def compare_engines(model, args) -> dict:
     """The default run: lone ITL, 8-stream tokens/s and KV bytes per engine and --max-seq-len."""
-    from serving.engine_core import EngineCore
+    from serving import EngineCore
 
     tok = model.tokenizer
     prompts = [[tok.bos_id] + _text_ids(tok, args.prompt_tokens - 1, i) for i in range(8)]

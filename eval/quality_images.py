@@ -22,7 +22,7 @@ import jax_platform
 
 def prompt(model, kind: int, tokens: int, seed: int):
     """(ids, images) of `kind` images (0, 1, 2), each image followed by text."""
-    from serving.scheduler import SeqImage
+    from serving import SeqImage
 
     rng = np.random.default_rng(seed)
     t, c = model.vision.tokens, model.vision.config
@@ -41,10 +41,10 @@ def prompt(model, kind: int, tokens: int, seed: int):
 def all_logits(model, ids, images) -> np.ndarray:
     """float32 [len(ids), V]: every position's logits from one ragged step over the prompt."""
     from models.gemma3.ragged import RaggedBatch
-    from serving.paged_engine import PagedEngine, step_inputs
-    from serving.paged_scheduler import PagedScheduler
-    from serving.sampling import SamplingParams
-    from serving.scheduler import Sequence
+    from serving import PagedEngine, step_inputs
+    from serving import PagedScheduler
+    from serving import SamplingParams
+    from serving import Sequence
 
     n = len(ids)
     size = 1 << (n - 1).bit_length()

@@ -10,7 +10,8 @@ a deterministic stand-in for the model used to test the layers above the engine.
 The public API is the names below, for programs that drive the engine without HTTP (the
 benchmarks in eval/ use nothing else): build it from a `ServerConfig` (`load_engine`, or
 `configure_jax` + `load_configured_model` + `ModelEngine` or `PagedEngine`), run it step by step (`DecodeInputs`,
-`SlotSampling`, `pad_prefill_batch`) or through an `EngineCore` (submit requests with
+`SlotSampling`, `pad_prefill_batch`; the paged engine's `PagedScheduler` plans a `StepPlan` of
+`Piece`s over `KVPages`, `step_inputs` makes its arrays) or through an `EngineCore` (submit requests with
 `SamplingParams`); `build_grammar`, `StructuredOutputs`, `Sequence` and `step_extras` are the
 pieces of a constrained step. They load on first use, so importing `serving` imports no jax.
 """
@@ -27,6 +28,15 @@ _PUBLIC = {
     "DecodeInputs": "serving.engine",
     "pad_prefill_batch": "serving.engine",
     "PagedEngine": "serving.paged_engine",
+    "paged_engine_info": "serving.paged_engine",
+    "local_pages_for": "serving.paged_engine",
+    "step_inputs": "serving.paged_engine",
+    "PagedScheduler": "serving.paged_scheduler",
+    "Piece": "serving.paged_scheduler",
+    "StepPlan": "serving.paged_scheduler",
+    "KVPages": "serving.kv_pages",
+    "IDLE": "serving.sampling",
+    "SeqImage": "serving.scheduler",
     "EngineCore": "serving.engine_core",
     "SamplingParams": "serving.sampling",
     "SlotSampling": "serving.sampling",
