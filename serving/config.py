@@ -92,8 +92,8 @@ class ServerConfig:
                          "no images in a multi-process group) or 'slots' (a cache row of "
                          "--max-seq-len per sequence, separate prefill/chunk/decode programs, "
                          "batch-invariant by default)", choices=("paged", "slots"))
-    max_batch: int = _field(8, "decode slots: sequences generated together (the paged engine's "
-                            "max-num-seqs)")
+    max_batch: int = _field(8, "sequences generated together (vLLM's max-num-seqs; the slot "
+                            "engine's decode slots)")
     max_seq_len: int = _field(2048, "context length per sequence (prompt + generated tokens)")
     prefill_batch: int = _field(2, "slot engine: prompts of up to 256 tokens prefilled together in one "
                                    "step (at most max_batch)")
