@@ -155,7 +155,7 @@ def load_local_engine(args):
     if args.server_arg:
         raise SystemExit("--engine-ratio does not pass --server-arg to the local engine: drop them")
     config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
-                          max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+                          max_batch=args.max_batch, max_seq_len=args.max_seq_len, engine="slots")
     jax_platform.request_cpu_devices(args.tp)
     return load_engine(config, lambda msg: None)
 
@@ -189,7 +189,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     env = jax_platform.child_environment()
     cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port), "--model", args.model,
            "--dtype", args.dtype, "--tp", str(args.tp), "--allreduce", args.allreduce,
-           "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len), *args.server_arg]
+           "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len), *args.server_arg,
+           *(["--engine", "slots"] if getattr(args, "engine_ratio", 0) else [])]  # run_decode is the slot engine's
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{args.port}"

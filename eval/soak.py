@@ -215,7 +215,7 @@ def run(model: str = "random:tiny", dtype: str = "float32", tp: int = 1, streams
     is whether every check holds."""
     args = SimpleNamespace(port=port, model=model, dtype=dtype, tp=tp, allreduce=allreduce,
                            max_batch=max_batch, max_seq_len=max_seq_len, server_log=server_log,
-                           server_arg=["--compile-cache-dir", ""], startup_timeout=1800)
+                           server_arg=["--compile-cache-dir", "", "--deterministic"], startup_timeout=1800)
     proc, url = start_server(args)
     try:
         card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]

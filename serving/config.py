@@ -87,16 +87,16 @@ class ServerConfig:
     dtype: str = _field("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
     host: str = _field("127.0.0.1", "address to bind (loopback by default)")
     port: int = _field(8000, "port to bind")
-    engine: str = _field("slots", "the engine: 'slots' (a cache row of --max-seq-len per "
-                         "sequence, separate prefill/chunk/decode programs) or 'paged' (a paged KV "
-                         "cache and one ragged step mixing decode tokens and prompt pieces: cost and "
-                         "memory follow the work; no prompt logprobs yet, no images in a multi-process group)",
-                         choices=("slots", "paged"))
-    max_batch: int = _field(8, "decode slots: sequences generated together (the paged engine's "
-                            "max-num-seqs)")
+    engine: str = _field("paged", "the engine: 'paged' (a paged KV cache and one ragged step "
+                         "mixing decode tokens and prompt pieces: cost and memory follow the work; "
+                         "no images in a multi-process group) or 'slots' (a cache row of "
+                         "--max-seq-len per sequence, separate prefill/chunk/decode programs, "
+                         "batch-invariant by default)", choices=("paged", "slots"))
+    max_batch: int = _field(8, "sequences generated together (vLLM's max-num-seqs; the slot "
+                            "engine's decode slots)")
     max_seq_len: int = _field(2048, "context length per sequence (prompt + generated tokens)")
-    prefill_batch: int = _field(2, "prompts of up to 256 tokens prefilled together in one step (at most "
-                                   "max_batch)")
+    prefill_batch: int = _field(2, "slot engine: prompts of up to 256 tokens prefilled together in one "
+                                   "step (at most max_batch)")
     kv_cache_tokens: int = _field(0, "paged engine: tokens of KV cache for the global layers, "
                                   "shared by all sequences (0: max_batch x max_seq_len); the "
                                   "sliding-window layers hold only each sequence's window")
@@ -119,8 +119,9 @@ class ServerConfig:
                                 "which needs --no-deterministic and --no-prefix-caching)")
     prefix_caching: bool = _field(True, "keep prompts' full chunks and reuse them for later prompts "
                                   "that start with the same tokens (--no-prefix-caching: off)")
-    prefix_cache_mb: int = _field(512, "memory for the prefix cache's blocks (least recently used "
-                                  "blocks give way)")
+    prefix_cache_mb: int = _field(512, "slot engine: memory for the prefix cache's blocks (least "
+                                  "recently used blocks give way; the paged engine caches prefixes "
+                                  "in its KV pages)")
     admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
                                       "requests before the next decode step (0 disables)")
     limit_mm_per_prompt: int = _field(4, "images one chat request may carry (more: 400); images "
@@ -153,6 +154,20 @@ class ServerConfig:
                self.max_num_batched_tokens) < 0 or self.page_size < 1:
             raise ValueError("prefill_chunk, prefix_cache_mb, kv_cache_tokens and "
                              "max_num_batched_tokens must be >= 0, page_size >= 1")
+        # A setting the chosen engine does not read is an error, not silence: with the paged
+        # engine as the default, a slot engine setting kept from an older command line or file
+        # would otherwise look as if it took effect.
+        ignored = [n for n in ENGINE_SETTINGS.get(OTHER_ENGINE.get(self.engine), ())
+                   if getattr(self, n) != _FIELDS[n].default]
+        if ignored:
+            other = OTHER_ENGINE[self.engine]
+            flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
+            one = len(ignored) == 1
+            raise ValueError(f"{flags} {'applies' if one else 'apply'} only to --engine {other}; "
+                             f"the {'paged' if self.engine == 'paged' else 'slot'} engine (the "
+                             f"default is --engine {_FIELDS['engine'].default}) does not read "
+                             f"{'it' if one else 'them'}: drop {'it' if one else 'them'} or add "
+                             f"--engine {other}")
         if self.engine == "paged" and (not self.prefill_chunk or self.prefill_chunk % self.page_size):
             raise ValueError(f"the paged engine needs prefill_chunk ({self.prefill_chunk}) to be a "
                              f"positive multiple of page_size ({self.page_size})")
@@ -215,6 +230,10 @@ class ServerConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+# The settings only one engine reads (the others mean the same to both).
+ENGINE_SETTINGS = {"slots": ("prefill_batch", "prefix_cache_mb"),
+                   "paged": ("kv_cache_tokens", "max_num_batched_tokens", "page_size")}
+OTHER_ENGINE = {"slots": "paged", "paged": "slots"}
 
 
 def _convert(name: str, value: Any) -> Any:

@@ -53,10 +53,12 @@ def test_old_spellings_rewrite_the_label():
 
 
 def test_batch_invariance_needs_a_token_local_allreduce():
-    assert ServerConfig(tp=2, allreduce="int8").batch_invariant
-    assert ServerConfig(tp=2, allreduce="bf16_ring").batch_invariant
+    # In deterministic mode (opt-in with the default paged engine), the AllReduce decides.
+    det = dict(deterministic=True)
+    assert ServerConfig(tp=2, allreduce="int8", **det).batch_invariant
+    assert ServerConfig(tp=2, allreduce="bf16_ring", **det).batch_invariant
     # The paper's tile scales span several tokens: a request can depend on its neighbours.
-    assert not ServerConfig(tp=2, allreduce="int8-full+tile").batch_invariant
-    assert not ServerConfig(tp=2, allreduce="int8+hadamard").batch_invariant
-    assert ServerConfig(tp=1, allreduce="int8-full+tile").batch_invariant  # no AllReduce runs
+    assert not ServerConfig(tp=2, allreduce="int8-full+tile", **det).batch_invariant
+    assert not ServerConfig(tp=2, allreduce="int8+hadamard", **det).batch_invariant
+    assert ServerConfig(tp=1, allreduce="int8-full+tile", **det).batch_invariant  # no AllReduce runs
     assert not ServerConfig(tp=2, allreduce="int8", deterministic=False).batch_invariant

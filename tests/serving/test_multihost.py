@@ -222,7 +222,7 @@ def _start_group(allreduce: str, log_dir: Path, cache_dir: Path, *args: str, nam
     procs = []
     for pid in range(2):
         cmd = _server_command(port, cache_dir, "--allreduce", allreduce, "--max-seq-len", str(max_seq_len),
-                              "--prefill-batch", "1", "--coordinator-address", f"127.0.0.1:{coord}",
+                              "--coordinator-address", f"127.0.0.1:{coord}",
                               "--num-processes", "2", "--process-id", str(pid),
                               "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *args)
         log = open(log_dir / f"{name or allreduce}-p{pid}.log", "w")
@@ -242,13 +242,15 @@ def _reference(allreduce: str, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factory):
-    """The default engine (deterministic: chunk steps on every process) with the default int8
+    """The slot engine (deterministic: chunk steps on every process) with the default int8
     across two processes gives one process's tokens; killing process 1 ends process 0 with
     EXIT_PEER_LOST. (A graceful SIGTERM shutdown of a group: test_group_formation.py.)"""
     allreduce = "int8"
     log_dir = tmp_path_factory.mktemp(f"multihost-{allreduce}")
     cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
-    url, procs = _start_group(allreduce, log_dir, cache_dir)
+    # Slot engine steps (chunks, slot moves) are what this group test covers; the paged
+    # engine's group is the next test.
+    url, procs = _start_group(allreduce, log_dir, cache_dir, "--engine", "slots", "--prefill-batch", "1")
     try:
         from models.gemma3.gguf import default_gguf_path
         from models.gemma3.tokenizer import Tokenizer

@@ -300,8 +300,8 @@ def test_models_health_and_metrics(client):
 
 def test_not_ready_gives_503_then_200_and_api_key():
     config = ServerConfig(model="fake", served_model_name="fake", max_batch=1, max_seq_len=32,
-                          api_key="sekret", compile_cache_dir="")
-    s = ServerThread(config, FakeEngine(num_slots=1, max_seq_len=32), load=False)
+                          api_key="sekret", compile_cache_dir="")  # the default engine: paged
+    s = ServerThread(config, fake_paged_engine(num_slots=1, max_seq_len=32), load=False)
     try:
         assert httpx.get(s.url + "/health").status_code == 503
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sekret"})

@@ -88,7 +88,7 @@ class ServerProcess:
 def server(tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
     cache = tmp_path_factory.mktemp("compile-cache")
-    s = ServerProcess("tp2", ["--tp", "2", "--allreduce", "f32", "--max-batch", "8", "--prefill-batch", "4",
+    s = ServerProcess("tp2", ["--tp", "2", "--allreduce", "f32", "--max-batch", "8", "--deterministic",
                               "--max-waiting", "64"], logs, cache, MAX_SEQ_LEN)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT

@@ -241,6 +241,27 @@ def test_config_errors(kwargs, env, match):
         from_sources(kwargs, env=env)
 
 
+def test_default_engine_is_paged_and_each_engine_picks_its_own_deterministic_default():
+    c = from_sources({}, env={})
+    assert (c.engine, c.deterministic, c.batch_invariant) == ("paged", False, False)
+    assert from_sources({"engine": "slots"}, env={}).deterministic
+    assert from_sources({"deterministic": True}, env={}).batch_invariant
+    assert not from_sources({"engine": "slots", "deterministic": False}, env={}).deterministic
+
+
+@pytest.mark.parametrize("kwargs,env,flags,engine", [
+    ({"prefill_batch": 4}, {}, "--prefill-batch", "slots"),
+    ({}, {"GEMMA3_PREFIX_CACHE_MB": "64"}, "--prefix-cache-mb", "slots"),
+    ({"engine": "slots", "page_size": 8, "kv_cache_tokens": 4096}, {}, "--kv-cache-tokens, --page-size", "paged"),
+    ({"engine": "slots"}, {"GEMMA3_MAX_NUM_BATCHED_TOKENS": "64"}, "--max-num-batched-tokens", "paged"),
+])
+def test_a_setting_the_engine_does_not_read_is_an_error(kwargs, env, flags, engine):
+    with pytest.raises(ValueError, match=f"^{flags} appl.* only to --engine {engine};.* add --engine {engine}$"):
+        from_sources(kwargs, env=env)
+    # The same setting with its own engine is accepted.
+    from_sources({**kwargs, "engine": engine}, env=env)
+
+
 def test_served_model_name():
     assert ServerConfig().model_name == "gemma3-270m"
     assert ServerConfig(model="/models/my-gemma.gguf").model_name == "my-gemma"
@@ -254,6 +275,7 @@ def test_served_model_name():
     ("serve_main", ["--allreduce", "int3"]),
     ("serve_main", ["--tp", "two"]),
     ("serve_main", ["--max-batch", "0"]),
+    ("serve_main", ["--prefill-batch", "4"]),  # a slot engine flag with the paged default
     ("generate_main", ["hello", "--temperature", "-1"]),
     ("generate_main", ["hello", "--top-p", "2"]),
     ("generate_main", [""]),

@@ -40,7 +40,7 @@ def server():
     model = load_model("random:tiny", tp=1, dtype="float32", seed=5)
     engine = ModelEngine(model, num_slots=4, max_seq_len=256, prefill_batch_sizes=(1,))  # compiles on use
     config = ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=256,
-                          compile_cache_dir="")
+                          compile_cache_dir="", engine="slots")
     s = ServerThread(config, engine)
     yield s
     s.stop()

@@ -40,7 +40,7 @@ def server():
     engine = ModelEngine(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=9), num_slots=4, max_seq_len=4096,
                          prefill_batch_sizes=(1,))
     s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=4096,
-                                  compile_cache_dir=""), engine)
+                                  compile_cache_dir="", engine="slots"), engine)
     yield s
     s.stop()
 

@@ -49,7 +49,9 @@ class Server:
         cmd = [sys.executable, "-m", "serving.cli", "--model", f"random:tiny?max_len={max_seq_len}",
                "--dtype", "float32", "--max-seq-len", str(max_seq_len), "--max-batch", "2", "--port", str(self.port),
                "--compile-cache-dir", str(cache_dir), "--step-timeout", str(step_timeout),
-               "--compile-timeout", str(max(step_timeout, 60)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+               "--compile-timeout", str(max(step_timeout, 60)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+               # The stall step's number and the stuck step's description are the slot engine's.
+               "--engine", "slots"]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
