@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 import jax_platform
+from eval.reports import write_json
 
 from eval.bench_engine import Stream
 
@@ -185,9 +186,7 @@ def main(argv=None) -> dict:
                   f"{t['again_s']:.3f} s ({t['ratio']:.3f}x)", file=sys.stderr)
     finally:
         core.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
     print(json.dumps(results, indent=1))
     return results
 

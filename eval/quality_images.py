@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 import jax_platform
+from eval.reports import write_json
 
 
 def prompt(model, kind: int, tokens: int, seed: int):
@@ -100,9 +101,7 @@ def main(argv=None) -> dict:
             print(f"  tp={args.tp} {mode:8s} {kind} image(s): KL {r['kl_to_f32']:.2e}, top-1 "
                   f"{100 * r['top1_agree_f32']:.2f}% over {r['positions']} positions", file=sys.stderr)
     report = {"model": source, "tp": args.tp, "dtype": "float32", "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     print(json.dumps(report, indent=1))
     return report
 

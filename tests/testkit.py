@@ -116,6 +116,16 @@ def assert_same_bits(got, want, wire: tuple | None = None, err_msg: str = "") ->
                                   err_msg=f"the bits of the values other than NaN {err_msg}")
 
 
+def vision_golden_model(golden: dict, path: Path, tp: int = 1):
+    """The tiny multimodal golden loaded as a float32 model with the f32 AllReduce (its
+    checkpoint written at `path`)."""
+    from equarx import AllReduceConfig
+    from models.gemma3 import load_model
+
+    return load_model(str(vision_golden_checkpoint(golden, path)), tp=tp, dtype="float32",
+                      allreduce=AllReduceConfig(method="f32"))
+
+
 def vision_golden_checkpoint(golden: dict, path: Path) -> Path:
     """The tiny multimodal golden's state dict and config (VISION_GOLDEN_NPZ, made by
     tests/golden/make_vision_golden.py) as a Hugging Face directory at `path`."""

@@ -7,15 +7,13 @@ import threading
 import numpy as np
 import pytest
 
-from equarx import AllReduceConfig
-from models.gemma3 import load_model
 from serving.engine_core import EngineCore
 from serving.kv_pages import block_hashes
 from serving.paged_engine import PagedEngine
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
-from testkit import VISION_GOLDEN_NPZ, vision_golden_checkpoint
+from testkit import VISION_GOLDEN_NPZ, vision_golden_model
 
 
 
@@ -26,9 +24,7 @@ def golden():
 
 @pytest.fixture(scope="module")
 def model(golden, tmp_path_factory):
-    path = vision_golden_checkpoint(golden, tmp_path_factory.mktemp("hf_mm"))
-    return load_model(str(path), tp=1, dtype="float32",
-                      allreduce=AllReduceConfig(method="f32"))
+    return vision_golden_model(golden, tmp_path_factory.mktemp("hf_mm"))
 
 
 def images_of(m, golden, k, order=None):
