@@ -301,8 +301,8 @@ class ModelEngine:
     def run_decode(self, inputs: DecodeInputs) -> StepOutputs:
         return self.dispatch_decode(inputs).result()
 
-    def dispatch_decode(self, inputs: DecodeInputs, feed: tuple["PendingDecode", np.ndarray] | None = None
-                        ) -> "PendingDecode":
+    def dispatch_decode(self, inputs: DecodeInputs, feed: tuple["PendingStep", np.ndarray] | None = None
+                        ) -> "PendingStep":
         """Dispatches a decode step and returns at once (JAX's asynchronous dispatch): its outputs
         stay on the device until `result()`. feed = (an earlier step still pending, src int32 [R]):
         row i takes as its input token row src[i]'s sampled token of that step (-1: the host's
@@ -326,7 +326,7 @@ class ModelEngine:
         sampling = inputs.sampling.padded(rows + pad).resolve()
         out = self._sample(logits, sampling, positions + 1)
         ticket = self.window.dispatched(out)
-        return PendingDecode(self._jax, out, rows, lambda: self.window.retired(ticket))
+        return PendingStep(self._jax, out, rows, lambda: self.window.retired(ticket))
 
     def run_chunk(self, inputs: ChunkInputs) -> StepOutputs | None:
         """Copies the prefix blocks to restore into the slot, runs the chunk and stores its keys
@@ -485,21 +485,25 @@ def _last_logits(logits, lengths):
     return logits[np.arange(logits.shape[0]), lengths - 1]
 
 
-class PendingDecode:
-    """A dispatched decode step: its sampled tokens as a device array (`tokens`, padded rows, to
-    feed a later step) and, on `result()`, its outputs on the host (waits for the device)."""
+class PendingStep:
+    """A dispatched step (a slot engine's decode, a paged engine's ragged step): its sampled
+    tokens as a device array (`tokens`, padded rows, to feed a later step; None for a step that
+    samples nothing) and, on `result()`, its outputs on the host (waits for the device): the
+    first `rows` rows of the sampled token's outputs, or with rows None every output whole."""
 
-    def __init__(self, jax, out, rows: int, on_result: Callable[[], None] = lambda: None):
+    def __init__(self, jax, out, rows: int | None = None,
+                 on_result: Callable[[], None] = lambda: None):
         self._jax, self._out, self.rows = jax, out, rows
-        self.tokens = out[0]
+        self.tokens = None if out is None else out[0]
         self._host: StepOutputs | None = None
         self._on_result = on_result  # told once the outputs are on the host
 
-    def result(self) -> StepOutputs:
-        if self._host is None:
-            host = _to_host(self._jax, self._out, ())
-            self._host = StepOutputs(*(a[:self.rows] for a in host[:4]))
-            self._out = None
+    def result(self) -> StepOutputs | None:
+        if self._out is not None:
+            host = StepOutputs(*self._jax.device_get(tuple(self._out)))
+            if self.rows is not None:
+                host = StepOutputs(*(a[:self.rows] for a in host[:4]))
+            self._host, self._out = host, None
             self._on_result()
         return self._host
 

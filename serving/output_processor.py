@@ -168,9 +168,8 @@ class OutputProcessor:
         n_top = s.params.logprobs or 0
         for t in range(p.start, min(p.end, len(s.prompt) - 1)):
             i = first + t - p.start
-            top = tuple((int(k), float(v)) for k, v in
-                        zip(out.prompt_top_ids[i, :n_top], out.prompt_top_logprobs[i, :n_top]))
-            o.prompt_lps[t] = TokenInfo(s.prompt[t + 1], float(out.prompt_logprobs[i]), top)
+            o.prompt_lps[t] = _scored(s.prompt[t + 1], out.prompt_logprobs[i],
+                                      out.prompt_top_ids[i], out.prompt_top_logprobs[i], n_top)
         if not p.sample:
             return None
         lps, o.prompt_lps = o.prompt_lps, None
@@ -233,15 +232,17 @@ class OutputProcessor:
 def _token_info(out: StepOutputs, row: int, tok: int, n_top: int | None) -> TokenInfo:
     if n_top is None:
         return TokenInfo(tok)
-    top = tuple((int(i), float(v)) for i, v in zip(out.top_ids[row, :n_top], out.top_logprobs[row, :n_top]))
-    return TokenInfo(tok, float(out.logprobs[row]), top)
+    return _scored(tok, out.logprobs[row], out.top_ids[row], out.top_logprobs[row], n_top)
+
+
+def _scored(tok: int, logprob, top_ids, top_logprobs, n_top: int) -> TokenInfo:
+    """A token with its logprob and its n_top best alternatives (id, logprob)."""
+    top = tuple((int(i), float(v)) for i, v in zip(top_ids[:n_top], top_logprobs[:n_top]))
+    return TokenInfo(tok, float(logprob), top)
 
 
 def _prompt_logprobs(out: StepOutputs, row: int, s: Sequence) -> tuple[TokenInfo, ...]:
     n_top = s.params.logprobs or 0
-    res = []
-    for t in range(len(s.prompt) - 1):
-        top = tuple((int(i), float(v)) for i, v in
-                    zip(out.prompt_top_ids[row, t, :n_top], out.prompt_top_logprobs[row, t, :n_top]))
-        res.append(TokenInfo(s.prompt[t + 1], float(out.prompt_logprobs[row, t]), top))
-    return tuple(res)
+    return tuple(_scored(s.prompt[t + 1], out.prompt_logprobs[row, t], out.prompt_top_ids[row, t],
+                         out.prompt_top_logprobs[row, t], n_top)
+                 for t in range(len(s.prompt) - 1))

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from serving import dispatch_window, wire
-from serving.engine import EngineInfo, StepOutputs, feed_tokens
+from serving.engine import EngineInfo, PendingStep, StepOutputs, feed_tokens
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
 from serving.sampling import IDLE, SlotSampling
@@ -377,8 +377,8 @@ class PagedEngine:
         sample hold junk), or None for a step that samples nothing (no device-to-host wait)."""
         return self.dispatch_step(inputs).result()
 
-    def dispatch_step(self, inputs: StepInputs, prev: "PendingStep | None" = None
-                      ) -> "PendingStep":
+    def dispatch_step(self, inputs: StepInputs, prev: PendingStep | None = None
+                      ) -> PendingStep:
         """Dispatches one ragged step and returns at once (JAX's asynchronous dispatch); its
         outputs stay on the device until `result()`. prev: the step in flight whose sampled
         tokens feed this one's (`StepInputs.feed`)."""
@@ -417,7 +417,7 @@ class PagedEngine:
             every = self._jax.device_put(every, self._sample_device)
             out += tuple(self._token_logprobs(every, inputs.targets))
         ticket = self.window.dispatched(out)
-        return PendingStep(self._jax, out, lambda: self.window.retired(ticket))
+        return PendingStep(self._jax, out, on_result=lambda: self.window.retired(ticket))
 
     def reset(self) -> None:
         """Fresh pages (after a failed step, whose donated pages may be gone)."""
@@ -476,24 +476,6 @@ class PagedEngine:
                         p.seq.generated.append(int(out.tokens[row]))
                 if all(len(s.generated) >= 2 for s in sched.running) and not sched.num_waiting:
                     break
-
-
-class PendingStep:
-    """A dispatched ragged step: its sampled tokens on the device (`tokens`, to feed the next
-    step; None for a step that samples nothing) and, on `result()`, its outputs on the host
-    (waits for the device)."""
-
-    def __init__(self, jax, out, on_result: Callable[[], None] = lambda: None):
-        self._jax, self._out, self._on_result = jax, out, on_result
-        self.tokens = None if out is None else out[0]
-        self._host: StepOutputs | None = None
-
-    def result(self) -> StepOutputs | None:
-        if self._out is not None:
-            self._host = StepOutputs(*self._jax.device_get(self._out))
-            self._out = None
-            self._on_result()
-        return self._host
 
 
 def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int,
