@@ -134,9 +134,10 @@ def _xla_attention(q, pages, table, first, batch, window):
 
 def attend_gathered(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """`forward.attend`'s numerics, cast for cast, over keys and values as gathered: q [S, Q,
-    Nl, H], k, v [S, L, Kl, H], mask [S, Q, L] -> [S, Q, Nl, H]. The dots contract the gathered
-    arrays as they lie (a batched matmul reads its right operand transposed for free); moving
-    them into the slot cache's layouts first cost XLA:CPU a copy of every row's pages."""
+    Nl, H], k, v [S, L, Kl, H], mask [S, Q, L] -> [S, Q, Nl, H]. The dots take the gathered
+    arrays as they lie and leave the layout to XLA: transposing them into the slot cache's
+    layouts first cost XLA:CPU extra copies of every row's pages (it still transposes the
+    keys once for the first dot, per layer, as the compiled program shows)."""
     s, t, n, h = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(s, t, kv_heads, n // kv_heads, h)
