@@ -47,10 +47,6 @@ class Layout:
         return self.n_devices * self.minishards * self.tiles * qz.TILE_ELEMENTS
 
     @property
-    def elements_per_scale(self) -> int:
-        return self.tiles
-
-    @property
     def pieces(self) -> int:
         return self.minishards
 

@@ -1,4 +1,5 @@
-"""Cost model tables: `python -m eval.cost_model --topologies`, `--emulated TORUS.json BASE.json`."""
+"""Cost model tables: `python -m eval.cost_model --tpu`, `--topologies`, `--emulated TORUS.json
+BASE.json`."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,9 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     p = argparse.ArgumentParser(description="cost model tables")
+    p.add_argument("--tpu", action="store_true",
+                   help="predicted Gemma 3 prefill speedups on TPU v5e next to the paper's "
+                        "(what eval.bench_prefill prints after a run)")
     p.add_argument("--topologies", action="store_true",
                    help="predicted AllReduce and prefill times per TPU topology and method")
     p.add_argument("--tokens", default="2048,4096,8192")
@@ -22,6 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--alpha-us", type=float, default=0.0,
                    help="per collective-permute latency for --emulated")
     args = p.parse_args(argv)
+    if not (args.tpu or args.topologies or args.emulated):
+        p.error("choose at least one of --tpu, --topologies, --emulated")
+    if args.tpu:
+        from eval.cost_model.tpu import format_tpu_predictions, tpu_predictions
+        print(format_tpu_predictions(tpu_predictions()))
     if args.topologies:
         tokens = [int(t) for t in args.tokens.split(",")]
         print(format_topology_predictions(topology_predictions(tokens)))

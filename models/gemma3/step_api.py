@@ -283,19 +283,6 @@ class Gemma3StepAPI:
         write-only cache update."""
         return self.programs.lower(self._decode_keys(num_slots, max_seq_len, rows)[0])
 
-    def compile_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
-                        return_all_logits: bool = False) -> None:
-        """Compile the prefill program for these shapes without running it, and keep it:
-        `prefill` with these shapes then runs it directly."""
-        self.programs.compile(self._prefill_key(batch, bucket, num_slots, max_seq_len,
-                                                return_all_logits))
-
-    def compile_decode(self, num_slots: int, max_seq_len: int, rows: int | None = None) -> None:
-        """Compile (without running) and keep the decode step over the first `rows` slots:
-        its forward program and its cache write."""
-        for key in self._decode_keys(num_slots, max_seq_len, rows):
-            self.programs.compile(key)
-
     def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
                 decode_rows=None, prefill_shapes=None, workers: int = 2,
                 progress: Callable[[str], None] | None = None, chunk_sizes=()) -> None:

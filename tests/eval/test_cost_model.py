@@ -141,6 +141,15 @@ def test_flops_and_tpu_predictions():
     assert "PREDICTIONS" in text and "paper" in text
 
 
+def test_cli_prints_the_tpu_predictions_and_asks_for_a_table(capsys):
+    from eval.cost_model.__main__ import main
+
+    main(["--tpu"])
+    assert capsys.readouterr().out.strip() == cm.format_tpu_predictions(cm.tpu_predictions()).strip()
+    with pytest.raises(SystemExit):
+        main([])
+
+
 # ---------------------------------------------------------------------------------------------
 # Topologies
 
