@@ -49,22 +49,24 @@ class Metrics(NullMetrics):
         labels = ("model_name", "allreduce")
         self._values = (model_name, allreduce)
 
-        def hist(name, doc, buckets=_REQUEST_BUCKETS):
-            return Histogram(f"gemma3:{name}", doc, labels, buckets=buckets, registry=r).labels(*self._values)
+        def series(kind, name, doc, extra=(), **kw):
+            """gemma3:`name`, labelled with this server's model and AllReduce; a family left to
+            label per observation when it has `extra` labels."""
+            metric = kind(f"gemma3:{name}", doc, labels + extra, registry=r, **kw)
+            return metric if extra else metric.labels(*self._values)
 
-        self.running = Gauge("gemma3:num_requests_running", "Sequences in decode slots.", labels,
-                             registry=r).labels(*self._values)
-        self.waiting = Gauge("gemma3:num_requests_waiting", "Sequences waiting for a slot.", labels,
-                             registry=r).labels(*self._values)
-        self.kv_usage = Gauge("gemma3:kv_cache_usage_perc",
-                              "Fraction of the KV cache's token positions in use (1 = full).", labels,
-                              registry=r).labels(*self._values)
-        self.prompt_tokens = Counter("gemma3:prompt_tokens", "Prefilled prompt tokens.", labels,
-                                     registry=r).labels(*self._values)
-        self.generation_tokens = Counter("gemma3:generation_tokens", "Generated tokens.", labels,
-                                         registry=r).labels(*self._values)
-        self._success = Counter("gemma3:request_success", "Finished sequences by finish reason (stop, length, abort, error).",
-                                labels + ("finished_reason",), registry=r)
+        def hist(name, doc, buckets=_REQUEST_BUCKETS):
+            return series(Histogram, name, doc, buckets=buckets)
+
+        self.running = series(Gauge, "num_requests_running", "Sequences in decode slots.")
+        self.waiting = series(Gauge, "num_requests_waiting", "Sequences waiting for a slot.")
+        self.kv_usage = series(Gauge, "kv_cache_usage_perc",
+                               "Fraction of the KV cache's token positions in use (1 = full).")
+        self.prompt_tokens = series(Counter, "prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = series(Counter, "generation_tokens", "Generated tokens.")
+        self._success = series(Counter, "request_success",
+                               "Finished sequences by finish reason (stop, length, abort, error).",
+                               ("finished_reason",))
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.", _LATENCY_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.")
@@ -73,34 +75,26 @@ class Metrics(NullMetrics):
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
         # Prompts are padded to a bucket length (and a batch to a compiled size): how often each
         # program runs and how many padding positions it computes.
-        self._prefill_steps = Counter("gemma3:prefill_steps", "Prefill calls by bucket length and batch size.",
-                                      labels + ("bucket", "batch"), registry=r)
-        self._prefill_padding = Counter("gemma3:prefill_padding_tokens",
-                                        "Token positions computed by prefill beyond the prompts.", labels,
-                                        registry=r).labels(*self._values)
+        self._prefill_steps = series(Counter, "prefill_steps",
+                                     "Prefill calls by bucket length and batch size.", ("bucket", "batch"))
+        self._prefill_padding = series(Counter, "prefill_padding_tokens",
+                                       "Token positions computed by prefill beyond the prompts.")
         # Decode runs a program of a fixed row count (the busy slots' prefix, rounded up).
-        self._decode_steps = Counter("gemma3:decode_steps", "Decode steps by compiled row count.",
-                                     labels + ("rows",), registry=r)
-        self._decode_padding = Counter("gemma3:decode_padding_rows",
-                                       "Rows computed by decode steps beyond the busy slots.", labels,
-                                       registry=r).labels(*self._values)
+        self._decode_steps = series(Counter, "decode_steps", "Decode steps by compiled row count.",
+                                    ("rows",))
+        self._decode_padding = series(Counter, "decode_padding_rows",
+                                      "Rows computed by decode steps beyond the busy slots.")
         # vLLM's prefix-cache counters: prompt tokens looked up, and those found in the cache.
-        self.prefix_queries = Counter("gemma3:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.", labels,
-                                      registry=r).labels(*self._values)
-        self.prefix_hits = Counter("gemma3:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache (not prefilled).", labels,
-                                   registry=r).labels(*self._values)
-        self.prefix_blocks = Gauge("gemma3:prefix_cache_blocks",
-                                   "Prefix-cache blocks held (each one chunk of a prompt).", labels,
-                                   registry=r).labels(*self._values)
-        self.prefix_capacity = Gauge("gemma3:prefix_cache_capacity_blocks",
-                                     "Prefix-cache blocks that fit its memory (0: no prefix cache).",
-                                     labels, registry=r).labels(*self._values)
-        self.slot_moves = Counter("gemma3:slot_moves", "Sequences moved to a lower decode slot.", labels,
-                                  registry=r).labels(*self._values)
-        info = Gauge("gemma3:engine_info", "Engine configuration (value 1).",
-                     labels + ("tp", "dtype"), registry=r)
+        self.prefix_queries = series(Counter, "prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = series(Counter, "prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (not prefilled).")
+        self.prefix_blocks = series(Gauge, "prefix_cache_blocks",
+                                    "Prefix-cache blocks held (each one chunk of a prompt).")
+        self.prefix_capacity = series(Gauge, "prefix_cache_capacity_blocks",
+                                      "Prefix-cache blocks that fit its memory (0: no prefix cache).")
+        self.slot_moves = series(Counter, "slot_moves", "Sequences moved to a lower decode slot.")
+        info = series(Gauge, "engine_info", "Engine configuration (value 1).", ("tp", "dtype"))
         info.labels(*self._values, str(tp), dtype).set(1)
 
     def on_scheduled(self, queue_time: float) -> None:

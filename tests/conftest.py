@@ -92,6 +92,17 @@ def _release_memory_between_modules():
     gc.collect()
 
 
+@pytest.fixture(scope="module")
+def vision_golden():
+    """The tiny multimodal golden (testkit.VISION_GOLDEN_NPZ: transformers' outputs on a tiny
+    random Gemma3ForConditionalGeneration) as a dict of arrays."""
+    import numpy as np
+
+    from testkit import VISION_GOLDEN_NPZ
+
+    return dict(np.load(VISION_GOLDEN_NPZ))
+
+
 # Files that take longest (compiles of the real 270M, or waits on other processes) run first,
 # longest first (as measured file by file on 2 cores; the group-formation file mostly sleeps, so
 # it stretches least when the other worker is busy): with two xdist workers taking a whole file

@@ -2,6 +2,7 @@
 through its conftest). Test modules never import each other; what two of them need lives here."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -49,6 +50,65 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(10)
         self.runtime.shutdown()
+
+
+class Collector:
+    """A sequence's sink for the engine core: keeps its events; `wait` until the last one."""
+
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def __call__(self, event):
+        self.events.append(event)
+        if event.finish_reason is not None:
+            self.done.set()
+
+    def wait(self, timeout=10.0):
+        assert self.done.wait(timeout), "sequence did not finish"
+        return self
+
+    @property
+    def text(self):
+        return "".join(e.text for e in self.events)
+
+    @property
+    def tokens(self):
+        """The TokenInfo of every generated token, in order."""
+        return [t for e in self.events for t in e.tokens]
+
+    @property
+    def finish(self):
+        return self.events[-1].finish_reason
+
+    @property
+    def error(self):
+        return self.events[-1].error
+
+
+@contextlib.contextmanager
+def running_core(engine, core=None, **options):
+    """`core` when given (left running), else an EngineCore(engine, **options) of its own,
+    started, and shut down on leaving."""
+    if core is not None:
+        yield core
+        return
+    from serving.engine_core import EngineCore
+
+    core = EngineCore(engine, **options).start()
+    try:
+        yield core
+    finally:
+        core.shutdown()
+
+
+def finish_all(core, requests, timeout=120.0) -> list[Collector]:
+    """Submits each request ((prompt, SamplingParams[, images])) to `core` on its own, all before
+    any is awaited; waits for every one to finish and returns their Collectors in order."""
+    sinks = [Collector() for _ in requests]
+    for (prompt, params, *images), sink in zip(requests, sinks):
+        core.submit([(prompt, params, sink, *images)])
+    return [sink.wait(timeout) for sink in sinks]
 
 
 def wait_group_ready(url: str, procs, timeout: float) -> None:
@@ -114,6 +174,36 @@ def assert_same_bits(got, want, wire: tuple | None = None, err_msg: str = "") ->
     bits = np.dtype(f"u{got.dtype.itemsize}")
     np.testing.assert_array_equal(got.view(bits)[~nan], want.view(bits)[~nan],
                                   err_msg=f"the bits of the values other than NaN {err_msg}")
+
+
+# The native kernels' instruction-set builds on x86-64: each build's -march and the processor
+# features (/proc/cpuinfo's names) it needs. x86-64-v4 runs the AVX-512 butterflies (with the
+# integer bfloat16 rounding; the default build on a processor with AVX512-BF16 runs its one
+# instruction), x86-64-v3 the AVX2 ones, x86-64 the plain loops.
+_X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe")
+NATIVE_BUILDS = {
+    "x86-64-v4": _X86_64_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    "x86-64-v3": _X86_64_V3, "x86-64": ()}
+
+
+def native_build_targets(arch: str, prefix: str) -> tuple[str, ...]:
+    """equarx.native_cpu's kernels built for `-march=arch` (NATIVE_BUILDS) and registered under
+    names ending in prefix + arch: their FFI targets, as native_cpu.TARGETS orders them. Skips
+    the calling test where this processor cannot run that build."""
+    import platform
+
+    import pytest
+
+    from equarx import native_cpu
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the instruction-set builds are x86-64's")
+    flags = native_cpu._cpu_flags().partition(":")[2].split()
+    missing = [f for f in NATIVE_BUILDS[arch] if f not in flags]
+    if missing:
+        pytest.skip(f"this processor cannot run the {arch} build: it lacks {' '.join(missing)}")
+    lib = native_cpu.build(native_cpu.compiler(), arch=arch)
+    return native_cpu.register(lib, f"{prefix}{arch.replace('-', '_')}")
 
 
 def vision_golden_model(golden: dict, path: Path, tp: int = 1):

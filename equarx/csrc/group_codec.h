@@ -28,13 +28,17 @@ inline float float_of(uint32_t u) {
 inline float bf16_to_f32(uint16_t b) { return float_of(uint32_t(b) << 16); }
 
 // Round to nearest even, as XLA converts; a NaN keeps its sign and top bits, made quiet (XLA
-// leaves a NaN's bits free: equarx/groups.py, "NaN").
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
+// leaves a NaN's bits free: equarx/groups.py, "NaN"). U is a float's bits (uint32_t) or a GCC
+// vector of them (the AVX paths' lanes), so the scalar and vector paths round by the same lines;
+// the bfloat16 is the low 16 bits of each result.
+template <typename U>
+inline U bf16_round_bits(U u) {
+  const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const U quiet = (u >> 16) | 0x40u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
 }
+
+inline uint16_t f32_to_bf16(float f) { return uint16_t(bf16_round_bits(bits_of(f))); }
 
 // Every constant of the codec comes from equarx/codec_spec.py, its one specification, as the
 // build's -D flags (codec_spec.cpp_defines, equarx/native_cpu.py): none is written here.

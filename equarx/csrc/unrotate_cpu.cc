@@ -85,15 +85,12 @@ inline __m512 butterfly(__m512 v, __m512 sign) {
   return _mm512_fmadd_ps(v, sign, swapped);
 }
 
+// A vector's lanes as a GCC vector of float bits: bf16_round_bits's operand.
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
 inline __m256i to_bf16_bits(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+  return _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(
+      bf16_round_bits(reinterpret_cast<u32x16>(x))));
 }
 
 inline __m256i to_bf16(__m512 x) {
@@ -164,15 +161,12 @@ inline __m256 codes8(Code code, __m256i b, bool high) {
   return _mm256_cvtepi32_ps(b);
 }
 
+// 8 lanes as a GCC vector of float bits (bf16_round_bits's operand); store32's packs keep each
+// lane's low 16 bits.
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
 inline __m256i bf16_bits8(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-  return _mm256_blendv_epi8(rounded, quiet, nan);
+  return reinterpret_cast<__m256i>(bf16_round_bits(reinterpret_cast<u32x8>(x)));
 }
 
 inline void store32(uint16_t* o, const __m256* v) {

@@ -31,6 +31,7 @@ from models.gemma3.hf_checkpoint import (CONFIG_FILE, HFCheckpointError, Safeten
 from models.gemma3.multimodal import END_OF_IMAGE_ID, IMAGE_SOFT_TOKEN_ID, START_OF_IMAGE_ID
 from models.gemma3.projector import ProjectorWeights
 from models.gemma3.vision import VisionConfig, VisionLayerWeights, VisionWeights, map_vision_weights
+from models.gemma3.weights import lookup
 
 VISION_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
                    "model.vision_tower.")
@@ -245,13 +246,8 @@ _OFFICIAL_LAYER = {
 _QKV = ("query", "key", "value")
 
 
-def _get(tree: dict, path: tuple[str, ...]):
-    node = tree
-    for p in path:
-        if not isinstance(node, dict) or p not in node:
-            raise KeyError("/".join(path))
-        node = node[p]
-    return np.asarray(node)
+def _get(tree: dict, path: tuple[str, ...]) -> np.ndarray:
+    return np.asarray(lookup(tree, path))
 
 
 def _nest(tree: dict) -> dict:

@@ -144,7 +144,8 @@ def _merge(dst: dict, src: dict) -> None:
             dst[k] = v
 
 
-def _lookup(tree: dict, path: tuple[str, ...]):
+def lookup(tree: dict, path: tuple[str, ...]):
+    """The leaf at `path` of a nested parameter tree; KeyError naming the whole path if absent."""
     node = tree
     for p in path:
         if not isinstance(node, dict) or p not in node:
@@ -162,7 +163,7 @@ def official_tensor(tree: dict, layer: int | None, name: str) -> np.ndarray:
     else:
         path = (f"layer_{layer}", *OFFICIAL_LAYER_PATHS[name])
     try:
-        return from_official(name, np.asarray(_lookup(tree, path)))
+        return from_official(name, np.asarray(lookup(tree, path)))
     except KeyError:
         raise KeyError(f"official parameter tree has no {'/'.join(path)}") from None
 
@@ -176,7 +177,7 @@ def check_official_tree(tree: dict, c: Gemma3Config) -> None:
             expected[(f"layer_{i}", *OFFICIAL_LAYER_PATHS[field])] = shape
     for path, shape in expected.items():
         try:
-            got = tuple(np.shape(_lookup(tree, path)))
+            got = tuple(np.shape(lookup(tree, path)))
         except KeyError:
             raise ValueError(f"parameter {'/'.join(path)} is missing for {c.name}") from None
         if got != shape:
@@ -188,11 +189,11 @@ def check_official_tree(tree: dict, c: Gemma3Config) -> None:
 
 def infer_official_config(tree: dict) -> dict[str, int]:
     """Sizes readable from an official tree's shapes (not windows, RoPE or query scale)."""
-    V, D = np.shape(_lookup(tree, ("embedder", "input_embedding")))
+    V, D = np.shape(lookup(tree, ("embedder", "input_embedding")))
     layers = sum(1 for k in tree if k.startswith("layer_"))
-    N, _, H = np.shape(_lookup(tree, ("layer_0", "attn", "q_einsum", "w")))
-    K = np.shape(_lookup(tree, ("layer_0", "attn", "kv_einsum", "w")))[1]
-    F = np.shape(_lookup(tree, ("layer_0", "mlp", "linear")))[0]
+    N, _, H = np.shape(lookup(tree, ("layer_0", "attn", "q_einsum", "w")))
+    K = np.shape(lookup(tree, ("layer_0", "attn", "kv_einsum", "w")))[1]
+    F = np.shape(lookup(tree, ("layer_0", "mlp", "linear")))[0]
     return dict(vocab_size=int(V), d_model=int(D), num_layers=layers, num_heads=int(N),
                 num_kv_heads=int(K), head_dim=int(H), ffn_hidden=int(F))
 

@@ -14,7 +14,6 @@ backend runs compiled. Values: runs whose scales spread over the whole grid, a z
 run's step. A new backend is a row of equarx.backends plus a `_BACKENDS` entry here."""
 import dataclasses
 import functools
-import platform
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ import pytest
 
 from equarx import codec_spec, codecs, groups, native_cpu, pallas_codecs, triton_codecs
 from equarx.layout import plan_token_layout
-from testkit import assert_same_bits
+from testkit import NATIVE_BUILDS, assert_same_bits, native_build_targets
 
 # (g, row width): Gemma 3 270M's d_model 640 and its half, 320 (a tp=2 shard's columns), and 1B's
 # 1152 in runs of 64: none a power of two (a Triton block pads them, a C++ loop runs to the end).
@@ -85,11 +84,6 @@ def _spec_unrotate(wire, layout, g, code, dtype):
 
 # ---- the backends ----
 
-_ARCHS = {"x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2"),
-          "x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"),
-          "x86-64": ()}
-
-
 @functools.cache
 def _native_targets(arch: str | None):
     """(unrotate, encode_sum) FFI targets of the default build (None) or of `arch`'s."""
@@ -97,15 +91,8 @@ def _native_targets(arch: str | None):
         pytest.skip("no native CPU kernels here")
     if arch is None:
         return native_cpu.TARGET, native_cpu.ENCODE_TARGET
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the instruction-set builds are x86-64's")
-    flags = native_cpu._cpu_flags().partition(":")[2].split()
-    missing = [f for f in _ARCHS[arch] if f not in flags]
-    if missing:
-        pytest.skip(f"this processor cannot run the {arch} build: it lacks {' '.join(missing)}")
-    lib = native_cpu.build(native_cpu.compiler(), arch=arch)
-    names = native_cpu.register(lib, f"_conformance_{arch.replace('-', '_')}")
-    return names[0], names[1]
+    unrotate, encode_sum, _ = native_build_targets(arch, "_conformance_")
+    return unrotate, encode_sum
 
 
 def _xla_encode_sum(layout, buf, shard, arrivals, g, code, monkeypatch):
@@ -174,7 +161,7 @@ def _triton_unrotate(parts, g, code, dtype):
 _BACKENDS = {
     "xla": (_xla_encode_sum, _xla_unrotate),
     "native": (_table_encode_sum, _native_unrotate(None)),
-    **{f"native-{arch}": (_native_encode_sum(arch), _native_unrotate(arch)) for arch in _ARCHS},
+    **{f"native-{arch}": (_native_encode_sum(arch), _native_unrotate(arch)) for arch in NATIVE_BUILDS},
     "triton-interpret": (_triton_encode_sum, _triton_unrotate),
 }
 

@@ -7,7 +7,6 @@ arrivals, zero / tiny / huge groups, NaN and Inf groups decoded as NaN, bad geom
 The AVX-512, AVX2 and plain builds each against the pure-JAX form. Both fall back cleanly."""
 import dataclasses
 import logging
-import platform
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, codec_spec, codecs, groups, native_cpu
 from equarx.layout import plan_token_layout
-from testkit import assert_same_bits
+from testkit import NATIVE_BUILDS, assert_same_bits, native_build_targets
 
 G = 32
 
@@ -64,27 +63,11 @@ def test_leading_shapes_and_vmap():
     assert_same_bits(vmapped(*parts), want)
 
 
-# The kernels' instruction-set paths on x86-64: each build's -march and the processor features
-# (/proc/cpuinfo's names) it needs. x86-64-v4 runs the AVX-512 butterflies (with the integer
-# bfloat16 rounding; the default build on a processor with AVX512-BF16 runs its one
-# instruction, checked above), x86-64-v3 the AVX2 ones, x86-64 the plain loops.
-_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe")
-BUILDS = {"x86-64-v4": _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
-          "x86-64-v3": _V3, "x86-64": ()}
-
-
-@pytest.mark.parametrize("arch", list(BUILDS))
+@pytest.mark.parametrize("arch", list(NATIVE_BUILDS))
 def test_each_instruction_set_build_puts_the_gathered_pieces_in_place(arch):
     """Each build's all-gather end against the pure-JAX form, every code, both dtypes (its
     un-rotation and encode with its sum: tests/equarx/test_codec_conformance.py)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the instruction-set builds are x86-64's")
-    flags = native_cpu._cpu_flags().partition(":")[2].split()
-    missing = [f for f in BUILDS[arch] if f not in flags]
-    if missing:
-        pytest.skip(f"this processor cannot run the {arch} build: it lacks {' '.join(missing)}")
-    lib = native_cpu.build(native_cpu.compiler(), arch=arch)
-    _, _, gather_target = native_cpu.register(lib, f"_test_{arch.replace('-', '_')}")
+    _, _, gather_target = native_build_targets(arch, "_test_")
     for code in CODES:
         for dtype in (jnp.bfloat16, jnp.float32):
             _check_gather(code, dtype, device=1, target=gather_target)

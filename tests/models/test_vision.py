@@ -14,7 +14,7 @@ from models.gemma3.vision import VISION_CONFIGS, encode, random_vision_weights
 from models.gemma3.projector import random_projector_weights
 from models.gemma3.vision_checkpoint import (load_hf_vision, save_hf_multimodal,
                                              vision_from_official, vision_to_official)
-from testkit import VISION_GOLDEN_NPZ, vision_golden_checkpoint
+from testkit import vision_golden_checkpoint
 
 SOFT = 502
 PROMPTS = range(4)
@@ -25,14 +25,9 @@ def rel(got, want) -> float:
 
 
 @pytest.fixture(scope="module")
-def golden():
-    return dict(np.load(VISION_GOLDEN_NPZ))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(golden, tmp_path_factory):
+def checkpoint(vision_golden, tmp_path_factory):
     """The golden's state dict as a Hugging Face directory (transformers 5.x names)."""
-    return vision_golden_checkpoint(golden, tmp_path_factory.mktemp("hf_mm"))
+    return vision_golden_checkpoint(vision_golden, tmp_path_factory.mktemp("hf_mm"))
 
 
 @pytest.fixture(scope="module")
@@ -46,37 +41,37 @@ def test_loader_reads_config_and_tokens(vm):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_features_match_transformers(golden, vm, k):
+def test_features_match_transformers(vision_golden, vm, k):
     fn = jax.jit(lambda v, p, x: image_features(v, p, x, vm.config))
-    got = fn(vm.vision, vm.projector, golden[f"pixels_{k}"])
-    assert got.shape == golden[f"features_{k}"].shape
-    assert rel(got, golden[f"features_{k}"]) < 1e-4
-    hidden = jax.jit(lambda v, x: encode(v, x, vm.config))(vm.vision, golden[f"pixels_{k}"])
-    assert rel(hidden, golden[f"hidden_{k}"]) < 1e-4
+    got = fn(vm.vision, vm.projector, vision_golden[f"pixels_{k}"])
+    assert got.shape == vision_golden[f"features_{k}"].shape
+    assert rel(got, vision_golden[f"features_{k}"]) < 1e-4
+    hidden = jax.jit(lambda v, x: encode(v, x, vm.config))(vm.vision, vision_golden[f"pixels_{k}"])
+    assert rel(hidden, vision_golden[f"hidden_{k}"]) < 1e-4
 
 
-def test_query_chunks_do_not_change_the_encoder(golden, vm):
-    x = golden["pixels_2"]
+def test_query_chunks_do_not_change_the_encoder(vision_golden, vm):
+    x = vision_golden["pixels_2"]
     whole = encode(vm.vision, x, vm.config)
     chunked = encode(vm.vision, x, vm.config, query_chunk=16)
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k", PROMPTS)
-def test_merged_embeddings_match_transformers(golden, checkpoint, vm, k):
+def test_merged_embeddings_match_transformers(vision_golden, checkpoint, vm, k):
     c = read_config(checkpoint)
     table = HFWeights(checkpoint, c).view(None, "embed").read((slice(None), slice(None)), np.float32)
-    ids = golden[f"ids_{k}"]
+    ids = vision_golden[f"ids_{k}"]
     embeds = jnp.asarray(table)[ids] * jnp.sqrt(jnp.float32(c.d_model))
-    if f"features_{k}" in golden:
-        feats = golden[f"features_{k}"].reshape(-1, c.d_model)
+    if f"features_{k}" in vision_golden:
+        feats = vision_golden[f"features_{k}"].reshape(-1, c.d_model)
         merged = mm.merge_image_features(embeds, feats, jnp.asarray(ids == SOFT))
         index = np.flatnonzero(ids == SOFT)
         at = mm.merge_at(embeds, feats, jnp.asarray(index))
         np.testing.assert_array_equal(at, merged)
     else:
         merged = embeds
-    assert rel(merged, golden[f"embeds_{k}"]) < 1e-6
+    assert rel(merged, vision_golden[f"embeds_{k}"]) < 1e-6
 
 
 def test_merge_at_drops_padding():
@@ -86,7 +81,7 @@ def test_merge_at_drops_padding():
     np.testing.assert_array_equal(got[:, 0], [0, 1, 0, 2, 0])
 
 
-def test_text_part_of_the_checkpoint_loads(checkpoint, golden):
+def test_text_part_of_the_checkpoint_loads(checkpoint, vision_golden):
     c = read_config(checkpoint)
     assert (c.vocab_size, c.d_model, c.num_layers) == (512, 64, 3)
     view = HFWeights(checkpoint, c).view(0, "q")
@@ -127,13 +122,13 @@ def test_hf_and_official_round_trips(checkpoint, vm, tmp_path):
     assert vision_from_official({"transformer": {}}, vm.config) is None
 
 
-def test_tensor_parallel_encoder_matches(golden, vm):
+def test_tensor_parallel_encoder_matches(vision_golden, vm):
     """Heads and MLP units split over 2 devices, partial sums through equarx.all_reduce."""
     from models.gemma3.vision_sharding import encode_sharded, vision_mesh
 
     mesh = vision_mesh(2)
-    got = encode_sharded(vm.vision, golden["pixels_2"], vm.config, mesh)
-    want = encode(vm.vision, golden["pixels_2"], vm.config)
+    got = encode_sharded(vm.vision, vision_golden["pixels_2"], vm.config, mesh)
+    want = encode(vm.vision, vision_golden["pixels_2"], vm.config)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 

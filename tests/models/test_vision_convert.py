@@ -3,21 +3,15 @@ Gemma3ForConditionalGeneration -> the official `gemma` parameter tree -> Hugging
 keeps every tensor of the tower, the projector and the text, and the image token ids."""
 import jax
 import numpy as np
-import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
 from models.gemma3.hf_checkpoint import read_config
 from models.gemma3.vision_checkpoint import vision_config_from_official
 from serving.cli import convert_main
-from testkit import VISION_GOLDEN_NPZ, vision_golden_checkpoint
+from testkit import vision_golden_checkpoint
 
 F32 = AllReduceConfig(method="f32")
-
-
-@pytest.fixture(scope="module")
-def golden():
-    return dict(np.load(VISION_GOLDEN_NPZ))
 
 
 def assert_same_model(a, b):
@@ -29,9 +23,9 @@ def assert_same_model(a, b):
             np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
 
 
-def test_hf_to_official_to_hf_keeps_the_tower(golden, tmp_path, capsys):
+def test_hf_to_official_to_hf_keeps_the_tower(vision_golden, tmp_path, capsys):
     (tmp_path / "hf").mkdir()
-    hf = vision_golden_checkpoint(golden, tmp_path / "hf")
+    hf = vision_golden_checkpoint(vision_golden, tmp_path / "hf")
     convert_main([str(hf), str(tmp_path / "official"), "--format", "official",
                   "--dtype", "float32"])
     assert "wrote" in capsys.readouterr().out
@@ -43,9 +37,9 @@ def test_hf_to_official_to_hf_keeps_the_tower(golden, tmp_path, capsys):
     official.save(tmp_path / "hf2", format="hf", dtype=np.float32)
     again = load_model(str(tmp_path / "hf2"), dtype="float32", allreduce=F32)
     assert_same_model(original, again)
-    feats = np.asarray(again.image_features(golden["pixels_1"]))
-    scale = np.abs(golden["features_1"]).max()
-    assert np.abs(feats - golden["features_1"]).max() / scale < 1e-4
+    feats = np.asarray(again.image_features(vision_golden["pixels_1"]))
+    scale = np.abs(vision_golden["features_1"]).max()
+    assert np.abs(feats - vision_golden["features_1"]).max() / scale < 1e-4
 
 
 def test_the_so400m_config_is_read_from_official_shapes():

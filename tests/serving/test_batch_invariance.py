@@ -10,7 +10,6 @@
 - Prompts longer than the largest compiled prefill bucket are served.
 - The policy interleaves a long prompt's chunks with the running sequences' decode steps.
 """
-import threading
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from serving.engine_core import EngineCore
 from serving.metrics import Metrics
 from serving.sampling import SamplingParams, SlotSampling
 from serving.scheduler import Scheduler, Sequence, block_hashes
+from testkit import finish_all, running_core
 
 TINY = "random:tiny"  # 3 layers (the middle one global), window 8, 2 KV heads, vocabulary 512
 _models: dict = {}
@@ -43,30 +43,12 @@ def prompt(n, seed):
 def generate(engine, prompts, max_tokens=6, core=None):
     """Greedy tokens and their logprobs for each prompt, all submitted at once (through `core`
     when given, else a core of its own)."""
-    own = core is None
-    core = EngineCore(engine).start() if own else core
-    results, done = {}, []
-    try:
-        for i, p in enumerate(prompts):
-            ev, got = threading.Event(), []
-
-            def sink(e, got=got, ev=ev, i=i):
-                got.extend((t.id, t.logprob) for t in e.tokens)
-                if e.finish_reason is not None:
-                    results[i] = (e.finish_reason, e.error, got)
-                    ev.set()
-
-            core.submit([(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                            logprobs=0), sink)])
-            done.append(ev)
-        for ev in done:
-            assert ev.wait(120)
-    finally:
-        if own:
-            core.shutdown()
-    for reason, error, _ in results.values():
-        assert reason == "length", error
-    return [results[i][2] for i in range(len(prompts))]
+    with running_core(engine, core) as c:
+        outs = finish_all(c, [(p, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                 ignore_eos=True, logprobs=0)) for p in prompts])
+    for o in outs:
+        assert o.finish == "length", o.error
+    return [[(t.id, t.logprob) for t in o.tokens] for o in outs]
 
 
 # ---- chunked prefill == one prefill ----

@@ -6,7 +6,6 @@ gets a 400 with a clear message, and the server answers a text request afterward
 import base64
 import io
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -54,12 +53,6 @@ def server():
     s = ServerThread(config, engine)
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def test_models_say_the_model_takes_images(client):

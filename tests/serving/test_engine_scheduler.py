@@ -10,31 +10,9 @@ from serving.fake_runner import ByteTokenizer, FakeRunner
 from serving.sampling import InvalidParameter, SamplingParams
 from serving.engine_core import EngineCore, ShuttingDown
 from serving.scheduler import QueueFull
+from testkit import Collector, finish_all, running_core
 
 TOK = ByteTokenizer()
-
-
-class Collector:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def __call__(self, event):
-        self.events.append(event)
-        if event.finish_reason is not None:
-            self.done.set()
-
-    def wait(self, timeout=10.0):
-        assert self.done.wait(timeout), "sequence did not finish"
-        return self
-
-    @property
-    def text(self):
-        return "".join(e.text for e in self.events)
-
-    @property
-    def finish(self):
-        return self.events[-1].finish_reason
 
 
 def prompt(text):
@@ -57,18 +35,8 @@ def engine():
 
 
 def run(engine, requests, **kw):
-    s = EngineCore(engine, **kw).start()
-    try:
-        cols = []
-        for text, params in requests:
-            c = Collector()
-            s.submit([(prompt(text), params, c)])
-            cols.append(c)
-        for c in cols:
-            c.wait()
-        return cols
-    finally:
-        s.shutdown()
+    with running_core(engine, **kw) as s:
+        return finish_all(s, [(prompt(text), params) for text, params in requests], timeout=10.0)
 
 
 def test_continuous_batching_more_requests_than_slots(engine):
@@ -110,14 +78,11 @@ def test_busy_slots_are_packed_so_decode_runs_fewer_rows():
     engine = FakeRunner(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4), decode_batch_sizes=(1, 2))
     engine.step_delay = 0.002
     reqs = [("aa", greedy(2)), ("bbb", greedy(3)), ("cccc", greedy(4)), ("the long one", greedy(40))]
-    s = EngineCore(engine).start()
-    try:
+    with running_core(engine) as s:
         cols = [Collector() for _ in reqs]
         s.submit([(prompt(t), p, c) for (t, p), c in zip(reqs, cols)])  # one prefill, slots 0-3
         for c in cols:
             c.wait()
-    finally:
-        s.shutdown()
     for (text, params), c in zip(reqs, cols):
         assert c.text == expected(text, params.max_tokens)
     assert (3, 0) in engine.moves
@@ -126,14 +91,11 @@ def test_busy_slots_are_packed_so_decode_runs_fewer_rows():
 
 def test_short_prompts_are_prefilled_together(engine):
     texts = ["abc", "a longer one", "the longest: 20 chars"]  # buckets 8, 16 and 32
-    s = EngineCore(engine).start()
-    try:
+    with running_core(engine) as s:
         cols = [Collector() for _ in texts]
         s.submit([(prompt(t), greedy(4), c) for t, c in zip(texts, cols)])
         for c in cols:
             c.wait()
-    finally:
-        s.shutdown()
     # One call for the 3 prompts: padded to the batch size 4 and to the longest prompt's bucket.
     assert engine.steps[0] == ("prefill", 4) and engine.prefill_buckets_used[0] == 32
     assert [c.text for c in cols] == [expected(t, 4) for t in texts]
@@ -142,21 +104,17 @@ def test_short_prompts_are_prefilled_together(engine):
 def test_long_prompts_are_prefilled_one_at_a_time(engine):
     # Buckets above batched_prefill_max_bucket (32 in the fake) have batch size 1 only.
     texts = [f"{i}" + "long prompt " * 3 for i in range(3)]
-    s = EngineCore(engine).start()
-    try:
+    with running_core(engine) as s:
         cols = [Collector() for _ in texts]
         s.submit([(prompt(t), greedy(2), c) for t, c in zip(texts, cols)])  # queued together
         for c in cols:
             c.wait()
-    finally:
-        s.shutdown()
     assert engine.steps[:3] == [("prefill", 1)] * 3
     assert [c.text for c in cols] == [t[:2] for t in texts]
 
 
 def test_stop_token_eos_and_stop_strings(engine):
-    s = EngineCore(engine).start()
-    try:
+    with running_core(engine) as s:
         eos = Collector()
         s.submit([([TOK.bos_id] + TOK.encode("hello") + [TOK.eos_id], greedy(20), eos)])
         stop_id = Collector()
@@ -167,8 +125,6 @@ def test_stop_token_eos_and_stop_strings(engine):
         s.submit([([TOK.bos_id] + TOK.encode("hi") + [TOK.eos_id], greedy(5, ignore_eos=True), ignore)])
         for c in (eos, stop_id, stop_str, ignore):
             c.wait()
-    finally:
-        s.shutdown()
     assert (eos.text, eos.finish, eos.events[-1].num_generated) == ("hello", "stop", 6)
     assert (stop_id.text, stop_id.finish) == ("abc", "stop")
     assert (stop_str.text, stop_str.finish) == ("abcd", "stop")
@@ -187,8 +143,7 @@ def test_context_limit_is_checked_up_front(engine):
 
 def test_cancel_frees_the_slot_at_once(engine):
     engine.step_delay = 0.02
-    s = EngineCore(engine).start()
-    try:
+    with running_core(engine) as s:
         long = Collector()
         ids = s.submit([(prompt("long"), greedy(55), long)])
         while len(long.events) < 3:
@@ -200,8 +155,6 @@ def test_cancel_frees_the_slot_at_once(engine):
         after = Collector()
         s.submit([(prompt("next"), greedy(3), after)])
         assert after.wait().text == "nex"
-    finally:
-        s.shutdown()
 
 
 def test_queue_full_and_shutdown(engine):
@@ -253,8 +206,7 @@ class FailingEngine(FakeRunner):
 
 def test_engine_failure_fails_running_sequences_and_keeps_serving():
     engine = FailingEngine()
-    s = EngineCore(engine).start()
-    try:
+    with running_core(engine) as s:
         bad = Collector()
         s.submit([(prompt("q"), greedy(5), bad)])
         assert bad.wait().finish == "error" and "device lost" in bad.events[-1].error
@@ -262,8 +214,6 @@ def test_engine_failure_fails_running_sequences_and_keeps_serving():
         good = Collector()
         s.submit([(prompt("ok"), greedy(3), good)])
         assert good.wait().text == "oko"
-    finally:
-        s.shutdown()
 
 
 def test_same_seed_same_text_regardless_of_batch(engine):
@@ -289,8 +239,7 @@ def test_a_freed_slot_waits_briefly_for_the_next_request(admission_wait, next_st
     # stream keeps decoding. With an admission wait the newcomer is prefilled before the next decode
     # step; without one the step starts at once and the newcomer waits for it.
     engine = FakeRunner(num_slots=2, max_seq_len=64, step_delay=0.01)
-    s = EngineCore(engine, admission_wait=admission_wait).start()
-    try:
+    with running_core(engine, admission_wait=admission_wait) as s:
         other, second = Collector(), Collector()
         at_finish = []
 
@@ -302,6 +251,4 @@ def test_a_freed_slot_waits_briefly_for_the_next_request(admission_wait, next_st
         s.submit([(prompt("other"), greedy(50), other), (prompt("first"), greedy(3), first)])
         second.wait()
         other.wait()
-    finally:
-        s.shutdown()
     assert engine.steps[at_finish[0]][0] == next_step

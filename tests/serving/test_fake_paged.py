@@ -2,7 +2,6 @@
 scheduler, pages and sampler over `FakePagedModel`): it answers as the slot engine's fake does,
 through prompt pieces, page-table growth, a sliding window that outgrows its first pages,
 preemption and prefix-cache hits, and a wrong block table raises instead of passing."""
-import threading
 
 import pytest
 
@@ -13,6 +12,7 @@ from serving.paged_runner import step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, SamplingParams
 from serving.scheduler import Sequence
+from testkit import finish_all, running_core
 
 TOK = ByteTokenizer()
 # Prompts whose text after BOS has no border (no prefix that is also a suffix): the two fakes'
@@ -24,29 +24,13 @@ PROMPTS = [[TOK.bos_id] + TOK.encode(t) for t in
 def answers(engine, prompts, max_tokens=12, core=None):
     """Greedy token ids of every prompt, all submitted at once (through `core` when given, else
     a core of its own); and the core's preemptions."""
-    own = core is None
-    core = EngineCore(engine).start() if own else core
-    got, done = {}, []
-    try:
-        for i, p in enumerate(prompts):
-            ev, ids = threading.Event(), []
-
-            def sink(e, ids=ids, ev=ev, i=i):
-                ids.extend(t.id for t in e.tokens)
-                if e.finish_reason is not None:
-                    assert e.error is None, e.error
-                    got[i] = ids
-                    ev.set()
-
-            core.submit([(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), sink)])
-            done.append(ev)
-        for ev in done:
-            assert ev.wait(60)
-        preemptions = getattr(core.scheduler, "num_preemptions", 0)
-    finally:
-        if own:
-            core.shutdown()
-    return [got[i] for i in range(len(prompts))], preemptions
+    with running_core(engine, core) as c:
+        outs = finish_all(c, [(p, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                 ignore_eos=True)) for p in prompts], timeout=60)
+        preemptions = getattr(c.scheduler, "num_preemptions", 0)
+    for o in outs:
+        assert o.error is None, o.error
+    return [[t.id for t in o.tokens] for o in outs], preemptions
 
 
 def test_the_paged_fake_answers_as_the_slot_fake():

@@ -13,23 +13,18 @@ from serving.paged_runner import PagedRunner
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
-from testkit import VISION_GOLDEN_NPZ, vision_golden_model
+from testkit import vision_golden_model
 
 
 @pytest.fixture(scope="module")
-def golden():
-    return dict(np.load(VISION_GOLDEN_NPZ))
+def model(vision_golden, tmp_path_factory):
+    return vision_golden_model(vision_golden, tmp_path_factory.mktemp("hf_mm"))
 
 
-@pytest.fixture(scope="module")
-def model(golden, tmp_path_factory):
-    return vision_golden_model(golden, tmp_path_factory.mktemp("hf_mm"))
-
-
-def images_of(m, golden, k):
-    ids = golden[f"ids_{k}"]
+def images_of(m, vision_golden, k):
+    ids = vision_golden[f"ids_{k}"]
     soft = np.flatnonzero(ids == m.vision.tokens.soft)
-    return tuple(SeqImage(spans=((int(a), int(a) + 16),), pixels=golden[f"pixels_{k}"][j:j + 1],
+    return tuple(SeqImage(spans=((int(a), int(a) + 16),), pixels=vision_golden[f"pixels_{k}"][j:j + 1],
                           key=f"img{k}-{j}") for j, a in enumerate(soft[::16]))
 
 
@@ -40,11 +35,11 @@ def small_budget(m):
     return max(layer_flops(m.vision.config))
 
 
-def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, golden):
+def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, vision_golden):
     enc = ImageEncoder(model, chunk_size=8, budget_flops=small_budget(model))
     c = model.vision.config
     assert len(enc.stages) == 4 + c.num_layers * 2 * 4 + 1  # embed, 4 + 4 blocks a layer, finish
-    images = images_of(model, golden, 2) + images_of(model, golden, 1)
+    images = images_of(model, vision_golden, 2) + images_of(model, vision_golden, 1)
     steps = 0
     while not all(enc.ready(im.key) for im in images):
         spent = enc.advance(images)
@@ -55,14 +50,14 @@ def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, gold
     assert steps >= len(enc.stages) // 2
     for k, found in ((2, images[:2]), (1, images[2:])):
         staged = np.stack([np.asarray(enc.features(im)) for im in found])
-        one_shot = np.asarray(model.image_features(golden[f"pixels_{k}"]))
+        one_shot = np.asarray(model.image_features(vision_golden[f"pixels_{k}"]))
         scale = np.abs(one_shot).max()
         assert np.abs(staged - one_shot).max() / scale < 2e-6
-        assert np.abs(staged - golden[f"features_{k}"]).max() / scale < 1e-4
+        assert np.abs(staged - vision_golden[f"features_{k}"]).max() / scale < 1e-4
     assert enc.images_encoded == 3
 
 
-def test_deterministic_features_do_not_depend_on_what_encodes_beside(model, golden):
+def test_deterministic_features_do_not_depend_on_what_encodes_beside(model, vision_golden):
     def run(images):
         enc = ImageEncoder(model, chunk_size=8, deterministic=True, budget_flops=small_budget(model))
         while not all(enc.ready(im.key) for im in images):
@@ -70,13 +65,13 @@ def test_deterministic_features_do_not_depend_on_what_encodes_beside(model, gold
         assert enc.max_batch_frames == 1
         return np.asarray(enc.features(images[-1]))
 
-    a = images_of(model, golden, 1)
-    np.testing.assert_array_equal(run(a), run(images_of(model, golden, 2) + a))
+    a = images_of(model, vision_golden, 1)
+    np.testing.assert_array_equal(run(a), run(images_of(model, vision_golden, 2) + a))
 
 
-def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, golden):
-    ids = golden["ids_1"].tolist()
-    image = images_of(model, golden, 1)[0]
+def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, vision_golden):
+    ids = vision_golden["ids_1"].tolist()
+    image = images_of(model, vision_golden, 1)[0]
     a, b = image.spans[0]
     for deterministic in (False, True):
         engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
@@ -99,7 +94,7 @@ def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, golde
         assert plan.pieces[0].end >= b and plan.encode == ()
 
 
-def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, golden):
+def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, vision_golden):
     engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
     engine.encoder_budget_flops = small_budget(model)
     core = EngineCore(engine).start()
@@ -118,18 +113,18 @@ def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, golde
 
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     try:
-        core.submit([(golden["ids_0"].tolist(), params, sink(0), ())])
+        core.submit([(vision_golden["ids_0"].tolist(), params, sink(0), ())])
         while len(results[0]) < 3:
             threading.Event().wait(0.01)
-        images = images_of(model, golden, 2)
-        core.submit([(golden["ids_2"].tolist(), params.__class__(max_tokens=8, temperature=0.0,
+        images = images_of(model, vision_golden, 2)
+        core.submit([(vision_golden["ids_2"].tolist(), params.__class__(max_tokens=8, temperature=0.0,
                                                                 ignore_eos=True), sink(1), images)])
         assert done[0].wait(120) and done[1].wait(120)
     finally:
         core.shutdown()
     enc = engine.encoder
     assert enc.max_advance_flops <= enc.budget_flops
-    np.testing.assert_array_equal(results[1], golden["greedy_2"][:8])
+    np.testing.assert_array_equal(results[1], vision_golden["greedy_2"][:8])
     # Every advance while the image encoded came after a step that gave the stream a token.
     during = [adv for n, adv in seen if n < len(images) and 0 < adv]
     whole = sum(st.flops for st in enc.stages) * len(images)
@@ -138,7 +133,7 @@ def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, golde
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic):
+def test_a_lone_image_request_has_nothing_to_stall(model, vision_golden, deterministic):
     """With nothing else running, the images are encoded whole in the first step that waits
     for them; in deterministic mode always by the bounded stages (the bits must not depend on
     the load)."""
@@ -154,13 +149,13 @@ def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic)
             done.set()
 
     try:
-        core.submit([(golden["ids_2"].tolist(), SamplingParams(max_tokens=8, temperature=0.0,
+        core.submit([(vision_golden["ids_2"].tolist(), SamplingParams(max_tokens=8, temperature=0.0,
                                                                 ignore_eos=True),
-                      sink, images_of(model, golden, 2))])
+                      sink, images_of(model, vision_golden, 2))])
         assert done.wait(120)
     finally:
         core.shutdown()
-    np.testing.assert_array_equal(got, golden["greedy_2"][:8])
+    np.testing.assert_array_equal(got, vision_golden["greedy_2"][:8])
     enc = engine.encoder
     assert engine.images_encoded == 2
     whole = sum(st.flops for st in enc.stages) * 2
@@ -171,15 +166,15 @@ def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic)
         assert enc.advances <= 3 < whole / enc.budget_flops / 2
 
 
-def test_a_waiting_image_stays_listed_while_other_pieces_run(model, golden):
+def test_a_waiting_image_stays_listed_while_other_pieces_run(model, vision_golden):
     """A running sequence that waits for its image keeps it in `encode`, every step until it
     is ready, while another prompt's pieces take every token of the steps."""
     engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
                          max_num_batched_tokens=8)
     sched = PagedScheduler(engine.info)
     sched.image_ready = lambda key: False
-    image = images_of(model, golden, 1)[0]
-    waits = Sequence(id=0, prompt=golden["ids_1"].tolist(), params=SamplingParams(max_tokens=1),
+    image = images_of(model, vision_golden, 1)[0]
+    waits = Sequence(id=0, prompt=vision_golden["ids_1"].tolist(), params=SamplingParams(max_tokens=1),
                      seed=0, images=(image,))
     sched.add([waits])
     while waits.computed < image.spans[0][0]:

@@ -13,6 +13,7 @@ from serving.runner import SlotRunner
 from serving.engine_core import EngineCore
 from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
+from testkit import finish_all, running_core
 
 _model = []
 
@@ -48,25 +49,10 @@ class Counting:
 
 def run(engine, requests, overlap):
     """requests: (prompt, SamplingParams). Returns [(finish_reason, [(id, logprob)], num_generated)]."""
-    core = EngineCore(engine, overlap=overlap).start()
-    results, done = {}, []
-    try:
-        for i, (p, params) in enumerate(requests):
-            ev, got = threading.Event(), []
-
-            def sink(e, got=got, ev=ev, i=i):
-                got.extend((t.id, t.logprob) for t in e.tokens)
-                if e.finish_reason is not None:
-                    results[i] = (e.finish_reason, got, e.num_generated)
-                    ev.set()
-
-            core.submit([(p, params, sink)])
-            done.append(ev)
-        for ev in done:
-            assert ev.wait(120)
-    finally:
-        core.shutdown()
-    return [results[i] for i in range(len(requests))]
+    with running_core(engine, overlap=overlap) as core:
+        outs = finish_all(core, requests)
+    return [(o.finish, [(t.id, t.logprob) for t in o.tokens], o.events[-1].num_generated)
+            for o in outs]
 
 
 def greedy(n, **kw):

@@ -2,7 +2,6 @@
 tiny multimodal golden (transformers' Gemma3ForConditionalGeneration on random weights, loaded
 from its Hugging Face files): pieces never end inside an image, the encoder runs once per
 distinct image, and the prefix cache never lends pages across different images."""
-import threading
 
 import numpy as np
 import pytest
@@ -13,51 +12,33 @@ from serving.paged_runner import PagedRunner
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
-from testkit import VISION_GOLDEN_NPZ, vision_golden_model
-
-
-
-@pytest.fixture(scope="module")
-def golden():
-    return dict(np.load(VISION_GOLDEN_NPZ))
+from testkit import finish_all, vision_golden_model
 
 
 @pytest.fixture(scope="module")
-def model(golden, tmp_path_factory):
-    return vision_golden_model(golden, tmp_path_factory.mktemp("hf_mm"))
+def model(vision_golden, tmp_path_factory):
+    return vision_golden_model(vision_golden, tmp_path_factory.mktemp("hf_mm"))
 
 
-def images_of(m, golden, k, order=None):
+def images_of(m, vision_golden, k, order=None):
     """SeqImages of golden prompt k (one span each), optionally with its pixels reordered."""
-    ids = golden[f"ids_{k}"]
+    ids = vision_golden[f"ids_{k}"]
     soft = np.flatnonzero(ids == m.vision.tokens.soft)
     spans = [(int(a), int(a) + 16) for a in soft[::16]]
-    pixels = golden[f"pixels_{k}"]
+    pixels = vision_golden[f"pixels_{k}"]
     order = order or range(len(spans))
     return tuple(SeqImage(spans=(span,), pixels=pixels[j:j + 1], key=f"img{k}-{j}")
                  for span, j in zip(spans, order))
 
 
 def generate(core, requests, max_tokens=32, logprobs=False):
-    results, done = {}, []
-    for i, (ids, images) in enumerate(requests):
-        ev, got = threading.Event(), []
-
-        def sink(e, got=got, ev=ev, i=i):
-            got.extend((t.id, t.logprob) if logprobs else t.id for t in e.tokens)
-            if e.finish_reason is not None:
-                results[i] = (e.error, got)
-                ev.set()
-
-        core.submit([(list(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                ignore_eos=True, logprobs=0 if logprobs else None),
-                                  sink, images)])
-        done.append(ev)
-    for ev in done:
-        assert ev.wait(120)
-    for error, _ in results.values():
-        assert error is None, error
-    return [results[i][1] for i in range(len(requests))]
+    outs = finish_all(core, [(list(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                        ignore_eos=True,
+                                                        logprobs=0 if logprobs else None), images)
+                             for ids, images in requests])
+    for o in outs:
+        assert o.error is None, o.error
+    return [[(t.id, t.logprob) if logprobs else t.id for t in o.tokens] for o in outs]
 
 
 def engine_of(m, **kw):
@@ -65,12 +46,12 @@ def engine_of(m, **kw):
     return PagedRunner(m, **{**args, **kw})
 
 
-def test_pieces_run_past_the_chunk_to_an_images_end(model, golden):
+def test_pieces_run_past_the_chunk_to_an_images_end(model, vision_golden):
     engine = engine_of(model)
     sched = PagedScheduler(engine.info)
-    ids = golden["ids_2"].tolist()
+    ids = vision_golden["ids_2"].tolist()
     seq = Sequence(id=0, prompt=ids, params=SamplingParams(max_tokens=1), seed=0,
-                   images=images_of(model, golden, 2))
+                   images=images_of(model, vision_golden, 2))
     sched.add([seq])
     ends = []
     while seq.computed < len(ids):
@@ -82,33 +63,33 @@ def test_pieces_run_past_the_chunk_to_an_images_end(model, golden):
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_greedy_equals_transformers_and_the_encoder_runs_once(model, golden, k):
+def test_greedy_equals_transformers_and_the_encoder_runs_once(model, vision_golden, k):
     engine = engine_of(model)
     core = EngineCore(engine).start()
     try:
-        ids = golden[f"ids_{k}"]
-        first = generate(core, [(ids, images_of(model, golden, k))])[0]
+        ids = vision_golden[f"ids_{k}"]
+        first = generate(core, [(ids, images_of(model, vision_golden, k))])[0]
         encoded = engine.images_encoded
-        again = generate(core, [(ids, images_of(model, golden, k))] * 2)
+        again = generate(core, [(ids, images_of(model, vision_golden, k))] * 2)
     finally:
         core.shutdown()
-    np.testing.assert_array_equal(first, golden[f"greedy_{k}"])
+    np.testing.assert_array_equal(first, vision_golden[f"greedy_{k}"])
     assert again == [first, first]
     assert encoded == k and engine.images_encoded == k  # the second and third: from the cache
 
 
-def test_the_prefix_cache_never_shares_pages_across_images(model, golden):
+def test_the_prefix_cache_never_shares_pages_across_images(model, vision_golden):
     m = model
-    ids = golden["ids_2"]
-    swapped = images_of(m, golden, 2, order=[1, 0])
-    a = block_hashes(ids, 4, [(im.spans, im.key) for im in images_of(m, golden, 2)])
+    ids = vision_golden["ids_2"]
+    swapped = images_of(m, vision_golden, 2, order=[1, 0])
+    a = block_hashes(ids, 4, [(im.spans, im.key) for im in images_of(m, vision_golden, 2)])
     b = block_hashes(ids, 4, [(im.spans, im.key) for im in swapped])
     first_image_page = swapped[0].spans[0][0] // 4
     assert a[:first_image_page] == b[:first_image_page] and a[first_image_page] != b[first_image_page]
     engine = engine_of(m)
     core = EngineCore(engine).start()
     try:
-        original = generate(core, [(ids, images_of(m, golden, 2))], 4, True)[0]
+        original = generate(core, [(ids, images_of(m, vision_golden, 2))], 4, True)[0]
         got = generate(core, [(ids, swapped)], 4, True)[0]
     finally:
         core.shutdown()
@@ -126,13 +107,13 @@ def generate_alone(engine, ids, images):
         core.shutdown()
 
 
-def test_deterministic_mixed_text_and_image_requests_equal_each_alone(model, golden):
+def test_deterministic_mixed_text_and_image_requests_equal_each_alone(model, vision_golden):
     """Deterministic mode: one shape a step (grown to hold a piece that runs to an image's
     end), so a request's logprobs are bit-identical together and alone."""
     engine = engine_of(model, deterministic=True)
-    text = golden["ids_0"].tolist()
-    requests = [(golden["ids_2"], images_of(model, golden, 2)), (text, ()),
-                (golden["ids_1"], images_of(model, golden, 1))]
+    text = vision_golden["ids_0"].tolist()
+    requests = [(vision_golden["ids_2"], images_of(model, vision_golden, 2)), (text, ()),
+                (vision_golden["ids_1"], images_of(model, vision_golden, 1))]
     core = EngineCore(engine).start()
     try:
         together = generate(core, requests, 6, True)
@@ -140,4 +121,4 @@ def test_deterministic_mixed_text_and_image_requests_equal_each_alone(model, gol
     finally:
         core.shutdown()
     assert together == alone
-    np.testing.assert_array_equal([t for t, _ in together[0]], golden["greedy_2"][:6])
+    np.testing.assert_array_equal([t for t, _ in together[0]], vision_golden["greedy_2"][:6])

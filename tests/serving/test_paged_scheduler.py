@@ -173,14 +173,20 @@ def test_admission_waits_for_pages_and_max_num_seqs():
     assert [p.seq.id for p in plan.pieces] == [0, 1] and sched.num_waiting == 3
 
 
-def test_a_prefix_hit_skips_the_cached_pages_and_counts_them():
-    sched = PagedScheduler(info())
-    first = seq(1, 37)
-    sched.add([first])
+def repeat_after_it_ran(sched, prompt_logprobs=False):
+    """Runs a 37-token prompt (seq 1) to its end, so that its first 4 pages stay in the prefix
+    cache, then adds the same prompt again (seq 2): the plan of the step that schedules it."""
+    sched.add([seq(1, 37)])
     run(sched)
     again = seq(2, 37)
+    again.want_prompt_logprobs = prompt_logprobs
     sched.add([again])
-    plan = sched.schedule()
+    return again, sched.schedule()
+
+
+def test_a_prefix_hit_skips_the_cached_pages_and_counts_them():
+    sched = PagedScheduler(info())
+    again, plan = repeat_after_it_ran(sched)
     assert plan.pieces[0].start == 32 and plan.lookups == ((37, 32),)
     hashes = block_hashes(again.prompt, 8)
     assert sched.kv.seqs[2].global_pages[:4] == [sched.kv.global_pool.lookup(h) for h in hashes[:4]]
@@ -212,13 +218,7 @@ def test_a_lone_prompt_takes_the_whole_budget_and_shares_it_when_others_arrive()
 
 def test_prompt_logprobs_skip_the_prefix_cache_and_are_refused_with_images():
     sched = PagedScheduler(info())
-    first = seq(1, 37)
-    sched.add([first])
-    run(sched)
-    again = seq(2, 37)
-    again.want_prompt_logprobs = True  # it must compute every prompt token
-    sched.add([again])
-    plan = sched.schedule()
+    _, plan = repeat_after_it_ran(sched, prompt_logprobs=True)  # it must compute every prompt token
     assert plan.pieces[0].start == 0 and not plan.lookups
     s = seq(3, 5)
     s.want_prompt_logprobs = True

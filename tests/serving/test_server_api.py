@@ -32,17 +32,6 @@ def server(request):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def _error(r, status, param=None):
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -4,10 +4,8 @@ every valid JSON document it returns is the grammar's doing; validated with `jso
 import json
 import re
 
-import httpx
 import jsonschema
 import numpy as np
-import openai
 import pytest
 
 from serving.config import ServerConfig
@@ -44,17 +42,6 @@ def server():
     s = ServerThread(config, engine)
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def _response_format(schema=SCHEMA):
@@ -117,7 +104,7 @@ def test_json_object_regex_choice_grammar(oai):
     assert re.fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", r.choices[0].text), r.choices[0].text
 
 
-def test_grammar_rows_beside_plain_rows(http):
+def test_grammar_rows_beside_plain_rows(client):
     """A batch mixing constrained and free requests: each gets what it asked for."""
     import concurrent.futures
 
@@ -127,7 +114,7 @@ def test_grammar_rows_beside_plain_rows(http):
             body["guided_choice"] = ["yes", "no"]
         else:
             body["ignore_eos"] = True  # free rows run all 12 steps, unconstrained
-        return i, http.post("/v1/completions", json=body).json()["choices"][0]
+        return i, client.post("/v1/completions", json=body).json()["choices"][0]
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for i, c in pool.map(one, range(8)):
@@ -158,11 +145,11 @@ def test_grammar_rows_beside_plain_rows(http):
     ({"min_p": 1.5}, "min_p"),
     ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
 ])
-def test_bad_structured_and_sampling_fields_are_400(http, body, param):
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, **body})
+def test_bad_structured_and_sampling_fields_are_400(client, body, param):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
-    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_unimplemented_keyword_without_strict_is_best_effort(oai):
@@ -172,38 +159,38 @@ def test_unimplemented_keyword_without_strict_is_best_effort(oai):
     assert isinstance(json.loads(r.choices[0].message.content), list)
 
 
-def test_logit_bias_min_tokens_stop_token_ids(http):
+def test_logit_bias_min_tokens_stop_token_ids(client):
     tok_a = 107 + ord("a")  # the byte tokenizer's id of "a"
-    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0,
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0,
                                            "logit_bias": {str(tok_a): 100}}).json()
     assert r["choices"][0]["text"] == "aaaaa"
     # A stop token id that greedy would pick at once, held off by min_tokens.
-    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "temperature": 0,
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "temperature": 0,
                                            "logit_bias": {str(tok_a): 100}, "stop_token_ids": [tok_a],
                                            "min_tokens": 3}).json()
     # "a" is banned for 3 tokens, then ends the sequence at once.
     assert r["choices"][0]["finish_reason"] == "stop" and len(r["choices"][0]["text"]) == 3
     assert r["usage"]["completion_tokens"] == 4 and "a" not in r["choices"][0]["text"]
-    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "temperature": 0, "logit_bias": {
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "temperature": 0, "logit_bias": {
         str(tok_a): 100}, "stop_token_ids": [tok_a]}).json()["usage"]["completion_tokens"] == 1
 
 
-def test_penalties_change_greedy_repeats(http):
+def test_penalties_change_greedy_repeats(client):
     body = {"prompt": "the the the", "max_tokens": 40, "temperature": 0}
-    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    pen = http.post("/v1/completions", json={**body, "frequency_penalty": 2.0, "presence_penalty": 2.0,
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    pen = client.post("/v1/completions", json={**body, "frequency_penalty": 2.0, "presence_penalty": 2.0,
                                              "repetition_penalty": 1.5}).json()["choices"][0]["text"]
     assert len(set(pen)) >= len(set(plain)) and pen != plain
 
 
-def test_tokenize_detokenize(http):
-    r = http.post("/tokenize", json={"prompt": "hé", "return_token_strs": True}).json()
+def test_tokenize_detokenize(client):
+    r = client.post("/tokenize", json={"prompt": "hé", "return_token_strs": True}).json()
     assert r["tokens"] == [2, 107 + 0x68, 107 + 0xC3, 107 + 0xA9] and r["count"] == 4 and r["max_model_len"] == 256
-    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hé"}
-    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hé"}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"][:2] == [2, 105] and chat["token_strs"] is None
-    assert http.post("/detokenize", json={"tokens": [999999]}).status_code == 400
-    assert http.post("/tokenize", json={}).status_code == 400
+    assert client.post("/detokenize", json={"tokens": [999999]}).status_code == 400
+    assert client.post("/tokenize", json={}).status_code == 400
 
 
 def test_sampler_processing_units():

@@ -6,7 +6,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from serving import tools as T
@@ -43,11 +42,6 @@ def server():
                                   compile_cache_dir="", engine="slots"), engine)
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _check(call, name=None):
