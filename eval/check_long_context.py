@@ -6,13 +6,14 @@ CPU devices, so that the only differences are float sums in another order.
 Not part of the test suite (minutes on 2 cores):
 
     python -m eval.check_long_context                        # 8,192 tokens, tp=2
+    python -m eval.check_long_context --tokens 32000         # vs one-shot, 32,000 tokens
     python -m eval.check_long_context --tokens 32000 --reference chunked
 
-The one-shot prefill materializes every layer's [heads, T, T] attention scores: 1 GiB at 8,192
-tokens, 16 GiB at 32,000 (more than this machine holds beside the model). So at 32,000 tokens
-the reference is `--reference chunked`: the slot engine's chunked prefill (its own programs, a
-contiguous cache with ring buffers for the sliding-window layers, chunks of 256), itself checked
-against the one-shot prefill at the lengths where that fits (tests/serving/test_batch_invariance.py).
+The one-shot reference is one prefill program over the whole prompt; past 1,024 tokens it
+attends in query chunks of 1,024 (the prompt right-padded to a multiple), so 32,000 tokens need
+[1,024, 32,768] scores a layer, not [32,000, 32,000] (16 GiB). `--reference chunked` is the slot
+engine's chunked prefill (its own programs, a contiguous cache with ring buffers for the
+sliding-window layers, chunks of 256), a second reference and a faster one.
 """
 from __future__ import annotations
 
@@ -52,11 +53,18 @@ def paged_last_logits(model, prompt: list[int], budget: int, chunk: int) -> tupl
 
 
 def one_shot_last_logits(model, prompt: list[int]) -> np.ndarray:
-    """One prefill program over the whole prompt (the slot engine's, into a one-slot cache)."""
+    """One prefill program over the whole prompt (the slot engine's, into a one-slot cache).
+    Past `PROMPT_CHUNK` tokens the prompt is right-padded to a multiple of it, so the prefill
+    attends in query chunks ([chunk, T] scores, not [T, T]); padding after the last token
+    changes none of its logits (causal attention)."""
+    from models.gemma3.model import PROMPT_CHUNK
+
     n = len(prompt)
-    cache = model.init_cache(1, n)
-    logits, _ = model.prefill(cache, np.asarray([prompt], np.int32),
-                                     np.asarray([n], np.int32), np.zeros(1, np.int32))
+    t = n if n <= PROMPT_CHUNK else -(-n // PROMPT_CHUNK) * PROMPT_CHUNK
+    tokens = np.zeros((1, t), np.int32)
+    tokens[0, :n] = prompt
+    logits, _ = model.prefill(model.init_cache(1, n), tokens, np.asarray([n], np.int32),
+                              np.zeros(1, np.int32))
     return np.asarray(logits, np.float32)[0]
 
 
