@@ -29,6 +29,8 @@ from eval.reports import write_json
 def paged_last_logits(model, prompt: list[int], budget: int, chunk: int) -> tuple[np.ndarray, int]:
     """The prompt through the paged engine's scheduler and ragged steps (pieces of `budget`
     tokens: a lone prompt), returning the last token's float32 logits [V] and the step count."""
+    import jax
+
     from models.gemma3.ragged import RaggedBatch
     from serving import PagedRunner, step_inputs
     from serving import PagedScheduler
@@ -46,6 +48,9 @@ def paged_last_logits(model, prompt: list[int], budget: int, chunk: int) -> tupl
         inputs = step_inputs(plan, sched.kv, engine.info)
         out, engine.pages = model.ragged_step(engine.pages, RaggedBatch(**inputs.batch),
                                                      logits=inputs.buckets.logits)
+        # One step at a time: a long prompt's steps read nothing back, and more than 32 of
+        # them queued wedge XLA:CPU's multi-device runtime (serving/dispatch_window.py).
+        jax.block_until_ready(engine.pages)
         steps += 1
         if plan.pieces[0].sample:
             logits = np.asarray(out, np.float32)[0]
@@ -71,6 +76,8 @@ def one_shot_last_logits(model, prompt: list[int]) -> np.ndarray:
 def chunked_last_logits(model, prompt: list[int], chunk: int = 256) -> np.ndarray:
     """The slot engine's chunked prefill into a one-slot cache: chunk after chunk, each reading
     the cache and then written into it."""
+    import jax
+
     n = len(prompt)
     cache = model.init_cache(1, n)
     logits = None
@@ -79,7 +86,7 @@ def chunked_last_logits(model, prompt: list[int], chunk: int = 256) -> np.ndarra
         tokens = np.zeros((1, chunk), np.int32)
         tokens[0, :len(part)] = part
         logits, kv = model.prefill_chunk(cache, tokens, start, len(part), 0)
-        cache = model.write_chunk(cache, kv, start, len(part), 0)
+        cache = jax.block_until_ready(model.write_chunk(cache, kv, start, len(part), 0))
     return np.asarray(logits, np.float32)[0]
 
 
