@@ -53,3 +53,40 @@ def test_generate_refuses_an_image_it_cannot_take(capsys, tmp_path, model, conte
         generate_main(["hi", "--model", model, "--image", str(path), "--compile-cache-dir", ""])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err, err
+
+
+def _one_slot_text(prompt: str, params) -> str:
+    """What `gemma3-generate` printed before it ran the paged engine: the prompt through a
+    one-slot slot engine."""
+    import threading
+
+    from equarx import AllReduceConfig
+    from models.gemma3 import load_model
+    from serving.engine import ModelEngine
+    from serving.engine_core import EngineCore
+
+    model = load_model("random:tiny", tp=1, dtype="float32", allreduce=AllReduceConfig.from_label("f32"))
+    core = EngineCore(ModelEngine(model, num_slots=1, max_seq_len=2048)).start()
+    text, done = [], threading.Event()
+    core.submit([([model.tokenizer.bos_id] + model.tokenizer.encode(prompt), params,
+                  lambda e: (text.append(e.text), e.finish_reason and done.set()))])
+    assert done.wait(120)
+    core.shutdown()
+    return "".join(text)
+
+
+@pytest.mark.parametrize("sampling", [(), ("--temperature", "0.8", "--top-k", "40", "--seed", "5")])
+def test_generate_prints_the_one_slot_engines_text(capsys, sampling):
+    """Text runs through the paged engine, the server's default, as images do; what it prints
+    is what the one-slot slot engine it replaced gives (greedy, and sampled with a seed)."""
+    from serving.sampling import SamplingParams
+
+    prompt = "The capital of France is"
+    with pytest.raises(SystemExit) as e:
+        generate_main([prompt, "--model", "random:tiny", "--dtype", "float32", "--allreduce", "f32",
+                       "--max-tokens", "12", "--compile-cache-dir", "", *sampling])
+    out = capsys.readouterr()
+    assert e.value.code == 0, out.err
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=5) if sampling else \
+        SamplingParams(max_tokens=12, temperature=0.0)
+    assert out.out == _one_slot_text(prompt, params) + "\n"
