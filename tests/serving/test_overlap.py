@@ -207,11 +207,14 @@ def test_a_group_whose_step_in_flight_never_ends_stops():
     from jax_platform import ProcessGroup
     from serving import distributed as dist
 
+    release = threading.Event()
+
     class Wedged:
+        """A dispatched step whose outputs never come (until the test lets it go)."""
         tokens = None
 
         def result(self):
-            threading.Event().wait()
+            release.wait()
 
     engine = make_small("paged")
     engine.dispatch_step = lambda inputs, prev=None: Wedged()
@@ -225,4 +228,6 @@ def test_a_group_whose_step_in_flight_never_ends_stops():
         assert ended.wait(60)
         assert exits[0] == dist.EXIT_PEER_LOST
     finally:
-        leader._stop.set()  # the wedged wait never returns: stop the heartbeat only
+        release.set()
+        core.shutdown(join_timeout=30)
+        leader.close()
