@@ -5,7 +5,11 @@ programs in the same order (each program's collectives pair up across processes)
 0 serves HTTP and schedules; before every engine step it broadcasts the step's inputs (a few small
 numpy arrays) to the others, which loop: receive a step, run it, repeat, until a shutdown step.
 Both engines run so: the slot engine's prefills, chunks, decodes and slot moves, or the paged
-engine's ragged steps (its scheduler and page allocator live on process 0 alone).
+engine's ragged steps (its scheduler and page allocator live on process 0 alone), which run
+overlapped as in one process: step N+1 dispatched before step N's tokens reach the host
+(`LeaderEngine.dispatch_step`, `Follower`). The broadcast itself is a device collective, so it
+waits for the step in flight: the overlap hides the host's work between steps, not the
+broadcast (docs/engine.md measures both).
 
 A step travels as one fixed-size int32 array (`encode_step`/`decode_step`), so the broadcast is a
 single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
