@@ -75,7 +75,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     from serving.api import create_app
     from serving.runtime import Runtime
 
-    runtime = Runtime(config, engine_factory=leader)
+    runtime = Runtime(config, runner_factory=leader)
     app = create_app(runtime)
 
     class Server(uvicorn.Server):
@@ -107,8 +107,8 @@ def serve_main(argv: list[str] | None = None) -> None:
     server.run()
     if not runtime.shutdown(drain_timeout=0.0, join_timeout=ENGINE_STOP_GRACE_S) or runtime.status == "stuck":
         _exit_stuck(runtime)
-    if leader is not None and runtime.engine is not None:
-        runtime.engine.close()  # the other processes leave their step loops
+    if leader is not None and runtime.runner is not None:
+        runtime.runner.close()  # the other processes leave their step loops
     if failed:
         log.error("the model failed to load: %s", failed[0])
         sys.exit(1)
@@ -211,7 +211,7 @@ def _image_prompt(model, prompt: str, paths: list[str]):
 def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths=()) -> int:
     from serving.chat_template import render_chat
     from serving.engine_core import EngineCore
-    from serving.paged_engine import PagedEngine
+    from serving.paged_runner import PagedRunner
     from serving.runtime import configure_jax, load_configured_model
     from serving.sampling import SamplingParams
 
@@ -223,11 +223,11 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
     model = load_configured_model(config)
     # The server's default engine, for text and images alike. One sequence shares nothing, and
     # a prefix cache would give the timed run other steps (hits) than its warm-up below.
-    engine = PagedEngine(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
+    runner = PagedRunner(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
                          page_size=config.page_size, chunk_size=config.prefill_chunk,
                          prefix_caching=False, model_name=config.model_name)
-    tok = engine.tokenizer
-    core = EngineCore(engine, max_waiting=1)
+    tok = runner.tokenizer
+    core = EngineCore(runner, max_waiting=1)
     try:
         if image_paths:
             ids, images = _image_prompt(model, prompt, image_paths)

@@ -7,7 +7,7 @@ numpy arrays) to the others, which loop: receive a step, run it, repeat, until a
 Both engines run so: the slot engine's prefills, chunks, decodes and slot moves, or the paged
 engine's ragged steps (its scheduler and page allocator live on process 0 alone), which run
 overlapped as in one process: step N+1 dispatched before step N's tokens reach the host
-(`LeaderEngine.dispatch_step`, `Follower`). The broadcast itself is a device collective, so it
+(`LeaderRunner.dispatch_step`, `Follower`). The broadcast itself is a device collective, so it
 waits for the step in flight: the overlap hides the host's work between steps, not the
 broadcast (docs/engine.md measures both).
 
@@ -59,8 +59,8 @@ EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
 def _input_types() -> dict[int, type]:
     """The input type of each kind that carries inputs (imported on use: they import jax)."""
-    from serving.engine import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
-    from serving.paged_engine import StepInputs
+    from serving.runner import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
+    from serving.paged_runner import StepInputs
 
     return {PREFILL: PrefillInputs, DECODE: DecodeInputs, CHUNK: ChunkInputs, MOVE: SlotMove,
             RAGGED: StepInputs}
@@ -113,16 +113,16 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
     return kind, wire.decode(cls, buf[_HEADER:_HEADER + size])
 
 
-def _run(engine, kind: int, inputs):
+def _run(runner, kind: int, inputs):
     """Runs a received step on the local engine, as process 0 ran it on its own (a ragged
     step of the overlapped loop: `Follower`)."""
     if kind == MOVE:
-        return engine.move_slot(inputs.src, inputs.dst)
+        return runner.move_slot(inputs.src, inputs.dst)
     if kind == RESET:
-        return engine.reset()
+        return runner.reset()
     method = {PREFILL: "run_prefill", DECODE: "run_decode", CHUNK: "run_chunk",
               RAGGED: "run_step"}.get(kind)
-    return None if method is None else getattr(engine, method)(inputs)
+    return None if method is None else getattr(runner, method)(inputs)
 
 
 # ---- failure detection ----
@@ -166,7 +166,7 @@ class _Broadcaster:
         return np.asarray(self._bcast(buf))
 
 
-class LeaderEngine:
+class LeaderRunner:
     """Process 0's engine: the scheduler drives it exactly like the local engine it wraps; each
     step is broadcast to the workers first. Idle heartbeats keep the workers' watchdogs quiet.
 
@@ -186,12 +186,12 @@ class LeaderEngine:
     refuses_images = ("images are not served by a multi-process group (--num-processes > 1) "
                       "yet: send text only, or serve images from a single-process server")
 
-    def __init__(self, engine, settings: ProcessGroup,
+    def __init__(self, runner, settings: ProcessGroup,
                  broadcast: Callable[[np.ndarray], np.ndarray] | None = None,
                  exit: Callable[[int], None] = os._exit):
-        self.engine = engine
-        self.info = engine.info
-        self.tokenizer = engine.tokenizer
+        self.runner = runner
+        self.info = runner.info
+        self.tokenizer = runner.tokenizer
         self.settings = settings
         self.capacity = step_capacity(self.info)
         self._bcast = broadcast or _Broadcaster(self.capacity)
@@ -209,7 +209,7 @@ class LeaderEngine:
         self._heartbeat.start()
 
     def bucket_for(self, length: int) -> int:
-        return self.engine.bucket_for(length)
+        return self.runner.bucket_for(length)
 
     def run_prefill(self, inputs):
         return self._step(PREFILL, inputs)
@@ -237,7 +237,7 @@ class LeaderEngine:
             # Dispatching compiles a shape's programs the first time it runs.
             self._watchdog.arm(f"dispatching a {describe(key)} on process 0", limit)
             try:
-                pending = self.engine.dispatch_step(inputs, None if prev is None else prev.pending)
+                pending = self.runner.dispatch_step(inputs, None if prev is None else prev.pending)
             except Exception as e:
                 fatal(f"ragged step failed: {type(e).__name__}: {e}", self._exit)
                 raise
@@ -247,7 +247,7 @@ class LeaderEngine:
             return _InFlight(self, pending, key, limit)
 
     def move_slot(self, src: int, dst: int) -> None:
-        from serving.engine import SlotMove
+        from serving.runner import SlotMove
 
         self._step(MOVE, SlotMove(src, dst))
 
@@ -274,7 +274,7 @@ class LeaderEngine:
             limit = self._limits.limit(key)
             self._watchdog.arm(f"running a {describe(key)} on process 0", limit)
             try:
-                out = _run(self.engine, kind, inputs)
+                out = _run(self.runner, kind, inputs)
             except Exception as e:
                 # The workers ran (or failed) the same step; nothing keeps the group in step now.
                 fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}", self._exit)
@@ -315,11 +315,11 @@ class LeaderEngine:
 
 
 class _InFlight:
-    """A ragged step process 0 dispatched (`LeaderEngine.dispatch_step`): its sampled tokens on
+    """A ragged step process 0 dispatched (`LeaderRunner.dispatch_step`): its sampled tokens on
     the device (`tokens`, to feed the next step) and its outputs on `result()`, waited for
     under the group's watchdog."""
 
-    def __init__(self, leader: LeaderEngine, pending, key: tuple, limit: float):
+    def __init__(self, leader: LeaderRunner, pending, key: tuple, limit: float):
         self.leader, self.pending, self.key, self.limit = leader, pending, key, limit
         self.tokens = pending.tokens
 
@@ -350,8 +350,8 @@ class Follower:
     dispatching step N+1 it reads step N's outputs back, as process 0 does, so that at most two
     steps are in flight and the dispatch window (serving/dispatch_window.py) sees them finish."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, runner):
+        self.runner = runner
         self._in_flight = None  # the last ragged step's PendingStep
         self.ragged = self.fed = 0  # ragged steps run; of them fed from the step before
 
@@ -359,9 +359,9 @@ class Follower:
         if kind != RAGGED:
             if kind == RESET:  # fresh pages: nothing in flight feeds a later step
                 self._in_flight = None
-            _run(self.engine, kind, inputs)
+            _run(self.runner, kind, inputs)
             return
-        pending = self.engine.dispatch_step(inputs, self._in_flight)
+        pending = self.runner.dispatch_step(inputs, self._in_flight)
         self.ragged += 1
         self.fed += inputs.feed is not None
         before, self._in_flight = self._in_flight, pending
@@ -369,16 +369,16 @@ class Follower:
             before.result()
 
 
-def worker_loop(engine, settings: ProcessGroup) -> int:
+def worker_loop(runner, settings: ProcessGroup) -> int:
     """A non-zero process's life after warm-up: run process 0's steps until it says shutdown."""
-    info = engine.info
+    info = runner.info
     capacity = step_capacity(info)
     bcast = _Broadcaster(capacity)
     dog = Watchdog(settings.step_timeout_s, "waiting for process 0's next step")
     limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
     wait = limits.compile_s  # process 0 may still be running the last step (or its first broadcast)
     steps = 0
-    follower = Follower(engine)
+    follower = Follower(runner)
     while True:
         dog.arm(timeout_s=wait)
         try:
@@ -401,14 +401,14 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
 
 def leader_factory(settings: ProcessGroup):
     """Runtime engine factory for process 0: the usual load and warm-up, then broadcast steps."""
-    from serving.runtime import load_engine
+    from serving.runtime import load_runner
 
     def factory(config, progress):
         try:
-            engine = load_engine(config, progress)
+            runner = load_runner(config, progress)
         except GroupFormationError as e:
             exit_group_not_formed(e)  # at once: the others' deadlines are running too
-        return LeaderEngine(engine, settings)
+        return LeaderRunner(runner, settings)
 
     return factory
 
@@ -416,10 +416,10 @@ def leader_factory(settings: ProcessGroup):
 def run_worker(config, settings: ProcessGroup) -> int:
     """A non-zero process: load and warm up exactly as process 0 does (the same programs in the
     same order), then follow its steps. Returns the exit status."""
-    from serving.runtime import load_engine
+    from serving.runtime import load_runner
 
     try:
-        engine = load_engine(config, lambda msg: log.info("%s", msg))
+        runner = load_runner(config, lambda msg: log.info("%s", msg))
     except GroupFormationError as e:
         exit_group_not_formed(e)
     except Exception as e:
@@ -427,4 +427,4 @@ def run_worker(config, settings: ProcessGroup) -> int:
         print(f"error: loading the model failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("warmed up; following process 0's steps")
-    return worker_loop(engine, settings)
+    return worker_loop(runner, settings)

@@ -63,11 +63,11 @@ def _one_slot_text(prompt: str, params, dtype: str) -> str:
     import threading
 
     from models.gemma3 import load_model
-    from serving.engine import ModelEngine
+    from serving.runner import SlotRunner
     from serving.engine_core import EngineCore
 
     model = load_model("gemma3-270m", tp=1, dtype=dtype, max_seq_len=2048)
-    core = EngineCore(ModelEngine(model, num_slots=1, max_seq_len=2048)).start()
+    core = EngineCore(SlotRunner(model, num_slots=1, max_seq_len=2048)).start()
     text, done = [], threading.Event()
     try:
         core.submit([([model.tokenizer.bos_id] + model.tokenizer.encode(prompt), params,

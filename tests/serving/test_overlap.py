@@ -9,9 +9,9 @@ import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
-from serving.engine import ModelEngine
+from serving.runner import SlotRunner
 from serving.engine_core import EngineCore
-from serving.paged_engine import PagedEngine
+from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
 
 _model = []
@@ -88,10 +88,10 @@ def same(a, b, bitwise):
 
 def engine_maker(kind, deterministic):
     if kind == "paged":
-        return lambda: PagedEngine(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
+        return lambda: PagedRunner(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
                                    chunk_size=16, deterministic=deterministic)
     kw = dict(chunk_size=16, deterministic=True) if deterministic else dict(decode_batch_sizes=(1, 2, 4))
-    return lambda: ModelEngine(model(), num_slots=4, max_seq_len=64, **kw)
+    return lambda: SlotRunner(model(), num_slots=4, max_seq_len=64, **kw)
 
 
 @pytest.mark.parametrize("kind,deterministic", [("slots", True), ("slots", False),
@@ -130,9 +130,9 @@ def test_overlapped_loop_gives_the_plain_loops_outputs(kind, deterministic):
 
 def make_small(kind):
     if kind == "paged":
-        return PagedEngine(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
+        return PagedRunner(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
                            deterministic=True)
-    return ModelEngine(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
+    return SlotRunner(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged"])
@@ -169,7 +169,7 @@ def test_cancel_while_a_step_is_in_flight(kind):
 
 def test_a_groups_processes_replay_the_overlapped_loop():
     """A multi-process group's overlapped loop with its two processes played in this one:
-    process 0's engine (`LeaderEngine` over a paged engine) runs the core's overlapped loop and
+    process 0's engine (`LeaderRunner` over a paged engine) runs the core's overlapped loop and
     gives the plain loop's outputs, logits processing among the requests (a step with such a
     row waits for the one in flight instead of being fed); every step it broadcast, replayed
     on a second engine by a `Follower`, which resolves the fed rows against its own sampled
@@ -177,7 +177,7 @@ def test_a_groups_processes_replay_the_overlapped_loop():
     import jax
 
     from jax_platform import ProcessGroup
-    from serving.distributed import Follower, LeaderEngine, decode_step
+    from serving.distributed import Follower, LeaderRunner, decode_step
 
     make = engine_maker("paged", False)
     requests = [(prompt(5 + 3 * i, i), greedy(n, ignore_eos=True)) for i, n in enumerate((3, 9, 17, 5))]
@@ -186,7 +186,7 @@ def test_a_groups_processes_replay_the_overlapped_loop():
                  (prompt(9, 60), greedy(6, ignore_eos=True, logit_bias=((7, -100.0),),
                                         repetition_penalty=1.3))]
     sent = []
-    leader = LeaderEngine(make(), ProcessGroup(step_timeout_s=120),
+    leader = LeaderRunner(make(), ProcessGroup(step_timeout_s=120),
                           broadcast=lambda words: sent.append(words.copy()) or words)
     try:
         overlapped = run(leader, requests, overlap=True)
@@ -219,7 +219,7 @@ def test_a_group_whose_step_in_flight_never_ends_stops():
     engine = make_small("paged")
     engine.dispatch_step = lambda inputs, prev=None: Wedged()
     exits, ended = [], threading.Event()
-    leader = dist.LeaderEngine(engine, ProcessGroup(step_timeout_s=0.5, compile_timeout_s=0.5, heartbeat_s=0.2),
+    leader = dist.LeaderRunner(engine, ProcessGroup(step_timeout_s=0.5, compile_timeout_s=0.5, heartbeat_s=0.2),
                                broadcast=lambda words: words,
                                exit=lambda status: (exits.append(status), ended.set()))
     core = EngineCore(leader, overlap=True).start()
