@@ -209,61 +209,35 @@ def _image_prompt(model, prompt: str, paths: list[str]):
 
 
 def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths=()) -> int:
-    import numpy as np
-
     from serving.chat_template import render_chat
-    from serving.runner import DecodeInputs, SlotRunner, runner_info, pad_prefill_batch
-    from serving.runtime import configure_jax, load_configured_model
     from serving.engine_core import EngineCore
-    from serving.sampling import SlotSampling
+    from serving.paged_runner import PagedRunner
+    from serving.runtime import configure_jax, load_configured_model
+    from serving.sampling import SamplingParams
 
     t_start = time.perf_counter()
     progress = _Progress(t_start)
     mesh = f" ({config.tp_mesh})" if config.tp_mesh else ""
     progress(f"loading {config.model} ({config.dtype}, tp={config.tp}{mesh}, allreduce={config.allreduce_config().label})")
     configure_jax(config)
-
-    def token_ids(tok) -> list[int]:
-        return render_chat([("user", prompt)], tok) if chat else [tok.bos_id] + tok.encode(prompt)
-
-    def compile_while_loading(model) -> None:
-        # The two programs this prompt needs; a prompt that does not fit is reported below.
-        info = runner_info(model, 1, config.max_seq_len, model_name=config.model_name)
-        n = len(token_ids(model.tokenizer))
-        try:
-            bucket = info.bucket_for(n)
-        except ValueError:
-            return
-        progress(f"compiling prefill ({n}-token prompt, bucket {bucket}) and decode step "
-                 "while the weights load")
-        model.warm_up(1, info.max_seq_len, buckets=[bucket], decode_rows=(1,))
-
-    model = load_configured_model(config, None if image_paths else compile_while_loading)
-    images = ()
-    if image_paths:
-        # Images run through the paged engine only (its steps carry image features).
-        from serving.paged_runner import PagedRunner
-        runner = PagedRunner(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
-                             page_size=config.page_size, chunk_size=config.prefill_chunk,
-                             model_name=config.model_name)
-    else:
-        runner = SlotRunner(model, num_slots=1, max_seq_len=config.max_seq_len,
-                             model_name=config.model_name)
+    model = load_configured_model(config)
+    # The server's default engine, for text and images alike. One sequence shares nothing, and
+    # a prefix cache would give the timed run other steps (hits) than its warm-up below.
+    runner = PagedRunner(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
+                         page_size=config.page_size, chunk_size=config.prefill_chunk,
+                         prefix_caching=False, model_name=config.model_name)
     tok = runner.tokenizer
     core = EngineCore(runner, max_waiting=1)
     try:
-        ids, images = _image_prompt(model, prompt, image_paths) if image_paths else (token_ids(tok), ())
+        if image_paths:
+            ids, images = _image_prompt(model, prompt, image_paths)
+        else:
+            ids = render_chat([("user", prompt)], tok) if chat else [tok.bos_id] + tok.encode(prompt)
+            images = ()
         core.check(len(ids), params.max_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not image_paths:
-        # Run the two programs once (the sampler's compile), before timing the generation.
-        bucket = runner.bucket_for(len(ids))
-        runner.run_prefill(pad_prefill_batch([([tok.bos_id], 0, SlotSampling.greedy(1))], bucket, 1))
-        runner.run_decode(DecodeInputs(np.zeros(1, np.int32), np.zeros(1, np.int32), SlotSampling.greedy(1)))
-    progress("generating", done=True)
-
     done = threading.Event()
     result = {}
 
@@ -275,10 +249,18 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
             result.update(reason=event.finish_reason, n=event.num_generated, error=event.error)
             done.set()
 
-    t0 = time.perf_counter()
     core.start()
-    core.submit([(ids, params, sink, images)])
     try:
+        if not image_paths:
+            # The prompt's steps and a decode step run once (compiling them and the sampler),
+            # so that the timing below is the generation's. Not with images: the encoder would
+            # run twice, and its features would be cached for the timed run.
+            progress("compiling the prompt's steps")
+            _run_once(core, ids, SamplingParams(max_tokens=min(2, params.max_tokens), temperature=0.0,
+                                                ignore_eos=True))
+        progress("generating", done=True)
+        t0 = time.perf_counter()
+        core.submit([(ids, params, sink, images)])
         done.wait()
     except KeyboardInterrupt:
         core.shutdown()
@@ -293,6 +275,12 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
     print(f"[{result['n']} tokens in {elapsed:.2f}s, {result['n'] / max(elapsed, 1e-9):.1f} tokens/s, "
           f"finish: {result['reason']}; start-up {t0 - t_start:.1f}s]", file=sys.stderr)
     return 0
+
+
+def _run_once(core, ids: list[int], params) -> None:
+    done = threading.Event()
+    core.submit([(ids, params, lambda event: event.finish_reason is not None and done.set())])
+    done.wait()
 
 
 class _Progress:

@@ -122,6 +122,8 @@ class ServerConfig:
     prefix_cache_mb: int = _field(512, "slot engine: memory for the prefix cache's blocks (least "
                                   "recently used blocks give way; the paged engine caches prefixes "
                                   "in its KV pages)")
+    overlap: bool = _field(True, "dispatch each step before the last one's tokens reach the host "
+                           "(the overlapped loop; --no-overlap: the plain loop, for comparisons)")
     admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
                                       "requests before the next decode step (0 disables)")
     limit_mm_per_prompt: int = _field(4, "images one chat request may carry (more: 400); images "

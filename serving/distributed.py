@@ -5,7 +5,11 @@ programs in the same order (each program's collectives pair up across processes)
 0 serves HTTP and schedules; before every engine step it broadcasts the step's inputs (a few small
 numpy arrays) to the others, which loop: receive a step, run it, repeat, until a shutdown step.
 Both engines run so: the slot engine's prefills, chunks, decodes and slot moves, or the paged
-engine's ragged steps (its scheduler and page allocator live on process 0 alone).
+engine's ragged steps (its scheduler and page allocator live on process 0 alone), which run
+overlapped as in one process: step N+1 dispatched before step N's tokens reach the host
+(`LeaderRunner.dispatch_step`, `Follower`). The broadcast itself is a device collective, so it
+waits for the step in flight: the overlap hides the host's work between steps, not the
+broadcast (docs/engine.md measures both).
 
 A step travels as one fixed-size int32 array (`encode_step`/`decode_step`), so the broadcast is a
 single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
@@ -110,7 +114,8 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
 
 
 def _run(runner, kind: int, inputs):
-    """Runs a received step on the local engine, as process 0 ran it on its own."""
+    """Runs a received step on the local engine, as process 0 ran it on its own (a ragged
+    step of the overlapped loop: `Follower`)."""
     if kind == MOVE:
         return runner.move_slot(inputs.src, inputs.dst)
     if kind == RESET:
@@ -162,9 +167,18 @@ class _Broadcaster:
 
 
 class LeaderRunner:
-    """Process 0's model runner: the engine core drives it exactly like the local runner it wraps;
-    each step is broadcast to the other processes first. Idle heartbeats keep the workers'
-    watchdogs quiet."""
+    """Process 0's model runner: the engine core drives it exactly like the local runner it
+    wraps; each step is broadcast to the other processes first. Idle heartbeats keep the
+    workers' watchdogs quiet.
+
+    A paged runner's steps are also dispatched without waiting (`dispatch_step`), so that the
+    engine core runs its overlapped loop in a group too: step N+1 is broadcast and dispatched
+    before step N's tokens reach the host, and the rows it takes from step N's sampled tokens
+    on the device travel as indices (`StepInputs.feed`), which every worker resolves against
+    its own device's tokens of step N (`Follower`).
+
+    broadcast(words) -> words: how a step reaches the others (default: jax's broadcast from
+    process 0); exit(status): how a broken group ends this process (default: at once)."""
 
     watches_steps = True  # its watchdog ends the group: the engine core needs none of its own
     # Every step travels as one compiled broadcast of a fixed size, sent for every decode and
@@ -173,17 +187,22 @@ class LeaderRunner:
     refuses_images = ("images are not served by a multi-process group (--num-processes > 1) "
                       "yet: send text only, or serve images from a single-process server")
 
-    def __init__(self, runner, settings: ProcessGroup):
+    def __init__(self, runner, settings: ProcessGroup,
+                 broadcast: Callable[[np.ndarray], np.ndarray] | None = None,
+                 exit: Callable[[int], None] = os._exit):
         self.runner = runner
         self.info = runner.info
         self.tokenizer = runner.tokenizer
         self.settings = settings
         self.capacity = step_capacity(self.info)
-        self._bcast = _Broadcaster(self.capacity)
-        self._lock = threading.Lock()  # one step at a time: broadcasts must keep their order
+        self._bcast = broadcast or _Broadcaster(self.capacity)
+        self._exit = exit
+        # One step at a time: broadcasts must keep their order. A wait for a dispatched step's
+        # outputs holds it too, so that the heartbeat never re-arms the watchdog under it.
+        self._lock = threading.Lock()
         self._last = time.monotonic()
         self._closed = False
-        self._watchdog = Watchdog(settings.step_timeout_s, "running a step on process 0")
+        self._watchdog = Watchdog(settings.step_timeout_s, "running a step on process 0", exit)
         self._limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
         self._peer_limit = self._limits.compile_s  # the others may still run the last step this long
         self._stop = threading.Event()
@@ -204,6 +223,29 @@ class LeaderRunner:
 
     def run_step(self, inputs):
         return self._step(RAGGED, inputs)
+
+    def dispatch_step(self, inputs, prev: "_InFlight | None" = None) -> "_InFlight":
+        """The overlapped loop's ragged step (the class docstring): broadcast, then dispatched
+        here fed from `prev`, the step still in flight; returns before its outputs reach the
+        host. Its `result()` waits under the group's watchdog: a peer lost mid-step ends the
+        group as a lost peer does in `run_step`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the process group has shut down")
+            self._send(RAGGED, inputs)
+            key = step_key(_KIND_NAMES[RAGGED], inputs)
+            limit = self._limits.limit(key)
+            # Dispatching compiles a shape's programs the first time it runs.
+            self._watchdog.arm(f"dispatching a {describe(key)} on process 0", limit)
+            try:
+                pending = self.runner.dispatch_step(inputs, None if prev is None else prev.pending)
+            except Exception as e:
+                fatal(f"ragged step failed: {type(e).__name__}: {e}", self._exit)
+                raise
+            finally:
+                self._watchdog.disarm()
+            self._peer_limit = limit  # the others may run it that long before the next broadcast
+            return _InFlight(self, pending, key, limit)
 
     def move_slot(self, src: int, dst: int) -> None:
         from serving.runner import SlotMove
@@ -236,7 +278,7 @@ class LeaderRunner:
                 out = _run(self.runner, kind, inputs)
             except Exception as e:
                 # The workers ran (or failed) the same step; nothing keeps the group in step now.
-                fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}")
+                fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}", self._exit)
                 raise
             finally:
                 self._watchdog.disarm()
@@ -253,7 +295,7 @@ class LeaderRunner:
             self._bcast(buf)
         except Exception as e:
             fatal(f"broadcasting the {_KIND_NAMES[kind]} step failed (a process has died?): "
-                  f"{type(e).__name__}: {e}")
+                  f"{type(e).__name__}: {e}", self._exit)
             raise
         finally:
             self._watchdog.disarm()
@@ -273,6 +315,61 @@ class LeaderRunner:
                 self._lock.release()
 
 
+class _InFlight:
+    """A ragged step process 0 dispatched (`LeaderRunner.dispatch_step`): its sampled tokens on
+    the device (`tokens`, to feed the next step) and its outputs on `result()`, waited for
+    under the group's watchdog."""
+
+    def __init__(self, leader: LeaderRunner, pending, key: tuple, limit: float):
+        self.leader, self.pending, self.key, self.limit = leader, pending, key, limit
+        self.tokens = pending.tokens
+
+    def result(self):
+        leader = self.leader
+        with leader._lock:
+            leader._watchdog.arm(f"running a {describe(self.key)} on process 0", self.limit)
+            try:
+                out = self.pending.result()
+            except Exception as e:
+                fatal(f"ragged step failed: {type(e).__name__}: {e}", leader._exit)
+                raise
+            finally:
+                leader._watchdog.disarm()
+            leader._limits.done(self.key)
+        return out
+
+
+class Follower:
+    """A worker's runner as process 0 drives it: runs each received step as process 0 ran it.
+
+    Ragged steps are dispatched as process 0 dispatches them in the overlapped loop: a step's
+    rows marked in `StepInputs.feed` take this process's own sampled tokens of the ragged step
+    before, still on its device. Those equal process 0's: every process samples the same
+    gathered logits with the same temperatures, seeds and positions (they travel bit for bit),
+    and a fed row never has logits processing (which stays on process 0): the engine core
+    drains the step in flight before a step with such a row instead of feeding it. After
+    dispatching step N+1 it reads step N's outputs back, as process 0 does, so that at most two
+    steps are in flight and the dispatch window (serving/dispatch_window.py) sees them finish."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._in_flight = None  # the last ragged step's PendingStep
+        self.ragged = self.fed = 0  # ragged steps run; of them fed from the step before
+
+    def run(self, kind: int, inputs) -> None:
+        if kind != RAGGED:
+            if kind == RESET:  # fresh pages: nothing in flight feeds a later step
+                self._in_flight = None
+            _run(self.runner, kind, inputs)
+            return
+        pending = self.runner.dispatch_step(inputs, self._in_flight)
+        self.ragged += 1
+        self.fed += inputs.feed is not None
+        before, self._in_flight = self._in_flight, pending
+        if before is not None:
+            before.result()
+
+
 def worker_loop(runner, settings: ProcessGroup) -> int:
     """A non-zero process's life after warm-up: run process 0's steps until it says shutdown."""
     info = runner.info
@@ -282,6 +379,7 @@ def worker_loop(runner, settings: ProcessGroup) -> int:
     limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
     wait = limits.compile_s  # process 0 may still be running the last step (or its first broadcast)
     steps = 0
+    follower = Follower(runner)
     while True:
         dog.arm(timeout_s=wait)
         try:
@@ -289,10 +387,11 @@ def worker_loop(runner, settings: ProcessGroup) -> int:
             key = step_key(_KIND_NAMES[kind], inputs)
             wait = limits.limit(key)
             dog.arm(f"running a {describe(key)}", wait)
-            _run(runner, kind, inputs)
+            follower.run(kind, inputs)
             if kind == SHUTDOWN:
                 dog.close()
-                log.info("shutdown step received after %d steps", steps)
+                log.info("shutdown step received after %d steps (%d ragged, %d of them fed from "
+                         "the step before on the device)", steps, follower.ragged, follower.fed)
                 return 0
         except Exception as e:
             fatal(f"worker step failed (process 0 has died?): {type(e).__name__}: {e}")

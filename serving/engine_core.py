@@ -20,6 +20,8 @@ waits for the step in flight, then runs as without overlap. Greedy and seeded ou
 The paged engine overlaps every ragged step the same way (`dispatch_step`): the scheduler plans
 the next step counting the tokens in flight (`Piece.fed`), unless a piece needs logits
 processing; then the step in flight is drained first and the pieces of sequences it ended dropped.
+In a multi-process group process 0's engine (`distributed.LeaderRunner`) dispatches so too, and
+the other processes feed the same rows from their own devices (`distributed.Follower`).
 
 The step watchdog (`step_timeout`, `serving/watchdog.py`): every engine call, and every wait for a
 step in flight, runs armed. One that outlasts its limit (`compile_timeout` the first time a call

@@ -319,8 +319,8 @@ class PagedRunner:
         self._feed = jax.jit(feed_tokens)
         # In a multi-process group the logits are split over the processes: each one gathers
         # them (one collective program, the same on all of them) and samples on its own device.
-        self._replicate = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
-            model.mesh, jax.sharding.PartitionSpec()))
+        self._replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
+        self._replicate = jax.jit(lambda x: x, out_shardings=self._replicated)
         local = [d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
         self.window = dispatch_window.DispatchWindow(
             lambda: self.pages,
@@ -392,6 +392,8 @@ class PagedRunner:
                 raise ValueError("a step fed from the step in flight needs that step")
             fields["tokens"] = self._feed(prev.tokens, fields["tokens"], inputs.feed)
             self.window.dispatched(fields["tokens"])
+            if not self._replicated.is_fully_addressable:
+                fields["tokens"] = self._on_every_process(fields["tokens"])
         batch = RaggedBatch(**fields)
         images = self._image_rows(inputs)  # ready features (the encoder ran in earlier steps)
         every = None
@@ -419,6 +421,17 @@ class PagedRunner:
             out += tuple(self._token_logprobs(every, inputs.targets))
         ticket = self.window.dispatched(out)
         return PendingStep(self._jax, out, on_result=lambda: self.window.retired(ticket))
+
+    def _on_every_process(self, x):
+        """x, on this process's sampling device, as the mesh's replicated array, without a
+        transfer between processes (which `device_put` cannot make of a one-device array in a
+        group): each process places its own copy on its own devices. Right only where every
+        process holds the same values, as it does for the fed tokens (`distributed.Follower`
+        says why)."""
+        jax = self._jax
+        shards = [jax.device_put(x, d)
+                  for d in sorted(self._replicated.addressable_devices, key=lambda d: d.id)]
+        return jax.make_array_from_single_device_arrays(x.shape, self._replicated, shards)
 
     def reset(self) -> None:
         """Fresh pages (after a failed step, whose donated pages may be gone)."""

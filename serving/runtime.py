@@ -70,7 +70,7 @@ class Runtime:
         watched = not getattr(runner, "watches_steps", False)
         stall = _stall_step()
         self.core = EngineCore(runner, max_waiting=c.max_waiting, metrics=self.metrics,
-                               admission_wait=c.admission_wait_ms / 1000,
+                               admission_wait=c.admission_wait_ms / 1000, overlap=c.overlap,
                                step_timeout=c.step_timeout if watched else None,
                                compile_timeout=c.compile_timeout, on_stuck=self._on_stuck,
                                stall_step=stall).start()

@@ -1,5 +1,6 @@
-"""`gemma3-generate` end to end on a tiny random model (in this process, on 2 of the session's
-virtual devices): the label-spelled AllReduce reaches the model and the prompt is generated."""
+"""`gemma3-generate` end to end (in this process): on a tiny random model (on 2 of the session's
+virtual devices) the label-spelled AllReduce reaches the model and the prompt is generated; on
+the real 270M its text through the paged engine is the one-slot slot engine's it replaced."""
 import pytest
 
 from serving.cli import generate_main
@@ -53,3 +54,46 @@ def test_generate_refuses_an_image_it_cannot_take(capsys, tmp_path, model, conte
         generate_main(["hi", "--model", model, "--image", str(path), "--compile-cache-dir", ""])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err, err
+
+
+
+def _one_slot_text(prompt: str, params, dtype: str) -> str:
+    """What `gemma3-generate` printed before it ran the paged engine: the prompt through a
+    one-slot slot engine (its default context, 2,048)."""
+    import threading
+
+    from models.gemma3 import load_model
+    from serving.runner import SlotRunner
+    from serving.engine_core import EngineCore
+
+    model = load_model("gemma3-270m", tp=1, dtype=dtype, max_seq_len=2048)
+    core = EngineCore(SlotRunner(model, num_slots=1, max_seq_len=2048)).start()
+    text, done = [], threading.Event()
+    try:
+        core.submit([([model.tokenizer.bos_id] + model.tokenizer.encode(prompt), params,
+                      lambda e: (text.append(e.text), e.finish_reason and done.set()))])
+        assert done.wait(300)
+    finally:
+        core.shutdown()
+    return "".join(text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [(), ("--temperature", "0.8", "--top-k", "40", "--seed", "5")])
+def test_generate_prints_the_one_slot_engines_text(capsys, sampling):
+    """Text runs through the paged engine, the server's default, as images do; what it prints
+    for the real 270M is what the one-slot slot engine it replaced gives (greedy, and sampled
+    with a seed; float32, where two engines' programs differ in the last bits only)."""
+    from serving.sampling import SamplingParams
+
+    prompt = "The capital of France is"
+    with pytest.raises(SystemExit) as e:
+        generate_main([prompt, "--dtype", "float32", "--max-tokens", "16", "--compile-cache-dir", "",
+                       *sampling])
+    out = capsys.readouterr()
+    assert e.value.code == 0, out.err
+    params = (SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=5) if sampling
+              else SamplingParams(max_tokens=16, temperature=0.0))
+    want = _one_slot_text(prompt, params, "float32")
+    assert len(want.split()) >= 5  # words, not a stop at once
+    assert out.out == want + "\n"

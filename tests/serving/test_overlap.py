@@ -151,3 +151,69 @@ def test_cancel_while_a_step_is_in_flight(kind):
     plain = run(make_small(kind), [(prompt(9, 2), greedy(7, ignore_eos=True))], overlap=False)
     assert plain[0][1] == got
     assert engine.fed > 0
+
+
+def test_a_groups_processes_replay_the_overlapped_loop():
+    """A multi-process group's overlapped loop with its two processes played in this one:
+    process 0's engine (`LeaderRunner` over a paged engine) runs the core's overlapped loop and
+    gives the plain loop's outputs, logits processing among the requests (a step with such a
+    row waits for the one in flight instead of being fed); every step it broadcast, replayed
+    on a second engine by a `Follower`, which resolves the fed rows against its own sampled
+    tokens, leaves that engine's pages bit for bit as process 0's."""
+    import jax
+
+    from jax_platform import ProcessGroup
+    from serving.distributed import Follower, LeaderRunner, decode_step
+
+    make = engine_maker("paged", False)
+    requests = [(prompt(5 + 3 * i, i), greedy(n, ignore_eos=True)) for i, n in enumerate((3, 9, 17, 5))]
+    requests += [(prompt(7, 50), SamplingParams(max_tokens=11, temperature=1.0, top_k=40, seed=1,
+                                                logprobs=0, ignore_eos=True)),
+                 (prompt(9, 60), greedy(6, ignore_eos=True, logit_bias=((7, -100.0),),
+                                        repetition_penalty=1.3))]
+    sent = []
+    leader = LeaderRunner(make(), ProcessGroup(step_timeout_s=120),
+                          broadcast=lambda words: sent.append(words.copy()) or words)
+    try:
+        overlapped = run(leader, requests, overlap=True)
+    finally:
+        leader.close()
+    same(overlapped, run(make(), requests, overlap=False), bitwise=False)
+    follower = Follower(make())
+    for words in sent:
+        follower.run(*decode_step(words))
+    assert follower.fed > 5
+    for mine, theirs in zip(jax.tree.leaves(leader.engine.pages), jax.tree.leaves(follower.engine.pages)):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_group_whose_step_in_flight_never_ends_stops():
+    """The wait for a step process 0 dispatched runs under the group's watchdog: a peer lost
+    mid-step (its collective never completes) ends the process with the lost-peer status."""
+    from jax_platform import ProcessGroup
+    from serving import distributed as dist
+
+    release = threading.Event()
+
+    class Wedged:
+        """A dispatched step whose outputs never come (until the test lets it go)."""
+        tokens = None
+
+        def result(self):
+            release.wait()
+
+    engine = make_small("paged")
+    engine.dispatch_step = lambda inputs, prev=None: Wedged()
+    exits, ended = [], threading.Event()
+    leader = dist.LeaderRunner(engine, ProcessGroup(step_timeout_s=0.5, compile_timeout_s=0.5, heartbeat_s=0.2),
+                               broadcast=lambda words: words,
+                               exit=lambda status: (exits.append(status), ended.set()))
+    core = EngineCore(leader, overlap=True).start()
+    try:
+        core.submit([(prompt(6, 1), greedy(4, ignore_eos=True), lambda e: None)])
+        assert ended.wait(60)
+        assert exits[0] == dist.EXIT_PEER_LOST
+    finally:
+        release.set()
+        core.shutdown(join_timeout=30)
+        leader.close()
