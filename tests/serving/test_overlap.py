@@ -183,7 +183,7 @@ def test_a_groups_processes_replay_the_overlapped_loop():
     for words in sent:
         follower.run(*decode_step(words))
     assert follower.fed > 5
-    for mine, theirs in zip(jax.tree.leaves(leader.engine.pages), jax.tree.leaves(follower.engine.pages)):
+    for mine, theirs in zip(jax.tree.leaves(leader.runner.pages), jax.tree.leaves(follower.runner.pages)):
         np.testing.assert_array_equal(mine, theirs)
 
 
