@@ -74,7 +74,7 @@ def stall(core, model, args, kind: str, seed: int) -> dict:
     if kind == "text":
         ids, images = prompt_ids(model, len(ids), seed + 1), ()
     stream = Stream()
-    engine = core.engine
+    engine = core.runner
     encoded = []  # images encoded so far, at each of the stream's tokens (the engine thread's view)
 
     def counted(event, sink=stream):
@@ -151,11 +151,11 @@ def main(argv=None) -> dict:
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
     from serving import EngineCore
-    from serving import PagedEngine
+    from serving import PagedRunner
 
     model = load_model(args.model, tp=args.tp, dtype=args.dtype, max_seq_len=4096 + 512,
                        allreduce=AllReduceConfig(method="f32"))
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=4096 + 512, page_size=16,
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=4096 + 512, page_size=16,
                          chunk_size=args.chunk, model_name="bench")
     core = EngineCore(engine).start()
     results = {"model": args.model, "tp": args.tp, "chunk": args.chunk,

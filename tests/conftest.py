@@ -101,7 +101,7 @@ def _release_memory_between_modules():
 # used to run near the end: ~75 and ~55 s).
 LONG_FILES_FIRST = (
     "equarx/test_pallas.py", "serving/test_multihost.py", "models/test_parity.py",
-    "serving/test_paged_engine.py", "equarx/test_codec_conformance.py",
+    "serving/test_paged_runner.py", "equarx/test_codec_conformance.py",
     "serving/test_batch_invariance.py", "models/test_model.py", "equarx/test_collective.py",
     "models/test_paged.py", "serving/test_group_formation.py", "serving/test_long_prompts.py",
     "models/test_hf_checkpoint.py", "serving/test_server_e2e.py",
@@ -112,7 +112,7 @@ LONG_FILES_FIRST = (
     "models/test_paged_images.py", "models/test_weights_cache.py", "models/test_tp_mesh.py",
     "eval/test_quality_scaling.py", "serving/test_structured_output.py",
     "serving/test_chat_images.py", "eval/test_quality_sensitivity.py",
-    "serving/test_paged_engine_images.py", "eval/test_quality_images.py", "equarx/test_hlo.py",
+    "serving/test_paged_runner_images.py", "eval/test_quality_images.py", "equarx/test_hlo.py",
     "models/test_gguf.py", "models/test_model_checkpoint.py", "serving/test_cli_generate.py",
     "equarx/test_mse.py", "eval/test_bench_dispatch_window.py", "serving/test_serving_units.py",
     "models/test_vision.py", "models/test_model_hlo.py", "serving/test_tools.py",

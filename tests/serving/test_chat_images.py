@@ -16,7 +16,7 @@ from equarx import AllReduceConfig
 from models.gemma3 import load_model
 from serving import chat_images
 from serving.config import ServerConfig
-from serving.paged_engine import PagedEngine
+from serving.paged_runner import PagedRunner
 from testkit import ServerThread
 
 MODEL = "random:tiny?vision=tiny"
@@ -47,7 +47,7 @@ def chat_body(*parts, max_tokens=6, **kw) -> dict:
 @pytest.fixture(scope="module")
 def server():
     m = load_model(MODEL, tp=1, dtype="float32", allreduce=AllReduceConfig(method="f32"))
-    engine = PagedEngine(m, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8,
+    engine = PagedRunner(m, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8,
                          model_name="tiny-vl")
     config = ServerConfig(model=MODEL, served_model_name="tiny-vl", engine="paged", max_batch=4,
                           max_seq_len=256, page_size=4, prefill_chunk=8, compile_cache_dir="")
@@ -68,7 +68,7 @@ def test_models_say_the_model_takes_images(client):
 
 
 def test_a_request_with_an_image_answers_and_repeats_exactly(server, client):
-    before = server.engine.images_encoded
+    before = server.runner.images_encoded
     r = client.post("/v1/chat/completions", json=chat_body(image_part(data_url(png(1)))))
     assert r.status_code == 200, r.text
     first = r.json()
@@ -83,7 +83,7 @@ def test_a_request_with_an_image_answers_and_repeats_exactly(server, client):
         model="tiny-vl", messages=body["messages"], max_tokens=6, temperature=0.0, stream=True)
         if c.choices)
     assert streamed == first["choices"][0]["message"]["content"]
-    assert server.engine.images_encoded == before + 1  # the repeats read the features cache
+    assert server.runner.images_encoded == before + 1  # the repeats read the features cache
     two = client.post("/v1/chat/completions", json=chat_body(image_part(data_url(png(1))),
                                                              image_part(data_url(png(2)))))
     assert two.status_code == 200, two.text
@@ -132,10 +132,10 @@ def test_more_images_than_the_limit_get_400(client):
 
 
 def test_an_image_to_a_text_only_model_or_the_slot_engine_is_refused():
-    from serving.fake_engine import FakeEngine
+    from serving.fake_runner import FakeRunner
 
     with pytest.raises(chat_images.ImageRequestError, match="no vision tower"):
-        chat_images.check_allowed(FakeEngine(num_slots=1, max_seq_len=32), 1, 4)
+        chat_images.check_allowed(FakeRunner(num_slots=1, max_seq_len=32), 1, 4)
 
     class SlotEngine:  # a model with a tower behind the slot engine
         class model:
