@@ -103,19 +103,30 @@ def vision_golden():
     return dict(np.load(VISION_GOLDEN_NPZ))
 
 
-# Files that take longest (compiles of the real 270M, or waits on other processes) run first,
-# longest first (as measured file by file on 2 cores; the group-formation file mostly sleeps, so
-# it stretches least when the other worker is busy): with two xdist workers taking a whole file
-# at a time, a long file started last would leave one worker idle while the other finishes it.
+# Files that take longest run first, longest first (the costs measured file by file with
+# `python -m pytest -p eval.suite_profile`: CPU seconds with children, on 2 cores; files that
+# mostly wait on other processes, such as the group-formation and multi-host files, ranked by
+# their wall time): with two xdist workers taking a whole file at a time, a long file started
+# last leaves one worker idle while the other finishes it. Every file of more than ~10 s is
+# listed, so the files left for the end are short (the paged engine's and model's, unlisted,
+# used to run near the end: ~75 and ~55 s).
 LONG_FILES_FIRST = (
-    "equarx/test_pallas.py", "models/test_parity.py", "serving/test_multihost.py",
-    "equarx/test_collective.py", "models/test_model.py", "serving/test_batch_invariance.py",
-    "models/test_hf_checkpoint.py", "serving/test_group_formation.py",
-    "serving/test_server_e2e.py", "serving/test_structured_e2e.py",
-    "serving/test_long_prompts.py", "serving/test_watchdog.py", "equarx/test_token_local.py",
-    "models/test_weights_cache.py", "models/test_program_cache.py", "serving/test_soak.py",
-    "eval/test_quality.py", "eval/test_quality_scaling.py", "eval/test_bench_engine.py",
-    "models/test_model_checkpoint.py", "serving/test_tools.py",
+    "equarx/test_pallas.py", "serving/test_multihost.py", "models/test_parity.py",
+    "serving/test_paged_runner.py", "equarx/test_codec_conformance.py",
+    "serving/test_batch_invariance.py", "models/test_model.py", "equarx/test_collective.py",
+    "models/test_paged.py", "serving/test_group_formation.py", "serving/test_long_prompts.py",
+    "models/test_hf_checkpoint.py", "serving/test_server_e2e.py",
+    "serving/test_structured_e2e.py", "equarx/test_triton_codecs.py", "serving/test_overlap.py",
+    "eval/test_bench_codec.py", "serving/test_watchdog.py", "eval/test_quality.py",
+    "equarx/test_multi_axis.py", "equarx/test_token_local.py", "eval/test_bench_engine.py",
+    "serving/test_soak.py", "models/test_program_cache.py", "serving/test_image_encoder.py",
+    "models/test_paged_images.py", "models/test_weights_cache.py", "models/test_tp_mesh.py",
+    "eval/test_quality_scaling.py", "serving/test_structured_output.py",
+    "serving/test_chat_images.py", "eval/test_quality_sensitivity.py",
+    "serving/test_paged_runner_images.py", "eval/test_quality_images.py", "equarx/test_hlo.py",
+    "models/test_gguf.py", "models/test_model_checkpoint.py", "serving/test_cli_generate.py",
+    "equarx/test_mse.py", "eval/test_bench_dispatch_window.py", "serving/test_serving_units.py",
+    "models/test_vision.py", "models/test_model_hlo.py", "serving/test_tools.py",
 )
 
 

@@ -2,6 +2,7 @@
 of any bits where they have a NaN: testkit.assert_same_bits), run here in Pallas' interpreter,
 and lower to Triton for a CUDA GPU (checked without one)."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,10 @@ SHAPES = [((2, 16, 1024), "int8", jnp.float32), ((3, 5, 160), "int8", jnp.bfloat
           ((2, 300, 96), "int4", jnp.float32), ((1, 1, 32), "int8", jnp.float32)]
 
 
+# The inputs and the XLA references are each one compiled program: run op by op they compiled
+# a program per operation and shape (a thousand in this file, most of its time), and the models
+# run the XLA forms compiled, as here.
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _values(shape, dtype, seed=0):
     """Gaussian values whose runs' magnitudes spread over ~2^9 (steps all over the scale grid),
     with a zero run, a NaN, an Inf and a value near float32's largest."""
@@ -31,6 +36,16 @@ def _values(shape, dtype, seed=0):
     x = x.at[:32].set(0.0).at[37].set(jnp.nan).at[70].set(jnp.inf)
     x = x.at[x.size - 1].set(3e38 if dtype == jnp.float32 else 1e38)
     return x.reshape(shape).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _encode(x, code):
+    return groups.encode(x, 32, code)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _unrotate_codes(parts, code, out_dtype):
+    return groups.unrotate_codes(*parts, 32, code, out_dtype, native=False)
 
 
 # The chunked blocks (a row as power-of-two pieces, `_chunks`) where a width is not a power of
@@ -70,9 +85,9 @@ def test_chunks_cover_a_row_in_powers_of_two():
                          + [(*case[:3], jnp.bfloat16, True) for case in CHUNKED])
 def test_unrotate_gives_unrotate_codes(shape, code, dtype, out_dtype, chunked):
     rows, w = int(np.prod(shape[1:-1])), shape[-1]
-    wire = groups.encode(_values(shape, dtype), 32, code)
+    wire = _encode(_values(shape, dtype), code)
     parts = codec_spec.wire_parts(wire, (rows, w), 32, code)
-    want = groups.unrotate_codes(*parts, 32, code, out_dtype, native=False)
+    want = _unrotate_codes(parts, code, out_dtype)
     got = jax.jit(lambda *p: triton_codecs.unrotate(*p, 32, code, out_dtype, interpret=True,
                                                     chunked=chunked))(*parts)
     assert got.shape == want.shape == (*shape[:-1], w) and got.dtype == out_dtype
@@ -98,15 +113,15 @@ def test_a_rows_codes_do_not_depend_on_the_rows_beside_it(chunked):
 def test_under_vmap_each_slice_is_encoded_as_alone():
     x = _values((3, 2, 5, 160), jnp.float32)
     got = jax.vmap(lambda v: triton_codecs.encode(v, 32, "int8", interpret=True))(x)
-    want = jnp.stack([groups.encode(x[i], 32, "int8") for i in range(3)])
+    want = jnp.stack([_encode(x[i], "int8") for i in range(3)])
     for i in range(3):
         assert_same_bits(got[i], want[i], wire=((5, 160), 32, "int8"))
     parts = [jnp.stack(p) for p in zip(*(codec_spec.wire_parts(want[i], (5, 160), 32, "int8")
                                          for i in range(3)))]
     got = jax.vmap(lambda *p: triton_codecs.unrotate(*p, 32, "int8", jnp.bfloat16,
                                                      interpret=True))(*parts)
-    want = jax.vmap(lambda *p: groups.unrotate_codes(*p, 32, "int8", jnp.bfloat16,
-                                                     native=False))(*parts)
+    want = jax.jit(jax.vmap(lambda *p: groups.unrotate_codes(*p, 32, "int8", jnp.bfloat16,
+                                                             native=False)))(*parts)
     assert_same_bits(got, want)
 
 
@@ -162,10 +177,12 @@ def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves, chunked):
     buf = layout.split(jnp.asarray(np.nan_to_num(x, nan=1.0, posinf=2.0), dtype))
     codec = codecs.GroupCodec(32, code, layout.piece_shape)
     shape = (layout.minishards * halves, *layout.piece_shape)
-    arrivals = [codec.encode(_values(shape, jnp.float32, seed=6 + i) * 4) for i in range(2)]
+    arrivals = [jax.jit(codec.encode)(_values(shape, jnp.float32, seed=6 + i) * 4)
+                for i in range(2)]
     for shard, piece, n in ((0, (0, 1), 1), (1, (1, 3), 2), (1, (3 * halves - 1, 3 * halves), 0)):
         got_in = [a[piece[0]:piece[1]] for a in arrivals[:n]]
-        want = codecs.encode_sum(codec, buf, layout, jnp.int32(shard), piece, got_in)
+        want = jax.jit(lambda b, s, *a: codecs.encode_sum(codec, b, layout, s, piece, a))(
+            buf, jnp.int32(shard), *got_in)
         got = jax.jit(lambda b, s, *a: triton_codecs.encode_sum(
             b, s, a, layout.piece_geometry(*piece), 32, code, interpret=True,
             chunked=chunked))(

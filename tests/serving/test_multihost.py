@@ -231,12 +231,18 @@ def _start_group(allreduce: str, log_dir: Path, cache_dir: Path, *args: str, nam
     return f"http://127.0.0.1:{port}", procs
 
 
-def _reference(allreduce: str, prompts: list[list[int]]) -> list[list[int]]:
+def _reference_model(allreduce: str, cache_dir: Path):
+    """The single-process tp=2 model the group must agree with. Loaded before the group starts,
+    through the servers' decoded-weights cache (`--compile-cache-dir`'s weights/): the GGUF is
+    decoded once here and the group's processes map the result instead of each decoding it."""
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
 
-    model = load_model("gemma3-270m", tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
-                       max_seq_len=MAX_SEQ_LEN)
+    return load_model("gemma3-270m", tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
+                      max_seq_len=MAX_SEQ_LEN, weights_cache_dir=cache_dir / "weights")
+
+
+def _reference(model, prompts: list[list[int]]) -> list[list[int]]:
     # One prompt per call: the same compiled programs for both.
     return [[int(t) for t in model.generate([ids], NEW_TOKENS)[0]] for ids in prompts]
 
@@ -249,6 +255,7 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
     allreduce = "int8"
     log_dir = tmp_path_factory.mktemp(f"multihost-{allreduce}")
     cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
+    model = _reference_model(allreduce, cache_dir)
     # Slot engine steps (chunks, slot moves) are what this group test covers; the paged
     # engine's group is the next test.
     url, procs = _start_group(allreduce, log_dir, cache_dir, "--engine", "slots", "--prefill-batch", "1")
@@ -258,7 +265,8 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
 
         tok = Tokenizer.from_gguf(default_gguf_path())
         prompts = [[tok.bos_id] + tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
-        want = _reference(allreduce, prompts)  # while the servers start
+        want = _reference(model, prompts)  # while the servers start
+        del model
         wait_group_ready(url, procs, STARTUP_TIMEOUT)
 
         def ask(ids):
