@@ -137,14 +137,20 @@ def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, golde
     assert len(set(during)) >= enc.advances - 2
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic):
-    """With nothing else running, the images are encoded whole in the first step that waits
-    for them; in deterministic mode always by the bounded stages (the bits must not depend on
-    the load)."""
+@pytest.mark.parametrize("deterministic,whole_call", [(False, None), (False, 4), (True, None)])
+def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic, whole_call):
+    """With nothing else running, the images' stages run up to `whole_call_flops` at once (the
+    tiny tower: whole in the first step that waits for them; a cap of 4 stages' FLOPs: in
+    calls of at most that, never one past the step watchdog); in deterministic mode always by
+    the bounded stages (the bits must not depend on the load)."""
     engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
                          deterministic=deterministic)
     engine.encoder_budget_flops = small_budget(model)
+    calls = []
+    if whole_call:
+        engine.encoder.whole_call_flops = whole_call * engine.encoder.budget_flops
+        advance = engine.encoder.advance
+        engine.encoder.advance = lambda *a: calls.append(advance(*a)) or calls[-1]
     core = EngineCore(engine).start()
     done, got = threading.Event(), []
 
@@ -166,6 +172,8 @@ def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic)
     whole = sum(st.flops for st in enc.stages) * 2
     if deterministic:
         assert enc.advances >= whole / enc.budget_flops
+    elif whole_call:
+        assert max(calls) <= enc.whole_call_flops and len(calls) >= whole / enc.whole_call_flops
     else:
         # bounded advances only in the steps that also ran text (before each image)
         assert enc.advances <= 3 < whole / enc.budget_flops / 2
