@@ -176,8 +176,8 @@ def direct_run(model, ids, image: SeqImage, n: int):
             done.set()
 
     try:
-        core.submit([(list(ids), SamplingParams(max_tokens=n, temperature=0.0, logprobs=0,
-                                                ignore_eos=True), sink, (image,))])
+        core.submit([(list(ids), SamplingParams(max_tokens=n, temperature=0.0, logprobs=0),
+                      sink, (image,))])
         assert done.wait(120)
     finally:
         core.shutdown()
@@ -228,7 +228,7 @@ def test_pan_and_scan_crops_through_the_api_equal_the_model_run_directly(server,
     spans = chat_images.soft_spans(ids, server.engine.model.vision.tokens.soft)
     assert [b - a for a, b in spans] == [per] * (1 + prepared.crops)
     image = SeqImage(spans=tuple(spans), pixels=prepared.pixels, key="direct")
-    tokens, logprobs = direct_run(server.engine.model, ids, image, len(served))
+    tokens, logprobs = direct_run(server.engine.model, ids, image, body["max_tokens"])
     text = server.engine.tokenizer.decode(tokens)
     assert r.json()["choices"][0]["message"]["content"] == text
     np.testing.assert_allclose(served, logprobs, rtol=1e-4, atol=1e-5)
@@ -239,3 +239,21 @@ def test_pan_and_scan_crops_through_the_api_equal_the_model_run_directly(server,
     bad = client.post("/v1/chat/completions", json=chat_body(
         image_part(data_url(wide)), mm_processor_kwargs={"do_pan_and_scan": "yes"}))
     assert bad.status_code == 400 and "do_pan_and_scan" in bad.json()["error"]["message"]
+
+
+def test_pan_and_scan_settings_of_the_server_and_the_request():
+    """--mm-processor-kwargs sets the server's default, a request's mm_processor_kwargs win;
+    unknown keys and ill-typed values are refused (a 400, or a startup error for the flag)."""
+    on = ServerConfig(mm_processor_kwargs='{"do_pan_and_scan": true}', compile_cache_dir="")
+    assert chat_images.pan_and_scan(on.processor_kwargs, None) == media.PanAndScan()
+    assert chat_images.pan_and_scan(on.processor_kwargs, {"do_pan_and_scan": False}) is None
+    assert chat_images.pan_and_scan(None, None) is None  # off by default
+    assert chat_images.pan_and_scan(None, {"do_pan_and_scan": True,
+                                           "pan_and_scan_max_num_crops": 2}) == media.PanAndScan(
+        max_num_crops=2)
+    for bad in ({"do_pan_and_scan": 1}, {"crops": True}, {"pan_and_scan_min_crop_size": 1.5}):
+        with pytest.raises(chat_images.ImageRequestError):
+            chat_images.pan_and_scan(None, bad)
+    for flag in ('{"do_pan_and_scan": "yes"}', "not json", '{"size": 3}'):
+        with pytest.raises(ValueError, match="mm_processor_kwargs"):
+            ServerConfig(mm_processor_kwargs=flag, compile_cache_dir="")
