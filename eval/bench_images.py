@@ -80,7 +80,8 @@ def stall(core, model, args, kind: str, seed: int) -> dict:
     if kind == "text":
         ids, images = prompt_ids(model, len(ids), seed + 1), ()
     elif args.features_cached:  # the encoder's share left out: only the soft tokens' steps
-        core.engine.image_features(images[0])
+        import jax
+        jax.block_until_ready(core.engine.image_features(images[0]))  # (dispatch is async)
     stream = Stream()
     engine = core.engine
     encoded = []  # images encoded so far, at each of the stream's tokens (the engine thread's view)
