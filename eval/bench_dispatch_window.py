@@ -23,9 +23,9 @@ def run(model: str = "gemma3-270m", tp: int = 2, slots: int = 8, steps: int = 48
     import numpy as np
 
     from models.gemma3 import load_model
-    from serving import DecodeInputs, ModelEngine, SlotSampling
+    from serving import DecodeInputs, SlotRunner, SlotSampling
 
-    engine = ModelEngine(load_model(model, tp=tp, max_seq_len=1024), num_slots=slots, max_seq_len=1024,
+    engine = SlotRunner(load_model(model, tp=tp, max_seq_len=1024), num_slots=slots, max_seq_len=1024,
                          chunk_size=16, deterministic=True)
     engine.warmup(lambda _: None)
     on = engine.window.limit

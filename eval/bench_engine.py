@@ -68,7 +68,7 @@ def _submit(core, ids, max_tokens: int) -> Stream:
 
 
 def _engine(model, args, deterministic: bool, prefix: bool, slots: int, chunk: int | None = None):
-    from serving import ModelEngine
+    from serving import SlotRunner
 
     chunk = args.prefill_chunk if chunk is None else chunk
     blocks = 0
@@ -77,7 +77,7 @@ def _engine(model, args, deterministic: bool, prefix: bool, slots: int, chunk: i
         block = 2 * c.num_layers * chunk * max(c.num_kv_heads, args.tp) * c.head_dim * \
             np.dtype(model.cache_dtype).itemsize
         blocks = int(512 * 2**20 // block)
-    engine = ModelEngine(model, num_slots=slots, max_seq_len=args.max_seq_len, prefill_batch_sizes=(1, 2),
+    engine = SlotRunner(model, num_slots=slots, max_seq_len=args.max_seq_len, prefill_batch_sizes=(1, 2),
                          model_name="bench", chunk_size=chunk, deterministic=deterministic,
                          prefix_blocks=blocks)
     t = engine.warmup(lambda msg: None)

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from models.gemma3 import load_model
-    from serving import (DecodeInputs, ModelEngine, SamplingParams, Sequence, SlotSampling,
+    from serving import (DecodeInputs, SlotRunner, SamplingParams, Sequence, SlotSampling,
                          StructuredOutputs, build_grammar, pad_prefill_batch, step_extras)
     from eval.reports import write_json
 
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     # the load of a shared machine weighs on both alike.
     engines = {}
     for kind in ("plain", "grammar"):
-        engines[kind] = ModelEngine(model, num_slots=b, max_seq_len=args.max_seq_len, prefill_batch_sizes=(1,))
+        engines[kind] = SlotRunner(model, num_slots=b, max_seq_len=args.max_seq_len, prefill_batch_sizes=(1,))
         engines[kind].warmup(lambda _: None)
     tok, info = model.tokenizer, engines["plain"].info
     t0 = time.perf_counter()

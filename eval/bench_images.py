@@ -81,9 +81,9 @@ def stall(core, model, args, kind: str, seed: int) -> dict:
         ids, images = prompt_ids(model, len(ids), seed + 1), ()
     elif args.features_cached:  # the encoder's share left out: only the soft tokens' steps
         import jax
-        jax.block_until_ready(core.engine.image_features(images[0]))  # (dispatch is async)
+        jax.block_until_ready(core.runner.image_features(images[0]))  # (dispatch is async)
     stream = Stream()
-    engine = core.engine
+    engine = core.runner
     encoded = []  # images encoded so far, at each of the stream's tokens (the engine thread's view)
 
     def counted(event, sink=stream):
@@ -132,7 +132,7 @@ def stall(core, model, args, kind: str, seed: int) -> dict:
 def stalls(core, model, args) -> dict:
     """Every kind's stall runs, the kinds in turn (a load that drifts meets them alike), the
     first round only compiling."""
-    engine = core.engine
+    engine = core.runner
     kinds = [k for k in args.kinds.split(",") if k]
     runs: dict[str, list] = {k: [] for k in kinds}
     seed = 100
@@ -222,11 +222,11 @@ def main(argv=None) -> dict:
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
     from serving import EngineCore
-    from serving import PagedEngine
+    from serving import PagedRunner
 
     model = load_model(args.model, tp=args.tp, dtype=args.dtype, max_seq_len=4096 + 512,
                        allreduce=AllReduceConfig(method="f32"))
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=4096 + 512, page_size=16,
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=4096 + 512, page_size=16,
                          chunk_size=args.chunk, model_name="bench")
     core = EngineCore(engine).start()
     results = {"model": args.model, "tp": args.tp, "chunk": args.chunk,

@@ -42,15 +42,15 @@ from eval.reports import write_json
 
 
 def build(model, kind: str, max_seq_len: int, chunk: int):
-    from serving import ModelEngine
-    from serving import PagedEngine
+    from serving import SlotRunner
+    from serving import PagedRunner
 
     if kind == "paged":
-        engine = PagedEngine(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
+        engine = PagedRunner(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
                              chunk_size=chunk, prefix_caching=False, model_name="bench")
         nbytes = sum(x.nbytes for x in _leaves(engine.pages))
     else:
-        engine = ModelEngine(model, num_slots=8, max_seq_len=max_seq_len, chunk_size=chunk,
+        engine = SlotRunner(model, num_slots=8, max_seq_len=max_seq_len, chunk_size=chunk,
                              deterministic=kind == "slots", model_name="bench")
         nbytes = sum(x.nbytes for x in _leaves(engine.cache))
     t = engine.warmup(lambda msg: None)
@@ -110,10 +110,10 @@ def streams_scaling(model, length: int, counts: list[int], tokens: int, prompt_t
     """Output tokens/s of the paged engine (max_num_seqs = the largest count) at each number
     of concurrent greedy streams (`--only streams`)."""
     from serving import EngineCore
-    from serving import PagedEngine
+    from serving import PagedRunner
 
     tok = model.tokenizer
-    engine = PagedEngine(model, max_num_seqs=max(counts), max_seq_len=length, page_size=16,
+    engine = PagedRunner(model, max_num_seqs=max(counts), max_seq_len=length, page_size=16,
                          chunk_size=chunk, prefix_caching=False, model_name="bench")
     engine.warmup(lambda msg: None)
     core = EngineCore(engine).start()
@@ -140,7 +140,7 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
     scheduler run for real (no model steps: the pages a sequence holds do not depend on the
     values computed)."""
     from models.gemma3.kv_cache import bytes_per_sequence
-    from serving import local_pages_for, paged_engine_info
+    from serving import local_pages_for, paged_runner_info
     from serving import PagedScheduler
     from serving import SamplingParams
     from serving import Sequence
@@ -163,7 +163,7 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
     # than the windows need, for prefix-cache hits) fit in the slot engine's bytes.
     fits = int(budget // per_seq) + 1
     while True:
-        info = paged_engine_info(model, fits, slot_len, page, fits * per_seq_global * page, page,
+        info = paged_runner_info(model, fits, slot_len, page, fits * per_seq_global * page, page,
                                  None, False, False, "bench")
         if pool_bytes(info) <= budget:
             break
@@ -197,14 +197,14 @@ def step_runners(model, length: int, context: int, rows: int = 8) -> dict:
     """Per engine, a function that runs one decode step of `rows` sequences at position
     `context` (what their caches hold does not matter to the time: zeros) and waits for its
     tokens. The paged rows hold their pages as the allocator gives them out."""
-    from serving import DecodeInputs, ModelEngine
+    from serving import DecodeInputs, SlotRunner
     from serving import KVPages
-    from serving import PagedEngine, step_inputs
+    from serving import PagedRunner, step_inputs
     from serving import Piece, StepPlan
     from serving import IDLE, SlotSampling
     from serving import Sequence
 
-    paged = PagedEngine(model, max_num_seqs=rows, max_seq_len=length, page_size=16,
+    paged = PagedRunner(model, max_num_seqs=rows, max_seq_len=length, page_size=16,
                         prefix_caching=False, model_name="bench")
     info = paged.info
     kv = KVPages(info.page_size, info.num_global_pages, info.num_local_pages,
@@ -213,7 +213,7 @@ def step_runners(model, length: int, context: int, rows: int = 8) -> dict:
     for s in seqs:
         kv.allocate(s.id, 0, context + 1)
     inputs = step_inputs(StepPlan(tuple(Piece(s, context, context + 1, sample=True) for s in seqs)), kv, info)
-    slots = ModelEngine(model, num_slots=rows, max_seq_len=length, deterministic=True, chunk_size=16,
+    slots = SlotRunner(model, num_slots=rows, max_seq_len=length, deterministic=True, chunk_size=16,
                         model_name="bench")
     decode = DecodeInputs(np.full(rows, 2, np.int32), np.full(rows, context, np.int32),
                           SlotSampling.of_rows(seqs))

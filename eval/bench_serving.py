@@ -19,7 +19,7 @@ meets 7 others in the same prefill burst; r > 0 lets them drift apart as in real
     python -m eval.bench_serving --url http://127.0.0.1:8000 --concurrency 1,8
 
 --engine-ratio R: the server's 8-stream output tokens/s against the engine's batch-8 decode
-tokens/s measured in this process (the same engine the server builds, `runtime.load_engine`,
+tokens/s measured in this process (the same engine the server builds, `runtime.load_runner`,
 driven directly: `run_decode` over all slots, each step's tokens fed to the next, no scheduler,
 no HTTP), R times each, alternating (engine, server, engine, ...), and their median ratio:
 
@@ -150,14 +150,14 @@ def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = F
 
 def load_local_engine(args):
     """The engine the started server builds (same flags), in this process."""
-    from serving import ServerConfig, load_engine
+    from serving import ServerConfig, load_runner
 
     if args.server_arg:
         raise SystemExit("--engine-ratio does not pass --server-arg to the local engine: drop them")
     config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
                           max_batch=args.max_batch, max_seq_len=args.max_seq_len, engine="slots")
     jax_platform.request_cpu_devices(args.tp)
-    return load_engine(config, lambda msg: None)
+    return load_runner(config, lambda msg: None)
 
 
 def engine_ratio(args, url: str, model: str, engine) -> dict:

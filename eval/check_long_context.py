@@ -29,12 +29,12 @@ def paged_last_logits(model, prompt: list[int], budget: int, chunk: int) -> tupl
     """The prompt through the paged engine's scheduler and ragged steps (pieces of `budget`
     tokens: a lone prompt), returning the last token's float32 logits [V] and the step count."""
     from models.gemma3.ragged import RaggedBatch
-    from serving import PagedEngine, step_inputs
+    from serving import PagedRunner, step_inputs
     from serving import PagedScheduler
     from serving import SamplingParams
     from serving import Sequence
 
-    engine = PagedEngine(model, max_num_seqs=1, max_seq_len=len(prompt) + 1, page_size=16,
+    engine = PagedRunner(model, max_num_seqs=1, max_seq_len=len(prompt) + 1, page_size=16,
                          chunk_size=chunk, max_num_batched_tokens=budget, prefix_caching=False,
                          model_name="check")
     sched = PagedScheduler(engine.info)

@@ -42,7 +42,7 @@ def prompt(model, kind: int, tokens: int, seed: int):
 def all_logits(model, ids, images) -> np.ndarray:
     """float32 [len(ids), V]: every position's logits from one ragged step over the prompt."""
     from models.gemma3.ragged import RaggedBatch
-    from serving import PagedEngine, step_inputs
+    from serving import PagedRunner, step_inputs
     from serving import PagedScheduler
     from serving import SamplingParams
     from serving import Sequence
@@ -51,7 +51,7 @@ def all_logits(model, ids, images) -> np.ndarray:
     size = 1 << (n - 1).bit_length()
     # One piece; S rows = T tokens (deterministic mode pads every step to all S rows), so
     # that each row's `last` can name a token: the spare rows read every position.
-    engine = PagedEngine(model, max_num_seqs=size, max_seq_len=2 * size, page_size=4,
+    engine = PagedRunner(model, max_num_seqs=size, max_seq_len=2 * size, page_size=4,
                          chunk_size=size, max_num_batched_tokens=size, prefix_caching=False,
                          deterministic=True)
     sched = PagedScheduler(engine.info)

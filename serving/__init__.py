@@ -8,8 +8,8 @@ formats), and `cli` (`gemma3-serve`, `gemma3-generate`) configured by `config`. 
 a deterministic stand-in for the model used to test the layers above the engine.
 
 The public API is the names below, for programs that drive the engine without HTTP (the
-benchmarks in eval/ use nothing else): build it from a `ServerConfig` (`load_engine`, or
-`configure_jax` + `load_configured_model` + `ModelEngine` or `PagedEngine`), run it step by step (`DecodeInputs`,
+benchmarks in eval/ use nothing else): build it from a `ServerConfig` (`load_runner`, or
+`configure_jax` + `load_configured_model` + `SlotRunner` or `PagedRunner`), run it step by step (`DecodeInputs`,
 `SlotSampling`, `pad_prefill_batch`; the paged engine's `PagedScheduler` plans a `StepPlan` of
 `Piece`s over `KVPages`, `step_inputs` makes its arrays) or through an `EngineCore` (submit requests with
 `SamplingParams`); `build_grammar`, `StructuredOutputs`, `Sequence` and `step_extras` are the
@@ -23,14 +23,14 @@ _PUBLIC = {
     "ServerConfig": "serving.config",
     "configure_jax": "serving.runtime",
     "load_configured_model": "serving.runtime",
-    "load_engine": "serving.runtime",
-    "ModelEngine": "serving.engine",
-    "DecodeInputs": "serving.engine",
-    "pad_prefill_batch": "serving.engine",
-    "PagedEngine": "serving.paged_engine",
-    "paged_engine_info": "serving.paged_engine",
-    "local_pages_for": "serving.paged_engine",
-    "step_inputs": "serving.paged_engine",
+    "load_runner": "serving.runtime",
+    "SlotRunner": "serving.runner",
+    "DecodeInputs": "serving.runner",
+    "pad_prefill_batch": "serving.runner",
+    "PagedRunner": "serving.paged_runner",
+    "paged_runner_info": "serving.paged_runner",
+    "local_pages_for": "serving.paged_runner",
+    "step_inputs": "serving.paged_runner",
     "PagedScheduler": "serving.paged_scheduler",
     "Piece": "serving.paged_scheduler",
     "StepPlan": "serving.paged_scheduler",

@@ -196,6 +196,6 @@ def _takes_images(runtime: Runtime) -> bool:
     """Whether chat requests may carry images: a vision tower, served by the paged engine."""
     from serving import chat_images
 
-    engine = runtime.engine
-    return (engine is not None and chat_images.vision_of(engine) is not None
-            and hasattr(engine, "image_features"))
+    runner = runtime.runner
+    return (runner is not None and chat_images.vision_of(runner) is not None
+            and hasattr(runner, "image_features"))

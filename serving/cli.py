@@ -75,7 +75,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     from serving.api import create_app
     from serving.runtime import Runtime
 
-    runtime = Runtime(config, engine_factory=leader)
+    runtime = Runtime(config, runner_factory=leader)
     app = create_app(runtime)
 
     class Server(uvicorn.Server):
@@ -107,8 +107,8 @@ def serve_main(argv: list[str] | None = None) -> None:
     server.run()
     if not runtime.shutdown(drain_timeout=0.0, join_timeout=ENGINE_STOP_GRACE_S) or runtime.status == "stuck":
         _exit_stuck(runtime)
-    if leader is not None and runtime.engine is not None:
-        runtime.engine.close()  # the other processes leave their step loops
+    if leader is not None and runtime.runner is not None:
+        runtime.runner.close()  # the other processes leave their step loops
     if failed:
         log.error("the model failed to load: %s", failed[0])
         sys.exit(1)
@@ -212,7 +212,7 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
     import numpy as np
 
     from serving.chat_template import render_chat
-    from serving.engine import DecodeInputs, ModelEngine, engine_info, pad_prefill_batch
+    from serving.runner import DecodeInputs, SlotRunner, runner_info, pad_prefill_batch
     from serving.runtime import configure_jax, load_configured_model
     from serving.engine_core import EngineCore
     from serving.sampling import SlotSampling
@@ -228,7 +228,7 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
 
     def compile_while_loading(model) -> None:
         # The two programs this prompt needs; a prompt that does not fit is reported below.
-        info = engine_info(model, 1, config.max_seq_len, model_name=config.model_name)
+        info = runner_info(model, 1, config.max_seq_len, model_name=config.model_name)
         n = len(token_ids(model.tokenizer))
         try:
             bucket = info.bucket_for(n)
@@ -242,15 +242,15 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
     images = ()
     if image_paths:
         # Images run through the paged engine only (its steps carry image features).
-        from serving.paged_engine import PagedEngine
-        engine = PagedEngine(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
+        from serving.paged_runner import PagedRunner
+        runner = PagedRunner(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
                              page_size=config.page_size, chunk_size=config.prefill_chunk,
                              model_name=config.model_name)
     else:
-        engine = ModelEngine(model, num_slots=1, max_seq_len=config.max_seq_len,
+        runner = SlotRunner(model, num_slots=1, max_seq_len=config.max_seq_len,
                              model_name=config.model_name)
-    tok = engine.tokenizer
-    core = EngineCore(engine, max_waiting=1)
+    tok = runner.tokenizer
+    core = EngineCore(runner, max_waiting=1)
     try:
         ids, images = _image_prompt(model, prompt, image_paths) if image_paths else (token_ids(tok), ())
         core.check(len(ids), params.max_tokens)
@@ -259,9 +259,9 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
         return 2
     if not image_paths:
         # Run the two programs once (the sampler's compile), before timing the generation.
-        bucket = engine.bucket_for(len(ids))
-        engine.run_prefill(pad_prefill_batch([([tok.bos_id], 0, SlotSampling.greedy(1))], bucket, 1))
-        engine.run_decode(DecodeInputs(np.zeros(1, np.int32), np.zeros(1, np.int32), SlotSampling.greedy(1)))
+        bucket = runner.bucket_for(len(ids))
+        runner.run_prefill(pad_prefill_batch([([tok.bos_id], 0, SlotSampling.greedy(1))], bucket, 1))
+        runner.run_decode(DecodeInputs(np.zeros(1, np.int32), np.zeros(1, np.int32), SlotSampling.greedy(1)))
     progress("generating", done=True)
 
     done = threading.Event()

@@ -55,8 +55,8 @@ EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
 def _input_types() -> dict[int, type]:
     """The input type of each kind that carries inputs (imported on use: they import jax)."""
-    from serving.engine import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
-    from serving.paged_engine import StepInputs
+    from serving.runner import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
+    from serving.paged_runner import StepInputs
 
     return {PREFILL: PrefillInputs, DECODE: DecodeInputs, CHUNK: ChunkInputs, MOVE: SlotMove,
             RAGGED: StepInputs}
@@ -109,15 +109,15 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
     return kind, wire.decode(cls, buf[_HEADER:_HEADER + size])
 
 
-def _run(engine, kind: int, inputs):
+def _run(runner, kind: int, inputs):
     """Runs a received step on the local engine, as process 0 ran it on its own."""
     if kind == MOVE:
-        return engine.move_slot(inputs.src, inputs.dst)
+        return runner.move_slot(inputs.src, inputs.dst)
     if kind == RESET:
-        return engine.reset()
+        return runner.reset()
     method = {PREFILL: "run_prefill", DECODE: "run_decode", CHUNK: "run_chunk",
               RAGGED: "run_step"}.get(kind)
-    return None if method is None else getattr(engine, method)(inputs)
+    return None if method is None else getattr(runner, method)(inputs)
 
 
 # ---- failure detection ----
@@ -161,7 +161,7 @@ class _Broadcaster:
         return np.asarray(self._bcast(buf))
 
 
-class LeaderEngine:
+class LeaderRunner:
     """Process 0's engine: the scheduler drives it exactly like the local engine it wraps; each
     step is broadcast to the workers first. Idle heartbeats keep the workers' watchdogs quiet."""
 
@@ -172,10 +172,10 @@ class LeaderEngine:
     refuses_images = ("images are not served by a multi-process group (--num-processes > 1) "
                       "yet: send text only, or serve images from a single-process server")
 
-    def __init__(self, engine, settings: ProcessGroup):
-        self.engine = engine
-        self.info = engine.info
-        self.tokenizer = engine.tokenizer
+    def __init__(self, runner, settings: ProcessGroup):
+        self.runner = runner
+        self.info = runner.info
+        self.tokenizer = runner.tokenizer
         self.settings = settings
         self.capacity = step_capacity(self.info)
         self._bcast = _Broadcaster(self.capacity)
@@ -190,7 +190,7 @@ class LeaderEngine:
         self._heartbeat.start()
 
     def bucket_for(self, length: int) -> int:
-        return self.engine.bucket_for(length)
+        return self.runner.bucket_for(length)
 
     def run_prefill(self, inputs):
         return self._step(PREFILL, inputs)
@@ -205,7 +205,7 @@ class LeaderEngine:
         return self._step(RAGGED, inputs)
 
     def move_slot(self, src: int, dst: int) -> None:
-        from serving.engine import SlotMove
+        from serving.runner import SlotMove
 
         self._step(MOVE, SlotMove(src, dst))
 
@@ -232,7 +232,7 @@ class LeaderEngine:
             limit = self._limits.limit(key)
             self._watchdog.arm(f"running a {describe(key)} on process 0", limit)
             try:
-                out = _run(self.engine, kind, inputs)
+                out = _run(self.runner, kind, inputs)
             except Exception as e:
                 # The workers ran (or failed) the same step; nothing keeps the group in step now.
                 fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}")
@@ -272,9 +272,9 @@ class LeaderEngine:
                 self._lock.release()
 
 
-def worker_loop(engine, settings: ProcessGroup) -> int:
+def worker_loop(runner, settings: ProcessGroup) -> int:
     """A non-zero process's life after warm-up: run process 0's steps until it says shutdown."""
-    info = engine.info
+    info = runner.info
     capacity = step_capacity(info)
     bcast = _Broadcaster(capacity)
     dog = Watchdog(settings.step_timeout_s, "waiting for process 0's next step")
@@ -288,7 +288,7 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
             key = step_key(_KIND_NAMES[kind], inputs)
             wait = limits.limit(key)
             dog.arm(f"running a {describe(key)}", wait)
-            _run(engine, kind, inputs)
+            _run(runner, kind, inputs)
             if kind == SHUTDOWN:
                 dog.close()
                 log.info("shutdown step received after %d steps", steps)
@@ -302,14 +302,14 @@ def worker_loop(engine, settings: ProcessGroup) -> int:
 
 def leader_factory(settings: ProcessGroup):
     """Runtime engine factory for process 0: the usual load and warm-up, then broadcast steps."""
-    from serving.runtime import load_engine
+    from serving.runtime import load_runner
 
     def factory(config, progress):
         try:
-            engine = load_engine(config, progress)
+            runner = load_runner(config, progress)
         except GroupFormationError as e:
             exit_group_not_formed(e)  # at once: the others' deadlines are running too
-        return LeaderEngine(engine, settings)
+        return LeaderRunner(runner, settings)
 
     return factory
 
@@ -317,10 +317,10 @@ def leader_factory(settings: ProcessGroup):
 def run_worker(config, settings: ProcessGroup) -> int:
     """A non-zero process: load and warm up exactly as process 0 does (the same programs in the
     same order), then follow its steps. Returns the exit status."""
-    from serving.runtime import load_engine
+    from serving.runtime import load_runner
 
     try:
-        engine = load_engine(config, lambda msg: log.info("%s", msg))
+        runner = load_runner(config, lambda msg: log.info("%s", msg))
     except GroupFormationError as e:
         exit_group_not_formed(e)
     except Exception as e:
@@ -328,4 +328,4 @@ def run_worker(config, settings: ProcessGroup) -> int:
         print(f"error: loading the model failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("warmed up; following process 0's steps")
-    return worker_loop(engine, settings)
+    return worker_loop(runner, settings)

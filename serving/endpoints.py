@@ -100,7 +100,7 @@ async def _grammar(runtime: Runtime, spec: tuple[str, object, str] | None):
     first one, which builds the tokenizer's table, takes a while); 400 when it is not valid."""
     if spec is None:
         return None
-    tok, eos = runtime.engine.tokenizer, runtime.engine.info.eos_ids
+    tok, eos = runtime.runner.tokenizer, runtime.runner.info.eos_ids
     try:
         return await asyncio.to_thread(structured_output.build_grammar, *spec, tok, eos)
     except InvalidParameter as e:
@@ -115,7 +115,7 @@ def _request_grammar_spec(req):
 
 
 def _check_ids(runtime: Runtime, ids: list[int], param: str) -> None:
-    vocab = runtime.engine.info.vocab_size
+    vocab = runtime.runner.info.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param=param)
@@ -275,7 +275,7 @@ async def _openai_reply(run: _Run, request: Request, req, choices: list[fmt.Choi
 
 async def completions(runtime: Runtime, request: Request, req: CompletionRequest):
     _reject_unsupported(req)
-    tok = runtime.engine.tokenizer
+    tok = runtime.runner.tokenizer
     prompts, texts, added_bos = _completion_prompts(runtime, req.prompt)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     if max_tokens < 0 or (max_tokens == 0 and not req.echo):
@@ -284,7 +284,7 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
         raise ApiError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
     scoring_only = max_tokens == 0  # echo of the prompt (with its logprobs): nothing generated
     grammar = await _grammar(runtime, _request_grammar_spec(req))
-    vocab = runtime.engine.info.vocab_size
+    vocab = runtime.runner.info.vocab_size
     params = [_sampling(req, max(max_tokens, 1), req.logprobs, j, grammar, vocab) for _ in prompts for j in range(req.n)]
     seq_prompts = [p for p in prompts for _ in range(req.n)]
     run = _Run(runtime, seq_prompts, params, prompt_logprobs=req.echo and req.logprobs is not None)
@@ -307,7 +307,7 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
 
 def _completion_prompts(runtime: Runtime, prompt) -> tuple[list[list[int]], list[str], list[bool]]:
     """-> (token ids per prompt, prompt text per prompt, whether we added BOS)."""
-    tok = runtime.engine.tokenizer
+    tok = runtime.runner.tokenizer
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -342,7 +342,7 @@ def _raise_if_failed(choices) -> None:
 
 async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     _reject_unsupported(req)
-    tok = runtime.engine.tokenizer
+    tok = runtime.runner.tokenizer
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     try:
@@ -354,8 +354,8 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     prepared, sentinel = [], None
     if parts:
         try:
-            chat_images.check_allowed(runtime.engine, len(parts), runtime.config.limit_mm_per_prompt)
-            vision = chat_images.vision_of(runtime.engine)
+            chat_images.check_allowed(runtime.runner, len(parts), runtime.config.limit_mm_per_prompt)
+            vision = chat_images.vision_of(runtime.runner)
             crops = chat_images.pan_and_scan(runtime.config.processor_kwargs,
                                              req.mm_processor_kwargs)
             # Decoding and resizing take milliseconds to seconds: not on the event loop.
@@ -401,17 +401,17 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     if n_top is not None and not 0 <= n_top <= 20:
         raise ApiError(400, f"top_logprobs must be in [0, 20], got {n_top}", param="top_logprobs")
-    limit = runtime.engine.info.max_seq_len
+    limit = runtime.runner.info.max_seq_len
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = max(limit - len(prompt), 1)  # the rest of the context (over-long prompts fail below)
     elif max_tokens < 1:
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
-    vocab = runtime.engine.info.vocab_size
+    vocab = runtime.runner.info.vocab_size
     params = [_sampling(req, max_tokens, n_top, j, grammar, vocab) for j in range(req.n)]
     run = _Run(runtime, [prompt] * req.n, params, images=images)
-    choices = [fmt.Choice(runtime.engine.tokenizer, i, n_top) for i in range(req.n)]
+    choices = [fmt.Choice(runtime.runner.tokenizer, i, n_top) for i in range(req.n)]
     usage = lambda: fmt.usage(len(prompt), sum(c.num_generated for c in choices))  # noqa: E731
     streams = None
     if mode != "none":
@@ -464,7 +464,7 @@ def _message_text(content, index: int, image_sentinel: str | None = None) -> str
 # ---- /generate (native) ----
 
 async def generate(runtime: Runtime, request: Request, req: GenerateRequest):
-    tok = runtime.engine.tokenizer
+    tok = runtime.runner.tokenizer
     if (req.prompt is None) == (req.prompt_ids is None):
         raise ApiError(400, "give exactly one of prompt and prompt_ids", param="prompt")
     if req.prompt is not None:
@@ -512,7 +512,7 @@ async def generate(runtime: Runtime, request: Request, req: GenerateRequest):
 # ---- /tokenize, /detokenize (vLLM's shapes) ----
 
 def tokenize(runtime: Runtime, req: TokenizeRequest) -> dict:
-    tok = runtime.engine.tokenizer
+    tok = runtime.runner.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
@@ -527,11 +527,11 @@ def tokenize(runtime: Runtime, req: TokenizeRequest) -> dict:
         opening = [tok.start_of_turn_id] + tok.encode("model\n")
         if not req.add_generation_prompt and ids[-len(opening):] == opening:
             ids = ids[:-len(opening)]
-    body = {"count": len(ids), "max_model_len": runtime.engine.info.max_seq_len, "tokens": ids,
+    body = {"count": len(ids), "max_model_len": runtime.runner.info.max_seq_len, "tokens": ids,
             "token_strs": [fmt.token_str(tok, i) for i in ids] if req.return_token_strs else None}
     return body
 
 
 def detokenize(runtime: Runtime, req: DetokenizeRequest) -> dict:
     _check_ids(runtime, req.tokens, "tokens")
-    return {"prompt": runtime.engine.tokenizer.decode(req.tokens)}
+    return {"prompt": runtime.runner.tokenizer.decode(req.tokens)}

@@ -2,7 +2,7 @@
 that consumers (the HTTP layer, the CLI) submit sequences to and cancel them through.
 
 Each step: the scheduler (`scheduler.py`) plans it, this module executes the plan on the engine
-(`engine.py`'s `run_prefill` / `run_decode` / `move_slot` over plain numpy inputs), and the output
+(`runner.py`'s `run_prefill` / `run_decode` / `move_slot` over plain numpy inputs), and the output
 processor (`output_processor.py`) turns the engine's outputs into `Event`s, which reach each
 consumer through the callback it submitted, called on the engine thread (it must not block).
 Cancellations are applied between steps, so a cancelled sequence's slot is free for the next one.
@@ -41,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from serving.engine import ChunkInputs, DecodeInputs, Engine, PrefillInputs, pad_prefill_batch
+from serving.runner import ChunkInputs, DecodeInputs, Runner, PrefillInputs, pad_prefill_batch
 from serving.logits_processing import step_extras
 from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
@@ -67,30 +67,30 @@ class EngineCore:
     accepting work and before the failed sequences' events go out. stall_step: a test hook, the
     stall_step-th engine call (1-based) blocks forever."""
 
-    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0,
+    def __init__(self, runner: Runner, max_waiting: int = 256, metrics=None, admission_wait: float = 0.0,
                  overlap: bool = True, step_timeout: float | None = None, compile_timeout: float | None = None,
                  on_stuck: Callable[[str], None] | None = None, stall_step: int | None = None):
-        self.engine = engine
+        self.runner = runner
         # Overlapped decode steps (module docstring): needs an engine that can dispatch a step
         # and return before its outputs reach the host.
         self.overlap = bool(overlap) and callable(
-            getattr(engine, "dispatch_step" if engine.info.paged else "dispatch_decode", None))
+            getattr(runner, "dispatch_step" if runner.info.paged else "dispatch_decode", None))
         self._inflight = None  # (Plan, the engine's pending step, its step_key): outputs not read
         self.metrics = metrics or NullMetrics()
-        # The paged engine runs one ragged step a step (serving/paged_engine.py); the slot engine
-        # prefills, chunks and decodes (serving/engine.py).
-        self.scheduler = (PagedScheduler(engine.info, max_waiting) if engine.info.paged
-                          else Scheduler(engine.info, max_waiting))
-        if engine.info.paged and callable(getattr(engine, "image_ready", None)):
+        # The paged engine runs one ragged step a step (serving/paged_runner.py); the slot engine
+        # prefills, chunks and decodes (serving/runner.py).
+        self.scheduler = (PagedScheduler(runner.info, max_waiting) if runner.info.paged
+                          else Scheduler(runner.info, max_waiting))
+        if runner.info.paged and callable(getattr(runner, "image_ready", None)):
             # Pieces wait for their images' features, which the engine encodes a bounded
             # piece per step (serving/image_encoder.py) instead of whole inside one step.
-            self.scheduler.image_ready = engine.image_ready
+            self.scheduler.image_ready = runner.image_ready
             # ... and an image's soft tokens are written a layer at a time between steps
             # while other sequences run (serving/image_spans.py).
-            if callable(getattr(engine, "advance_spans", None)):
+            if callable(getattr(runner, "advance_spans", None)):
                 self.scheduler.stage_spans = True
-                self.scheduler.span_written = engine.span_written
-        self.outputs = OutputProcessor(engine.tokenizer, engine.info, self.metrics)
+                self.scheduler.span_written = runner.span_written
+        self.outputs = OutputProcessor(runner.tokenizer, runner.info, self.metrics)
         self.admission_wait = admission_wait
         self._freed = 0  # slots freed by the last step
         self._ids = itertools.count(1)
@@ -268,21 +268,21 @@ class EngineCore:
         for group in plan.prefills:
             t0 = time.perf_counter()
             inputs = prefill_inputs(group, self._extras)
-            out = self._call(step_key("prefill", inputs), lambda: self.engine.run_prefill(inputs))
+            out = self._call(step_key("prefill", inputs), lambda: self.runner.run_prefill(inputs))
             now = time.perf_counter()
             log.debug("prefill of %d prompt(s), lengths %s, in bucket %d x%d: %.3fs", len(group.seqs),
                       [len(s.prompt) for s in group.seqs], group.bucket, group.batch, now - t0)
             self._publish(self.outputs.on_prefill(group, out, t0, now))
         for src, dst in plan.moves:
-            self._call(step_key("move"), lambda: self.engine.move_slot(src, dst))
+            self._call(step_key("move"), lambda: self.runner.move_slot(src, dst))
         if any(s is not None for s in plan.decode):
             inputs = decode_inputs(plan, self._extras)
-            out = self._call(step_key("decode", inputs), lambda: self.engine.run_decode(inputs))
+            out = self._call(step_key("decode", inputs), lambda: self.runner.run_decode(inputs))
             self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
 
     def _execute_step(self, plan: StepPlan) -> None:
         """One ragged step of the paged engine: every piece of the plan in one program."""
-        from serving.paged_engine import step_inputs
+        from serving.paged_runner import step_inputs
 
         for queried, hit in plan.lookups:
             self.metrics.on_prefix_cache(queried, hit)
@@ -303,14 +303,14 @@ class EngineCore:
             t0 = time.perf_counter()
             prev_rows = None if prev is None else {
                 p.seq.id: row for row, p in enumerate(prev[0].pieces) if p.sample}
-            inputs = step_inputs(plan, self.scheduler.kv, self.engine.info, self._extras,
+            inputs = step_inputs(plan, self.scheduler.kv, self.runner.info, self._extras,
                                  prev_rows)
             key = step_key("ragged", inputs, feed=inputs.feed is not None)
             if self.overlap:
-                pending = self._call(key, lambda: self.engine.dispatch_step(
+                pending = self._call(key, lambda: self.runner.dispatch_step(
                     inputs, None if prev is None else prev[1]))
             else:
-                out = self._call(key, lambda: self.engine.run_step(inputs))
+                out = self._call(key, lambda: self.runner.run_step(inputs))
                 pending = _Ready(out)
             self._drain()  # the step in flight's outputs, while the device runs this one
             self._inflight = (plan, pending, key, t0)
@@ -324,16 +324,16 @@ class EngineCore:
         bounded, spent = bool(plan.pieces), 0.0
         if plan.spans:
             spent = self._call(step_key("spans", spans=len(plan.spans), bounded=bounded),
-                               lambda: self.engine.advance_spans(plan.spans, self.scheduler.kv,
+                               lambda: self.runner.advance_spans(plan.spans, self.scheduler.kv,
                                                                  bounded))
         if plan.encode:
             self._call(step_key("encode", images=len(plan.encode), bounded=bounded),
-                       lambda: self.engine.advance_images(plan.encode, bounded, spent))
+                       lambda: self.runner.advance_images(plan.encode, bounded, spent))
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()
         inputs = chunk_inputs(step, self._extras)
-        out = self._call(step_key("chunk", inputs), lambda: self.engine.run_chunk(inputs))
+        out = self._call(step_key("chunk", inputs), lambda: self.runner.run_chunk(inputs))
         now = time.perf_counter()
         if step.lookup is not None:
             self.metrics.on_prefix_cache(*step.lookup)
@@ -369,7 +369,7 @@ class EngineCore:
                     inputs.positions[i] = s.length
             feed = (prev, src)
         key = step_key("decode", inputs, feed=feed is not None)
-        pending = self._call(key, lambda: self.engine.dispatch_decode(inputs, feed))
+        pending = self._call(key, lambda: self.runner.dispatch_decode(inputs, feed))
         self._drain()
         self._inflight = (plan, pending, key)
 
@@ -398,7 +398,7 @@ class EngineCore:
 
     def _extras(self, seqs) -> LogitsExtras | None:
         """The logits processing of a step's rows (penalties, bias, grammar masks), None if none."""
-        return step_extras(seqs, self.outputs.structured, self.engine.info.eos_ids)
+        return step_extras(seqs, self.outputs.structured, self.runner.info.eos_ids)
 
     def _publish(self, events: list[Emitted]) -> None:
         """Frees the slots of the sequences that ended, then delivers the events (so that a
@@ -417,7 +417,7 @@ class EngineCore:
         self._publish(self.outputs.finish(failed, "error", message, time.perf_counter()))
         with self._lock:
             self.scheduler.reset_prefix_cache()
-        reset = getattr(self.engine, "reset", None)
+        reset = getattr(self.runner, "reset", None)
         if reset is not None:
             try:
                 self._call(step_key("reset"), reset)

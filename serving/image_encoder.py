@@ -61,7 +61,7 @@ class _Progress:
 
 class ImageEncoder:
     """Features of scheduler.SeqImages by content hash (module docstring). `model` is a
-    Gemma3Engine with a tower (`takes_images`)."""
+    Gemma3StepAPI with a tower (`takes_images`)."""
 
     def __init__(self, model, chunk_size: int, deterministic: bool = False,
                  budget_flops: float | None = None, max_cached: int = 64):

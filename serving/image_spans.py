@@ -61,7 +61,7 @@ class _Progress:
 
 class SpanWriter:
     """Writes SpanJobs' keys into the engine's pages (module docstring). `engine` is the
-    PagedEngine (its model, pages, features and dispatch window)."""
+    PagedRunner (its model, pages, features and dispatch window)."""
 
     def __init__(self, engine, budget_flops: float | None = None):
         self.engine = engine
@@ -162,7 +162,7 @@ class SpanWriter:
         """A block of the span's rows as one sequence row of a RaggedBatch: its queries see
         every key up to the span's end (the span's keys are stored)."""
         from models.gemma3.ragged import RaggedBatch
-        from serving.paged_engine import MIN_PAGES, local_pages_for
+        from serving.paged_runner import MIN_PAGES, local_pages_for
 
         r = len(positions)
         sp = kv.seqs[job.seq.id]

@@ -13,7 +13,7 @@ import logging
 from typing import Callable, NamedTuple
 
 from serving.detokenize import TextStream
-from serving.engine import EngineInfo, StepOutputs
+from serving.runner import RunnerInfo, StepOutputs
 from serving.metrics import NullMetrics
 from serving.scheduler import ChunkStep, Plan, PrefillGroup, Sequence
 from serving.structured_output import StructuredOutputs
@@ -74,7 +74,7 @@ class OutputProcessor:
     """The step methods return the events they produced; `deliver` sends them (the engine core
     first frees the slots of the sequences whose event ends them)."""
 
-    def __init__(self, tokenizer, info: EngineInfo, metrics=None):
+    def __init__(self, tokenizer, info: RunnerInfo, metrics=None):
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics or NullMetrics()

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from serving.engine import EngineInfo
+from serving.runner import RunnerInfo
 from serving.kv_pages import KVPages, block_hashes
 from serving.sampling import InvalidParameter
 from serving.scheduler import Sequence, WaitingQueue
@@ -97,7 +97,7 @@ class StepPlan:
 
 
 class PagedScheduler(WaitingQueue):
-    def __init__(self, info: EngineInfo, max_waiting: int = 256):
+    def __init__(self, info: RunnerInfo, max_waiting: int = 256):
         if not info.page_size:
             raise ValueError("the paged scheduler needs an engine with a page size")
         super().__init__(info, max_waiting)

@@ -20,20 +20,20 @@ log = logging.getLogger(__name__)
 
 STALL_STEP_ENV = "GEMMA3_TEST_STALL_STEP"
 
-EngineFactory = Callable[[ServerConfig, Callable[[str], None]], object]
+RunnerFactory = Callable[[ServerConfig, Callable[[str], None]], object]
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig, engine_factory: EngineFactory | None = None):
+    def __init__(self, config: ServerConfig, runner_factory: RunnerFactory | None = None):
         self.config = config
         self.status = "loading"  # loading -> ready -> shutting_down; or error (load), stuck (a step)
         self.error: str | None = None
-        self.engine = None
+        self.runner = None
         self.core: EngineCore | None = None
         self.metrics: Metrics | None = None
         self.created = int(time.time())
         self.load_seconds: float | None = None
-        self._factory = engine_factory or load_engine
+        self._factory = runner_factory or load_runner
         self._thread: threading.Thread | None = None
         self.on_load_failure: Callable[[str], None] | None = None
 
@@ -49,27 +49,27 @@ class Runtime:
     def load(self) -> None:
         t0 = time.perf_counter()
         try:
-            engine = self._factory(self.config, lambda msg: log.info("%s", msg))
+            runner = self._factory(self.config, lambda msg: log.info("%s", msg))
         except Exception as e:
             log.exception("loading the model failed")
             self.status, self.error = "error", f"{type(e).__name__}: {e}"
             if self.on_load_failure is not None:
                 self.on_load_failure(self.error)
             return
-        self.attach(engine)
+        self.attach(runner)
         self.load_seconds = time.perf_counter() - t0
-        log.info("ready in %.1fs: %s", self.load_seconds, engine.info)
+        log.info("ready in %.1fs: %s", self.load_seconds, runner.info)
 
-    def attach(self, engine) -> None:
+    def attach(self, runner) -> None:
         """Starts serving with an engine (loaded and warmed up)."""
-        info = engine.info
-        self.engine = engine
+        info = runner.info
+        self.runner = runner
         self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype)
         c = self.config
         # A multi-host group's leader watches its steps itself (a stuck step ends the group).
-        watched = not getattr(engine, "watches_steps", False)
+        watched = not getattr(runner, "watches_steps", False)
         stall = _stall_step()
-        self.core = EngineCore(engine, max_waiting=c.max_waiting, metrics=self.metrics,
+        self.core = EngineCore(runner, max_waiting=c.max_waiting, metrics=self.metrics,
                                admission_wait=c.admission_wait_ms / 1000,
                                step_timeout=c.step_timeout if watched else None,
                                compile_timeout=c.compile_timeout, on_stuck=self._on_stuck,
@@ -102,8 +102,8 @@ class Runtime:
              "allreduce": c.allreduce_config().to_dict(), "allreduce_label": c.allreduce_config().label,
              "max_model_len": c.max_seq_len, "max_batch": c.max_batch,
              "batch_invariant": c.batch_invariant}
-        if self.engine is not None:
-            info = self.engine.info
+        if self.runner is not None:
+            info = self.runner.info
             d.update(tp=info.tp, dtype=info.dtype, allreduce=info.allreduce,
                      allreduce_label=info.allreduce_label, max_model_len=info.max_seq_len,
                      max_batch=info.num_slots, prefill_buckets=list(info.prefill_buckets),
@@ -132,7 +132,7 @@ def _stall_step() -> int | None:
 def configure_jax(config: ServerConfig) -> None:
     """Persistent compilation cache: a restart (or the second server) loads compiled programs
     instead of compiling them again, which is most of the start-up time on CPU. (The traced
-    programs are kept beside it, see `load_engine`.) Also keeps freed host memory for reuse (no
+    programs are kept beside it, see `load_runner`.) Also keeps freed host memory for reuse (no
     page faults on every large temporary). Both from `jax_platform`."""
     import jax_platform
 
@@ -155,12 +155,12 @@ def load_configured_model(config: ServerConfig, warm_up=None):
                       warm_up=warm_up)
 
 
-def load_engine(config: ServerConfig, progress: Callable[[str], None]):
+def load_runner(config: ServerConfig, progress: Callable[[str], None]):
     """The real engine: loads the model, allocates the cache, compiles and warms up."""
     configure_jax(config)
     import jax
 
-    from serving.engine import ModelEngine, compile_programs, engine_info
+    from serving.runner import SlotRunner, compile_programs, runner_info
 
     if config.deterministic and not config.batch_invariant:
         log.warning("--allreduce %s shares quantization scales across tokens: in deterministic "
@@ -175,14 +175,14 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
                  chunk_size=config.prefill_chunk, deterministic=config.deterministic)
 
     def compile_while_loading(model) -> None:
-        info = engine_info(model, **shape, prefix_blocks=prefix_blocks(config, model))
+        info = runner_info(model, **shape, prefix_blocks=prefix_blocks(config, model))
         progress(f"compiling while the weights load: prefill buckets {info.prefill_buckets} "
                  f"(batches of {info.prefill_batch_sizes} up to {info.batched_prefill_max_bucket} "
                  f"tokens), decode x{info.decode_row_counts}")
         compile_programs(model, info, progress)
 
     if config.engine == "paged":
-        return _load_paged_engine(config, progress)
+        return _load_paged_runner(config, progress)
     t = time.perf_counter()
     # One process: programs compile on a thread while the weights load. Several processes
     # (multi-host) keep the two apart, so that every process issues its work in the same order,
@@ -193,27 +193,27 @@ def load_engine(config: ServerConfig, progress: Callable[[str], None]):
     model = load_configured_model(config, compile_while_loading if overlap else None)
     progress(f"weights loaded{' and programs compiled' if overlap else ''} in "
              f"{time.perf_counter() - t:.1f}s")
-    engine = ModelEngine(model, **shape, prefix_blocks=prefix_blocks(config, model))
+    runner = SlotRunner(model, **shape, prefix_blocks=prefix_blocks(config, model))
     if not overlap:
         import jax_platform
 
         jax_platform.group_barrier("loaded")
-        compile_programs(model, engine.info, progress)
+        compile_programs(model, runner.info, progress)
         jax_platform.group_barrier("compiled")
-    seconds = engine.warmup(progress)
+    seconds = runner.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
-    return engine
+    return runner
 
 
-def _load_paged_engine(config: ServerConfig, progress: Callable[[str], None]):
-    """The paged engine (serving/paged_engine.py): its programs compile on first use or in the
+def _load_paged_runner(config: ServerConfig, progress: Callable[[str], None]):
+    """The paged engine (serving/paged_runner.py): its programs compile on first use or in the
     warm-up (a lone prompt, a lone decode, a full batch's decode). In a multi-process group
     every process builds the same engine and warms it up in the same order; the warm-up's
     programs are compiled between the group's two barriers, as the slot engine's are."""
     import jax
 
     import jax_platform
-    from serving.paged_engine import PagedEngine
+    from serving.paged_runner import PagedRunner
 
     group = jax.process_count() > 1
     t = time.perf_counter()
@@ -221,21 +221,21 @@ def _load_paged_engine(config: ServerConfig, progress: Callable[[str], None]):
     progress(f"weights loaded in {time.perf_counter() - t:.1f}s")
     if group:
         jax_platform.group_barrier("loaded")
-    engine = PagedEngine(model, max_num_seqs=config.max_batch, max_seq_len=config.max_seq_len,
+    runner = PagedRunner(model, max_num_seqs=config.max_batch, max_seq_len=config.max_seq_len,
                          page_size=config.page_size, kv_cache_tokens=config.kv_cache_tokens or None,
                          chunk_size=config.prefill_chunk,
                          max_num_batched_tokens=config.max_num_batched_tokens or None,
                          prefix_caching=config.prefix_caching, deterministic=config.deterministic,
                          model_name=config.model_name)
-    info = engine.info
+    info = runner.info
     progress(f"paged KV cache: {info.num_global_pages - 1} global and {info.num_local_pages - 1} "
              f"local pages of {info.page_size} tokens, step budget {info.max_num_batched_tokens} tokens")
     if group:
-        engine.compile_warmup(progress)
+        runner.compile_warmup(progress)
         jax_platform.group_barrier("compiled")
-    seconds = engine.warmup(progress)
+    seconds = runner.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
-    return engine
+    return runner
 
 
 def prefix_blocks(config: ServerConfig, model) -> int:

@@ -35,7 +35,7 @@ import hashlib
 
 import numpy as np
 
-from serving.engine import EngineInfo
+from serving.runner import RunnerInfo
 from serving.sampling import InvalidParameter, SamplingParams
 
 
@@ -208,7 +208,7 @@ class WaitingQueue:
     removing sequences (waiting or running). A policy defines `running`, `finish` and
     `schedule`; `admissible` may refuse what it cannot serve."""
 
-    def __init__(self, info: EngineInfo, max_waiting: int = 256):
+    def __init__(self, info: RunnerInfo, max_waiting: int = 256):
         self.info = info
         self.max_waiting = max_waiting
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -261,7 +261,7 @@ class WaitingQueue:
 
 
 class Scheduler(WaitingQueue):
-    def __init__(self, info: EngineInfo, max_waiting: int = 256):
+    def __init__(self, info: RunnerInfo, max_waiting: int = 256):
         super().__init__(info, max_waiting)
         self.slots: list[Sequence | None] = [None] * info.num_slots
         self.prefix_cache = PrefixCache(info.prefix_blocks if info.chunk_size else 0)

@@ -22,16 +22,16 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """The real HTTP app on a real uvicorn server in a thread (loopback port) over `engine`."""
+    """The real HTTP app on a real uvicorn server in a thread (loopback port) over `runner`."""
 
-    def __init__(self, config, engine, load: bool = True):
+    def __init__(self, config, runner, load: bool = True):
         import uvicorn
 
         from serving.api import create_app
         from serving.runtime import Runtime
 
-        self.runtime = Runtime(config, engine_factory=lambda c, p: engine)
-        self.engine = engine
+        self.runtime = Runtime(config, runner_factory=lambda c, p: runner)
+        self.runner = runner
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.runtime), host="127.0.0.1",

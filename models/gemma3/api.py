@@ -1,6 +1,6 @@
 """`load_model` and `Gemma3Model`, the model object shared by eval, serving, tests and users.
 
-`Gemma3Model` is the engine API (`engine_api.Gemma3Engine`: prefill, decode_step, the KV cache,
+`Gemma3Model` is the engine API (`step_api.Gemma3StepAPI`: prefill, decode_step, the KV cache,
 compiling ahead of time) plus the conveniences a user calls directly: `score`, `generate` and
 `save`. Its programs and their compiled executables live in `programs.ModelPrograms`.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from equarx import AllReduceConfig
 from models.gemma3 import loading
 from models.gemma3.config import Gemma3Config, get_config
-from models.gemma3.engine_api import Gemma3Engine, check_token_range
+from models.gemma3.step_api import Gemma3StepAPI, check_token_range
 from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import MIN_BUCKET, ModelPrograms, ProgramKey, prefill_buckets
@@ -35,8 +35,8 @@ __all__ = ["Gemma3Model", "MIN_BUCKET", "load_model", "prefill_buckets"]
 _SCORE_LOGITS_BUDGET = 1 << 30
 
 
-class Gemma3Model(Gemma3Engine):
-    """A loaded, sharded Gemma 3: the engine API (see `Gemma3Engine`) plus `score`, `generate`
+class Gemma3Model(Gemma3StepAPI):
+    """A loaded, sharded Gemma 3: the engine API (see `Gemma3StepAPI`) plus `score`, `generate`
     and `save`, built on it.
 
     reduction: run `reduction(x, axis_name)` at every tensor-parallel reduction instead of
@@ -58,7 +58,7 @@ class Gemma3Model(Gemma3Engine):
         """A model over programs already built, with the executables they keep (e.g. compiled
         while these weights loaded)."""
         model = cls.__new__(cls)
-        Gemma3Engine.__init__(model, programs, weights, tokenizer)
+        Gemma3StepAPI.__init__(model, programs, weights, tokenizer)
         return model
 
     def with_allreduce(self, allreduce: AllReduceConfig, *, reduction: Reduction | None = None,

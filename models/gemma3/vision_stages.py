@@ -92,7 +92,7 @@ def _unpack(x, counts):
 
 
 class StagedEncoder:
-    """Runs `stages` on a placed tower and projector (`Gemma3Engine.vision`): run(stage, states)
+    """Runs `stages` on a placed tower and projector (`Gemma3StepAPI.vision`): run(stage, states)
     advances several images' states by one stage in one program."""
 
     def __init__(self, vision, c: VisionConfig, blocks: int, dtype):

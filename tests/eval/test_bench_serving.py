@@ -8,7 +8,7 @@ import pytest
 
 from eval.bench_serving import run_level, summarize
 from serving.config import ServerConfig
-from serving.fake_engine import FakeEngine
+from serving.fake_runner import FakeRunner
 from testkit import ServerThread
 
 # The fake engine's pace: each step sleeps this long. The asserts below take their upper bounds
@@ -16,7 +16,7 @@ from testkit import ServerThread
 STEP = 0.05
 
 
-class TimedEngine(FakeEngine):
+class TimedEngine(FakeRunner):
     """The fake engine, recording when each step ended (server side)."""
 
     def __init__(self, **kw):
@@ -40,17 +40,17 @@ def paced_server():
                           compile_cache_dir="", admission_wait_ms=0)
     engine = TimedEngine(num_slots=4, max_seq_len=256, step_delay=STEP, prefill_batch_sizes=(1, 4))
     s = ServerThread(config, engine)
-    s.engine = engine
+    s.runner = engine
     yield s
     s.stop()
 
 
 def _level(server, concurrency: int, requests: int, tokens: int):
     """A run_level and the engine's (kind, rows) steps and decode-step gaps during it."""
-    first = len(server.engine.steps)
+    first = len(server.runner.steps)
     out = asyncio.run(run_level(server.url, "fake", concurrency, requests, tokens))
-    steps = server.engine.steps[first:]
-    ends = server.engine.ends[first:]
+    steps = server.runner.steps[first:]
+    ends = server.runner.ends[first:]
     gaps = [b - a for (kind, _), a, b in zip(steps[1:], ends, ends[1:]) if kind == "decode"]
     return out, steps, statistics.median(gaps)
 

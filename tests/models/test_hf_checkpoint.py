@@ -285,12 +285,12 @@ def test_serve_hf_checkpoint(hf_dir, golden):
     import httpx
 
     from serving.config import ServerConfig
-    from serving.runtime import load_engine
+    from serving.runtime import load_runner
     from testkit import ServerThread
 
     config = ServerConfig(model=str(hf_dir), dtype="float32", allreduce="f32", max_batch=1,
                           max_seq_len=32, compile_cache_dir="")
-    server = ServerThread(config, load_engine(config, lambda _: None))
+    server = ServerThread(config, load_runner(config, lambda _: None))
     try:
         r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
             "model": config.model_name, "prompt": golden["prompts"][0], "max_tokens": 8,

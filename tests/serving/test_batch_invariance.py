@@ -18,7 +18,7 @@ import pytest
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
 from serving import distributed as dist
-from serving.engine import ChunkInputs, EngineInfo, ModelEngine
+from serving.runner import ChunkInputs, RunnerInfo, SlotRunner
 from serving.engine_core import EngineCore
 from serving.metrics import Metrics
 from serving.sampling import SamplingParams, SlotSampling
@@ -126,7 +126,7 @@ CONFIGS = [(1, "bfloat16", "f32"), (2, "float32", "f32"), (2, "bfloat16", "bf16"
 
 @pytest.mark.parametrize("tp,dtype,allreduce", CONFIGS)
 def test_a_request_alone_equals_it_among_others(tp, dtype, allreduce):
-    engine = ModelEngine(model(tp, dtype, allreduce), num_slots=4, max_seq_len=96, chunk_size=16,
+    engine = SlotRunner(model(tp, dtype, allreduce), num_slots=4, max_seq_len=96, chunk_size=16,
                          deterministic=True)
     target = prompt(37, 7)
     others = [prompt(n, 10 + i) for i, n in enumerate((5, 60, 23, 14, 41))]
@@ -136,7 +136,7 @@ def test_a_request_alone_equals_it_among_others(tp, dtype, allreduce):
 
 
 def test_deterministic_engine_compiles_one_decode_program():
-    engine = ModelEngine(model(), num_slots=4, max_seq_len=96, chunk_size=16, deterministic=True)
+    engine = SlotRunner(model(), num_slots=4, max_seq_len=96, chunk_size=16, deterministic=True)
     info = engine.info
     assert info.decode_row_counts == (4,) and info.prefill_batch_sizes == (1,)
     assert info.chunk_buckets == (16,) and info.warm_buckets == ()
@@ -149,9 +149,9 @@ def test_prefix_cache_hit_equals_a_miss_and_is_counted():
     m = model()
     shared = prompt(50, 3)
     a, b = shared + prompt(9, 4)[1:], shared[:48] + prompt(20, 5)[1:]  # b shares 3 blocks of 16
-    fresh = ModelEngine(m, num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
+    fresh = SlotRunner(m, num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
     miss_b = generate(fresh, [b])[0]
-    engine = ModelEngine(m, num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True,
+    engine = SlotRunner(m, num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True,
                          prefix_blocks=16)
     metrics = Metrics("tiny", "f32")
     core = EngineCore(engine, metrics=metrics).start()
@@ -169,7 +169,7 @@ def test_prefix_cache_hit_equals_a_miss_and_is_counted():
 
 def test_prefix_cache_evicts_least_recently_used_blocks():
     m = model()
-    engine = ModelEngine(m, num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True,
+    engine = SlotRunner(m, num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True,
                          prefix_blocks=2)
     metrics = Metrics("tiny", "f32")
     core = EngineCore(engine, metrics=metrics).start()
@@ -186,7 +186,7 @@ def test_prefix_cache_evicts_least_recently_used_blocks():
 
 
 def test_prefix_cache_policy_on_plain_data():
-    info = EngineInfo(model_name="plain", num_slots=2, max_seq_len=64, prefill_buckets=(8, 16, 32, 64),
+    info = RunnerInfo(model_name="plain", num_slots=2, max_seq_len=64, prefill_buckets=(8, 16, 32, 64),
                       prefill_batch_sizes=(1,), vocab_size=600, eos_ids=(1,), chunk_size=8,
                       chunk_buckets=(8,), deterministic=True, prefix_blocks=3)
     s = Scheduler(info)
@@ -210,7 +210,7 @@ def test_prefix_cache_policy_on_plain_data():
 
 def test_prompt_longer_than_the_largest_bucket():
     m = model()
-    engine = ModelEngine(m, num_slots=2, max_seq_len=128, chunk_size=16, deterministic=False)
+    engine = SlotRunner(m, num_slots=2, max_seq_len=128, chunk_size=16, deterministic=False)
     assert max(engine.info.warm_buckets) == 16
     ids = prompt(100, 9)
     cache = m.init_cache(1, 128)
@@ -222,7 +222,7 @@ def test_prompt_longer_than_the_largest_bucket():
 
 
 def test_chunks_interleave_with_decode_steps():
-    info = EngineInfo(model_name="plain", num_slots=4, max_seq_len=256, prefill_buckets=(8, 16, 256),
+    info = RunnerInfo(model_name="plain", num_slots=4, max_seq_len=256, prefill_buckets=(8, 16, 256),
                       prefill_batch_sizes=(1,), vocab_size=600, eos_ids=(1,), chunk_size=16,
                       chunk_buckets=(8, 16))
     s = Scheduler(info)
@@ -257,7 +257,7 @@ def test_chunk_step_round_trip_for_other_processes():
     rng = np.random.default_rng(0)
     s = SlotSampling(np.float32([0.7]), np.int32([5]), np.float32([0.9]), np.uint32([123]))
     step = ChunkInputs(rng.integers(0, 512, 16, dtype=np.int32), 32, 11, 3, s, True, (4, 0), 7)
-    cap = dist.step_capacity(EngineInfo(model_name="plain", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32),
+    cap = dist.step_capacity(RunnerInfo(model_name="plain", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32),
                                         prefill_batch_sizes=(1,), vocab_size=600, eos_ids=(1,), chunk_size=16,
                                         chunk_buckets=(16,)))
     kind, got = dist.decode_step(dist.encode_step(dist.CHUNK, step, cap))
@@ -267,7 +267,7 @@ def test_chunk_step_round_trip_for_other_processes():
 
 
 def test_short_prompts_batch_and_long_ones_chunk_in_the_default_mode():
-    info = EngineInfo(model_name="plain", num_slots=4, max_seq_len=256, prefill_buckets=(16, 32, 64, 256),
+    info = RunnerInfo(model_name="plain", num_slots=4, max_seq_len=256, prefill_buckets=(16, 32, 64, 256),
                       prefill_batch_sizes=(1, 2, 4), vocab_size=600, eos_ids=(1,), chunk_size=16,
                       chunk_buckets=(16,), batched_prefill_max_bucket=64)
     s = Scheduler(info)

@@ -19,7 +19,7 @@ from models.gemma3 import load_model
 from serving import chat_images, media
 from serving.config import ServerConfig
 from serving.engine_core import EngineCore
-from serving.paged_engine import PagedEngine
+from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage
 from testkit import ServerThread
@@ -52,7 +52,7 @@ def chat_body(*parts, max_tokens=6, **kw) -> dict:
 @pytest.fixture(scope="module")
 def server():
     m = load_model(MODEL, tp=1, dtype="float32", allreduce=AllReduceConfig(method="f32"))
-    engine = PagedEngine(m, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8,
+    engine = PagedRunner(m, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8,
                          model_name="tiny-vl")
     config = ServerConfig(model=MODEL, served_model_name="tiny-vl", engine="paged", max_batch=4,
                           max_seq_len=256, page_size=4, prefill_chunk=8, compile_cache_dir="")
@@ -73,7 +73,7 @@ def test_models_say_the_model_takes_images(client):
 
 
 def test_a_request_with_an_image_answers_and_repeats_exactly(server, client):
-    before = server.engine.images_encoded
+    before = server.runner.images_encoded
     r = client.post("/v1/chat/completions", json=chat_body(image_part(data_url(png(1)))))
     assert r.status_code == 200, r.text
     first = r.json()
@@ -88,7 +88,7 @@ def test_a_request_with_an_image_answers_and_repeats_exactly(server, client):
         model="tiny-vl", messages=body["messages"], max_tokens=6, temperature=0.0, stream=True)
         if c.choices)
     assert streamed == first["choices"][0]["message"]["content"]
-    assert server.engine.images_encoded == before + 1  # the repeats read the features cache
+    assert server.runner.images_encoded == before + 1  # the repeats read the features cache
     two = client.post("/v1/chat/completions", json=chat_body(image_part(data_url(png(1))),
                                                              image_part(data_url(png(2)))))
     assert two.status_code == 200, two.text
@@ -137,10 +137,10 @@ def test_more_images_than_the_limit_get_400(client):
 
 
 def test_an_image_to_a_text_only_model_or_the_slot_engine_is_refused():
-    from serving.fake_engine import FakeEngine
+    from serving.fake_runner import FakeRunner
 
     with pytest.raises(chat_images.ImageRequestError, match="no vision tower"):
-        chat_images.check_allowed(FakeEngine(num_slots=1, max_seq_len=32), 1, 4)
+        chat_images.check_allowed(FakeRunner(num_slots=1, max_seq_len=32), 1, 4)
 
     class SlotEngine:  # a model with a tower behind the slot engine
         class model:
@@ -166,7 +166,7 @@ def test_typed_image_markers_stay_text():
 def direct_run(model, ids, image: SeqImage, n: int):
     """Greedy tokens and their logprobs of prompt `ids` with `image`, through an engine core of
     its own over the server's model (no HTTP, no chat code)."""
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8)
     core = EngineCore(engine).start()
     got, done = [], threading.Event()
 
@@ -215,27 +215,27 @@ def test_pan_and_scan_crops_through_the_api_equal_the_model_run_directly(server,
     wide = png(7, size=(96, 32))
     kwargs = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
     settings = media.PanAndScan(min_crop_size=16)
-    size = server.engine.model.vision.config.image_size
+    size = server.runner.model.vision.config.image_size
     prepared = media.prepare_image(wide, size=size, pan_and_scan=settings)
     assert prepared.crops >= 2
     body = chat_body(image_part(data_url(wide)), logprobs=True, mm_processor_kwargs=kwargs)
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     served = [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]]
-    ids = reference_ids(server.engine.model, "What is in this picture?", prepared.crops)
+    ids = reference_ids(server.runner.model, "What is in this picture?", prepared.crops)
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
-    per = server.engine.model.vision.config.tokens_per_image
-    spans = chat_images.soft_spans(ids, server.engine.model.vision.tokens.soft)
+    per = server.runner.model.vision.config.tokens_per_image
+    spans = chat_images.soft_spans(ids, server.runner.model.vision.tokens.soft)
     assert [b - a for a, b in spans] == [per] * (1 + prepared.crops)
     image = SeqImage(spans=tuple(spans), pixels=prepared.pixels, key="direct")
-    tokens, logprobs = direct_run(server.engine.model, ids, image, body["max_tokens"])
-    text = server.engine.tokenizer.decode(tokens)
+    tokens, logprobs = direct_run(server.runner.model, ids, image, body["max_tokens"])
+    text = server.runner.tokenizer.decode(tokens)
     assert r.json()["choices"][0]["message"]["content"] == text
     np.testing.assert_allclose(served, logprobs, rtol=1e-4, atol=1e-5)
     # Off by default: the same request without the kwargs has one image's tokens only.
     plain = client.post("/v1/chat/completions", json=chat_body(image_part(data_url(wide))))
     assert plain.json()["usage"]["prompt_tokens"] == len(
-        reference_ids(server.engine.model, "What is in this picture?", 0))
+        reference_ids(server.runner.model, "What is in this picture?", 0))
     bad = client.post("/v1/chat/completions", json=chat_body(
         image_part(data_url(wide)), mm_processor_kwargs={"do_pan_and_scan": "yes"}))
     assert bad.status_code == 400 and "do_pan_and_scan" in bad.json()["error"]["message"]

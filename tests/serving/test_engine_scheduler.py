@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from serving.fake_engine import ByteTokenizer, FakeEngine
+from serving.fake_runner import ByteTokenizer, FakeRunner
 from serving.sampling import InvalidParameter, SamplingParams
 from serving.engine_core import EngineCore, ShuttingDown
 from serving.scheduler import QueueFull
@@ -53,7 +53,7 @@ def greedy(n, **kw):
 
 @pytest.fixture
 def engine():
-    return FakeEngine(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4))
+    return FakeRunner(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4))
 
 
 def run(engine, requests, **kw):
@@ -107,7 +107,7 @@ def test_decode_runs_only_up_to_the_last_busy_slot(engine):
 def test_busy_slots_are_packed_so_decode_runs_fewer_rows():
     """With decode programs for 1, 2 and 4 rows, a sequence left alone in a high slot moves to
     slot 0 (its cache rows with it) and decodes as one row; its text is unaffected."""
-    engine = FakeEngine(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4), decode_batch_sizes=(1, 2))
+    engine = FakeRunner(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4), decode_batch_sizes=(1, 2))
     engine.step_delay = 0.002
     reqs = [("aa", greedy(2)), ("bbb", greedy(3)), ("cccc", greedy(4)), ("the long one", greedy(40))]
     s = EngineCore(engine).start()
@@ -206,7 +206,7 @@ def test_cancel_frees_the_slot_at_once(engine):
 
 def test_queue_full_and_shutdown(engine):
     engine.step_delay = 0.01
-    one_slot = FakeEngine(num_slots=1, max_seq_len=64, step_delay=0.01)
+    one_slot = FakeRunner(num_slots=1, max_seq_len=64, step_delay=0.01)
     s = EngineCore(one_slot, max_waiting=2).start()
     try:
         cols = [Collector() for _ in range(3)]
@@ -235,7 +235,7 @@ def test_shutdown_without_drain_aborts_in_flight(engine):
     assert c.wait().finish == "abort"
 
 
-class FailingEngine(FakeEngine):
+class FailingEngine(FakeRunner):
     def __init__(self):
         super().__init__(num_slots=2, max_seq_len=64)
         self.fail_next_decode = True
@@ -269,10 +269,10 @@ def test_engine_failure_fails_running_sequences_and_keeps_serving():
 def test_same_seed_same_text_regardless_of_batch(engine):
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=1234)
     alone = run(engine, [("x", params)])[0].text
-    crowd = run(FakeEngine(num_slots=4, max_seq_len=64),
+    crowd = run(FakeRunner(num_slots=4, max_seq_len=64),
                 [("y", SamplingParams(max_tokens=9, temperature=1.0)), ("x", params), ("zz", greedy(4))])
     assert crowd[1].text == alone and len(alone) == 12
-    other = run(FakeEngine(num_slots=4, max_seq_len=64), [("x", SamplingParams(max_tokens=12, temperature=0.8, seed=99))])
+    other = run(FakeRunner(num_slots=4, max_seq_len=64), [("x", SamplingParams(max_tokens=12, temperature=0.8, seed=99))])
     assert other[0].text != alone
 
 
@@ -288,7 +288,7 @@ def test_a_freed_slot_waits_briefly_for_the_next_request(admission_wait, next_st
     # A client sends its next request shortly after its previous one finished, while another
     # stream keeps decoding. With an admission wait the newcomer is prefilled before the next decode
     # step; without one the step starts at once and the newcomer waits for it.
-    engine = FakeEngine(num_slots=2, max_seq_len=64, step_delay=0.01)
+    engine = FakeRunner(num_slots=2, max_seq_len=64, step_delay=0.01)
     s = EngineCore(engine, admission_wait=admission_wait).start()
     try:
         other, second = Collector(), Collector()

@@ -1,4 +1,4 @@
-"""The paged path's fake (`serving.fake_engine.fake_paged_engine`: the real PagedEngine,
+"""The paged path's fake (`serving.fake_runner.fake_paged_runner`: the real PagedRunner,
 scheduler, pages and sampler over `FakePagedModel`): it answers as the slot engine's fake does,
 through prompt pieces, page-table growth, a sliding window that outgrows its first pages,
 preemption and prefix-cache hits, and a wrong block table raises instead of passing."""
@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from serving.engine_core import EngineCore
-from serving.fake_engine import ByteTokenizer, FakeEngine, fake_paged_engine
+from serving.fake_runner import ByteTokenizer, FakeRunner, fake_paged_runner
 from serving.metrics import Metrics
-from serving.paged_engine import step_inputs
+from serving.paged_runner import step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, SamplingParams
 from serving.scheduler import Sequence
@@ -50,14 +50,14 @@ def answers(engine, prompts, max_tokens=12, core=None):
 
 
 def test_the_paged_fake_answers_as_the_slot_fake():
-    want, _ = answers(FakeEngine(num_slots=4, max_seq_len=64), PROMPTS)
-    got, _ = answers(fake_paged_engine(num_slots=4, max_seq_len=64), PROMPTS)
+    want, _ = answers(FakeRunner(num_slots=4, max_seq_len=64), PROMPTS)
+    got, _ = answers(fake_paged_runner(num_slots=4, max_seq_len=64), PROMPTS)
     assert got == want
     # Room for 64 tokens of global cache: four sequences growing to 15-56 tokens cannot all fit.
-    squeezed, preemptions = answers(fake_paged_engine(num_slots=4, max_seq_len=64, kv_cache_tokens=64),
+    squeezed, preemptions = answers(fake_paged_runner(num_slots=4, max_seq_len=64, kv_cache_tokens=64),
                                     PROMPTS)
     assert preemptions > 0 and squeezed == want
-    engine, metrics = fake_paged_engine(num_slots=4, max_seq_len=64), Metrics("fake", "bf16")
+    engine, metrics = fake_paged_runner(num_slots=4, max_seq_len=64), Metrics("fake", "bf16")
     core = EngineCore(engine, metrics=metrics).start()
     try:
         first, _ = answers(engine, PROMPTS[1:2], core=core)
@@ -69,7 +69,7 @@ def test_the_paged_fake_answers_as_the_slot_fake():
 
 
 def test_a_wrong_block_table_raises():
-    engine = fake_paged_engine(num_slots=2, max_seq_len=64, max_num_batched_tokens=10)
+    engine = fake_paged_runner(num_slots=2, max_seq_len=64, max_num_batched_tokens=10)
     sched = PagedScheduler(engine.info)
     sched.add([Sequence(id=0, prompt=PROMPTS[1], params=IDLE, seed=0)])
     plan = sched.schedule()

@@ -9,7 +9,7 @@ import pytest
 
 from serving.engine_core import EngineCore
 from serving.image_encoder import ImageEncoder
-from serving.paged_engine import PagedEngine
+from serving.paged_runner import PagedRunner
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
@@ -79,7 +79,7 @@ def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, golde
     image = images_of(model, golden, 1)[0]
     a, b = image.spans[0]
     for deterministic in (False, True):
-        engine = PagedEngine(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
+        engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
                              deterministic=deterministic)
         sched = PagedScheduler(engine.info)
         ready = set()
@@ -100,7 +100,7 @@ def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, golde
 
 
 def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, golden):
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
     engine.encoder_budget_flops = small_budget(model)
     core = EngineCore(engine).start()
     seen, done = [], [threading.Event(), threading.Event()]
@@ -143,7 +143,7 @@ def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic,
     tiny tower: whole in the first step that waits for them; a cap of 4 stages' FLOPs: in
     calls of at most that, never one past the step watchdog); in deterministic mode always by
     the bounded stages (the bits must not depend on the load)."""
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
                          deterministic=deterministic)
     engine.encoder_budget_flops = small_budget(model)
     calls = []
@@ -182,7 +182,7 @@ def test_a_lone_image_request_has_nothing_to_stall(model, golden, deterministic,
 def test_a_waiting_image_stays_listed_while_other_pieces_run(model, golden):
     """A running sequence that waits for its image keeps it in `encode`, every step until it
     is ready, while another prompt's pieces take every token of the steps."""
-    engine = PagedEngine(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
+    engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
                          max_num_batched_tokens=8)
     sched = PagedScheduler(engine.info)
     sched.image_ready = lambda key: False

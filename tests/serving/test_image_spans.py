@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from serving.engine_core import EngineCore
-from serving.paged_engine import PagedEngine, step_inputs
+from serving.paged_runner import PagedRunner, step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
@@ -43,7 +43,7 @@ def kv_after_prompt(model, golden, staged: bool):
     """Runs a text sequence and the 2-image golden prompt side by side (scheduler and engine
     driven by hand) until the image prompt samples its first token; returns its keys and
     values per layer [positions, 2 * Kc, H], and the writer."""
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
                          prefix_caching=False)
     engine.encoder_budget_flops = one_layer_rows(model)
     for im in images_of(model, golden, 2):  # features ready: only the spans are staged
@@ -98,7 +98,7 @@ def test_a_running_stream_decodes_between_the_span_stages(model, golden):
     """Through the engine core: the image request's greedy tokens are the golden's, and the
     span's stages ran spread over several steps, each after a step that gave the stream a
     token (counted, not timed)."""
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
     engine.encoder_budget_flops = one_layer_rows(model)
     for im in images_of(model, golden, 2):  # features ready: only the spans are staged
         engine.image_features(im)
@@ -142,7 +142,7 @@ def test_the_scheduler_writes_a_span_between_steps_only_beside_other_work(model,
     the plan lists the span every step until the engine says it is written, then the next
     piece starts at the span's end; a preempted sequence's span is dropped; a lone sequence
     runs the span inside its piece."""
-    engine = PagedEngine(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
     image = images_of(model, golden, 1)[0]
     (a, b), = image.spans
     params = SamplingParams(max_tokens=4, temperature=0.0)

@@ -85,18 +85,18 @@ def _prompt(n, seed):
 def server(request):
     from models.gemma3 import load_model
     from serving.config import ServerConfig
-    from serving.engine import ModelEngine
-    from serving.paged_engine import PagedEngine
+    from serving.runner import SlotRunner
+    from serving.paged_runner import PagedRunner
 
     tp, kind = request.param
     model = load_model("random:tiny?max_len=2048", tp=tp, dtype="float32")
     # The engine a server builds in its deterministic chunked mode, not warmed up: only the
     # programs these requests run compile.
     if kind == "paged":
-        engine = PagedEngine(model, max_num_seqs=8, max_seq_len=2048, chunk_size=16,
+        engine = PagedRunner(model, max_num_seqs=8, max_seq_len=2048, chunk_size=16,
                              deterministic=True)
     else:
-        engine = ModelEngine(model, num_slots=8, max_seq_len=2048, chunk_size=16,
+        engine = SlotRunner(model, num_slots=8, max_seq_len=2048, chunk_size=16,
                              deterministic=True, prefix_blocks=64)
     s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", tp=tp, max_batch=8,
                                   max_seq_len=2048, compile_cache_dir="", engine=kind), engine)
@@ -119,10 +119,10 @@ def test_long_prompts_and_concurrent_requests_each_as_alone(server):
     short = [_prompt(8 + 5 * i, 100 + i) for i in range(20)]
     with concurrent.futures.ThreadPoolExecutor(23) as pool:
         together = list(pool.map(lambda p: _complete(url, p, 4), long_prompts + short))
-    window = server.engine.window
+    window = server.runner.window
     assert window.most_unfinished <= window.limit + 3
     # (The paged engine reads back every step that samples, which retires all before it.)
-    assert window.drains > 0 or server.engine.info.paged
+    assert window.drains > 0 or server.runner.info.paged
     # Each alone (long ones first, so the short ones also run on a server that just served them).
     for p, got in zip(long_prompts + short, together):
         assert _complete(url, p, 4) == got

@@ -28,8 +28,8 @@ import pytest
 from serving import distributed as dist
 from serving import wire
 import jax_platform
-from serving.engine import ChunkInputs, DecodeInputs, EngineInfo, PrefillInputs, SlotMove
-from serving.paged_engine import StepInputs, step_inputs
+from serving.runner import ChunkInputs, DecodeInputs, RunnerInfo, PrefillInputs, SlotMove
+from serving.paged_runner import StepInputs, step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, LogitsExtras, SlotSampling
 from serving.scheduler import Sequence
@@ -56,7 +56,7 @@ def _sampling(n: int, rng) -> SlotSampling:
                         rng.random(n, dtype=np.float32), rng.integers(0, 2**32, n, dtype=np.uint32))
 
 
-SLOT_INFO = EngineInfo(model_name="t", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32, 64),
+SLOT_INFO = RunnerInfo(model_name="t", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32, 64),
                        prefill_batch_sizes=(1, 2), vocab_size=1000, eos_ids=(1,),
                        batched_prefill_max_bucket=32, chunk_size=16, chunk_buckets=(16,))
 PAGED_INFO = dataclasses.replace(SLOT_INFO, page_size=4, num_global_pages=65, num_local_pages=40,

@@ -9,9 +9,9 @@ import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
-from serving.engine import ModelEngine
+from serving.runner import SlotRunner
 from serving.engine_core import EngineCore
-from serving.paged_engine import PagedEngine
+from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
 
 _model = []
@@ -88,10 +88,10 @@ def same(a, b, bitwise):
 
 def engine_maker(kind, deterministic):
     if kind == "paged":
-        return lambda: PagedEngine(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
+        return lambda: PagedRunner(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
                                    chunk_size=16, deterministic=deterministic)
     kw = dict(chunk_size=16, deterministic=True) if deterministic else dict(decode_batch_sizes=(1, 2, 4))
-    return lambda: ModelEngine(model(), num_slots=4, max_seq_len=64, **kw)
+    return lambda: SlotRunner(model(), num_slots=4, max_seq_len=64, **kw)
 
 
 @pytest.mark.parametrize("kind,deterministic", [("slots", True), ("slots", False),
@@ -130,9 +130,9 @@ def test_overlapped_loop_gives_the_plain_loops_outputs(kind, deterministic):
 
 def make_small(kind):
     if kind == "paged":
-        return PagedEngine(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
+        return PagedRunner(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
                            deterministic=True)
-    return ModelEngine(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
+    return SlotRunner(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged"])

@@ -4,20 +4,20 @@ import random
 
 import pytest
 
-from serving.engine import EngineInfo
+from serving.runner import RunnerInfo
 from serving.kv_pages import SCRATCH, KVPages, PagePool, block_hashes
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import InvalidParameter, SamplingParams
 from serving.scheduler import Sequence
 
 
-def info(**kw) -> EngineInfo:
+def info(**kw) -> RunnerInfo:
     base = dict(model_name="t", num_slots=4, max_seq_len=256, prefill_buckets=(16,),
                 prefill_batch_sizes=(1,), vocab_size=1000, eos_ids=(1,), chunk_size=16,
                 page_size=8, num_global_pages=65, num_local_pages=33,
                 max_num_batched_tokens=20, sliding_window=12, prefix_blocks=1)
     base.update(kw)
-    return EngineInfo(**base)
+    return RunnerInfo(**base)
 
 
 def seq(i, n, max_tokens=8, base=100):
@@ -228,7 +228,7 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_are_refused_with_images():
 
 
 def test_step_buckets_follow_the_rows_and_pieces():
-    from serving.paged_engine import buckets_for
+    from serving.paged_runner import buckets_for
 
     big = info(num_slots=32, max_num_batched_tokens=256, max_seq_len=2048)
     assert buckets_for(big, 1, 1, 1, 3, True).seqs == 1  # a lone decode: one row

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from serving.engine import EngineInfo, StepOutputs
+from serving.runner import RunnerInfo, StepOutputs
 from serving.engine_core import decode_inputs, prefill_inputs
-from serving.fake_engine import ByteTokenizer
+from serving.fake_runner import ByteTokenizer
 from serving.metrics import Metrics
 from serving.output_processor import OutputProcessor
 from serving.sampling import InvalidParameter, SamplingParams
@@ -17,7 +17,7 @@ TOK = ByteTokenizer()
 
 
 def info(num_slots=4, max_seq_len=64, decode_batch_sizes=(), prefill_batch_sizes=(1, 2, 4)):
-    return EngineInfo(model_name="plain", num_slots=num_slots, max_seq_len=max_seq_len,
+    return RunnerInfo(model_name="plain", num_slots=num_slots, max_seq_len=max_seq_len,
                       prefill_buckets=(8, 16, 32, 64), prefill_batch_sizes=prefill_batch_sizes,
                       vocab_size=TOK.vocab_size, eos_ids=(TOK.eos_id, TOK.end_of_turn_id),
                       batched_prefill_max_bucket=16, decode_batch_sizes=decode_batch_sizes)

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from serving.config import ServerConfig
-from serving.fake_engine import FakeEngine, fake_paged_engine
+from serving.fake_runner import FakeRunner, fake_paged_runner
 from testkit import ServerThread
 
 MAX_SEQ_LEN = 64
@@ -24,9 +24,9 @@ def server(request):
     config = ServerConfig(model="fake", served_model_name="fake", max_batch=2, max_seq_len=MAX_SEQ_LEN,
                           max_waiting=4, compile_cache_dir="", engine=request.param)
     if request.param == "slots":
-        engine = FakeEngine(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003, prefill_batch_sizes=(1, 2))
+        engine = FakeRunner(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003, prefill_batch_sizes=(1, 2))
     else:
-        engine = fake_paged_engine(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003)
+        engine = fake_paged_runner(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003)
     s = ServerThread(config, engine)
     yield s
     s.stop()
@@ -186,7 +186,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 def test_disconnect_while_waiting_non_streaming_frees_the_slot(server):
     _wait_idle(server)
     before = _aborts(server)
-    fake = getattr(server.engine, "model", server.engine)  # the paged engine's fake model
+    fake = getattr(server.runner, "model", server.runner)  # the paged engine's fake model
     fake.step_delay = 0.05  # 60 tokens take 3 seconds: the client leaves long before
     try:
         with pytest.raises(httpx.ReadTimeout):
@@ -301,7 +301,7 @@ def test_models_health_and_metrics(client):
 def test_not_ready_gives_503_then_200_and_api_key():
     config = ServerConfig(model="fake", served_model_name="fake", max_batch=1, max_seq_len=32,
                           api_key="sekret", compile_cache_dir="")  # the default engine: paged
-    s = ServerThread(config, fake_paged_engine(num_slots=1, max_seq_len=32), load=False)
+    s = ServerThread(config, fake_paged_runner(num_slots=1, max_seq_len=32), load=False)
     try:
         assert httpx.get(s.url + "/health").status_code == 503
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sekret"})

@@ -10,7 +10,7 @@ import pytest
 from serving.chat_template import render_chat
 from serving.config import ServerConfig, from_sources
 from serving.detokenize import IncrementalDetokenizer, TextStream
-from serving.fake_engine import ByteTokenizer
+from serving.fake_runner import ByteTokenizer
 from serving.sampling import InvalidParameter, SamplingParams, SlotSampling, sample
 
 

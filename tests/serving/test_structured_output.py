@@ -35,10 +35,10 @@ MODES = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=
 @pytest.fixture(scope="module")
 def server():
     from models.gemma3 import load_model
-    from serving.engine import ModelEngine
+    from serving.runner import SlotRunner
 
     model = load_model("random:tiny", tp=1, dtype="float32", seed=5)
-    engine = ModelEngine(model, num_slots=4, max_seq_len=256, prefill_batch_sizes=(1,))  # compiles on use
+    engine = SlotRunner(model, num_slots=4, max_seq_len=256, prefill_batch_sizes=(1,))  # compiles on use
     config = ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=256,
                           compile_cache_dir="", engine="slots")
     s = ServerThread(config, engine)

@@ -32,12 +32,12 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server():
     from models.gemma3 import load_model
-    from serving.engine import ModelEngine
+    from serving.runner import SlotRunner
 
     # Random weights: under "required" (any number of calls) such a model may go on adding
     # calls until max_tokens; with these weights every draw below ends its calls in time.
     # Not warmed up: only the buckets these prompts use compile, not every one up to 4096.
-    engine = ModelEngine(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=9), num_slots=4, max_seq_len=4096,
+    engine = SlotRunner(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=9), num_slots=4, max_seq_len=4096,
                          prefill_batch_sizes=(1,))
     s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=4096,
                                   compile_cache_dir="", engine="slots"), engine)

@@ -23,7 +23,7 @@ import pytest
 import jax_platform
 from serving.config import from_sources
 from serving.engine_core import EngineCore, EngineStuck
-from serving.fake_engine import FakeEngine
+from serving.fake_runner import FakeRunner
 from serving.sampling import SamplingParams
 from serving.watchdog import EXIT_STUCK, StepLimits, Watchdog, describe, step_key
 from testkit import free_port
@@ -261,7 +261,7 @@ def test_step_timeout_settings():
     assert (g.step_timeout_s, g.compile_timeout_s, g.heartbeat_s) == (4.0, 90.0, 1.0)
 
 
-class _Slow(FakeEngine):
+class _Slow(FakeRunner):
     """A fake engine whose decode calls number `slow` (1-based) take `seconds`."""
 
     def __init__(self, slow: set[int], seconds: float, **kw):
@@ -291,7 +291,7 @@ def _wait(cond, timeout=5.0):
 
 def test_engine_core_fails_running_and_waiting_sequences_on_a_stuck_step():
     events, told = [], []
-    core = EngineCore(FakeEngine(num_slots=1, max_seq_len=64), step_timeout=0.3, compile_timeout=0.3,
+    core = EngineCore(FakeRunner(num_slots=1, max_seq_len=64), step_timeout=0.3, compile_timeout=0.3,
                       stall_step=4, on_stuck=lambda m: told.append((m, len(events)))).start()
     t0 = time.monotonic()
     _submit(core, 2, events)  # one slot: one runs, one waits

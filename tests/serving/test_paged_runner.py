@@ -1,5 +1,5 @@
 """The paged engine end to end on tiny random models (window 8, so prompts overflow the
-sliding window): the engine core drives `PagedEngine` through `PagedScheduler`, and every answer
+sliding window): the engine core drives `PagedRunner` through `PagedScheduler`, and every answer
 is checked against the slot engine's (an independent path: separate prefill, chunk and decode
 programs over a slot cache) and against itself alone.
 """
@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from serving.engine import ModelEngine
+from serving.runner import SlotRunner
 from serving.engine_core import EngineCore
 from serving.metrics import Metrics
-from serving.paged_engine import PagedEngine
+from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
 from tests.serving.test_batch_invariance import generate, model, prompt
 
@@ -21,7 +21,7 @@ PROMPTS = [prompt(n, seed) for seed, n in enumerate((1, 7, 23, 45, 9, 30))]
 def paged(m, **kw):
     args = dict(max_num_seqs=4, max_seq_len=96, page_size=4, chunk_size=8)
     args.update(kw)
-    return PagedEngine(m, **args)
+    return PagedRunner(m, **args)
 
 
 def tokens_of(results):
@@ -37,7 +37,7 @@ def close(a, b, tol):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_paged_engine_gives_the_slot_engines_tokens(tp):
     m = model(tp)
-    slots = ModelEngine(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
+    slots = SlotRunner(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
     want = generate(slots, PROMPTS, max_tokens=6)
     got = generate(paged(m), PROMPTS, max_tokens=6)
     close(got, want, 1e-4)
@@ -129,7 +129,7 @@ def test_prompt_logprobs_match_the_slot_engines_alone_and_among_others():
     """Echo with logprobs: computed piece by piece (prompts longer than a chunk and the
     window), and never from prefix-cache pages."""
     m = model(1)
-    slots = ModelEngine(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
+    slots = SlotRunner(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
     asked = [PROMPTS[3], PROMPTS[5]]
     want = prompt_logprobs(slots, asked)
     engine = paged(m)

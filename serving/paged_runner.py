@@ -8,7 +8,7 @@ small program (docs/engine.md, "The paged engine").
 
 The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions); `step_inputs`
 turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays padded to buckets
-(`Buckets`), which bound the number of compiled programs; `PagedEngine.run_step` runs them and
+(`Buckets`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
 returns the sampled tokens of the rows that sample. It knows nothing about requests or HTTP.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from serving import dispatch_window, wire
-from serving.engine import EngineInfo, PendingStep, StepOutputs, feed_tokens
+from serving.runner import RunnerInfo, PendingStep, StepOutputs, feed_tokens
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
 from serving.sampling import IDLE, SlotSampling
@@ -92,7 +92,7 @@ STEP_BUDGET = 256
 MIN_TOKENS = 8
 
 
-def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
+def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
                 logits: bool) -> Buckets:
     max_pages = _pow2(-(-info.max_seq_len // info.page_size))
     if info.deterministic:
@@ -112,7 +112,7 @@ def buckets_for(info: EngineInfo, tokens: int, seqs: int, longest_piece: int, pa
                    logits=logits)
 
 
-def largest_buckets(info: EngineInfo) -> tuple[Buckets, Buckets]:
+def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
     """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
     sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
     (one piece of the whole budget). A piece of image tokens may run past them."""
@@ -166,7 +166,7 @@ class StepInputs(NamedTuple):
                 feed=wire.Optional(wire.Array(np.int32)))
 
     @staticmethod
-    def wire_examples(info: EngineInfo) -> list["StepInputs"]:
+    def wire_examples(info: RunnerInfo) -> list["StepInputs"]:
         """The largest steps of text an engine with `info` runs (sizing the group's
         broadcast), every optional array present."""
         return [StepInputs(_empty_batch(b, info.page_size), SlotSampling.greedy(b.seqs),
@@ -175,7 +175,7 @@ class StepInputs(NamedTuple):
                 for b in largest_buckets(info)]
 
 
-def step_inputs(plan: StepPlan, kv: KVPages, info: EngineInfo, extras=None,
+def step_inputs(plan: StepPlan, kv: KVPages, info: RunnerInfo, extras=None,
                 prev_rows: dict[int, int] | None = None) -> StepInputs:
     """The arrays of a planned step: the pieces' tokens laid out one after another, each with
     its sequence row, position and the slots its keys/values go to; every row's block tables.
@@ -283,7 +283,7 @@ def _image_rows(pieces, visible: np.ndarray, t: int):
     return tuple(images), (index if images else None)
 
 
-class PagedEngine:
+class PagedRunner:
     """Engine over a `models.gemma3` model with a paged KV cache (see the module docstring).
 
     max_num_seqs: sequences running at once; kv_cache_tokens: the global layers' pool in tokens
@@ -305,7 +305,7 @@ class PagedEngine:
 
         self.model = model
         self.tokenizer = model.tokenizer
-        self.info = paged_engine_info(model, max_num_seqs, max_seq_len, page_size, kv_cache_tokens,
+        self.info = paged_runner_info(model, max_num_seqs, max_seq_len, page_size, kv_cache_tokens,
                                       chunk_size, max_num_batched_tokens, prefix_caching,
                                       deterministic, model_name)
         self._jax = jax
@@ -497,11 +497,11 @@ class PagedEngine:
                     break
 
 
-def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int,
+def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int,
                       kv_cache_tokens: int | None, chunk_size: int,
                       max_num_batched_tokens: int | None, prefix_caching: bool,
-                      deterministic: bool, model_name: str) -> EngineInfo:
-    """The facts a PagedEngine over `model` serves with (no device work)."""
+                      deterministic: bool, model_name: str) -> RunnerInfo:
+    """The facts a PagedRunner over `model` serves with (no device work)."""
     c = model.config
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -527,7 +527,7 @@ def paged_engine_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     local_pages = max(max_num_seqs * per_seq_local * 5 // 4,
                       local_pages_for(_pow2(budget), window, page_size))
     tokenizer = model.tokenizer
-    return EngineInfo(
+    return RunnerInfo(
         model_name=model_name,
         num_slots=max_num_seqs,
         max_seq_len=max_seq_len,

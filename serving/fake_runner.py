@@ -8,7 +8,7 @@ token (temperature > 0) is a letter drawn from (seed, position). The engine chec
 step continues exactly the sequence it holds in that slot, so a scheduler bug that mixes slots or
 positions raises instead of passing silently.
 
-`fake_paged_engine` is the paged path's fake: the real `PagedEngine` (scheduler, pages, step
+`fake_paged_runner` is the paged path's fake: the real `PagedRunner` (scheduler, pages, step
 arrays, sampler) over `FakePagedModel`, a model of the same rule whose pages hold token ids.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from serving.engine import DecodeInputs, EngineInfo, PrefillInputs, StepOutputs, decode_batch_sizes_for
+from serving.runner import DecodeInputs, RunnerInfo, PrefillInputs, StepOutputs, decode_batch_sizes_for
 
 _BYTE0 = 300  # token id of byte 0
 _LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
@@ -45,7 +45,7 @@ class ByteTokenizer:
                 106: "<end_of_turn>"}.get(i, f"<unused{i}>")
 
 
-class FakeEngine:
+class FakeRunner:
     def __init__(self, num_slots: int = 4, max_seq_len: int = 64, step_delay: float = 0.0,
                  prefill_buckets: tuple[int, ...] = (8, 16, 32, 64), prefill_batch_sizes=(1, 4),
                  batched_prefill_max_bucket: int = 32, decode_batch_sizes: tuple[int, ...] = ()):
@@ -53,7 +53,7 @@ class FakeEngine:
         buckets = tuple(b for b in prefill_buckets if b < max_seq_len)
         if not buckets or buckets[-1] < max_seq_len - 1:
             buckets += (max_seq_len,)
-        self.info = EngineInfo(
+        self.info = RunnerInfo(
             model_name="fake", num_slots=num_slots, max_seq_len=max_seq_len, prefill_buckets=buckets,
             prefill_batch_sizes=tuple(prefill_batch_sizes), vocab_size=self.tokenizer.vocab_size,
             eos_ids=(1, 106), tp=1, dtype="float32", allreduce={"method": "bf16"}, allreduce_label="bf16",
@@ -128,7 +128,7 @@ class FakeEngine:
         return StepOutputs(toks, np.full(n, -0.25, np.float32), top_ids, top_lps)
 
 
-# ---- the paged path: a fake model under the real PagedEngine ----
+# ---- the paged path: a fake model under the real PagedRunner ----
 
 _NEG = -30.0  # a token the fake model never proposes (finite: penalties and biases add to it)
 
@@ -169,7 +169,7 @@ class _Pool:
 
 
 class FakePagedModel:
-    """The fake engine's model for the real paged engine (`fake_paged_engine`): the real
+    """The fake engine's model for the real paged engine (`fake_paged_runner`): the real
     PagedScheduler, page allocator, step arrays and sampler run over it, so the HTTP tests meet
     chunks, pages, prefix-cache hits and preemption as the real model's server does.
 
@@ -178,7 +178,7 @@ class FakePagedModel:
     positions through its local table, raising when a position is missing, misplaced or the two
     pools disagree: an allocator or scheduler bug raises instead of passing. The greedy next
     token continues the context's shortest period; for a prompt whose tokens after BOS have no
-    border (a prefix that is also a suffix: most text) that is `FakeEngine`'s rule, so both fakes
+    border (a prefix that is also a suffix: most text) that is `FakeRunner`'s rule, so both fakes
     answer such prompts alike. Sampled tokens are drawn by the real sampler among the letters
     (logit -1) and the greedy token (logit 0)."""
 
@@ -254,12 +254,12 @@ def _continue_period(context: list[int]) -> int:
     return s[border[-1]]  # the period is len(s) - border[-1]: s[len(s) - period]
 
 
-def fake_paged_engine(num_slots: int = 4, max_seq_len: int = 64, step_delay: float = 0.0,
+def fake_paged_runner(num_slots: int = 4, max_seq_len: int = 64, step_delay: float = 0.0,
                       chunk_size: int = 8, page_size: int = 4, **kw):
-    """The real PagedEngine over `FakePagedModel` (window 8: prompts outgrow it; pages of 4 and
+    """The real PagedRunner over `FakePagedModel` (window 8: prompts outgrow it; pages of 4 and
     chunks of 8: a short prompt already spans pages and pieces)."""
-    from serving.paged_engine import PagedEngine
+    from serving.paged_runner import PagedRunner
 
-    return PagedEngine(FakePagedModel(max_seq_len, step_delay=step_delay), max_num_seqs=num_slots,
+    return PagedRunner(FakePagedModel(max_seq_len, step_delay=step_delay), max_num_seqs=num_slots,
                        max_seq_len=max_seq_len, page_size=page_size, chunk_size=chunk_size,
                        model_name="fake", **kw)

@@ -1,4 +1,4 @@
-"""Images through the paged engine end to end (engine core, PagedScheduler, PagedEngine) on the
+"""Images through the paged engine end to end (engine core, PagedScheduler, PagedRunner) on the
 tiny multimodal golden (transformers' Gemma3ForConditionalGeneration on random weights, loaded
 from its Hugging Face files): pieces never end inside an image, the encoder runs once per
 distinct image, and the prefix cache never lends pages across different images."""
@@ -9,7 +9,7 @@ import pytest
 
 from serving.engine_core import EngineCore
 from serving.kv_pages import block_hashes
-from serving.paged_engine import PagedEngine
+from serving.paged_runner import PagedRunner
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
@@ -62,7 +62,7 @@ def generate(core, requests, max_tokens=32, logprobs=False):
 
 def engine_of(m, **kw):
     args = dict(max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
-    return PagedEngine(m, **{**args, **kw})
+    return PagedRunner(m, **{**args, **kw})
 
 
 def test_pieces_run_past_the_chunk_to_an_images_end(model, golden):

@@ -2,7 +2,7 @@
 ahead-of-time half (`lower_*`, `compile_*`, `warm_up`) that needs no weights. The paged engine
 drives `init_pages` and `ragged_step` (one program a step over a paged cache) instead.
 
-`Gemma3Engine` is a model's programs (`ModelPrograms`) with its weights and tokenizer. Every call
+`Gemma3StepAPI` is a model's programs (`ModelPrograms`) with its weights and tokenizer. Every call
 has static shapes: a new prompt length only picks a bucket, and a call whose shapes were
 compiled ahead of time runs the kept executable. Both `prefill` and `decode_step` donate the
 cache: never reuse a cache object after passing it in.
@@ -24,7 +24,7 @@ from models.gemma3.ragged import ImageRows, RaggedBatch
 from models.gemma3.weights import Weights
 
 
-class Gemma3Engine:
+class Gemma3StepAPI:
     """A model's programs, weights and tokenizer behind the engine API (module docstring).
 
     The weights may be the programs' `abstract_weights` (ShapeDtypeStructs): such an engine
@@ -209,7 +209,7 @@ class Gemma3Engine:
         """Compile (without running) and keep the ragged steps of `keys` (`ragged_key`s).
 
         Every (T, S, Q, Pg, Pl) is its own program, so the caller pads each to a few values
-        (the paged engine's choice: `serving.paged_engine.Buckets`, which also says how many
+        (the paged engine's choice: `serving.paged_runner.Buckets`, which also says how many
         programs that gives). Compile the ones every server meets first here; the others
         compile on first use.
         """

@@ -45,7 +45,7 @@ class PrefillInputs(NamedTuple):
                 prompt_logprobs=wire.Bool())
 
     @staticmethod
-    def wire_examples(info: "EngineInfo") -> list["PrefillInputs"]:
+    def wire_examples(info: "RunnerInfo") -> list["PrefillInputs"]:
         """The largest prefills an engine with `info` runs (sizing the group's broadcast)."""
         batch = lambda b, t: PrefillInputs(np.zeros((b, t), np.int32), np.zeros(b, np.int32),  # noqa: E731
                                            np.zeros(b, np.int32), SlotSampling.greedy(b), True)
@@ -72,7 +72,7 @@ class ChunkInputs(NamedTuple):
                 save_block=wire.Int())
 
     @staticmethod
-    def wire_examples(info: "EngineInfo") -> list["ChunkInputs"]:
+    def wire_examples(info: "RunnerInfo") -> list["ChunkInputs"]:
         """A full chunk restoring every block a prompt can have (none without chunks)."""
         if not info.chunk_size:
             return []
@@ -93,7 +93,7 @@ class DecodeInputs(NamedTuple):
                 sampling=wire.Record(SlotSampling))
 
     @staticmethod
-    def wire_examples(info: "EngineInfo") -> list["DecodeInputs"]:
+    def wire_examples(info: "RunnerInfo") -> list["DecodeInputs"]:
         n = info.num_slots
         return [DecodeInputs(np.zeros(n, np.int32), np.zeros(n, np.int32), SlotSampling.greedy(n))]
 
@@ -107,7 +107,7 @@ class SlotMove(NamedTuple):
     WIRE = dict(src=wire.Int(), dst=wire.Int())
 
     @staticmethod
-    def wire_examples(info: "EngineInfo") -> list["SlotMove"]:
+    def wire_examples(info: "RunnerInfo") -> list["SlotMove"]:
         return [SlotMove(0, 0)]
 
 
@@ -124,7 +124,7 @@ class StepOutputs(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineInfo:
+class RunnerInfo:
     """What the scheduler and the HTTP layer need to know about an engine."""
 
     model_name: str
@@ -150,7 +150,7 @@ class EngineInfo:
     chunk_buckets: tuple[int, ...] = ()
     deterministic: bool = False
     prefix_blocks: int = 0  # prefix-cache blocks (of chunk_size tokens) kept; 0: no prefix cache
-    # The paged engine (serving/paged_engine.py; page_size 0: the slot engine above). num_slots
+    # The paged engine (serving/paged_runner.py; page_size 0: the slot engine above). num_slots
     # is then its --max-num-seqs, prefix_blocks > 0 turns prefix caching on, chunk_size is the
     # most prompt tokens a sequence computes in one step.
     page_size: int = 0
@@ -203,10 +203,10 @@ class EngineInfo:
         return self.decode_batch_sizes or (self.num_slots,)
 
 
-class Engine(Protocol):
+class Runner(Protocol):
     """What the engine core drives (JetStream's split: a fake engine implements this in tests)."""
 
-    info: EngineInfo
+    info: RunnerInfo
     tokenizer: object
 
     def bucket_for(self, length: int) -> int: ...
@@ -240,7 +240,7 @@ def pad_prefill_batch(rows: list[tuple[list[int], int, SlotSampling]], bucket: i
                          sampling=sampling)
 
 
-class ModelEngine:
+class SlotRunner:
     """Engine over a `models.gemma3` model: a KV cache of `num_slots` rows, the model's jitted
     prefill/decode programs, and the jitted sampler applied to their logits on device."""
 
@@ -254,7 +254,7 @@ class ModelEngine:
 
         self.model = model
         self.tokenizer = model.tokenizer
-        self.info = engine_info(model, num_slots, max_seq_len, prefill_batch_sizes, model_name,
+        self.info = runner_info(model, num_slots, max_seq_len, prefill_batch_sizes, model_name,
                                 decode_batch_sizes, chunk_size, deterministic, prefix_blocks)
         # Prefix-cache blocks: id -> one full chunk's keys/values (device arrays, every layer),
         # at most info.prefix_blocks of them (the scheduler picks the ids and evicts).
@@ -406,11 +406,11 @@ class ModelEngine:
         return time.perf_counter() - t0
 
 
-def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tuple[int, ...] = (1,),
+def runner_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tuple[int, ...] = (1,),
                 model_name: str = "gemma3-270m",
                 decode_batch_sizes: tuple[int, ...] | None = None, chunk_size: int = 0,
-                deterministic: bool = False, prefix_blocks: int = 0) -> EngineInfo:
-    """The shapes and facts a ModelEngine over `model` serves with (no device work: it can be
+                deterministic: bool = False, prefix_blocks: int = 0) -> RunnerInfo:
+    """The shapes and facts a SlotRunner over `model` serves with (no device work: it can be
     computed, and its programs compiled, before the weights are loaded).
 
     chunk_size: prefill chunk length C (0: no chunked prefill), at most max_seq_len; the last
@@ -438,7 +438,7 @@ def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tu
         # One program per step kind whatever the batch: prompts one at a time, all slots decode.
         prefill_batch_sizes, decode_batch_sizes = (1,), (num_slots,)
     tokenizer = model.tokenizer
-    return EngineInfo(
+    return RunnerInfo(
         model_name=model_name,
         num_slots=num_slots,
         max_seq_len=max_seq_len,
@@ -458,7 +458,7 @@ def engine_info(model, num_slots: int, max_seq_len: int, prefill_batch_sizes: tu
     )
 
 
-def compile_programs(model, info: EngineInfo, progress: Callable[[str], None] = log.info) -> None:
+def compile_programs(model, info: RunnerInfo, progress: Callable[[str], None] = log.info) -> None:
     """Compile, and keep in the model, every program an engine with `info` runs: prefill at
     every (batch, bucket) it uses and the decode step at every row count. Needs only the
     model's shapes, so it may run while the weights load."""
