@@ -8,9 +8,15 @@ image holds up a running stream, and the time to first token of an image request
             whole   an image prompt, the encoder run whole inside one step (as before the
                     staged encoder: the scheduler is told every image is ready),
             staged  an image prompt, the encoder run in bounded stages between steps
-                    (serving/image_encoder.py, the default).
+                    (serving/image_encoder.py), the image's soft tokens then computed in
+                    one step (as before serving/image_spans.py),
+            spans   the same, the soft tokens written a layer at a time between steps
+                    (serving/image_spans.py; the default).
   ttft    a lone one-image request (a new image: the encoder runs), then the same request
           again (features and prefix pages cached): both times to first token and their ratio.
+  encoder (--encoder N) images/s of the one-shot encoder (`image_features`, tower and
+          projector), N images one at a time, with the tower on one device of the mesh (the
+          served placement) and replicated on every device (as before).
 
     python -m eval.bench_images --model "random:tiny?vision=tiny"
     python -m eval.bench_images --model "random:4b?layers=4&vocab=4096&vision=so400m" --tp 2
@@ -73,6 +79,9 @@ def stall(core, model, args, kind: str, seed: int) -> dict:
     ids, images = image_request(model, text, seed)
     if kind == "text":
         ids, images = prompt_ids(model, len(ids), seed + 1), ()
+    elif args.features_cached:  # the encoder's share left out: only the soft tokens' steps
+        import jax
+        jax.block_until_ready(core.runner.image_features(images[0]))  # (dispatch is async)
     stream = Stream()
     engine = core.runner
     encoded = []  # images encoded so far, at each of the stream's tokens (the engine thread's view)
@@ -109,12 +118,67 @@ def stall(core, model, args, kind: str, seed: int) -> dict:
     compiled = np.array([any(a < c <= b for c in COMPILES) for a, b in zip(ends - gaps, ends)],
                         bool)
     encoding = gaps[(enc[1:] == enc[0]) & ~compiled] if len(enc) > 1 else gaps
+    # ... and the gaps after them: the image's soft tokens (one step, or the span's stages).
+    after = gaps[(enc[1:] > enc[0]) & ~compiled] if len(enc) > 1 else gaps[:0]
     n_compiled = int(compiled.sum())
     gaps = gaps[~compiled]
     return {"max_itl_s": float(gaps.max()),
             "max_itl_while_encoding_s": float(encoding.max()) if len(encoding) else None,
+            "max_itl_after_features_s": float(after.max()) if len(after) else None,
             "median_itl_before_s": float(np.median(before)), "gaps_with_a_compile": n_compiled,
             "other_ttft_s": float(first - t0), "stream_tokens_meanwhile": int(len(gaps))}
+
+
+def stalls(core, model, args) -> dict:
+    """Every kind's stall runs, the kinds in turn (a load that drifts meets them alike), the
+    first round only compiling."""
+    engine = core.runner
+    kinds = [k for k in args.kinds.split(",") if k]
+    runs: dict[str, list] = {k: [] for k in kinds}
+    seed = 100
+    for r in range(args.repeats + 1):
+        for kind in kinds:
+            core.scheduler.image_ready = (lambda key: True) if kind == "whole" else engine.image_ready
+            core.scheduler.stage_spans = kind == "spans"
+            seed += 10
+            out = stall(core, model, args, kind, seed)
+            if r:
+                runs[kind].append(out)
+    for kind, done in runs.items():
+        worst = max(x["max_itl_s"] for x in done)
+        enc = max(x["max_itl_while_encoding_s"] or 0 for x in done)
+        after = max(x["max_itl_after_features_s"] or 0 for x in done)
+        skipped = sum(x["gaps_with_a_compile"] for x in done)
+        print(f"  {kind:6s}: max ITL {worst * 1000:8.1f} ms, while encoding {enc * 1000:8.1f} "
+              f"ms, after {after * 1000:8.1f} ms ({skipped} gap(s) with a compile left out; "
+              f"median before {done[-1]['median_itl_before_s'] * 1000:.1f} ms), other TTFT "
+              f"{done[-1]['other_ttft_s']:.2f} s", file=sys.stderr)
+    return runs
+
+
+def encoder_rates(model, n: int) -> dict:
+    """Images/s of `model.image_features` with the tower on one device and replicated (n
+    images after a compiling call); the served placement is restored."""
+    import jax
+
+    host = model._host_vision()
+    size = model.vision.config.image_size
+    pixels = np.random.default_rng(0).uniform(-1, 1, (1, size, size, 3)).astype(np.float32)
+    out = {}
+    try:
+        for name, replicated in (("one_device", False), ("replicated", True)):
+            model.attach_vision(host, replicated=replicated)
+            jax.block_until_ready(model.image_features(pixels))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                jax.block_until_ready(model.image_features(pixels))
+            best = time.perf_counter() - t0
+            out[name] = {"images_per_s": n / best, "s_per_image": best / n}
+            print(f"  encoder, tower {name:10s}: {n / best:.4f} images/s ({best / n:.2f} s an "
+                  f"image)", file=sys.stderr)
+    finally:
+        model.attach_vision(host)
+    return out
 
 
 def prompt_ids(model, n: int, seed: int) -> list[int]:
@@ -140,8 +204,15 @@ def main(argv=None) -> dict:
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--stream-tokens", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--kinds", default="text,whole,staged", help="'' to measure only the TTFT")
+    p.add_argument("--kinds", default="text,whole,staged,spans",
+                   help="'' to measure only the TTFT")
     p.add_argument("--ttft", type=int, default=1, help="0: skip the TTFT measurement")
+    p.add_argument("--features-cached", action="store_true",
+                   help="encode each image before its request (not timed), so that the stall "
+                        "is the soft tokens' alone; the kinds then run in turn, --repeats times")
+    p.add_argument("--encoder", type=int, default=0,
+                   help="N > 0: also time N images through the one-shot encoder, on one "
+                        "device and replicated")
     p.add_argument("--out")
     args = p.parse_args(argv)
     jax_platform.request_cpu_devices(args.tp)
@@ -162,22 +233,11 @@ def main(argv=None) -> dict:
                "encoder_budget_flops": engine.encoder.budget_flops,
                "encoder_stages": len(engine.encoder.stages), "stall": {}}
     try:
-        seed = 100
-        for kind in [k for k in args.kinds.split(",") if k]:
-            core.scheduler.image_ready = (lambda key: True) if kind == "whole" else engine.image_ready
-            runs = []
-            for r in range(args.repeats + 1):  # the first run compiles
-                seed += 10
-                runs.append(stall(core, model, args, kind, seed))
-            results["stall"][kind] = runs[1:]
-            worst = max(x["max_itl_s"] for x in runs[1:])
-            enc = max(x["max_itl_while_encoding_s"] or 0 for x in runs[1:])
-            skipped = sum(x["gaps_with_a_compile"] for x in runs[1:])
-            print(f"  {kind:6s}: max ITL {worst * 1000:8.1f} ms, while encoding {enc * 1000:8.1f} "
-                  f"ms ({skipped} gap(s) with a compile left out; median before "
-                  f"{runs[-1]['median_itl_before_s'] * 1000:.1f} ms), other TTFT "
-                  f"{runs[-1]['other_ttft_s']:.2f} s", file=sys.stderr)
+        if args.encoder:
+            results["encoder"] = encoder_rates(model, args.encoder)
+        results["stall"] = stalls(core, model, args)
         core.scheduler.image_ready = engine.image_ready
+        core.scheduler.stage_spans = True
         if args.ttft:
             ttft(core, model, 1)  # compiles the lone request's programs
         results["ttft"] = [ttft(core, model, 2 + r) for r in range(args.repeats if args.ttft else 0)]

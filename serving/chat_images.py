@@ -8,6 +8,13 @@ the newlines merging with the neighbouring text as the reference processor's tex
 does). The image is marked in the message text by a sentinel unique to the request, so that
 text a user types (even "<start_of_image>") never becomes an image: only the sentinel is
 replaced, at the id level, by the model's own image token ids.
+
+Pan-and-scan (off by default, as in the reference processor) is asked for as vLLM users ask
+for it: `mm_processor_kwargs` with `do_pan_and_scan` (and transformers' `pan_and_scan_*`
+settings), server-wide (`--mm-processor-kwargs '{"do_pan_and_scan": true}'`, vLLM's flag) or
+per request (the `mm_processor_kwargs` field of vLLM's chat request, over the server's). An
+image with crops is laid out as the reference processor writes it: "Here is the original
+image", the image, "and here are some crops to help you see better", the crops (`with_crops`).
 """
 from __future__ import annotations
 
@@ -24,6 +31,61 @@ FETCH_SECONDS = 10.0
 
 class ImageRequestError(ValueError):
     """A request whose images this server cannot take (a 400 with this message)."""
+
+
+# The processor settings a request or the server may give, as transformers'
+# Gemma3ImageProcessor names them, and media.PanAndScan's field each sets.
+PROCESSOR_KWARGS = {"pan_and_scan_min_crop_size": "min_crop_size",
+                    "pan_and_scan_max_num_crops": "max_num_crops",
+                    "pan_and_scan_min_ratio_to_activate": "min_ratio_to_activate"}
+
+
+def pan_and_scan(*kwargs: dict | None) -> media.PanAndScan | None:
+    """The pan-and-scan settings of mm_processor_kwargs dicts (later ones win: the server's,
+    then the request's), or None when `do_pan_and_scan` ends up off. Raises
+    ImageRequestError naming an unknown or ill-typed key."""
+    merged: dict = {}
+    for kw in kwargs:
+        if kw is None:
+            continue
+        if not isinstance(kw, dict):
+            raise ImageRequestError("mm_processor_kwargs must be an object")
+        merged.update(kw)
+    unknown = sorted(set(merged) - set(PROCESSOR_KWARGS) - {"do_pan_and_scan"})
+    if unknown:
+        raise ImageRequestError(f"mm_processor_kwargs: unknown key(s) {', '.join(unknown)}; this "
+                                f"server reads do_pan_and_scan and {', '.join(PROCESSOR_KWARGS)}")
+    on = merged.get("do_pan_and_scan", False)
+    if not isinstance(on, bool):
+        raise ImageRequestError("mm_processor_kwargs.do_pan_and_scan must be true or false")
+    settings = {}
+    for key, field in PROCESSOR_KWARGS.items():
+        if key in merged:
+            v = merged[key]
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                  and (field == "min_ratio_to_activate" or float(v).is_integer()))
+            if not ok:
+                raise ImageRequestError(f"mm_processor_kwargs.{key} must be a positive "
+                                        f"{'number' if field == 'min_ratio_to_activate' else 'integer'}")
+            settings[field] = v if field == "min_ratio_to_activate" else int(v)
+    return media.PanAndScan(**settings) if on else None
+
+
+def with_crops(turns: list[tuple[str, str]], sentinel: str, crops: list[int]):
+    """The turns with the i-th image (`sentinel`) that has crops[i] > 0 pan-and-scan crops
+    written as the reference processor writes it: the original, then its crops, each one image
+    (`multimodal.expand_image_placeholders`' text, with the sentinel for each image)."""
+    from models.gemma3.multimodal import PAN_AND_SCAN_MIDDLE, PAN_AND_SCAN_PREFIX
+
+    it = iter(crops)
+    out = []
+    for role, text in turns:
+        first, *rests = text.split(sentinel)
+        for rest, k in zip(rests, it):  # (rests first: zip then takes no count past them)
+            first += (PAN_AND_SCAN_PREFIX + sentinel + PAN_AND_SCAN_MIDDLE
+                      + " ".join([sentinel] * k) if k else sentinel) + rest
+        out.append((role, first))
+    return out
 
 
 def image_parts(messages) -> list[dict]:
@@ -82,9 +144,10 @@ def _fetch(url: str, domains: frozenset[str], max_bytes: int) -> bytes:
     return data
 
 
-def prepare(parts: list[dict], image_size: int, domains: frozenset[str]) -> list[media.PreparedImage]:
-    """Decode and preprocess every image part (blocking: run it on a thread). Raises MediaError
-    subclasses, each message naming the part."""
+def prepare(parts: list[dict], image_size: int, domains: frozenset[str],
+            crops: media.PanAndScan | None = None) -> list[media.PreparedImage]:
+    """Decode and preprocess every image part (blocking: run it on a thread), with pan-and-scan
+    crops when `crops` is given. Raises MediaError subclasses, each message naming the part."""
     out = []
     for i, part in enumerate(parts):
         try:
@@ -92,9 +155,10 @@ def prepare(parts: list[dict], image_size: int, domains: frozenset[str]) -> list
             url = ref.get("url") if isinstance(ref, dict) else ref
             if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
                 out.append(media.prepare_image(_fetch(url, domains, media.MAX_BYTES),
-                                               size=image_size))
+                                               size=image_size, pan_and_scan=crops))
             else:
-                out.append(media.image_from_content_part(part, size=image_size))
+                out.append(media.image_from_content_part(part, size=image_size,
+                                                         pan_and_scan=crops))
         except media.MediaError as e:
             raise type(e)(f"image {i + 1}: {e}") from None
     return out

@@ -132,6 +132,11 @@ class ServerConfig:
                                         "server fetches (size and time limited, no redirects); "
                                         "empty (the default): remote image URLs get 400, only "
                                         "inline data: URLs are read", metavar="HOSTS")
+    mm_processor_kwargs: str = _field("", "image processor settings as JSON, as vLLM's flag: "
+                                      "'{\"do_pan_and_scan\": true}' turns pan-and-scan crops "
+                                      "on (off by default, as in the reference processor); a "
+                                      "request's own mm_processor_kwargs override these",
+                                      metavar="JSON")
     api_key: str | None = _field(None, "require 'Authorization: Bearer <key>' on /v1 and /generate")
     compile_cache_dir: str | None = _field(None,
                                            "JAX persistent compilation cache, with the traced programs "
@@ -178,6 +183,7 @@ class ServerConfig:
                              "--no-prefix-caching")
         if self.limit_mm_per_prompt < 0:
             raise ValueError(f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}")
+        self._check_processor_kwargs()
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not 0 <= self.admission_wait_ms <= 1000:
@@ -199,6 +205,22 @@ class ServerConfig:
             parse_tp_mesh(self.tp_mesh, self.tp)
         if self.compile_cache_dir is None:  # resolved per config, never at import
             object.__setattr__(self, "compile_cache_dir", default_compilation_cache_dir())
+
+    def _check_processor_kwargs(self) -> None:
+        try:
+            kwargs = self.processor_kwargs
+        except json.JSONDecodeError as e:
+            raise ValueError(f"mm_processor_kwargs must be a JSON object: {e}") from None
+        from serving.chat_images import ImageRequestError, pan_and_scan
+        try:
+            pan_and_scan(kwargs)
+        except ImageRequestError as e:
+            raise ValueError(str(e)) from None
+
+    @property
+    def processor_kwargs(self) -> dict | None:
+        """--mm-processor-kwargs parsed (None when unset)."""
+        return json.loads(self.mm_processor_kwargs) if self.mm_processor_kwargs.strip() else None
 
     @property
     def media_domains(self) -> frozenset[str]:

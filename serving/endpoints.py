@@ -356,15 +356,19 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
         try:
             chat_images.check_allowed(runtime.runner, len(parts), runtime.config.limit_mm_per_prompt)
             vision = chat_images.vision_of(runtime.runner)
+            crops = chat_images.pan_and_scan(runtime.config.processor_kwargs,
+                                             req.mm_processor_kwargs)
             # Decoding and resizing take milliseconds to seconds: not on the event loop.
             prepared = await asyncio.to_thread(chat_images.prepare, parts, vision.config.image_size,
-                                               runtime.config.media_domains)
+                                               runtime.config.media_domains, crops)
         except (chat_images.ImageRequestError, media.MediaError) as e:
             raise ApiError(400, str(e), param="messages") from None
         tok = chat_images.ImageTokenizer(tok, vision.tokens.start, vision.tokens.end,
                                          vision.tokens.soft, vision.config.tokens_per_image)
         sentinel = tok.sentinel
     turns = _chat_turns(req.messages, sentinel)
+    if any(p.crops for p in prepared):
+        turns = chat_images.with_crops(turns, sentinel, [p.crops for p in prepared])
     if mode != "none":  # the tools are described first, as a system message
         turns.insert(0, ("system", tool_calls.preamble(tools)))
     try:
@@ -374,11 +378,13 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     images = ()
     if prepared:
         spans = chat_images.soft_spans(prompt, tok.soft)
-        if len(spans) != len(prepared):
+        frames = [1 + p.crops for p in prepared]  # an image's spans: the original, its crops
+        if len(spans) != sum(frames):
             raise ApiError(400, f"the chat template kept {len(spans)} of the request's "
-                           f"{len(prepared)} images", param="messages")
-        images = tuple(SeqImage(spans=(span,), pixels=p.pixels, key=p.content_hash)
-                       for span, p in zip(spans, prepared))
+                           f"{sum(frames)} images and crops", param="messages")
+        at = [sum(frames[:i]) for i in range(len(frames))]
+        images = tuple(SeqImage(spans=tuple(spans[a:a + n]), pixels=p.pixels, key=p.content_hash)
+                       for a, n, p in zip(at, frames, prepared))
     spec = _request_grammar_spec(req)
     if mode not in ("none", "auto"):
         if spec is not None:

@@ -87,6 +87,11 @@ class EngineCore:
             # Pieces wait for their images' features, which the engine encodes a bounded
             # piece per step (serving/image_encoder.py) instead of whole inside one step.
             self.scheduler.image_ready = runner.image_ready
+            # ... and an image's soft tokens are written a layer at a time between steps
+            # while other sequences run (serving/image_spans.py).
+            if callable(getattr(runner, "advance_spans", None)):
+                self.scheduler.stage_spans = True
+                self.scheduler.span_written = runner.span_written
         self.outputs = OutputProcessor(runner.tokenizer, runner.info, self.metrics)
         self.admission_wait = admission_wait
         self._freed = 0  # slots freed by the last step
@@ -315,11 +320,17 @@ class EngineCore:
                 self._drain()
         else:
             self._drain()
-        if plan.encode:  # after the step's tokens went out: the streams do not wait for it
-            # A step that ran nothing has nothing to stall: the encoder may run whole.
-            bounded = bool(plan.pieces)
+        # After the step's tokens went out, so the streams do not wait for it: image spans
+        # being written, then the encoder, sharing one budget. A step that ran nothing has
+        # nothing to stall: both may then run whole.
+        bounded, spent = bool(plan.pieces), 0.0
+        if plan.spans:
+            spent = self._call(step_key("spans", spans=len(plan.spans), bounded=bounded),
+                               lambda: self.runner.advance_spans(plan.spans, self.scheduler.kv,
+                                                                 bounded))
+        if plan.encode:
             self._call(step_key("encode", images=len(plan.encode), bounded=bounded),
-                       lambda: self.runner.advance_images(plan.encode, bounded))
+                       lambda: self.runner.advance_images(plan.encode, bounded, spent))
 
     def _run_chunk(self, step) -> None:
         t0 = time.perf_counter()

@@ -12,9 +12,10 @@ step with encoder work stalls the running decodes no longer than a step with a p
 enough for every published pairing of tower and text model at the default chunk of 16.)
 
 A step that ran nothing else (every running sequence waits for an image, none could be
-admitted) has no stream to stall: then, outside deterministic mode, the images it waits for
-are encoded whole, by the one-shot encoder when not yet begun (its one large program beats the
-stages' many small ones: a lone image request's time to first token is the encoder's).
+admitted) has no stream to stall: then, outside deterministic mode, the stages of the images
+it waits for run up to `WHOLE_CALL_FLOPS` at once, not the budget. Not the whole encoder in one
+call (as before): the full tower takes 30-90 s on a CPU, past the step watchdog's default 30 s,
+and the engine core's next turn simply goes on with the next call.
 
 Images at the same stage run as one batch, oldest first; the oldest image moves on first, so
 an image's encode ends after a bounded number of steps whatever arrives after it. The features
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 BATCH_FRAMES = 4
 MAX_IN_PROGRESS = 16
+# Encoder FLOPs of one call when nothing else runs: ~3 s on a 2-core CPU (docs/vision.md), a
+# fraction of a second on an accelerator; far below any step watchdog limit.
+WHOLE_CALL_FLOPS = 4e11
 
 
 def _pow2(n: int) -> int:
@@ -72,6 +76,7 @@ class ImageEncoder:
         self._staged = StagedEncoder(model.vision, c, blocks, model.dtype)
         self._model = model
         self.deterministic = deterministic
+        self.whole_call_flops = WHOLE_CALL_FLOPS
         self.max_cached = max_cached
         self._features: OrderedDict[str, object] = OrderedDict()  # most recently used last
         self._progress: dict[str, _Progress] = {}
@@ -103,15 +108,18 @@ class ImageEncoder:
         while len(self._features) > self.max_cached:
             self._features.popitem(last=False)
 
-    def advance(self, wanted, bounded: bool = True) -> float:
+    def advance(self, wanted, bounded: bool = True, spent: float = 0.0) -> float:
         """Runs encoder stages for `wanted` (SeqImages, oldest request first) worth at most
-        `budget_flops` (at least one stage); returns the FLOPs run. bounded=False (the step ran
-        nothing else: no stream to stall) encodes them all, an image not yet begun by the
-        one-shot encoder (the stages' small programs cost more in all); never in deterministic
-        mode, where an image's bits must not depend on the load."""
+        `budget_flops` (at least one stage, unless other work already `spent` the budget);
+        returns the FLOPs run. bounded=False (the step ran nothing else: no stream to stall)
+        runs up to `whole_call_flops` of them instead; never in deterministic mode, where an
+        image's bits must not depend on the load."""
         if not bounded and not self.deterministic:
-            return self._encode_all(wanted)
-        spent = self._advance(wanted, self.budget_flops)
+            return self._advance(wanted, max(self.budget_flops, self.whole_call_flops))
+        if spent >= self.budget_flops:
+            self.last_work = []
+            return 0.0
+        spent = self._advance(wanted, self.budget_flops - spent)
         if self.last_work:
             self.advances += 1
             self.max_advance_flops = max(self.max_advance_flops, spent)
@@ -139,18 +147,6 @@ class ImageEncoder:
             self._run(batch)
             spent += cost
             pending = [im for im in pending if not self.ready(im.key)]
-        return spent
-
-    def _encode_all(self, wanted) -> float:
-        spent = 0.0
-        for im in wanted:
-            if self.ready(im.key):
-                continue
-            if im.key in self._progress:  # begun in stages: finish them
-                spent += self._advance([im], float("inf"))
-            else:
-                self.features(im)
-                spent += sum(st.flops for st in self.stages) * len(im.spans)
         return spent
 
     def _batch(self, pending, left: float, first: bool):

@@ -78,6 +78,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # vLLM's per-request image processor settings: {"do_pan_and_scan": true} (serving.chat_images)
+    mm_processor_kwargs: dict | None = None
 
 
 class GenerateRequest(_Strict):

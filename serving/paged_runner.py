@@ -328,6 +328,7 @@ class PagedRunner:
         self.programs_run: set[Buckets] = set()
         self._encoder = None  # serving.image_encoder.ImageEncoder, made on first use
         self.encoder_budget_flops = None  # encoder work a step; None: one prompt piece's FLOPs
+        self._spans = None  # serving.image_spans.SpanWriter, made on first use
 
     @property
     def encoder(self):
@@ -348,11 +349,29 @@ class PagedRunner:
         keeps a prompt's piece short of an image until they are)."""
         return self.encoder.ready(key)
 
-    def advance_images(self, wanted, bounded: bool = True) -> float:
+    def advance_images(self, wanted, bounded: bool = True, spent: float = 0.0) -> float:
         """Runs a bounded piece of the encoder for the images the scheduler waits for
-        (StepPlan.encode), or all of it where nothing else runs (bounded=False); returns its
-        FLOPs."""
-        return self.encoder.advance(wanted, bounded)
+        (StepPlan.encode), a larger one where nothing else runs (bounded=False,
+        `ImageEncoder.whole_call_flops`); returns its FLOPs. spent: FLOPs the step's span work
+        already took of the same budget."""
+        return self.encoder.advance(wanted, bounded, spent)
+
+    @property
+    def spans(self):
+        """The image spans written a layer at a time between steps (serving/image_spans.py)."""
+        if self._spans is None:
+            from serving.image_spans import SpanWriter
+            self._spans = SpanWriter(self, self.encoder_budget_flops)
+        return self._spans
+
+    def span_written(self, job) -> bool:
+        """Whether the keys of a paged_scheduler.SpanJob are all stored (its sequence may go on)."""
+        return self.spans.written(job)
+
+    def advance_spans(self, jobs, kv: KVPages, bounded: bool = True) -> float:
+        """Runs a bounded piece of the image spans being written (StepPlan.spans), or all of
+        it where nothing else runs (bounded=False); returns its FLOPs."""
+        return self.spans.advance(jobs, kv, bounded)
 
     def image_features(self, image):
         """Features [n * tokens_per_image, D] (on the device) of a scheduler.SeqImage, from the

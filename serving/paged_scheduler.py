@@ -12,7 +12,12 @@ sequence that was preempted simply recomputes its whole text in pieces.
 
 A piece stops before the soft tokens of an image whose features are not ready yet
 (`image_ready`), and the plan lists the images its sequences wait for (`StepPlan.encode`): the
-engine encodes them a bounded piece per step (`serving/image_encoder.py`).
+engine encodes them a bounded piece per step (`serving/image_encoder.py`). With `stage_spans`
+(set by the engine core for an engine that can) a running sequence's piece also stops before
+an image's soft tokens while other sequences run: the span is then written a layer at a time
+between steps (`StepPlan.spans`, `serving/image_spans.py`), since in one step its 256
+bidirectional tokens cost ~16 prompt pieces; the sequence's pieces go on once the engine says
+the span is written (`span_written`).
 
 Pages (`serving/kv_pages.py`) are taken as a piece needs them. A running sequence that finds none
 free takes them from the newest running sequence, which is preempted: its pages go back (full
@@ -61,6 +66,19 @@ class Piece:
         return text[self.start:self.end]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class SpanJob:
+    """Soft tokens start..end-1 of `seq` (one span of `image`: crop `crop`), whose keys the
+    engine writes layer by layer between steps (serving/image_spans.py). Compared by identity:
+    a sequence preempted and readmitted writes its span again as a new job."""
+
+    seq: Sequence
+    image: object  # scheduler.SeqImage
+    crop: int
+    start: int
+    end: int
+
+
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     pieces: tuple[Piece, ...] = ()
@@ -69,6 +87,9 @@ class StepPlan:
     # Images (scheduler.SeqImage) whose features a piece waits for, oldest sequence first: the
     # engine advances their encoding after the step (serving/image_encoder.py).
     encode: tuple = ()
+    # Image spans being written between steps (SpanJob), each listed every step until written:
+    # the engine drops the work of a span no longer listed (its sequence ended or was preempted).
+    spans: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +116,11 @@ class PagedScheduler(WaitingQueue):
         # needs it.
         self.image_ready: Callable[[str], bool] = lambda key: True
         self._wanted: list = []
+        # Image spans written between steps (module docstring): off unless the engine core
+        # turns it on; `span_written` is then the engine's.
+        self.stage_spans = False
+        self.span_written: Callable[[SpanJob], bool] = lambda job: True
+        self._spans: dict[int, SpanJob] = {}  # sequence id -> its span being written
 
     def admissible(self, seq: Sequence) -> None:
         if seq.want_prompt_logprobs and seq.images:
@@ -108,6 +134,7 @@ class PagedScheduler(WaitingQueue):
     def finish(self, seq: Sequence) -> bool:
         """A sequence ended: its pages go back. Returns whether it was running."""
         self._sampled_to.pop(seq.id, None)
+        self._spans.pop(seq.id, None)
         if seq in self._running:
             self._running.remove(seq)
             self.kv.free(seq.id)
@@ -147,10 +174,15 @@ class PagedScheduler(WaitingQueue):
         for s in order:
             if s not in self._running:  # preempted for an older sequence in this loop
                 continue
-            n = self._piece_len(s, budget, alone=alone)
-            if n == 0:
+            if not self._span_done(s):
                 continue
-            while not self.kv.can_allocate(s.id, s.computed, s.computed + n):
+            n = self._piece_len(s, budget, alone=alone)
+            # No piece: perhaps an image's span is next, to be written between steps.
+            job = self._span_at(s, s.computed) if n == 0 and self._stages_span(s, alone) else None
+            end = job.end if job else s.computed + n
+            if end == s.computed:
+                continue
+            while not self.kv.can_allocate(s.id, s.computed, end):
                 # The newest running sequence not yet planned in this step gives way.
                 victim = next((v for v in reversed(self._running) if v.id not in planned), None)
                 if victim is None:
@@ -159,11 +191,14 @@ class PagedScheduler(WaitingQueue):
                 preempted.append(victim)
                 if victim is s:
                     break
-            if s not in self._running or not self.kv.can_allocate(s.id, s.computed, s.computed + n):
+            if s not in self._running or not self.kv.can_allocate(s.id, s.computed, end):
                 continue
-            self.kv.allocate(s.id, s.computed, s.computed + n)
-            pieces.append(self._piece(s, s.computed, s.computed + n))
+            self.kv.allocate(s.id, s.computed, end)
             planned.add(s.id)
+            if job:
+                self._spans[s.id] = job
+                continue
+            pieces.append(self._piece(s, s.computed, end))
             budget -= n
         lookups = []
         while self.waiting and budget > 0 and len(self._running) < self.info.num_slots:
@@ -183,19 +218,25 @@ class PagedScheduler(WaitingQueue):
                 hit = self._aligned_hit(hit)
             start = hit * self.info.page_size
             n = self._piece_len(s, budget, start, alone=alone)
-            if n == 0 or not self.kv.can_allocate(s.id, start, start + n):
+            # A first piece that would be an image's span: the span is written between steps.
+            job = self._span_at(s, start) if n == 0 and self._stages_span(s, alone) else None
+            end = job.end if job else start + n
+            if start == end or not self.kv.can_allocate(s.id, start, end):
                 break
             self.waiting.popleft()
             if hit:
                 self.kv.attach_prefix(s.id, s.hashes, hit)
             s.computed = start
-            self.kv.allocate(s.id, start, start + n)
+            self.kv.allocate(s.id, start, end)
             self._running.append(s)
             if lookup:
                 lookups.append((s.length, start))
                 self.kv.queries += s.length
                 self.kv.hits += start
-            pieces.append(self._piece(s, start, start + n, admitted=True))
+            if job:
+                self._spans[s.id] = job
+            else:
+                pieces.append(self._piece(s, start, end, admitted=True))
             budget -= n
         for p in pieces:
             p.seq.computed = p.end
@@ -204,12 +245,42 @@ class PagedScheduler(WaitingQueue):
             if self.prefix_caching:
                 self.kv.name_full_pages(p.seq.id, p.seq.hashes, p.end)
         self._next_images()
+        spans = tuple(j for j in self._spans.values() if j.seq in self._running)
         encode, seen = [], set()
         for im in self._wanted:  # each image once, oldest sequence first
             if im.key not in seen:
                 seen.add(im.key)
                 encode.append(im)
-        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups), tuple(encode))
+        return StepPlan(tuple(pieces), tuple(preempted), tuple(lookups), tuple(encode), spans)
+
+    def _span_done(self, s: Sequence) -> bool:
+        """Whether s may run a piece: no span of it is being written, or the engine wrote it
+        (then s's text up to the span's end is computed, and its full pages are named)."""
+        job = self._spans.get(s.id)
+        if job is None:
+            return True
+        if not self.span_written(job):
+            return False
+        del self._spans[s.id]
+        s.computed = job.end
+        if self.prefix_caching:
+            self.kv.name_full_pages(s.id, s.hashes, job.end)
+        return True
+
+    def _stages_span(self, s: Sequence, alone: bool) -> bool:
+        """Whether s's image spans are written between steps: only while other sequences run
+        or wait (alone, one step is fastest and stalls no one), never in deterministic mode
+        (a request's computation must not depend on its neighbours)."""
+        return self.stage_spans and not alone and not self.info.deterministic
+
+    def _span_at(self, s: Sequence, start: int) -> SpanJob | None:
+        """The span of an image with ready features that position `start` lies in (a span
+        that ends the text is left to a piece: its last token samples)."""
+        for im in s.images:
+            for crop, (a, b) in enumerate(im.spans):
+                if a <= start < b < self._length(s) and self.image_ready(im.key):
+                    return SpanJob(s, im, crop, start, b)
+        return None
 
     def _piece(self, s: Sequence, start: int, end: int, admitted: bool = False) -> Piece:
         length = self._length(s)
@@ -240,6 +311,8 @@ class PagedScheduler(WaitingQueue):
             if longer > n and self.kv.can_allocate(s.id, start, start + longer):
                 n = longer
         n = self._before_unready_image(s, start, n)
+        if n and self._stages_span(s, alone):
+            n = self._before_span(s, start, n)  # 0: the span itself is next (`_span_at`)
         return self._past_images(s, start, n) if n else 0
 
     def _next_images(self) -> None:
@@ -261,6 +334,13 @@ class PagedScheduler(WaitingQueue):
                 self._wanted.append(im)
                 a = min(a for a, b in im.spans if a < start + n and start < b)
                 return 0 if self.info.deterministic else max(0, a - start)
+        return n
+
+    def _before_span(self, s: Sequence, start: int, n: int) -> int:
+        """n, or fewer where the piece would reach into a span `_span_at` would write."""
+        for a, b in s.image_spans:
+            if start < b and a < start + n and self._span_at(s, max(a, start)) is not None:
+                return max(0, a - start)
         return n
 
     @staticmethod
@@ -294,6 +374,7 @@ class PagedScheduler(WaitingQueue):
         """Frees a running sequence's pages and puts it first in line to recompute."""
         self._running.remove(s)
         self.kv.free(s.id)
+        self._spans.pop(s.id, None)
         s.computed = 0
         self.waiting.appendleft(s)
         self.num_preemptions += 1

@@ -225,3 +225,16 @@ def vision_golden_checkpoint(golden: dict, path: Path) -> Path:
     write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(str(golden["config"]))
     return path
+
+
+def vision_golden_images(m, golden: dict, k: int):
+    """The k-image golden prompt's images as the engine takes them (`SeqImage`s: each one's
+    16-token soft span, pixels and a content key)."""
+    import numpy as np
+
+    from serving.scheduler import SeqImage
+
+    ids = golden[f"ids_{k}"]
+    soft = np.flatnonzero(ids == m.vision.tokens.soft)
+    return tuple(SeqImage(spans=((int(a), int(a) + 16),), pixels=golden[f"pixels_{k}"][j:j + 1],
+                          key=f"img{k}-{j}") for j, a in enumerate(soft[::16]))

@@ -196,7 +196,7 @@ class Gemma3Model(Gemma3StepAPI):
                                 serialized() if serialized is not None else None)
 
     def _host_vision(self):
-        """The tower and projector as host arrays (they are placed replicated)."""
+        """The tower and projector as host arrays (placed on the mesh: `attach_vision`)."""
         import dataclasses
         return dataclasses.replace(self.vision, vision=jax.tree.map(np.asarray, self.vision.vision),
                                    projector=jax.tree.map(np.asarray, self.vision.projector))

@@ -36,7 +36,8 @@ from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.loading import cache_dtype
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
-from models.gemma3.ragged import ImageRows, RaggedBatch, attention_impl, ragged_step
+from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, ragged_step, span_kv,
+                                  span_rows)
 from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
                                     resolve_tree, tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
@@ -216,6 +217,7 @@ class ModelPrograms:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
             weight_shapes(config, self.dtype), named(mesh, self._weight_specs))
         self._jitted = self._build_programs()
+        self._span_programs: dict[tuple[str, str], Callable] = {}
         self._zeros = jax.jit(self._zeros_cache, static_argnums=(0, 1),
                               out_shardings=named(mesh, self._cache_specs))
         self._zeros_pages = jax.jit(
@@ -348,20 +350,44 @@ class ModelPrograms:
                                                  (vocab_last, vocab_last, pages), donate=(1,)),
         }
 
-    def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
+    def span_program(self, part: str, kind: str) -> Callable:
+        """An image span's stage over one layer of `kind` ("global" or "local"): part "kv"
+        (layer weights, layer pages, x [N, D], positions [N], write [N]) -> layer pages
+        (donated), or "rows" (layer weights, layer pages, x [N, D], RaggedBatch, start) -> x
+        (donated). `ragged.span_kv` / `span_rows`; one program per shape, kept by jit."""
+        key = (part, kind)
+        if key not in self._span_programs:
+            layer = next(i for i in range(self.config.num_layers)
+                         if ("global" if self.config.is_global(i) else "local") == kind)
+            w, pages, ids = self._weight_specs.layers[layer], self._pages_specs.layers[layer], P()
+            if part == "kv":
+                body = functools.partial(span_kv, kind=kind, ctx=self._ctx)
+                fn = self._shard_jit(body, (w, pages, ids, ids, ids), pages, (1,), True)
+            else:
+                batch = RaggedBatch(**{f.name: ids for f in dataclasses.fields(RaggedBatch)})
+                body = functools.partial(span_rows, kind=kind, ctx=self._ctx)
+                # x is the replicated residual stream, as inside every step, but after an
+                # AllReduce shard_map cannot prove it so: the check is off.
+                fn = self._shard_jit(body, (w, pages, ids, batch, ids), ids, (2,), False)
+            self._span_programs[key] = fn
+        return self._span_programs[key]
+
+    def _shard_jit(self, body, in_specs, out_specs, donate, check: bool):
         # A plugged-in reduction may run collectives over axes of its own (eval.quality_scaling
         # vmaps equarx.all_reduce over emulated devices), which shard_map's varying-axes check
         # cannot type; nor can this JAX's Pallas TPU lowering and interpreter the @pallas
         # kernels' device ids (equarx.pallas_ring.check_untyped). The model's own ppermute
         # reductions keep the check.
-        check = self.reduction is None and self.allreduce.impl == "ppermute"
+        check = check and self.reduction is None and self.allreduce.impl == "ppermute"
+        return jax.jit(jax.shard_map(body, mesh=self.mesh,
+                                     in_specs=resolve_tree(self.mesh, in_specs),
+                                     out_specs=resolve_tree(self.mesh, out_specs),
+                                     check_vma=check), donate_argnums=donate)
+
+    def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
         # Nor the Pallas attention kernel's outputs (the ragged step on TPU).
-        if program in RAGGED_PROGRAMS and self.attention == "pallas":
-            check = False
-        fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
-                                   in_specs=resolve_tree(self.mesh, in_specs),
-                                   out_specs=resolve_tree(self.mesh, out_specs),
-                                   check_vma=check), donate_argnums=donate)
+        check = not (program in RAGGED_PROGRAMS and self.attention == "pallas")
+        fn = self._shard_jit(body, in_specs, out_specs, donate, check)
         # A plugged-in reduction's source is outside the program cache's fingerprint (models/,
         # equarx/), so a stored program could outlive an edit to it: such programs are traced.
         if self.program_cache is None or self.reduction is not None:

@@ -221,3 +221,41 @@ def ragged_step(weights: Weights, kv: PagedKV, batch: RaggedBatch, images: Image
         every = forward.rms_norm(x[0], weights.final_norm, ctx.config.norm_eps)
         return out, forward.output_logits(every, weights.embed), pages
     return out, pages
+
+
+# -- an image span a layer at a time ---------------------------------------------------------------
+# An image's soft tokens attend to each other both ways, so at every layer a span token's query
+# needs the keys of the span tokens after it. Computing the span in query pieces across steps is
+# right only if those keys are already stored, and a layer's keys depend on the layer before's
+# attention over the whole span: so the span moves through the layers together, one layer at a
+# time (all its keys stored, then its rows in blocks), in programs small enough to run between
+# steps (serving/image_spans.py). Same functions as `ragged_step`, on fewer rows.
+
+def span_kv(w, pages: LayerPages, x: jax.Array, positions: jax.Array, write: jax.Array, *,
+            kind: str, ctx: forward.Ctx) -> LayerPages:
+    """Stores one layer's keys and values of a span's rows: x [N, D] the rows' residual
+    stream entering the layer, positions [N], write [N] their flat slots in this layer's pool
+    (padding rows: the scratch page)."""
+    h = forward.rms_norm(x[None], w.pre_attn_norm, ctx.config.norm_eps)
+    _, k, v = forward.project_qkv(h, w, positions[None], kind, ctx)
+    return store(pages, write, k[0], v[0])
+
+
+def span_rows(w, pages: LayerPages, x: jax.Array, batch: RaggedBatch, start: jax.Array, *,
+              kind: str, ctx: forward.Ctx) -> jax.Array:
+    """x [N, D] with rows start..start+R-1 (R: batch's tokens, one sequence row whose queries
+    are those rows) moved through the layer, their queries attending to the keys `span_kv`
+    stored (`visible`: the span's last position). The rest of the block is `model.block`'s."""
+    rows = batch.tokens.shape[0]
+    glob = kind == "global"
+
+    def attn(h, w, layer, kind):
+        q, _, _ = forward.project_qkv(h, w, batch.positions[None], kind, ctx)
+        enc = paged_attention(q[0], pages, batch.global_table if glob else batch.local_table,
+                              jnp.zeros_like(batch.local_first) if glob else batch.local_first,
+                              batch, None if glob else ctx.config.sliding_window, "xla")
+        return forward.output_projection(enc[None], w.o), None
+
+    xr = lax.dynamic_slice_in_dim(x, start, rows, 0)[None]
+    out, _ = forward.block(xr, w, -1, kind, attn, ctx)
+    return lax.dynamic_update_slice_in_dim(x, out[0].astype(x.dtype), start, 0)

@@ -50,20 +50,30 @@ class Gemma3StepAPI:
         self._image_features = None
 
     # -- images --------------------------------------------------------------------------------
-    def attach_vision(self, vision) -> None:
+    def attach_vision(self, vision, replicated: bool = False) -> None:
         """Serve images with `vision` (a `vision_checkpoint.VisionModel`, host arrays): its
-        tower and projector are placed replicated on the mesh (docs/vision.md: on this
-        machine the split gains nothing and replicated costs no collectives), in the model's
-        dtype, and `image_features` runs them."""
+        tower and projector are placed, in the model's dtype, on one device of the mesh (this
+        process's first), and `image_features` runs them there; the features then go to every
+        device with the step that reads them (256 x D values an image). Replicated on the mesh
+        (replicated=True, as before) every device ran the whole tower: free on an accelerator
+        with its own compute per chip, but on a CPU the tp virtual devices share the cores, so
+        at tp=2 one image took twice as long (docs/vision.md). The split placement
+        (`vision_sharding.encode_sharded`) gained nothing here."""
         from models.gemma3.projector import image_features
         from models.gemma3.vision_sharding import place_vision
 
         cast = lambda x: np.asarray(x, self.dtype)  # noqa: E731
-        placed = dataclasses.replace(
-            vision, vision=place_vision(jax.tree.map(cast, vision.vision), vision.config,
-                                        self.mesh, split=False),
-            projector=jax.device_put(jax.tree.map(cast, vision.projector),
-                                     self.programs.replicated))
+        if replicated:
+            tower = place_vision(jax.tree.map(cast, vision.vision), vision.config, self.mesh,
+                                 split=False)
+            projector = jax.device_put(jax.tree.map(cast, vision.projector),
+                                       self.programs.replicated)
+        else:
+            device = next(d for d in self.mesh.devices.flat
+                          if d.process_index == jax.process_index())
+            tower, projector = (jax.device_put(jax.tree.map(cast, w), device)
+                                for w in (vision.vision, vision.projector))
+        placed = dataclasses.replace(vision, vision=tower, projector=projector)
         c = vision.config
         self._image_features = jax.jit(lambda v, p, x: image_features(v, p, x, c))
         self.vision = placed
@@ -74,10 +84,12 @@ class Gemma3StepAPI:
 
     def image_features(self, pixels) -> jax.Array:
         """pixels [n, H, W, 3] float32 (preprocessed, `serving.media`) -> features
-        [n, tokens_per_image, D] in the model's dtype, replicated on the mesh."""
+        [n, tokens_per_image, D] in the model's dtype, where the tower is placed
+        (`attach_vision`)."""
         if self.vision is None:
             raise ValueError("this model has no vision tower: it takes no images")
-        pixels = jnp.asarray(pixels, self.dtype)
+        pixels = jax.device_put(np.asarray(pixels, self.dtype),
+                                jax.tree.leaves(self.vision.vision)[0].sharding)
         v = self.vision
         return self._image_features(v.vision, v.projector, pixels).astype(self.dtype)
 
@@ -160,6 +172,28 @@ class Gemma3StepAPI:
         if every_token:
             return out
         return out if logits else (None, out)
+
+    def span_layer(self, pages: PagedKV, layer: int, x, positions=None, write=None,
+                   rows: RaggedBatch | None = None, start: int = 0):
+        """One stage of an image span's soft tokens through text layer `layer`
+        (`ragged.span_kv` / `span_rows`: serving/image_spans.py runs them between steps).
+        Without `rows`: stores the layer's keys/values of the span's rows x [N, D] at
+        `positions` [N] into slots `write` [N]; returns the pages (the layer's pool donated).
+        With `rows` (a RaggedBatch of R of those rows as one sequence row): moves rows
+        start..start+R-1 of x through the layer; returns x (donated)."""
+        kind = "global" if self.config.is_global(layer) else "local"
+        w = self.weights.layers[layer]
+        x = jax.device_put(jnp.asarray(x, self.dtype), self.programs.replicated)
+        if rows is None:
+            run = self.programs.span_program("kv", kind)
+            new = run(w, pages.layers[layer], x, self._ids(positions, 1, "positions"),
+                      self._ids(write, 1, "write"))
+            layers = pages.layers[:layer] + (new,) + pages.layers[layer + 1:]
+            return PagedKV(layers=layers, kinds=pages.kinds)
+        b = RaggedBatch(**{f.name: self._ids(getattr(rows, f.name), _RAGGED_NDIM[f.name], f.name)
+                           for f in dataclasses.fields(RaggedBatch)})
+        return self.programs.span_program("rows", kind)(w, pages.layers[layer], x, b,
+                                                        np.int32(start))
 
     def ragged_key(self, tokens: int, seqs: int, queries: int, global_pages: int,
                    local_pages: int, pages: PagedKV, logits: bool = True,

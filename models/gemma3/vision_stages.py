@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from models.gemma3.projector import ProjectorWeights, project
@@ -132,8 +133,11 @@ class StagedEncoder:
 
     def _start(self, pixels) -> State:
         c = self.config
-        pixels = jnp.asarray(pixels, self.dtype)
-        return State(jnp.zeros((pixels.shape[0], c.num_patches, c.width), self.dtype), None, pixels)
+        # Where the tower is (one device of the mesh, or all of it): the stages run there.
+        where = jax.tree.leaves(self.vision.vision)[0].sharding
+        pixels = jax.device_put(np.asarray(pixels, self.dtype), where)
+        x = jax.device_put(np.zeros((pixels.shape[0], c.num_patches, c.width), self.dtype), where)
+        return State(x, None, pixels)
 
     def _empty(self, x):
         c = self.config

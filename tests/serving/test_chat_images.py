@@ -2,9 +2,11 @@
 model with a random tiny vision tower ("random:tiny?vision=tiny"), real PNG bytes made with
 Pillow. A request with an image answers (plain and streamed, through the openai client), the
 same image twice gives the same tokens with the encoder run once, every kind of bad image input
-gets a 400 with a clear message, and the server answers a text request afterwards."""
+gets a 400 with a clear message, and the server answers a text request afterwards. Pan-and-scan
+crops asked for per request equal a direct engine run of the reference processor's layout."""
 import base64
 import io
+import threading
 
 import numpy as np
 import openai
@@ -13,9 +15,12 @@ from PIL import Image
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
-from serving import chat_images
+from serving import chat_images, media
 from serving.config import ServerConfig
+from serving.engine_core import EngineCore
 from serving.paged_runner import PagedRunner
+from serving.sampling import SamplingParams
+from serving.scheduler import SeqImage
 from testkit import ServerThread
 
 MODEL = "random:tiny?vision=tiny"
@@ -149,3 +154,99 @@ def test_typed_image_markers_stay_text():
     ids = tok.encode(f"a{tok.sentinel}b <start_of_image>")
     assert ids.count(502) == 4 and ids.count(500) == 1
     assert ids[:4] == ByteTokenizer(512).encode("a\n\n") + [500]
+
+
+def direct_run(model, ids, image: SeqImage, n: int):
+    """Greedy tokens and their logprobs of prompt `ids` with `image`, through an engine core of
+    its own over the server's model (no HTTP, no chat code)."""
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8)
+    core = EngineCore(engine).start()
+    got, done = [], threading.Event()
+
+    def sink(e):
+        got.extend(e.tokens)
+        if e.finish_reason is not None:
+            done.set()
+
+    try:
+        core.submit([(list(ids), SamplingParams(max_tokens=n, temperature=0.0, logprobs=0),
+                      sink, (image,))])
+        assert done.wait(120)
+    finally:
+        core.shutdown()
+    return [t.id for t in got], [t.logprob for t in got]
+
+
+def reference_ids(model, question: str, crops: int) -> list[int]:
+    """The chat prompt of one user turn `question` + one image with `crops` crops, laid out by
+    the reference processor's textual expansion (`multimodal.expand_image_placeholders`) and
+    tokenized around the image tokens (`encode_with_images`), then given the tiny tower's ids."""
+    from models.gemma3 import multimodal as mm
+    from serving.chat_template import render_chat
+
+    tok, t = model.tokenizer, model.vision.tokens
+    ours = {mm.START_OF_IMAGE_ID: t.start, mm.END_OF_IMAGE_ID: t.end,
+            mm.IMAGE_SOFT_TOKEN_ID: t.soft}
+
+    class Expanding:  # the template's tokenizer, expanding the image marker as the reference
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text):
+            text = mm.expand_image_placeholders(text, [crops] if mm.START_OF_IMAGE in text else [],
+                                                model.vision.config.tokens_per_image)
+            return [ours.get(int(i), int(i)) for i in mm.encode_with_images(text, tok.encode).ids]
+
+    return render_chat([("user", question + mm.START_OF_IMAGE)], Expanding())
+
+
+def test_pan_and_scan_crops_through_the_api_equal_the_model_run_directly(server, client):
+    """mm_processor_kwargs {"do_pan_and_scan": true} (vLLM's per-request field; the server's
+    default is off): a wide image becomes the original and its crops, laid out as the reference
+    processor lays them out, and the served tokens and logprobs equal a direct engine run of
+    the reference layout with the same crops."""
+    wide = png(7, size=(96, 32))
+    kwargs = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
+    settings = media.PanAndScan(min_crop_size=16)
+    size = server.runner.model.vision.config.image_size
+    prepared = media.prepare_image(wide, size=size, pan_and_scan=settings)
+    assert prepared.crops >= 2
+    body = chat_body(image_part(data_url(wide)), logprobs=True, mm_processor_kwargs=kwargs)
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    served = [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]]
+    ids = reference_ids(server.runner.model, "What is in this picture?", prepared.crops)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    per = server.runner.model.vision.config.tokens_per_image
+    spans = chat_images.soft_spans(ids, server.runner.model.vision.tokens.soft)
+    assert [b - a for a, b in spans] == [per] * (1 + prepared.crops)
+    image = SeqImage(spans=tuple(spans), pixels=prepared.pixels, key="direct")
+    tokens, logprobs = direct_run(server.runner.model, ids, image, body["max_tokens"])
+    text = server.runner.tokenizer.decode(tokens)
+    assert r.json()["choices"][0]["message"]["content"] == text
+    np.testing.assert_allclose(served, logprobs, rtol=1e-4, atol=1e-5)
+    # Off by default: the same request without the kwargs has one image's tokens only.
+    plain = client.post("/v1/chat/completions", json=chat_body(image_part(data_url(wide))))
+    assert plain.json()["usage"]["prompt_tokens"] == len(
+        reference_ids(server.runner.model, "What is in this picture?", 0))
+    bad = client.post("/v1/chat/completions", json=chat_body(
+        image_part(data_url(wide)), mm_processor_kwargs={"do_pan_and_scan": "yes"}))
+    assert bad.status_code == 400 and "do_pan_and_scan" in bad.json()["error"]["message"]
+
+
+def test_pan_and_scan_settings_of_the_server_and_the_request():
+    """--mm-processor-kwargs sets the server's default, a request's mm_processor_kwargs win;
+    unknown keys and ill-typed values are refused (a 400, or a startup error for the flag)."""
+    on = ServerConfig(mm_processor_kwargs='{"do_pan_and_scan": true}', compile_cache_dir="")
+    assert chat_images.pan_and_scan(on.processor_kwargs, None) == media.PanAndScan()
+    assert chat_images.pan_and_scan(on.processor_kwargs, {"do_pan_and_scan": False}) is None
+    assert chat_images.pan_and_scan(None, None) is None  # off by default
+    assert chat_images.pan_and_scan(None, {"do_pan_and_scan": True,
+                                           "pan_and_scan_max_num_crops": 2}) == media.PanAndScan(
+        max_num_crops=2)
+    for bad in ({"do_pan_and_scan": 1}, {"crops": True}, {"pan_and_scan_min_crop_size": 1.5}):
+        with pytest.raises(chat_images.ImageRequestError):
+            chat_images.pan_and_scan(None, bad)
+    for flag in ('{"do_pan_and_scan": "yes"}', "not json", '{"size": 3}'):
+        with pytest.raises(ValueError, match="mm_processor_kwargs"):
+            ServerConfig(mm_processor_kwargs=flag, compile_cache_dir="")

@@ -13,7 +13,7 @@ from serving.paged_runner import PagedRunner
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import SeqImage, Sequence
-from testkit import vision_golden_model
+from testkit import vision_golden_images, vision_golden_model
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +21,6 @@ def model(vision_golden, tmp_path_factory):
     return vision_golden_model(vision_golden, tmp_path_factory.mktemp("hf_mm"))
 
 
-def images_of(m, vision_golden, k):
-    ids = vision_golden[f"ids_{k}"]
-    soft = np.flatnonzero(ids == m.vision.tokens.soft)
-    return tuple(SeqImage(spans=((int(a), int(a) + 16),), pixels=vision_golden[f"pixels_{k}"][j:j + 1],
-                          key=f"img{k}-{j}") for j, a in enumerate(soft[::16]))
 
 
 def small_budget(m):
@@ -39,7 +34,7 @@ def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, visi
     enc = ImageEncoder(model, chunk_size=8, budget_flops=small_budget(model))
     c = model.vision.config
     assert len(enc.stages) == 4 + c.num_layers * 2 * 4 + 1  # embed, 4 + 4 blocks a layer, finish
-    images = images_of(model, vision_golden, 2) + images_of(model, vision_golden, 1)
+    images = vision_golden_images(model, vision_golden, 2) + vision_golden_images(model, vision_golden, 1)
     steps = 0
     while not all(enc.ready(im.key) for im in images):
         spent = enc.advance(images)
@@ -65,13 +60,13 @@ def test_deterministic_features_do_not_depend_on_what_encodes_beside(model, visi
         assert enc.max_batch_frames == 1
         return np.asarray(enc.features(images[-1]))
 
-    a = images_of(model, vision_golden, 1)
-    np.testing.assert_array_equal(run(a), run(images_of(model, vision_golden, 2) + a))
+    a = vision_golden_images(model, vision_golden, 1)
+    np.testing.assert_array_equal(run(a), run(vision_golden_images(model, vision_golden, 2) + a))
 
 
 def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, vision_golden):
     ids = vision_golden["ids_1"].tolist()
-    image = images_of(model, vision_golden, 1)[0]
+    image = vision_golden_images(model, vision_golden, 1)[0]
     a, b = image.spans[0]
     for deterministic in (False, True):
         engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
@@ -116,7 +111,7 @@ def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, visio
         core.submit([(vision_golden["ids_0"].tolist(), params, sink(0), ())])
         while len(results[0]) < 3:
             threading.Event().wait(0.01)
-        images = images_of(model, vision_golden, 2)
+        images = vision_golden_images(model, vision_golden, 2)
         core.submit([(vision_golden["ids_2"].tolist(), params.__class__(max_tokens=8, temperature=0.0,
                                                                 ignore_eos=True), sink(1), images)])
         assert done[0].wait(120) and done[1].wait(120)
@@ -132,14 +127,20 @@ def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, visio
     assert len(set(during)) >= enc.advances - 2
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_a_lone_image_request_has_nothing_to_stall(model, vision_golden, deterministic):
-    """With nothing else running, the images are encoded whole in the first step that waits
-    for them; in deterministic mode always by the bounded stages (the bits must not depend on
-    the load)."""
+@pytest.mark.parametrize("deterministic,whole_call", [(False, None), (False, 4), (True, None)])
+def test_a_lone_image_request_has_nothing_to_stall(model, vision_golden, deterministic, whole_call):
+    """With nothing else running, the images' stages run up to `whole_call_flops` at once (the
+    tiny tower: whole in the first step that waits for them; a cap of 4 stages' FLOPs: in
+    calls of at most that, never one past the step watchdog); in deterministic mode always by
+    the bounded stages (the bits must not depend on the load)."""
     engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
                          deterministic=deterministic)
     engine.encoder_budget_flops = small_budget(model)
+    calls = []
+    if whole_call:
+        engine.encoder.whole_call_flops = whole_call * engine.encoder.budget_flops
+        advance = engine.encoder.advance
+        engine.encoder.advance = lambda *a: calls.append(advance(*a)) or calls[-1]
     core = EngineCore(engine).start()
     done, got = threading.Event(), []
 
@@ -151,7 +152,7 @@ def test_a_lone_image_request_has_nothing_to_stall(model, vision_golden, determi
     try:
         core.submit([(vision_golden["ids_2"].tolist(), SamplingParams(max_tokens=8, temperature=0.0,
                                                                 ignore_eos=True),
-                      sink, images_of(model, vision_golden, 2))])
+                      sink, vision_golden_images(model, vision_golden, 2))])
         assert done.wait(120)
     finally:
         core.shutdown()
@@ -161,6 +162,8 @@ def test_a_lone_image_request_has_nothing_to_stall(model, vision_golden, determi
     whole = sum(st.flops for st in enc.stages) * 2
     if deterministic:
         assert enc.advances >= whole / enc.budget_flops
+    elif whole_call:
+        assert max(calls) <= enc.whole_call_flops and len(calls) >= whole / enc.whole_call_flops
     else:
         # bounded advances only in the steps that also ran text (before each image)
         assert enc.advances <= 3 < whole / enc.budget_flops / 2
@@ -173,7 +176,7 @@ def test_a_waiting_image_stays_listed_while_other_pieces_run(model, vision_golde
                          max_num_batched_tokens=8)
     sched = PagedScheduler(engine.info)
     sched.image_ready = lambda key: False
-    image = images_of(model, vision_golden, 1)[0]
+    image = vision_golden_images(model, vision_golden, 1)[0]
     waits = Sequence(id=0, prompt=vision_golden["ids_1"].tolist(), params=SamplingParams(max_tokens=1),
                      seed=0, images=(image,))
     sched.add([waits])

@@ -1,0 +1,187 @@
+"""An image's soft tokens written into the paged cache a layer at a time, between engine steps.
+
+The 256 soft tokens of an image attend to each other both ways. Computed in one ragged step, as
+one piece, they cost ~16 prompt pieces of 16 tokens (and the step pads them to 512 tokens and
+every row of the step to 256 queries): that step held up every running stream ~3x as long as a
+step with a prompt piece (docs/vision.md). The span cannot simply be cut into query pieces
+across steps: a span token's query needs the keys of the span tokens after it, and a layer's
+keys depend on the layer before's attention over the whole span. So the span moves through the
+text layers together, a layer at a time:
+
+    for each layer:  kv (every row's keys and values stored) | rows block 0..nb-1
+
+`kv` stores the layer's keys and values of all the span's rows; `rows` moves 1/nb of the rows
+through the rest of the layer (attention over the stored keys, MLP), so the next layer's keys
+can follow. The last layer needs only its keys. nb is the fewest power of two that keeps a
+rows stage within `budget_flops` (by default one prompt piece through the whole text model,
+as the image encoder's: `image_encoder.chunk_flops`). After each step the engine core calls
+`advance` with the plan's spans (`StepPlan.spans`), which runs stages worth at most the
+budget (at least one); the scheduler lets the sequence go on past the span once `written`.
+
+The stages are the ragged step's own functions (`models.gemma3.ragged.span_kv`, `span_rows`)
+on fewer rows, so the keys equal the one-step piece's to float32 rounding
+(tests/serving/test_image_spans.py). Spans are written only while other sequences run and
+outside deterministic mode (`PagedScheduler._stages_span`): alone, the one step stalls no one.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from serving.image_encoder import chunk_flops
+from serving.kv_pages import SCRATCH, KVPages
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+MIN_ROWS = 8  # rows of a stage: fewer make matmuls too thin to pay for a program
+
+
+def layer_flops(config, rows: int, keys: int) -> tuple[float, float]:
+    """(kv, rows) matmul FLOPs of `rows` span tokens through one text layer, attending to
+    about `keys` keys."""
+    c = config
+    kv = 2.0 * rows * 2 * c.num_kv_heads * c.head_dim * c.d_model
+    per_row = 2 * c.num_heads * c.head_dim * c.d_model + 3 * c.d_model * c.ffn_hidden
+    attention = 2 * c.num_heads * c.head_dim * keys
+    return kv, 2.0 * rows * (per_row + attention)
+
+
+@dataclasses.dataclass
+class _Progress:
+    job: object  # paged_scheduler.SpanJob
+    blocks: int  # rows stages a layer
+    x: object = None  # the span's residual stream [N, D] (N: its rows padded to a power of two)
+    layer: int = 0
+    part: int = 0  # 0: the layer's kv stage next; r > 0: rows block r - 1 next
+
+
+class SpanWriter:
+    """Writes SpanJobs' keys into the engine's pages (module docstring). `engine` is the
+    PagedRunner (its model, pages, features and dispatch window)."""
+
+    def __init__(self, engine, budget_flops: float | None = None):
+        self.engine = engine
+        self.model = engine.model
+        info = engine.info
+        self.budget_flops = float(budget_flops or chunk_flops(self.model.config, info.chunk_size))
+        self._progress: dict[object, _Progress] = {}
+        self._written: set = set()
+        # For the tests and metrics: stages run, the most FLOPs one advance ran.
+        self.stages_run = 0
+        self.max_advance_flops = 0.0
+
+    def written(self, job) -> bool:
+        """Whether every layer's keys of the span are stored (dispatched: the device runs them
+        before any later step). Answers True once, then forgets the job."""
+        if job in self._written:  # (SpanJobs compare by identity)
+            self._written.discard(job)
+            return True
+        return False
+
+    def advance(self, jobs, kv: KVPages, bounded: bool = True) -> float:
+        """Runs stages of `jobs` (oldest first) worth at most `budget_flops`, at least one
+        (bounded=False: all of them, nothing else ran in the step); returns the FLOPs run.
+        Work on spans not listed is dropped (their sequence ended or lost its pages)."""
+        listed = set(jobs)
+        for job in [j for j in self._progress if j not in listed]:
+            del self._progress[job]
+        self._written &= listed
+        spent, ran = 0.0, False
+        for job in jobs:
+            if job in self._written:
+                continue
+            p = self._progress.get(job) or self._begin(job, kv)
+            while True:
+                cost = self._cost(p, kv)
+                if bounded and ran and spent + cost > self.budget_flops:
+                    self.max_advance_flops = max(self.max_advance_flops, spent)
+                    return spent
+                self._stage(p, kv)
+                spent, ran = spent + cost, True
+                self.stages_run += 1
+                if p.layer == self.model.config.num_layers:
+                    del self._progress[job]
+                    self._written.add(job)
+                    break
+        self.max_advance_flops = max(self.max_advance_flops, spent)
+        return spent
+
+    # -- the stages --------------------------------------------------------------------------
+    def _begin(self, job, kv: KVPages) -> _Progress:
+        import jax.numpy as jnp
+
+        n = job.end - job.start
+        rows = _pow2(max(n, MIN_ROWS))
+        feats = self.engine.image_features(job.image)  # [crops * tokens, D]
+        a, b = job.image.spans[job.crop]
+        first = job.crop * (b - a) + job.start - a
+        x = feats[first:first + n]
+        if rows > n:
+            x = jnp.concatenate([x, jnp.zeros((rows - n, x.shape[1]), x.dtype)])
+        _, flops = layer_flops(self.model.config, rows, job.end)
+        blocks = 1
+        while flops / blocks > self.budget_flops and rows // (2 * blocks) >= MIN_ROWS:
+            blocks *= 2
+        p = _Progress(job, blocks, x)
+        self._progress[job] = p
+        return p
+
+    def _cost(self, p: _Progress, kv: KVPages) -> float:
+        rows = int(p.x.shape[0])
+        kv_flops, rows_flops = layer_flops(self.model.config, rows, p.job.end)
+        return kv_flops if p.part == 0 else rows_flops / p.blocks
+
+    def _stage(self, p: _Progress, kv: KVPages) -> None:
+        engine, job, layer = self.engine, p.job, p.layer
+        rows = int(p.x.shape[0])
+        positions = np.full(rows, job.start, np.int32)
+        positions[:job.end - job.start] = np.arange(job.start, job.end)
+        if p.part == 0:
+            glob = self.model.config.is_global(layer)
+            write = np.full(rows, SCRATCH * kv.page_size, np.int32)
+            for i, pos in enumerate(range(job.start, job.end)):
+                write[i] = kv.slot(job.seq.id, pos)[0 if glob else 1]
+            engine.pages = self.model.span_layer(engine.pages, layer, p.x, positions, write)
+            engine.window.dispatched(engine.pages.layers[layer].kv)
+            last = layer == self.model.config.num_layers - 1
+            p.layer, p.part = (layer + 1, 0) if last else (layer, 1)
+            return
+        r = p.part - 1
+        size = rows // p.blocks
+        batch = self._rows_batch(job, kv, positions[r * size:(r + 1) * size])
+        p.x = self.model.span_layer(engine.pages, layer, p.x, rows=batch, start=r * size)
+        engine.window.dispatched(p.x)
+        p.part = p.part + 1 if p.part < p.blocks else 0
+        p.layer += p.part == 0
+
+    def _rows_batch(self, job, kv: KVPages, positions: np.ndarray):
+        """A block of the span's rows as one sequence row of a RaggedBatch: its queries see
+        every key up to the span's end (the span's keys are stored)."""
+        from models.gemma3.ragged import RaggedBatch
+        from serving.paged_runner import MIN_PAGES, local_pages_for
+
+        r = len(positions)
+        sp = kv.seqs[job.seq.id]
+        info = self.engine.info
+        pg = max(MIN_PAGES, _pow2(len(sp.global_pages)))
+        global_table = np.full((1, pg), SCRATCH, np.int32)
+        global_table[0, :len(sp.global_pages)] = sp.global_pages
+        pl = local_pages_for(_pow2(job.end - job.start), info.sliding_window, info.page_size)
+        local_table = np.full((1, pl), SCRATCH, np.int32)
+        local_first = np.zeros(1, np.int32)
+        if kv.local_pool is not None:
+            first = kv.local_span(job.start, job.end)[0]
+            held = sp.local_pages[first - sp.local_first:][:pl]
+            local_first[0] = first
+            local_table[0, :len(held)] = held
+        ids = np.arange(r, dtype=np.int32)
+        zeros = np.zeros(r, np.int32)
+        return RaggedBatch(tokens=zeros, positions=positions.astype(np.int32),
+                           visible=np.full(r, job.end - 1, np.int32), seq=zeros, col=ids,
+                           write_global=zeros, write_local=zeros, queries=ids[None],
+                           global_table=global_table, local_table=local_table,
+                           local_first=local_first, last=np.zeros(1, np.int32))

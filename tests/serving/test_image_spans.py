@@ -1,0 +1,174 @@
+"""Image spans written a layer at a time between steps (serving/image_spans.py), on the tiny
+multimodal golden: the keys and values equal those of the one-step piece, no advance runs more
+than its budget, and through the engine core a running stream gets a token between the span's
+stages while the image request's greedy tokens stay the golden's."""
+import threading
+
+import numpy as np
+import pytest
+
+from serving.engine_core import EngineCore
+from serving.paged_runner import PagedRunner, step_inputs
+from serving.paged_scheduler import PagedScheduler
+from serving.sampling import SamplingParams
+from serving.scheduler import SeqImage, Sequence
+from testkit import vision_golden_images, vision_golden_model
+
+
+@pytest.fixture(scope="module")
+def model(vision_golden, tmp_path_factory):
+    return vision_golden_model(vision_golden, tmp_path_factory.mktemp("hf_mm"))
+
+
+
+
+def one_layer_rows(m) -> float:
+    """A budget of half of one text layer's rows for a 16-token span (attending to at most
+    the 128 positions of the engines below): 2 rows stages a layer."""
+    from serving.image_spans import layer_flops
+    return layer_flops(m.config, 16, 128)[1] / 2
+
+
+def kv_after_prompt(model, vision_golden, staged: bool):
+    """Runs a text sequence and the 2-image vision_golden prompt side by side (scheduler and engine
+    driven by hand) until the image prompt samples its first token; returns its keys and
+    values per layer [positions, 2 * Kc, H], and the writer."""
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+                         prefix_caching=False)
+    engine.encoder_budget_flops = one_layer_rows(model)
+    for im in vision_golden_images(model, vision_golden, 2):  # features ready: only the spans are staged
+        engine.image_features(im)
+    sched = PagedScheduler(engine.info)
+    sched.image_ready = engine.image_ready
+    sched.stage_spans, sched.span_written = staged, engine.span_written
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    text = Sequence(id=1, prompt=vision_golden["ids_0"].tolist(), params=params, seed=0)
+    image = Sequence(id=2, prompt=vision_golden["ids_2"].tolist(), params=params, seed=0,
+                     images=vision_golden_images(model, vision_golden, 2))
+    sched.add([text, image])
+    while not image.generated:
+        plan = sched.schedule()
+        if plan.pieces:
+            out = engine.run_step(step_inputs(plan, sched.kv, engine.info))
+            for row, p in enumerate(plan.pieces):
+                if p.sample:
+                    p.seq.generated.append(int(out.tokens[row]))
+        if plan.spans:
+            assert engine.advance_spans(plan.spans, sched.kv) <= engine.spans.budget_flops
+    # Every position's keys in the global layers; in the local ones, the window's still held.
+    sp, size = sched.kv.seqs[image.id], engine.info.page_size
+    held = [pos for pos in range(len(image.prompt)) if pos // size >= sp.local_first]
+    out = {}
+    for layer, (pages, kind) in enumerate(zip(engine.pages.layers, engine.pages.kinds)):
+        pool = np.asarray(pages.kv)
+        flat = pool.reshape(-1, *pool.shape[2:])
+        table, first = ((sp.global_pages, 0) if kind == "global"
+                        else (sp.local_pages, sp.local_first))
+        positions = range(len(image.prompt)) if kind == "global" else held
+        out[layer] = flat[[table[pos // size - first] * size + pos % size for pos in positions]]
+    return out, engine.spans
+
+
+def test_staged_spans_store_the_one_step_pieces_keys(model, vision_golden):
+    staged, writer = kv_after_prompt(model, vision_golden, staged=True)
+    whole, unused = kv_after_prompt(model, vision_golden, staged=False)
+    c = model.config
+    # Both images' spans, each a layer at a time: kv + 2 rows stages a layer, the last
+    # layer's keys only.
+    assert writer.stages_run == 2 * (3 * c.num_layers - 2)
+    assert unused.stages_run == 0
+    # float32 rounding: matmuls over 8 rows instead of the step's, through the layers
+    # (measured: at most 1.6e-6 against values up to ~2.5).
+    for layer in staged:
+        scale = np.abs(whole[layer]).max()
+        assert np.abs(staged[layer] - whole[layer]).max() <= 1e-5 * scale, layer
+
+
+def test_a_running_stream_decodes_between_the_span_stages(model, vision_golden):
+    """Through the engine core: the image request's greedy tokens are the vision_golden's, and the
+    span's stages ran spread over several steps, each after a step that gave the stream a
+    token (counted, not timed)."""
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine.encoder_budget_flops = one_layer_rows(model)
+    for im in vision_golden_images(model, vision_golden, 2):  # features ready: only the spans are staged
+        engine.image_features(im)
+    core = EngineCore(engine).start()
+    seen, results = [], [[], []]
+    done = [threading.Event(), threading.Event()]
+
+    def sink(i):
+        def on(e):
+            results[i].extend(t.id for t in e.tokens)
+            if i == 0:
+                seen.extend(engine.spans.stages_run for _ in e.tokens)
+            if e.finish_reason is not None:
+                assert e.error is None, e.error
+                done[i].set()
+        return on
+
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    try:
+        core.submit([(vision_golden["ids_0"].tolist(), params, sink(0), ())])
+        while len(results[0]) < 3:
+            threading.Event().wait(0.01)
+        core.submit([(vision_golden["ids_2"].tolist(), SamplingParams(
+            max_tokens=8, temperature=0.0, ignore_eos=True), sink(1), vision_golden_images(model, vision_golden, 2))])
+        assert done[0].wait(120) and done[1].wait(120)
+    finally:
+        core.shutdown()
+    np.testing.assert_array_equal(results[1], vision_golden["greedy_2"][:8])
+    writer = engine.spans
+    assert writer.max_advance_flops <= writer.budget_flops
+    total = 2 * (3 * model.config.num_layers - 2)
+    assert writer.stages_run == total
+    # The stream's tokens saw the stage count move in small steps: no token waited for more
+    # than a budget's stages (here at most 2: kv is cheap, rows stages half a layer each).
+    steps = np.diff([0] + sorted(set(seen)))
+    assert len(steps) >= total // 2 and steps.max() <= 2
+
+
+def test_the_scheduler_writes_a_span_between_steps_only_beside_other_work(model, vision_golden):
+    """Plain data: beside a running sequence a piece stops before an image's soft tokens and
+    the plan lists the span every step until the engine says it is written, then the next
+    piece starts at the span's end; a preempted sequence's span is dropped; a lone sequence
+    runs the span inside its piece."""
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    image = vision_golden_images(model, vision_golden, 1)[0]
+    (a, b), = image.spans
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def scheduler(*seqs):
+        sched = PagedScheduler(engine.info)
+        written = set()
+        sched.stage_spans, sched.span_written = True, lambda job: job.seq.id in written
+        sched.add(list(seqs))
+        return sched, written
+
+    def seq(i, images=(image,)):
+        return Sequence(id=i, prompt=vision_golden["ids_1"].tolist(), params=params, seed=0,
+                        images=images)
+
+    other, s = seq(1, ()), seq(2)
+    sched, written = scheduler(other, s)
+    ends = []
+    for _ in range(4):
+        plan = sched.schedule()
+        ends += [p.end for p in plan.pieces if p.seq is s]
+        for p in plan.pieces:
+            if p.sample:
+                p.seq.generated.append(0)
+    assert ends[-1] == a and [(j.seq, j.start, j.end) for j in plan.spans] == [(s, a, b)]
+    written.add(s.id)
+    plan = sched.schedule()
+    assert plan.spans == () and [p.start for p in plan.pieces if p.seq is s] == [b]
+
+    sched, written = scheduler(seq(1, ()), seq(2))
+    while not (plan := sched.schedule()).spans:
+        pass
+    old, = plan.spans
+    sched._preempt(old.seq)  # as when a running sequence needs its pages
+    assert old not in sched.schedule().spans
+
+    sched, _ = scheduler(seq(3))
+    plan = sched.schedule()
+    assert plan.spans == () and plan.pieces[0].end >= b
