@@ -230,20 +230,10 @@ class LeaderRunner:
         host. Its `result()` waits under the group's watchdog: a peer lost mid-step ends the
         group as a lost peer does in `run_step`."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the process group has shut down")
-            self._send(RAGGED, inputs)
-            key = step_key(_KIND_NAMES[RAGGED], inputs)
-            limit = self._limits.limit(key)
             # Dispatching compiles a shape's programs the first time it runs.
-            self._watchdog.arm(f"dispatching a {describe(key)} on process 0", limit)
-            try:
-                pending = self.runner.dispatch_step(inputs, None if prev is None else prev.pending)
-            except Exception as e:
-                fatal(f"ragged step failed: {type(e).__name__}: {e}", self._exit)
-                raise
-            finally:
-                self._watchdog.disarm()
+            key, limit, pending = self._watched(
+                RAGGED, inputs, "dispatching",
+                lambda: self.runner.dispatch_step(inputs, None if prev is None else prev.pending))
             self._peer_limit = limit  # the others may run it that long before the next broadcast
             return _InFlight(self, pending, key, limit)
 
@@ -268,23 +258,29 @@ class LeaderRunner:
     def _step(self, kind: int, inputs):
         """Sends the step, then runs it here exactly as the workers do (`_run`)."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the process group has shut down")
-            self._send(kind, inputs)
-            key = step_key(_KIND_NAMES[kind], inputs)
-            limit = self._limits.limit(key)
-            self._watchdog.arm(f"running a {describe(key)} on process 0", limit)
-            try:
-                out = _run(self.runner, kind, inputs)
-            except Exception as e:
-                # The workers ran (or failed) the same step; nothing keeps the group in step now.
-                fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}", self._exit)
-                raise
-            finally:
-                self._watchdog.disarm()
+            key, limit, out = self._watched(kind, inputs, "running",
+                                            lambda: _run(self.runner, kind, inputs))
             self._limits.done(key)
             self._peer_limit = limit
             return out
+
+    def _watched(self, kind: int, inputs, verb: str, call):
+        """Sends the step, then `call()`s it here under the watchdog (the lock held): returns
+        (its step key, its time limit, what the call returned)."""
+        if self._closed:
+            raise RuntimeError("the process group has shut down")
+        self._send(kind, inputs)
+        key = step_key(_KIND_NAMES[kind], inputs)
+        limit = self._limits.limit(key)
+        self._watchdog.arm(f"{verb} a {describe(key)} on process 0", limit)
+        try:
+            return key, limit, call()
+        except Exception as e:
+            # The workers ran (or failed) the same step; nothing keeps the group in step now.
+            fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}", self._exit)
+            raise
+        finally:
+            self._watchdog.disarm()
 
     def _send(self, kind: int, inputs) -> None:
         buf = encode_step(kind, inputs, self.capacity)

@@ -238,3 +238,39 @@ def vision_golden_images(m, golden: dict, k: int):
     soft = np.flatnonzero(ids == m.vision.tokens.soft)
     return tuple(SeqImage(spans=((int(a), int(a) + 16),), pixels=golden[f"pixels_{k}"][j:j + 1],
                           key=f"img{k}-{j}") for j, a in enumerate(soft[::16]))
+
+
+def stream_beside_an_image(engine, golden: dict, images, probe, stream_tokens: int):
+    """Through a real engine core over `engine`: a greedy text stream (the golden's 0-image
+    prompt) and, once it has 3 tokens, the 2-image golden prompt for 8 greedy tokens. Returns
+    (the image request's tokens, probe() taken at each of the stream's tokens)."""
+    import threading
+
+    from serving.engine_core import EngineCore
+    from serving.sampling import SamplingParams
+
+    core = EngineCore(engine).start()
+    seen, results = [], [[], []]
+    done = [threading.Event(), threading.Event()]
+
+    def sink(i):
+        def on(e):
+            results[i].extend(t.id for t in e.tokens)
+            if i == 0:
+                seen.extend(probe() for _ in e.tokens)
+            if e.finish_reason is not None:
+                assert e.error is None, e.error
+                done[i].set()
+        return on
+
+    try:
+        core.submit([(golden["ids_0"].tolist(), SamplingParams(
+            max_tokens=stream_tokens, temperature=0.0, ignore_eos=True), sink(0), ())])
+        while len(results[0]) < 3:
+            threading.Event().wait(0.01)
+        core.submit([(golden["ids_2"].tolist(), SamplingParams(
+            max_tokens=8, temperature=0.0, ignore_eos=True), sink(1), images)])
+        assert done[0].wait(120) and done[1].wait(120)
+    finally:
+        core.shutdown()
+    return results[1], seen

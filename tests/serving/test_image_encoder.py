@@ -12,8 +12,8 @@ from serving.image_encoder import ImageEncoder
 from serving.paged_runner import PagedRunner
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
-from serving.scheduler import SeqImage, Sequence
-from testkit import vision_golden_images, vision_golden_model
+from serving.scheduler import Sequence
+from testkit import stream_beside_an_image, vision_golden_images, vision_golden_model
 
 
 @pytest.fixture(scope="module")
@@ -92,34 +92,12 @@ def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, visio
 def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, vision_golden):
     engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
     engine.encoder_budget_flops = small_budget(model)
-    core = EngineCore(engine).start()
-    seen, done = [], [threading.Event(), threading.Event()]
-    results = [[], []]
-
-    def sink(i):
-        def on(e):
-            results[i].extend(t.id for t in e.tokens)
-            if i == 0:
-                seen.extend([engine.images_encoded, engine.encoder.advances] for _ in e.tokens)
-            if e.finish_reason is not None:
-                assert e.error is None, e.error
-                done[i].set()
-        return on
-
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    try:
-        core.submit([(vision_golden["ids_0"].tolist(), params, sink(0), ())])
-        while len(results[0]) < 3:
-            threading.Event().wait(0.01)
-        images = vision_golden_images(model, vision_golden, 2)
-        core.submit([(vision_golden["ids_2"].tolist(), params.__class__(max_tokens=8, temperature=0.0,
-                                                                ignore_eos=True), sink(1), images)])
-        assert done[0].wait(120) and done[1].wait(120)
-    finally:
-        core.shutdown()
+    images = vision_golden_images(model, vision_golden, 2)
+    tokens, seen = stream_beside_an_image(
+        engine, vision_golden, images, lambda: [engine.images_encoded, engine.encoder.advances], 60)
     enc = engine.encoder
     assert enc.max_advance_flops <= enc.budget_flops
-    np.testing.assert_array_equal(results[1], vision_golden["greedy_2"][:8])
+    np.testing.assert_array_equal(tokens, vision_golden["greedy_2"][:8])
     # Every advance while the image encoded came after a step that gave the stream a token.
     during = [adv for n, adv in seen if n < len(images) and 0 < adv]
     whole = sum(st.flops for st in enc.stages) * len(images)

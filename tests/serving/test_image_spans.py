@@ -2,17 +2,15 @@
 multimodal golden: the keys and values equal those of the one-step piece, no advance runs more
 than its budget, and through the engine core a running stream gets a token between the span's
 stages while the image request's greedy tokens stay the golden's."""
-import threading
 
 import numpy as np
 import pytest
 
-from serving.engine_core import EngineCore
 from serving.paged_runner import PagedRunner, step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
-from serving.scheduler import SeqImage, Sequence
-from testkit import vision_golden_images, vision_golden_model
+from serving.scheduler import Sequence
+from testkit import stream_beside_an_image, vision_golden_images, vision_golden_model
 
 
 @pytest.fixture(scope="module")
@@ -85,38 +83,17 @@ def test_staged_spans_store_the_one_step_pieces_keys(model, vision_golden):
 
 
 def test_a_running_stream_decodes_between_the_span_stages(model, vision_golden):
-    """Through the engine core: the image request's greedy tokens are the vision_golden's, and the
+    """Through the engine core: the image request's greedy tokens are the golden's, and the
     span's stages ran spread over several steps, each after a step that gave the stream a
     token (counted, not timed)."""
     engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
     engine.encoder_budget_flops = one_layer_rows(model)
     for im in vision_golden_images(model, vision_golden, 2):  # features ready: only the spans are staged
         engine.image_features(im)
-    core = EngineCore(engine).start()
-    seen, results = [], [[], []]
-    done = [threading.Event(), threading.Event()]
-
-    def sink(i):
-        def on(e):
-            results[i].extend(t.id for t in e.tokens)
-            if i == 0:
-                seen.extend(engine.spans.stages_run for _ in e.tokens)
-            if e.finish_reason is not None:
-                assert e.error is None, e.error
-                done[i].set()
-        return on
-
-    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
-    try:
-        core.submit([(vision_golden["ids_0"].tolist(), params, sink(0), ())])
-        while len(results[0]) < 3:
-            threading.Event().wait(0.01)
-        core.submit([(vision_golden["ids_2"].tolist(), SamplingParams(
-            max_tokens=8, temperature=0.0, ignore_eos=True), sink(1), vision_golden_images(model, vision_golden, 2))])
-        assert done[0].wait(120) and done[1].wait(120)
-    finally:
-        core.shutdown()
-    np.testing.assert_array_equal(results[1], vision_golden["greedy_2"][:8])
+    tokens, seen = stream_beside_an_image(engine, vision_golden,
+                                          vision_golden_images(model, vision_golden, 2),
+                                          lambda: engine.spans.stages_run, 80)
+    np.testing.assert_array_equal(tokens, vision_golden["greedy_2"][:8])
     writer = engine.spans
     assert writer.max_advance_flops <= writer.budget_flops
     total = 2 * (3 * model.config.num_layers - 2)
