@@ -75,15 +75,14 @@ def with_crops(turns: list[tuple[str, str]], sentinel: str, crops: list[int]):
     """The turns with the i-th image (`sentinel`) that has crops[i] > 0 pan-and-scan crops
     written as the reference processor writes it: the original, then its crops, each one image
     (`multimodal.expand_image_placeholders`' text, with the sentinel for each image)."""
-    from models.gemma3.multimodal import PAN_AND_SCAN_MIDDLE, PAN_AND_SCAN_PREFIX
+    from models.gemma3 import multimodal
 
     it = iter(crops)
     out = []
     for role, text in turns:
         first, *rests = text.split(sentinel)
         for rest, k in zip(rests, it):  # (rests first: zip then takes no count past them)
-            first += (PAN_AND_SCAN_PREFIX + sentinel + PAN_AND_SCAN_MIDDLE
-                      + " ".join([sentinel] * k) if k else sentinel) + rest
+            first += multimodal.with_crops(sentinel, k) + rest
         out.append((role, first))
     return out
 

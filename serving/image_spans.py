@@ -31,10 +31,7 @@ import numpy as np
 
 from serving.image_encoder import chunk_flops
 from serving.kv_pages import SCRATCH, KVPages
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+from serving.paged_runner import MIN_PAGES, local_pages_for, pow2
 
 
 MIN_ROWS = 8  # rows of a stage: fewer make matmuls too thin to pay for a program
@@ -55,6 +52,7 @@ class _Progress:
     job: object  # paged_scheduler.SpanJob
     blocks: int  # rows stages a layer
     x: object = None  # the span's residual stream [N, D] (N: its rows padded to a power of two)
+    write: tuple = ()  # the span rows' cache slots in the (global, local) pools (padding: scratch)
     layer: int = 0
     part: int = 0  # 0: the layer's kv stage next; r > 0: rows block r - 1 next
 
@@ -96,7 +94,7 @@ class SpanWriter:
                 continue
             p = self._progress.get(job) or self._begin(job, kv)
             while True:
-                cost = self._cost(p, kv)
+                cost = self._cost(p)
                 if bounded and ran and spent + cost > self.budget_flops:
                     self.max_advance_flops = max(self.max_advance_flops, spent)
                     return spent
@@ -115,7 +113,7 @@ class SpanWriter:
         import jax.numpy as jnp
 
         n = job.end - job.start
-        rows = _pow2(max(n, MIN_ROWS))
+        rows = pow2(max(n, MIN_ROWS))
         feats = self.engine.image_features(job.image)  # [crops * tokens, D]
         a, b = job.image.spans[job.crop]
         first = job.crop * (b - a) + job.start - a
@@ -126,11 +124,14 @@ class SpanWriter:
         blocks = 1
         while flops / blocks > self.budget_flops and rows // (2 * blocks) >= MIN_ROWS:
             blocks *= 2
-        p = _Progress(job, blocks, x)
+        write = np.full((2, rows), SCRATCH * kv.page_size, np.int32)
+        for i, pos in enumerate(range(job.start, job.end)):
+            write[:, i] = kv.slot(job.seq.id, pos)
+        p = _Progress(job, blocks, x, write=(write[0], write[1]))
         self._progress[job] = p
         return p
 
-    def _cost(self, p: _Progress, kv: KVPages) -> float:
+    def _cost(self, p: _Progress) -> float:
         rows = int(p.x.shape[0])
         kv_flops, rows_flops = layer_flops(self.model.config, rows, p.job.end)
         return kv_flops if p.part == 0 else rows_flops / p.blocks
@@ -141,10 +142,7 @@ class SpanWriter:
         positions = np.full(rows, job.start, np.int32)
         positions[:job.end - job.start] = np.arange(job.start, job.end)
         if p.part == 0:
-            glob = self.model.config.is_global(layer)
-            write = np.full(rows, SCRATCH * kv.page_size, np.int32)
-            for i, pos in enumerate(range(job.start, job.end)):
-                write[i] = kv.slot(job.seq.id, pos)[0 if glob else 1]
+            write = p.write[0 if self.model.config.is_global(layer) else 1]
             engine.pages = self.model.span_layer(engine.pages, layer, p.x, positions, write)
             engine.window.dispatched(engine.pages.layers[layer].kv)
             last = layer == self.model.config.num_layers - 1
@@ -162,15 +160,13 @@ class SpanWriter:
         """A block of the span's rows as one sequence row of a RaggedBatch: its queries see
         every key up to the span's end (the span's keys are stored)."""
         from models.gemma3.ragged import RaggedBatch
-        from serving.paged_runner import MIN_PAGES, local_pages_for
-
         r = len(positions)
         sp = kv.seqs[job.seq.id]
         info = self.engine.info
-        pg = max(MIN_PAGES, _pow2(len(sp.global_pages)))
+        pg = max(MIN_PAGES, pow2(len(sp.global_pages)))
         global_table = np.full((1, pg), SCRATCH, np.int32)
         global_table[0, :len(sp.global_pages)] = sp.global_pages
-        pl = local_pages_for(_pow2(job.end - job.start), info.sliding_window, info.page_size)
+        pl = local_pages_for(pow2(job.end - job.start), info.sliding_window, info.page_size)
         local_table = np.full((1, pl), SCRATCH, np.int32)
         local_first = np.zeros(1, np.int32)
         if kv.local_pool is not None:

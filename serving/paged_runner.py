@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 
-def _pow2(n: int, smallest: int = 1) -> int:
+def pow2(n: int, smallest: int = 1) -> int:
+    """The smallest power of two >= n (and >= smallest): a bucket size."""
     return max(smallest, 1 << max(0, int(n) - 1).bit_length())
 
 
@@ -95,20 +96,20 @@ MIN_TOKENS = 8
 
 def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
                 logits: bool) -> Buckets:
-    max_pages = _pow2(-(-info.max_seq_len // info.page_size))
+    max_pages = pow2(-(-info.max_seq_len // info.page_size))
     if info.deterministic:
         # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
         # apart), so no bucket that follows the neighbours is neutral: batch invariance needs
         # one shape for every step, the whole budget and context, as the slot engine does.
-        q = max(info.chunk_size, _pow2(longest_piece))
-        return Buckets(tokens=max(MIN_TOKENS, _pow2(info.max_num_batched_tokens), _pow2(tokens)),
+        q = max(info.chunk_size, pow2(longest_piece))
+        return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_batched_tokens), pow2(tokens)),
                        seqs=info.num_slots, queries=q, global_pages=max(MIN_PAGES, max_pages),
                        local_pages=local_pages_for(q, info.sliding_window, info.page_size))
-    s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, _pow2(seqs)))
-    q = 1 if longest_piece == 1 else max(info.chunk_size, _pow2(longest_piece))
-    t = max(MIN_TOKENS, s if q == 1 else _pow2(tokens))
+    s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, pow2(seqs)))
+    q = 1 if longest_piece == 1 else max(info.chunk_size, pow2(longest_piece))
+    t = max(MIN_TOKENS, s if q == 1 else pow2(tokens))
     return Buckets(tokens=t, seqs=s, queries=q,
-                   global_pages=min(max(MIN_PAGES, _pow2(pages)), max(MIN_PAGES, max_pages)),
+                   global_pages=min(max(MIN_PAGES, pow2(pages)), max(MIN_PAGES, max_pages)),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size),
                    logits=logits)
 
@@ -117,10 +118,10 @@ def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
     """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
     sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
     (one piece of the whole budget). A piece of image tokens may run past them."""
-    q = max(info.chunk_size, _pow2(info.chunk_size))
-    t = max(MIN_TOKENS, info.num_slots, _pow2(info.max_num_batched_tokens))
-    pages = max(MIN_PAGES, _pow2(-(-info.max_seq_len // info.page_size)))
-    lone_q = max(q, _pow2(info.max_num_batched_tokens))
+    q = max(info.chunk_size, pow2(info.chunk_size))
+    t = max(MIN_TOKENS, info.num_slots, pow2(info.max_num_batched_tokens))
+    pages = max(MIN_PAGES, pow2(-(-info.max_seq_len // info.page_size)))
+    lone_q = max(q, pow2(info.max_num_batched_tokens))
     return (Buckets(tokens=t, seqs=info.num_slots, queries=q, global_pages=pages,
                     local_pages=local_pages_for(q, info.sliding_window, info.page_size)),
             Buckets(tokens=t, seqs=1, queries=lone_q, global_pages=pages,
@@ -386,7 +387,7 @@ class PagedRunner:
         jnp = self._jax.numpy
         rows = [self.image_features(im) for im in inputs.images]
         n = sum(r.shape[0] for r in rows)
-        pad = _pow2(n) - n  # a few feature counts, so a few programs
+        pad = pow2(n) - n  # a few feature counts, so a few programs
         if pad:
             rows.append(jnp.zeros((pad, rows[0].shape[1]), rows[0].dtype))
         feats = rows[0] if len(rows) == 1 else jnp.concatenate(rows)
@@ -536,10 +537,10 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     has_local = any(not c.is_global(i) for i in range(c.num_layers))
     has_global = any(c.is_global(i) for i in range(c.num_layers))
     window = c.sliding_window if has_local else None
-    per_seq_local = local_pages_for(_pow2(chunk_size), window, page_size)
+    per_seq_local = local_pages_for(pow2(chunk_size), window, page_size)
     # ... and room for a lone prompt's whole-budget piece, whose window reaches further back.
     local_pages = max(max_num_seqs * per_seq_local * 5 // 4,
-                      local_pages_for(_pow2(budget), window, page_size))
+                      local_pages_for(pow2(budget), window, page_size))
     tokenizer = model.tokenizer
     return RunnerInfo(
         model_name=model_name,

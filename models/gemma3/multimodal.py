@@ -53,6 +53,14 @@ def image_sequence(tokens_per_image: int = TOKENS_PER_IMAGE) -> str:
     return f"\n\n{START_OF_IMAGE}{IMAGE_SOFT_TOKEN * tokens_per_image}{END_OF_IMAGE}\n\n"
 
 
+def with_crops(image: str, crops: int) -> str:
+    """One image's text with `crops` pan-and-scan crops as the reference processor lays it out
+    (`image` stands for the original and for each crop), or `image` alone without crops."""
+    if not crops:
+        return image
+    return PAN_AND_SCAN_PREFIX + image + PAN_AND_SCAN_MIDDLE + " ".join([image] * crops)
+
+
 def expand_image_placeholders(text: str, crops: Sequence[int] | None = None,
                               tokens_per_image: int = TOKENS_PER_IMAGE) -> str:
     """Replace the i-th `<start_of_image>` of `text` with image i's token text; `crops[i]` is the
@@ -66,10 +74,7 @@ def expand_image_placeholders(text: str, crops: Sequence[int] | None = None,
     one = image_sequence(tokens_per_image)
     out = [parts[0]]
     for k, rest in zip(crops, parts[1:]):
-        if k:
-            out.append(PAN_AND_SCAN_PREFIX + one + PAN_AND_SCAN_MIDDLE + " ".join([one] * k))
-        else:
-            out.append(one)
+        out.append(with_crops(one, k))
         out.append(rest)
     return "".join(out)
 
