@@ -272,12 +272,18 @@ class LeaderRunner:
         self._send(kind, inputs)
         key = step_key(_KIND_NAMES[kind], inputs)
         limit = self._limits.limit(key)
-        self._watchdog.arm(f"{verb} a {describe(key)} on process 0", limit)
+        # The workers ran (or failed) the same step; nothing keeps the group in step now.
+        return key, limit, self._guarded(f"{verb} a {describe(key)} on process 0", limit,
+                                         f"{_KIND_NAMES[kind]} step failed", call)
+
+    def _guarded(self, what: str, limit: float, failure: str, call):
+        """call() under the group's watchdog (`what`, at most `limit` seconds); an error in it
+        ends the group (`failure` says what failed)."""
+        self._watchdog.arm(what, limit)
         try:
-            return key, limit, call()
+            return call()
         except Exception as e:
-            # The workers ran (or failed) the same step; nothing keeps the group in step now.
-            fatal(f"{_KIND_NAMES[kind]} step failed: {type(e).__name__}: {e}", self._exit)
+            fatal(f"{failure}: {type(e).__name__}: {e}", self._exit)
             raise
         finally:
             self._watchdog.disarm()
@@ -285,16 +291,11 @@ class LeaderRunner:
     def _send(self, kind: int, inputs) -> None:
         buf = encode_step(kind, inputs, self.capacity)
         # Every process must join the broadcast: the others may still be running the last step.
-        self._watchdog.arm(f"broadcasting the {_KIND_NAMES[kind]} step",
-                           max(self._peer_limit, self._limits.limit("broadcast")))
-        try:
-            self._bcast(buf)
-        except Exception as e:
-            fatal(f"broadcasting the {_KIND_NAMES[kind]} step failed (a process has died?): "
-                  f"{type(e).__name__}: {e}", self._exit)
-            raise
-        finally:
-            self._watchdog.disarm()
+        name = _KIND_NAMES[kind]
+        self._guarded(f"broadcasting the {name} step",
+                      max(self._peer_limit, self._limits.limit("broadcast")),
+                      f"broadcasting the {name} step failed (a process has died?)",
+                      lambda: self._bcast(buf))
         self._limits.done("broadcast")
         self._peer_limit = self._limits.step_s
         self._last = time.monotonic()
@@ -323,14 +324,8 @@ class _InFlight:
     def result(self):
         leader = self.leader
         with leader._lock:
-            leader._watchdog.arm(f"running a {describe(self.key)} on process 0", self.limit)
-            try:
-                out = self.pending.result()
-            except Exception as e:
-                fatal(f"ragged step failed: {type(e).__name__}: {e}", leader._exit)
-                raise
-            finally:
-                leader._watchdog.disarm()
+            out = leader._guarded(f"running a {describe(self.key)} on process 0", self.limit,
+                                  "ragged step failed", self.pending.result)
             leader._limits.done(self.key)
         return out
 
