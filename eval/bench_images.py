@@ -161,7 +161,7 @@ def encoder_rates(model, n: int) -> dict:
     images after a compiling call); the served placement is restored."""
     import jax
 
-    host = model._host_vision()
+    host = model.host_vision()
     size = model.vision.config.image_size
     pixels = np.random.default_rng(0).uniform(-1, 1, (1, size, size, 3)).astype(np.float32)
     out = {}
@@ -213,6 +213,9 @@ def main(argv=None) -> dict:
     p.add_argument("--encoder", type=int, default=0,
                    help="N > 0: also time N images through the one-shot encoder, on one "
                         "device and replicated")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the engine in deterministic mode (one step shape; spans staged alone "
+                        "too): kind 'staged' is then its soft tokens in one step as before")
     p.add_argument("--out")
     args = p.parse_args(argv)
     jax_platform.request_cpu_devices(args.tp)
@@ -227,9 +230,11 @@ def main(argv=None) -> dict:
     model = load_model(args.model, tp=args.tp, dtype=args.dtype, max_seq_len=4096 + 512,
                        allreduce=AllReduceConfig(method="f32"))
     engine = PagedRunner(model, max_num_seqs=4, max_seq_len=4096 + 512, page_size=16,
-                         chunk_size=args.chunk, model_name="bench")
+                         chunk_size=args.chunk, deterministic=args.deterministic,
+                         model_name="bench")
     core = EngineCore(engine).start()
     results = {"model": args.model, "tp": args.tp, "chunk": args.chunk,
+               "deterministic": args.deterministic,
                "encoder_budget_flops": engine.encoder.budget_flops,
                "encoder_stages": len(engine.encoder.stages), "stall": {}}
     try:

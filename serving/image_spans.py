@@ -20,8 +20,9 @@ budget (at least one); the scheduler lets the sequence go on past the span once 
 
 The stages are the ragged step's own functions (`models.gemma3.ragged.span_kv`, `span_rows`)
 on fewer rows, so the keys equal the one-step piece's to float32 rounding
-(tests/serving/test_image_spans.py). Spans are written only while other sequences run and
-outside deterministic mode (`PagedScheduler._stages_span`): alone, the one step stalls no one.
+(tests/serving/test_image_spans.py). Spans are written so while other sequences run, and
+always in deterministic mode (`PagedScheduler._stages_span`); outside it a lone sequence runs
+its span inside one step, which is faster and stalls no one.
 """
 from __future__ import annotations
 
@@ -117,9 +118,10 @@ class SpanWriter:
         feats = self.engine.image_features(job.image)  # [crops * tokens, D]
         a, b = job.image.spans[job.crop]
         first = job.crop * (b - a) + job.start - a
-        x = feats[first:first + n]
-        if rows > n:
-            x = jnp.concatenate([x, jnp.zeros((rows - n, x.shape[1]), x.dtype)])
+        # The rows stages donate x: it must never be the cached features themselves (a full
+        # slice of a jax array is the array), or the image's next request finds them deleted.
+        x = jnp.concatenate([feats[first:first + n],
+                             jnp.zeros((rows - n, feats.shape[1]), feats.dtype)])
         _, flops = layer_flops(self.model.config, rows, job.end)
         blocks = 1
         while flops / blocks > self.budget_flops and rows // (2 * blocks) >= MIN_ROWS:

@@ -14,7 +14,7 @@ A piece stops before the soft tokens of an image whose features are not ready ye
 (`image_ready`), and the plan lists the images its sequences wait for (`StepPlan.encode`): the
 engine encodes them a bounded piece per step (`serving/image_encoder.py`). With `stage_spans`
 (set by the engine core for an engine that can) a running sequence's piece also stops before
-an image's soft tokens while other sequences run: the span is then written a layer at a time
+an image's soft tokens while other sequences run (in deterministic mode always): the span is then written a layer at a time
 between steps (`StepPlan.spans`, `serving/image_spans.py`), since in one step its 256
 bidirectional tokens cost ~16 prompt pieces; the sequence's pieces go on once the engine says
 the span is written (`span_written`).
@@ -268,10 +268,11 @@ class PagedScheduler(WaitingQueue):
         return True
 
     def _stages_span(self, s: Sequence, alone: bool) -> bool:
-        """Whether s's image spans are written between steps: only while other sequences run
-        or wait (alone, one step is fastest and stalls no one), never in deterministic mode
-        (a request's computation must not depend on its neighbours)."""
-        return self.stage_spans and not alone and not self.info.deterministic
+        """Whether s's image spans are written between steps: while other sequences run or
+        wait (alone, one step is fastest and stalls no one), and always in deterministic mode:
+        there a request's computation must not depend on its neighbours, and the stages round
+        a little differently from the one-step piece, so they run alone too."""
+        return self.stage_spans and (self.info.deterministic or not alone)
 
     def _span_at(self, s: Sequence, start: int) -> SpanJob | None:
         """The span of an image with ready features that position `start` lies in (a span

@@ -174,7 +174,7 @@ class Gemma3Model(Gemma3StepAPI):
 
             if self.vision is not None:
                 from models.gemma3.vision_checkpoint import save_hf_multimodal
-                save_hf_multimodal(path, self.weights, self.config, self._host_vision(),
+                save_hf_multimodal(path, self.weights, self.config, self.host_vision(),
                                    dtype or self.dtype)
             else:
                 hf_checkpoint.save_hf_weights(
@@ -195,7 +195,7 @@ class Gemma3Model(Gemma3StepAPI):
         loading.save_checkpoint(path, self.weights, self.config,
                                 serialized() if serialized is not None else None)
 
-    def _host_vision(self):
+    def host_vision(self):
         """The tower and projector as host arrays (placed on the mesh: `attach_vision`)."""
         import dataclasses
         return dataclasses.replace(self.vision, vision=jax.tree.map(np.asarray, self.vision.vision),
@@ -209,7 +209,7 @@ class Gemma3Model(Gemma3StepAPI):
         tree = to_official_tree(self.weights, self.config)
         if self.vision is not None:
             from models.gemma3.vision_checkpoint import vision_to_official
-            vision = vision_to_official(self._host_vision())
+            vision = vision_to_official(self.host_vision())
             tree["embedder"].update(vision.pop("embedder"))
             tree.update(vision)
         return jax.tree.map(lambda x: np.asarray(x, dtype), tree)

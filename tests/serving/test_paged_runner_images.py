@@ -108,8 +108,9 @@ def generate_alone(engine, ids, images):
 
 
 def test_deterministic_mixed_text_and_image_requests_equal_each_alone(model, vision_golden):
-    """Deterministic mode: one shape a step (grown to hold a piece that runs to an image's
-    end), so a request's logprobs are bit-identical together and alone."""
+    """Deterministic mode: one shape a step, and image spans written a layer at a time
+    between steps whether a request runs alone or not, so a request's logprobs are
+    bit-identical together and alone."""
     engine = engine_of(model, deterministic=True)
     text = vision_golden["ids_0"].tolist()
     requests = [(vision_golden["ids_2"], images_of(model, vision_golden, 2)), (text, ()),
@@ -121,4 +122,7 @@ def test_deterministic_mixed_text_and_image_requests_equal_each_alone(model, vis
     finally:
         core.shutdown()
     assert together == alone
+    # Staged, alone too: the first run's 3 spans at least (kv + one rows block a layer, the last
+    # layer's kv only); the lone runs' spans may come from the prefix cache.
+    assert engine.spans.stages_run >= 3 * (2 * model.config.num_layers - 1)
     np.testing.assert_array_equal([t for t, _ in together[0]], vision_golden["greedy_2"][:6])
