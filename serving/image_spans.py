@@ -118,8 +118,10 @@ class SpanWriter:
         a, b = job.image.spans[job.crop]
         first = job.crop * (b - a) + job.start - a
         x = feats[first:first + n]
-        if rows > n:
-            x = jnp.concatenate([x, jnp.zeros((rows - n, x.shape[1]), x.dtype)])
+        # Always a new array: the rows stages donate the residual stream, and the slice of a
+        # whole image's features can be the cached array itself.
+        x = (jnp.concatenate([x, jnp.zeros((rows - n, x.shape[1]), x.dtype)]) if rows > n
+             else jnp.array(x, copy=True))
         _, flops = layer_flops(self.model.config, rows, job.end)
         blocks = 1
         while flops / blocks > self.budget_flops and rows // (2 * blocks) >= MIN_ROWS:
