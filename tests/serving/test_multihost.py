@@ -1,12 +1,14 @@
 """Multi-host serving: `gemma3-serve` as 2 processes on JAX's distributed runtime (gloo over
-127.0.0.1), tp=2 with one device in each process, the real Gemma 3 270M in float32.
+127.0.0.1), tp=2 with one device in each process, float32.
 
-A real HTTP request to process 0 must return exactly the tokens of the single-process tp=2 model
-with the same AllReduce (computed here, in the test process, on 2 of its virtual devices), for the
-bf16 and the int8 AllReduce. Then the group must end cleanly on SIGTERM (bf16), and process 0 must
-exit with a clear error soon after process 1 is killed (int8).
+The slot engine on the real Gemma 3 270M must return exactly the tokens of the single-process
+tp=2 model with the int8 AllReduce (computed here, in the test process), and process 0 must
+exit with a clear error soon after process 1 is killed. The paged engine, on a tiny random
+model with a tiny vision tower, must answer text and image requests exactly as a single-process
+server does, then end cleanly on SIGTERM.
 
-The wire format, settings and watchdog are checked without starting any process.
+The wire format, settings and watchdog are checked without starting any process, and a
+group's image work with its two processes played in this one.
 """
 import dataclasses
 import json
