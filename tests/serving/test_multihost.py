@@ -516,7 +516,7 @@ def _beside_a_stream(url: str, body: dict) -> tuple[list, str]:
     stream's decode beside it in both servers, however far the stream had got."""
     text, image = "", None
     with httpx.stream("POST", url + "/v1/completions", timeout=300, json={
-            "model": "tiny-vl", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+            "model": "tiny-vl", "prompt": "Once upon a time", "max_tokens": 96, "temperature": 0,
             "ignore_eos": True, "stream": True}) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
