@@ -465,10 +465,11 @@ class Follower:
         self.features_received = 0  # images whose features process 0 sent
 
     def image_summary(self) -> str:
-        spans = getattr(self.runner, "_spans", None)
+        if self._images is None:
+            return "no image work"
         return (f"features of {self.features_received} images received, "
-                f"{spans.stages_run if spans is not None else 0} image span stages run, "
-                f"{getattr(self.runner, 'images_encoded', 0)} images encoded")
+                f"{self.runner.spans.stages_run} image span stages run, "
+                f"{self.runner.images_encoded} images encoded")
 
     def next_step(self, capacity: int) -> tuple[int, object]:
         """The next step process 0 sends, in as many broadcasts of `capacity` words as it takes."""

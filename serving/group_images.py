@@ -211,6 +211,9 @@ class LeaderImages:
         return out
 
     def span_work(self, jobs, kv, bounded: bool) -> SpanWork:
+        """The SPANS step of `advance_spans(jobs, kv, bounded)`: a span keeps its number while
+        listed (the others' writer keeps its work by it); its layout goes with its first
+        listing, read from the page tables, which do not change while it is written."""
         from serving.image_spans import span_layout
 
         listed = set(jobs)
