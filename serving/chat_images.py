@@ -103,9 +103,6 @@ def vision_of(engine):
 
 def check_allowed(engine, count: int, limit: int) -> None:
     """Raises ImageRequestError unless this engine can take `count` images in one prompt."""
-    refused = getattr(engine, "refuses_images", None)  # e.g. a multi-process group's
-    if refused:
-        raise ImageRequestError(refused)
     if vision_of(engine) is None:
         raise ImageRequestError("this model takes no images: it has no vision tower (a text-only "
                                 "checkpoint); send text only, or serve a multimodal checkpoint")

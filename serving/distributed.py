@@ -13,7 +13,11 @@ broadcast (docs/engine.md measures both).
 
 A step travels as one fixed-size int32 array (`encode_step`/`decode_step`), so the broadcast is a
 single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
-tables say (`serving/wire.py`), and its size is the largest step the engine's info allows. When
+tables say (`serving/wire.py`), and its size is the largest step of text the engine's info
+allows; a larger step (a piece run on past the budget to an image's end, a span's layout) goes
+on in as many more broadcasts of that size as it needs, which its header tells the others.
+Images: process 0 encodes, each image's features go to the others once in a broadcast of their
+own, image spans are replayed stage for stage (serving/group_images.py says why). When
 process 0 is idle it broadcasts a heartbeat step every `heartbeat_s` seconds, so a worker that
 hears nothing for `step_timeout_s` knows that process 0 is gone or stuck. Any failure of a step
 (a peer died mid-collective, or the watchdog fired) ends the process with a clear error: the
@@ -45,8 +49,11 @@ log = logging.getLogger(__name__)
 # Step kinds (header[0]). Each kind that carries inputs names their type; the type's own WIRE
 # table says how its fields travel (serving/wire.py), so nothing here names a field.
 IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE, CHUNK, RAGGED = 0, 1, 2, 3, 4, 5, 6, 7
+# The paged engine's image work between steps (serving/group_images.py).
+ENCODE, FEATURES, SPANS = 8, 9, 10
 _KIND_NAMES = {IDLE: "idle", PREFILL: "prefill", DECODE: "decode", RESET: "reset", SHUTDOWN: "shutdown",
-               MOVE: "move", CHUNK: "chunk", RAGGED: "ragged"}
+               MOVE: "move", CHUNK: "chunk", RAGGED: "ragged", ENCODE: "encode",
+               FEATURES: "features", SPANS: "spans"}
 _HEADER = 2  # kind, payload length
 
 EXIT_PEER_LOST = 3  # exit status when the process group breaks
@@ -59,11 +66,12 @@ EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
 def _input_types() -> dict[int, type]:
     """The input type of each kind that carries inputs (imported on use: they import jax)."""
+    from serving.group_images import EncodeWork, Features, SpanWork
     from serving.runner import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
     from serving.paged_runner import StepInputs
 
     return {PREFILL: PrefillInputs, DECODE: DecodeInputs, CHUNK: ChunkInputs, MOVE: SlotMove,
-            RAGGED: StepInputs}
+            RAGGED: StepInputs, ENCODE: EncodeWork, FEATURES: Features, SPANS: SpanWork}
 
 
 def _kinds_of(info) -> tuple[int, ...]:
@@ -73,15 +81,16 @@ def _kinds_of(info) -> tuple[int, ...]:
 
 
 def step_capacity(info) -> int:
-    """Int32 words of the largest step an engine with `info` can be asked to run (header
-    included): the largest of each input type's `wire_examples`."""
+    """Int32 words of one step broadcast: the largest step of text an engine with `info` can be
+    asked to run (header included), the largest of each input type's `wire_examples`."""
     types = _input_types()
     return _HEADER + max(len(wire.encode(x)) for kind in _kinds_of(info)
                          for x in types[kind].wire_examples(info))
 
 
 def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:
-    """One step as int32 [capacity]: a header and its inputs' words (serving/wire.py), zero-padded."""
+    """One step as int32 [n * capacity], n >= 1 broadcasts of `capacity` words (`broadcasts`):
+    a header and its inputs' words (serving/wire.py), zero-padded."""
     if kind not in _KIND_NAMES:
         raise ValueError(f"unknown step kind {kind}")
     want = _input_types().get(kind)
@@ -89,12 +98,18 @@ def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:
         raise ValueError(f"a {_KIND_NAMES[kind]} step carries "
                          f"{'no inputs' if want is None else want.__name__}, got {type(inputs).__name__}")
     payload = np.zeros(0, np.int32) if inputs is None else wire.encode(inputs)
-    if _HEADER + payload.size > capacity:
-        raise ValueError(f"step of {_HEADER + payload.size} words exceeds the broadcast capacity {capacity}")
-    out = np.zeros(capacity, np.int32)
+    out = np.zeros(-(-(_HEADER + payload.size) // capacity) * capacity, np.int32)
     out[:_HEADER] = kind, payload.size
     out[_HEADER:_HEADER + payload.size] = payload
     return out
+
+
+def broadcasts(first: np.ndarray) -> int:
+    """How many broadcasts of its size a step takes, from its first one's header."""
+    size = int(first[1])
+    if size < 0:
+        raise ValueError(f"malformed step: {size} payload words")
+    return -(-(_HEADER + size) // len(first))
 
 
 def decode_step(buf: np.ndarray) -> tuple[int, object]:
@@ -111,6 +126,12 @@ def decode_step(buf: np.ndarray) -> tuple[int, object]:
             raise ValueError(f"malformed step: a {_KIND_NAMES[kind]} step with {size} payload words")
         return kind, None
     return kind, wire.decode(cls, buf[_HEADER:_HEADER + size])
+
+
+def _key(kind: int, inputs) -> tuple:
+    """A step's watchdog key (`watchdog.step_key`; image work says what decides its programs)."""
+    watch = getattr(inputs, "watch", None)
+    return step_key(_KIND_NAMES[kind], inputs, **(watch() if watch is not None else {}))
 
 
 def _run(runner, kind: int, inputs):
@@ -160,9 +181,11 @@ class _Broadcaster:
         self.capacity = capacity
         self._bcast = multihost_utils.broadcast_one_to_all
 
-    def __call__(self, buf: np.ndarray | None) -> np.ndarray:
-        if buf is None:
-            buf = np.zeros(self.capacity, np.int32)
+    def __call__(self, buf: np.ndarray | int | None) -> np.ndarray:
+        """Process 0's words to every process; the others pass None (a step broadcast) or the
+        size they expect (a piece of features)."""
+        if buf is None or isinstance(buf, int):
+            buf = np.zeros(self.capacity if buf is None else buf, np.int32)
         return np.asarray(self._bcast(buf))
 
 
@@ -177,15 +200,15 @@ class LeaderRunner:
     on the device travel as indices (`StepInputs.feed`), which every worker resolves against
     its own device's tokens of step N (`Follower`).
 
-    broadcast(words) -> words: how a step reaches the others (default: jax's broadcast from
-    process 0); exit(status): how a broken group ends this process (default: at once)."""
+    Images (serving/group_images.py): the encoder runs here alone, between steps, under an
+    ENCODE step; each image's features go to the others in a FEATURES step before any step
+    names it; image spans' stages run everywhere, each `advance_spans` a SPANS step.
+
+    broadcast(words) -> words: how a step, or a piece of features, reaches the others
+    (default: jax's broadcast from process 0); exit(status): how a broken group ends this
+    process (default: at once)."""
 
     watches_steps = True  # its watchdog ends the group: the engine core needs none of its own
-    # Every step travels as one compiled broadcast of a fixed size, sent for every decode and
-    # heartbeat too: an image's pixels (896 x 896 x 3 floats, 2.4M words) or its features
-    # (256 x d_model) would make that broadcast megabytes each step. So a group serves text.
-    refuses_images = ("images are not served by a multi-process group (--num-processes > 1) "
-                      "yet: send text only, or serve images from a single-process server")
 
     def __init__(self, runner, settings: ProcessGroup,
                  broadcast: Callable[[np.ndarray], np.ndarray] | None = None,
@@ -206,23 +229,33 @@ class LeaderRunner:
         self._limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
         self._peer_limit = self._limits.compile_s  # the others may still run the last step this long
         self._stop = threading.Event()
+        self._images = None  # group_images.LeaderImages, made with the first image work
         self._heartbeat = threading.Thread(target=self._beat, name="step-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    @property
+    def model(self):
+        return self.runner.model
 
     def bucket_for(self, length: int) -> int:
         return self.runner.bucket_for(length)
 
     def run_prefill(self, inputs):
-        return self._step(PREFILL, inputs)
+        with self._lock:
+            return self._step(PREFILL, inputs)
 
     def run_decode(self, inputs):
-        return self._step(DECODE, inputs)
+        with self._lock:
+            return self._step(DECODE, inputs)
 
     def run_chunk(self, inputs):
-        return self._step(CHUNK, inputs)
+        with self._lock:
+            return self._step(CHUNK, inputs)
 
     def run_step(self, inputs):
-        return self._step(RAGGED, inputs)
+        with self._lock:
+            self._share(inputs.images)
+            return self._step(RAGGED, inputs)
 
     def dispatch_step(self, inputs, prev: "_InFlight | None" = None) -> "_InFlight":
         """The overlapped loop's ragged step (the class docstring): broadcast, then dispatched
@@ -230,6 +263,7 @@ class LeaderRunner:
         host. Its `result()` waits under the group's watchdog: a peer lost mid-step ends the
         group as a lost peer does in `run_step`."""
         with self._lock:
+            self._share(inputs.images)
             # Dispatching compiles a shape's programs the first time it runs.
             key, limit, pending = self._watched(
                 RAGGED, inputs, "dispatching",
@@ -240,10 +274,85 @@ class LeaderRunner:
     def move_slot(self, src: int, dst: int) -> None:
         from serving.runner import SlotMove
 
-        self._step(MOVE, SlotMove(src, dst))
+        with self._lock:
+            self._step(MOVE, SlotMove(src, dst))
 
     def reset(self) -> None:
-        self._step(RESET, None)
+        with self._lock:
+            self._step(RESET, None)
+
+    # ---- images (serving/group_images.py) ----
+
+    def image_features(self, image):
+        """An image's features here, the others sent them too (the engine reads them in steps;
+        chat_images checks that an engine has this)."""
+        with self._lock:
+            self._share([image])
+            return self.runner.image_features(image)
+
+    @property
+    def images_encoded(self) -> int:
+        return self.runner.images_encoded
+
+    def image_ready(self, key: str) -> bool:
+        return self.runner.image_ready(key)
+
+    def span_written(self, job) -> bool:
+        return self.runner.span_written(job)
+
+    def advance_images(self, wanted, bounded: bool = True, spent: float = 0.0) -> float:
+        """Process 0's encoder work between steps (the others wait through an ENCODE step),
+        then the features it finished, sent to the others."""
+        from serving.group_images import EncodeWork
+
+        with self._lock:
+            self._image_work()
+            flops = self._step(ENCODE, EncodeWork(len(wanted), bounded),
+                               lambda: self.runner.advance_images(wanted, bounded, spent))
+            self._share(())
+            return flops
+
+    def advance_spans(self, jobs, kv, bounded: bool = True) -> float:
+        """Image spans' stages between steps, run by every process (a SPANS step)."""
+        with self._lock:
+            self._share([job.image for job in jobs])
+            work = self._image_work().span_work(jobs, kv, bounded)
+            return self._step(SPANS, work,
+                              lambda: self.runner.advance_spans(jobs, kv, bounded))
+
+    def _image_work(self):
+        if self._images is None:
+            from serving.group_images import LeaderImages
+
+            self._images = LeaderImages(self.runner)
+        return self._images
+
+    def _share(self, images) -> None:
+        """(The lock held.) Before a step that names `images`: the features the others lack
+        (and any process 0 stored since it last sent), each in a FEATURES step; then the step
+        names them (`group_images.SharedFeatures`)."""
+        if not images and self._images is None:
+            return
+        group = self._image_work()
+        missing = group.missing(images)
+        if missing:  # process 0's cache dropped them: encoded again, as one process would
+            from serving.group_images import EncodeWork
+
+            self._step(ENCODE, EncodeWork(len(missing), False),
+                       lambda: [self.runner.image_features(im) for im in missing])
+        for header, words in group.to_send(images):
+            self._step(FEATURES, header, lambda: self._send_pieces(words))
+        if images:
+            group.shared.name(im.key for im in images)
+
+    def _send_pieces(self, words: np.ndarray) -> None:
+        from serving.group_images import piece_words
+
+        size = piece_words(self.runner.model)
+        for i in range(0, len(words), size):
+            piece = np.zeros(size, np.int32)
+            piece[:len(words[i:i + size])] = words[i:i + size]
+            self._bcast(piece)
 
     def close(self) -> None:
         """Ends the workers' loops (they exit 0) and stops the heartbeat."""
@@ -255,14 +364,14 @@ class LeaderRunner:
             self._closed = True
         self._watchdog.close()
 
-    def _step(self, kind: int, inputs):
-        """Sends the step, then runs it here exactly as the workers do (`_run`)."""
-        with self._lock:
-            key, limit, out = self._watched(kind, inputs, "running",
-                                            lambda: _run(self.runner, kind, inputs))
-            self._limits.done(key)
-            self._peer_limit = limit
-            return out
+    def _step(self, kind: int, inputs, call: Callable[[], object] | None = None):
+        """(The lock held.) Sends the step, then runs it here exactly as the workers do
+        (`_run`, or `call`)."""
+        key, limit, out = self._watched(kind, inputs, "running",
+                                        call or (lambda: _run(self.runner, kind, inputs)))
+        self._limits.done(key)
+        self._peer_limit = limit
+        return out
 
     def _watched(self, kind: int, inputs, verb: str, call):
         """Sends the step, then `call()`s it here under the watchdog (the lock held): returns
@@ -270,7 +379,7 @@ class LeaderRunner:
         if self._closed:
             raise RuntimeError("the process group has shut down")
         self._send(kind, inputs)
-        key = step_key(_KIND_NAMES[kind], inputs)
+        key = _key(kind, inputs)
         limit = self._limits.limit(key)
         # The workers ran (or failed) the same step; nothing keeps the group in step now.
         return key, limit, self._guarded(f"{verb} a {describe(key)} on process 0", limit,
@@ -289,13 +398,14 @@ class LeaderRunner:
             self._watchdog.disarm()
 
     def _send(self, kind: int, inputs) -> None:
-        buf = encode_step(kind, inputs, self.capacity)
+        words = encode_step(kind, inputs, self.capacity)
         # Every process must join the broadcast: the others may still be running the last step.
         name = _KIND_NAMES[kind]
         self._guarded(f"broadcasting the {name} step",
                       max(self._peer_limit, self._limits.limit("broadcast")),
                       f"broadcasting the {name} step failed (a process has died?)",
-                      lambda: self._bcast(buf))
+                      lambda: [self._bcast(words[i:i + self.capacity])
+                               for i in range(0, len(words), self.capacity)])
         self._limits.done("broadcast")
         self._peer_limit = self._limits.step_s
         self._last = time.monotonic()
@@ -340,25 +450,69 @@ class Follower:
     and a fed row never has logits processing (which stays on process 0): the engine core
     drains the step in flight before a step with such a row instead of feeding it. After
     dispatching step N+1 it reads step N's outputs back, as process 0 does, so that at most two
-    steps are in flight and the dispatch window (serving/dispatch_window.py) sees them finish."""
+    steps are in flight and the dispatch window (serving/dispatch_window.py) sees them finish.
 
-    def __init__(self, runner):
+    Images (serving/group_images.py): an ENCODE step runs nothing here; a FEATURES step's
+    pieces are received and kept; a ragged step's images and a SPANS step's spans are read
+    from them. receive(n) -> int32 [n]: the next broadcast of n words (process 0's)."""
+
+    def __init__(self, runner, receive: Callable[[int], np.ndarray] | None = None):
         self.runner = runner
+        self.receive = receive
         self._in_flight = None  # the last ragged step's PendingStep
         self.ragged = self.fed = 0  # ragged steps run; of them fed from the step before
+        self._images = None  # group_images.FollowerImages, made with the first image work
+        self.features_received = 0  # images whose features process 0 sent
+
+    def image_summary(self) -> str:
+        if self._images is None:
+            return "no image work"
+        return (f"features of {self.features_received} images received, "
+                f"{self.runner.spans.stages_run} image span stages run, "
+                f"{self.runner.images_encoded} images encoded")
+
+    def next_step(self, capacity: int) -> tuple[int, object]:
+        """The next step process 0 sends, in as many broadcasts of `capacity` words as it takes."""
+        first = self.receive(capacity)
+        rest = [self.receive(capacity) for _ in range(broadcasts(first) - 1)]
+        return decode_step(np.concatenate([first, *rest]) if rest else first)
 
     def run(self, kind: int, inputs) -> None:
+        if kind in (ENCODE, FEATURES, SPANS):
+            self._image_step(kind, inputs)
+            return
         if kind != RAGGED:
             if kind == RESET:  # fresh pages: nothing in flight feeds a later step
                 self._in_flight = None
             _run(self.runner, kind, inputs)
             return
+        if inputs.images:
+            self._image_step(kind, inputs)
         pending = self.runner.dispatch_step(inputs, self._in_flight)
         self.ragged += 1
         self.fed += inputs.feed is not None
         before, self._in_flight = self._in_flight, pending
         if before is not None:
             before.result()
+
+    def _image_step(self, kind: int, inputs) -> None:
+        """A step's image part: FEATURES kept, SPANS run; the images a step names named here
+        as on process 0 (`group_images.SharedFeatures`)."""
+        from serving.group_images import FollowerImages, piece_words
+
+        if self._images is None:
+            self._images = FollowerImages(self.runner)
+        images = self._images
+        if kind == FEATURES:
+            size = piece_words(self.runner.model)
+            words = np.concatenate([self.receive(size) for _ in range(-(-inputs.words // size))])
+            images.store(inputs, words)
+            self.features_received += 1
+        elif kind == SPANS:
+            images.shared.name(t.image.key for t in inputs.tasks)
+            self.runner.advance_spans(images.spans(inputs), None, inputs.bounded)
+        elif kind == RAGGED:
+            images.shared.name(im.key for im in inputs.images)
 
 
 def worker_loop(runner, settings: ProcessGroup) -> int:
@@ -370,19 +524,20 @@ def worker_loop(runner, settings: ProcessGroup) -> int:
     limits = StepLimits(settings.step_timeout_s, settings.compile_timeout_s)
     wait = limits.compile_s  # process 0 may still be running the last step (or its first broadcast)
     steps = 0
-    follower = Follower(runner)
+    follower = Follower(runner, bcast)
     while True:
         dog.arm(timeout_s=wait)
         try:
-            kind, inputs = decode_step(bcast(None))
-            key = step_key(_KIND_NAMES[kind], inputs)
+            kind, inputs = follower.next_step(capacity)
+            key = _key(kind, inputs)
             wait = limits.limit(key)
             dog.arm(f"running a {describe(key)}", wait)
             follower.run(kind, inputs)
             if kind == SHUTDOWN:
                 dog.close()
                 log.info("shutdown step received after %d steps (%d ragged, %d of them fed from "
-                         "the step before on the device)", steps, follower.ragged, follower.fed)
+                         "the step before on the device; %s)", steps, follower.ragged,
+                         follower.fed, follower.image_summary())
                 return 0
         except Exception as e:
             fatal(f"worker step failed (process 0 has died?): {type(e).__name__}: {e}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class ImageEncoder:
         self._progress: dict[str, _Progress] = {}
         self.images_encoded = 0
         self.last_work: list[tuple[int, int, float]] = []  # (stage, frames, FLOPs) of the last advance
+        # Told (key, rows) of every image whose features are stored: a group's process 0 sends
+        # them to the others (serving/group_images.py).
+        self.on_store: Callable[[str, object], None] | None = None
         # For the tests and metrics: advances that ran work, the most FLOPs one ran, the most
         # frames one program took.
         self.advances = 0
@@ -90,6 +94,10 @@ class ImageEncoder:
 
     def ready(self, key: str) -> bool:
         return key in self._features
+
+    def peek(self, key: str):
+        """The cached features of `key` (None if not cached), leaving the cache's order alone."""
+        return self._features.get(key)
 
     def features(self, image):
         """Features [frames * tokens_per_image, D] of a SeqImage: from the cache, or encoded
@@ -105,6 +113,8 @@ class ImageEncoder:
     def _store(self, key: str, rows) -> None:
         self._features[key] = rows
         self.images_encoded += 1
+        if self.on_store is not None:
+            self.on_store(key, rows)
         while len(self._features) > self.max_cached:
             self._features.popitem(last=False)
 

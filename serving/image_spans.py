@@ -23,13 +23,20 @@ on fewer rows, so the keys equal the one-step piece's to float32 rounding
 (tests/serving/test_image_spans.py). Spans are written so while other sequences run, and
 always in deterministic mode (`PagedScheduler._stages_span`); outside it a lone sequence runs
 its span inside one step, which is faster and stalls no one.
+
+Where a span's rows live in the pages (`SpanLayout`) is read from the page tables once, when
+its writing begins: the tables do not change while it is written (its sequence waits for it).
+In a multi-process group the other processes hold no page tables: process 0 sends each span's
+layout with its first listing and they replay the same `advance` calls (serving/group_images.py).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
+from serving import wire
 from serving.image_encoder import chunk_flops
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_runner import MIN_PAGES, local_pages_for, pow2
@@ -48,12 +55,47 @@ def layer_flops(config, rows: int, keys: int) -> tuple[float, float]:
     return kv, 2.0 * rows * (per_row + attention)
 
 
+class SpanLayout(NamedTuple):
+    """Where a span's rows go in the pages (module docstring): N is its rows padded to a power
+    of two, at least MIN_ROWS."""
+
+    write: np.ndarray  # int32 [2, N]: each row's slot in the global and the local pool (padding: scratch)
+    global_table: np.ndarray  # int32 [1, Pg]: its sequence's global pages
+    local_table: np.ndarray  # int32 [1, Pl]: its local pages from local_first on
+    local_first: np.ndarray  # int32 [1]
+
+    WIRE = dict(write=wire.Array(np.int32), global_table=wire.Array(np.int32),
+                local_table=wire.Array(np.int32), local_first=wire.Array(np.int32))
+
+
+def span_layout(job, kv: KVPages, info) -> SpanLayout:
+    """A paged_scheduler.SpanJob's layout, from the page tables (its pages are allocated)."""
+    n = job.end - job.start
+    rows = pow2(max(n, MIN_ROWS))
+    write = np.full((2, rows), SCRATCH * kv.page_size, np.int32)
+    for i, pos in enumerate(range(job.start, job.end)):
+        write[:, i] = kv.slot(job.seq.id, pos)
+    sp = kv.seqs[job.seq.id]
+    pg = max(MIN_PAGES, pow2(len(sp.global_pages)))
+    global_table = np.full((1, pg), SCRATCH, np.int32)
+    global_table[0, :len(sp.global_pages)] = sp.global_pages
+    pl = local_pages_for(pow2(n), info.sliding_window, info.page_size)
+    local_table = np.full((1, pl), SCRATCH, np.int32)
+    local_first = np.zeros(1, np.int32)
+    if kv.local_pool is not None:
+        first = kv.local_span(job.start, job.end)[0]
+        held = sp.local_pages[first - sp.local_first:][:pl]
+        local_first[0] = first
+        local_table[0, :len(held)] = held
+    return SpanLayout(write, global_table, local_table, local_first)
+
+
 @dataclasses.dataclass
 class _Progress:
     job: object  # paged_scheduler.SpanJob
     blocks: int  # rows stages a layer
-    x: object = None  # the span's residual stream [N, D] (N: its rows padded to a power of two)
-    write: tuple = ()  # the span rows' cache slots in the (global, local) pools (padding: scratch)
+    layout: SpanLayout
+    x: object = None  # the span's residual stream [N, D]
     layer: int = 0
     part: int = 0  # 0: the layer's kv stage next; r > 0: rows block r - 1 next
 
@@ -81,10 +123,12 @@ class SpanWriter:
             return True
         return False
 
-    def advance(self, jobs, kv: KVPages, bounded: bool = True) -> float:
+    def advance(self, jobs, kv: KVPages | None, bounded: bool = True) -> float:
         """Runs stages of `jobs` (oldest first) worth at most `budget_flops`, at least one
         (bounded=False: all of them, nothing else ran in the step); returns the FLOPs run.
-        Work on spans not listed is dropped (their sequence ended or lost its pages)."""
+        Work on spans not listed is dropped (their sequence ended or lost its pages). kv: the
+        page tables, or None where every job carries its `layout` (a group's other
+        processes)."""
         listed = set(jobs)
         for job in [j for j in self._progress if j not in listed]:
             del self._progress[job]
@@ -93,13 +137,14 @@ class SpanWriter:
         for job in jobs:
             if job in self._written:
                 continue
-            p = self._progress.get(job) or self._begin(job, kv)
+            p = self._progress.get(job) or self._begin(
+                job, job.layout if kv is None else span_layout(job, kv, self.engine.info))
             while True:
                 cost = self._cost(p)
                 if bounded and ran and spent + cost > self.budget_flops:
                     self.max_advance_flops = max(self.max_advance_flops, spent)
                     return spent
-                self._stage(p, kv)
+                self._stage(p)
                 spent, ran = spent + cost, True
                 self.stages_run += 1
                 if p.layer == self.model.config.num_layers:
@@ -110,11 +155,11 @@ class SpanWriter:
         return spent
 
     # -- the stages --------------------------------------------------------------------------
-    def _begin(self, job, kv: KVPages) -> _Progress:
+    def _begin(self, job, layout: SpanLayout) -> _Progress:
         import jax.numpy as jnp
 
         n = job.end - job.start
-        rows = pow2(max(n, MIN_ROWS))
+        rows = layout.write.shape[1]
         feats = self.engine.image_features(job.image)  # [crops * tokens, D]
         a, b = job.image.spans[job.crop]
         first = job.crop * (b - a) + job.start - a
@@ -126,10 +171,7 @@ class SpanWriter:
         blocks = 1
         while flops / blocks > self.budget_flops and rows // (2 * blocks) >= MIN_ROWS:
             blocks *= 2
-        write = np.full((2, rows), SCRATCH * kv.page_size, np.int32)
-        for i, pos in enumerate(range(job.start, job.end)):
-            write[:, i] = kv.slot(job.seq.id, pos)
-        p = _Progress(job, blocks, x, write=(write[0], write[1]))
+        p = _Progress(job, blocks, layout, self.engine.on_every_process(x))
         self._progress[job] = p
         return p
 
@@ -138,13 +180,13 @@ class SpanWriter:
         kv_flops, rows_flops = layer_flops(self.model.config, rows, p.job.end)
         return kv_flops if p.part == 0 else rows_flops / p.blocks
 
-    def _stage(self, p: _Progress, kv: KVPages) -> None:
+    def _stage(self, p: _Progress) -> None:
         engine, job, layer = self.engine, p.job, p.layer
         rows = int(p.x.shape[0])
         positions = np.full(rows, job.start, np.int32)
         positions[:job.end - job.start] = np.arange(job.start, job.end)
         if p.part == 0:
-            write = p.write[0 if self.model.config.is_global(layer) else 1]
+            write = p.layout.write[0 if self.model.config.is_global(layer) else 1]
             engine.pages = self.model.span_layer(engine.pages, layer, p.x, positions, write)
             engine.window.dispatched(engine.pages.layers[layer].kv)
             last = layer == self.model.config.num_layers - 1
@@ -152,34 +194,22 @@ class SpanWriter:
             return
         r = p.part - 1
         size = rows // p.blocks
-        batch = self._rows_batch(job, kv, positions[r * size:(r + 1) * size])
+        batch = _rows_batch(job, p.layout, positions[r * size:(r + 1) * size])
         p.x = self.model.span_layer(engine.pages, layer, p.x, rows=batch, start=r * size)
         engine.window.dispatched(p.x)
         p.part = p.part + 1 if p.part < p.blocks else 0
         p.layer += p.part == 0
 
-    def _rows_batch(self, job, kv: KVPages, positions: np.ndarray):
-        """A block of the span's rows as one sequence row of a RaggedBatch: its queries see
-        every key up to the span's end (the span's keys are stored)."""
-        from models.gemma3.ragged import RaggedBatch
-        r = len(positions)
-        sp = kv.seqs[job.seq.id]
-        info = self.engine.info
-        pg = max(MIN_PAGES, pow2(len(sp.global_pages)))
-        global_table = np.full((1, pg), SCRATCH, np.int32)
-        global_table[0, :len(sp.global_pages)] = sp.global_pages
-        pl = local_pages_for(pow2(job.end - job.start), info.sliding_window, info.page_size)
-        local_table = np.full((1, pl), SCRATCH, np.int32)
-        local_first = np.zeros(1, np.int32)
-        if kv.local_pool is not None:
-            first = kv.local_span(job.start, job.end)[0]
-            held = sp.local_pages[first - sp.local_first:][:pl]
-            local_first[0] = first
-            local_table[0, :len(held)] = held
-        ids = np.arange(r, dtype=np.int32)
-        zeros = np.zeros(r, np.int32)
-        return RaggedBatch(tokens=zeros, positions=positions.astype(np.int32),
-                           visible=np.full(r, job.end - 1, np.int32), seq=zeros, col=ids,
-                           write_global=zeros, write_local=zeros, queries=ids[None],
-                           global_table=global_table, local_table=local_table,
-                           local_first=local_first, last=np.zeros(1, np.int32))
+
+def _rows_batch(job, layout: SpanLayout, positions: np.ndarray):
+    """A block of the span's rows as one sequence row of a RaggedBatch: its queries see every
+    key up to the span's end (the span's keys are stored)."""
+    from models.gemma3.ragged import RaggedBatch
+    r = len(positions)
+    ids = np.arange(r, dtype=np.int32)
+    zeros = np.zeros(r, np.int32)
+    return RaggedBatch(tokens=zeros, positions=positions.astype(np.int32),
+                       visible=np.full(r, job.end - 1, np.int32), seq=zeros, col=ids,
+                       write_global=zeros, write_local=zeros, queries=ids[None],
+                       global_table=layout.global_table, local_table=layout.local_table,
+                       local_first=layout.local_first, last=np.zeros(1, np.int32))

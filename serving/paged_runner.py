@@ -26,6 +26,7 @@ from serving import dispatch_window, wire
 from serving.runner import RunnerInfo, PendingStep, StepOutputs, feed_tokens
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
+from serving.scheduler import SeqImage
 from serving.sampling import IDLE, SlotSampling
 
 log = logging.getLogger(__name__)
@@ -134,11 +135,6 @@ def _ragged_fields() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(RaggedBatch))
 
 
-def _images_stay(images) -> str | None:
-    return ("a step with images cannot be sent to a group's other processes (their features "
-            "do not travel)") if images else None
-
-
 class StepInputs(NamedTuple):
     """One ragged step as plain numpy arrays (see `models.gemma3.ragged.RaggedBatch`)."""
 
@@ -158,11 +154,11 @@ class StepInputs(NamedTuple):
     # on the host when the step was built (overlapped loop), else -1.
     feed: np.ndarray | None = None
 
-    # How each field travels to a group's other processes (serving/wire.py). Images do not: a
-    # group refuses image requests (serving/chat_images.py says why).
+    # How each field travels to a group's other processes (serving/wire.py). Images as their
+    # keys and spans: the others hold process 0's features by key (serving/group_images.py).
     WIRE = dict(batch=wire.ArrayDict(np.int32, _ragged_fields), sampling=wire.Record(SlotSampling),
                 sample_positions=wire.Array(np.int32), buckets=wire.Record(Buckets),
-                rows=wire.Int(), images=wire.Stays((), _images_stay),
+                rows=wire.Int(), images=wire.Tuple(wire.Record(SeqImage)),
                 image_index=wire.Optional(wire.Array(np.int32)),
                 targets=wire.Optional(wire.Array(np.int32)),
                 feed=wire.Optional(wire.Array(np.int32)))
@@ -330,6 +326,9 @@ class PagedRunner:
         self._encoder = None  # serving.image_encoder.ImageEncoder, made on first use
         self.encoder_budget_flops = None  # encoder work a step; None: one prompt piece's FLOPs
         self._spans = None  # serving.image_spans.SpanWriter, made on first use
+        # key -> features, where they come from elsewhere: a group's other processes take
+        # process 0's (serving/group_images.py). None: this process's own encoder.
+        self.features_from: Callable[[str], object] | None = None
 
     @property
     def encoder(self):
@@ -377,6 +376,8 @@ class PagedRunner:
     def image_features(self, image):
         """Features [n * tokens_per_image, D] (on the device) of a scheduler.SeqImage, from the
         cache, or the whole encoder at once for a caller that did not wait for them."""
+        if self.features_from is not None:
+            return self.features_from(image.key)
         return self.encoder.features(image)
 
     def _image_rows(self, inputs: StepInputs):
@@ -391,7 +392,7 @@ class PagedRunner:
         if pad:
             rows.append(jnp.zeros((pad, rows[0].shape[1]), rows[0].dtype))
         feats = rows[0] if len(rows) == 1 else jnp.concatenate(rows)
-        return ImageRows(features=feats, index=inputs.image_index)
+        return ImageRows(features=self.on_every_process(feats), index=inputs.image_index)
 
     def run_step(self, inputs: StepInputs) -> StepOutputs | None:
         """Runs one ragged step; returns the sampled tokens of its S rows (rows that do not
@@ -412,8 +413,7 @@ class PagedRunner:
                 raise ValueError("a step fed from the step in flight needs that step")
             fields["tokens"] = self._feed(prev.tokens, fields["tokens"], inputs.feed)
             self.window.dispatched(fields["tokens"])
-            if not self._replicated.is_fully_addressable:
-                fields["tokens"] = self._on_every_process(fields["tokens"])
+            fields["tokens"] = self.on_every_process(fields["tokens"])
         batch = RaggedBatch(**fields)
         images = self._image_rows(inputs)  # ready features (the encoder ran in earlier steps)
         every = None
@@ -442,13 +442,16 @@ class PagedRunner:
         ticket = self.window.dispatched(out)
         return PendingStep(self._jax, out, on_result=lambda: self.window.retired(ticket))
 
-    def _on_every_process(self, x):
-        """x, on this process's sampling device, as the mesh's replicated array, without a
-        transfer between processes (which `device_put` cannot make of a one-device array in a
-        group): each process places its own copy on its own devices. Right only where every
-        process holds the same values, as it does for the fed tokens (`distributed.Follower`
-        says why)."""
+    def on_every_process(self, x):
+        """x, on this process's device, as the mesh's replicated array in a multi-process
+        group (else x as it is), without a transfer between processes (which `device_put`
+        cannot make of a one-device array in a group): each process places its own copy on its
+        own devices. Right only where every process holds the same values, as it does for the
+        fed tokens (`distributed.Follower` says why) and for image features and spans
+        (serving/group_images.py)."""
         jax = self._jax
+        if self._replicated.is_fully_addressable:
+            return x
         shards = [jax.device_put(x, d)
                   for d in sorted(self._replicated.addressable_devices, key=lambda d: d.id)]
         return jax.make_array_from_single_device_arrays(x.shape, self._replicated, shards)

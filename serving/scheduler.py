@@ -35,6 +35,7 @@ import hashlib
 
 import numpy as np
 
+from serving import wire
 from serving.runner import RunnerInfo
 from serving.sampling import InvalidParameter, SamplingParams
 
@@ -69,6 +70,10 @@ class SeqImage:
     spans: tuple[tuple[int, int], ...]
     pixels: object
     key: str
+
+    # In a multi-process group an image travels as its key and spans: process 0 alone encodes
+    # (serving/group_images.py), the others take its features by key.
+    WIRE = dict(spans=wire.Tuple(wire.Ints()), pixels=wire.Stays(None), key=wire.Text())
 
 
 @dataclasses.dataclass(eq=False)

@@ -141,6 +141,10 @@ def step_key(kind: str, inputs=None, **more) -> tuple:
     buckets = getattr(inputs, "buckets", None)  # a paged step's shapes
     if buckets is not None:
         parts.append(("buckets", dataclasses.astuple(buckets)))
+    images = getattr(inputs, "images", None)
+    if images:  # a paged step's feature rows, padded to a power of two
+        rows = sum(b - a for im in images for a, b in im.spans)
+        parts.append(("image_rows", 1 << max(0, rows - 1).bit_length()))
     extras = getattr(getattr(inputs, "sampling", None), "extras", None)
     if extras is not None:
         parts.append(("extras", tuple((f, tuple(getattr(v, "shape", ())))

@@ -3,7 +3,7 @@ the others (`serving.distributed` broadcasts the words as one fixed-size array).
 
 Each step input type says how its fields travel once, beside the fields themselves: a class
 attribute `WIRE`, a dict from every field's name to its form (`Array`, `Int`, `Bool`, `Ints`,
-`Optional`, `Record`, `ArrayDict`, or `Stays` for what process 0 alone needs). `encode` and
+`Text`, `Optional`, `Tuple`, `Record`, `ArrayDict`, or `Stays` for what process 0 alone needs). `encode` and
 `decode` walk those tables, so the broadcast code knows no field: adding a field to a step is
 one entry in its type's table (a type whose table misses a field, or names one it lacks, is
 refused at its first use). Arrays carry their shape in the words, so a step's shapes (its
@@ -79,6 +79,21 @@ class Ints:
         return tuple(int(v) for v in r.take(r.one()))
 
 
+class Text:
+    """A str: its UTF-8 length in bytes, then the bytes, zero-padded to whole words."""
+
+    def put(self, value: str, out: list) -> None:
+        data = value.encode()
+        out.append(np.array([len(data)], np.int32))
+        out.append(np.frombuffer(data + bytes(-len(data) % 4), np.int32))
+
+    def take(self, r: Reader):
+        n = r.one()
+        if n < 0:
+            raise ValueError(f"malformed step: a text of {n} bytes")
+        return r.take(-(-n // 4)).tobytes()[:n].decode()
+
+
 class Optional:
     """None, or a value of `form`: a flag word first."""
 
@@ -92,6 +107,21 @@ class Optional:
 
     def take(self, r: Reader):
         return self.form.take(r) if r.one() else None
+
+
+class Tuple:
+    """A tuple of values of one `form`: its length, then each value."""
+
+    def __init__(self, form):
+        self.form = form
+
+    def put(self, value, out: list) -> None:
+        out.append(np.array([len(value)], np.int32))
+        for v in value:
+            self.form.put(v, out)
+
+    def take(self, r: Reader):
+        return tuple(self.form.take(r) for _ in range(r.one()))
 
 
 class Record:

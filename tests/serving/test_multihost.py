@@ -1,12 +1,14 @@
 """Multi-host serving: `gemma3-serve` as 2 processes on JAX's distributed runtime (gloo over
-127.0.0.1), tp=2 with one device in each process, the real Gemma 3 270M in float32.
+127.0.0.1), tp=2 with one device in each process, float32.
 
-A real HTTP request to process 0 must return exactly the tokens of the single-process tp=2 model
-with the same AllReduce (computed here, in the test process, on 2 of its virtual devices), for the
-bf16 and the int8 AllReduce. Then the group must end cleanly on SIGTERM (bf16), and process 0 must
-exit with a clear error soon after process 1 is killed (int8).
+The slot engine on the real Gemma 3 270M must return exactly the tokens of the single-process
+tp=2 model with the int8 AllReduce (computed here, in the test process), and process 0 must
+exit with a clear error soon after process 1 is killed. The paged engine, on a tiny random
+model with a tiny vision tower, must answer text and image requests exactly as a single-process
+server does, then end cleanly on SIGTERM.
 
-The wire format, settings and watchdog are checked without starting any process.
+The wire format, settings and watchdog are checked without starting any process, and a
+group's image work with its two processes played in this one.
 """
 import dataclasses
 import json
@@ -33,8 +35,9 @@ from serving.runner import ChunkInputs, DecodeInputs, RunnerInfo, PrefillInputs,
 from serving.paged_runner import StepInputs, step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, LogitsExtras, SlotSampling
-from serving.scheduler import Sequence
-from testkit import free_port, stop_processes, wait_group_ready
+from serving import group_images as gi
+from serving.scheduler import SeqImage, Sequence
+from testkit import Collector, free_port, stop_processes, wait_group_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 32
@@ -103,8 +106,10 @@ def test_slot_steps_round_trip_within_the_capacity_from_the_engine_info():
         _same(got, inputs)
     for kind in (dist.IDLE, dist.RESET, dist.SHUTDOWN):
         assert dist.decode_step(dist.encode_step(kind, None, cap)) == (kind, None)
-    with pytest.raises(ValueError, match="exceeds the broadcast capacity"):
-        dist.encode_step(dist.PREFILL, pre, cap - 1)
+    # A step longer than one broadcast goes on in more of the same size (its header says how many).
+    words = dist.encode_step(dist.PREFILL, pre, cap - 1)
+    assert words.shape == (2 * (cap - 1),) and dist.broadcasts(words[:cap - 1]) == 2
+    _same(dist.decode_step(words)[1], pre)
     with pytest.raises(ValueError, match="carries PrefillInputs"):
         dist.encode_step(dist.PREFILL, dec, cap)
     bad = dist.encode_step(dist.DECODE, dec, cap)
@@ -115,8 +120,9 @@ def test_slot_steps_round_trip_within_the_capacity_from_the_engine_info():
 
 def test_paged_steps_round_trip_and_fit_their_capacity():
     """Real steps of the paged scheduler (prompt pieces of 4 sequences, then their decodes)
-    travel whole; the largest a step can be (`StepInputs.wire_examples`) sizes the broadcast.
-    The logits processing stays behind (process 0 alone samples); images cannot travel."""
+    travel whole; the largest a step of text can be (`StepInputs.wire_examples`) sizes the
+    broadcast. The logits processing stays behind (process 0 alone samples); images travel as
+    their keys and spans, without their pixels."""
     cap = dist.step_capacity(PAGED_INFO)
     sched = PagedScheduler(PAGED_INFO)
     sched.add([Sequence(id=i, prompt=list(range(2, 2 + n)), params=IDLE, seed=i)
@@ -139,10 +145,60 @@ def test_paged_steps_round_trip_and_fit_their_capacity():
     assert cap == 2 + max(len(wire.encode(e)) for e in examples)
     assert all(max(getattr(e.buckets, f) for e in examples) >= max(getattr(b, f) for b in shapes)
                for f in ("tokens", "seqs", "queries", "global_pages", "local_pages"))
-    indexed = inputs._replace(image_index=np.arange(inputs.buckets.tokens, dtype=np.int32) - 1)
-    _same(dist.decode_step(dist.encode_step(dist.RAGGED, indexed, cap))[1], indexed)
-    with pytest.raises(ValueError, match="step with images cannot be sent"):
-        dist.encode_step(dist.RAGGED, inputs._replace(images=(object(),)), cap)
+    images = (SeqImage(((3, 19), (25, 41)), np.ones((2, 8, 8, 3), np.float32), "a" * 64),
+              SeqImage(((50, 66),), np.ones((1, 8, 8, 3), np.float32), "b\u00e9"))
+    indexed = inputs._replace(image_index=np.arange(inputs.buckets.tokens, dtype=np.int32) - 1,
+                              images=images)
+    got = dist.decode_step(dist.encode_step(dist.RAGGED, indexed, cap))[1]
+    assert [(im.spans, im.key, im.pixels) for im in got.images] == [
+        (im.spans, im.key, None) for im in images]
+    _same(got._replace(images=()), indexed._replace(images=()))
+    # (The watchdog's key names the step's padded feature rows: a new count compiles.)
+    assert ("image_rows", 64) in dist._key(dist.RAGGED, got)[1]
+
+
+def test_image_work_travels_and_both_sides_agree_on_the_features_held():
+    """The image steps' inputs round trip (a span's layout with its first listing only);
+    features travel as their bytes, float32 and bfloat16 alike; process 0's copy of what the
+    others hold and theirs stay alike through the same adds and steps, a step's own images
+    never dropped."""
+    from serving.image_spans import SpanLayout
+
+    cap = dist.step_capacity(PAGED_INFO)
+    layout = SpanLayout(np.arange(32, dtype=np.int32).reshape(2, 16), np.arange(8, dtype=np.int32)[None],
+                        np.ones((1, 5), np.int32), np.array([2], np.int32))
+    image = SeqImage(((4, 20),), None, "k\u00e9y")
+    work = gi.SpanWork((gi.SpanTask(7, image, 0, 4, 20, layout), gi.SpanTask(8, image, 0, 4, 20, None)),
+                       False)
+    for kind, inputs in ((dist.ENCODE, gi.EncodeWork(3, True)), (dist.SPANS, work),
+                         (dist.FEATURES, gi.Features("k", "bfloat16", (3, 5)))):
+        words = dist.encode_step(kind, inputs, cap)
+        got_kind, got = dist.decode_step(words)
+        assert got_kind == kind and wire.encode(got).tolist() == wire.encode(inputs).tolist()
+    assert dist._key(dist.SPANS, work) == ("spans", (("bounded", False), ("spans", 2)))
+    import ml_dtypes
+
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        rows = np.random.default_rng(0).standard_normal((3, 5)).astype(dtype)
+        header = gi.Features("k", rows.dtype.name, rows.shape)
+        words = gi.to_words(rows)
+        assert words.dtype == np.int32 and len(words) == header.words == -(-rows.nbytes // 4)
+        padded = np.concatenate([words, np.zeros(7, np.int32)])  # the last piece's zeros
+        np.testing.assert_array_equal(gi.from_words(padded, header).view(np.uint8), rows.view(np.uint8))
+    leader, other = gi.SharedFeatures(capacity=3), gi.SharedFeatures(capacity=3)
+    steps = [("add", "a"), ("add", "b"), ("name", "ab"), ("add", "c"), ("add", "d"), ("name", "dc"),
+             ("add", "e"), ("name", "be"), ("name", "e")]
+    for op, keys in steps:
+        for side in (leader, other):
+            side.add(keys, keys.upper()) if op == "add" else side.name(list(keys))
+    assert list(leader.items) == list(other.items) == ["c", "b", "e"]
+    big = gi.SharedFeatures(capacity=1)
+    for k in "xyz":
+        big.add(k)
+    big.name("xyz")  # more images than it keeps, in one step: none of them dropped
+    assert list(big.items) == ["x", "y", "z"]
+    with pytest.raises(KeyError, match="never sent"):
+        other.get("a")
 
 
 def test_a_step_type_must_say_how_every_field_travels():
@@ -202,6 +258,99 @@ def test_watchdog_fires_only_when_armed_too_long():
     assert fired.wait(60), "an armed wait did not fire"
     assert exits == [dist.EXIT_PEER_LOST]
     dog.close()
+
+
+# ---- a group's image work, its two processes played in this one ----
+
+IMAGE_MODEL = "random:tiny?vision=tiny"
+
+
+def png(seed: int, size=(40, 30)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_a_groups_image_work_replays_on_another_process():
+    """Process 0 (`LeaderRunner` over a paged engine, its broadcasts recorded) serves a text
+    stream with an image request beside it (the encoder and the image's span staged between
+    the stream's steps), then the same image again (features cached) beside two images; a
+    `Follower` over a second engine replays the broadcasts. Its pages end bit for bit as
+    process 0's, though it encoded nothing: each distinct image's features reached it once,
+    and it ran every span stage process 0 ran."""
+    import jax
+
+    from equarx import AllReduceConfig
+    from jax_platform import ProcessGroup
+    from models.gemma3 import load_model
+    from serving import media
+    from serving.engine_core import EngineCore
+    from serving.paged_runner import PagedRunner
+    from serving.sampling import SamplingParams
+
+    model = load_model(IMAGE_MODEL, tp=2, dtype="float32", allreduce=AllReduceConfig(method="int8"))
+    tokens, per_image = model.vision.tokens, model.vision.config.tokens_per_image
+
+    def make():
+        engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+        engine.encoder_budget_flops = 2e5  # the encoder in several steps, a span in stages
+        return engine
+
+    def request(seeds, n=6):
+        ids, images = [2, 40 + len(seeds)], []
+        for seed in seeds:
+            prepared = media.prepare_image(png(seed), size=model.vision.config.image_size)
+            ids.append(tokens.start)
+            images.append(SeqImage(((len(ids), len(ids) + per_image),), prepared.pixels,
+                                   prepared.content_hash))
+            ids += [tokens.soft] * per_image + [tokens.end, 9]
+        return ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), tuple(images)
+
+    sent = []
+    leader = dist.LeaderRunner(make(), ProcessGroup(step_timeout_s=120),
+                               broadcast=lambda words: sent.append(words.copy()) or words)
+    core = EngineCore(leader, overlap=True).start()
+    try:
+        stream = Collector()
+        core.submit([([2] + list(range(10, 30)), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                ignore_eos=True), stream)])
+        while len(stream.events) < 3:
+            time.sleep(0.01)
+        beside = Collector()
+        ids, params, images = request([1])
+        core.submit([(ids, params, beside, images)])
+        for c in (beside.wait(120), stream.wait(120)):
+            assert c.error is None and c.finish == "length"
+        for ids, params, images in (request([1]), request([1, 2])):
+            done = Collector()
+            core.submit([(ids, params, done, images)])
+            assert done.wait(120).error is None
+    finally:
+        core.shutdown()
+        leader.close()
+    assert leader.images_encoded == 2 and leader.runner.spans.stages_run > 0
+    replayed = iter(sent)
+
+    def receive(n):
+        words = next(replayed)
+        assert len(words) == n
+        return words
+
+    follower, kinds = dist.Follower(make(), receive), []
+    while kinds[-1:] != [dist.SHUTDOWN]:
+        kind, inputs = follower.next_step(leader.capacity)
+        follower.run(kind, inputs)
+        kinds.append(kind)
+    assert kinds.count(dist.FEATURES) == 2 and dist.ENCODE in kinds
+    assert follower.runner.images_encoded == 0
+    assert follower.runner.spans.stages_run == leader.runner.spans.stages_run
+    for mine, theirs in zip(jax.tree.leaves(leader.runner.pages), jax.tree.leaves(follower.runner.pages)):
+        np.testing.assert_array_equal(mine, theirs)
 
 
 # ---- two real processes ----
@@ -323,12 +472,80 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
 
 # The paged engine's default mode (steps shaped by the work, overlapped), with a step budget of
 # one chunk: a lone prompt then goes in chunks too, so the three servers compile fewer step
-# shapes (3.5 instead of 5.5 minutes for the test on the shared 2-core machine).
-PAGED_ARGS = ("--engine", "paged", "--max-num-batched-tokens", "16")
-PAGED_MAX_SEQ_LEN = 64  # a chat prompt and its JSON answer
+# shapes. A tiny random model with a tiny tower: the checks are of what travels and runs
+# where, which a model of any size shows, and three processes compile its programs in a
+# fraction of the 270M's time. A KV cache larger than the test's requests: no cached page is
+# evicted, so the two servers' prefix caches stay alike whatever a stream's progress.
+PAGED_ARGS = ("--model", IMAGE_MODEL, "--served-model-name", "tiny-vl", "--engine", "paged",
+              "--max-num-batched-tokens", "16", "--kv-cache-tokens", "2048")
+PAGED_MAX_SEQ_LEN = 128  # an image prompt beside a stream, a chat prompt and its JSON answer
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
                                            "sure": {"type": "boolean"}},
           "required": ["answer", "sure"], "additionalProperties": False}
+
+
+def _asker(group_url: str, single_url: str):
+    def both(path, body):
+        """The same request to the group and to the single process, at the same time."""
+        def post(url):
+            r = httpx.post(url + path, json={"model": "tiny-vl", **body}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"]
+
+        with ThreadPoolExecutor(2) as pool:
+            group, single = pool.map(post, (group_url, single_url))
+        assert group == single
+        return group
+
+    return both
+
+
+def _image_chat(text: str, *seeds: int) -> dict:
+    import base64
+
+    parts = [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png(seed)).decode()}} for seed in seeds]
+    return dict(messages=[{"role": "user", "content": [{"type": "text", "text": text}, *parts]}],
+                max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+
+
+def _beside_a_stream(url: str, body: dict) -> tuple[list, str]:
+    """A text stream and, once its first token came, an image request, whose encoder work and
+    span then run between the stream's steps: (the image request's choices, the stream's text).
+    The stream outlasts the image request, so that every step of the image request has the
+    stream's decode beside it in both servers, however far the stream had got."""
+    text, image = "", None
+    with httpx.stream("POST", url + "/v1/completions", timeout=300, json={
+            "model": "tiny-vl", "prompt": "Once upon a time", "max_tokens": 96, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+            if image is None:
+                got = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-vl", **body},
+                                 timeout=300)
+                assert got.status_code == 200, got.text
+                image = got.json()["choices"]
+    return image, text
+
+
+def _images_answer_as_one_process(group_url: str, single_url: str, both) -> None:
+    """Images through the group: one, two (one of them cached), the same one twice (cached),
+    and a new one beside a running stream; each answer equals the single process's."""
+    for url in (group_url, single_url):
+        card = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]
+        assert card["input_modalities"] == ["text", "image"]
+    one = both("/v1/chat/completions", _image_chat("What is in this picture?", 1))
+    two = both("/v1/chat/completions", _image_chat("What is in this picture?", 2, 1))
+    twice = both("/v1/chat/completions", _image_chat("What is in this picture?", 1, 1))
+    assert one[0]["logprobs"]["content"] and len({json.dumps(c) for c in (one, two, twice)}) == 3
+    # Its text starts apart from every other chat prompt's (no page of it can be a prefix hit).
+    with ThreadPoolExecutor(2) as pool:
+        (group, group_stream), (single, single_stream) = pool.map(
+            lambda url: _beside_a_stream(url, _image_chat("Describe the picture.", 3)),
+            (group_url, single_url))
+    assert group == single and group_stream == single_stream
 
 
 @pytest.mark.slow
@@ -336,15 +553,18 @@ def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
     """`--engine paged` as a 2-process group (tp=2 across them) in its default mode: the page
     allocator and scheduler run on process 0, process 1 replays its ragged steps, both in the
     overlapped loop (process 1 feeds steps from its own sampled tokens on the device). Every
-    answer (greedy, sampled under a json_schema, with logit_bias, with penalties) equals a
-    single-process paged server's at tp=2 bit for bit, logprobs included; an image request
-    gets a 400 saying why.
+    answer (greedy, sampled under a json_schema, with logit_bias, with penalties, with images)
+    equals a single-process paged server's at tp=2 bit for bit, logprobs included. Process 0
+    alone encodes: process 1 receives each distinct image's features once and runs the image
+    spans' stages with it.
 
     Why equal although this mode is not batch invariant: the two servers get the same requests
     one at a time (each request's sequences arrive together), and the scheduler is a function
     of what arrived, so both plan the same steps at the same shapes; the same programs over the
     same two shards then round the same way, whether the shards sit in one process or two (the
-    int8 AllReduce sums in a fixed order, and every process samples the same gathered logits)."""
+    int8 AllReduce sums in a fixed order, and every process samples the same gathered logits).
+    The one request sent beside a stream is planned alike too: the stream decodes in every step
+    of it in both servers."""
     log_dir = tmp_path_factory.mktemp("multihost-paged")
     cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
     group_url, procs = _start_group("int8", log_dir, cache_dir, *PAGED_ARGS, name="paged",
@@ -361,19 +581,7 @@ def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
         wait_group_ready(single_url, procs, STARTUP_TIMEOUT)
         health = httpx.get(group_url + "/health", timeout=5).json()
         assert health["engine"] == "paged" and health["tp"] == 2 and not health["deterministic"]
-
-        def both(path, body):
-            """The same request to the group and to the single process, at the same time."""
-            def post(url):
-                r = httpx.post(url + path, json={"model": "gemma3-270m", **body}, timeout=300)
-                assert r.status_code == 200, r.text
-                return r.json()["choices"]
-
-            with ThreadPoolExecutor(2) as pool:
-                group, single = pool.map(post, (group_url, single_url))
-            assert group == single
-            return group
-
+        both = _asker(group_url, single_url)
         ask = dict(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
         capital, counting = "The capital of France is", "one two one two one two one two"
         # Two prompts in one request: both sequences in every step, each its own pages.
@@ -391,21 +599,20 @@ def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
         penalised = both("/v1/completions", dict(prompt=counting, **penalties, **ask))
         assert penalised[0]["text"] != both("/v1/completions", dict(prompt=counting, **ask))[0]["text"]
         structured = both("/v1/chat/completions", dict(
-            messages=[{"role": "user", "content": "Is the sky blue? Answer as JSON."}], max_tokens=24,
+            messages=[{"role": "user", "content": "Is the sky blue? Answer as JSON."}], max_tokens=64,
             temperature=0.7, seed=11,
             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}))
         jsonschema.validate(json.loads(structured[0]["message"]["content"]), ANSWER)
-        pixel = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
-                 "z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
-        image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": pixel}}]
-        r = httpx.post(group_url + "/v1/chat/completions", timeout=30, json={
-            "model": "gemma3-270m", "max_tokens": 2, "messages": [{"role": "user", "content": image}]})
-        assert r.status_code == 400 and "multi-process group" in r.json()["error"]["message"], r.text
+        _images_answer_as_one_process(group_url, single_url, both)
         # SIGTERM to process 0 ends the group cleanly: its shutdown step ends process 1's loop.
         procs[0][0].send_signal(signal.SIGTERM)
         assert [p.wait(SHUTDOWN_DEADLINE) for p, _ in procs[:2]] == [0, 0]
-        fed = re.search(r"(\d+) ragged, (\d+) of them fed", Path(procs[1][1].name).read_text())
+        log1 = Path(procs[1][1].name).read_text()
+        fed = re.search(r"(\d+) ragged, (\d+) of them fed", log1)
         assert fed and int(fed[2]) > 0, "process 1 never ran a step fed from the one before"
+        images = re.search(r"features of (\d+) images? received, (\d+) image span stages run, "
+                           r"(\d+) images? encoded", log1)
+        assert images and images.groups() == ("3", images[2], "0") and int(images[2]) > 0, log1[-2000:]
     finally:
         stop_processes(procs)
 
