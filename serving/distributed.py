@@ -11,7 +11,7 @@ overlapped as in one process: step N+1 dispatched before step N's tokens reach t
 waits for the step in flight: the overlap hides the host's work between steps, not the
 broadcast (docs/engine.md measures both).
 
-A step travels as one fixed-size int32 array (`encode_step`/`decode_step`), so the broadcast is a
+A step travels as one fixed-size int32 array (`serving/group_steps.py`), so the broadcast is a
 single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
 tables say (`serving/wire.py`), and its size is the largest step of text the engine's info
 allows; a larger step (a piece run on past the budget to an image's end, a span's layout) goes
@@ -40,21 +40,14 @@ from typing import Callable
 
 import numpy as np
 
-from serving import watchdog, wire
+from serving import watchdog
+from serving.group_steps import (CHUNK, DECODE, ENCODE, FEATURES, IDLE, MOVE, PREFILL, RAGGED,
+                                  RESET, SHUTDOWN, SPANS, KIND_NAMES, broadcasts, decode_step,
+                                  encode_step, step_capacity)
 from jax_platform import GroupFormationError, ProcessGroup, exit_group_not_formed
 from serving.watchdog import StepLimits, describe, step_key
 
 log = logging.getLogger(__name__)
-
-# Step kinds (header[0]). Each kind that carries inputs names their type; the type's own WIRE
-# table says how its fields travel (serving/wire.py), so nothing here names a field.
-IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE, CHUNK, RAGGED = 0, 1, 2, 3, 4, 5, 6, 7
-# The paged engine's image work between steps (serving/group_images.py).
-ENCODE, FEATURES, SPANS = 8, 9, 10
-_KIND_NAMES = {IDLE: "idle", PREFILL: "prefill", DECODE: "decode", RESET: "reset", SHUTDOWN: "shutdown",
-               MOVE: "move", CHUNK: "chunk", RAGGED: "ragged", ENCODE: "encode",
-               FEATURES: "features", SPANS: "spans"}
-_HEADER = 2  # kind, payload length
 
 EXIT_PEER_LOST = 3  # exit status when the process group breaks
 
@@ -62,76 +55,10 @@ EXIT_PEER_LOST = 3  # exit status when the process group breaks
 # The group's settings and how a process joins it are process set-up, shared with eval:
 # `jax_platform` (ProcessGroup, add_group_arguments, group_from, join_process_group).
 
-# ---- the step wire format ----
-
-def _input_types() -> dict[int, type]:
-    """The input type of each kind that carries inputs (imported on use: they import jax)."""
-    from serving.group_images import EncodeWork, Features, SpanWork
-    from serving.runner import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
-    from serving.paged_runner import StepInputs
-
-    return {PREFILL: PrefillInputs, DECODE: DecodeInputs, CHUNK: ChunkInputs, MOVE: SlotMove,
-            RAGGED: StepInputs, ENCODE: EncodeWork, FEATURES: Features, SPANS: SpanWork}
-
-
-def _kinds_of(info) -> tuple[int, ...]:
-    """The kinds with inputs an engine with `info` runs: the paged engine's ragged steps, or
-    the slot engine's prefills, decodes, slot moves and chunks."""
-    return (RAGGED,) if info.paged else (PREFILL, DECODE, MOVE, CHUNK)
-
-
-def step_capacity(info) -> int:
-    """Int32 words of one step broadcast: the largest step of text an engine with `info` can be
-    asked to run (header included), the largest of each input type's `wire_examples`."""
-    types = _input_types()
-    return _HEADER + max(len(wire.encode(x)) for kind in _kinds_of(info)
-                         for x in types[kind].wire_examples(info))
-
-
-def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:
-    """One step as int32 [n * capacity], n >= 1 broadcasts of `capacity` words (`broadcasts`):
-    a header and its inputs' words (serving/wire.py), zero-padded."""
-    if kind not in _KIND_NAMES:
-        raise ValueError(f"unknown step kind {kind}")
-    want = _input_types().get(kind)
-    if (inputs is None) != (want is None) or (want is not None and type(inputs) is not want):
-        raise ValueError(f"a {_KIND_NAMES[kind]} step carries "
-                         f"{'no inputs' if want is None else want.__name__}, got {type(inputs).__name__}")
-    payload = np.zeros(0, np.int32) if inputs is None else wire.encode(inputs)
-    out = np.zeros(-(-(_HEADER + payload.size) // capacity) * capacity, np.int32)
-    out[:_HEADER] = kind, payload.size
-    out[_HEADER:_HEADER + payload.size] = payload
-    return out
-
-
-def broadcasts(first: np.ndarray) -> int:
-    """How many broadcasts of its size a step takes, from its first one's header."""
-    size = int(first[1])
-    if size < 0:
-        raise ValueError(f"malformed step: {size} payload words")
-    return -(-(_HEADER + size) // len(first))
-
-
-def decode_step(buf: np.ndarray) -> tuple[int, object]:
-    """Inverse of `encode_step`: (kind, its inputs or None)."""
-    buf = np.asarray(buf, np.int32)
-    kind, size = int(buf[0]), int(buf[1])
-    if kind not in _KIND_NAMES:
-        raise ValueError(f"unknown step kind {kind}")
-    if not 0 <= size <= buf.size - _HEADER:
-        raise ValueError(f"malformed step: {size} payload words in a buffer of {buf.size}")
-    cls = _input_types().get(kind)
-    if cls is None:
-        if size:
-            raise ValueError(f"malformed step: a {_KIND_NAMES[kind]} step with {size} payload words")
-        return kind, None
-    return kind, wire.decode(cls, buf[_HEADER:_HEADER + size])
-
-
 def _key(kind: int, inputs) -> tuple:
     """A step's watchdog key (`watchdog.step_key`; image work says what decides its programs)."""
     watch = getattr(inputs, "watch", None)
-    return step_key(_KIND_NAMES[kind], inputs, **(watch() if watch is not None else {}))
+    return step_key(KIND_NAMES[kind], inputs, **(watch() if watch is not None else {}))
 
 
 def _run(runner, kind: int, inputs):
@@ -383,7 +310,7 @@ class LeaderRunner:
         limit = self._limits.limit(key)
         # The workers ran (or failed) the same step; nothing keeps the group in step now.
         return key, limit, self._guarded(f"{verb} a {describe(key)} on process 0", limit,
-                                         f"{_KIND_NAMES[kind]} step failed", call)
+                                         f"{KIND_NAMES[kind]} step failed", call)
 
     def _guarded(self, what: str, limit: float, failure: str, call):
         """call() under the group's watchdog (`what`, at most `limit` seconds); an error in it
@@ -400,7 +327,7 @@ class LeaderRunner:
     def _send(self, kind: int, inputs) -> None:
         words = encode_step(kind, inputs, self.capacity)
         # Every process must join the broadcast: the others may still be running the last step.
-        name = _KIND_NAMES[kind]
+        name = KIND_NAMES[kind]
         self._guarded(f"broadcasting the {name} step",
                       max(self._peer_limit, self._limits.limit("broadcast")),
                       f"broadcasting the {name} step failed (a process has died?)",

@@ -16,7 +16,7 @@ import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
-from serving import distributed as dist
+from serving import group_steps
 from serving.runner import ChunkInputs, RunnerInfo, SlotRunner
 from serving.engine_core import EngineCore
 from serving.metrics import Metrics
@@ -239,11 +239,11 @@ def test_chunk_step_round_trip_for_other_processes():
     rng = np.random.default_rng(0)
     s = SlotSampling(np.float32([0.7]), np.int32([5]), np.float32([0.9]), np.uint32([123]))
     step = ChunkInputs(rng.integers(0, 512, 16, dtype=np.int32), 32, 11, 3, s, True, (4, 0), 7)
-    cap = dist.step_capacity(RunnerInfo(model_name="plain", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32),
+    cap = group_steps.step_capacity(RunnerInfo(model_name="plain", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32),
                                         prefill_batch_sizes=(1,), vocab_size=600, eos_ids=(1,), chunk_size=16,
                                         chunk_buckets=(16,)))
-    kind, got = dist.decode_step(dist.encode_step(dist.CHUNK, step, cap))
-    assert kind == dist.CHUNK and np.array_equal(got.tokens, step.tokens)
+    kind, got = group_steps.decode_step(group_steps.encode_step(group_steps.CHUNK, step, cap))
+    assert kind == group_steps.CHUNK and np.array_equal(got.tokens, step.tokens)
     assert got[1:4] == step[1:4] and got[5:] == step[5:]
     assert all(np.array_equal(x, y) for x, y in zip(got.sampling, step.sampling))
 

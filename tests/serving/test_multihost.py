@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from serving import distributed as dist
+from serving import group_steps
 from serving import wire
 import jax_platform
 from serving.runner import ChunkInputs, DecodeInputs, RunnerInfo, PrefillInputs, SlotMove
@@ -92,30 +93,30 @@ def test_slot_steps_round_trip_within_the_capacity_from_the_engine_info():
                        _sampling(4, rng))
     chunk = ChunkInputs(rng.integers(0, 1000, 16, dtype=np.int32), 32, 9, 2, _sampling(1, rng), True,
                         (4, 7), -1)
-    cap = dist.step_capacity(SLOT_INFO)
+    cap = group_steps.step_capacity(SLOT_INFO)
     # The largest step is a prefill of 2 x 32 tokens (batches of 2 stop at bucket 32): the
     # header, the tokens, lengths, slots and 4 sampling fields (each with its rank and shape
     # first), the flag.
     assert cap == 2 + (3 + 64) + 2 * (2 + 2) + 4 * (2 + 2) + 1 == 2 + len(wire.encode(pre))
-    for kind, inputs in ((dist.PREFILL, pre), (dist.DECODE, dec), (dist.CHUNK, chunk),
-                         (dist.MOVE, SlotMove(3, 1))):
-        buf = dist.encode_step(kind, inputs, cap)
+    for kind, inputs in ((group_steps.PREFILL, pre), (group_steps.DECODE, dec), (group_steps.CHUNK, chunk),
+                         (group_steps.MOVE, SlotMove(3, 1))):
+        buf = group_steps.encode_step(kind, inputs, cap)
         assert buf.shape == (cap,) and buf.dtype == np.int32
-        got_kind, got = dist.decode_step(buf)
+        got_kind, got = group_steps.decode_step(buf)
         assert got_kind == kind
         _same(got, inputs)
-    for kind in (dist.IDLE, dist.RESET, dist.SHUTDOWN):
-        assert dist.decode_step(dist.encode_step(kind, None, cap)) == (kind, None)
+    for kind in (group_steps.IDLE, group_steps.RESET, group_steps.SHUTDOWN):
+        assert group_steps.decode_step(group_steps.encode_step(kind, None, cap)) == (kind, None)
     # A step longer than one broadcast goes on in more of the same size (its header says how many).
-    words = dist.encode_step(dist.PREFILL, pre, cap - 1)
-    assert words.shape == (2 * (cap - 1),) and dist.broadcasts(words[:cap - 1]) == 2
-    _same(dist.decode_step(words)[1], pre)
+    words = group_steps.encode_step(group_steps.PREFILL, pre, cap - 1)
+    assert words.shape == (2 * (cap - 1),) and group_steps.broadcasts(words[:cap - 1]) == 2
+    _same(group_steps.decode_step(words)[1], pre)
     with pytest.raises(ValueError, match="carries PrefillInputs"):
-        dist.encode_step(dist.PREFILL, dec, cap)
-    bad = dist.encode_step(dist.DECODE, dec, cap)
+        group_steps.encode_step(group_steps.PREFILL, dec, cap)
+    bad = group_steps.encode_step(group_steps.DECODE, dec, cap)
     bad[1] -= 1
     with pytest.raises(ValueError, match="malformed step"):
-        dist.decode_step(bad)
+        group_steps.decode_step(bad)
 
 
 def test_paged_steps_round_trip_and_fit_their_capacity():
@@ -123,7 +124,7 @@ def test_paged_steps_round_trip_and_fit_their_capacity():
     travel whole; the largest a step of text can be (`StepInputs.wire_examples`) sizes the
     broadcast. The logits processing stays behind (process 0 alone samples); images travel as
     their keys and spans, without their pixels."""
-    cap = dist.step_capacity(PAGED_INFO)
+    cap = group_steps.step_capacity(PAGED_INFO)
     sched = PagedScheduler(PAGED_INFO)
     sched.add([Sequence(id=i, prompt=list(range(2, 2 + n)), params=IDLE, seed=i)
                for i, n in enumerate((30, 3, 5, 9))])
@@ -132,9 +133,9 @@ def test_paged_steps_round_trip_and_fit_their_capacity():
         plan = sched.schedule()
         inputs = step_inputs(plan, sched.kv, PAGED_INFO)
         extras = LogitsExtras.neutral(inputs.buckets.seqs, k=2)
-        kind, got = dist.decode_step(dist.encode_step(dist.RAGGED, inputs._replace(
+        kind, got = group_steps.decode_step(group_steps.encode_step(group_steps.RAGGED, inputs._replace(
             sampling=inputs.sampling._replace(extras=extras)), cap))
-        assert kind == dist.RAGGED and got.sampling.extras is None
+        assert kind == group_steps.RAGGED and got.sampling.extras is None
         _same(got, inputs)
         shapes.add(inputs.buckets)
         for p in plan.pieces:
@@ -149,12 +150,12 @@ def test_paged_steps_round_trip_and_fit_their_capacity():
               SeqImage(((50, 66),), np.ones((1, 8, 8, 3), np.float32), "b\u00e9"))
     indexed = inputs._replace(image_index=np.arange(inputs.buckets.tokens, dtype=np.int32) - 1,
                               images=images)
-    got = dist.decode_step(dist.encode_step(dist.RAGGED, indexed, cap))[1]
+    got = group_steps.decode_step(group_steps.encode_step(group_steps.RAGGED, indexed, cap))[1]
     assert [(im.spans, im.key, im.pixels) for im in got.images] == [
         (im.spans, im.key, None) for im in images]
     _same(got._replace(images=()), indexed._replace(images=()))
     # (The watchdog's key names the step's padded feature rows: a new count compiles.)
-    assert ("image_rows", 64) in dist._key(dist.RAGGED, got)[1]
+    assert ("image_rows", 64) in dist._key(group_steps.RAGGED, got)[1]
 
 
 def test_image_work_travels_and_both_sides_agree_on_the_features_held():
@@ -164,18 +165,18 @@ def test_image_work_travels_and_both_sides_agree_on_the_features_held():
     never dropped."""
     from serving.image_spans import SpanLayout
 
-    cap = dist.step_capacity(PAGED_INFO)
+    cap = group_steps.step_capacity(PAGED_INFO)
     layout = SpanLayout(np.arange(32, dtype=np.int32).reshape(2, 16), np.arange(8, dtype=np.int32)[None],
                         np.ones((1, 5), np.int32), np.array([2], np.int32))
     image = SeqImage(((4, 20),), None, "k\u00e9y")
     work = gi.SpanWork((gi.SpanTask(7, image, 0, 4, 20, layout), gi.SpanTask(8, image, 0, 4, 20, None)),
                        False)
-    for kind, inputs in ((dist.ENCODE, gi.EncodeWork(3, True)), (dist.SPANS, work),
-                         (dist.FEATURES, gi.Features("k", "bfloat16", (3, 5)))):
-        words = dist.encode_step(kind, inputs, cap)
-        got_kind, got = dist.decode_step(words)
+    for kind, inputs in ((group_steps.ENCODE, gi.EncodeWork(3, True)), (group_steps.SPANS, work),
+                         (group_steps.FEATURES, gi.Features("k", "bfloat16", (3, 5)))):
+        words = group_steps.encode_step(kind, inputs, cap)
+        got_kind, got = group_steps.decode_step(words)
         assert got_kind == kind and wire.encode(got).tolist() == wire.encode(inputs).tolist()
-    assert dist._key(dist.SPANS, work) == ("spans", (("bounded", False), ("spans", 2)))
+    assert dist._key(group_steps.SPANS, work) == ("spans", (("bounded", False), ("spans", 2)))
     import ml_dtypes
 
     for dtype in (np.float32, ml_dtypes.bfloat16):
@@ -342,11 +343,11 @@ def test_a_groups_image_work_replays_on_another_process():
         return words
 
     follower, kinds = dist.Follower(make(), receive), []
-    while kinds[-1:] != [dist.SHUTDOWN]:
+    while kinds[-1:] != [group_steps.SHUTDOWN]:
         kind, inputs = follower.next_step(leader.capacity)
         follower.run(kind, inputs)
         kinds.append(kind)
-    assert kinds.count(dist.FEATURES) == 2 and dist.ENCODE in kinds
+    assert kinds.count(group_steps.FEATURES) == 2 and group_steps.ENCODE in kinds
     assert follower.runner.images_encoded == 0
     assert follower.runner.spans.stages_run == leader.runner.spans.stages_run
     for mine, theirs in zip(jax.tree.leaves(leader.runner.pages), jax.tree.leaves(follower.runner.pages)):

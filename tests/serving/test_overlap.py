@@ -163,7 +163,8 @@ def test_a_groups_processes_replay_the_overlapped_loop():
     import jax
 
     from jax_platform import ProcessGroup
-    from serving.distributed import Follower, LeaderRunner, decode_step
+    from serving.distributed import Follower, LeaderRunner
+    from serving.group_steps import decode_step
 
     make = engine_maker("paged", False)
     requests = [(prompt(5 + 3 * i, i), greedy(n, ignore_eos=True)) for i, n in enumerate((3, 9, 17, 5))]
