@@ -357,7 +357,6 @@ def test_a_groups_image_work_replays_on_another_process():
 # ---- two real processes ----
 
 
-
 def _server_command(port: int, cache_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
             "--max-batch", "2", "--compile-cache-dir", str(cache_dir), "--step-timeout", str(STEP_TIMEOUT),
@@ -381,15 +380,18 @@ def _start_group(allreduce: str, log_dir: Path, cache_dir: Path, *args: str, nam
     return f"http://127.0.0.1:{port}", procs
 
 
-def _reference_model(allreduce: str, cache_dir: Path):
-    """The single-process tp=2 model the group must agree with. Loaded before the group starts,
-    through the servers' decoded-weights cache (`--compile-cache-dir`'s weights/): the GGUF is
-    decoded once here and the group's processes map the result instead of each decoding it."""
+# The slot engine's group test: a tiny random model (the group's mechanics do not depend on the
+# weights, and three processes compile its programs in seconds, the real 270M's in a minute).
+SLOT_MODEL = "random:tiny"
+
+
+def _reference_model(allreduce: str):
+    """The single-process tp=2 model the group must agree with."""
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
 
-    return load_model("gemma3-270m", tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
-                      max_seq_len=MAX_SEQ_LEN, weights_cache_dir=cache_dir / "weights")
+    return load_model(SLOT_MODEL, tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
+                      max_seq_len=MAX_SEQ_LEN)
 
 
 def _reference(model, prompts: list[list[int]]) -> list[list[int]]:
@@ -405,16 +407,15 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
     allreduce = "int8"
     log_dir = tmp_path_factory.mktemp(f"multihost-{allreduce}")
     cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
-    model = _reference_model(allreduce, cache_dir)
+    model = _reference_model(allreduce)
     # Slot engine steps (chunks, slot moves) are what this group test covers; the paged
     # engine's group is the next test.
-    url, procs = _start_group(allreduce, log_dir, cache_dir, "--engine", "slots", "--prefill-batch", "1")
+    url, procs = _start_group(allreduce, log_dir, cache_dir, "--model", SLOT_MODEL, "--served-model-name",
+                              "tiny", "--engine", "slots", "--prefill-batch", "1")
     try:
-        from models.gemma3.gguf import default_gguf_path
-        from models.gemma3.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_gguf(default_gguf_path())
-        prompts = [[tok.bos_id] + tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+        tok = model.tokenizer
+        # (The tiny model's greedy text: the first prompt's changes token, the second's does not.)
+        prompts = [[tok.bos_id] + tok.encode(p) for p in ("def fibonacci(n):", "The capital of France is")]
         want = _reference(model, prompts)  # while the servers start
         del model
         wait_group_ready(url, procs, STARTUP_TIMEOUT)
@@ -437,7 +438,7 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
 
         def complete(prompt, **kw):
             r = httpx.post(url + "/v1/completions", json={
-                "model": "gemma3-270m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                "model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
                 "ignore_eos": True, "logprobs": 0, **kw}, timeout=120)
             assert r.status_code == 200, r.text
             return r.json()["choices"]
