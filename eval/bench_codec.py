@@ -223,13 +223,17 @@ def run(n_values: int, group: int = 32, code: str = "int8", repeats: int = 20,
     }
     # What a schedule runs: a bfloat16 piece (half the columns of a 2-shard token layout) read
     # in place, an arrival decoded and added, the sum encoded (the native kernel on a CPU).
+    # The inputs are made by compiled programs too: op by op, each shape compiled a program
+    # per operation.
     layout = plan_token_layout((rows, 2 * width), 2, 1, granule=group)
-    buf = layout.split(jnp.concatenate([x, local], axis=1).astype(jnp.bfloat16))
+    buf = jax.jit(lambda a, b: layout.split(jnp.concatenate([a, b], axis=1).astype(
+        jnp.bfloat16)))(x, local)
     codec = codecs.GroupCodec(group, code, layout.piece_shape)
+    arrival = jax.jit(lambda v: groups.encode(v.reshape(1, rows, width), group, code))(local)
     table["encode_sum"] = (
         jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
-        (buf, groups.encode(local.reshape(1, rows, width), group, code)), 2.0 + 2 * wire_bytes)
-    parts = codec_spec.wire_parts(wire, (1, width), group, code)
+        (buf, arrival), 2.0 + 2 * wire_bytes)
+    parts = jax.jit(lambda w: codec_spec.wire_parts(w, (1, width), group, code))(wire)
     table["unrotate"] = (
         jax.jit(lambda *p: groups.unrotate_codes(*p, group, code, jnp.bfloat16)),
         parts, wire_bytes + 2.0)

@@ -40,12 +40,18 @@ def _wire(rows: int, width: int = 1024, seed: int = 0, edges: bool = True, code:
         # A normal scale over 32 below the normal range: XLA:CPU flushes such results to
         # zero, and the kernel, run on its threads, does the same.
         x[7, :G] = rng.standard_normal(G) * 1e-36
-    wire = groups.encode(groups.rotate(jnp.asarray(x), G), G, code)
-    return codec_spec.wire_parts(wire, (1, width), G, code)
+    return jax.jit(lambda v: codec_spec.wire_parts(groups.encode(groups.rotate(v, G), G, code),
+                                                   (1, width), G, code))(x)
 
 
 def _pure(codes, steps, exponents, dtype, code="int8"):
-    return groups.unrotate_codes(codes, steps, exponents, G, code, dtype, native=False)
+    # Compiled, as the collective runs it (one program, not one per eager op).
+    return jax.jit(lambda *p: groups.unrotate_codes(*p, G, code, dtype, native=False))(
+        codes, steps, exponents)
+
+
+def _decode(wire, code, shape):
+    return np.asarray(jax.jit(lambda w: codec_spec.decode(w, G, code, shape))(wire))
 
 
 def test_the_kernel_builds_here():
@@ -89,16 +95,18 @@ def _check_gather(code: str, dtype, device: int, target: str = native_cpu.GATHER
         v[0, 2, 9] = -np.inf
         return jnp.asarray(v, jnp.float32)
 
-    rows = [[piece_codec.encode(values(b - a)) for a, b in pieces] for _ in range(3)]
+    encode = jax.jit(piece_codec.encode)
+    rows = [[encode(values(b - a)) for a, b in pieces] for _ in range(3)]
     got = jax.jit(lambda d, *w: native_cpu.gather_unrotate(
         d, w, codec_spec.rotation(G).T, code, dtype, (3, 32, 3, 1, 256),
         [layout.piece_geometry(*p) for p in pieces], target=target))(
         jnp.int32(device), *[w for row in rows for w in row])
     want = np.zeros((3, 32, 3, 1, 256), np.float32)
+    pure = jax.jit(lambda w: groups.unrotate_codes(*piece_codec.wire_parts(w), G, code, dtype,
+                                                   native=False))
     for r, row in enumerate(rows):
         for (a, b), wire in zip(pieces, row):
-            values = groups.unrotate_codes(*piece_codec.wire_parts(wire), G, code, dtype,
-                                           native=False)
+            values = pure(wire)
             want[a:b, :, (device + r) % 3, 0] = np.asarray(values, np.float32)
     assert_same_bits(got, jnp.asarray(want, dtype))
 
@@ -132,10 +140,10 @@ def _summands(dtype, code: str, seed: int = 0, edges: bool = True, non_finite: b
         x[38, 512 + 40] = np.nan
         x[39, 512 + 100] = -np.inf
         x[70, 512 + 300] = np.inf
-    buf = layout.split(jnp.asarray(x, dtype))
-    piece_codec = codecs.GroupCodec(G, code, layout.piece_shape)
-    arrivals = [piece_codec.encode(jnp.asarray(rng.standard_normal((4, 32, 512)), jnp.float32)
-                                   * 4) for _ in range(2)]
+    buf = jax.jit(layout.split)(jnp.asarray(x, dtype))
+    encode = jax.jit(codecs.GroupCodec(G, code, layout.piece_shape).encode)
+    arrivals = [encode(jnp.asarray(rng.standard_normal((4, 32, 512)), jnp.float32) * 4)
+                for _ in range(2)]
     return layout, buf, arrivals
 
 
@@ -167,7 +175,7 @@ def test_encode_sum_gives_the_pure_bits(dtype, code):
             assert got.shape == want.shape == (piece[1] - piece[0], codes + 32 * (512 // G + 1))
             assert_same_bits(got, want)
             if (piece, n) == ((1, 3), 0):  # the edge cases are in what was compared
-                out = np.asarray(codec_spec.decode(jnp.asarray(got), G, code, (2, 32, 512)))
+                out = _decode(got, code, (2, 32, 512))
                 assert (out[0, :2] == 0).all() and (out[0, 2, :G] == 0).all()  # zero, tiny
                 assert np.isclose(out[0, 3, 8:88], 3e38, rtol=0.1).all()  # huge
                 assert out[0, 4, 18] == 0 and np.isfinite(out).all()
@@ -190,11 +198,11 @@ def test_fp8_encode_rounds_ties_to_even_as_xla():
     at = np.arange(len(runs)) * 17  # runs in both shards' columns (a row holds 32 runs)
     cells[at, 0] = 447.0
     cells[at, 1:] = runs
-    buf = layout.split(jnp.asarray(x))
+    buf = jax.jit(layout.split)(jnp.asarray(x))
     for shard in (0, 1):
         got = _encode_sum(buf, layout, shard, (0, 4), [], "fp8")
         assert_same_bits(got, _encode_sum(buf, layout, shard, (0, 4), [], "fp8", native=False))
-        decoded = np.asarray(codec_spec.decode(jnp.asarray(got), G, "fp8", (4, 32, 512)))
+        decoded = _decode(got, "fp8", (4, 32, 512))
         values = np.asarray(layout.piece(buf, shard, 0, 4))
         assert (values == 447).sum() >= len(runs) // 3  # the runs are in these pieces
         np.testing.assert_array_equal(
@@ -210,15 +218,14 @@ def test_encode_sum_keeps_a_nan_group_nan():
     x[1, 5, 1, 0, 100] = -np.inf  # row 5: group 3
     buf = jnp.asarray(x)
     got = _encode_sum(buf, layout, 1, (1, 2), arrivals[:1], "int8")
-    out = np.asarray(codec_spec.decode(jnp.asarray(got), G, "int8", (1, 32, 512))).reshape(32, 16, G)
+    out = _decode(got, "int8", (1, 32, 512)).reshape(32, 16, G)
     assert np.isnan(out[3, 1]).all() and np.isnan(out[5, 3]).all()
     bad = np.zeros((32, 16), bool)
     bad[3, 1] = bad[5, 3] = True
     assert np.isfinite(out[~bad]).all()
     want = _encode_sum(buf, layout, 1, (1, 2), arrivals[:1], "int8", native=False)
     assert_same_bits(got, want, wire=(layout.piece_shape, G, "int8"))
-    assert_same_bits(out, codec_spec.decode(jnp.asarray(want), G, "int8", (1, 32, 512)).reshape(
-        32, 16, G))
+    assert_same_bits(out, _decode(want, "int8", (1, 32, 512)).reshape(32, 16, G))
 
 
 def test_encode_sum_refuses_a_piece_outside_its_buffer():

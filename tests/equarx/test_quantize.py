@@ -8,6 +8,18 @@ from equarx import accounting
 from equarx import quantize as qz
 
 
+# The codec's steps as compiled programs (as the collectives run them): one program each per
+# shape rather than one per eager op.
+_quantize_blockwise = jax.jit(qz.quantize_blockwise)
+_dequantize = jax.jit(qz.dequantize)
+_scale_round_cast = jax.jit(qz.scale_round_cast)
+_pack = jax.jit(qz.pack)
+_unpack = jax.jit(qz.unpack)
+_quantize_rows = jax.jit(qz.quantize_rows)
+_pack_rows = jax.jit(qz.pack_rows)
+_packed_dequantize_rows = jax.jit(qz.packed_dequantize_rows)
+
+
 def _minishard(values, k=3):
     x = np.zeros((k, 8, 128), np.float32)
     x.reshape(-1)[: len(values)] = values
@@ -16,10 +28,10 @@ def _minishard(values, k=3):
 
 def test_quantize_error_within_half_a_step():
     x = np.random.default_rng(0).standard_normal((16, 8, 128)).astype(np.float32) * 3
-    q, scale = qz.quantize_blockwise(jnp.asarray(x))
+    q, scale = _quantize_blockwise(jnp.asarray(x))
     assert q.dtype == jnp.int8 and q.shape == x.shape and scale.shape == (8, 128)
     np.testing.assert_allclose(np.asarray(scale), np.abs(x).max(0) / 127, rtol=1e-6)
-    err = np.abs(np.asarray(qz.dequantize(q, scale)) - x)
+    err = np.abs(np.asarray(_dequantize(q, scale)) - x)
     assert np.all(err <= np.asarray(scale) / 2 * (1 + 1e-5))
     # The block's absmax lands exactly on +-127.
     assert np.all(np.abs(np.asarray(q)).max(0) == 127)
@@ -28,8 +40,8 @@ def test_quantize_error_within_half_a_step():
 def test_qp1_and_qp2_compose_to_quantize_blockwise():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8, 128)), jnp.float32)
     amax = qz.absmax(x)
-    q1, s1 = qz.scale_round_cast(x, amax)
-    q2, s2 = qz.quantize_blockwise(x)
+    q1, s1 = _scale_round_cast(x, amax)
+    q2, s2 = _quantize_blockwise(x)
     assert np.array_equal(np.asarray(q1), np.asarray(q2))
     assert np.array_equal(np.asarray(s1), np.asarray(s2))
 
@@ -57,7 +69,7 @@ def test_rounds_half_to_even():
     # Tile 1 puts 127 in every lane, so every scale is exactly 1 and q = round(tile 0).
     x = np.stack([_minishard([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5], k=1)[0],
                   np.full((8, 128), 127.0, np.float32)])
-    q, scale = qz.quantize_blockwise(jnp.asarray(x))
+    q, scale = _quantize_blockwise(jnp.asarray(x))
     assert np.all(np.asarray(scale) == 1.0)
     assert list(np.asarray(q)[0].reshape(-1)[:7]) == [0, 2, 2, 4, 0, -2, -2]
 
@@ -65,8 +77,8 @@ def test_rounds_half_to_even():
 def test_tiny_blocks_flush_to_zero_without_overflow():
     x = np.full((4, 8, 128), 1e-40, np.float32)  # 127 / 1e-40 overflows float32
     x[:, 0, 0] = 1.0
-    q, scale = qz.quantize_blockwise(jnp.asarray(x))
-    deq = np.asarray(qz.dequantize(q, scale))
+    q, scale = _quantize_blockwise(jnp.asarray(x))
+    deq = np.asarray(_dequantize(q, scale))
     assert np.isfinite(deq).all() and np.abs(deq[:, 1:]).max() <= 1e-40
     np.testing.assert_allclose(deq[:, 0, 0], 1.0)
 
@@ -74,8 +86,8 @@ def test_tiny_blocks_flush_to_zero_without_overflow():
 def test_zero_block_is_exact_and_scale_zero():
     x = np.zeros((2, 8, 128), np.float32)
     x[:, 0, 0] = [1.0, -2.0]  # one live lane, every other lane is an all-zero block
-    q, scale = qz.quantize_blockwise(jnp.asarray(x))
-    deq = np.asarray(qz.dequantize(q, scale))
+    q, scale = _quantize_blockwise(jnp.asarray(x))
+    deq = np.asarray(_dequantize(q, scale))
     assert np.asarray(scale)[0, 1] == 0 and np.all(deq[:, 0, 1:] == 0) and np.all(deq[:, 1:] == 0)
     assert np.isfinite(deq).all()
 
@@ -89,17 +101,17 @@ def test_non_finite_travels_in_the_scale(bad):
     assert not np.isfinite(scale[2, 5])
     assert np.isfinite(scale).sum() == 8 * 128 - 1
     assert q.dtype == np.int8 and np.all(q[:, 2, 5] == 0)  # q itself stays a defined integer
-    deq = np.asarray(qz.dequantize(jnp.asarray(q), jnp.asarray(scale)))
+    deq = np.asarray(_dequantize(jnp.asarray(q), jnp.asarray(scale)))
     assert not np.isfinite(deq[:, 2, 5]).any()  # the whole block, the bad element included
     assert np.isfinite(np.delete(deq.reshape(300, -1), 2 * 128 + 5, axis=1)).all()
 
 
 def test_pack_roundtrip_is_bit_exact():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 8, 128)), jnp.float32)
-    q, scale = qz.quantize_blockwise(x)
-    buf = qz.pack(q, scale)
+    q, scale = _quantize_blockwise(x)
+    buf = _pack(q, scale)
     assert buf.dtype == jnp.int8 and buf.size == 5 * 1024 + qz.SCALE_BYTES
-    q2, s2 = qz.unpack(buf)
+    q2, s2 = _unpack(buf)
     assert np.array_equal(np.asarray(q2), np.asarray(q))
     assert np.array_equal(np.asarray(s2).view(np.uint32), np.asarray(scale).view(np.uint32))
 
@@ -107,11 +119,11 @@ def test_pack_roundtrip_is_bit_exact():
 def test_row_blocks_quantize_pack_and_poison_one_row():
     x = np.random.default_rng(4).standard_normal((6, 8, 128)).astype(np.float32)
     x[2, 3, 7] = np.nan
-    q, scale = qz.quantize_rows(jnp.asarray(x))
+    q, scale = _quantize_rows(jnp.asarray(x))
     assert q.shape == x.shape and scale.shape == (6, 8)
-    buf = qz.pack_rows(q, scale)
+    buf = _pack_rows(q, scale)
     assert buf.dtype == jnp.int8 and buf.size == 6 * 1024 + 6 * 8 * 4  # 4 bytes per 128 values
-    deq = np.asarray(qz.packed_dequantize_rows(buf))
+    deq = np.asarray(_packed_dequantize_rows(buf))
     assert not np.isfinite(deq[2, 3]).any()
     ok = np.ones((6, 8), bool)
     ok[2, 3] = False
@@ -126,11 +138,11 @@ def test_hadamard_rotation_is_exactly_invertible_and_orthogonal():
     for _ in range(7):
         h = np.block([[h, h], [h, -h]])  # Sylvester's construction of the 128x128 matrix
     x = np.random.default_rng(5).standard_normal(3 * 128).astype(np.float32)
-    r = np.asarray(hadamard.rotate(jnp.asarray(x))).reshape(3, 128)
+    r = np.asarray(jax.jit(hadamard.rotate)(x)).reshape(3, 128)
     np.testing.assert_allclose(r, (x.reshape(3, 128) * hadamard._SIGNS) @ h.T, atol=1e-4)
     np.testing.assert_allclose(np.linalg.norm(r, axis=1),
                                np.sqrt(128) * np.linalg.norm(x.reshape(3, 128), axis=1), rtol=1e-5)
-    back = np.asarray(hadamard.unrotate(jnp.asarray(r.reshape(-1))))
+    back = np.asarray(jax.jit(hadamard.unrotate)(r.reshape(-1)))
     np.testing.assert_allclose(back, x, atol=1e-6)
 
 

@@ -2,7 +2,6 @@
 and 8 devices); the codec's rounding bounds; variant="auto"."""
 import jax
 import jax.numpy as jnp
-from jax import lax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,6 +10,15 @@ from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce, codec_spec, groups, resolved_variant, schedule
 from testkit import assert_same_bits
+
+# The codec's steps as compiled programs (as a schedule runs them), one program each per shape
+# rather than one per eager op.
+_encode = jax.jit(groups.encode, static_argnums=(1, 2))
+_decode = jax.jit(codec_spec.decode, static_argnums=(1, 2, 3))
+_wire_parts = jax.jit(codec_spec.wire_parts, static_argnums=(1, 2, 3))
+_unrotate_codes = jax.jit(groups.unrotate_codes, static_argnums=(3, 4, 5))
+_unrotate = jax.jit(groups.unrotate, static_argnums=1)
+_rotate = jax.jit(groups.rotate, static_argnums=1)
 
 TOKEN_LOCAL = ["bf16_ring", "bf16_ring-semi", "int8", "int8-full", "int8-twoshot-rs", "int4",
                "int8-semi/64", "bf16"]
@@ -65,11 +73,11 @@ def test_the_flat_layouts_are_not_token_local_and_say_so():
 def test_group_codec_round_trip_is_within_half_a_step(code, half_step):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 7, 96)).astype(np.float32) * np.exp(rng.uniform(-8, 8, (3, 7, 1)))
-    wire = groups.encode(jnp.asarray(x), 32, code)
+    wire = _encode(jnp.asarray(x), 32, code)
     assert wire.dtype == jnp.int8
     assert wire.size == x.size * codec_spec.wire_bytes_per_value(32, code, 96)
     assert wire.size == 3 * (7 * 96 * (0.5 if code == "int4" else 1) + 7 * (3 + 1))
-    y = np.asarray(codec_spec.decode(wire, 32, code, x.shape))
+    y = np.asarray(_decode(wire, 32, code, x.shape))
     amax = np.abs(x).reshape(3, 7, 3, 32).max(-1, keepdims=True)
     err = np.abs(y - x).reshape(3, 7, 3, 32)
     # The scale is rounded up onto a grid of 32 bfloat16 steps per octave: at most 3% larger
@@ -83,8 +91,7 @@ def test_group_codec_special_values():
     x[0, 1, 40] = np.nan  # poisons its group only
     x[0, 2, 3] = np.inf
     x[0, 3, :32] = 1e-40  # too small for a finite 1/scale: decodes to 0
-    y = np.asarray(codec_spec.decode(groups.encode(jnp.asarray(x), 32, "int8"), 32, "int8",
-                                 x.shape))
+    y = np.asarray(_decode(_encode(jnp.asarray(x), 32, "int8"), 32, "int8", x.shape))
     assert np.all(y[0, 0, :32] == 0)
     assert np.isnan(y[0, 1, 32:]).all() and np.isfinite(y[0, 1, :32]).all()
     assert not np.isfinite(y[0, 2, :32]).any() and np.isfinite(y[0, 2, 32:]).all()
@@ -139,11 +146,10 @@ def test_unrotating_the_codes_is_decoding_then_unrotating_bit_for_bit(code):
     x[1, 2, 100] = -np.inf
     x[1, 3, :32] = 1e-40
     shape = (2, 6, 128)
-    wire = groups.encode(jnp.asarray(x), 32, code)
-    want = groups.unrotate(codec_spec.decode(wire, 32, code, shape), 32)
+    wire = _encode(jnp.asarray(x), 32, code)
+    want = _unrotate(_decode(wire, 32, code, shape), 32)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = groups.unrotate_codes(*codec_spec.wire_parts(wire, (6, 128), 32, code), 32, code,
-                                    dtype)
+        got = _unrotate_codes(*_wire_parts(wire, (6, 128), 32, code), 32, code, dtype)
         assert got.dtype == dtype and got.shape == shape
         assert_same_bits(got, want.astype(dtype))
 
@@ -158,20 +164,19 @@ def test_unrotating_fp8_codes_rounds_once(g):
     x *= np.exp(rng.uniform(-40, 40, (2, 6, 256 // g, 1))).repeat(g, -1).reshape(x.shape)
     x[0, 0, :g] = 0.0
     x[0, 1, 3] = np.nan
-    wire = groups.encode(jnp.asarray(x), g, "fp8")
-    codes, steps, exponents = codec_spec.wire_parts(wire, (6, 256), g, "fp8")
-    q = np.asarray(lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32),
-                   np.float64).reshape(-1, g)
-    s = np.asarray(codec_spec.row_scales(steps, exponents), np.float64).reshape(-1, 1)
+    wire = _encode(jnp.asarray(x), g, "fp8")
+    codes, steps, exponents = _wire_parts(wire, (6, 256), g, "fp8")
+    q = np.asarray(np.asarray(codes).view(ml_dtypes.float8_e4m3fn), np.float64).reshape(-1, g)
+    s = np.asarray(jax.jit(codec_spec.row_scales)(steps, exponents), np.float64).reshape(-1, 1)
     exact = (q @ codec_spec.rotation(g).T.astype(np.float64)) * (s / g)
     want32 = exact.astype(np.float32).reshape(2, 6, 256)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = groups.unrotate_codes(codes, steps, exponents, g, "fp8", dtype)
+        got = _unrotate_codes(codes, steps, exponents, g, "fp8", dtype)
         assert got.dtype == dtype and got.shape == (2, 6, 256)
         assert_same_bits(got, jnp.asarray(want32).astype(dtype))
     assert np.isnan(want32[0, 1, :g]).all() and not want32[0, 0, :g].any()
     # Decode-then-unrotate is within a few float32 roundings of it.
-    twice = np.asarray(groups.unrotate(codec_spec.decode(wire, g, "fp8", (2, 6, 256)), g))
+    twice = np.asarray(_unrotate(_decode(wire, g, "fp8", (2, 6, 256)), g))
     ok = np.isfinite(want32)
     np.testing.assert_allclose(twice[ok], want32[ok], rtol=1e-5, atol=0)
 
@@ -180,12 +185,12 @@ def test_rotation_is_invertible_and_orthogonal_up_to_its_scale():
     m = codec_spec.rotation(32)
     np.testing.assert_array_equal(m @ m.T, 32 * np.eye(32, dtype=np.float32))
     x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
-    y = np.asarray(groups.unrotate(groups.rotate(jnp.asarray(x), 32), 32))
+    y = np.asarray(_unrotate(_rotate(jnp.asarray(x), 32), 32))
     np.testing.assert_allclose(y, x, rtol=0, atol=1e-5)
     # A bfloat16 message is widened by its bits: the same rotation as of its float32 copy.
     xb = jnp.asarray(x, jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(groups.rotate(xb, 32)),
-                                  np.asarray(groups.rotate(xb.astype(jnp.float32), 32)))
+    np.testing.assert_array_equal(np.asarray(_rotate(xb, 32)),
+                                  np.asarray(_rotate(xb.astype(jnp.float32), 32)))
 
 
 def test_auto_picks_two_shot_on_switched_links_and_the_ring_for_large_messages_on_a_torus():
@@ -257,8 +262,8 @@ def test_fold_rotation_moves_the_rotation_into_the_weights():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 48)).astype(np.float32)
     w = rng.standard_normal((48, 96)).astype(np.float32)
-    folded = np.asarray(groups.fold_rotation(jnp.asarray(w), 32))
-    want = np.asarray(groups.rotate(jnp.asarray(x @ w), 32))
+    folded = np.asarray(jax.jit(groups.fold_rotation, static_argnums=1)(jnp.asarray(w), 32))
+    want = np.asarray(_rotate(jnp.asarray(x @ w), 32))
     np.testing.assert_allclose(x @ folded, want, rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match="multiple of 32"):
-        groups.fold_rotation(jnp.zeros((4, 40)), 32)
+        groups.fold_rotation(np.zeros((4, 40), np.float32), 32)

@@ -100,24 +100,28 @@ def test_a_rows_codes_do_not_depend_on_the_rows_beside_it(chunked):
     # first k rows' wire is the same alone as in a longer piece, whatever the other rows hold.
     enc = jax.jit(lambda v: triton_codecs.encode(v, 32, "int8", interpret=True,
                                                  chunked=chunked))
+    # The rows are cut and replaced, and the wire's parts sliced, in numpy (not an eager
+    # program per slice and shape).
     for w in (1024, 640):
-        x = _values((1, 40, w), jnp.float32, seed=1)
+        x = np.asarray(_values((1, 40, w), jnp.float32, seed=1))
         for k in (1, 13):
-            other = x.at[:, k:].set(_values((1, 40 - k, w), jnp.float32, seed=k))
-            alone = codec_spec.wire_parts(enc(x[:, :k]), (k, w), 32, "int8")
+            other = x.copy()
+            other[:, k:] = _values((1, 40 - k, w), jnp.float32, seed=k)
+            alone = codec_spec.wire_parts(np.asarray(enc(x[:, :k])), (k, w), 32, "int8")
             for full in (x, other):
-                for a, b in zip(alone, codec_spec.wire_parts(enc(full), (40, w), 32, "int8")):
+                for a, b in zip(alone, codec_spec.wire_parts(np.asarray(enc(full)), (40, w), 32,
+                                                             "int8")):
                     assert_same_bits(a, b[:, :k])
 
 
 def test_under_vmap_each_slice_is_encoded_as_alone():
-    x = _values((3, 2, 5, 160), jnp.float32)
-    got = jax.vmap(lambda v: triton_codecs.encode(v, 32, "int8", interpret=True))(x)
-    want = jnp.stack([_encode(x[i], "int8") for i in range(3)])
+    x = np.asarray(_values((3, 2, 5, 160), jnp.float32))  # sliced and stacked in numpy
+    got = np.asarray(jax.vmap(lambda v: triton_codecs.encode(v, 32, "int8", interpret=True))(x))
+    want = np.stack([_encode(x[i], "int8") for i in range(3)])
     for i in range(3):
         assert_same_bits(got[i], want[i], wire=((5, 160), 32, "int8"))
-    parts = [jnp.stack(p) for p in zip(*(codec_spec.wire_parts(want[i], (5, 160), 32, "int8")
-                                         for i in range(3)))]
+    parts = [np.stack(p) for p in zip(*(codec_spec.wire_parts(want[i], (5, 160), 32, "int8")
+                                        for i in range(3)))]
     got = jax.vmap(lambda *p: triton_codecs.unrotate(*p, 32, "int8", jnp.bfloat16,
                                                      interpret=True))(*parts)
     want = jax.jit(jax.vmap(lambda *p: groups.unrotate_codes(*p, 32, "int8", jnp.bfloat16,
@@ -174,11 +178,11 @@ def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves, chunked):
     col = np.arange(x.shape[1]) % 640  # the same columns of every shard and half
     x[40, (col >= 96) & (col < 200)] = 3e38
     x[41, col < 32] = np.float32(x[41, 32]) * np.tile(np.arange(32) / 2, x.shape[1] // 640)
-    buf = layout.split(jnp.asarray(np.nan_to_num(x, nan=1.0, posinf=2.0), dtype))
+    buf = jax.jit(layout.split)(jnp.asarray(np.nan_to_num(x, nan=1.0, posinf=2.0), dtype))
     codec = codecs.GroupCodec(32, code, layout.piece_shape)
     shape = (layout.minishards * halves, *layout.piece_shape)
-    arrivals = [jax.jit(codec.encode)(_values(shape, jnp.float32, seed=6 + i) * 4)
-                for i in range(2)]
+    arrivals = [np.asarray(jax.jit(lambda v: codec.encode(v * 4))(
+        _values(shape, jnp.float32, seed=6 + i))) for i in range(2)]
     for shard, piece, n in ((0, (0, 1), 1), (1, (1, 3), 2), (1, (3 * halves - 1, 3 * halves), 0)):
         got_in = [a[piece[0]:piece[1]] for a in arrivals[:n]]
         want = jax.jit(lambda b, s, *a: codecs.encode_sum(codec, b, layout, s, piece, a))(
@@ -189,5 +193,6 @@ def test_encode_sum_gives_codecs_encode_sum(code, dtype, halves, chunked):
                 buf, jnp.int32(shard), *got_in)
         assert_same_bits(got, want, wire=(layout.piece_shape, 32, code))
         if piece == (1, 3):  # the edge cases were in what was compared
-            out = np.asarray(codec_spec.decode(got, 32, code, (2, 32, 640)))
+            out = np.asarray(jax.jit(lambda w: codec_spec.decode(w, 32, code, (2, 32, 640)))(
+                got))
             assert np.isinf(out[0, 8]).any() or (np.abs(out[0, 8]) > 1e38).any()

@@ -79,11 +79,15 @@ def test_the_gpu_forms_build_and_check_their_bits(monkeypatch):
     rows, width = 64, 640
     x = jax.random.normal(jax.random.PRNGKey(0), (rows, width))
     layout = plan_token_layout((rows, 2 * width), 2, 1, granule=32)
-    buf = layout.split(jnp.concatenate([x, x / 2], axis=1).astype(jnp.bfloat16))
+    # The inputs as compiled programs (not one program per eager op).
+    buf = jax.jit(lambda v: layout.split(jnp.concatenate([v, v / 2], axis=1).astype(
+        jnp.bfloat16)))(x)
     codec = codecs.GroupCodec(32, "int8", layout.piece_shape)
+    arrival = jax.jit(lambda v: groups.encode((v / 2).reshape(1, rows, width), 32, "int8"))(x)
     hop = (layout, jax.jit(lambda b, w: codecs.encode_sum(codec, b, layout, 1, (0, 1), [w])),
-           (buf, groups.encode((x / 2).reshape(1, rows, width), 32, "int8")), 3.0)
-    parts = codec_spec.wire_parts(groups.encode(x, 32, "int8"), (1, width), 32, "int8")
+           (buf, arrival), 3.0)
+    parts = jax.jit(lambda v: codec_spec.wire_parts(groups.encode(v, 32, "int8"), (1, width),
+                                                    32, "int8"))(x)
     forms = bench_codec.forms(x, parts, hop, 32, "int8", 1.03, on_gpu=True)
     gpu = [name for name in forms if "triton" in name]
     assert {"encode_triton_chunked_4096_4", "unrotate_triton_chunked_4096_4",

@@ -101,12 +101,14 @@ def test_slots_are_independent(tiny):
     m = tiny[2]
     a, b = _random_seqs([13, 21], seed=7)
 
+    # The cache and prompt shapes of the tests around it (4 slots of 32, prompts of 16): their
+    # programs, compiled once.
     def run(busy):
-        cache = m.init_cache(num_slots=4, max_seq_len=64)
+        cache = m.init_cache(num_slots=4, max_seq_len=32)
         if busy:
-            cache = m.prefill(cache, np.array([b[:16] + [0] * 16], np.int32),
+            cache = m.prefill(cache, np.array([b[:16]], np.int32),
                               np.array([16], np.int32), np.array([0], np.int32))[1]
-        logits, cache = m.prefill(cache, np.array([a[:9] + [0] * 23], np.int32),
+        logits, cache = m.prefill(cache, np.array([a[:9] + [0] * 7], np.int32),
                                   np.array([9], np.int32), np.array([2], np.int32))
         out = [np.asarray(logits)[0]]
         for step in range(4):
@@ -244,10 +246,11 @@ def test_long_prompts_attend_in_chunks_with_the_same_result(monkeypatch, window)
 
 def test_compiles_while_loading():
     """load_model(warm_up=...) compiles from the weights' shapes while they load."""
+    # The shapes of the warm-up tests below (which then find these programs compiled).
     m = load_model(TINY, tp=2, dtype="float32", allreduce=F32,
-                   warm_up=dict(num_slots=2, max_seq_len=32, buckets=[32]))
+                   warm_up=dict(num_slots=2, max_seq_len=32, buckets=[8]))
     cache = m.init_cache(2, 32)
-    logits, cache = m.prefill(cache, np.array([[2, 7, 9] + [0] * 29], np.int32),
+    logits, cache = m.prefill(cache, np.array([[2, 7, 9] + [0] * 5], np.int32),
                               np.array([3], np.int32), np.array([1], np.int32))
     full = m.score([[2, 7, 9]])[0, 2]
     np.testing.assert_allclose(np.asarray(logits)[0], full, atol=2e-5)
@@ -384,8 +387,10 @@ def test_models_are_not_kept_alive_by_the_library():
 
     m = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
     cache = m.init_cache(2, 32)
-    _, cache = m.prefill(cache, np.array([[2, 7, 9, 0]], np.int32), np.array([3]), np.array([0]))
-    m.generate([[2, 7]], 2)
+    # Shapes the tests above compiled programs for (the session's compilation cache has them).
+    _, cache = m.prefill(cache, np.array([[2, 7, 9, 0, 0, 0, 0, 0]], np.int32), np.array([3]),
+                         np.array([0]))
+    m.generate([[2, 7], [2, 9]], 2)
     refs = [weakref.ref(m), weakref.ref(m.programs), weakref.ref(m.weights)]
     del m, cache
     gc.collect()

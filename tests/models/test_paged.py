@@ -174,16 +174,20 @@ def dense_logits(m, tokens, visible):
                               for j in range(n)] for i in range(n)]) for kind in ("global",
                                                                                    "local")}
 
-    def attn(x, w, layer, kind):
-        q, k, v = forward.project_qkv(x, w, positions, kind, ctx)
-        enc = forward.attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
-                             jnp.asarray(masks[kind])[None])
-        return forward.output_projection(enc, w.o), None
+    def logits(weights, tokens, masks):
+        def attn(x, w, layer, kind):
+            q, k, v = forward.project_qkv(x, w, positions, kind, ctx)
+            enc = forward.attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
+                                 masks[kind][None])
+            return forward.output_projection(enc, w.o), None
 
-    x = forward.embed_tokens(m.weights.embed, jnp.asarray([tokens], jnp.int32), ctx)
-    x, _ = forward.run_layers(x, m.weights, attn, ctx)
-    x = forward.rms_norm(x[0], m.weights.final_norm, m.config.norm_eps)
-    return np.asarray(forward.output_logits(x, m.weights.embed))
+        x = forward.embed_tokens(weights.embed, tokens, ctx)
+        x, _ = forward.run_layers(x, weights, attn, ctx)
+        x = forward.rms_norm(x[0], weights.final_norm, m.config.norm_eps)
+        return forward.output_logits(x, weights.embed)
+
+    # One compiled program (the same blocks), not one per eager op.
+    return np.asarray(jax.jit(logits)(m.weights, jnp.asarray([tokens], jnp.int32), masks))
 
 
 def test_a_bidirectional_span_matches_a_dense_reference(tiny):
@@ -321,11 +325,19 @@ def test_the_kernels_metadata_gives_the_xla_forms_attention():
         ref_ragged_paged_attention)
 
     q, pages, table, _, batch = _attention_case()
+    xla_form = jax.jit(paged_attention, static_argnames=("window", "impl"))
     for window, first in ((None, jnp.zeros(2, jnp.int32)), (8, jnp.array([1, 2], jnp.int32))):
-        want = np.asarray(paged_attention(q, pages, table, first, batch, window, impl="xla"))
-        kv_lens, cu_q_lens, num_seqs = kernel_metadata(batch, first, pages.page_size)
-        got = ref_ragged_paged_attention(q, pages.kv, kv_lens, table, cu_q_lens, num_seqs,
-                                         sliding_window=window, mask_value=forward.K_MASK)
+        want = np.asarray(xla_form(q, pages, table, first, batch, window=window, impl="xla"))
+        kv_lens, cu_q_lens, num_seqs = (np.asarray(a) for a in
+                                        kernel_metadata(batch, first, pages.page_size))
+
+        # The reference slices by the metadata's values: given as constants, it compiles as
+        # one program instead of running an eager op per slice.
+        def ref(q, kv, table):
+            return ref_ragged_paged_attention(q, kv, kv_lens, table, cu_q_lens, num_seqs,
+                                              sliding_window=window, mask_value=forward.K_MASK)
+
+        got = jax.jit(ref)(q, pages.kv, table)
         np.testing.assert_allclose(np.asarray(got), want[:6], rtol=2e-5, atol=2e-6)
 
 
@@ -334,7 +346,8 @@ def test_the_pallas_kernel_in_interpret_mode_matches_the_xla_form():
 
     q, pages, table, first, batch = _attention_case()
     for window in (None, 8):
-        want = np.asarray(paged_attention(q, pages, table, first, batch, window, impl="xla"))
+        want = np.asarray(jax.jit(paged_attention, static_argnums=(5, 6))(
+            q, pages, table, first, batch, window, "xla"))
         try:
             with pltpu.force_tpu_interpret_mode():
                 got = np.asarray(paged_attention(q, pages, table, first, batch, window,

@@ -20,6 +20,11 @@ SOFT = 502
 PROMPTS = range(4)
 
 
+def _encoded(vm, pixels, **kw):
+    """The encoder as one compiled program (not an eager op at a time)."""
+    return jax.jit(lambda v, x: encode(v, x, vm.config, **kw))(vm.vision, pixels)
+
+
 def rel(got, want) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
 
@@ -52,8 +57,8 @@ def test_features_match_transformers(vision_golden, vm, k):
 
 def test_query_chunks_do_not_change_the_encoder(vision_golden, vm):
     x = vision_golden["pixels_2"]
-    whole = encode(vm.vision, x, vm.config)
-    chunked = encode(vm.vision, x, vm.config, query_chunk=16)
+    whole = _encoded(vm, x)
+    chunked = _encoded(vm, x, query_chunk=16)
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -62,12 +67,12 @@ def test_merged_embeddings_match_transformers(vision_golden, checkpoint, vm, k):
     c = read_config(checkpoint)
     table = HFWeights(checkpoint, c).view(None, "embed").read((slice(None), slice(None)), np.float32)
     ids = vision_golden[f"ids_{k}"]
-    embeds = jnp.asarray(table)[ids] * jnp.sqrt(jnp.float32(c.d_model))
+    embeds = jax.jit(lambda t, i: t[i] * jnp.sqrt(jnp.float32(c.d_model)))(table, ids)
     if f"features_{k}" in vision_golden:
         feats = vision_golden[f"features_{k}"].reshape(-1, c.d_model)
-        merged = mm.merge_image_features(embeds, feats, jnp.asarray(ids == SOFT))
+        merged = jax.jit(mm.merge_image_features)(embeds, feats, ids == SOFT)
         index = np.flatnonzero(ids == SOFT)
-        at = mm.merge_at(embeds, feats, jnp.asarray(index))
+        at = jax.jit(mm.merge_at)(embeds, feats, index)
         np.testing.assert_array_equal(at, merged)
     else:
         merged = embeds
@@ -75,9 +80,9 @@ def test_merged_embeddings_match_transformers(vision_golden, checkpoint, vm, k):
 
 
 def test_merge_at_drops_padding():
-    embeds = jnp.zeros((5, 2))
-    feats = jnp.ones((3, 2)) * jnp.arange(1, 4)[:, None]
-    got = mm.merge_at(embeds, feats, jnp.asarray([1, 3, 99]))
+    embeds = np.zeros((5, 2), np.float32)
+    feats = np.ones((3, 2), np.float32) * np.arange(1, 4, dtype=np.float32)[:, None]
+    got = jax.jit(mm.merge_at)(embeds, feats, np.array([1, 3, 99], np.int32))
     np.testing.assert_array_equal(got[:, 0], [0, 1, 0, 2, 0])
 
 
@@ -128,7 +133,7 @@ def test_tensor_parallel_encoder_matches(vision_golden, vm):
 
     mesh = vision_mesh(2)
     got = encode_sharded(vm.vision, vision_golden["pixels_2"], vm.config, mesh)
-    want = encode(vm.vision, vision_golden["pixels_2"], vm.config)
+    want = _encoded(vm, vision_golden["pixels_2"])
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -185,5 +190,6 @@ def test_real_tokenizer_ids():
 def test_random_weights_run_at_full_width_shapes():
     c = VISION_CONFIGS["tiny"].replace(num_layers=1)
     v, p = random_vision_weights(c), random_projector_weights(c, 48)
-    out = image_features(v, p, np.zeros((2, c.image_size, c.image_size, 3), np.float32), c)
+    out = jax.jit(lambda v, p, x: image_features(v, p, x, c))(
+        v, p, np.zeros((2, c.image_size, c.image_size, 3), np.float32))
     assert out.shape == (2, c.tokens_per_image, 48) and np.all(np.isfinite(out))

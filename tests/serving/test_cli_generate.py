@@ -57,16 +57,23 @@ def test_generate_refuses_an_image_it_cannot_take(capsys, tmp_path, model, conte
 
 
 
-def _one_slot_text(prompt: str, params, dtype: str) -> str:
+@pytest.fixture(scope="module")
+def real_270m():
+    """The real 270M (float32, its default context, 2,048) for the one-slot engine: loaded
+    once for both samplings (its programs then compile once)."""
+    from models.gemma3 import load_model
+
+    return load_model("gemma3-270m", tp=1, dtype="float32", max_seq_len=2048)
+
+
+def _one_slot_text(model, prompt: str, params) -> str:
     """What `gemma3-generate` printed before it ran the paged engine: the prompt through a
-    one-slot slot engine (its default context, 2,048)."""
+    one-slot slot engine over `model` (its default context, 2,048)."""
     import threading
 
-    from models.gemma3 import load_model
     from serving.runner import SlotRunner
     from serving.engine_core import EngineCore
 
-    model = load_model("gemma3-270m", tp=1, dtype=dtype, max_seq_len=2048)
     core = EngineCore(SlotRunner(model, num_slots=1, max_seq_len=2048)).start()
     text, done = [], threading.Event()
     try:
@@ -80,7 +87,7 @@ def _one_slot_text(prompt: str, params, dtype: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", [(), ("--temperature", "0.8", "--top-k", "40", "--seed", "5")])
-def test_generate_prints_the_one_slot_engines_text(capsys, sampling):
+def test_generate_prints_the_one_slot_engines_text(capsys, real_270m, sampling):
     """Text runs through the paged engine, the server's default, as images do; what it prints
     for the real 270M is what the one-slot slot engine it replaced gives (greedy, and sampled
     with a seed; float32, where two engines' programs differ in the last bits only)."""
@@ -94,6 +101,6 @@ def test_generate_prints_the_one_slot_engines_text(capsys, sampling):
     assert e.value.code == 0, out.err
     params = (SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=5) if sampling
               else SamplingParams(max_tokens=16, temperature=0.0))
-    want = _one_slot_text(prompt, params, "float32")
+    want = _one_slot_text(real_270m, prompt, params)
     assert len(want.split()) >= 5  # words, not a stop at once
     assert out.out == want + "\n"
