@@ -31,6 +31,8 @@ import logging
 from collections import OrderedDict
 from typing import Callable
 
+from serving.shapes import pow2
+
 log = logging.getLogger(__name__)
 
 
@@ -39,10 +41,6 @@ MAX_IN_PROGRESS = 16
 # Encoder FLOPs of one call when nothing else runs: ~3 s on a 2-core CPU (docs/vision.md), a
 # fraction of a second on an accelerator; far below any step watchdog limit.
 WHOLE_CALL_FLOPS = 4e11
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def chunk_flops(config, tokens: int) -> float:
@@ -183,7 +181,7 @@ class ImageEncoder:
         stage = self.stages[s]
         frames = sum(len(im.spans) for im in batch)
         states = [p.state if s else p.image.pixels for p in progress]
-        out = self._staged.run(stage, states, _pow2(frames))
+        out = self._staged.run(stage, states, pow2(frames))
         self.last_work.append((s, frames, stage.flops * frames))
         self.max_batch_frames = max(self.max_batch_frames, frames)
         for p, state in zip(progress, out):

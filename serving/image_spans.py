@@ -39,7 +39,8 @@ import numpy as np
 from serving import wire
 from serving.image_encoder import chunk_flops
 from serving.kv_pages import SCRATCH, KVPages
-from serving.paged_runner import MIN_PAGES, local_pages_for, pow2
+from serving.paged_runner import MIN_PAGES, local_pages_for
+from serving.shapes import pow2
 
 
 MIN_ROWS = 8  # rows of a stage: fewer make matmuls too thin to pay for a program

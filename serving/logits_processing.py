@@ -11,10 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from serving.sampling import LogitsExtras
-
-
-def _pow2(n: int, smallest: int) -> int:
-    return max(smallest, 1 << max(0, int(n) - 1).bit_length())
+from serving.shapes import pow2
 
 
 def step_extras(seqs, structured, eos_ids: tuple[int, ...]) -> LogitsExtras | None:
@@ -34,7 +31,7 @@ def step_extras(seqs, structured, eos_ids: tuple[int, ...]) -> LogitsExtras | No
         bias.append(entries)
     seen_len = max((s.length for s in seqs if s is not None and s.params.has_penalties), default=0)
     k = max(len(b) for b in bias)
-    ex = LogitsExtras.neutral(n, k=_pow2(k, 1) if k else 0, length=_pow2(seen_len, 16) if seen_len else 0,
+    ex = LogitsExtras.neutral(n, k=pow2(k, 1) if k else 0, length=pow2(seen_len, 16) if seen_len else 0,
                               min_p=any(s is not None and s.params.min_p > 0 for s in seqs))
     for i, (s, entries) in enumerate(zip(seqs, bias)):
         if s is None:

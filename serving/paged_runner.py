@@ -27,15 +27,11 @@ from serving.runner import RunnerInfo, PendingStep, StepOutputs, feed_tokens
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
 from serving.scheduler import SeqImage
+from serving.shapes import pow2
 from serving.sampling import IDLE, SlotSampling
 
 log = logging.getLogger(__name__)
 
-
-
-def pow2(n: int, smallest: int = 1) -> int:
-    """The smallest power of two >= n (and >= smallest): a bucket size."""
-    return max(smallest, 1 << max(0, int(n) - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)

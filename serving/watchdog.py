@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Callable, Hashable
 
+from serving.shapes import pow2
+
 log = logging.getLogger(__name__)
 
 # Exit status of a server that ends with its engine thread stuck (it cannot shut down cleanly).
@@ -144,7 +146,7 @@ def step_key(kind: str, inputs=None, **more) -> tuple:
     images = getattr(inputs, "images", None)
     if images:  # a paged step's feature rows, padded to a power of two
         rows = sum(b - a for im in images for a, b in im.spans)
-        parts.append(("image_rows", 1 << max(0, rows - 1).bit_length()))
+        parts.append(("image_rows", pow2(rows)))
     extras = getattr(getattr(inputs, "sampling", None), "extras", None)
     if extras is not None:
         parts.append(("extras", tuple((f, tuple(getattr(v, "shape", ())))
