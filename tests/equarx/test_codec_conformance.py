@@ -166,6 +166,23 @@ _BACKENDS = {
 }
 
 
+# The inputs and the specification's results of a geometry and code, made once for all the
+# backends held to them (the same seeded inputs, the same op-by-op specification).
+@functools.cache
+def _encode_case(g: int, width: int, code: str, dtype: str, n: int):
+    """(layout, buffer, n arrivals, the specification's encode_sum of shard 1's piece)."""
+    layout, buf, _ = _buffer(g, width, jnp.dtype(dtype))
+    arrivals = tuple(_arrivals(layout, g, code)[:n]) if n else ()
+    return layout, buf, arrivals, _spec_encode_sum(layout, buf, 1, list(arrivals), g, code)
+
+
+@functools.cache
+def _unrotate_case(g: int, width: int, code: str, dtype: str):
+    """The specification's un-rotation of the float32 encode_sum case's wire."""
+    layout, _, _, want = _encode_case(g, width, code, "float32", 2)
+    return _spec_unrotate(want, layout, g, code, jnp.dtype(dtype))
+
+
 @pytest.mark.parametrize("backend", list(_BACKENDS))
 @pytest.mark.parametrize("code", CODES)
 @pytest.mark.parametrize("g,width", GEOMETRIES)
@@ -174,10 +191,8 @@ def test_backend_gives_the_specifications_bits(backend, code, g, width, monkeypa
     un-rotation of what was encoded, to bfloat16 and float32."""
     encode_sum, unrotate = _BACKENDS[backend]
     for dtype, n in ((jnp.bfloat16, 0), (jnp.float32, 2)):
-        layout, buf, _ = _buffer(g, width, dtype)
-        arrivals = _arrivals(layout, g, code)[:n]
-        want = _spec_encode_sum(layout, buf, 1, arrivals, g, code)
-        got = encode_sum(layout, buf, 1, arrivals, g, code, monkeypatch)
+        layout, buf, arrivals, want = _encode_case(g, width, code, jnp.dtype(dtype).name, n)
+        got = encode_sum(layout, buf, 1, list(arrivals), g, code, monkeypatch)
         assert_same_bits(got, want, wire=(layout.piece_shape, g, code),
                          err_msg=f"encode with {n} arrivals of {dtype.__name__}")
         steps = codec_spec.wire_parts(np.asarray(want), layout.piece_shape, g, code)[1]
@@ -185,7 +200,7 @@ def test_backend_gives_the_specifications_bits(backend, code, g, width, monkeypa
     parts = codec_spec.wire_parts(want, layout.piece_shape, g, code)
     for dtype in (jnp.bfloat16, jnp.float32):
         assert_same_bits(unrotate(parts, g, code, dtype),
-                         _spec_unrotate(want, layout, g, code, dtype),
+                         _unrotate_case(g, width, code, jnp.dtype(dtype).name),
                          err_msg=f"unrotate to {dtype.__name__}")
 
 
