@@ -89,6 +89,11 @@ STEP_BUDGET = 256
 # pool, which it then copies (every layer, every step: 4x a lone decode's time for the 270M);
 # from 8 tokens on the store is an in-place scatter.
 MIN_TOKENS = 8
+# The warm-up runs a lone prompt in every token bucket up to this many tokens, and its decode:
+# a first chat request (its template adds ~10 tokens) or a short completion then waits for no
+# compile (each took ~3 s for the 270M on a CPU, more on a TPU host); longer prompts are rarer
+# first requests and their pieces compile on first use.
+SHORT_PROMPT_TOKENS = 64
 
 
 def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
@@ -459,10 +464,11 @@ class PagedRunner:
                                            self.info.page_size)
 
     def warmup(self, progress: Callable[[str], None] = log.info) -> float:
-        """Runs the steps every server meets first (a lone prompt's pieces, whole-budget ones
-        outside deterministic mode, a lone decode and a full batch's decode at the smallest
-        page bucket), so that they do not wait for a compile; other buckets compile on first
-        use. Returns seconds."""
+        """Runs the steps every server meets first, so that they do not wait for a compile: a
+        lone short prompt in each token bucket up to SHORT_PROMPT_TOKENS (a first chat or
+        completion request) and its decode at the smallest page bucket, a lone prompt of the
+        whole budget, a full batch's prompts and decode. Other buckets (longer contexts' page
+        buckets, other batch sizes) compile on first use. Returns seconds."""
         t0 = time.perf_counter()
         self._warmup_steps(self.run_step, progress)
         self.reset()
@@ -492,10 +498,17 @@ class PagedRunner:
         from serving.scheduler import Sequence
 
         info = self.info
-        for n_seqs in sorted({1, info.num_slots}):
+        # (rows, prompt length) of each warm-up round: short lone prompts of MIN_TOKENS,
+        # 2 MIN_TOKENS, ... tokens (one per token bucket; a lone decode at the smallest page
+        # bucket after them), a lone prompt of the whole budget, a full batch of chunks.
+        short = [] if info.deterministic else [
+            n for n in (MIN_TOKENS << i for i in range(8))
+            if n <= min(SHORT_PROMPT_TOKENS, info.max_num_batched_tokens, info.max_seq_len - 3)]
+        rounds = [(1, n) for n in short] + [(1, info.max_num_batched_tokens + 1)]
+        rounds += [(info.num_slots, info.chunk_size + 1)] if info.num_slots > 1 else []
+        for n_seqs, length in rounds:
             sched = PagedScheduler(dataclasses.replace(info, prefix_blocks=0))
-            piece = info.max_num_batched_tokens if n_seqs == 1 else info.chunk_size
-            prompt = [self.tokenizer.bos_id] * min(piece + 1, info.max_seq_len - 1)
+            prompt = [self.tokenizer.bos_id] * min(length, info.max_seq_len - 1)
             sched.add([Sequence(id=i, prompt=list(prompt), params=IDLE, seed=0)
                        for i in range(n_seqs)])
             for _ in range(64):

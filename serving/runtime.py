@@ -206,10 +206,10 @@ def load_runner(config: ServerConfig, progress: Callable[[str], None]):
 
 
 def _load_paged_runner(config: ServerConfig, progress: Callable[[str], None]):
-    """The paged engine (serving/paged_runner.py): its programs compile on first use or in the
-    warm-up (a lone prompt, a lone decode, a full batch's decode). In a multi-process group
-    every process builds the same engine and warms it up in the same order; the warm-up's
-    programs are compiled between the group's two barriers, as the slot engine's are."""
+    """The paged engine (serving/paged_runner.py): its programs compile on first use or before
+    the warm-up (`PagedRunner.warmup` says which). In a multi-process group every process
+    builds the same engine and warms it up in the same order; the warm-up's programs are
+    compiled between the group's two barriers, as the slot engine's are."""
     import jax
 
     import jax_platform
@@ -230,8 +230,10 @@ def _load_paged_runner(config: ServerConfig, progress: Callable[[str], None]):
     info = runner.info
     progress(f"paged KV cache: {info.num_global_pages - 1} global and {info.num_local_pages - 1} "
              f"local pages of {info.page_size} tokens, step budget {info.max_num_batched_tokens} tokens")
+    # The warm-up's programs compiled first, two at a time (XLA compiles with the GIL released):
+    # the warm-up then only runs them.
+    runner.compile_warmup(progress)
     if group:
-        runner.compile_warmup(progress)
         jax_platform.group_barrier("compiled")
     seconds = runner.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")

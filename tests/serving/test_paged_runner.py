@@ -100,6 +100,20 @@ def test_a_lone_request_runs_one_row_programs():
     assert [b.queries for b in engine.programs_run].count(32) == 1
 
 
+def test_after_the_warm_up_a_lone_short_request_compiles_nothing():
+    """A server's first requests are lone and short (a chat message, a completion): the
+    warm-up runs their programs, each token bucket's prompt piece and the lone decode at the
+    smallest page bucket, so they wait for no compile (they did: ~3 s each for the 270M). A
+    longer prompt may still compile its own piece."""
+    m = model(1)
+    engine = paged(m, page_size=16, chunk_size=16, max_seq_len=256)
+    engine.warmup(progress=lambda msg: None)
+    warmed = set(engine.programs_run)
+    for seed, n in enumerate((3, 8, 12, 30, 64)):
+        generate(engine, [prompt(n, seed)], max_tokens=4)
+    assert engine.programs_run == warmed, engine.programs_run - warmed
+
+
 def prompt_logprobs(engine, prompts, others=()):
     """Each prompt's own logprobs (echo with logprobs=3), submitted beside `others` (plain
     greedy streams): [(token, logprob, top ids)] per prompt position 1..n-1."""
