@@ -116,6 +116,22 @@ def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pa
                    logits=logits)
 
 
+def decode_buckets(info: RunnerInfo) -> list[Buckets]:
+    """The decode steps of a lone sequence and of a full batch at every page bucket: a stream
+    meets the next bucket when its context grows past one (128 tokens of pages of 16, then
+    256, 512, ...), and a compile there stalls every running stream (2.5 s for the 270M on a
+    CPU, against 33 ms a token). Compiled before the server is ready (`compile_warmup`)."""
+    max_pages = pow2(-(-info.max_seq_len // info.page_size))
+    pages = [MIN_PAGES << i for i in range(16) if MIN_PAGES << i <= max(MIN_PAGES, max_pages)]
+    out = []
+    for seqs in sorted({1, info.num_slots}):
+        for pg in pages:
+            b = buckets_for(info, seqs, seqs, 1, pg, True)
+            if b not in out:
+                out.append(b)
+    return out
+
+
 def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
     """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
     sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
@@ -467,17 +483,20 @@ class PagedRunner:
         """Runs the steps every server meets first, so that they do not wait for a compile: a
         lone short prompt in each token bucket up to SHORT_PROMPT_TOKENS (a first chat or
         completion request) and its decode at the smallest page bucket, a lone prompt of the
-        whole budget, a full batch's prompts and decode. Other buckets (longer contexts' page
-        buckets, other batch sizes) compile on first use. Returns seconds."""
+        whole budget, a full batch's prompts and decode. `compile_warmup` compiles these and
+        the decodes at every page bucket beforehand; other programs (pieces beside other work,
+        longer prompts' pieces, other batch sizes) compile on first use. Returns seconds."""
         t0 = time.perf_counter()
         self._warmup_steps(self.run_step, progress)
         self.reset()
         return time.perf_counter() - t0
 
     def compile_warmup(self, progress: Callable[[str], None] = log.info) -> None:
-        """Compiles, without running, the ragged programs `warmup` runs: a multi-process group
-        compiles them before its processes meet at a barrier (serving/runtime.py), so that the
-        warm-up's first collective starts in every process at once however long each compiled."""
+        """Compiles, without running, the ragged programs `warmup` runs and the decode steps
+        of a lone sequence and of a full batch at every page bucket (`decode_buckets`), two at
+        a time. The server calls it before the warm-up; a multi-process group also meets at a
+        barrier after it (serving/runtime.py), so that the warm-up's first collective starts
+        in every process at once however long each compiled."""
         seen: list[Buckets] = []
 
         def plan_only(inputs: StepInputs):
@@ -486,6 +505,7 @@ class PagedRunner:
             return StepOutputs(*(np.full(inputs.buckets.seqs, self.tokenizer.bos_id, np.int32),) * 4)
 
         self._warmup_steps(plan_only, lambda msg: None)
+        seen += [b for b in decode_buckets(self.info) if b not in seen]
         self.model.compile_ragged([self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages,
                                                          b.local_pages, self.pages, b.logits)
                                    for b in seen], progress=progress)

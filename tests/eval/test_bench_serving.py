@@ -66,7 +66,7 @@ def test_output_lengths_follow_the_range_ratio():
 
 def test_summarize():
     s = summarize([1.0, 2.0, 3.0, 10.0])
-    assert (s["mean"], s["median"], s["n"]) == (4.0, 2.5, 4) and 9.0 < s["p99"] <= 10.0
+    assert (s["mean"], s["median"], s["max"], s["n"]) == (4.0, 2.5, 10.0, 4) and 9.0 < s["p99"] <= 10.0
     assert summarize([])["n"] == 0
 
 

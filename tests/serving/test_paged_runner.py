@@ -8,12 +8,14 @@ import threading
 import numpy as np
 import pytest
 
+from equarx import AllReduceConfig
+from models.gemma3 import load_model
 from serving.runner import SlotRunner
 from serving.engine_core import EngineCore
 from serving.metrics import Metrics
 from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
-from tests.serving.test_batch_invariance import generate, model, prompt
+from tests.serving.test_batch_invariance import TINY, generate, model, prompt
 
 PROMPTS = [prompt(n, seed) for seed, n in enumerate((1, 7, 23, 45, 9, 30))]
 
@@ -100,18 +102,27 @@ def test_a_lone_request_runs_one_row_programs():
     assert [b.queries for b in engine.programs_run].count(32) == 1
 
 
-def test_after_the_warm_up_a_lone_short_request_compiles_nothing():
-    """A server's first requests are lone and short (a chat message, a completion): the
-    warm-up runs their programs, each token bucket's prompt piece and the lone decode at the
-    smallest page bucket, so they wait for no compile (they did: ~3 s each for the 270M). A
-    longer prompt may still compile its own piece."""
-    m = model(1)
+def test_after_the_warm_up_lone_requests_compile_nothing():
+    """A server's first requests are lone and short (a chat message, a completion), and a
+    stream's context grows through the page buckets: the warm-up runs each token bucket's
+    prompt piece up to 64 tokens and compiles the lone and full-batch decodes at every page
+    bucket, so none of them waits for a compile (a first request waited ~6 s for two, a
+    stream crossing 128 tokens stalled 2.5 s, on the 270M). A longer prompt may still compile
+    its own piece."""
+    m = load_model(TINY, dtype="float32", allreduce=AllReduceConfig("f32"))  # nothing kept yet
     engine = paged(m, page_size=16, chunk_size=16, max_seq_len=256)
+    engine.compile_warmup(progress=lambda msg: None)
     engine.warmup(progress=lambda msg: None)
-    warmed = set(engine.programs_run)
-    for seed, n in enumerate((3, 8, 12, 30, 64)):
-        generate(engine, [prompt(n, seed)], max_tokens=4)
-    assert engine.programs_run == warmed, engine.programs_run - warmed
+    # Lone prompts in every token bucket up to 64, then one decoding past 128 tokens (Pg 8 ->
+    # 16 pages of 16); a full batch, its prompts as long as the warm-up's (their pieces are
+    # the warm-up's), decoding past 128 tokens too.
+    for seed, (n, new) in enumerate(((3, 4), (8, 4), (12, 4), (30, 4), (64, 4), (20, 150))):
+        generate(engine, [prompt(n, seed)], max_tokens=new)
+    generate(engine, [prompt(17, seed) for seed in range(4)], max_tokens=130)
+    run = {m.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages, engine.pages,
+                        b.logits) for b in engine.programs_run}
+    assert {b.global_pages for b in engine.programs_run} == {8, 16}
+    assert run <= m.programs.kept(), run - m.programs.kept()
 
 
 def prompt_logprobs(engine, prompts, others=()):
