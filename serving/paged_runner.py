@@ -96,22 +96,27 @@ MIN_TOKENS = 8
 SHORT_PROMPT_TOKENS = 64
 
 
+def max_page_bucket(info: RunnerInfo) -> int:
+    """The largest Pg: max_seq_len's pages, as a power of two, at least MIN_PAGES."""
+    return max(MIN_PAGES, pow2(-(-info.max_seq_len // info.page_size)))
+
+
 def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
                 logits: bool) -> Buckets:
-    max_pages = pow2(-(-info.max_seq_len // info.page_size))
+    max_pages = max_page_bucket(info)
     if info.deterministic:
         # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
         # apart), so no bucket that follows the neighbours is neutral: batch invariance needs
         # one shape for every step, the whole budget and context, as the slot engine does.
         q = max(info.chunk_size, pow2(longest_piece))
         return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_batched_tokens), pow2(tokens)),
-                       seqs=info.num_slots, queries=q, global_pages=max(MIN_PAGES, max_pages),
+                       seqs=info.num_slots, queries=q, global_pages=max_pages,
                        local_pages=local_pages_for(q, info.sliding_window, info.page_size))
     s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, pow2(seqs)))
     q = 1 if longest_piece == 1 else max(info.chunk_size, pow2(longest_piece))
     t = max(MIN_TOKENS, s if q == 1 else pow2(tokens))
     return Buckets(tokens=t, seqs=s, queries=q,
-                   global_pages=min(max(MIN_PAGES, pow2(pages)), max(MIN_PAGES, max_pages)),
+                   global_pages=min(max(MIN_PAGES, pow2(pages)), max_pages),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size),
                    logits=logits)
 
@@ -121,8 +126,7 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
     meets the next bucket when its context grows past one (128 tokens of pages of 16, then
     256, 512, ...), and a compile there stalls every running stream (2.5 s for the 270M on a
     CPU, against 33 ms a token). Compiled before the server is ready (`compile_warmup`)."""
-    max_pages = pow2(-(-info.max_seq_len // info.page_size))
-    pages = [MIN_PAGES << i for i in range(16) if MIN_PAGES << i <= max(MIN_PAGES, max_pages)]
+    pages = [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
     out = []
     for seqs in sorted({1, info.num_slots}):
         for pg in pages:
@@ -138,7 +142,7 @@ def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
     (one piece of the whole budget). A piece of image tokens may run past them."""
     q = max(info.chunk_size, pow2(info.chunk_size))
     t = max(MIN_TOKENS, info.num_slots, pow2(info.max_num_batched_tokens))
-    pages = max(MIN_PAGES, pow2(-(-info.max_seq_len // info.page_size)))
+    pages = max_page_bucket(info)
     lone_q = max(q, pow2(info.max_num_batched_tokens))
     return (Buckets(tokens=t, seqs=info.num_slots, queries=q, global_pages=pages,
                     local_pages=local_pages_for(q, info.sliding_window, info.page_size)),

@@ -14,10 +14,10 @@ A piece stops before the soft tokens of an image whose features are not ready ye
 (`image_ready`), and the plan lists the images its sequences wait for (`StepPlan.encode`): the
 engine encodes them a bounded piece per step (`serving/image_encoder.py`). With `stage_spans`
 (set by the engine core for an engine that can) a running sequence's piece also stops before
-an image's soft tokens while other sequences run (in deterministic mode always): the span is then written a layer at a time
-between steps (`StepPlan.spans`, `serving/image_spans.py`), since in one step its 256
-bidirectional tokens cost ~16 prompt pieces; the sequence's pieces go on once the engine says
-the span is written (`span_written`).
+an image's soft tokens while other sequences run (in deterministic mode always): the span is
+then written a layer at a time between steps (`StepPlan.spans`, `serving/image_spans.py`),
+since in one step its 256 bidirectional tokens cost ~16 prompt pieces; the sequence's pieces go
+on once the engine says the span is written (`span_written`).
 
 Pages (`serving/kv_pages.py`) are taken as a piece needs them. A running sequence that finds none
 free takes them from the newest running sequence, which is preempted: its pages go back (full
