@@ -25,7 +25,9 @@ The other measurements (`--only`):
             real; no model steps: the pages a sequence holds do not depend on the values).
 
 Engines: "slots" is the slot engine in its default deterministic mode, "slots-packed" the slot
-engine with --no-deterministic (decode over the busy slots only), "paged" the paged engine.
+engine with --no-deterministic (decode over the busy slots only), "paged" the paged engine,
+"paged-deterministic" the paged engine with --deterministic (every step at the whole budget and
+context: the two batch-invariant modes side by side).
 """
 from __future__ import annotations
 
@@ -45,9 +47,10 @@ def build(model, kind: str, max_seq_len: int, chunk: int):
     from serving import SlotRunner
     from serving import PagedRunner
 
-    if kind == "paged":
+    if kind in ("paged", "paged-deterministic"):
         engine = PagedRunner(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
-                             chunk_size=chunk, prefix_caching=False, model_name="bench")
+                             chunk_size=chunk, prefix_caching=False, model_name="bench",
+                             deterministic=kind == "paged-deterministic")
         nbytes = sum(x.nbytes for x in _leaves(engine.pages))
     else:
         engine = SlotRunner(model, num_slots=8, max_seq_len=max_seq_len, chunk_size=chunk,

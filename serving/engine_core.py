@@ -284,7 +284,7 @@ class EngineCore:
 
     def _execute_step(self, plan: StepPlan) -> None:
         """One ragged step of the paged engine: every piece of the plan in one program."""
-        from serving.paged_runner import step_inputs
+        from serving.paged_steps import step_inputs
 
         for queried, hit in plan.lookups:
             self.metrics.on_prefix_cache(queried, hit)

@@ -26,7 +26,7 @@ def _input_types() -> dict[int, type]:
     """The input type of each kind that carries inputs (imported on use: they import jax)."""
     from serving.group_images import EncodeWork, Features, SpanWork
     from serving.runner import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
-    from serving.paged_runner import StepInputs
+    from serving.paged_steps import StepInputs
 
     return {PREFILL: PrefillInputs, DECODE: DecodeInputs, CHUNK: ChunkInputs, MOVE: SlotMove,
             RAGGED: StepInputs, ENCODE: EncodeWork, FEATURES: Features, SPANS: SpanWork}

@@ -39,7 +39,7 @@ import numpy as np
 from serving import wire
 from serving.image_encoder import chunk_flops
 from serving.kv_pages import SCRATCH, KVPages
-from serving.paged_runner import MIN_PAGES, local_pages_for
+from serving.paged_steps import MIN_PAGES, local_pages_for
 from serving.shapes import pow2
 
 

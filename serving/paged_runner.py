@@ -7,9 +7,9 @@ cache slots; attention reads each sequence's pages through its block tables. So 
 follows the tokens and pages it touches, not `--max-seq-len` x slots, and a lone request runs a
 small program (docs/engine.md, "The paged engine").
 
-The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions); `step_inputs`
-turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays padded to buckets
-(`Buckets`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
+The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions);
+`paged_steps.step_inputs` turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays
+padded to buckets (`Buckets`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
 returns the sampled tokens of the rows that sample. It knows nothing about requests or HTTP.
 """
 from __future__ import annotations
@@ -18,288 +18,25 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
-from serving import dispatch_window, wire
+from serving import dispatch_window
 from serving.runner import RunnerInfo, PendingStep, StepOutputs, feed_tokens
-from serving.kv_pages import SCRATCH, KVPages
-from serving.paged_scheduler import StepPlan
-from serving.scheduler import SeqImage
+from serving.kv_pages import KVPages
+from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Buckets, StepInputs, decode_buckets,
+                                 deterministic_parts, local_pages_for, step_inputs)
 from serving.shapes import pow2
-from serving.sampling import IDLE, SlotSampling
+from serving.sampling import IDLE
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """The padded shapes of one step: T tokens, S sequence rows, Q query tokens per row in the
-    attention view, Pg global and Pl local pages per row, and whether it returns logits.
-
-    Few values each, so that a server compiles few programs (each is one compile, kept by the
-    persistent compilation cache): S is 1 (a lone sequence), else a power of two from 8 up to
-    max_num_seqs; Q is 1 (every row decodes), else the longest piece's power of two, at least
-    the chunk size (pieces beside other work are at most a chunk; a lone prompt's take the
-    budget); T is max(8, S) when every row decodes, else a power of two from 8 up to the
-    budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows Q. With
-    max_num_seqs 8, max_seq_len 2048, pages of 16, chunks of 16 and the default budget of 256
-    that is 2 x 5 decode programs (S x Pg), 6 x 5 x 2 with pieces beside other work (T x Pg x
-    logits) and 5 x 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256), 120 in all, of
-    which a server meets the ones its load needs. A lone request runs S = 1 programs: it never
-    pays for the batch.
-
-    A prompt piece never ends inside an image's soft tokens (they attend to each other both
-    ways, so the step that computes them must write them all): such a piece runs on to the
-    image's end, past the chunk size, and Q (then T, and in deterministic mode the one shape)
-    grows to the power of two that holds it; a step with images also has its own programs,
-    one per power-of-two count of feature rows F (`models.gemma3.ragged.ImageRows`)."""
-
-    tokens: int
-    seqs: int
-    queries: int
-    global_pages: int
-    local_pages: int
-    logits: bool = True
-    every_token: bool = False  # also every token's logprobs (a sequence wants its prompt's)
-
-    WIRE = dict(tokens=wire.Int(), seqs=wire.Int(), queries=wire.Int(), global_pages=wire.Int(),
-                local_pages=wire.Int(), logits=wire.Bool(), every_token=wire.Bool())
-
-
-def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
-    """Local pages a row reads for `queries` query tokens: the window before the first query
-    plus the queries, rounded out to whole pages at both ends."""
-    if window is None:
-        return 1
-    return -(-(window - 1 + queries) // page_size) + 1
-
-
-MIN_PAGES = 8
-# Sequence rows of a step: 1, then powers of two from 8 up to max_num_seqs, so that 8 streams
-# of a server allowing 64 do not gather pages for 64 rows.
-MIN_SEQS = 8
-# The default token budget of a step outside deterministic mode: prompt pieces of several
-# requests share it, and a lone prompt takes it whole (paged_scheduler). In deterministic mode
-# every step has the budget's shape, so it stays max_num_seqs + chunk_size there.
-STEP_BUDGET = 256
-# XLA:CPU lowers a one-token store into the pool to a select over a dynamic slice of the whole
-# pool, which it then copies (every layer, every step: 4x a lone decode's time for the 270M);
-# from 8 tokens on the store is an in-place scatter.
-MIN_TOKENS = 8
 # The warm-up runs a lone prompt in every token bucket up to this many tokens, and its decode:
 # a first chat request (its template adds ~10 tokens) or a short completion then waits for no
 # compile (each took ~3 s for the 270M on a CPU, more on a TPU host); longer prompts are rarer
 # first requests and their pieces compile on first use.
 SHORT_PROMPT_TOKENS = 64
-
-
-def max_page_bucket(info: RunnerInfo) -> int:
-    """The largest Pg: max_seq_len's pages, as a power of two, at least MIN_PAGES."""
-    return max(MIN_PAGES, pow2(-(-info.max_seq_len // info.page_size)))
-
-
-def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
-                logits: bool) -> Buckets:
-    max_pages = max_page_bucket(info)
-    if info.deterministic:
-        # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
-        # apart), so no bucket that follows the neighbours is neutral: batch invariance needs
-        # one shape for every step, the whole budget and context, as the slot engine does.
-        q = max(info.chunk_size, pow2(longest_piece))
-        return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_batched_tokens), pow2(tokens)),
-                       seqs=info.num_slots, queries=q, global_pages=max_pages,
-                       local_pages=local_pages_for(q, info.sliding_window, info.page_size))
-    s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, pow2(seqs)))
-    q = 1 if longest_piece == 1 else max(info.chunk_size, pow2(longest_piece))
-    t = max(MIN_TOKENS, s if q == 1 else pow2(tokens))
-    return Buckets(tokens=t, seqs=s, queries=q,
-                   global_pages=min(max(MIN_PAGES, pow2(pages)), max_pages),
-                   local_pages=local_pages_for(q, info.sliding_window, info.page_size),
-                   logits=logits)
-
-
-def decode_buckets(info: RunnerInfo) -> list[Buckets]:
-    """The decode steps of a lone sequence and of a full batch at every page bucket: a stream
-    meets the next bucket when its context grows past one (128 tokens of pages of 16, then
-    256, 512, ...), and a compile there stalls every running stream (2.5 s for the 270M on a
-    CPU, against 33 ms a token). Compiled before the server is ready (`compile_warmup`)."""
-    pages = [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
-    out = []
-    for seqs in sorted({1, info.num_slots}):
-        for pg in pages:
-            b = buckets_for(info, seqs, seqs, 1, pg, True)
-            if b not in out:
-                out.append(b)
-    return out
-
-
-def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
-    """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
-    sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
-    (one piece of the whole budget). A piece of image tokens may run past them."""
-    q = max(info.chunk_size, pow2(info.chunk_size))
-    t = max(MIN_TOKENS, info.num_slots, pow2(info.max_num_batched_tokens))
-    pages = max_page_bucket(info)
-    lone_q = max(q, pow2(info.max_num_batched_tokens))
-    return (Buckets(tokens=t, seqs=info.num_slots, queries=q, global_pages=pages,
-                    local_pages=local_pages_for(q, info.sliding_window, info.page_size)),
-            Buckets(tokens=t, seqs=1, queries=lone_q, global_pages=pages,
-                    local_pages=local_pages_for(lone_q, info.sliding_window, info.page_size)))
-
-
-def _ragged_fields() -> tuple[str, ...]:
-    from models.gemma3.ragged import RaggedBatch
-
-    return tuple(f.name for f in dataclasses.fields(RaggedBatch))
-
-
-class StepInputs(NamedTuple):
-    """One ragged step as plain numpy arrays (see `models.gemma3.ragged.RaggedBatch`)."""
-
-    batch: dict  # RaggedBatch's fields -> int32 arrays
-    sampling: SlotSampling  # [S]
-    sample_positions: np.ndarray  # int32 [S]: the position of the token each row samples
-    buckets: Buckets
-    rows: int  # real sequence rows (the first `rows` of S)
-    # The distinct images (scheduler.SeqImage) whose soft tokens the step computes, and per
-    # token [T] the row of its features among theirs concatenated in that order (-1: text).
-    images: tuple = ()
-    image_index: np.ndarray | None = None
-    # With buckets.every_token: per token [T] the next token of its sequence's text (the one
-    # its logprob is of; 0 past the text's end).
-    targets: np.ndarray | None = None
-    # Per token [T]: the row of the previous step whose sampled token it is, for a token not
-    # on the host when the step was built (overlapped loop), else -1.
-    feed: np.ndarray | None = None
-
-    # How each field travels to a group's other processes (serving/wire.py). Images as their
-    # keys and spans: the others hold process 0's features by key (serving/group_images.py).
-    WIRE = dict(batch=wire.ArrayDict(np.int32, _ragged_fields), sampling=wire.Record(SlotSampling),
-                sample_positions=wire.Array(np.int32), buckets=wire.Record(Buckets),
-                rows=wire.Int(), images=wire.Tuple(wire.Record(SeqImage)),
-                image_index=wire.Optional(wire.Array(np.int32)),
-                targets=wire.Optional(wire.Array(np.int32)),
-                feed=wire.Optional(wire.Array(np.int32)))
-
-    @staticmethod
-    def wire_examples(info: RunnerInfo) -> list["StepInputs"]:
-        """The largest steps of text an engine with `info` runs (sizing the group's
-        broadcast), every optional array present."""
-        return [StepInputs(_empty_batch(b, info.page_size), SlotSampling.greedy(b.seqs),
-                           np.zeros(b.seqs, np.int32), dataclasses.replace(b, every_token=True),
-                           b.seqs, (), *(np.zeros(b.tokens, np.int32),) * 3)
-                for b in largest_buckets(info)]
-
-
-def step_inputs(plan: StepPlan, kv: KVPages, info: RunnerInfo, extras=None,
-                prev_rows: dict[int, int] | None = None) -> StepInputs:
-    """The arrays of a planned step: the pieces' tokens laid out one after another, each with
-    its sequence row, position and the slots its keys/values go to; every row's block tables.
-    Padding tokens write to the scratch page; padding rows read only it (always masked).
-
-    extras(rows) -> LogitsExtras | None for the rows' logits processing (None for rows that do
-    not sample). prev_rows: sequence id -> its row in the step in flight, for the pieces whose
-    last token that step samples (`Piece.fed`; it is fed from the device)."""
-    pieces = plan.pieces
-    if not pieces:
-        raise ValueError("an empty step")
-    n_tok = plan.num_tokens
-    pages = max(len(kv.seqs[p.seq.id].global_pages) for p in pieces) if kv.global_pool else 1
-    b = buckets_for(info, n_tok, len(pieces), max(p.end - p.start for p in pieces), pages,
-                    any(p.sample for p in pieces))
-    want = [p.seq.want_prompt_logprobs for p in pieces]
-    if any(want):
-        b = dataclasses.replace(b, every_token=True, logits=True)
-    t = b.tokens
-    batch = _empty_batch(b, info.page_size)
-    tokens, positions, seq, col = (batch[k] for k in ("tokens", "positions", "seq", "col"))
-    write_global, write_local, queries = batch["write_global"], batch["write_local"], batch["queries"]
-    global_table, local_table = batch["global_table"], batch["local_table"]
-    local_first, last = batch["local_first"], batch["last"]
-    pl = b.local_pages
-    sample_positions = np.zeros(b.seqs, np.int32)
-    targets = np.zeros(t, np.int32) if b.every_token else None
-    feed = None
-    i = 0
-    for row, p in enumerate(pieces):
-        n = p.end - p.start
-        sp = kv.seqs[p.seq.id]
-        span = slice(i, i + n)
-        known = p.tokens
-        tokens[i:i + len(known)] = known
-        if len(known) < n:  # the last token is the step in flight's sample, on the device
-            if prev_rows is None or p.seq.id not in prev_rows or len(known) != n - 1:
-                raise ValueError(f"sequence {p.seq.id}'s token at {p.end - 1} is in no step")
-            if feed is None:
-                feed = np.full(t, -1, np.int32)
-            feed[i + n - 1] = prev_rows[p.seq.id]
-        positions[span] = np.arange(p.start, p.end)
-        seq[span] = row
-        col[span] = np.arange(n)
-        for j, pos in enumerate(range(p.start, p.end)):
-            write_global[i + j], write_local[i + j] = kv.slot(p.seq.id, pos)
-        queries[row, :n] = np.arange(i, i + n)
-        global_table[row, :len(sp.global_pages)] = sp.global_pages
-        if kv.local_pool is not None:
-            first = kv.local_span(p.start, p.end)[0]
-            held = sp.local_pages[first - sp.local_first:]
-            local_first[row] = first
-            local_table[row, :len(held)] = held[:pl]
-        last[row] = i + n - 1
-        sample_positions[row] = p.end
-        if targets is not None and want[row]:
-            ahead = (p.seq.prompt + p.seq.generated)[p.start + 1:p.end + 1]
-            targets[i:i + len(ahead)] = ahead
-        i += n
-    visible = batch["visible"]
-    visible[:] = positions
-    images, image_index = _image_rows(pieces, visible, b.tokens)
-    rows = [p.seq if p.sample else None for p in pieces] + [None] * (b.seqs - len(pieces))
-    sampling = SlotSampling.of_rows(rows)
-    if extras is not None:
-        sampling = sampling._replace(extras=extras(rows))
-    return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index,
-                      targets, feed)
-
-
-def _empty_batch(b: Buckets, page_size: int) -> dict:
-    """A step's arrays at buckets `b`, all padding: padding tokens write to the scratch page,
-    padding rows read only it."""
-    t, s = b.tokens, b.seqs
-    scratch = np.full(t, SCRATCH * page_size, np.int32)
-    return dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-                visible=np.zeros(t, np.int32), seq=np.zeros(t, np.int32), col=np.zeros(t, np.int32),
-                write_global=scratch, write_local=scratch.copy(),
-                queries=np.zeros((s, b.queries), np.int32),
-                global_table=np.full((s, b.global_pages), SCRATCH, np.int32),
-                local_table=np.full((s, b.local_pages), SCRATCH, np.int32),
-                local_first=np.zeros(s, np.int32), last=np.zeros(s, np.int32))
-
-
-def _image_rows(pieces, visible: np.ndarray, t: int):
-    """The step's images and each token's features row (see `StepInputs`); sets `visible` of
-    every soft token to its image's last soft-token position (multimodal.visible_positions)."""
-    images, offsets, total = [], {}, 0
-    index = np.full(t, -1, np.int32)
-    i = 0
-    for p in pieces:
-        for im in p.seq.images:
-            for crop, (a, b) in enumerate(im.spans):
-                lo, hi = max(a, p.start), min(b, p.end)
-                if lo >= hi:
-                    continue
-                if im.key not in offsets:
-                    offsets[im.key] = total
-                    images.append(im)
-                    total += sum(e - s for s, e in im.spans)
-                at = i + lo - p.start
-                index[at:at + hi - lo] = offsets[im.key] + crop * (b - a) + np.arange(lo - a, hi - a)
-                visible[at:at + hi - lo] = b - 1
-        i += p.end - p.start
-    return tuple(images), (index if images else None)
 
 
 class PagedRunner:
@@ -335,6 +72,8 @@ class PagedRunner:
         self._sample = sampling.make_sampler()
         self._token_logprobs = jax.jit(sampling.token_logprobs)
         self._feed = jax.jit(feed_tokens)
+        # Deterministic mode: the rows of a step's programs' outputs in the step's order.
+        self._rows = jax.jit(lambda parts, rows: jax.numpy.concatenate(parts)[rows])
         # In a multi-process group the logits are split over the processes: each one gathers
         # them (one collective program, the same on all of them) and samples on its own device.
         self._replicated = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
@@ -424,7 +163,25 @@ class PagedRunner:
                       ) -> PendingStep:
         """Dispatches one ragged step and returns at once (JAX's asynchronous dispatch); its
         outputs stay on the device until `result()`. prev: the step in flight whose sampled
-        tokens feed this one's (`StepInputs.feed`)."""
+        tokens feed this one's (`StepInputs.feed`). In deterministic mode a step's decode rows
+        and its prompt piece run in programs of their own (`paged_steps.deterministic_parts`)."""
+        split = deterministic_parts(inputs, self.info) if self.info.deterministic else None
+        parts = [inputs] if split is None else split.parts
+        outs = [self._logits(part, prev) for part in parts]
+        if not inputs.buckets.logits:
+            return PendingStep(self._jax, None)
+        logits = outs[0][0] if split is None else self._rows([o[0] for o in outs], split.rows)
+        out = tuple(self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions))
+        every = outs[-1][1]
+        if every is not None:  # [T] logprobs of each token's next token, [T, K] top ones
+            lps = tuple(self._token_logprobs(every, parts[-1].targets))
+            out += lps if split is None else tuple(self._rows([x], split.tokens) for x in lps)
+        ticket = self.window.dispatched(out)
+        return PendingStep(self._jax, out, on_result=lambda: self.window.retired(ticket))
+
+    def _logits(self, inputs: StepInputs, prev: PendingStep | None):
+        """Dispatches one ragged program: (its row logits, its every-token logits or None) on
+        the sampling device; (None, None) for a program that returns no logits."""
         from models.gemma3.ragged import RaggedBatch
 
         self.programs_run.add(inputs.buckets)
@@ -448,7 +205,7 @@ class PagedRunner:
                 self.pages, batch, logits=inputs.buckets.logits, images=images)
         self.window.dispatched(logits)
         if not inputs.buckets.logits:
-            return PendingStep(self._jax, None)
+            return None, None
         if not getattr(logits, "is_fully_addressable", True):
             logits = self._replicate(logits).addressable_data(0)
             self.window.dispatched(logits)
@@ -456,12 +213,9 @@ class PagedRunner:
                 every = self._replicate(every).addressable_data(0)
         logits = self._jax.device_put(logits, self._sample_device)
         self.window.dispatched(logits)
-        out = tuple(self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions))
-        if every is not None:  # [T] logprobs of each token's next token, [T, K] top ones
+        if every is not None:
             every = self._jax.device_put(every, self._sample_device)
-            out += tuple(self._token_logprobs(every, inputs.targets))
-        ticket = self.window.dispatched(out)
-        return PendingStep(self._jax, out, on_result=lambda: self.window.retired(ticket))
+        return logits, every
 
     def on_every_process(self, x):
         """x, on this process's device, as the mesh's replicated array in a multi-process
@@ -504,8 +258,9 @@ class PagedRunner:
         seen: list[Buckets] = []
 
         def plan_only(inputs: StepInputs):
-            if inputs.buckets not in seen:
-                seen.append(inputs.buckets)
+            parts = (deterministic_parts(inputs, self.info).parts if self.info.deterministic
+                     else [inputs])
+            seen.extend(p.buckets for p in parts if p.buckets not in seen)
             return StepOutputs(*(np.full(inputs.buckets.seqs, self.tokenizer.bos_id, np.int32),) * 4)
 
         self._warmup_steps(plan_only, lambda msg: None)

@@ -30,7 +30,9 @@ the whole budget, see `_piece_len`); full pages are
 named in the prefix cache as soon as they are planned (a later step's reader runs after the
 writer: the device runs steps in order). In deterministic mode every piece is exactly
 `chunk_size` tokens at multiples of it (the last one shorter), whatever else runs in the step, so
-a request's pieces are a function of the request alone.
+a request's pieces are a function of the request alone; a step then holds one piece of more
+than one token beside its decodes (the runner runs the two in programs of their own, one of a
+single row: `paged_steps.deterministic_parts`).
 
 Not thread-safe: the engine core serialises every call.
 """
@@ -106,6 +108,7 @@ class PagedScheduler(WaitingQueue):
                           info.sliding_window, info.has_global_layers)
         self.prefix_caching = bool(info.prefix_blocks)
         self.num_preemptions = 0
+        self._piece_planned = False  # this step holds a prompt piece (deterministic mode)
         # The text length each sequence has once the token the last planned step samples for
         # it arrives: with the engine core's overlapped loop a step is planned before the
         # previous step's outputs reach the host, so the text is one token longer than the
@@ -164,6 +167,7 @@ class PagedScheduler(WaitingQueue):
     def schedule(self) -> StepPlan:
         budget = self.info.max_num_batched_tokens
         self._wanted = []
+        self._piece_planned = False
         pieces: list[Piece] = []
         preempted: list[Sequence] = []
         # Decodes first (oldest first), then the running prompts' pieces: a stream never waits
@@ -199,6 +203,7 @@ class PagedScheduler(WaitingQueue):
                 self._spans[s.id] = job
                 continue
             pieces.append(self._piece(s, s.computed, end))
+            self._piece_planned |= n > 1
             budget -= n
         lookups = []
         while self.waiting and budget > 0 and len(self._running) < self.info.num_slots:
@@ -237,6 +242,7 @@ class PagedScheduler(WaitingQueue):
                 self._spans[s.id] = job
             else:
                 pieces.append(self._piece(s, start, end, admitted=True))
+                self._piece_planned |= n > 1
             budget -= n
         for p in pieces:
             p.seq.computed = p.end
@@ -363,6 +369,8 @@ class PagedScheduler(WaitingQueue):
             return 0
         if left == 1:
             return 1 if budget >= 1 else 0
+        if self.info.deterministic and self._piece_planned:
+            return 0  # one prompt piece a step: its program has one row (paged_steps)
         c = limit or self.info.chunk_size
         n = min(left, c - start % c if self.info.deterministic else c)
         if n <= budget:

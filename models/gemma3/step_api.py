@@ -210,7 +210,7 @@ class Gemma3StepAPI:
         """Compile (without running) and keep the ragged steps of `keys` (`ragged_key`s).
 
         Every (T, S, Q, Pg, Pl) is its own program, so the caller pads each to a few values
-        (the paged engine's choice: `serving.paged_runner.Buckets`, which also says how many
+        (the paged engine's choice: `serving.paged_steps.Buckets`, which also says how many
         programs that gives). Compile the ones every server meets first here; the others
         compile on first use.
         """

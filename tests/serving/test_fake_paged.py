@@ -8,7 +8,7 @@ import pytest
 from serving.engine_core import EngineCore
 from serving.fake_runner import ByteTokenizer, FakeRunner, fake_paged_runner
 from serving.metrics import Metrics
-from serving.paged_runner import step_inputs
+from serving.paged_steps import step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, SamplingParams
 from serving.scheduler import Sequence

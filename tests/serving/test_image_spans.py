@@ -6,7 +6,8 @@ stages while the image request's greedy tokens stay the golden's."""
 import numpy as np
 import pytest
 
-from serving.paged_runner import PagedRunner, step_inputs
+from serving.paged_runner import PagedRunner
+from serving.paged_steps import step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
 from serving.scheduler import Sequence

@@ -33,7 +33,7 @@ from serving import group_steps
 from serving import wire
 import jax_platform
 from serving.runner import ChunkInputs, DecodeInputs, RunnerInfo, PrefillInputs, SlotMove
-from serving.paged_runner import StepInputs, step_inputs
+from serving.paged_steps import StepInputs, step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, LogitsExtras, SlotSampling
 from serving import group_images as gi

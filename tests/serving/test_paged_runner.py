@@ -47,14 +47,22 @@ def test_paged_engine_gives_the_slot_engines_tokens(tp):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_request_alone_and_among_others_agree(deterministic):
-    """Deterministic mode runs one shape for every step: bit for bit. Otherwise the buckets
-    follow the work, and XLA:CPU's softmax may round the last bit differently."""
+    """Deterministic mode runs every decode row in one program and every prompt piece in one
+    shape: bit for bit. Otherwise the buckets follow the work, and XLA:CPU's softmax may round
+    the last bit differently."""
     m = model(1)
     engine = paged(m, deterministic=deterministic)
     together = generate(engine, PROMPTS, max_tokens=8)
     alone = [generate(engine, [p], max_tokens=8)[0] for p in PROMPTS]
     assert tokens_of(together) == tokens_of(alone)
     close(together, alone, 0.0 if deterministic else 1e-5)
+    if deterministic:
+        # Two programs, both over the whole context: the decode rows' (every slot's row, one
+        # query each) and the prompt piece's (one row of a chunk of queries); they give the
+        # default mode's answers.
+        assert {(b.seqs, b.queries, b.global_pages) for b in engine.programs_run} == {
+            (4, 1, 32), (1, 8, 32)}
+        close(together, generate(paged(m), PROMPTS, max_tokens=8), 1e-5)
 
 
 def test_pages_running_out_preempt_and_lose_nothing():
@@ -157,9 +165,12 @@ def test_prompt_logprobs_match_the_slot_engines_alone_and_among_others():
     slots = SlotRunner(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
     asked = [PROMPTS[3], PROMPTS[5]]
     want = prompt_logprobs(slots, asked)
-    engine = paged(m)
+    engine, det = paged(m), paged(m, deterministic=True)
     generate(engine, [PROMPTS[3]])  # its pages are now in the prefix cache
-    for got in (prompt_logprobs(engine, asked), prompt_logprobs(engine, asked, PROMPTS[:3])):
+    # Deterministic mode too, where decode rows and the prompt piece run in programs apart
+    # and the every-token outputs come back in the step's token order.
+    for got in (prompt_logprobs(engine, asked), prompt_logprobs(engine, asked, PROMPTS[:3]),
+                prompt_logprobs(det, asked, PROMPTS[:3])):
         for g, w, p in zip(got, want, asked):
             assert len(g) == len(p) - 1 and [t for t, _, _ in g] == list(p[1:])
             np.testing.assert_allclose([lp for _, lp, _ in g], [lp for _, lp, _ in w], atol=1e-4)

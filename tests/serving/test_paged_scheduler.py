@@ -203,6 +203,18 @@ def test_deterministic_pieces_are_whole_chunks_whatever_else_runs():
                 assert p.start % 16 == 0 and (p.end - p.start == 16 or p.end == 50)
 
 
+def test_deterministic_steps_hold_one_prompt_piece_beside_their_decodes():
+    """Its one-row program (paged_steps.deterministic_parts): prompts that arrive together
+    take turns, a step of decodes and a last one-token piece beside a prompt's chunk."""
+    sched = PagedScheduler(info(deterministic=True, max_num_batched_tokens=40))
+    sched.add([seq(1, 17, max_tokens=4), seq(2, 20, base=300), seq(3, 5, base=500)])
+    plans, _ = run(sched)
+    assert all(sum(p.end - p.start > 1 for p in plan.pieces) <= 1 for plan in plans)
+    assert [(p.seq.id, p.start, p.end) for p in plans[0].pieces] == [(1, 0, 16)]
+    assert [(p.seq.id, p.start, p.end) for p in plans[1].pieces] == [(1, 16, 17), (2, 0, 16)]
+    assert any(len(plan.pieces) > 2 for plan in plans)  # decodes beside a piece
+
+
 def test_a_lone_prompt_takes_the_whole_budget_and_shares_it_when_others_arrive():
     sched = PagedScheduler(info(max_num_batched_tokens=40))
     sched.add([seq(1, 100)])
@@ -228,7 +240,7 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_are_refused_with_images():
 
 
 def test_step_buckets_follow_the_rows_and_pieces():
-    from serving.paged_runner import buckets_for
+    from serving.paged_steps import buckets_for
 
     big = info(num_slots=32, max_num_batched_tokens=256, max_seq_len=2048)
     assert buckets_for(big, 1, 1, 1, 3, True).seqs == 1  # a lone decode: one row

@@ -1,0 +1,390 @@
+"""A planned paged step as device-ready arrays: the buckets a step is padded to (`Buckets`,
+`buckets_for`), the arrays themselves (`StepInputs`, built by `step_inputs` from a scheduler plan
+and the page tables), and in deterministic mode the split of a step into its decode rows and its
+prompt pieces (`deterministic_parts`). Plain numpy, no device: the runner (`paged_runner.py`)
+runs what this module builds, and a group's other processes receive `StepInputs` whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from serving import wire
+from serving.runner import RunnerInfo
+from serving.kv_pages import SCRATCH, KVPages
+from serving.paged_scheduler import StepPlan
+from serving.scheduler import SeqImage
+from serving.shapes import pow2
+from serving.sampling import SlotSampling
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The padded shapes of one step: T tokens, S sequence rows, Q query tokens per row in the
+    attention view, Pg global and Pl local pages per row, and whether it returns logits.
+
+    Few values each, so that a server compiles few programs (each is one compile, kept by the
+    persistent compilation cache): S is 1 (a lone sequence), else a power of two from 8 up to
+    max_num_seqs; Q is 1 (every row decodes), else the longest piece's power of two, at least
+    the chunk size (pieces beside other work are at most a chunk; a lone prompt's take the
+    budget); T is max(8, S) when every row decodes, else a power of two from 8 up to the
+    budget's; Pg a power of two from 8 pages up to max_seq_len's pages; Pl follows Q. With
+    max_num_seqs 8, max_seq_len 2048, pages of 16, chunks of 16 and the default budget of 256
+    that is 2 x 5 decode programs (S x Pg), 6 x 5 x 2 with pieces beside other work (T x Pg x
+    logits) and 5 x 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256), 120 in all, of
+    which a server meets the ones its load needs. A lone request runs S = 1 programs: it never
+    pays for the batch.
+
+    A prompt piece never ends inside an image's soft tokens (they attend to each other both
+    ways, so the step that computes them must write them all): such a piece runs on to the
+    image's end, past the chunk size, and Q (then T, and in deterministic mode the one shape)
+    grows to the power of two that holds it; a step with images also has its own programs,
+    one per power-of-two count of feature rows F (`models.gemma3.ragged.ImageRows`)."""
+
+    tokens: int
+    seqs: int
+    queries: int
+    global_pages: int
+    local_pages: int
+    logits: bool = True
+    every_token: bool = False  # also every token's logprobs (a sequence wants its prompt's)
+
+    WIRE = dict(tokens=wire.Int(), seqs=wire.Int(), queries=wire.Int(), global_pages=wire.Int(),
+                local_pages=wire.Int(), logits=wire.Bool(), every_token=wire.Bool())
+
+
+def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
+    """Local pages a row reads for `queries` query tokens: the window before the first query
+    plus the queries, rounded out to whole pages at both ends."""
+    if window is None:
+        return 1
+    return -(-(window - 1 + queries) // page_size) + 1
+
+
+MIN_PAGES = 8
+# Sequence rows of a step: 1, then powers of two from 8 up to max_num_seqs, so that 8 streams
+# of a server allowing 64 do not gather pages for 64 rows.
+MIN_SEQS = 8
+# The default token budget of a step outside deterministic mode: prompt pieces of several
+# requests share it, and a lone prompt takes it whole (paged_scheduler). In deterministic mode
+# every step has the budget's shape, so it stays max_num_seqs + chunk_size there.
+STEP_BUDGET = 256
+# XLA:CPU lowers a one-token store into the pool to a select over a dynamic slice of the whole
+# pool, which it then copies (every layer, every step: 4x a lone decode's time for the 270M);
+# from 8 tokens on the store is an in-place scatter.
+MIN_TOKENS = 8
+
+
+def max_page_bucket(info: RunnerInfo) -> int:
+    """The largest Pg: max_seq_len's pages, as a power of two, at least MIN_PAGES."""
+    return max(MIN_PAGES, pow2(-(-info.max_seq_len // info.page_size)))
+
+
+def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
+                logits: bool) -> Buckets:
+    max_pages = max_page_bucket(info)
+    if info.deterministic:
+        # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
+        # apart), so no bucket that follows the neighbours is neutral: batch invariance needs
+        # one shape for every step, the whole budget and context, as the slot engine does. (Its
+        # one-token rows then run apart, in `deterministic_decode_buckets`: see
+        # `deterministic_parts`.)
+        q = max(info.chunk_size, pow2(longest_piece))
+        return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_batched_tokens), pow2(tokens)),
+                       seqs=info.num_slots, queries=q, global_pages=max_pages,
+                       local_pages=local_pages_for(q, info.sliding_window, info.page_size))
+    s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, pow2(seqs)))
+    q = 1 if longest_piece == 1 else max(info.chunk_size, pow2(longest_piece))
+    t = max(MIN_TOKENS, s if q == 1 else pow2(tokens))
+    return Buckets(tokens=t, seqs=s, queries=q,
+                   global_pages=min(max(MIN_PAGES, pow2(pages)), max_pages),
+                   local_pages=local_pages_for(q, info.sliding_window, info.page_size),
+                   logits=logits)
+
+
+def decode_buckets(info: RunnerInfo) -> list[Buckets]:
+    """The decode steps of a lone sequence and of a full batch at every page bucket: a stream
+    meets the next bucket when its context grows past one (128 tokens of pages of 16, then
+    256, 512, ...), and a compile there stalls every running stream (2.5 s for the 270M on a
+    CPU, against 33 ms a token). Compiled before the server is ready (`compile_warmup`).
+    Deterministic mode has one decode program."""
+    if info.deterministic:
+        return [deterministic_decode_buckets(info)]
+    pages = [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
+    out = []
+    for seqs in sorted({1, info.num_slots}):
+        for pg in pages:
+            b = buckets_for(info, seqs, seqs, 1, pg, True)
+            if b not in out:
+                out.append(b)
+    return out
+
+
+def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
+    """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
+    sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
+    (one piece of the whole budget). A piece of image tokens may run past them."""
+    q = max(info.chunk_size, pow2(info.chunk_size))
+    t = max(MIN_TOKENS, info.num_slots, pow2(info.max_num_batched_tokens))
+    pages = max_page_bucket(info)
+    lone_q = max(q, pow2(info.max_num_batched_tokens))
+    return (Buckets(tokens=t, seqs=info.num_slots, queries=q, global_pages=pages,
+                    local_pages=local_pages_for(q, info.sliding_window, info.page_size)),
+            Buckets(tokens=t, seqs=1, queries=lone_q, global_pages=pages,
+                    local_pages=local_pages_for(lone_q, info.sliding_window, info.page_size)))
+
+
+def _ragged_fields() -> tuple[str, ...]:
+    from models.gemma3.ragged import RaggedBatch
+
+    return tuple(f.name for f in dataclasses.fields(RaggedBatch))
+
+
+class StepInputs(NamedTuple):
+    """One ragged step as plain numpy arrays (see `models.gemma3.ragged.RaggedBatch`)."""
+
+    batch: dict  # RaggedBatch's fields -> int32 arrays
+    sampling: SlotSampling  # [S]
+    sample_positions: np.ndarray  # int32 [S]: the position of the token each row samples
+    buckets: Buckets
+    rows: int  # real sequence rows (the first `rows` of S)
+    # The distinct images (scheduler.SeqImage) whose soft tokens the step computes, and per
+    # token [T] the row of its features among theirs concatenated in that order (-1: text).
+    images: tuple = ()
+    image_index: np.ndarray | None = None
+    # With buckets.every_token: per token [T] the next token of its sequence's text (the one
+    # its logprob is of; 0 past the text's end).
+    targets: np.ndarray | None = None
+    # Per token [T]: the row of the previous step whose sampled token it is, for a token not
+    # on the host when the step was built (overlapped loop), else -1.
+    feed: np.ndarray | None = None
+
+    # How each field travels to a group's other processes (serving/wire.py). Images as their
+    # keys and spans: the others hold process 0's features by key (serving/group_images.py).
+    WIRE = dict(batch=wire.ArrayDict(np.int32, _ragged_fields), sampling=wire.Record(SlotSampling),
+                sample_positions=wire.Array(np.int32), buckets=wire.Record(Buckets),
+                rows=wire.Int(), images=wire.Tuple(wire.Record(SeqImage)),
+                image_index=wire.Optional(wire.Array(np.int32)),
+                targets=wire.Optional(wire.Array(np.int32)),
+                feed=wire.Optional(wire.Array(np.int32)))
+
+    @staticmethod
+    def wire_examples(info: RunnerInfo) -> list["StepInputs"]:
+        """The largest steps of text an engine with `info` runs (sizing the group's
+        broadcast), every optional array present."""
+        return [StepInputs(_empty_batch(b, info.page_size), SlotSampling.greedy(b.seqs),
+                           np.zeros(b.seqs, np.int32), dataclasses.replace(b, every_token=True),
+                           b.seqs, (), *(np.zeros(b.tokens, np.int32),) * 3)
+                for b in largest_buckets(info)]
+
+
+def step_inputs(plan: StepPlan, kv: KVPages, info: RunnerInfo, extras=None,
+                prev_rows: dict[int, int] | None = None) -> StepInputs:
+    """The arrays of a planned step: the pieces' tokens laid out one after another, each with
+    its sequence row, position and the slots its keys/values go to; every row's block tables.
+    Padding tokens write to the scratch page; padding rows read only it (always masked).
+
+    extras(rows) -> LogitsExtras | None for the rows' logits processing (None for rows that do
+    not sample). prev_rows: sequence id -> its row in the step in flight, for the pieces whose
+    last token that step samples (`Piece.fed`; it is fed from the device)."""
+    pieces = plan.pieces
+    if not pieces:
+        raise ValueError("an empty step")
+    n_tok = plan.num_tokens
+    pages = max(len(kv.seqs[p.seq.id].global_pages) for p in pieces) if kv.global_pool else 1
+    b = buckets_for(info, n_tok, len(pieces), max(p.end - p.start for p in pieces), pages,
+                    any(p.sample for p in pieces))
+    want = [p.seq.want_prompt_logprobs for p in pieces]
+    if any(want):
+        b = dataclasses.replace(b, every_token=True, logits=True)
+    t = b.tokens
+    batch = _empty_batch(b, info.page_size)
+    tokens, positions, seq, col = (batch[k] for k in ("tokens", "positions", "seq", "col"))
+    write_global, write_local, queries = batch["write_global"], batch["write_local"], batch["queries"]
+    global_table, local_table = batch["global_table"], batch["local_table"]
+    local_first, last = batch["local_first"], batch["last"]
+    pl = b.local_pages
+    sample_positions = np.zeros(b.seqs, np.int32)
+    targets = np.zeros(t, np.int32) if b.every_token else None
+    feed = None
+    i = 0
+    for row, p in enumerate(pieces):
+        n = p.end - p.start
+        sp = kv.seqs[p.seq.id]
+        span = slice(i, i + n)
+        known = p.tokens
+        tokens[i:i + len(known)] = known
+        if len(known) < n:  # the last token is the step in flight's sample, on the device
+            if prev_rows is None or p.seq.id not in prev_rows or len(known) != n - 1:
+                raise ValueError(f"sequence {p.seq.id}'s token at {p.end - 1} is in no step")
+            if feed is None:
+                feed = np.full(t, -1, np.int32)
+            feed[i + n - 1] = prev_rows[p.seq.id]
+        positions[span] = np.arange(p.start, p.end)
+        seq[span] = row
+        col[span] = np.arange(n)
+        for j, pos in enumerate(range(p.start, p.end)):
+            write_global[i + j], write_local[i + j] = kv.slot(p.seq.id, pos)
+        queries[row, :n] = np.arange(i, i + n)
+        global_table[row, :len(sp.global_pages)] = sp.global_pages
+        if kv.local_pool is not None:
+            first = kv.local_span(p.start, p.end)[0]
+            held = sp.local_pages[first - sp.local_first:]
+            local_first[row] = first
+            local_table[row, :len(held)] = held[:pl]
+        last[row] = i + n - 1
+        sample_positions[row] = p.end
+        if targets is not None and want[row]:
+            ahead = (p.seq.prompt + p.seq.generated)[p.start + 1:p.end + 1]
+            targets[i:i + len(ahead)] = ahead
+        i += n
+    visible = batch["visible"]
+    visible[:] = positions
+    images, image_index = _image_rows(pieces, visible, b.tokens)
+    rows = [p.seq if p.sample else None for p in pieces] + [None] * (b.seqs - len(pieces))
+    sampling = SlotSampling.of_rows(rows)
+    if extras is not None:
+        sampling = sampling._replace(extras=extras(rows))
+    return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index,
+                      targets, feed)
+
+
+def _empty_batch(b: Buckets, page_size: int) -> dict:
+    """A step's arrays at buckets `b`, all padding: padding tokens write to the scratch page,
+    padding rows read only it."""
+    t, s = b.tokens, b.seqs
+    scratch = np.full(t, SCRATCH * page_size, np.int32)
+    return dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+                visible=np.zeros(t, np.int32), seq=np.zeros(t, np.int32), col=np.zeros(t, np.int32),
+                write_global=scratch, write_local=scratch.copy(),
+                queries=np.zeros((s, b.queries), np.int32),
+                global_table=np.full((s, b.global_pages), SCRATCH, np.int32),
+                local_table=np.full((s, b.local_pages), SCRATCH, np.int32),
+                local_first=np.zeros(s, np.int32), last=np.zeros(s, np.int32))
+
+
+def _image_rows(pieces, visible: np.ndarray, t: int):
+    """The step's images and each token's features row (see `StepInputs`); sets `visible` of
+    every soft token to its image's last soft-token position (multimodal.visible_positions)."""
+    images, offsets, total = [], {}, 0
+    index = np.full(t, -1, np.int32)
+    i = 0
+    for p in pieces:
+        for im in p.seq.images:
+            for crop, (a, b) in enumerate(im.spans):
+                lo, hi = max(a, p.start), min(b, p.end)
+                if lo >= hi:
+                    continue
+                if im.key not in offsets:
+                    offsets[im.key] = total
+                    images.append(im)
+                    total += sum(e - s for s, e in im.spans)
+                at = i + lo - p.start
+                index[at:at + hi - lo] = offsets[im.key] + crop * (b - a) + np.arange(lo - a, hi - a)
+                visible[at:at + hi - lo] = b - 1
+        i += p.end - p.start
+    return tuple(images), (index if images else None)
+
+
+# -- deterministic mode: decode rows apart from prompt pieces -------------------------------------
+
+def deterministic_decode_buckets(info: RunnerInfo) -> Buckets:
+    """Deterministic mode's decode program: a row for every sequence, one query each, the whole
+    context (the slot engine's decode over all slots)."""
+    return Buckets(tokens=max(MIN_TOKENS, pow2(info.num_slots)), seqs=info.num_slots, queries=1,
+                   global_pages=max_page_bucket(info),
+                   local_pages=local_pages_for(1, info.sliding_window, info.page_size))
+
+
+def deterministic_piece_buckets(info: RunnerInfo, length: int) -> Buckets:
+    """Deterministic mode's program for one prompt piece of `length` tokens: one row of a
+    chunk's queries (more for a piece run on to an image's end) over the whole context."""
+    q = max(info.chunk_size, pow2(length))
+    return Buckets(tokens=max(MIN_TOKENS, q), seqs=1, queries=q, global_pages=max_page_bucket(info),
+                   local_pages=local_pages_for(q, info.sliding_window, info.page_size))
+
+
+class Split(NamedTuple):
+    """A deterministic-mode step as the programs that run it (`deterministic_parts`)."""
+
+    parts: list  # StepInputs of each program, the decode rows' first
+    rows: np.ndarray  # [S] row r's logits: row rows[r] of the parts' logits concatenated
+    tokens: np.ndarray  # [T] each token's index in the last part (its every-token outputs)
+
+
+def deterministic_parts(inputs: StepInputs, info: RunnerInfo) -> Split:
+    """A deterministic-mode step as the programs that run it: its one-token rows (decodes, and
+    a prompt's last token when it comes alone) in the decode program
+    (`deterministic_decode_buckets`), its prompt piece (the scheduler plans at most one a
+    step in this mode) in a one-row program of its own length (`deterministic_piece_buckets`).
+    Which program a row runs in, and at what shape, is a function of its own request, so every
+    token of a request is computed alike whatever is batched beside it (batch invariance);
+    and a decode does not pay for a piece's queries over the whole context, nor a piece for
+    every slot's, as the slot engine's decode and chunk programs do not. Rows with image
+    tokens count as pieces."""
+    b = inputs.batch
+    first = b["queries"][:inputs.rows, 0]
+    single = b["last"][:inputs.rows] == first
+    if inputs.image_index is not None:
+        single &= inputs.image_index[first] < 0
+    every = inputs.buckets.every_token
+    parts, rows = [], np.zeros(inputs.buckets.seqs, np.int32)
+    tokens = np.zeros(inputs.buckets.tokens, np.int32)
+    dec = np.flatnonzero(single)
+    if len(dec):
+        db = dataclasses.replace(deterministic_decode_buckets(info), every_token=every)
+        parts.append(_rows_part(inputs, dec, db, info.page_size))
+        rows[dec] = np.arange(len(dec))
+        tokens[first[dec]] = np.arange(len(dec))
+    others = np.flatnonzero(~single)
+    if len(others) > 1:
+        raise ValueError(f"deterministic mode runs one prompt piece a step, got {len(others)}")
+    if len(others):
+        r = others[0]
+        n = int(b["last"][r] - first[r] + 1)
+        pb = dataclasses.replace(deterministic_piece_buckets(info, n), every_token=every)
+        rows[r] = sum(p.buckets.seqs for p in parts)
+        parts.append(_rows_part(inputs, others, pb, info.page_size))
+        tokens[:] = 0
+        tokens[first[r]:first[r] + n] = np.arange(n)
+    return Split(parts, rows, tokens)
+
+
+def _rows_part(inputs: StepInputs, rows: np.ndarray, pb: Buckets, page_size: int) -> StepInputs:
+    """The step's `rows` as a step of their own at buckets `pb`, their tokens in order."""
+    b = inputs.batch
+    index = np.concatenate([np.arange(b["queries"][r, 0], b["last"][r] + 1) for r in rows])
+    d = _empty_batch(pb, page_size)
+    n = len(index)
+    for name in ("tokens", "positions", "visible", "write_global", "write_local"):
+        d[name][:n] = b[name][index]
+    at = 0
+    for j, r in enumerate(rows):
+        k = int(b["last"][r] - b["queries"][r, 0] + 1)
+        d["seq"][at:at + k], d["col"][at:at + k] = j, np.arange(k)
+        d["queries"][j, :k] = np.arange(at, at + k)
+        d["last"][j] = at + k - 1
+        at += k
+    d["global_table"][:len(rows)] = b["global_table"][rows]
+    d["local_table"][:len(rows)] = b["local_table"][rows, :pb.local_pages]
+    d["local_first"][:len(rows)] = b["local_first"][rows]
+    image_index = _moved(inputs.image_index, index, pb.tokens, -1)
+    if image_index is not None and not (image_index >= 0).any():
+        image_index = None
+    feed = _moved(inputs.feed, index, pb.tokens, -1)
+    return StepInputs(d, inputs.sampling, inputs.sample_positions, pb, len(rows),
+                      inputs.images if image_index is not None else (), image_index,
+                      _moved(inputs.targets, index, pb.tokens, 0),
+                      None if feed is None or (feed < 0).all() else feed)
+
+
+def _moved(a: np.ndarray | None, index: np.ndarray, size: int, fill: int) -> np.ndarray | None:
+    """a[index] at the front of an array of `size` filled with `fill` (None stays None)."""
+    if a is None:
+        return None
+    out = np.full(size, fill, a.dtype)
+    out[:len(index)] = a[index]
+    return out
