@@ -110,10 +110,12 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
     meets the next bucket when its context grows past one (128 tokens of pages of 16, then
     256, 512, ...), and a compile there stalls every running stream (2.5 s for the 270M on a
     CPU, against 33 ms a token). Compiled before the server is ready (`compile_warmup`).
-    Deterministic mode has one decode program."""
-    if info.deterministic:
-        return [deterministic_decode_buckets(info)]
+    Deterministic mode has one decode program, and its prompt pieces' program at every page
+    bucket instead (a prompt's pieces cross them)."""
     pages = [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
+    if info.deterministic:
+        return [deterministic_decode_buckets(info)] + [
+            deterministic_piece_buckets(info, info.chunk_size, pg) for pg in pages]
     out = []
     for seqs in sorted({1, info.num_slots}):
         for pg in pages:
@@ -299,11 +301,14 @@ def deterministic_decode_buckets(info: RunnerInfo) -> Buckets:
                    local_pages=local_pages_for(1, info.sliding_window, info.page_size))
 
 
-def deterministic_piece_buckets(info: RunnerInfo, length: int) -> Buckets:
-    """Deterministic mode's program for one prompt piece of `length` tokens: one row of a
-    chunk's queries (more for a piece run on to an image's end) over the whole context."""
+def deterministic_piece_buckets(info: RunnerInfo, length: int, pages: int) -> Buckets:
+    """Deterministic mode's program for one prompt piece of `length` tokens whose sequence
+    holds `pages` global pages: one row of a chunk's queries (more for a piece run on to an
+    image's end) over the page bucket of its own context. Both follow the request alone, not
+    its neighbours, so a prompt's prefill costs what its own context does."""
     q = max(info.chunk_size, pow2(length))
-    return Buckets(tokens=max(MIN_TOKENS, q), seqs=1, queries=q, global_pages=max_page_bucket(info),
+    return Buckets(tokens=max(MIN_TOKENS, q), seqs=1, queries=q,
+                   global_pages=min(max(MIN_PAGES, pow2(pages)), max_page_bucket(info)),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size))
 
 
@@ -323,8 +328,8 @@ def deterministic_parts(inputs: StepInputs, info: RunnerInfo) -> Split:
     Which program a row runs in, and at what shape, is a function of its own request, so every
     token of a request is computed alike whatever is batched beside it (batch invariance);
     and a decode does not pay for a piece's queries over the whole context, nor a piece for
-    every slot's, as the slot engine's decode and chunk programs do not. Rows with image
-    tokens count as pieces."""
+    every slot's row or for more context than its own. Rows with image tokens count as
+    pieces."""
     b = inputs.batch
     first = b["queries"][:inputs.rows, 0]
     single = b["last"][:inputs.rows] == first
@@ -345,7 +350,8 @@ def deterministic_parts(inputs: StepInputs, info: RunnerInfo) -> Split:
     if len(others):
         r = others[0]
         n = int(b["last"][r] - first[r] + 1)
-        pb = dataclasses.replace(deterministic_piece_buckets(info, n), every_token=every)
+        pages = int((b["global_table"][r] != SCRATCH).sum())
+        pb = dataclasses.replace(deterministic_piece_buckets(info, n, pages), every_token=every)
         rows[r] = sum(p.buckets.seqs for p in parts)
         parts.append(_rows_part(inputs, others, pb, info.page_size))
         tokens[:] = 0
@@ -368,7 +374,7 @@ def _rows_part(inputs: StepInputs, rows: np.ndarray, pb: Buckets, page_size: int
         d["queries"][j, :k] = np.arange(at, at + k)
         d["last"][j] = at + k - 1
         at += k
-    d["global_table"][:len(rows)] = b["global_table"][rows]
+    d["global_table"][:len(rows)] = b["global_table"][rows, :pb.global_pages]
     d["local_table"][:len(rows)] = b["local_table"][rows, :pb.local_pages]
     d["local_first"][:len(rows)] = b["local_first"][rows]
     image_index = _moved(inputs.image_index, index, pb.tokens, -1)

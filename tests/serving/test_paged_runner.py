@@ -57,11 +57,11 @@ def test_a_request_alone_and_among_others_agree(deterministic):
     assert tokens_of(together) == tokens_of(alone)
     close(together, alone, 0.0 if deterministic else 1e-5)
     if deterministic:
-        # Two programs, both over the whole context: the decode rows' (every slot's row, one
-        # query each) and the prompt piece's (one row of a chunk of queries); they give the
-        # default mode's answers.
-        assert {(b.seqs, b.queries, b.global_pages) for b in engine.programs_run} == {
-            (4, 1, 32), (1, 8, 32)}
+        # Two programs: the decode rows' (every slot's row, one query each, the whole
+        # context) and the prompt piece's (one row of a chunk of queries over its own
+        # context's pages: up to 12 of 4 tokens here); they give the default mode's answers.
+        run = {(b.seqs, b.queries, b.global_pages) for b in engine.programs_run}
+        assert run == {(4, 1, 32), (1, 8, 8), (1, 8, 16)}
         close(together, generate(paged(m), PROMPTS, max_tokens=8), 1e-5)
 
 
