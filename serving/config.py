@@ -124,6 +124,11 @@ class ServerConfig:
                                   "in its KV pages)")
     overlap: bool = _field(True, "dispatch each step before the last one's tokens reach the host "
                            "(the overlapped loop; --no-overlap: the plain loop, for comparisons)")
+    background_compile: bool = _field(True, "paged engine: once serving, compile the step "
+                                      "shapes the warm-up did not on a low-priority thread (each "
+                                      "would otherwise compile when a step first needs it, and "
+                                      "every stream would wait: ~3 s for the 270M on a CPU); "
+                                      "--no-background-compile: on first use")
     admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
                                       "requests before the next decode step (0 disables)")
     limit_mm_per_prompt: int = _field(4, "images one chat request may carry (more: 400); images "

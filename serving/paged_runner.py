@@ -26,7 +26,7 @@ from serving import dispatch_window
 from serving.runner import RunnerInfo, PendingStep, StepOutputs, feed_tokens
 from serving.kv_pages import KVPages
 from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Buckets, StepInputs, decode_buckets,
-                                 deterministic_parts, local_pages_for, step_inputs)
+                                 deterministic_parts, later_buckets, local_pages_for, step_inputs)
 from serving.shapes import pow2
 from serving.sampling import IDLE
 
@@ -268,6 +268,14 @@ class PagedRunner:
         self.model.compile_ragged([self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages,
                                                          b.local_pages, self.pages, b.logits)
                                    for b in seen], progress=progress)
+
+    def later_programs(self) -> list:
+        """The program keys of the step shapes the warm-up did not compile
+        (`paged_steps.later_buckets`), smallest contexts first: for a background compiler."""
+        kept = self.model.programs.kept()
+        keys = [self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages,
+                                      self.pages, b.logits) for b in later_buckets(self.info)]
+        return [k for k in keys if k not in kept]
 
     def _warmup_steps(self, run: Callable[[StepInputs], StepOutputs | None],
                       progress: Callable[[str], None]) -> None:

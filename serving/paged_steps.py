@@ -125,6 +125,35 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
     return out
 
 
+def later_buckets(info: RunnerInfo) -> list[Buckets]:
+    """Every text step outside deterministic mode that the warm-up does not compile (about 110
+    for the defaults), for a server to compile in the background once it serves: at each page
+    bucket from the smallest, decodes of every row count, pieces beside other work (S rows, a
+    chunk of queries, T tokens), a lone prompt's pieces (one row of Q = T); each with and
+    without logits. Deterministic mode's few programs are all compiled before it serves."""
+    if info.deterministic:
+        return []
+    pages = [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
+    top = pow2(info.max_num_batched_tokens)
+    rows = sorted({buckets_for(info, n, n, 1, 1, True).seqs for n in range(1, info.num_slots + 1)})
+    out: list[Buckets] = []
+    for pg in pages:
+        shapes = [(s, s, 1) for s in rows]  # (tokens, seqs, longest piece)
+        shapes += [(t, s, info.chunk_size) for s in rows if s > 1
+                   for t in (pow2(s + 1) << i for i in range(top.bit_length()))
+                   if t <= top]
+        shapes += [(q, 1, q) for q in (pow2(info.chunk_size) << i for i in range(top.bit_length()))
+                   if q <= top]
+        for logits in (True, False):
+            for tokens, seqs, longest in shapes:
+                if longest == 1 and not logits:
+                    continue  # every decode samples
+                b = buckets_for(info, tokens, seqs, longest, pg, logits)
+                if b not in out:
+                    out.append(b)
+    return out
+
+
 def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
     """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
     sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's

@@ -23,6 +23,9 @@ STALL_STEP_ENV = "GEMMA3_TEST_STALL_STEP"
 RunnerFactory = Callable[[ServerConfig, Callable[[str], None]], object]
 
 
+BACKGROUND_STOP_S = 120.0  # the most a shutdown waits for the program being compiled
+
+
 class Runtime:
     def __init__(self, config: ServerConfig, runner_factory: RunnerFactory | None = None):
         self.config = config
@@ -35,6 +38,7 @@ class Runtime:
         self.load_seconds: float | None = None
         self._factory = runner_factory or load_runner
         self._thread: threading.Thread | None = None
+        self.background = None  # serving.background_compile.BackgroundCompiler, once serving
         self.on_load_failure: Callable[[str], None] | None = None
 
     @property
@@ -76,6 +80,11 @@ class Runtime:
                                stall_step=stall).start()
         if self.status == "loading":
             self.status = "ready"
+        programs = getattr(getattr(runner, "model", None), "programs", None)
+        if c.background_compile and hasattr(runner, "later_programs") and programs is not None:
+            from serving.background_compile import BackgroundCompiler
+
+            self.background = BackgroundCompiler(runner.later_programs(), programs.compile).start()
 
     def _on_stuck(self, message: str) -> None:
         """A step got stuck (the engine core's watchdog): unhealthy until restarted."""
@@ -93,7 +102,11 @@ class Runtime:
         self.begin_shutdown()
         if self.core is None:
             return True
-        return self.core.shutdown(drain_timeout, join_timeout)
+        ended = self.core.shutdown(drain_timeout, join_timeout)
+        if self.background is not None:
+            # After the program being compiled: exiting under a compile could crash the process.
+            self.background.stop(BACKGROUND_STOP_S)
+        return ended
 
     def describe(self) -> dict:
         """Model, parallelism and AllReduce mode (shown by /health and /v1/models)."""

@@ -25,12 +25,16 @@ def free_port() -> int:
 class ServerThread:
     """The real HTTP app on a real uvicorn server in a thread (loopback port) over `runner`."""
 
-    def __init__(self, config, runner, load: bool = True):
+    def __init__(self, config, runner, load: bool = True, background_compile: bool = False):
+        import dataclasses
+
         import uvicorn
 
         from serving.api import create_app
         from serving.runtime import Runtime
 
+        # Off unless asked for: the other step programs would compile beside every test.
+        config = dataclasses.replace(config, background_compile=background_compile)
         self.runtime = Runtime(config, runner_factory=lambda c, p: runner)
         self.runner = runner
         self.port = free_port()

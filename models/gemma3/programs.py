@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import functools
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -226,6 +227,10 @@ class ModelPrograms:
         # Executables compiled ahead of time (`compile`): calls with their key run them
         # directly, with no tracing or cache lookup.
         self._executables: dict[ProgramKey, Callable] = {}
+        # Keys being compiled on some thread (a server's background compiler): a caller that
+        # needs one waits for that compile instead of compiling it a second time.
+        self._compiling: dict[ProgramKey, concurrent.futures.Future] = {}
+        self._compiling_lock = threading.Lock()
 
     # -- weights -------------------------------------------------------------------------------
     def fold_weights(self, weights: Weights, donate: bool = False) -> Weights:
@@ -459,9 +464,27 @@ class ModelPrograms:
         return self._jitted[key.program].lower(*self.abstract_args(key))
 
     def compile(self, key: ProgramKey) -> None:
-        """Compile `key`'s program (without running it) and keep the executable."""
-        if key not in self._executables:
+        """Compile `key`'s program (without running it) and keep the executable; if another
+        thread is compiling it, wait for that one."""
+        with self._compiling_lock:
+            if key in self._executables:
+                return
+            pending = self._compiling.get(key)
+            mine = pending is None
+            if mine:
+                pending = self._compiling[key] = concurrent.futures.Future()
+        if not mine:
+            pending.result()
+            return
+        try:
             self._executables[key] = self.lower(key).compile()
+            pending.set_result(None)
+        except BaseException as e:
+            pending.set_exception(e)
+            raise
+        finally:
+            with self._compiling_lock:
+                del self._compiling[key]
 
     def compile_all(self, jobs: Iterable[tuple[str, Iterable[ProgramKey]]], workers: int = 2,
                     progress: Callable[[str], None] | None = None) -> None:
@@ -482,7 +505,11 @@ class ModelPrograms:
                     progress(line)
 
     def runnable(self, key: ProgramKey) -> Callable:
-        """The executable kept for `key`, else the jitted program (traced on first use)."""
+        """The executable kept for `key` (after the compile of it in progress, if any), else
+        the jitted program (traced on first use)."""
+        pending = self._compiling.get(key)
+        if pending is not None:
+            pending.exception()  # waits; a failed compile leaves the jitted program
         return self._executables.get(key) or self._jitted[key.program]
 
     def kept(self) -> frozenset[ProgramKey]:

@@ -20,6 +20,12 @@ from tests.serving.test_batch_invariance import TINY, generate, model, prompt
 PROMPTS = [prompt(n, seed) for seed, n in enumerate((1, 7, 23, 45, 9, 30))]
 
 
+# The reference slot engine as test_batch_invariance.py builds it (its chunks need not be the
+# paged engine's): the session's compilation cache then serves its programs to both files.
+def slot_engine(m):
+    return SlotRunner(m, num_slots=4, max_seq_len=96, chunk_size=16, deterministic=True)
+
+
 def paged(m, **kw):
     args = dict(max_num_seqs=4, max_seq_len=96, page_size=4, chunk_size=8)
     args.update(kw)
@@ -39,7 +45,7 @@ def close(a, b, tol):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_paged_engine_gives_the_slot_engines_tokens(tp):
     m = model(tp)
-    slots = SlotRunner(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
+    slots = slot_engine(m)
     want = generate(slots, PROMPTS, max_tokens=6)
     got = generate(paged(m), PROMPTS, max_tokens=6)
     close(got, want, 1e-4)
@@ -162,7 +168,7 @@ def test_prompt_logprobs_match_the_slot_engines_alone_and_among_others():
     """Echo with logprobs: computed piece by piece (prompts longer than a chunk and the
     window), and never from prefix-cache pages."""
     m = model(1)
-    slots = SlotRunner(m, num_slots=4, max_seq_len=96, chunk_size=8, deterministic=True)
+    slots = slot_engine(m)
     asked = [PROMPTS[3], PROMPTS[5]]
     want = prompt_logprobs(slots, asked)
     engine, det = paged(m), paged(m, deterministic=True)

@@ -1,0 +1,69 @@
+"""Compiling the engine's remaining step programs on a low-priority thread once it serves.
+
+The warm-up compiles what every server meets first; the other step shapes (pieces beside other
+work, longer prompts' pieces, other row counts: about 110 for the paged engine's defaults)
+would each compile when a step first needs one, and every running stream waits for it (~3 s
+for the 270M on a CPU; the persistent compilation cache spares a restart, not a first start).
+This thread compiles them one at a time after /health turns ready, at the lowest CPU priority
+(Linux: nice 19 for the thread), so serving comes first; a step that needs a program the
+thread is compiling waits for that compile rather than starting a second one
+(`ModelPrograms.compile`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundCompiler:
+    def __init__(self, keys: Sequence, compile_one: Callable[[object], None]):
+        self.keys = list(keys)
+        self.compiled = 0
+        self._compile = compile_one
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="background-compile", daemon=True)
+
+    def start(self) -> "BackgroundCompiler":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stops after the program being compiled; returns whether the thread ended (a compile
+        left running while the process exits could crash it)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until every program is compiled (or the thread stopped)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        _lowest_priority()
+        t0 = time.perf_counter()
+        for key in self.keys:
+            if self._stop.is_set():
+                break
+            try:
+                self._compile(key)
+            except Exception:  # a step that needs it compiles it then, and says why it fails
+                log.exception("background compile of %s failed; stopping", key)
+                break
+            self.compiled += 1
+        log.info("background compile: %d of %d step programs in %.0fs", self.compiled,
+                 len(self.keys), time.perf_counter() - t0)
+
+
+def _lowest_priority() -> None:
+    """nice 19 for the calling thread (Linux applies setpriority to a thread id); elsewhere
+    the thread keeps the process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
