@@ -4,10 +4,12 @@ The warm-up compiles what every server meets first; the other step shapes (piece
 work, longer prompts' pieces, other row counts: about 110 for the paged engine's defaults)
 would each compile when a step first needs one, and every running stream waits for it (~3 s
 for the 270M on a CPU; the persistent compilation cache spares a restart, not a first start).
-This thread compiles them one at a time after /health turns ready, at the lowest CPU priority
-(Linux: nice 19 for the thread), so serving comes first; a step that needs a program the
-thread is compiling waits for that compile rather than starting a second one
-(`ModelPrograms.compile`).
+This thread compiles them one at a time after /health turns ready, while the engine is idle
+(no request running or waiting) and at the lowest CPU priority (Linux: nice 19 for the thread),
+so serving comes first: on a 2-core host a compile beside running streams slowed every step
+(its tracing holds the GIL), and under steady traffic the programs compile on first use as
+they would without it. A step that needs a program the thread is compiling waits for that
+compile rather than starting a second one (`ModelPrograms.compile`).
 """
 from __future__ import annotations
 
@@ -20,11 +22,16 @@ from typing import Callable, Sequence
 log = logging.getLogger(__name__)
 
 
+IDLE_POLL_S = 0.05
+
+
 class BackgroundCompiler:
-    def __init__(self, keys: Sequence, compile_one: Callable[[object], None]):
+    def __init__(self, keys: Sequence, compile_one: Callable[[object], None],
+                 idle: Callable[[], bool] = lambda: True):
         self.keys = list(keys)
         self.compiled = 0
         self._compile = compile_one
+        self._idle = idle
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="background-compile", daemon=True)
 
@@ -48,6 +55,8 @@ class BackgroundCompiler:
         _lowest_priority()
         t0 = time.perf_counter()
         for key in self.keys:
+            while not self._idle() and not self._stop.wait(IDLE_POLL_S):
+                pass
             if self._stop.is_set():
                 break
             try:

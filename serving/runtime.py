@@ -84,7 +84,10 @@ class Runtime:
         if c.background_compile and hasattr(runner, "later_programs") and programs is not None:
             from serving.background_compile import BackgroundCompiler
 
-            self.background = BackgroundCompiler(runner.later_programs(), programs.compile).start()
+            core = self.core
+            self.background = BackgroundCompiler(
+                runner.later_programs(), programs.compile,
+                idle=lambda: core.num_running == 0 and core.num_waiting == 0).start()
 
     def _on_stuck(self, message: str) -> None:
         """A step got stuck (the engine core's watchdog): unhealthy until restarted."""

@@ -72,6 +72,14 @@ def test_a_step_waits_for_the_compile_in_progress_instead_of_compiling_again():
     assert runnable is not m.programs.jitted(key.program) and key in m.programs.kept()
 
 
+def test_it_compiles_only_while_the_engine_is_idle():
+    idle, done = threading.Event(), []
+    background = BackgroundCompiler(["a", "b"], done.append, idle=idle.is_set).start()
+    assert not background.wait(0.3) and done == []  # requests running: it waits
+    idle.set()
+    assert background.wait(10) and done == ["a", "b"]
+
+
 def test_a_server_compiles_in_the_background_answers_meanwhile_and_exits_cleanly(tmp_path):
     port = free_port()
     env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu",
