@@ -80,14 +80,22 @@ class Runtime:
                                stall_step=stall).start()
         if self.status == "loading":
             self.status = "ready"
-        programs = getattr(getattr(runner, "model", None), "programs", None)
-        if c.background_compile and hasattr(runner, "later_programs") and programs is not None:
-            from serving.background_compile import BackgroundCompiler
+        if c.background_compile:
+            self._compile_in_background(runner)
 
-            core = self.core
-            self.background = BackgroundCompiler(
-                runner.later_programs(), programs.compile,
-                idle=lambda: core.num_running == 0 and core.num_waiting == 0).start()
+    def _compile_in_background(self, runner) -> None:
+        """The step programs the warm-up left, compiled while the engine is idle (a paged
+        engine in one process; serving/background_compile.py)."""
+        programs = getattr(getattr(runner, "model", None), "programs", None)
+        later = runner.later_programs() if hasattr(runner, "later_programs") and programs else []
+        if not later:
+            return
+        from serving.background_compile import BackgroundCompiler
+
+        core = self.core
+        self.background = BackgroundCompiler(
+            later, programs.compile,
+            idle=lambda: core.num_running == 0 and core.num_waiting == 0).start()
 
     def _on_stuck(self, message: str) -> None:
         """A step got stuck (the engine core's watchdog): unhealthy until restarted."""
