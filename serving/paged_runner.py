@@ -5,7 +5,8 @@ Every step runs one program (`models.gemma3.ragged`) over a flat batch of tokens
 tokens and prompt pieces of any number of sequences, each token with its sequence, position and
 cache slots; attention reads each sequence's pages through its block tables. So a step's cost
 follows the tokens and pages it touches, not `--max-seq-len` x slots, and a lone request runs a
-small program (docs/engine.md, "The paged engine").
+small program (docs/engine.md, "The paged engine"). In deterministic mode a step's decode rows
+and its prompt piece run as two programs of fixed shapes (`paged_steps.deterministic_parts`).
 
 The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions);
 `paged_steps.step_inputs` turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays
