@@ -26,8 +26,9 @@ import numpy as np
 from serving import dispatch_window
 from serving.runner import RunnerInfo, PendingStep, StepOutputs, feed_tokens
 from serving.kv_pages import KVPages
-from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Buckets, StepInputs, decode_buckets,
-                                 deterministic_parts, later_buckets, local_pages_for, step_inputs)
+from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Buckets, Split, StepInputs,
+                                 decode_buckets, deterministic_parts, later_buckets,
+                                 local_pages_for, step_inputs)
 from serving.shapes import pow2
 from serving.sampling import IDLE
 
@@ -166,19 +167,24 @@ class PagedRunner:
         outputs stay on the device until `result()`. prev: the step in flight whose sampled
         tokens feed this one's (`StepInputs.feed`). In deterministic mode a step's decode rows
         and its prompt piece run in programs of their own (`paged_steps.deterministic_parts`)."""
-        split = deterministic_parts(inputs, self.info) if self.info.deterministic else None
-        parts = [inputs] if split is None else split.parts
-        outs = [self._logits(part, prev) for part in parts]
+        split = self._split(inputs)
+        outs = [self._logits(part, prev) for part in split.parts]
         if not inputs.buckets.logits:
             return PendingStep(self._jax, None)
-        logits = outs[0][0] if split is None else self._rows([o[0] for o in outs], split.rows)
+        logits = outs[0][0] if split.rows is None else self._rows([o[0] for o in outs], split.rows)
         out = tuple(self._sample(logits, inputs.sampling.resolve(), inputs.sample_positions))
         every = outs[-1][1]
         if every is not None:  # [T] logprobs of each token's next token, [T, K] top ones
-            lps = tuple(self._token_logprobs(every, parts[-1].targets))
-            out += lps if split is None else tuple(self._rows([x], split.tokens) for x in lps)
+            lps = tuple(self._token_logprobs(every, split.parts[-1].targets))
+            out += lps if split.tokens is None else tuple(self._rows([x], split.tokens) for x in lps)
         ticket = self.window.dispatched(out)
         return PendingStep(self._jax, out, on_result=lambda: self.window.retired(ticket))
+
+    def _split(self, inputs: StepInputs) -> Split:
+        """The programs a step runs as: itself, or in deterministic mode its parts."""
+        if self.info.deterministic:
+            return deterministic_parts(inputs, self.info)
+        return Split([inputs], None, None)
 
     def _logits(self, inputs: StepInputs, prev: PendingStep | None):
         """Dispatches one ragged program: (its row logits, its every-token logits or None) on
@@ -259,24 +265,23 @@ class PagedRunner:
         seen: list[Buckets] = []
 
         def plan_only(inputs: StepInputs):
-            parts = (deterministic_parts(inputs, self.info).parts if self.info.deterministic
-                     else [inputs])
-            seen.extend(p.buckets for p in parts if p.buckets not in seen)
+            seen.extend(p.buckets for p in self._split(inputs).parts if p.buckets not in seen)
             return StepOutputs(*(np.full(inputs.buckets.seqs, self.tokenizer.bos_id, np.int32),) * 4)
 
         self._warmup_steps(plan_only, lambda msg: None)
         seen += [b for b in decode_buckets(self.info) if b not in seen]
-        self.model.compile_ragged([self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages,
-                                                         b.local_pages, self.pages, b.logits)
-                                   for b in seen], progress=progress)
+        self.model.compile_ragged([self._key(b) for b in seen], progress=progress)
 
     def later_programs(self) -> list:
         """The program keys of the step shapes the warm-up did not compile
         (`paged_steps.later_buckets`), smallest contexts first: for a background compiler."""
         kept = self.model.programs.kept()
-        keys = [self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages,
-                                      self.pages, b.logits) for b in later_buckets(self.info)]
-        return [k for k in keys if k not in kept]
+        return [k for k in map(self._key, later_buckets(self.info)) if k not in kept]
+
+    def _key(self, b: Buckets):
+        """The model's program key of a step at buckets `b` over this runner's pages."""
+        return self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages,
+                                     self.pages, b.logits)
 
     def _warmup_steps(self, run: Callable[[StepInputs], StepOutputs | None],
                       progress: Callable[[str], None]) -> None:

@@ -105,6 +105,11 @@ def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pa
                    logits=logits)
 
 
+def page_buckets(info: RunnerInfo) -> list[int]:
+    """Every Pg a step may have: powers of two from MIN_PAGES to `max_page_bucket`."""
+    return [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
+
+
 def decode_buckets(info: RunnerInfo) -> list[Buckets]:
     """The decode steps of a lone sequence and of a full batch at every page bucket: a stream
     meets the next bucket when its context grows past one (128 tokens of pages of 16, then
@@ -112,7 +117,7 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
     CPU, against 33 ms a token). Compiled before the server is ready (`compile_warmup`).
     Deterministic mode has one decode program, and its prompt pieces' program at every page
     bucket instead (a prompt's pieces cross them)."""
-    pages = [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
+    pages = page_buckets(info)
     if info.deterministic:
         return [deterministic_decode_buckets(info)] + [
             deterministic_piece_buckets(info, info.chunk_size, pg) for pg in pages]
@@ -126,24 +131,22 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
 
 
 def later_buckets(info: RunnerInfo) -> list[Buckets]:
-    """Every text step outside deterministic mode that the warm-up does not compile (about 110
-    for the defaults), for a server to compile in the background once it serves: at each page
-    bucket from the smallest, decodes of every row count, pieces beside other work (S rows, a
-    chunk of queries, T tokens), a lone prompt's pieces (one row of Q = T); each with and
-    without logits. Deterministic mode's few programs are all compiled before it serves."""
+    """Every text step shape outside deterministic mode (110 for the defaults), for a
+    server to compile in the background those the warm-up did not: at each page bucket from
+    the smallest, decodes of every row count, pieces beside other work (S rows, a chunk of
+    queries, T tokens), a lone prompt's pieces (one row of Q = T); pieces with and without
+    logits. Deterministic mode's few programs are all compiled before it serves."""
     if info.deterministic:
         return []
-    pages = [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
     top = pow2(info.max_num_batched_tokens)
     rows = sorted({buckets_for(info, n, n, 1, 1, True).seqs for n in range(1, info.num_slots + 1)})
+    shapes = [(s, s, 1) for s in rows]  # (tokens, seqs, longest piece)
+    shapes += [(t, s, info.chunk_size) for s in rows if s > 1
+               for t in (pow2(s + 1) << i for i in range(top.bit_length())) if t <= top]
+    shapes += [(q, 1, q) for q in (pow2(info.chunk_size) << i for i in range(top.bit_length()))
+               if q <= top]
     out: list[Buckets] = []
-    for pg in pages:
-        shapes = [(s, s, 1) for s in rows]  # (tokens, seqs, longest piece)
-        shapes += [(t, s, info.chunk_size) for s in rows if s > 1
-                   for t in (pow2(s + 1) << i for i in range(top.bit_length()))
-                   if t <= top]
-        shapes += [(q, 1, q) for q in (pow2(info.chunk_size) << i for i in range(top.bit_length()))
-                   if q <= top]
+    for pg in page_buckets(info):
         for logits in (True, False):
             for tokens, seqs, longest in shapes:
                 if longest == 1 and not logits:
@@ -342,11 +345,12 @@ def deterministic_piece_buckets(info: RunnerInfo, length: int, pages: int) -> Bu
 
 
 class Split(NamedTuple):
-    """A deterministic-mode step as the programs that run it (`deterministic_parts`)."""
+    """A step as the programs that run it (`deterministic_parts`; outside deterministic mode
+    one part, the step itself, whose outputs need no reordering: rows and tokens None)."""
 
     parts: list  # StepInputs of each program, the decode rows' first
-    rows: np.ndarray  # [S] row r's logits: row rows[r] of the parts' logits concatenated
-    tokens: np.ndarray  # [T] each token's index in the last part (its every-token outputs)
+    rows: np.ndarray | None  # [S] row r's logits: row rows[r] of the parts' logits concatenated
+    tokens: np.ndarray | None  # [T] each token's index in the last part (its every-token outputs)
 
 
 def deterministic_parts(inputs: StepInputs, info: RunnerInfo) -> Split:
