@@ -1,21 +1,21 @@
 """Serving: an OpenAI-compatible HTTP server over a continuous-batching engine.
 
-Layers, from the model up: the model runners (`paged_runner`, the default, and `runner`'s slot
-runner: device inputs from a plan, the KV cache, on-device `sampling`, outputs to the host), the
-schedulers (`paged_scheduler`, `scheduler`: the batching policy, plain data in, a plan per step
-out), `engine_core` (the engine thread: runs each plan on a runner; submit and cancel),
-`output_processor` (`detokenize`, stop conditions, events, per-request `metrics`), `endpoints` /
-`api` (FastAPI app, validation, OpenAI formats), and `cli` (`gemma3-serve`, `gemma3-generate`)
-configured by `config`. `fake_runner` is a deterministic stand-in for the model used to test the
-layers above the runner.
+Layers, from the model up: the model runner (`paged_runner`: device inputs from a plan, the
+paged KV cache, on-device `sampling`, outputs to the host; `runner` says what every runner
+shares), the scheduler (`paged_scheduler` over `kv_pages`: the batching policy, plain data in,
+a plan per step out; `sequence`: what it schedules), `engine_core` (the engine thread: runs each
+plan on the runner; submit and cancel), `output_processor` (`detokenize`, stop conditions,
+events, per-request `metrics`), `endpoints` / `api` (FastAPI app, validation, OpenAI formats),
+and `cli` (`gemma3-serve`, `gemma3-generate`) configured by `config`. `fake_runner` is a
+deterministic stand-in for the model used to test the layers above the runner.
 
 The public API is the names below, for programs that drive the engine without HTTP (the benchmarks
 in eval/ use nothing else): build it from a `ServerConfig` (`load_runner`, or `configure_jax` +
-`load_configured_model` + `SlotRunner` or `PagedRunner`), run it step by step (`DecodeInputs`,
-`SlotSampling`, `pad_prefill_batch`; the paged engine's `PagedScheduler` plans a `StepPlan` of
-`Piece`s over `KVPages`, `step_inputs` makes its arrays) or through an `EngineCore` (submit requests
-with `SamplingParams`); `build_grammar`, `StructuredOutputs`, `Sequence` and `step_extras` are the
-pieces of a constrained step. They load on first use, so importing `serving` imports no jax.
+`load_configured_model` + `PagedRunner`), run it step by step (the `PagedScheduler` plans a
+`StepPlan` of `Piece`s over `KVPages`, `step_inputs` makes its arrays, `SlotSampling` its
+sampling rows) or through an `EngineCore` (submit requests with `SamplingParams`);
+`build_grammar`, `StructuredOutputs`, `Sequence` and `step_extras` are the pieces of a
+constrained step. They load on first use, so importing `serving` imports no jax.
 """
 from __future__ import annotations
 
@@ -26,9 +26,6 @@ _PUBLIC = {
     "configure_jax": "serving.runtime",
     "load_configured_model": "serving.runtime",
     "load_runner": "serving.runtime",
-    "SlotRunner": "serving.runner",
-    "DecodeInputs": "serving.runner",
-    "pad_prefill_batch": "serving.runner",
     "PagedRunner": "serving.paged_runner",
     "paged_runner_info": "serving.paged_runner",
     "local_pages_for": "serving.paged_steps",
@@ -38,11 +35,11 @@ _PUBLIC = {
     "StepPlan": "serving.paged_scheduler",
     "KVPages": "serving.kv_pages",
     "IDLE": "serving.sampling",
-    "SeqImage": "serving.scheduler",
+    "SeqImage": "serving.sequence",
     "EngineCore": "serving.engine_core",
     "SamplingParams": "serving.sampling",
     "SlotSampling": "serving.sampling",
-    "Sequence": "serving.scheduler",
+    "Sequence": "serving.sequence",
     "StructuredOutputs": "serving.structured_output",
     "build_grammar": "serving.structured_output",
     "step_extras": "serving.logits_processing",

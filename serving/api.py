@@ -193,7 +193,7 @@ def _model_card(runtime: Runtime) -> dict:
 
 
 def _takes_images(runtime: Runtime) -> bool:
-    """Whether chat requests may carry images: a vision tower, served by the paged engine."""
+    """Whether chat requests may carry images: the model has a vision tower."""
     from serving import chat_images
 
     runner = runtime.runner

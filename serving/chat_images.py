@@ -106,9 +106,6 @@ def check_allowed(engine, count: int, limit: int) -> None:
     if vision_of(engine) is None:
         raise ImageRequestError("this model takes no images: it has no vision tower (a text-only "
                                 "checkpoint); send text only, or serve a multimodal checkpoint")
-    if not getattr(engine.info, "page_size", 0) or not hasattr(engine, "image_features"):
-        raise ImageRequestError("images are served by the paged engine only: start the server "
-                                "with --engine paged")
     if count > limit:
         raise ImageRequestError(f"the request has {count} images; this server takes at most "
                                 f"{limit} per prompt (--limit-mm-per-prompt)")

@@ -184,7 +184,7 @@ def _image_prompt(model, prompt: str, paths: list[str]):
     MediaError for an unreadable image) with a message for the user."""
     from serving import chat_images, media
     from serving.chat_template import render_chat
-    from serving.scheduler import SeqImage
+    from serving.sequence import SeqImage
 
     vision = getattr(model, "vision", None)
     if vision is None:
@@ -221,7 +221,7 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
     progress(f"loading {config.model} ({config.dtype}, tp={config.tp}{mesh}, allreduce={config.allreduce_config().label})")
     configure_jax(config)
     model = load_configured_model(config)
-    # The server's default engine, for text and images alike. One sequence shares nothing, and
+    # The server's engine, for text and images alike. One sequence shares nothing, and
     # a prefix cache would give the timed run other steps (hits) than its warm-up below.
     runner = PagedRunner(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
                          page_size=config.page_size, chunk_size=config.prefill_chunk,

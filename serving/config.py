@@ -87,52 +87,37 @@ class ServerConfig:
     dtype: str = _field("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
     host: str = _field("127.0.0.1", "address to bind (loopback by default)")
     port: int = _field(8000, "port to bind")
-    engine: str = _field("paged", "the engine: 'paged' (a paged KV cache and one ragged step "
-                         "mixing decode tokens and prompt pieces: cost and memory follow the work; "
-                         "no images in a multi-process group) or 'slots' (a cache row of "
-                         "--max-seq-len per sequence, separate prefill/chunk/decode programs, "
-                         "batch-invariant by default)", choices=("paged", "slots"))
-    max_batch: int = _field(8, "sequences generated together (vLLM's max-num-seqs; the slot "
-                            "engine's decode slots)")
+    max_batch: int = _field(8, "sequences generated together (vLLM's max-num-seqs)")
     max_seq_len: int = _field(2048, "context length per sequence (prompt + generated tokens)")
-    prefill_batch: int = _field(2, "slot engine: prompts of up to 256 tokens prefilled together in one "
-                                   "step (at most max_batch)")
-    kv_cache_tokens: int = _field(0, "paged engine: tokens of KV cache for the global layers, "
+    kv_cache_tokens: int = _field(0, "tokens of KV cache for the global layers, "
                                   "shared by all sequences (0: max_batch x max_seq_len); the "
                                   "sliding-window layers hold only each sequence's window")
-    max_num_batched_tokens: int = _field(0, "paged engine: the token budget of one step, which "
+    max_num_batched_tokens: int = _field(0, "the token budget of one step, which "
                                          "a lone prompt takes whole (0: 256, or max_batch + "
                                          "prefill_chunk when deterministic)")
-    page_size: int = _field(16, "paged engine: tokens per KV-cache page (divides prefill_chunk)")
+    page_size: int = _field(16, "tokens per KV-cache page (divides prefill_chunk)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
-    deterministic: bool | None = _field(None, "batch-invariant mode: a request's tokens do not "
-                                        "depend on what else is batched. The slot engine (on by "
-                                        "default) prefills every prompt alone in chunks of "
-                                        "--prefill-chunk tokens and decodes over all slots; "
-                                        "--no-deterministic packs decode rows and batches short "
-                                        "prompts. The paged engine (off by default) then runs every "
-                                        "step at the full budget and context: a lone request pays "
-                                        "for the whole batch")
-    prefill_chunk: int = _field(16, "prefill chunk length: longer prompts (all prompts when "
-                                "deterministic) are prefilled in chunks of this many tokens, each "
-                                "followed by a decode step of the running sequences (0: no chunks, "
-                                "which needs --no-deterministic and --no-prefix-caching)")
-    prefix_caching: bool = _field(True, "keep prompts' full chunks and reuse them for later prompts "
+    deterministic: bool = _field(False, "batch-invariant mode: a request's tokens do not depend "
+                                 "on what else is batched. A step's decode rows then run in one "
+                                 "program over every slot and the whole context, and its prompt "
+                                 "piece (one a step) in a program of its own: a lone request "
+                                 "pays ~1.15x in inter-token latency (docs/engine.md)")
+    prefill_chunk: int = _field(16, "the most prompt tokens a sequence computes in one step while "
+                                "others run (a lone prompt takes the whole step budget); a "
+                                "multiple of page_size")
+    prefix_caching: bool = _field(True, "keep prompts' full pages and reuse them for later prompts "
                                   "that start with the same tokens (--no-prefix-caching: off)")
-    prefix_cache_mb: int = _field(512, "slot engine: memory for the prefix cache's blocks (least "
-                                  "recently used blocks give way; the paged engine caches prefixes "
-                                  "in its KV pages)")
     overlap: bool = _field(True, "dispatch each step before the last one's tokens reach the host "
                            "(the overlapped loop; --no-overlap: the plain loop, for comparisons)")
-    background_compile: bool = _field(True, "paged engine: once serving, compile the step "
+    background_compile: bool = _field(True, "once serving, compile the step "
                                       "shapes the warm-up did not on a low-priority thread (each "
                                       "would otherwise compile when a step first needs it, and "
                                       "every stream would wait: ~3 s for the 270M on a CPU); "
                                       "--no-background-compile: on first use")
-    admission_wait_ms: float = _field(20.0, "after a step that freed slots, wait this long for new "
+    admission_wait_ms: float = _field(20.0, "after a step that ended sequences, wait this long for new "
                                       "requests before the next decode step (0 disables)")
     limit_mm_per_prompt: int = _field(4, "images one chat request may carry (more: 400); images "
-                                      "need --engine paged and a model with a vision tower")
+                                      "need a model with a vision tower")
     allowed_media_domains: str = _field("", "comma-separated hosts whose http(s) image URLs the "
                                         "server fetches (size and time limited, no redirects); "
                                         "empty (the default): remote image URLs get 400, only "
@@ -157,35 +142,14 @@ class ServerConfig:
     log_level: str = _field("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self):
-        if self.deterministic is None:  # the engine's own default (see the setting's help)
-            object.__setattr__(self, "deterministic", self.engine == "slots")
-        for name in ("tp", "max_batch", "max_seq_len", "prefill_batch", "max_waiting", "allreduce_minishards"):
+        for name in ("tp", "max_batch", "max_seq_len", "max_waiting", "allreduce_minishards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if min(self.prefill_chunk, self.prefix_cache_mb, self.kv_cache_tokens,
-               self.max_num_batched_tokens) < 0 or self.page_size < 1:
-            raise ValueError("prefill_chunk, prefix_cache_mb, kv_cache_tokens and "
-                             "max_num_batched_tokens must be >= 0, page_size >= 1")
-        # A setting the chosen engine does not read is an error, not silence: with the paged
-        # engine as the default, a slot engine setting kept from an older command line or file
-        # would otherwise look as if it took effect.
-        ignored = [n for n in ENGINE_SETTINGS.get(OTHER_ENGINE.get(self.engine), ())
-                   if getattr(self, n) != _FIELDS[n].default]
-        if ignored:
-            other = OTHER_ENGINE[self.engine]
-            flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
-            one = len(ignored) == 1
-            raise ValueError(f"{flags} {'applies' if one else 'apply'} only to --engine {other}; "
-                             f"the {'paged' if self.engine == 'paged' else 'slot'} engine (the "
-                             f"default is --engine {_FIELDS['engine'].default}) does not read "
-                             f"{'it' if one else 'them'}: drop {'it' if one else 'them'} or add "
-                             f"--engine {other}")
-        if self.engine == "paged" and (not self.prefill_chunk or self.prefill_chunk % self.page_size):
-            raise ValueError(f"the paged engine needs prefill_chunk ({self.prefill_chunk}) to be a "
-                             f"positive multiple of page_size ({self.page_size})")
-        if not self.prefill_chunk and (self.deterministic or self.prefix_caching):
-            raise ValueError("prefill_chunk 0 (no chunked prefill) needs --no-deterministic and "
-                             "--no-prefix-caching")
+        if min(self.kv_cache_tokens, self.max_num_batched_tokens) < 0 or self.page_size < 1:
+            raise ValueError("kv_cache_tokens and max_num_batched_tokens must be >= 0, page_size >= 1")
+        if self.prefill_chunk < 1 or self.prefill_chunk % self.page_size:
+            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be a positive multiple of "
+                             f"page_size ({self.page_size})")
         if self.limit_mm_per_prompt < 0:
             raise ValueError(f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}")
         self._check_processor_kwargs()
@@ -259,10 +223,6 @@ class ServerConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-# The settings only one engine reads (the others mean the same to both).
-ENGINE_SETTINGS = {"slots": ("prefill_batch", "prefix_cache_mb"),
-                   "paged": ("kv_cache_tokens", "max_num_batched_tokens", "page_size")}
-OTHER_ENGINE = {"slots": "paged", "paged": "slots"}
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -325,6 +285,23 @@ def _fold_aliases(merged: dict[str, Any]) -> None:
         raise ValueError(f"allreduce: {e}") from None
 
 
+# Settings of the retired slot engine: a command line, file or environment that still sets one
+# gets this error rather than "unknown setting" (or, from the environment, silence).
+RETIRED = {
+    "engine": "the paged engine is the only engine now (the slot engine was retired): drop it; "
+              "--deterministic gives batch invariance",
+    "prefill_batch": "the paged engine batches prompt pieces within --max-num-batched-tokens: drop it",
+    "prefix_cache_mb": "the paged engine keeps prefixes in its KV-cache pages "
+                       "(--kv-cache-tokens): drop it",
+}
+
+
+def _check_retired(merged: Mapping[str, Any]) -> None:
+    retired = [k for k in RETIRED if k in merged]
+    if retired:
+        raise ValueError("; ".join(f"--{k.replace('_', '-')} was removed: {RETIRED[k]}" for k in retired))
+
+
 def from_sources(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  config_file: str | None = None) -> ServerConfig:
     """Merges file < environment < CLI (CLI values of None mean "not given")."""
@@ -335,10 +312,11 @@ def from_sources(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | 
     merged: dict[str, Any] = {}
     if config_file:
         merged.update(load_config_file(config_file))
-    for name in sorted(known):
+    for name in sorted(known | set(RETIRED)):
         if ENV_PREFIX + name.upper() in env:
             merged[name] = env[ENV_PREFIX + name.upper()]
     merged.update(cli)
+    _check_retired(merged)
     unknown = sorted(set(merged) - known)
     if unknown:
         raise ValueError(f"unknown settings: {', '.join(unknown)}")
@@ -358,6 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
     from equarx.config import BLOCKS, PHASES, VARIANTS
 
     parser.add_argument("--config", help="TOML or JSON file of settings (env: GEMMA3_CONFIG)")
+    for name in RETIRED if only is None else ():  # refused with a reason by `from_sources`
+        parser.add_argument("--" + name.replace("_", "-"), default=None, help=argparse.SUPPRESS)
     for name, f in _FIELDS.items():
         if only is not None and name not in only:
             continue
@@ -368,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
         if _kind(name) is bool:  # --deterministic / --no-deterministic
             parser.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
                                 default=None,
-                                help=f"{help} (default: {'per engine' if default is None else 'on' if default else 'off'}; env "
+                                help=f"{help} (default: {'on' if default else 'off'}; env "
                                      f"{ENV_PREFIX}{name.upper()}=1/0)")
             continue
         parser.add_argument("--" + name.replace("_", "-"), type=_kind(name), default=None,

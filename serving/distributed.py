@@ -4,8 +4,7 @@ JAX runs a multi-host slice as one program per host, and every process must call
 programs in the same order (each program's collectives pair up across processes). So only process
 0 serves HTTP and schedules; before every engine step it broadcasts the step's inputs (a few small
 numpy arrays) to the others, which loop: receive a step, run it, repeat, until a shutdown step.
-Both engines run so: the slot engine's prefills, chunks, decodes and slot moves, or the paged
-engine's ragged steps (its scheduler and page allocator live on process 0 alone), which run
+The engine's ragged steps (its scheduler and page allocator live on process 0 alone) run
 overlapped as in one process: step N+1 dispatched before step N's tokens reach the host
 (`LeaderRunner.dispatch_step`, `Follower`). The broadcast itself is a device collective, so it
 waits for the step in flight: the overlap hides the host's work between steps, not the
@@ -41,9 +40,8 @@ from typing import Callable
 import numpy as np
 
 from serving import watchdog
-from serving.group_steps import (CHUNK, DECODE, ENCODE, FEATURES, IDLE, MOVE, PREFILL, RAGGED,
-                                  RESET, SHUTDOWN, SPANS, KIND_NAMES, broadcasts, decode_step,
-                                  encode_step, step_capacity)
+from serving.group_steps import (ENCODE, FEATURES, IDLE, RAGGED, RESET, SHUTDOWN, SPANS,
+                                  KIND_NAMES, broadcasts, decode_step, encode_step, step_capacity)
 from jax_platform import GroupFormationError, ProcessGroup, exit_group_not_formed
 from serving.watchdog import StepLimits, describe, step_key
 
@@ -64,13 +62,9 @@ def _key(kind: int, inputs) -> tuple:
 def _run(runner, kind: int, inputs):
     """Runs a received step on the local engine, as process 0 ran it on its own (a ragged
     step of the overlapped loop: `Follower`)."""
-    if kind == MOVE:
-        return runner.move_slot(inputs.src, inputs.dst)
     if kind == RESET:
         return runner.reset()
-    method = {PREFILL: "run_prefill", DECODE: "run_decode", CHUNK: "run_chunk",
-              RAGGED: "run_step"}.get(kind)
-    return None if method is None else getattr(runner, method)(inputs)
+    return runner.run_step(inputs) if kind == RAGGED else None
 
 
 # ---- failure detection ----
@@ -121,7 +115,7 @@ class LeaderRunner:
     wraps; each step is broadcast to the other processes first. Idle heartbeats keep the
     workers' watchdogs quiet.
 
-    A paged runner's steps are also dispatched without waiting (`dispatch_step`), so that the
+    Its steps are also dispatched without waiting (`dispatch_step`), so that the
     engine core runs its overlapped loop in a group too: step N+1 is broadcast and dispatched
     before step N's tokens reach the host, and the rows it takes from step N's sampled tokens
     on the device travel as indices (`StepInputs.feed`), which every worker resolves against
@@ -164,21 +158,6 @@ class LeaderRunner:
     def model(self):
         return self.runner.model
 
-    def bucket_for(self, length: int) -> int:
-        return self.runner.bucket_for(length)
-
-    def run_prefill(self, inputs):
-        with self._lock:
-            return self._step(PREFILL, inputs)
-
-    def run_decode(self, inputs):
-        with self._lock:
-            return self._step(DECODE, inputs)
-
-    def run_chunk(self, inputs):
-        with self._lock:
-            return self._step(CHUNK, inputs)
-
     def run_step(self, inputs):
         with self._lock:
             self._share(inputs.images)
@@ -197,12 +176,6 @@ class LeaderRunner:
                 lambda: self.runner.dispatch_step(inputs, None if prev is None else prev.pending))
             self._peer_limit = limit  # the others may run it that long before the next broadcast
             return _InFlight(self, pending, key, limit)
-
-    def move_slot(self, src: int, dst: int) -> None:
-        from serving.runner import SlotMove
-
-        with self._lock:
-            self._step(MOVE, SlotMove(src, dst))
 
     def reset(self) -> None:
         with self._lock:
@@ -470,7 +443,7 @@ def worker_loop(runner, settings: ProcessGroup) -> int:
             fatal(f"worker step failed (process 0 has died?): {type(e).__name__}: {e}")
             return EXIT_PEER_LOST
         limits.done(key)
-        steps += kind in (PREFILL, DECODE, CHUNK, RAGGED)
+        steps += kind == RAGGED
 
 
 def leader_factory(settings: ProcessGroup):

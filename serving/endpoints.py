@@ -20,14 +20,14 @@ from serving import openai_format as fmt
 from serving import structured_output, tools as tool_calls
 from serving import chat_images, media
 from serving.chat_template import render_chat
-from serving.scheduler import SeqImage
+from serving.sequence import SeqImage
 from serving.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     GenerateRequest, TokenizeRequest, error_body)
 from serving.runtime import Runtime
 from serving.sampling import InvalidParameter, SamplingParams
 from serving.engine_core import ShuttingDown
 from serving.output_processor import Event
-from serving.scheduler import QueueFull
+from serving.sequence import QueueFull
 
 log = logging.getLogger(__name__)
 

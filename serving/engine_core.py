@@ -1,27 +1,24 @@
 """The engine core: the thread that owns the engine and runs its steps, and the thread-safe face
 that consumers (the HTTP layer, the CLI) submit sequences to and cancel them through.
 
-Each step: the scheduler (`scheduler.py`) plans it, this module executes the plan on the engine
-(`runner.py`'s `run_prefill` / `run_decode` / `move_slot` over plain numpy inputs), and the output
-processor (`output_processor.py`) turns the engine's outputs into `Event`s, which reach each
+Each step: the scheduler (`paged_scheduler.py`) plans it as pieces (a sequence's decode token or
+a piece of its prompt), this module runs the plan as one ragged step on the runner
+(`paged_runner.py`'s `run_step` / `dispatch_step` over plain numpy inputs), and the output
+processor (`output_processor.py`) turns the step's outputs into `Event`s, which reach each
 consumer through the callback it submitted, called on the engine thread (it must not block).
-Cancellations are applied between steps, so a cancelled sequence's slot is free for the next one.
+Cancellations are applied between steps, so a cancelled sequence's pages are free for the next one.
 
-Overlap (`overlap=True`, the default with an engine that has `dispatch_decode`; SGLang's overlap
-scheduler, vLLM's async scheduling): a decode step (after at most a prefill chunk), with no row
-that needs logits processing (penalties, bias, grammar: those need the last token on the host), is
-dispatched before the previous decode step's tokens are read back; its rows take their input
-tokens from that step's sampled tokens on the device. Only then does the engine thread wait for
-the previous step's outputs and process them (detokenize, stop checks, events), while the device
-runs the new step. So a stop is seen one step late: a sequence that ended in step N also ran in
-step N+1, whose token for it is discarded (its slot is freed after step N's outputs, and the
-next plan may reuse it). Any other step (one-shot prefills, slot moves, logits processing) first
-waits for the step in flight, then runs as without overlap. Greedy and seeded outputs are the same either way.
-The paged engine overlaps every ragged step the same way (`dispatch_step`): the scheduler plans
-the next step counting the tokens in flight (`Piece.fed`), unless a piece needs logits
-processing; then the step in flight is drained first and the pieces of sequences it ended dropped.
-In a multi-process group process 0's engine (`distributed.LeaderRunner`) dispatches so too, and
-the other processes feed the same rows from their own devices (`distributed.Follower`).
+Overlap (`overlap=True`, the default; SGLang's overlap scheduler, vLLM's async scheduling): step
+N+1 is planned counting the tokens in flight (`Piece.fed`) and dispatched before step N's tokens
+are read back; its rows that continue a sequence of step N take their input token from step N's
+sampled tokens on the device. Only then does the engine thread wait for step N's outputs and
+process them (detokenize, stop checks, events), while the device runs step N+1. So a stop is
+seen one step late: a sequence that ended in step N also ran in step N+1, whose token for it is
+discarded. A step with a piece that needs logits processing (penalties, bias, grammar: those
+need the last token on the host) first drains the step in flight and drops the pieces of
+sequences it ended. Greedy and seeded outputs are the same either way. In a multi-process group
+process 0's engine (`distributed.LeaderRunner`) dispatches so too, and the other processes feed
+the same rows from their own devices (`distributed.Follower`).
 
 The step watchdog (`step_timeout`, `serving/watchdog.py`): every engine call, and every wait for a
 step in flight, runs armed. One that outlasts its limit (`compile_timeout` the first time a call
@@ -41,15 +38,14 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
 
-from serving.runner import ChunkInputs, DecodeInputs, Runner, PrefillInputs, pad_prefill_batch
+from serving.runner import Runner
 from serving.logits_processing import step_extras
 from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
 from serving.paged_scheduler import PagedScheduler, StepPlan
-from serving.sampling import LogitsExtras, SamplingParams, SlotSampling
-from serving.scheduler import ChunkStep, Plan, PrefillGroup, Scheduler, Sequence
+from serving.sampling import LogitsExtras, SamplingParams
+from serving.sequence import Sequence
 from serving.watchdog import StepLimits, StepStuck, Watchdog, describe, step_key
 
 log = logging.getLogger(__name__)
@@ -73,17 +69,14 @@ class EngineCore:
                  overlap: bool = True, step_timeout: float | None = None, compile_timeout: float | None = None,
                  on_stuck: Callable[[str], None] | None = None, stall_step: int | None = None):
         self.runner = runner
-        # Overlapped decode steps (module docstring): needs an engine that can dispatch a step
-        # and return before its outputs reach the host.
-        self.overlap = bool(overlap) and callable(
-            getattr(runner, "dispatch_step" if runner.info.paged else "dispatch_decode", None))
-        self._inflight = None  # (Plan, the engine's pending step, its step_key): outputs not read
+        # Overlapped steps (module docstring): needs a runner that can dispatch a step and
+        # return before its outputs reach the host.
+        self.overlap = bool(overlap) and callable(getattr(runner, "dispatch_step", None))
+        # (StepPlan, the runner's pending step, its step_key, when it started): outputs not read
+        self._inflight = None
         self.metrics = metrics or NullMetrics()
-        # The paged engine runs one ragged step a step (serving/paged_runner.py); the slot engine
-        # prefills, chunks and decodes (serving/runner.py).
-        self.scheduler = (PagedScheduler(runner.info, max_waiting) if runner.info.paged
-                          else Scheduler(runner.info, max_waiting))
-        if runner.info.paged and callable(getattr(runner, "image_ready", None)):
+        self.scheduler = PagedScheduler(runner.info, max_waiting)
+        if callable(getattr(runner, "image_ready", None)):
             # Pieces wait for their images' features, which the engine encodes a bounded
             # piece per step (serving/image_encoder.py) instead of whole inside one step.
             self.scheduler.image_ready = runner.image_ready
@@ -94,10 +87,10 @@ class EngineCore:
                 self.scheduler.span_written = runner.span_written
         self.outputs = OutputProcessor(runner.tokenizer, runner.info, self.metrics)
         self.admission_wait = admission_wait
-        self._freed = 0  # slots freed by the last step
+        self._freed = 0  # running sequences ended by the last step
         self._ids = itertools.count(1)
         # Guards the scheduler's waiting queue and the flags below between consumer threads and the
-        # engine thread (the slot table is the engine thread's alone; other threads only read it).
+        # engine thread (the running set is the engine thread's alone; other threads only read it).
         self._lock = threading.Condition()
         self._cancelled: set[int] = set()
         self._accepting = True
@@ -121,7 +114,7 @@ class EngineCore:
     def submit(self, requests: list[tuple[list[int], SamplingParams, Sink]],
                prompt_logprobs: bool = False) -> list[int]:
         """Queues sequences (all or none) and returns their ids. A request may carry a fourth
-        item, its images (scheduler.SeqImage; the paged engine only). Raises QueueFull, ShuttingDown or
+        item, its images (sequence.SeqImage). Raises QueueFull, ShuttingDown or
         InvalidParameter (prompt too long for the context)."""
         now = time.perf_counter()
         seqs = [(Sequence(id=next(self._ids), prompt=list(prompt), params=params,
@@ -141,7 +134,7 @@ class EngineCore:
         return [s.id for s, _ in seqs]
 
     def cancel(self, seq_ids) -> None:
-        """Frees the sequences' slots before the next step (no further events after "abort")."""
+        """Frees the sequences' pages before the next step (no further events after "abort")."""
         with self._lock:
             self._cancelled.update(seq_ids)
             self._lock.notify_all()
@@ -239,13 +232,12 @@ class EngineCore:
         self._publish(self.outputs.finish(dropped, "abort", "the server is shutting down", time.perf_counter()))
 
     def _await_replacements(self) -> None:
-        """After a step that freed slots, wait up to `admission_wait` seconds (lock held) for
-        requests to take them before starting the next decode step.
+        """After a step that ended running sequences, wait up to `admission_wait` seconds (lock
+        held) for requests to take their places before starting the next step.
 
         A client that sends its next request as soon as the last one finished (a chat turn, a
         batch job, a benchmark stream) otherwise arrives just after the next decode step began and
-        waits for all of it before its prefill: its time to first token grows by a whole decode
-        step. The running streams pay the wait only on steps after a finish."""
+        waits for all of it before its prefill: its time to first token grows by a whole step. The running streams pay the wait only on steps after a finish."""
         freed, self._freed = self._freed, 0
         if not (freed and self.admission_wait > 0 and self.num_running):
             return
@@ -256,33 +248,7 @@ class EngineCore:
                 break
             self._lock.wait(left)
 
-    def _execute(self, plan: Plan | StepPlan) -> None:
-        if isinstance(plan, StepPlan):
-            self._execute_step(plan)
-            return
-        if self.overlap and self._overlappable(plan):
-            self._dispatch_overlapped(plan)
-            return
-        self._drain()
-        plan = self._without_ended(plan)
-        if plan.chunk is not None:
-            self._run_chunk(plan.chunk)
-        for group in plan.prefills:
-            t0 = time.perf_counter()
-            inputs = prefill_inputs(group, self._extras)
-            out = self._call(step_key("prefill", inputs), lambda: self.runner.run_prefill(inputs))
-            now = time.perf_counter()
-            log.debug("prefill of %d prompt(s), lengths %s, in bucket %d x%d: %.3fs", len(group.seqs),
-                      [len(s.prompt) for s in group.seqs], group.bucket, group.batch, now - t0)
-            self._publish(self.outputs.on_prefill(group, out, t0, now))
-        for src, dst in plan.moves:
-            self._call(step_key("move"), lambda: self.runner.move_slot(src, dst))
-        if any(s is not None for s in plan.decode):
-            inputs = decode_inputs(plan, self._extras)
-            out = self._call(step_key("decode", inputs), lambda: self.runner.run_decode(inputs))
-            self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
-
-    def _execute_step(self, plan: StepPlan) -> None:
+    def _execute(self, plan: StepPlan) -> None:
         """One ragged step of the paged engine: every piece of the plan in one program."""
         from serving.paged_steps import step_inputs
 
@@ -332,82 +298,27 @@ class EngineCore:
             self._call(step_key("encode", images=len(plan.encode), bounded=bounded),
                        lambda: self.runner.advance_images(plan.encode, bounded, spent))
 
-    def _run_chunk(self, step) -> None:
-        t0 = time.perf_counter()
-        inputs = chunk_inputs(step, self._extras)
-        out = self._call(step_key("chunk", inputs), lambda: self.runner.run_chunk(inputs))
-        now = time.perf_counter()
-        if step.lookup is not None:
-            self.metrics.on_prefix_cache(*step.lookup)
-        cache = self.scheduler.prefix_cache
-        self.metrics.on_prefix_blocks(len(cache), cache.num_blocks)
-        self._publish(self.outputs.on_chunk(step, out, t0, now))
-
-    def _overlappable(self, plan: Plan) -> bool:
-        """A decode step, after at most a prefill chunk (whose prompt tokens are on the host and
-        whose slot no running row touches), whose rows need no logits processing (their inputs
-        would need the tokens of the step in flight on the host)."""
-        return (any(s is not None for s in plan.decode) and not plan.prefills and not plan.moves
-                and not any(s is not None and s.params.needs_extras for s in plan.decode))
-
-    def _dispatch_overlapped(self, plan: Plan) -> None:
-        """Dispatches the plan's decode step fed from the step in flight (the rows of sequences
-        that ran in it take its sampled token, one position further on), then processes the step
-        in flight while the device runs the new one. A chunk before it runs first, as without
-        overlap (the device runs it after the step in flight; a last chunk's first token is read
-        back at once)."""
-        if plan.chunk is not None:
-            self._run_chunk(plan.chunk)
-        feed = None
-        inputs = decode_inputs(plan)
-        if self._inflight is not None:
-            prev_plan, prev, _ = self._inflight
-            prev_rows = {s.id: i for i, s in enumerate(prev_plan.decode) if s is not None}
-            src = np.full(len(plan.decode), -1, np.int32)
-            for i, s in enumerate(plan.decode):
-                j = prev_rows.get(s.id, -1) if s is not None else -1
-                if j >= 0:  # its last token is the one still on the device
-                    src[i] = j
-                    inputs.positions[i] = s.length
-            feed = (prev, src)
-        key = step_key("decode", inputs, feed=feed is not None)
-        pending = self._call(key, lambda: self.runner.dispatch_decode(inputs, feed))
-        self._drain()
-        self._inflight = (plan, pending, key)
-
     def _drain(self) -> None:
         """Waits for the step in flight, if any, and processes its outputs (rows of sequences
         that ended meanwhile are dropped by the output processor)."""
         if self._inflight is None:
             return
-        plan, pending, key, *started = self._inflight
+        plan, pending, key, started = self._inflight
         self._inflight = None
         out = self._call(key, pending.result, count=False)
-        if isinstance(plan, StepPlan):
-            self._publish(self.outputs.on_step(plan, out, started[0], time.perf_counter()))
-        else:
-            self._publish(self.outputs.on_decode(plan, out, time.perf_counter()))
-
-    def _without_ended(self, plan: Plan) -> Plan:
-        """The plan with decode rows of sequences that ended in the step just drained made idle
-        (their slots are free now: the idle row writes position 0 there, as for any free slot)."""
-        if not any(s is not None and not self.outputs.is_live(s.id) for s in plan.decode):
-            return plan
-        rows = tuple(s if s is None or self.outputs.is_live(s.id) else None for s in plan.decode)
-        idle = plan.idle_positions or (0,) * len(rows)
-        idle = tuple(0 if s is not None and r is None else p for s, r, p in zip(plan.decode, rows, idle))
-        return dataclasses.replace(plan, decode=rows, idle_positions=idle)
+        self._publish(self.outputs.on_step(plan, out, started, time.perf_counter()))
 
     def _extras(self, seqs) -> LogitsExtras | None:
         """The logits processing of a step's rows (penalties, bias, grammar masks), None if none."""
         return step_extras(seqs, self.outputs.structured, self.runner.info.eos_ids)
 
     def _publish(self, events: list[Emitted]) -> None:
-        """Frees the slots of the sequences that ended, then delivers the events (so that a
-        consumer woken by a last event sees the slot free). Counts the slots freed, aborted
-        sequences' included (the scheduler took those out already; `finish` is idempotent)."""
+        """Frees the pages of the sequences that ended, then delivers the events (so that a
+        consumer woken by a last event sees them free). Counts the running sequences that
+        ended, aborted ones included (the scheduler took those out already; `finish` is
+        idempotent)."""
         for e in events:
-            if e.event.finish_reason is not None and (self.scheduler.finish(e.seq) or e.seq.slot >= 0):
+            if e.event.finish_reason is not None and (self.scheduler.finish(e.seq) or e.seq.generated):
                 self._freed += 1
         self.outputs.deliver(events)
 
@@ -485,43 +396,3 @@ def _stall_forever(n: int, key: tuple) -> None:
     """The test hook (`stall_step`): this engine call never returns, as if wedged in the runtime."""
     log.warning("test hook: engine call %d (%s) blocks forever", n, describe(key))
     threading.Event().wait()
-
-
-def prefill_inputs(group: PrefillGroup, extras=None) -> PrefillInputs:
-    """extras(rows) -> LogitsExtras | None: the logits processing of the rows (padding rows
-    repeat the last sequence, as `pad_prefill_batch` does)."""
-    rows = [(s.prompt, s.slot, SlotSampling.of([s.params], [s.seed])) for s in group.seqs]
-    inputs = pad_prefill_batch(rows, group.bucket, group.batch)
-    if extras is not None:
-        seqs = list(group.seqs) + [group.seqs[-1]] * (group.batch - len(group.seqs))
-        inputs = inputs._replace(sampling=inputs.sampling._replace(extras=extras(seqs)))
-    return inputs._replace(prompt_logprobs=group.prompt_logprobs)
-
-
-def chunk_inputs(step: ChunkStep, extras=None) -> ChunkInputs:
-    s = step.seq
-    tokens = np.zeros(step.bucket, np.int32)
-    tokens[:step.length] = s.prompt[step.start:step.start + step.length]
-    sampling = SlotSampling.of([s.params], [s.seed])
-    if extras is not None and step.final:
-        sampling = sampling._replace(extras=extras([s]))
-    return ChunkInputs(tokens, step.start, step.length, step.slot, sampling, step.final,
-                       step.restore, step.save_block)
-
-
-def decode_inputs(plan: Plan, extras=None) -> DecodeInputs:
-    """Each busy row feeds its last token at its position (the tokens it holds before it); an
-    idle row writes its discarded token where the plan says it harms nothing."""
-    n = len(plan.decode)
-    tokens = np.zeros(n, np.int32)
-    positions = np.zeros(n, np.int32)
-    if plan.idle_positions:
-        positions[:] = plan.idle_positions
-    for i, s in enumerate(plan.decode):
-        if s is not None:
-            tokens[i] = s.generated[-1]
-            positions[i] = s.length - 1
-    sampling = SlotSampling.of_rows(plan.decode)
-    if extras is not None:
-        sampling = sampling._replace(extras=extras(plan.decode))
-    return DecodeInputs(tokens, positions, sampling)

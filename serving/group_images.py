@@ -48,7 +48,7 @@ import numpy as np
 
 from serving import wire
 from serving.image_spans import SpanLayout
-from serving.scheduler import SeqImage
+from serving.sequence import SeqImage
 
 # Images whose features the other processes keep (as many as process 0's encoder caches).
 SHARED = 64

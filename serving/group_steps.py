@@ -13,37 +13,29 @@ import numpy as np
 from serving import wire
 
 # Step kinds (header[0]). Each kind that carries inputs names their type (`_input_types`).
-IDLE, PREFILL, DECODE, RESET, SHUTDOWN, MOVE, CHUNK, RAGGED = 0, 1, 2, 3, 4, 5, 6, 7
-# The paged engine's image work between steps (serving/group_images.py).
-ENCODE, FEATURES, SPANS = 8, 9, 10
-KIND_NAMES = {IDLE: "idle", PREFILL: "prefill", DECODE: "decode", RESET: "reset", SHUTDOWN: "shutdown",
-               MOVE: "move", CHUNK: "chunk", RAGGED: "ragged", ENCODE: "encode",
-               FEATURES: "features", SPANS: "spans"}
+IDLE, RESET, SHUTDOWN, RAGGED = 0, 1, 2, 3
+# The image work between steps (serving/group_images.py).
+ENCODE, FEATURES, SPANS = 4, 5, 6
+KIND_NAMES = {IDLE: "idle", RESET: "reset", SHUTDOWN: "shutdown", RAGGED: "ragged",
+              ENCODE: "encode", FEATURES: "features", SPANS: "spans"}
 _HEADER = 2  # kind, payload length
 
 
 def _input_types() -> dict[int, type]:
     """The input type of each kind that carries inputs (imported on use: they import jax)."""
     from serving.group_images import EncodeWork, Features, SpanWork
-    from serving.runner import ChunkInputs, DecodeInputs, PrefillInputs, SlotMove
     from serving.paged_steps import StepInputs
 
-    return {PREFILL: PrefillInputs, DECODE: DecodeInputs, CHUNK: ChunkInputs, MOVE: SlotMove,
-            RAGGED: StepInputs, ENCODE: EncodeWork, FEATURES: Features, SPANS: SpanWork}
-
-
-def _kinds_of(info) -> tuple[int, ...]:
-    """The kinds with inputs an engine with `info` runs: the paged engine's ragged steps, or
-    the slot engine's prefills, decodes, slot moves and chunks."""
-    return (RAGGED,) if info.paged else (PREFILL, DECODE, MOVE, CHUNK)
+    return {RAGGED: StepInputs, ENCODE: EncodeWork, FEATURES: Features, SPANS: SpanWork}
 
 
 def step_capacity(info) -> int:
     """Int32 words of one step broadcast: the largest step of text an engine with `info` can be
-    asked to run (header included), the largest of each input type's `wire_examples`."""
-    types = _input_types()
-    return _HEADER + max(len(wire.encode(x)) for kind in _kinds_of(info)
-                         for x in types[kind].wire_examples(info))
+    asked to run (header included), the largest of the ragged step's `wire_examples` (image
+    work that does not fit goes on in more broadcasts)."""
+    from serving.paged_steps import StepInputs
+
+    return _HEADER + max(len(wire.encode(x)) for x in StepInputs.wire_examples(info))
 
 
 def encode_step(kind: int, inputs, capacity: int) -> np.ndarray:

@@ -53,13 +53,13 @@ def chunk_flops(config, tokens: int) -> float:
 
 @dataclasses.dataclass
 class _Progress:
-    image: object  # scheduler.SeqImage
+    image: object  # sequence.SeqImage
     stage: int = 0
     state: object = None  # vision_stages.State between stages
 
 
 class ImageEncoder:
-    """Features of scheduler.SeqImages by content hash (module docstring). `model` is a
+    """Features of sequence.SeqImages by content hash (module docstring). `model` is a
     Gemma3StepAPI with a tower (`takes_images`)."""
 
     def __init__(self, model, chunk_size: int, deterministic: bool = False,

@@ -15,7 +15,7 @@ from serving.shapes import pow2
 
 
 def step_extras(seqs, structured, eos_ids: tuple[int, ...]) -> LogitsExtras | None:
-    """seqs: the step's rows (a `scheduler.Sequence`, or None for an idle row); structured: the
+    """seqs: the step's rows (a `sequence.Sequence`, or None for an idle row); structured: the
     `StructuredOutputs` holding their grammar matchers (or None)."""
     if not any(s is not None and s.params.needs_extras for s in seqs):
         return None

@@ -36,8 +36,6 @@ class NullMetrics:
 
     def on_decode(self, rows: int, busy: int) -> None: ...
 
-    def on_move(self) -> None: ...
-
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None: ...
 
     def on_prefix_blocks(self, used: int, capacity: int) -> None: ...
@@ -58,8 +56,8 @@ class Metrics(NullMetrics):
         def hist(name, doc, buckets=_REQUEST_BUCKETS):
             return series(Histogram, name, doc, buckets=buckets)
 
-        self.running = series(Gauge, "num_requests_running", "Sequences in decode slots.")
-        self.waiting = series(Gauge, "num_requests_waiting", "Sequences waiting for a slot.")
+        self.running = series(Gauge, "num_requests_running", "Sequences running (holding KV-cache pages).")
+        self.waiting = series(Gauge, "num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = series(Gauge, "kv_cache_usage_perc",
                                "Fraction of the KV cache's token positions in use (1 = full).")
         self.prompt_tokens = series(Counter, "prompt_tokens", "Prefilled prompt tokens.")
@@ -73,27 +71,26 @@ class Metrics(NullMetrics):
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = hist("request_prefill_time_seconds", "Duration of the request's prefill step.")
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
-        # Prompts are padded to a bucket length (and a batch to a compiled size): how often each
-        # program runs and how many padding positions it computes.
+        # A step with prompt pieces: its token count and piece count (the step is padded to a
+        # compiled bucket of both).
         self._prefill_steps = series(Counter, "prefill_steps",
-                                     "Prefill calls by bucket length and batch size.", ("bucket", "batch"))
+                                     "Prompt pieces by the token count and piece count of their step.", ("bucket", "batch"))
         self._prefill_padding = series(Counter, "prefill_padding_tokens",
                                        "Token positions computed by prefill beyond the prompts.")
-        # Decode runs a program of a fixed row count (the busy slots' prefix, rounded up).
-        self._decode_steps = series(Counter, "decode_steps", "Decode steps by compiled row count.",
+        # A step with decode rows: its row count, and rows of sequences that ended meanwhile.
+        self._decode_steps = series(Counter, "decode_steps", "Steps with decode rows, by row count.",
                                     ("rows",))
         self._decode_padding = series(Counter, "decode_padding_rows",
-                                      "Rows computed by decode steps beyond the busy slots.")
+                                      "Rows computed by steps for sequences that had ended or no token.")
         # vLLM's prefix-cache counters: prompt tokens looked up, and those found in the cache.
         self.prefix_queries = series(Counter, "prefix_cache_queries",
                                      "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = series(Counter, "prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not prefilled).")
         self.prefix_blocks = series(Gauge, "prefix_cache_blocks",
-                                    "Prefix-cache blocks held (each one chunk of a prompt).")
+                                    "KV-cache pages held for prefix reuse (each one page of a prompt).")
         self.prefix_capacity = series(Gauge, "prefix_cache_capacity_blocks",
-                                      "Prefix-cache blocks that fit its memory (0: no prefix cache).")
-        self.slot_moves = series(Counter, "slot_moves", "Sequences moved to a lower decode slot.")
+                                      "KV-cache pages that prefix reuse may hold (0: no prefix cache).")
         info = series(Gauge, "engine_info", "Engine configuration (value 1).", ("tp", "dtype"))
         info.labels(*self._values, str(tp), dtype).set(1)
 
@@ -130,9 +127,6 @@ class Metrics(NullMetrics):
     def on_decode(self, rows: int, busy: int) -> None:
         self._decode_steps.labels(*self._values, str(rows)).inc()
         self._decode_padding.inc(rows - busy)
-
-    def on_move(self) -> None:
-        self.slot_moves.inc()
 
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries.inc(queried_tokens)

@@ -3,7 +3,7 @@
 For every sequence it detokenizes (UTF-8 safe, `detokenize.TextStream`), decides when the
 sequence ends (EOS or a stop token, a stop string, max_tokens, the context), builds its `Event`s,
 records the per-token and per-request metrics and delivers the events to the sequence's sink.
-It knows nothing of slots or queues: the engine core frees the slots of the sequences it reports
+It knows nothing of pages or queues: the engine core frees the pages of the sequences it reports
 ended (vLLM v1's output processor; here it runs on the engine thread).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 from serving.detokenize import TextStream
 from serving.runner import RunnerInfo, StepOutputs
 from serving.metrics import NullMetrics
-from serving.scheduler import ChunkStep, Plan, PrefillGroup, Sequence
+from serving.sequence import Sequence
 from serving.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -91,33 +91,11 @@ class OutputProcessor:
         """Whether a sequence still gets events (it has not ended)."""
         return seq_id in self._live
 
-    def on_prefill(self, group: PrefillGroup, out: StepOutputs, started: float,
-                   now: float) -> list[Emitted]:
-        """The first token of each sequence of a prefill call that began at `started`."""
-        for s in group.seqs:
-            self.metrics.on_scheduled(started - self._live[s.id].arrival)
-        self.metrics.on_prefill([len(s.prompt) for s in group.seqs], now - started, group.bucket, group.batch)
-        events = [self._on_token(s, out, row, now, _prompt_logprobs(out, row, s) if group.prompt_logprobs else None)
-                  for row, s in enumerate(group.seqs)]
-        self.structured.prefetch()  # the next step's grammar masks, while the events go out
-        return events
-
-    def on_chunk(self, step: ChunkStep, out: StepOutputs | None, started: float,
-                 now: float) -> list[Emitted]:
-        """A prefill chunk that began at `started`: the sequence's first token after its last."""
-        s = step.seq
-        if step.lookup is not None or step.start == 0:
-            self.metrics.on_scheduled(started - self._live[s.id].arrival)
-        self.metrics.on_prefill([step.length], now - started, step.bucket, 1)
-        if not step.final:
-            return []
-        events = [self._on_token(s, out, 0, now, None)]
-        self.structured.prefetch()
-        return events
-
     def on_step(self, plan, out: StepOutputs | None, started: float, now: float) -> list[Emitted]:
-        """A ragged step of the paged engine (`paged_scheduler.StepPlan`) that began at
-        `started`: the next token of every piece that samples (row i is piece i)."""
+        """A ragged step (`paged_scheduler.StepPlan`) that began at `started`: the next token
+        of every piece that samples (row i is piece i). A sequence that ended after the step
+        was dispatched (overlapped steps: a stop seen one step late, or a cancel) has a row
+        too: its token is discarded."""
         events = []
         decoding = 0
         first = 0  # the flat index of the piece's first token
@@ -138,18 +116,6 @@ class OutputProcessor:
         if decoding:
             self.metrics.on_decode(len(plan.pieces), decoding)
         self.structured.prefetch()
-        return events
-
-    def on_decode(self, plan: Plan, out: StepOutputs, now: float) -> list[Emitted]:
-        """The next token of every sequence of a decode step (after the plan's slot moves)."""
-        for _ in plan.moves:
-            self.metrics.on_move()
-        # A sequence that ended after this step was dispatched (overlapped steps: a stop seen one
-        # step late, or a cancel) has a row here too: its token is discarded.
-        busy = [(row, s) for row, s in enumerate(plan.decode) if s is not None and s.id in self._live]
-        self.metrics.on_decode(plan.decode_rows, len(busy))
-        events = [self._on_token(s, out, row, now, None) for row, s in busy]
-        self.structured.prefetch()  # the next step's grammar masks, while the events go out
         return events
 
     def finish(self, seqs: list[Sequence], reason: str, error: str | None,
@@ -239,10 +205,3 @@ def _scored(tok: int, logprob, top_ids, top_logprobs, n_top: int) -> TokenInfo:
     """A token with its logprob and its n_top best alternatives (id, logprob)."""
     top = tuple((int(i), float(v)) for i, v in zip(top_ids[:n_top], top_logprobs[:n_top]))
     return TokenInfo(tok, float(logprob), top)
-
-
-def _prompt_logprobs(out: StepOutputs, row: int, s: Sequence) -> tuple[TokenInfo, ...]:
-    n_top = s.params.logprobs or 0
-    return tuple(_scored(s.prompt[t + 1], out.prompt_logprobs[row, t], out.prompt_top_ids[row, t],
-                         out.prompt_top_logprobs[row, t], n_top)
-                 for t in range(len(s.prompt) - 1))

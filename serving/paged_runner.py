@@ -136,7 +136,7 @@ class PagedRunner:
         return self.spans.advance(jobs, kv, bounded)
 
     def image_features(self, image):
-        """Features [n * tokens_per_image, D] (on the device) of a scheduler.SeqImage, from the
+        """Features [n * tokens_per_image, D] (on the device) of a sequence.SeqImage, from the
         cache, or the whole encoder at once for a caller that did not wait for them."""
         if self.features_from is not None:
             return self.features_from(image.key)
@@ -288,7 +288,7 @@ class PagedRunner:
         """The warm-up's steps, each given to `run`: a lone prompt, then a full batch, each until
         every sequence decoded twice."""
         from serving.paged_scheduler import PagedScheduler
-        from serving.scheduler import Sequence
+        from serving.sequence import Sequence
 
         info = self.info
         # (rows, prompt length) of each warm-up round: short lone prompts of MIN_TOKENS,
@@ -300,7 +300,7 @@ class PagedRunner:
         rounds = [(1, n) for n in short] + [(1, info.max_num_batched_tokens + 1)]
         rounds += [(info.num_slots, info.chunk_size + 1)] if info.num_slots > 1 else []
         for n_seqs, length in rounds:
-            sched = PagedScheduler(dataclasses.replace(info, prefix_blocks=0))
+            sched = PagedScheduler(dataclasses.replace(info, prefix_caching=False))
             prompt = [self.tokenizer.bos_id] * min(length, info.max_seq_len - 1)
             sched.add([Sequence(id=i, prompt=list(prompt), params=IDLE, seed=0)
                        for i in range(n_seqs)])
@@ -351,8 +351,6 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         model_name=model_name,
         num_slots=max_num_seqs,
         max_seq_len=max_seq_len,
-        prefill_buckets=(chunk_size,),
-        prefill_batch_sizes=(1,),
         vocab_size=c.vocab_size,
         eos_ids=tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id, tokenizer.end_of_turn_id))),
         tp=int(model.tp),
@@ -360,9 +358,8 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         allreduce=model.allreduce.to_dict(),
         allreduce_label=model.allreduce.label,
         chunk_size=chunk_size,
-        chunk_buckets=(chunk_size,),
         deterministic=bool(deterministic),
-        prefix_blocks=1 if prefix_caching else 0,
+        prefix_caching=bool(prefix_caching),
         page_size=page_size,
         num_global_pages=math.ceil(tokens / page_size) + 1 if has_global else 2,
         num_local_pages=local_pages + 1 if has_local else 2,

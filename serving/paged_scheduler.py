@@ -44,7 +44,7 @@ from typing import Callable
 from serving.runner import RunnerInfo
 from serving.kv_pages import KVPages, block_hashes
 from serving.sampling import InvalidParameter
-from serving.scheduler import Sequence, WaitingQueue
+from serving.sequence import Sequence, WaitingQueue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class SpanJob:
     a sequence preempted and readmitted writes its span again as a new job."""
 
     seq: Sequence
-    image: object  # scheduler.SeqImage
+    image: object  # sequence.SeqImage
     crop: int
     start: int
     end: int
@@ -86,7 +86,7 @@ class StepPlan:
     pieces: tuple[Piece, ...] = ()
     preempted: tuple[Sequence, ...] = ()  # sent back to the waiting queue by this step
     lookups: tuple[tuple[int, int], ...] = ()  # (prompt tokens looked up, tokens found) per admission
-    # Images (scheduler.SeqImage) whose features a piece waits for, oldest sequence first: the
+    # Images (sequence.SeqImage) whose features a piece waits for, oldest sequence first: the
     # engine advances their encoding after the step (serving/image_encoder.py).
     encode: tuple = ()
     # Image spans being written between steps (SpanJob), each listed every step until written:
@@ -106,7 +106,7 @@ class PagedScheduler(WaitingQueue):
         self._running: list[Sequence] = []  # admission order (the newest is preempted first)
         self.kv = KVPages(info.page_size, info.num_global_pages, info.num_local_pages,
                           info.sliding_window, info.has_global_layers)
-        self.prefix_caching = bool(info.prefix_blocks)
+        self.prefix_caching = info.prefix_caching
         self.num_preemptions = 0
         self._piece_planned = False  # this step holds a prompt piece (deterministic mode)
         # The text length each sequence has once the token the last planned step samples for

@@ -15,7 +15,7 @@ from serving import wire
 from serving.runner import RunnerInfo
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
-from serving.scheduler import SeqImage
+from serving.sequence import SeqImage
 from serving.shapes import pow2
 from serving.sampling import SlotSampling
 
@@ -89,7 +89,7 @@ def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pa
     if info.deterministic:
         # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
         # apart), so no bucket that follows the neighbours is neutral: batch invariance needs
-        # one shape for every step, the whole budget and context, as the slot engine does. (Its
+        # one shape for every step, the whole budget and context. (Its
         # one-token rows then run apart, in `deterministic_decode_buckets`: see
         # `deterministic_parts`.)
         q = max(info.chunk_size, pow2(longest_piece))
@@ -185,7 +185,7 @@ class StepInputs(NamedTuple):
     sample_positions: np.ndarray  # int32 [S]: the position of the token each row samples
     buckets: Buckets
     rows: int  # real sequence rows (the first `rows` of S)
-    # The distinct images (scheduler.SeqImage) whose soft tokens the step computes, and per
+    # The distinct images (sequence.SeqImage) whose soft tokens the step computes, and per
     # token [T] the row of its features among theirs concatenated in that order (-1: text).
     images: tuple = ()
     image_index: np.ndarray | None = None
@@ -327,7 +327,7 @@ def _image_rows(pieces, visible: np.ndarray, t: int):
 
 def deterministic_decode_buckets(info: RunnerInfo) -> Buckets:
     """Deterministic mode's decode program: a row for every sequence, one query each, the whole
-    context (the slot engine's decode over all slots)."""
+    context."""
     return Buckets(tokens=max(MIN_TOKENS, pow2(info.num_slots)), seqs=info.num_slots, queries=1,
                    global_pages=max_page_bucket(info),
                    local_pages=local_pages_for(1, info.sliding_window, info.page_size))

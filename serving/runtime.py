@@ -84,8 +84,8 @@ class Runtime:
             self._compile_in_background(runner)
 
     def _compile_in_background(self, runner) -> None:
-        """The step programs the warm-up left, compiled while the engine is idle (a paged
-        engine in one process; serving/background_compile.py)."""
+        """The step programs the warm-up left, compiled while the engine is idle (one
+        process; serving/background_compile.py)."""
         programs = getattr(getattr(runner, "model", None), "programs", None)
         later = runner.later_programs() if hasattr(runner, "later_programs") and programs else []
         if not later:
@@ -130,14 +130,12 @@ class Runtime:
             info = self.runner.info
             d.update(tp=info.tp, dtype=info.dtype, allreduce=info.allreduce,
                      allreduce_label=info.allreduce_label, max_model_len=info.max_seq_len,
-                     max_batch=info.num_slots, prefill_buckets=list(info.prefill_buckets),
-                     deterministic=info.deterministic, prefill_chunk=info.chunk_size,
-                     prefix_cache_blocks=info.prefix_blocks)
-            if info.paged:
-                d.update(engine="paged", page_size=info.page_size,
-                         kv_cache_pages={"global": info.num_global_pages - 1,
-                                         "local": info.num_local_pages - 1},
-                         max_num_batched_tokens=info.max_num_batched_tokens)
+                     max_batch=info.num_slots, deterministic=info.deterministic,
+                     prefill_chunk=info.chunk_size, prefix_caching=info.prefix_caching,
+                     engine="paged", page_size=info.page_size,
+                     kv_cache_pages={"global": info.num_global_pages - 1,
+                                     "local": info.num_local_pages - 1},
+                     max_num_batched_tokens=info.max_num_batched_tokens)
         return d
 
 
@@ -164,10 +162,9 @@ def configure_jax(config: ServerConfig) -> None:
     jax_platform.enable_compilation_cache(config.compile_cache_dir)
 
 
-def load_configured_model(config: ServerConfig, warm_up=None):
+def load_configured_model(config: ServerConfig):
     """The model a config names, with the traced programs and a GGUF file's decoded weights
-    kept beside the compilation cache (call `configure_jax` first). warm_up: as `load_model`'s
-    (compiles while weights load)."""
+    kept beside the compilation cache (call `configure_jax` first)."""
     from models.gemma3 import load_model
 
     cache = config.compile_cache_dir
@@ -175,16 +172,22 @@ def load_configured_model(config: ServerConfig, warm_up=None):
                       allreduce=config.allreduce_config(),
                       dtype=config.dtype, max_seq_len=config.max_seq_len,
                       program_cache_dir=os.path.join(cache, "programs") if cache else None,
-                      weights_cache_dir=os.path.join(cache, "weights") if cache else None,
-                      warm_up=warm_up)
+                      weights_cache_dir=os.path.join(cache, "weights") if cache else None)
 
 
 def load_runner(config: ServerConfig, progress: Callable[[str], None]):
-    """The real engine: loads the model, allocates the cache, compiles and warms up."""
+    """The real engine (serving/paged_runner.py): loads the model, allocates the KV pages,
+    compiles the warm-up's programs and warms up; the other step shapes compile on first use
+    or in the background once serving (`Runtime`). In a multi-process group every process
+    builds the same engine and warms it up in the same order, and the processes wait for each
+    other once loaded and once compiled: their first collective (gloo's rendezvous, which gives
+    up after 30 s) then starts in every process at once, however unevenly they loaded
+    (`jax_platform.group_barrier`, deadline --load-timeout)."""
     configure_jax(config)
     import jax
 
-    from serving.runner import SlotRunner, compile_programs, runner_info
+    import jax_platform
+    from serving.paged_runner import PagedRunner
 
     if config.deterministic and not config.batch_invariant:
         log.warning("--allreduce %s shares quantization scales across tokens: in deterministic "
@@ -194,51 +197,6 @@ def load_runner(config: ServerConfig, progress: Callable[[str], None]):
     mesh = f", tp_mesh={config.tp_mesh}" if config.tp_mesh else ""
     progress(f"loading {config.model} (tp={config.tp}{mesh}, {config.dtype}, allreduce="
              f"{config.allreduce_config().label}) on {len(jax.devices())} {jax.default_backend()} device(s)")
-    shape = dict(num_slots=config.max_batch, max_seq_len=config.max_seq_len,
-                 prefill_batch_sizes=_prefill_batch_sizes(config), model_name=config.model_name,
-                 chunk_size=config.prefill_chunk, deterministic=config.deterministic)
-
-    def compile_while_loading(model) -> None:
-        info = runner_info(model, **shape, prefix_blocks=prefix_blocks(config, model))
-        progress(f"compiling while the weights load: prefill buckets {info.prefill_buckets} "
-                 f"(batches of {info.prefill_batch_sizes} up to {info.batched_prefill_max_bucket} "
-                 f"tokens), decode x{info.decode_row_counts}")
-        compile_programs(model, info, progress)
-
-    if config.engine == "paged":
-        return _load_paged_runner(config, progress)
-    t = time.perf_counter()
-    # One process: programs compile on a thread while the weights load. Several processes
-    # (multi-host) keep the two apart, so that every process issues its work in the same order,
-    # and wait for each other once loaded and once compiled: their first collective (gloo's
-    # rendezvous, which gives up after 30 s) then starts in every process at once, however
-    # unevenly they loaded (`jax_platform.group_barrier`, deadline --load-timeout).
-    overlap = jax.process_count() == 1
-    model = load_configured_model(config, compile_while_loading if overlap else None)
-    progress(f"weights loaded{' and programs compiled' if overlap else ''} in "
-             f"{time.perf_counter() - t:.1f}s")
-    runner = SlotRunner(model, **shape, prefix_blocks=prefix_blocks(config, model))
-    if not overlap:
-        import jax_platform
-
-        jax_platform.group_barrier("loaded")
-        compile_programs(model, runner.info, progress)
-        jax_platform.group_barrier("compiled")
-    seconds = runner.warmup(progress)
-    progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
-    return runner
-
-
-def _load_paged_runner(config: ServerConfig, progress: Callable[[str], None]):
-    """The paged engine (serving/paged_runner.py): its programs compile on first use or before
-    the warm-up (`PagedRunner.warmup` says which). In a multi-process group every process
-    builds the same engine and warms it up in the same order; the warm-up's programs are
-    compiled between the group's two barriers, as the slot engine's are."""
-    import jax
-
-    import jax_platform
-    from serving.paged_runner import PagedRunner
-
     group = jax.process_count() > 1
     t = time.perf_counter()
     model = load_configured_model(config)
@@ -262,23 +220,3 @@ def _load_paged_runner(config: ServerConfig, progress: Callable[[str], None]):
     seconds = runner.warmup(progress)
     progress(f"warm-up done in {seconds:.1f}s (total {time.perf_counter() - t:.1f}s)")
     return runner
-
-
-def prefix_blocks(config: ServerConfig, model) -> int:
-    """Prefix-cache blocks that fit `prefix_cache_mb`: a block is one chunk's keys and values in
-    every layer (in the cache's dtype), 0 with the prefix cache off."""
-    import numpy as np
-
-    if not config.prefix_caching or not config.prefill_chunk:
-        return 0
-    c = model.config
-    chunk = min(config.prefill_chunk, config.max_seq_len)
-    heads = max(c.num_kv_heads, config.tp)  # KV heads are replicated when tp exceeds them
-    block = 2 * c.num_layers * chunk * heads * c.head_dim * np.dtype(model.cache_dtype).itemsize
-    return int(config.prefix_cache_mb * 2**20 // block)
-
-
-def _prefill_batch_sizes(config: ServerConfig) -> tuple[int, ...]:
-    # Two sizes: a lone arrival must not pay for a padded batch. Larger batches only pay while a
-    # prefill call costs more than its tokens (on CPU that stops at about 2 short prompts).
-    return tuple(sorted({1, min(config.prefill_batch, config.max_batch)}))

@@ -128,23 +128,14 @@ class StepLimits:
 
 def step_key(kind: str, inputs=None, **more) -> tuple:
     """(kind, ((name, value), ...)): an engine step's kind and what decides which programs it
-    runs: its token shape (a paged step's buckets), prompt logprobs, a final chunk, restored
-    prefix blocks, the shapes of its logits processing (`more`: anything else, e.g. an
-    overlapped step's feed)."""
+    runs: its shapes (a ragged step's buckets), its image rows, the shapes of its logits
+    processing (`more`: anything else, e.g. an overlapped step's feed)."""
     parts = []
-    tokens = getattr(inputs, "tokens", None)
-    if tokens is not None:
-        parts.append(("tokens", tuple(getattr(tokens, "shape", (len(tokens),)))))
-    for name in ("prompt_logprobs", "final"):
-        if getattr(inputs, name, False):
-            parts.append((name, True))
-    if getattr(inputs, "restore", ()):
-        parts.append(("restore", True))
-    buckets = getattr(inputs, "buckets", None)  # a paged step's shapes
+    buckets = getattr(inputs, "buckets", None)  # a ragged step's shapes
     if buckets is not None:
         parts.append(("buckets", dataclasses.astuple(buckets)))
     images = getattr(inputs, "images", None)
-    if images:  # a paged step's feature rows, padded to a power of two
+    if images:  # a step's feature rows, padded to a power of two
         rows = sum(b - a for im in images for a, b in im.spans)
         parts.append(("image_rows", pow2(rows)))
     extras = getattr(getattr(inputs, "sampling", None), "extras", None)
@@ -156,7 +147,7 @@ def step_key(kind: str, inputs=None, **more) -> tuple:
 
 
 def describe(key: tuple) -> str:
-    """'decode step (tokens (8,), feed True)'."""
+    """'ragged step (buckets (16, 8, 1, 8, 2, False), feed True)'."""
     kind, parts = key
     text = ", ".join(f"{name} {value}" if name != "extras" else
                      "logits processing " + " ".join(f"{f} {s}" for f, s in value) for name, value in parts)

@@ -20,7 +20,7 @@ from serving.config import ServerConfig
 from serving.engine_core import EngineCore
 from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
-from serving.scheduler import SeqImage
+from serving.sequence import SeqImage
 from testkit import ServerThread
 
 MODEL = "random:tiny?vision=tiny"
@@ -53,7 +53,7 @@ def server():
     m = load_model(MODEL, tp=1, dtype="float32", allreduce=AllReduceConfig(method="f32"))
     engine = PagedRunner(m, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8,
                          model_name="tiny-vl")
-    config = ServerConfig(model=MODEL, served_model_name="tiny-vl", engine="paged", max_batch=4,
+    config = ServerConfig(model=MODEL, served_model_name="tiny-vl", max_batch=4,
                           max_seq_len=256, page_size=4, prefill_chunk=8, compile_cache_dir="")
     s = ServerThread(config, engine)
     yield s
@@ -129,21 +129,11 @@ def test_more_images_than_the_limit_get_400(client):
     assert r.status_code == 400 and "at most 4" in r.json()["error"]["message"]
 
 
-def test_an_image_to_a_text_only_model_or_the_slot_engine_is_refused():
-    from serving.fake_runner import FakeRunner
+def test_an_image_to_a_text_only_model_is_refused():
+    from serving.fake_runner import fake_paged_runner
 
     with pytest.raises(chat_images.ImageRequestError, match="no vision tower"):
-        chat_images.check_allowed(FakeRunner(num_slots=1, max_seq_len=32), 1, 4)
-
-    class SlotEngine:  # a model with a tower behind the slot engine
-        class model:
-            vision = object()
-
-        class info:
-            page_size = 0
-
-    with pytest.raises(chat_images.ImageRequestError, match="--engine paged"):
-        chat_images.check_allowed(SlotEngine(), 1, 4)
+        chat_images.check_allowed(fake_paged_runner(num_slots=1, max_seq_len=32), 1, 4)
 
 
 def test_typed_image_markers_stay_text():

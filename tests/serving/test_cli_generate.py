@@ -59,22 +59,22 @@ def test_generate_refuses_an_image_it_cannot_take(capsys, tmp_path, model, conte
 
 @pytest.fixture(scope="module")
 def real_270m():
-    """The real 270M (float32, its default context, 2,048) for the one-slot engine: loaded
-    once for both samplings (its programs then compile once)."""
+    """The real 270M (float32, its default context, 2,048): loaded once for both samplings."""
     from models.gemma3 import load_model
 
     return load_model("gemma3-270m", tp=1, dtype="float32", max_seq_len=2048)
 
 
-def _one_slot_text(model, prompt: str, params) -> str:
-    """What `gemma3-generate` printed before it ran the paged engine: the prompt through a
-    one-slot slot engine over `model` (its default context, 2,048)."""
+def _engine_text(model, prompt: str, params) -> str:
+    """The prompt through the engine, driven in-process as `gemma3-generate` builds it (one
+    sequence, no prefix cache) over `model`."""
     import threading
 
-    from serving.runner import SlotRunner
     from serving.engine_core import EngineCore
+    from serving.paged_runner import PagedRunner
 
-    core = EngineCore(SlotRunner(model, num_slots=1, max_seq_len=2048)).start()
+    core = EngineCore(PagedRunner(model, max_num_seqs=1, max_seq_len=2048,
+                                  prefix_caching=False)).start()
     text, done = [], threading.Event()
     try:
         core.submit([([model.tokenizer.bos_id] + model.tokenizer.encode(prompt), params,
@@ -87,10 +87,10 @@ def _one_slot_text(model, prompt: str, params) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", [(), ("--temperature", "0.8", "--top-k", "40", "--seed", "5")])
-def test_generate_prints_the_one_slot_engines_text(capsys, real_270m, sampling):
-    """Text runs through the paged engine, the server's default, as images do; what it prints
-    for the real 270M is what the one-slot slot engine it replaced gives (greedy, and sampled
-    with a seed; float32, where two engines' programs differ in the last bits only)."""
+def test_generate_prints_the_engines_text(capsys, real_270m, sampling):
+    """What it prints for the real 270M: greedy, the model's own greedy text (its `generate`,
+    an independent path: a prefill and decode steps over a dense cache); sampled with a seed,
+    the engine's text for that seed (float32, where the paths differ in the last bits only)."""
     from serving.sampling import SamplingParams
 
     prompt = "The capital of France is"
@@ -99,8 +99,12 @@ def test_generate_prints_the_one_slot_engines_text(capsys, real_270m, sampling):
                        *sampling])
     out = capsys.readouterr()
     assert e.value.code == 0, out.err
-    params = (SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=5) if sampling
-              else SamplingParams(max_tokens=16, temperature=0.0))
-    want = _one_slot_text(real_270m, prompt, params)
+    tok = real_270m.tokenizer
+    if sampling:
+        want = _engine_text(real_270m, prompt, SamplingParams(max_tokens=16, temperature=0.8,
+                                                              top_k=40, seed=5))
+    else:
+        ids = real_270m.generate([[tok.bos_id] + tok.encode(prompt)], 16, stop_ids=tok.eos_ids)[0]
+        want = tok.decode([t for t in ids if t not in tok.eos_ids])
     assert len(want.split()) >= 5  # words, not a stop at once
     assert out.out == want + "\n"

@@ -1,15 +1,16 @@
 """The engine core with its scheduler and output processor (continuous batching, stops,
-cancellation, back-pressure, failures) driven through the deterministic fake engine, which checks
-every step it receives. The policy alone, on plain data, is tested in test_scheduler_policy.py."""
+cancellation, back-pressure, failures) driven through the deterministic fake engine (the real
+paged runner over a fake model that checks every step it receives). The policy alone, on plain
+data, is tested in test_paged_scheduler.py, the output processor in test_output_processor.py."""
 import threading
 import time
 
 import pytest
 
-from serving.fake_runner import ByteTokenizer, FakeRunner
+from serving.fake_runner import ByteTokenizer, fake_paged_runner
 from serving.sampling import InvalidParameter, SamplingParams
 from serving.engine_core import EngineCore, ShuttingDown
-from serving.scheduler import QueueFull
+from serving.sequence import QueueFull
 from testkit import Collector, finish_all, running_core
 
 TOK = ByteTokenizer()
@@ -29,9 +30,18 @@ def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, **kw)
 
 
+def fake(num_slots=4, step_delay=0.0):
+    return fake_paged_runner(num_slots=num_slots, max_seq_len=64, step_delay=step_delay)
+
+
 @pytest.fixture
 def engine():
-    return FakeRunner(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4))
+    return fake()
+
+
+def steps(engine):
+    """(sequence rows, tokens) of every step the fake model ran."""
+    return engine.model.steps
 
 
 def run(engine, requests, **kw):
@@ -40,77 +50,21 @@ def run(engine, requests, **kw):
 
 
 def test_continuous_batching_more_requests_than_slots(engine):
-    engine.step_delay = 0.002
+    engine.model.step_delay = 0.002
     reqs = [(f"p{i}-" + "xy" * i, greedy(5 + 3 * i)) for i in range(10)]
     cols = run(engine, reqs)
     for (text, params), c in zip(reqs, cols):
         assert c.text == expected(text, params.max_tokens)
         assert c.finish == "length" and c.events[-1].num_generated == params.max_tokens
-    decodes = [n for kind, n in engine.steps if kind == "decode"]
-    assert max(decodes) == 4  # all slots busy at once
-    # Waiting requests enter as soon as a slot frees, while others are still decoding.
-    kinds = [k for k, _ in engine.steps]
-    first_decode = kinds.index("decode")
-    later_prefills = [i for i, k in enumerate(kinds) if k == "prefill" and i > first_decode]
-    assert later_prefills and any(engine.steps[i + 1][0] == "decode" and engine.steps[i + 1][1] > 1
-                                  for i in later_prefills)
+    assert max(rows for rows, _ in steps(engine)) == 4  # every sequence slot busy at once
+    # Waiting requests enter as soon as a sequence ends, in a step beside the others' decodes.
+    assert any(rows > 1 and tokens > rows for rows, tokens in steps(engine)[4:])
 
 
-def test_decode_runs_only_up_to_the_last_busy_slot(engine):
-    """A lone sequence decodes one row, not all four slots; a sequence that sits in a higher
-    slot after a lower one finished still decodes, with the free slot below it padded."""
+def test_a_lone_sequence_runs_alone(engine):
     cols = run(engine, [("alone", greedy(6))])
     assert cols[0].text == expected("alone", 6)
-    assert set(engine.decode_rows) == {1}
-    engine.decode_rows.clear()
-    engine.step_delay = 0.002
-    reqs = [("short", greedy(3)), ("longer one", greedy(30))]
-    cols = run(engine, reqs)  # both prefilled together: slots 0 and 1; slot 0 frees first
-    for (text, params), c in zip(reqs, cols):
-        assert c.text == expected(text, params.max_tokens)
-    assert max(engine.decode_rows) == 2 and engine.decode_rows[-1] == 2
-    assert [n for k, n in engine.steps if k == "decode"][-1] == 1  # one busy row of the two
-
-
-def test_busy_slots_are_packed_so_decode_runs_fewer_rows():
-    """With decode programs for 1, 2 and 4 rows, a sequence left alone in a high slot moves to
-    slot 0 (its cache rows with it) and decodes as one row; its text is unaffected."""
-    engine = FakeRunner(num_slots=4, max_seq_len=64, prefill_batch_sizes=(1, 4), decode_batch_sizes=(1, 2))
-    engine.step_delay = 0.002
-    reqs = [("aa", greedy(2)), ("bbb", greedy(3)), ("cccc", greedy(4)), ("the long one", greedy(40))]
-    with running_core(engine) as s:
-        cols = [Collector() for _ in reqs]
-        s.submit([(prompt(t), p, c) for (t, p), c in zip(reqs, cols)])  # one prefill, slots 0-3
-        for c in cols:
-            c.wait()
-    for (text, params), c in zip(reqs, cols):
-        assert c.text == expected(text, params.max_tokens)
-    assert (3, 0) in engine.moves
-    assert engine.decode_rows[0] == 4 and engine.decode_rows[-1] == 1
-
-
-def test_short_prompts_are_prefilled_together(engine):
-    texts = ["abc", "a longer one", "the longest: 20 chars"]  # buckets 8, 16 and 32
-    with running_core(engine) as s:
-        cols = [Collector() for _ in texts]
-        s.submit([(prompt(t), greedy(4), c) for t, c in zip(texts, cols)])
-        for c in cols:
-            c.wait()
-    # One call for the 3 prompts: padded to the batch size 4 and to the longest prompt's bucket.
-    assert engine.steps[0] == ("prefill", 4) and engine.prefill_buckets_used[0] == 32
-    assert [c.text for c in cols] == [expected(t, 4) for t in texts]
-
-
-def test_long_prompts_are_prefilled_one_at_a_time(engine):
-    # Buckets above batched_prefill_max_bucket (32 in the fake) have batch size 1 only.
-    texts = [f"{i}" + "long prompt " * 3 for i in range(3)]
-    with running_core(engine) as s:
-        cols = [Collector() for _ in texts]
-        s.submit([(prompt(t), greedy(2), c) for t, c in zip(texts, cols)])  # queued together
-        for c in cols:
-            c.wait()
-    assert engine.steps[:3] == [("prefill", 1)] * 3
-    assert [c.text for c in cols] == [t[:2] for t in texts]
+    assert {rows for rows, _ in steps(engine)} == {1}
 
 
 def test_stop_token_eos_and_stop_strings(engine):
@@ -141,8 +95,8 @@ def test_context_limit_is_checked_up_front(engine):
     assert e.value.param == "max_tokens"
 
 
-def test_cancel_frees_the_slot_at_once(engine):
-    engine.step_delay = 0.02
+def test_cancel_frees_the_sequence_at_once(engine):
+    engine.model.step_delay = 0.02
     with running_core(engine) as s:
         long = Collector()
         ids = s.submit([(prompt("long"), greedy(55), long)])
@@ -157,9 +111,8 @@ def test_cancel_frees_the_slot_at_once(engine):
         assert after.wait().text == "nex"
 
 
-def test_queue_full_and_shutdown(engine):
-    engine.step_delay = 0.01
-    one_slot = FakeRunner(num_slots=1, max_seq_len=64, step_delay=0.01)
+def test_queue_full_and_shutdown():
+    one_slot = fake(num_slots=1, step_delay=0.01)
     s = EngineCore(one_slot, max_waiting=2).start()
     try:
         cols = [Collector() for _ in range(3)]
@@ -178,7 +131,7 @@ def test_queue_full_and_shutdown(engine):
 
 
 def test_shutdown_without_drain_aborts_in_flight(engine):
-    engine.step_delay = 0.01
+    engine.model.step_delay = 0.01
     s = EngineCore(engine).start()
     c = Collector()
     s.submit([(prompt("z"), greedy(60), c)])
@@ -188,24 +141,28 @@ def test_shutdown_without_drain_aborts_in_flight(engine):
     assert c.wait().finish == "abort"
 
 
-class FailingEngine(FakeRunner):
-    def __init__(self):
-        super().__init__(num_slots=2, max_seq_len=64)
-        self.fail_next_decode = True
-        self.resets = 0
+def failing_engine():
+    """The fake engine whose first step fails (a device lost), counting its resets."""
+    engine = fake(num_slots=2)
+    dispatch, reset = engine.dispatch_step, engine.reset
+    engine.fail_next, engine.resets = True, 0
 
-    def run_decode(self, inputs):
-        if self.fail_next_decode:
-            self.fail_next_decode = False
+    def failing_dispatch(*args):
+        if engine.fail_next:
+            engine.fail_next = False
             raise RuntimeError("device lost")
-        return super().run_decode(inputs)
+        return dispatch(*args)
 
-    def reset(self):
-        self.resets += 1
+    def counted_reset():
+        engine.resets += 1
+        reset()
+
+    engine.dispatch_step, engine.reset = failing_dispatch, counted_reset
+    return engine
 
 
 def test_engine_failure_fails_running_sequences_and_keeps_serving():
-    engine = FailingEngine()
+    engine = failing_engine()
     with running_core(engine) as s:
         bad = Collector()
         s.submit([(prompt("q"), greedy(5), bad)])
@@ -219,10 +176,10 @@ def test_engine_failure_fails_running_sequences_and_keeps_serving():
 def test_same_seed_same_text_regardless_of_batch(engine):
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=1234)
     alone = run(engine, [("x", params)])[0].text
-    crowd = run(FakeRunner(num_slots=4, max_seq_len=64),
+    crowd = run(fake(),
                 [("y", SamplingParams(max_tokens=9, temperature=1.0)), ("x", params), ("zz", greedy(4))])
     assert crowd[1].text == alone and len(alone) == 12
-    other = run(FakeRunner(num_slots=4, max_seq_len=64), [("x", SamplingParams(max_tokens=12, temperature=0.8, seed=99))])
+    other = run(fake(), [("x", SamplingParams(max_tokens=12, temperature=0.8, seed=99))])
     assert other[0].text != alone
 
 
@@ -233,22 +190,25 @@ def test_logprobs_are_reported_when_asked(engine):
     assert all(t.logprob is None for e in without.events for t in e.tokens)
 
 
-@pytest.mark.parametrize("admission_wait,next_step", [(1.0, "prefill"), (0.0, "decode")])
-def test_a_freed_slot_waits_briefly_for_the_next_request(admission_wait, next_step):
+@pytest.mark.parametrize("admission_wait,newcomer_next", [(1.0, True), (0.0, False)])
+def test_an_ended_sequence_waits_briefly_for_the_next_request(admission_wait, newcomer_next):
     # A client sends its next request shortly after its previous one finished, while another
-    # stream keeps decoding. With an admission wait the newcomer is prefilled before the next decode
-    # step; without one the step starts at once and the newcomer waits for it.
-    engine = FakeRunner(num_slots=2, max_seq_len=64, step_delay=0.01)
+    # stream keeps decoding. With an admission wait the newcomer's prompt joins the next step;
+    # without one the step starts at once (the other stream's decode alone) and the newcomer
+    # waits for it.
+    engine = fake(num_slots=2, step_delay=0.01)
     with running_core(engine, admission_wait=admission_wait) as s:
         other, second = Collector(), Collector()
         at_finish = []
 
         def first(event):
             if event.finish_reason is not None:
-                at_finish.append(len(engine.steps))
+                at_finish.append(len(steps(engine)))
                 threading.Timer(0.1, lambda: s.submit([(prompt("next"), greedy(2), second)])).start()
 
         s.submit([(prompt("other"), greedy(50), other), (prompt("first"), greedy(3), first)])
         second.wait()
         other.wait()
-    assert engine.steps[at_finish[0]][0] == next_step
+    # The step after the one dispatched while the finish was processed (the overlapped loop).
+    rows, tokens = steps(engine)[at_finish[0]]
+    assert (tokens > rows) == newcomer_next

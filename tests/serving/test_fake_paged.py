@@ -1,22 +1,22 @@
-"""The paged path's fake (`serving.fake_runner.fake_paged_runner`: the real PagedRunner,
-scheduler, pages and sampler over `FakePagedModel`): it answers as the slot engine's fake does,
+"""The engine's fake (`serving.fake_runner.fake_paged_runner`: the real PagedRunner, scheduler,
+pages and sampler over `FakePagedModel`): it repeats the prompt, as the tests above it expect,
 through prompt pieces, page-table growth, a sliding window that outgrows its first pages,
 preemption and prefix-cache hits, and a wrong block table raises instead of passing."""
 
 import pytest
 
 from serving.engine_core import EngineCore
-from serving.fake_runner import ByteTokenizer, FakeRunner, fake_paged_runner
+from serving.fake_runner import ByteTokenizer, fake_paged_runner
 from serving.metrics import Metrics
 from serving.paged_steps import step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, SamplingParams
-from serving.scheduler import Sequence
+from serving.sequence import Sequence
 from testkit import finish_all, running_core
 
 TOK = ByteTokenizer()
-# Prompts whose text after BOS has no border (no prefix that is also a suffix): the two fakes'
-# rules agree on them. 3 to 44 tokens: one piece, several pieces, past the window of 8.
+# Prompts whose text after BOS has no border (no prefix that is also a suffix): the fake then
+# repeats the prompt. 3 to 44 tokens: one piece, several pieces, past the window of 8.
 PROMPTS = [[TOK.bos_id] + TOK.encode(t) for t in
            ("Hi!", "The quick brown fox jumps over the lazy dog", "paged attention", "0123456789")]
 
@@ -33,8 +33,13 @@ def answers(engine, prompts, max_tokens=12, core=None):
     return [[t.id for t in o.tokens] for o in outs], preemptions
 
 
-def test_the_paged_fake_answers_as_the_slot_fake():
-    want, _ = answers(FakeRunner(num_slots=4, max_seq_len=64), PROMPTS)
+def repeated(p, n):
+    """The prompt's tokens after BOS, repeated: the n tokens after it."""
+    return [p[1 + (pos - 1) % (len(p) - 1)] for pos in range(len(p), len(p) + n)]
+
+
+def test_the_fake_repeats_the_prompt_through_pieces_preemption_and_prefix_hits():
+    want = [repeated(p, 12) for p in PROMPTS]
     got, _ = answers(fake_paged_runner(num_slots=4, max_seq_len=64), PROMPTS)
     assert got == want
     # Room for 64 tokens of global cache: four sequences growing to 15-56 tokens cannot all fit.

@@ -10,7 +10,7 @@ from serving.paged_runner import PagedRunner
 from serving.paged_steps import step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
-from serving.scheduler import Sequence
+from serving.sequence import Sequence
 from testkit import stream_beside_an_image, vision_golden_images, vision_golden_model
 
 

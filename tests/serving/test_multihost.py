@@ -32,12 +32,12 @@ from serving import distributed as dist
 from serving import group_steps
 from serving import wire
 import jax_platform
-from serving.runner import ChunkInputs, DecodeInputs, RunnerInfo, PrefillInputs, SlotMove
+from serving.runner import RunnerInfo
 from serving.paged_steps import StepInputs, step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, LogitsExtras, SlotSampling
 from serving import group_images as gi
-from serving.scheduler import SeqImage, Sequence
+from serving.sequence import SeqImage, Sequence
 from testkit import Collector, free_port, stop_processes, wait_group_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,11 +61,9 @@ def _sampling(n: int, rng) -> SlotSampling:
                         rng.random(n, dtype=np.float32), rng.integers(0, 2**32, n, dtype=np.uint32))
 
 
-SLOT_INFO = RunnerInfo(model_name="t", num_slots=4, max_seq_len=64, prefill_buckets=(16, 32, 64),
-                       prefill_batch_sizes=(1, 2), vocab_size=1000, eos_ids=(1,),
-                       batched_prefill_max_bucket=32, chunk_size=16, chunk_buckets=(16,))
-PAGED_INFO = dataclasses.replace(SLOT_INFO, page_size=4, num_global_pages=65, num_local_pages=40,
-                                 max_num_batched_tokens=20, sliding_window=8, prefix_blocks=1)
+PAGED_INFO = RunnerInfo(model_name="t", num_slots=4, max_seq_len=64, vocab_size=1000, eos_ids=(1,),
+                        chunk_size=16, page_size=4, num_global_pages=65, num_local_pages=40,
+                        max_num_batched_tokens=20, sliding_window=8, prefix_caching=True)
 
 
 def _same(a, b) -> None:
@@ -85,36 +83,16 @@ def _same(a, b) -> None:
         assert a == b
 
 
-def test_slot_steps_round_trip_within_the_capacity_from_the_engine_info():
-    rng = np.random.default_rng(0)
-    pre = PrefillInputs(rng.integers(0, 262144, (2, 32), dtype=np.int32), np.array([5, 32], np.int32),
-                        np.array([1, 0], np.int32), _sampling(2, rng), True)
-    dec = DecodeInputs(rng.integers(0, 262144, 4, dtype=np.int32), np.array([3, 0, 31, 7], np.int32),
-                       _sampling(4, rng))
-    chunk = ChunkInputs(rng.integers(0, 1000, 16, dtype=np.int32), 32, 9, 2, _sampling(1, rng), True,
-                        (4, 7), -1)
-    cap = group_steps.step_capacity(SLOT_INFO)
-    # The largest step is a prefill of 2 x 32 tokens (batches of 2 stop at bucket 32): the
-    # header, the tokens, lengths, slots and 4 sampling fields (each with its rank and shape
-    # first), the flag.
-    assert cap == 2 + (3 + 64) + 2 * (2 + 2) + 4 * (2 + 2) + 1 == 2 + len(wire.encode(pre))
-    for kind, inputs in ((group_steps.PREFILL, pre), (group_steps.DECODE, dec), (group_steps.CHUNK, chunk),
-                         (group_steps.MOVE, SlotMove(3, 1))):
-        buf = group_steps.encode_step(kind, inputs, cap)
-        assert buf.shape == (cap,) and buf.dtype == np.int32
-        got_kind, got = group_steps.decode_step(buf)
-        assert got_kind == kind
-        _same(got, inputs)
+def test_steps_without_inputs_round_trip_and_a_malformed_one_is_refused():
+    cap = group_steps.step_capacity(PAGED_INFO)
     for kind in (group_steps.IDLE, group_steps.RESET, group_steps.SHUTDOWN):
         assert group_steps.decode_step(group_steps.encode_step(kind, None, cap)) == (kind, None)
-    # A step longer than one broadcast goes on in more of the same size (its header says how many).
-    words = group_steps.encode_step(group_steps.PREFILL, pre, cap - 1)
-    assert words.shape == (2 * (cap - 1),) and group_steps.broadcasts(words[:cap - 1]) == 2
-    _same(group_steps.decode_step(words)[1], pre)
-    with pytest.raises(ValueError, match="carries PrefillInputs"):
-        group_steps.encode_step(group_steps.PREFILL, dec, cap)
-    bad = group_steps.encode_step(group_steps.DECODE, dec, cap)
-    bad[1] -= 1
+    with pytest.raises(ValueError, match="carries no inputs"):
+        group_steps.encode_step(group_steps.RESET, PAGED_INFO, cap)
+    with pytest.raises(ValueError, match="carries StepInputs"):
+        group_steps.encode_step(group_steps.RAGGED, None, cap)
+    bad = group_steps.encode_step(group_steps.RESET, None, cap)
+    bad[1] += 1
     with pytest.raises(ValueError, match="malformed step"):
         group_steps.decode_step(bad)
 
@@ -142,6 +120,10 @@ def test_paged_steps_round_trip_and_fit_their_capacity():
             if p.sample:
                 p.seq.generated.append(5)
     assert {b.queries for b in shapes} == {1, 16}  # prompt pieces and decode-only steps
+    # A step longer than one broadcast goes on in more of the same size (its header says how many).
+    words = group_steps.encode_step(group_steps.RAGGED, inputs, 64)
+    assert group_steps.broadcasts(words[:64]) == len(words) // 64 > 1
+    _same(group_steps.decode_step(words)[1], inputs)
     examples = StepInputs.wire_examples(PAGED_INFO)
     assert cap == 2 + max(len(wire.encode(e)) for e in examples)
     assert all(max(getattr(e.buckets, f) for e in examples) >= max(getattr(b, f) for b in shapes)
@@ -380,9 +362,9 @@ def _start_group(allreduce: str, log_dir: Path, cache_dir: Path, *args: str, nam
     return f"http://127.0.0.1:{port}", procs
 
 
-# The slot engine's group test: a tiny random model (the group's mechanics do not depend on the
+# The deterministic group's test: a tiny random model (the group's mechanics do not depend on the
 # weights, and three processes compile its programs in seconds, the real 270M's in a minute).
-SLOT_MODEL = "random:tiny"
+TEXT_MODEL = "random:tiny"
 
 
 def _reference_model(allreduce: str):
@@ -390,7 +372,7 @@ def _reference_model(allreduce: str):
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
 
-    return load_model(SLOT_MODEL, tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
+    return load_model(TEXT_MODEL, tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
                       max_seq_len=MAX_SEQ_LEN)
 
 
@@ -401,17 +383,17 @@ def _reference(model, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factory):
-    """The slot engine (deterministic: chunk steps on every process) with the default int8
-    across two processes gives one process's tokens; killing process 1 ends process 0 with
-    EXIT_PEER_LOST. (A graceful SIGTERM shutdown of a group: test_group_formation.py.)"""
+    """The engine in deterministic mode (its decode rows and prompt pieces in programs of
+    their own on every process) with the default int8 across two processes gives the model's
+    own tokens, a request's logprobs bit for bit alone and beside another; killing process 1
+    ends process 0 with EXIT_PEER_LOST. (A graceful SIGTERM shutdown of a group:
+    test_group_formation.py and the default mode's group test below.)"""
     allreduce = "int8"
     log_dir = tmp_path_factory.mktemp(f"multihost-{allreduce}")
     cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
     model = _reference_model(allreduce)
-    # Slot engine steps (chunks, slot moves) are what this group test covers; the paged
-    # engine's group is the next test.
-    url, procs = _start_group(allreduce, log_dir, cache_dir, "--model", SLOT_MODEL, "--served-model-name",
-                              "tiny", "--engine", "slots", "--prefill-batch", "1")
+    url, procs = _start_group(allreduce, log_dir, cache_dir, "--model", TEXT_MODEL, "--served-model-name",
+                              "tiny", "--deterministic")
     try:
         tok = model.tokenizer
         # (The tiny model's greedy text: the first prompt's changes token, the second's does not.)
@@ -426,13 +408,13 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
             assert r.status_code == 200, r.text
             return r.json()["token_ids"]
 
-        # Two requests at once: both decode slots in use, in steps every process must follow.
+        # Two requests at once: both sequences in every step, which every process must follow.
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(ask, prompts))
         assert got == want
 
-        # Both prompts in one request (slots 0 and 1), the first stopped early by a stop token:
-        # the second then decodes on in its slot beside an idle row.
+        # Both prompts in one request, the first stopped early by a stop token: the second
+        # then decodes on alone.
         stop = next(t for t in want[0][1:] if t not in want[1] and t not in want[0][:1])
         cut = want[0].index(stop) + 1
 
@@ -446,16 +428,10 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
         pair = complete(prompts, stop_token_ids=[stop])
         alone = complete(prompts[1])[0]
         assert pair[0]["finish_reason"] == "stop" and len(pair[0]["logprobs"]["tokens"]) == cut - 1
-        # Same tokens; logprobs to float32 noise (a 2-row and a 1-row program round differently).
-        assert pair[1]["text"] == alone["text"]
-        assert pair[1]["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
-        np.testing.assert_allclose(pair[1]["logprobs"]["token_logprobs"], alone["logprobs"]["token_logprobs"],
-                                   atol=1e-4)
-        metrics = httpx.get(url + "/metrics", timeout=5).text
-        moves = [line for line in metrics.splitlines() if line.startswith("gemma3:slot_moves_total")]
-        assert moves and float(moves[0].split()[-1]) == 0, moves  # deterministic: slots never move
+        assert pair[1]["logprobs"] == alone["logprobs"]  # batch invariant: bit for bit
         health = httpx.get(url + "/health", timeout=5).json()
-        assert health["status"] == "ready" and health["tp"] == 2 and health["allreduce"]["method"] == allreduce
+        assert health["status"] == "ready" and health["tp"] == 2 and health["deterministic"]
+        assert health["allreduce"]["method"] == allreduce
 
         p0, p1 = procs[0][0], procs[1][0]
         p1.kill()
@@ -478,7 +454,7 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
 # where, which a model of any size shows, and three processes compile its programs in a
 # fraction of the 270M's time. A KV cache larger than the test's requests: no cached page is
 # evicted, so the two servers' prefix caches stay alike whatever a stream's progress.
-PAGED_ARGS = ("--model", IMAGE_MODEL, "--served-model-name", "tiny-vl", "--engine", "paged",
+PAGED_ARGS = ("--model", IMAGE_MODEL, "--served-model-name", "tiny-vl",
               "--max-num-batched-tokens", "16", "--kv-cache-tokens", "2048")
 PAGED_MAX_SEQ_LEN = 128  # an image prompt beside a stream, a chat prompt and its JSON answer
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
@@ -552,7 +528,7 @@ def _images_answer_as_one_process(group_url: str, single_url: str, both) -> None
 
 @pytest.mark.slow
 def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
-    """`--engine paged` as a 2-process group (tp=2 across them) in its default mode: the page
+    """The engine as a 2-process group (tp=2 across them) in its default mode: the page
     allocator and scheduler run on process 0, process 1 replays its ragged steps, both in the
     overlapped loop (process 1 feeds steps from its own sampled tokens on the device). Every
     answer (greedy, sampled under a json_schema, with logit_bias, with penalties, with images)

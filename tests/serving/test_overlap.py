@@ -1,7 +1,8 @@
-"""The engine core's overlapped decode loop (a decode step dispatched before the previous one's
-tokens reach the host, stops seen one step late) against the plain loop, on the real engines
-(slot and paged) over a tiny random model: the same tokens, logprobs and finish reasons; max_tokens, stop tokens and the
-context limit honoured exactly; slots of sequences that ended reused; a cancel mid-stream."""
+"""The engine core's overlapped loop (a step dispatched before the previous one's tokens reach
+the host, stops seen one step late) against the plain loop, on the real engine over a tiny
+random model, in its default and its deterministic mode: the same tokens, logprobs and finish
+reasons; max_tokens, stop tokens and the context limit honoured exactly; the places of sequences
+that ended reused; a cancel mid-stream; a multi-process group's loop replayed in one process."""
 import threading
 
 import numpy as np
@@ -9,7 +10,6 @@ import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
-from serving.runner import SlotRunner
 from serving.engine_core import EngineCore
 from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
@@ -30,7 +30,7 @@ def prompt(n, seed):
 
 
 class Counting:
-    """The engine, counting the decode steps dispatched fed from a step still in flight."""
+    """The engine, counting the steps dispatched fed from a step still in flight."""
 
     def __init__(self, engine):
         self._engine, self.fed = engine, 0
@@ -38,11 +38,7 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def dispatch_decode(self, inputs, feed=None):
-        self.fed += feed is not None and bool((feed[1] >= 0).any())
-        return self._engine.dispatch_decode(inputs, feed)
-
-    def dispatch_step(self, inputs, prev=None):  # the paged engine's
+    def dispatch_step(self, inputs, prev=None):
         self.fed += inputs.feed is not None
         return self._engine.dispatch_step(inputs, prev)
 
@@ -61,7 +57,7 @@ def greedy(n, **kw):
 
 def same(a, b, bitwise):
     """Same finish reasons, tokens and counts; logprobs bit for bit in deterministic mode. (The
-    packed mode is not batch invariant: a sequence that ended runs one more, discarded, step in
+    default mode is not batch invariant: a sequence that ended runs one more, discarded, step in
     the overlapped loop, so a step may run a larger program, whose float sums differ in the last
     bits.)"""
     if bitwise:
@@ -72,21 +68,17 @@ def same(a, b, bitwise):
         np.testing.assert_allclose([lp for _, lp in x], [lp for _, lp in y], rtol=0, atol=1e-4)
 
 
-def engine_maker(kind, deterministic):
-    if kind == "paged":
-        return lambda: PagedRunner(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
-                                   chunk_size=16, deterministic=deterministic)
-    kw = dict(chunk_size=16, deterministic=True) if deterministic else dict(decode_batch_sizes=(1, 2, 4))
-    return lambda: SlotRunner(model(), num_slots=4, max_seq_len=64, **kw)
+def engine_maker(deterministic):
+    return lambda: PagedRunner(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
+                               chunk_size=16, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("kind,deterministic", [("slots", True), ("slots", False),
-                                                ("paged", True), ("paged", False)])
-def test_overlapped_loop_gives_the_plain_loops_outputs(kind, deterministic):
-    make = engine_maker(kind, deterministic)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_overlapped_loop_gives_the_plain_loops_outputs(deterministic):
+    make = engine_maker(deterministic)
     lengths = (1, 2, 3, 9, 17, 5, 12, 30)
-    # More requests than slots, different lengths: sequences end at different steps and their
-    # slots are reused while others run; two sampled (seeded) requests among the greedy ones.
+    # More requests than sequence slots, different lengths: sequences end at different steps
+    # and their places are reused while others run; two sampled (seeded) requests among the greedy ones.
     requests = [(prompt(5 + 3 * i, i), greedy(n, ignore_eos=True)) for i, n in enumerate(lengths)]
     requests += [(prompt(7, 50 + i), SamplingParams(max_tokens=11, temperature=1.0, top_k=40, seed=i,
                                                      logprobs=0, ignore_eos=True)) for i in range(2)]
@@ -114,16 +106,13 @@ def test_overlapped_loop_gives_the_plain_loops_outputs(kind, deterministic):
         assert reason == "stop" and len(got) == k and n == k + 1
 
 
-def make_small(kind):
-    if kind == "paged":
-        return PagedRunner(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
-                           deterministic=True)
-    return SlotRunner(model(), num_slots=2, max_seq_len=96, chunk_size=16, deterministic=True)
+def make_small():
+    return PagedRunner(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
+                       deterministic=True)
 
 
-@pytest.mark.parametrize("kind", ["slots", "paged"])
-def test_cancel_while_a_step_is_in_flight(kind):
-    engine = Counting(make_small(kind))
+def test_cancel_while_a_step_is_in_flight():
+    engine = Counting(make_small())
     core = EngineCore(engine, overlap=True).start()
     try:
         events, ended = [], threading.Event()
@@ -140,7 +129,7 @@ def test_cancel_while_a_step_is_in_flight(kind):
         assert ended.wait(30)
         assert events[-1].finish_reason == "abort"
         assert sum(e.finish_reason is not None for e in events) == 1
-        # The slot is free again and the next request gets the plain loop's output.
+        # Its place is free again and the next request gets the plain loop's output.
         got, done = [], threading.Event()
         core.submit([(prompt(9, 2), greedy(7, ignore_eos=True),
                       lambda e: (got.extend((t.id, t.logprob) for t in e.tokens),
@@ -148,7 +137,7 @@ def test_cancel_while_a_step_is_in_flight(kind):
         assert done.wait(60)
     finally:
         core.shutdown()
-    plain = run(make_small(kind), [(prompt(9, 2), greedy(7, ignore_eos=True))], overlap=False)
+    plain = run(make_small(), [(prompt(9, 2), greedy(7, ignore_eos=True))], overlap=False)
     assert plain[0][1] == got
     assert engine.fed > 0
 
@@ -166,7 +155,7 @@ def test_a_groups_processes_replay_the_overlapped_loop():
     from serving.distributed import Follower, LeaderRunner
     from serving.group_steps import decode_step
 
-    make = engine_maker("paged", False)
+    make = engine_maker(False)
     requests = [(prompt(5 + 3 * i, i), greedy(n, ignore_eos=True)) for i, n in enumerate((3, 9, 17, 5))]
     requests += [(prompt(7, 50), SamplingParams(max_tokens=11, temperature=1.0, top_k=40, seed=1,
                                                 logprobs=0, ignore_eos=True)),
@@ -203,7 +192,7 @@ def test_a_group_whose_step_in_flight_never_ends_stops():
         def result(self):
             release.wait()
 
-    engine = make_small("paged")
+    engine = make_small()
     engine.dispatch_step = lambda inputs, prev=None: Wedged()
     exits, ended = [], threading.Event()
     leader = dist.LeaderRunner(engine, ProcessGroup(step_timeout_s=0.5, compile_timeout_s=0.5, heartbeat_s=0.2),

@@ -1,7 +1,8 @@
 """The paged engine end to end on tiny random models (window 8, so prompts overflow the
 sliding window): the engine core drives `PagedRunner` through `PagedScheduler`, and every answer
-is checked against the slot engine's (an independent path: separate prefill, chunk and decode
-programs over a slot cache) and against itself alone.
+is checked against the model's own (`test_batch_invariance.reference`: an independent path, a
+prefill and decode steps over a dense cache, scored by a forward pass without one) and against
+itself alone.
 """
 import threading
 
@@ -10,26 +11,13 @@ import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import load_model
-from serving.runner import SlotRunner
 from serving.engine_core import EngineCore
 from serving.metrics import Metrics
-from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
-from tests.serving.test_batch_invariance import TINY, generate, model, prompt
+from tests.serving.test_batch_invariance import (TINY, generate, log_softmax, model, paged,
+                                                 prompt, reference)
 
 PROMPTS = [prompt(n, seed) for seed, n in enumerate((1, 7, 23, 45, 9, 30))]
-
-
-# The reference slot engine as test_batch_invariance.py builds it (its chunks need not be the
-# paged engine's): the session's compilation cache then serves its programs to both files.
-def slot_engine(m):
-    return SlotRunner(m, num_slots=4, max_seq_len=96, chunk_size=16, deterministic=True)
-
-
-def paged(m, **kw):
-    args = dict(max_num_seqs=4, max_seq_len=96, page_size=4, chunk_size=8)
-    args.update(kw)
-    return PagedRunner(m, **args)
 
 
 def tokens_of(results):
@@ -43,12 +31,10 @@ def close(a, b, tol):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_paged_engine_gives_the_slot_engines_tokens(tp):
+def test_paged_engine_gives_the_models_own_tokens(tp):
     m = model(tp)
-    slots = slot_engine(m)
-    want = generate(slots, PROMPTS, max_tokens=6)
     got = generate(paged(m), PROMPTS, max_tokens=6)
-    close(got, want, 1e-4)
+    close(got, reference(m, PROMPTS, 6), 1e-4)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -139,6 +125,13 @@ def test_after_the_warm_up_lone_requests_compile_nothing():
     assert run <= m.programs.kept(), run - m.programs.kept()
 
 
+def model_prompt_logprobs(m, prompts, top=3):
+    """What `prompt_logprobs` should give, from one forward pass of the model over each prompt."""
+    lps = log_softmax(m.score(prompts))
+    return [[(p[t + 1], float(lps[i, t, p[t + 1]]), np.argsort(-lps[i, t], kind="stable")[:top].tolist())
+             for t in range(len(p) - 1)] for i, p in enumerate(prompts)]
+
+
 def prompt_logprobs(engine, prompts, others=()):
     """Each prompt's own logprobs (echo with logprobs=3), submitted beside `others` (plain
     greedy streams): [(token, logprob, top ids)] per prompt position 1..n-1."""
@@ -164,13 +157,12 @@ def prompt_logprobs(engine, prompts, others=()):
     return got[:len(prompts)]
 
 
-def test_prompt_logprobs_match_the_slot_engines_alone_and_among_others():
+def test_prompt_logprobs_match_the_models_alone_and_among_others():
     """Echo with logprobs: computed piece by piece (prompts longer than a chunk and the
     window), and never from prefix-cache pages."""
     m = model(1)
-    slots = slot_engine(m)
     asked = [PROMPTS[3], PROMPTS[5]]
-    want = prompt_logprobs(slots, asked)
+    want = model_prompt_logprobs(m, asked)
     engine, det = paged(m), paged(m, deterministic=True)
     generate(engine, [PROMPTS[3]])  # its pages are now in the prefix cache
     # Deterministic mode too, where decode rows and the prompt piece run in programs apart

@@ -11,7 +11,7 @@ from serving.kv_pages import block_hashes
 from serving.paged_runner import PagedRunner
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import SamplingParams
-from serving.scheduler import SeqImage, Sequence
+from serving.sequence import SeqImage, Sequence
 from testkit import finish_all, vision_golden_model
 
 

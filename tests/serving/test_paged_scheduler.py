@@ -8,14 +8,13 @@ from serving.runner import RunnerInfo
 from serving.kv_pages import SCRATCH, KVPages, PagePool, block_hashes
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import InvalidParameter, SamplingParams
-from serving.scheduler import Sequence
+from serving.sequence import Sequence
 
 
 def info(**kw) -> RunnerInfo:
-    base = dict(model_name="t", num_slots=4, max_seq_len=256, prefill_buckets=(16,),
-                prefill_batch_sizes=(1,), vocab_size=1000, eos_ids=(1,), chunk_size=16,
-                page_size=8, num_global_pages=65, num_local_pages=33,
-                max_num_batched_tokens=20, sliding_window=12, prefix_blocks=1)
+    base = dict(model_name="t", num_slots=4, max_seq_len=256, vocab_size=1000, eos_ids=(1,),
+                chunk_size=16, page_size=8, num_global_pages=65, num_local_pages=33,
+                max_num_batched_tokens=20, sliding_window=12, prefix_caching=True)
     base.update(kw)
     return RunnerInfo(**base)
 
@@ -153,7 +152,7 @@ def test_every_sequence_finishes_with_each_position_computed_in_order():
 
 def test_when_pages_run_out_the_newest_sequence_is_preempted_and_recomputes():
     # 9 usable global pages of 8 tokens: two sequences growing to 40 tokens each cannot both fit.
-    sched = PagedScheduler(info(num_global_pages=10, num_slots=2, prefix_blocks=0))
+    sched = PagedScheduler(info(num_global_pages=10, num_slots=2, prefix_caching=False))
     a, b = seq(1, 20, max_tokens=20), seq(2, 20, max_tokens=20, base=300)
     sched.add([a, b])
     plans, done = run(sched)
@@ -166,7 +165,7 @@ def test_when_pages_run_out_the_newest_sequence_is_preempted_and_recomputes():
 
 
 def test_admission_waits_for_pages_and_max_num_seqs():
-    sched = PagedScheduler(info(num_global_pages=6, num_slots=8, prefix_blocks=0, max_num_batched_tokens=64))
+    sched = PagedScheduler(info(num_global_pages=6, num_slots=8, prefix_caching=False, max_num_batched_tokens=64))
     sched.add([seq(i, 16) for i in range(5)])
     plan = sched.schedule()
     # 5 usable pages of 8 tokens: two 16-token prompts (2 pages each), the third waits

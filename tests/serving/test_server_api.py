@@ -11,22 +11,18 @@ import openai
 import pytest
 
 from serving.config import ServerConfig
-from serving.fake_runner import FakeRunner, fake_paged_runner
+from serving.fake_runner import fake_paged_runner
 from testkit import ServerThread
 
 MAX_SEQ_LEN = 64
 
 
-@pytest.fixture(scope="module", params=["slots", "paged"])
-def server(request):
-    """The app over each engine's path: the slot engine's fake, and the real paged engine (its
-    scheduler, pages and sampler) over the fake model."""
+@pytest.fixture(scope="module")
+def server():
+    """The app over the real engine (its scheduler, pages and sampler) over the fake model."""
     config = ServerConfig(model="fake", served_model_name="fake", max_batch=2, max_seq_len=MAX_SEQ_LEN,
-                          max_waiting=4, compile_cache_dir="", engine=request.param)
-    if request.param == "slots":
-        engine = FakeRunner(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003, prefill_batch_sizes=(1, 2))
-    else:
-        engine = fake_paged_runner(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003)
+                          max_waiting=4, compile_cache_dir="")
+    engine = fake_paged_runner(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003)
     s = ServerThread(config, engine)
     yield s
     s.stop()
@@ -175,7 +171,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 def test_disconnect_while_waiting_non_streaming_frees_the_slot(server):
     _wait_idle(server)
     before = _aborts(server)
-    fake = getattr(server.runner, "model", server.runner)  # the paged engine's fake model
+    fake = server.runner.model
     fake.step_delay = 0.05  # 60 tokens take 3 seconds: the client leaves long before
     try:
         with pytest.raises(httpx.ReadTimeout):
@@ -289,7 +285,7 @@ def test_models_health_and_metrics(client):
 
 def test_not_ready_gives_503_then_200_and_api_key():
     config = ServerConfig(model="fake", served_model_name="fake", max_batch=1, max_seq_len=32,
-                          api_key="sekret", compile_cache_dir="")  # the default engine: paged
+                          api_key="sekret", compile_cache_dir="")
     s = ServerThread(config, fake_paged_runner(num_slots=1, max_seq_len=32), load=False)
     try:
         assert httpx.get(s.url + "/health").status_code == 503

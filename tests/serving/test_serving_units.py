@@ -241,25 +241,27 @@ def test_config_errors(kwargs, env, match):
         from_sources(kwargs, env=env)
 
 
-def test_default_engine_is_paged_and_each_engine_picks_its_own_deterministic_default():
+def test_deterministic_mode_is_off_by_default_and_batch_invariant_with_a_token_local_allreduce():
     c = from_sources({}, env={})
-    assert (c.engine, c.deterministic, c.batch_invariant) == ("paged", False, False)
-    assert from_sources({"engine": "slots"}, env={}).deterministic
+    assert (c.deterministic, c.batch_invariant) == (False, False)
     assert from_sources({"deterministic": True}, env={}).batch_invariant
-    assert not from_sources({"engine": "slots", "deterministic": False}, env={}).deterministic
+    assert not from_sources({"deterministic": True, "tp": 2, "allreduce": "int8-full+tile"}, env={}).batch_invariant
 
 
-@pytest.mark.parametrize("kwargs,env,flags,engine", [
-    ({"prefill_batch": 4}, {}, "--prefill-batch", "slots"),
-    ({}, {"GEMMA3_PREFIX_CACHE_MB": "64"}, "--prefix-cache-mb", "slots"),
-    ({"engine": "slots", "page_size": 8, "kv_cache_tokens": 4096}, {}, "--kv-cache-tokens, --page-size", "paged"),
-    ({"engine": "slots"}, {"GEMMA3_MAX_NUM_BATCHED_TOKENS": "64"}, "--max-num-batched-tokens", "paged"),
+@pytest.mark.parametrize("kwargs,env,flag", [
+    ({"engine": "slots"}, {}, "--engine"),
+    ({"engine": "paged"}, {}, "--engine"),
+    ({"prefill_batch": 4}, {}, "--prefill-batch"),
+    ({}, {"GEMMA3_PREFIX_CACHE_MB": "64"}, "--prefix-cache-mb"),
 ])
-def test_a_setting_the_engine_does_not_read_is_an_error(kwargs, env, flags, engine):
-    with pytest.raises(ValueError, match=f"^{flags} appl.* only to --engine {engine};.* add --engine {engine}$"):
+def test_a_retired_slot_engine_setting_is_refused_with_what_to_do(kwargs, env, flag):
+    with pytest.raises(ValueError, match=f"^{flag} was removed: .*drop it"):
         from_sources(kwargs, env=env)
-    # The same setting with its own engine is accepted.
-    from_sources({**kwargs, "engine": engine}, env=env)
+
+
+def test_the_prefill_chunk_is_a_multiple_of_the_page():
+    with pytest.raises(ValueError, match="prefill_chunk .12. must be a positive multiple of page_size .8."):
+        from_sources({"prefill_chunk": 12, "page_size": 8}, env={})
 
 
 def test_served_model_name():

@@ -18,12 +18,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def oai():
     from models.gemma3 import load_model
-    from serving.runner import SlotRunner
+    from serving.paged_runner import PagedRunner
 
     # Not warmed up: a program compiles on its first use, so only the few these requests need
-    # are compiled, not every prefill bucket up to 768 (test_server_e2e covers the warm-up).
-    engine = SlotRunner(load_model("gemma3-270m", tp=1, dtype="bfloat16"), num_slots=4, max_seq_len=768,
-                         prefill_batch_sizes=(1,), decode_batch_sizes=(4,))
+    # are compiled (test_server_e2e covers the warm-up).
+    engine = PagedRunner(load_model("gemma3-270m", tp=1, dtype="bfloat16"), max_num_seqs=4, max_seq_len=768)
     s = ServerThread(ServerConfig(model="gemma3-270m", served_model_name="gemma3-270m", max_batch=4,
                                   max_seq_len=768, compile_cache_dir=""), engine)
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)

@@ -33,12 +33,12 @@ MODES = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=
 @pytest.fixture(scope="module")
 def server():
     from models.gemma3 import load_model
-    from serving.runner import SlotRunner
+    from serving.paged_runner import PagedRunner
 
     model = load_model("random:tiny", tp=1, dtype="float32", seed=5)
-    engine = SlotRunner(model, num_slots=4, max_seq_len=256, prefill_batch_sizes=(1,))  # compiles on use
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=256)  # compiles on use
     config = ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=256,
-                          compile_cache_dir="", engine="slots")
+                          compile_cache_dir="")
     s = ServerThread(config, engine)
     yield s
     s.stop()
@@ -196,7 +196,7 @@ def test_tokenize_detokenize(client):
 def test_sampler_processing_units():
     """The device sampler's processing: mask, bias, min_p and penalties, on small logits."""
     from serving.logits_processing import step_extras
-    from serving.scheduler import Sequence
+    from serving.sequence import Sequence
 
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 3, np.float32))
     seqs = [Sequence(1, [0], SamplingParams(temperature=0.0, logit_bias=((2, 100.0),)), 1),

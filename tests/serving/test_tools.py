@@ -31,15 +31,15 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server():
     from models.gemma3 import load_model
-    from serving.runner import SlotRunner
+    from serving.paged_runner import PagedRunner
 
     # Random weights: under "required" (any number of calls) such a model may go on adding
     # calls until max_tokens; with these weights every draw below ends its calls in time.
-    # Not warmed up: only the buckets these prompts use compile, not every one up to 4096.
-    engine = SlotRunner(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=9), num_slots=4, max_seq_len=4096,
-                         prefill_batch_sizes=(1,))
+    # Not warmed up: only the step shapes these prompts use compile.
+    engine = PagedRunner(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=9),
+                         max_num_seqs=4, max_seq_len=4096)
     s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=4096,
-                                  compile_cache_dir="", engine="slots"), engine)
+                                  compile_cache_dir=""), engine)
     yield s
     s.stop()
 
@@ -168,7 +168,7 @@ def test_mask_timer_sees_each_mask_job():
     seconds: list[float] = []
     structured = StructuredOutputs(512, eos, tokenizer=tok, mask_timer=seconds.append)
     try:
-        seq = Sequence(1, [2], SamplingParams(max_tokens=8, grammar=grammar), seed=0, slot=0)
+        seq = Sequence(1, [2], SamplingParams(max_tokens=8, grammar=grammar), seed=0)
         structured.add(seq)
         structured.masks([seq.id]).result()
         assert len(seconds) == 1 and seconds[0] >= 0

@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 import jax_platform
 from serving.config import from_sources
 from serving.engine_core import EngineCore, EngineStuck
-from serving.fake_runner import FakeRunner
+from serving.fake_runner import fake_paged_runner
+from serving.paged_steps import Buckets
 from serving.sampling import SamplingParams
 from serving.watchdog import EXIT_STUCK, StepLimits, Watchdog, describe, step_key
 from testkit import free_port
@@ -49,9 +49,7 @@ class Server:
         cmd = [sys.executable, "-m", "serving.cli", "--model", f"random:tiny?max_len={max_seq_len}",
                "--dtype", "float32", "--max-seq-len", str(max_seq_len), "--max-batch", "2", "--port", str(self.port),
                "--compile-cache-dir", str(cache_dir), "--step-timeout", str(step_timeout),
-               "--compile-timeout", str(max(step_timeout, 60)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
-               # The stall step's number and the stuck step's description are the slot engine's.
-               "--engine", "slots"]
+               "--compile-timeout", str(max(step_timeout, 60)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -153,7 +151,7 @@ def test_a_stuck_step_fails_its_requests_turns_unhealthy_and_sigterm_ends_the_se
     assert got["stream_status"] == 200 and lines[-1] == "[DONE]"
     error = json.loads(lines[-2])
     assert _is_openai_error(error) and error["error"]["type"] == "server_error", error
-    assert "stuck" in error["error"]["message"] and "decode step" in error["error"]["message"]
+    assert "stuck" in error["error"]["message"] and "ragged step" in error["error"]["message"]
     assert len(lines) > 3  # it streamed tokens before the stall
     stalled = times[-3]  # the last token event: the stall began within a step after it
     # The plain request: 500 with an OpenAI error body.
@@ -175,7 +173,8 @@ def test_a_stuck_step_fails_its_requests_turns_unhealthy_and_sigterm_ends_the_se
         assert "stuck" in r.json()["error"]["message"]
     assert httpx.get(s.url + "/health", timeout=5).status_code == 503
     text = s.text()
-    assert "ERROR serving.engine_core: the engine is stuck: a decode step (tokens (2,)" in text
+    # Two streams decoding: a step of two one-token rows.
+    assert "ERROR serving.engine_core: the engine is stuck: a ragged step (buckets (8, 2, 1," in text
     seconds, status = s.terminate()
     print(f"SIGTERM -> exit {seconds:.2f}s (status {status})")
     assert status == EXIT_STUCK and seconds < SHUTDOWN_TIMEOUT + 5, s.text()[-3000:]
@@ -202,7 +201,7 @@ def test_sigterm_ends_the_server_while_a_step_is_stuck_short_of_its_limit(server
     seconds, status = s.terminate()
     print(f"\nSIGTERM with a step stuck short of its limit -> exit {seconds:.2f}s (status {status})")
     assert status == EXIT_STUCK and seconds < SHUTDOWN_TIMEOUT + 5, s.text()[-3000:]
-    assert "did not stop within" in s.text() and "decode step" in s.text()
+    assert "did not stop within" in s.text() and "ragged step" in s.text()
     client.join(10)
 
 
@@ -236,19 +235,20 @@ def test_watchdog_fires_once_per_arming_and_disarm_says_who_won():
 
 def test_step_limits_and_keys():
     limits = StepLimits(step_s=2.0, compile_s=50.0)
-    k = step_key("decode", FakeDecode(np.zeros(8, np.int32)), feed=True)
-    assert k == ("decode", (("tokens", (8,)), ("feed", True)))
-    assert describe(k) == "decode step (tokens (8,), feed True)"
+    k = step_key("ragged", FakeStep(Buckets(8, 8, 1, 16, 2)), feed=True)
+    assert k == ("ragged", (("buckets", (8, 8, 1, 16, 2, True, False)), ("feed", True)))
+    assert describe(k) == "ragged step (buckets (8, 8, 1, 16, 2, True, False), feed True)"
     assert limits.limit(k) == 50.0
     limits.done(k)
-    assert limits.limit(k) == 2.0 and limits.limit(step_key("decode", FakeDecode(np.zeros(4, np.int32)))) == 50.0
+    assert limits.limit(k) == 2.0
+    assert limits.limit(step_key("ragged", FakeStep(Buckets(8, 8, 1, 32, 2)), feed=True)) == 50.0
     assert StepLimits(30.0, 10.0).limit("new") == 30.0  # a first run never gets less than a step
-    assert describe(step_key("move")) == "move step"
+    assert describe(step_key("reset")) == "reset step"
 
 
-class FakeDecode:
-    def __init__(self, tokens):
-        self.tokens = tokens
+class FakeStep:
+    def __init__(self, buckets):
+        self.buckets = buckets
 
 
 def test_step_timeout_settings():
@@ -261,18 +261,20 @@ def test_step_timeout_settings():
     assert (g.step_timeout_s, g.compile_timeout_s, g.heartbeat_s) == (4.0, 90.0, 1.0)
 
 
-class _Slow(FakeRunner):
-    """A fake engine whose decode calls number `slow` (1-based) take `seconds`."""
+def _slow(slow: set[int], seconds: float, num_slots: int):
+    """The fake engine whose steps number `slow` (1-based; the plain loop's `run_step`) take
+    `seconds`."""
+    engine = fake_paged_runner(num_slots=num_slots, max_seq_len=64)
+    run, calls = engine.run_step, []
 
-    def __init__(self, slow: set[int], seconds: float, **kw):
-        super().__init__(**kw)
-        self.slow, self.seconds, self.decodes = slow, seconds, 0
+    def slow_step(inputs):
+        calls.append(1)
+        if len(calls) in slow:
+            time.sleep(seconds)
+        return run(inputs)
 
-    def run_decode(self, inputs):
-        self.decodes += 1
-        if self.decodes in self.slow:
-            time.sleep(self.seconds)
-        return super().run_decode(inputs)
+    engine.run_step = slow_step
+    return engine
 
 
 def _submit(core, n: int, log: list, max_tokens: int = 40):
@@ -291,10 +293,10 @@ def _wait(cond, timeout=5.0):
 
 def test_engine_core_fails_running_and_waiting_sequences_on_a_stuck_step():
     events, told = [], []
-    core = EngineCore(FakeRunner(num_slots=1, max_seq_len=64), step_timeout=0.3, compile_timeout=0.3,
+    core = EngineCore(fake_paged_runner(num_slots=1, max_seq_len=64), step_timeout=0.3, compile_timeout=0.3,
                       stall_step=4, on_stuck=lambda m: told.append((m, len(events)))).start()
     t0 = time.monotonic()
-    _submit(core, 2, events)  # one slot: one runs, one waits
+    _submit(core, 2, events)  # one sequence at a time: one runs, one waits
     assert _wait(lambda: sum(e.finish_reason == "error" for e in events) == 2)
     assert time.monotonic() - t0 < 2.0
     ends = [e for e in events if e.finish_reason]
@@ -310,7 +312,8 @@ def test_engine_core_fails_running_and_waiting_sequences_on_a_stuck_step():
 
 def test_a_stuck_step_that_returns_late_does_not_resume_serving():
     events = []
-    core = EngineCore(_Slow({3}, 1.0, num_slots=2, max_seq_len=64), step_timeout=0.3, compile_timeout=5.0,
+    # The third step: the second decode, a shape run before.
+    core = EngineCore(_slow({3}, 1.0, num_slots=2), step_timeout=0.3, compile_timeout=5.0,
                       overlap=False).start()
     _submit(core, 1, events)
     assert _wait(lambda: any(e.finish_reason for e in events))
@@ -322,8 +325,8 @@ def test_a_stuck_step_that_returns_late_does_not_resume_serving():
 
 def test_a_first_run_of_a_shape_gets_the_compile_limit():
     events = []
-    # The first decode (a new shape) takes 0.5 s: over the step limit, within the compile limit.
-    core = EngineCore(_Slow({1}, 0.5, num_slots=2, max_seq_len=64), step_timeout=0.2, compile_timeout=3.0,
+    # The first step (a new shape) takes 0.5 s: over the step limit, within the compile limit.
+    core = EngineCore(_slow({1}, 0.5, num_slots=2), step_timeout=0.2, compile_timeout=3.0,
                       overlap=False).start()
     _submit(core, 1, events, max_tokens=5)
     assert _wait(lambda: any(e.finish_reason for e in events))
