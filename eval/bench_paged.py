@@ -1,33 +1,35 @@
-"""The paged engine against the slot engine, in-process (the engine core, no HTTP), same model,
-same machine, runs alternating:
+"""The paged engine's two modes against each other, in-process (the engine core, no HTTP), same
+model, same machine, runs alternating:
 
   lone   one greedy stream (a short prompt, then N tokens): its median inter-token latency.
          A lone request must not pay for a full batch.
   batch  8 concurrent greedy streams: tokens/s of the whole run.
-  Both at each --max-seq-len given: the slot engine's decode attends over every slot's whole
-  global-layer row, the paged engine's over the pages the sequences hold.
-  memory the KV cache each engine allocates for the setting (bytes counted from the arrays).
+  Both at each --max-seq-len given: the default mode's steps attend over the pages the
+  sequences hold, the deterministic mode's decode over the whole --max-seq-len.
+  memory the KV cache each engine allocates for the setting (bytes counted from the arrays),
+         beside what a dense cache of 8 rows of --max-seq-len tokens would hold.
 
     python -m eval.bench_paged                                # gemma3-270m bfloat16, tp=1
     python -m eval.bench_paged --max-seq-len 2048,32768 --tokens 48 --repeats 3 --out r.json
 
 The other measurements (`--only`):
   step      one decode step of 8 rows at a 256-token context (`--step-context`), engine-level
-            (the model program, sampling and the tokens back to the host), the paged engine
-            and the slot engine alternating: the attention's cost without the scheduling and
-            prefill around it.
-  ttft      a lone prompt of --prompt-tokens (e.g. 900): its time to first token, the slot
-            engine (default mode) and the paged engine alternating.
+            (the model program, sampling and the tokens back to the host), the two modes
+            alternating: the attention's cost without the scheduling and prefill around it.
+  ttft      a lone prompt of --prompt-tokens (e.g. 900): its time to first token, the two modes
+            alternating (the default mode runs a lone prompt in pieces of the whole step
+            budget, the deterministic mode in pieces of --prefill-chunk).
   streams   the paged engine with max_num_seqs = the largest of --streams: output tokens/s at
             each stream count.
   capacity  how many sequences of --prompt-tokens the paged engine serves at once in the KV
-            bytes of the slot engine's 8 x 8,192 cache (the allocator and scheduler run for
-            real; no model steps: the pages a sequence holds do not depend on the values).
+            bytes of a dense cache of 8 x 8,192 tokens (8 rows each holding every position in
+            the global layers and the window in the local ones, `bytes_per_sequence`; the
+            allocator and scheduler run for real; no model steps: the pages a sequence holds do
+            not depend on the values).
 
-Engines: "slots" is the slot engine in its default deterministic mode, "slots-packed" the slot
-engine with --no-deterministic (decode over the busy slots only), "paged" the paged engine,
-"paged-deterministic" the paged engine with --deterministic (every step at the whole budget and
-context: the two batch-invariant modes side by side).
+Engines (--engines): "paged" the paged engine's default mode, "paged-deterministic" the paged
+engine with --deterministic (batch-invariant: a step's decode rows over the whole context, its
+prompt piece in a program of its own).
 """
 from __future__ import annotations
 
@@ -43,23 +45,31 @@ from eval.bench_engine import _submit, _text_ids
 from eval.reports import write_json
 
 
+ENGINES = ("paged", "paged-deterministic")
+
+
 def build(model, kind: str, max_seq_len: int, chunk: int):
-    from serving import SlotRunner
     from serving import PagedRunner
 
-    if kind in ("paged", "paged-deterministic"):
-        engine = PagedRunner(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
-                             chunk_size=chunk, prefix_caching=False, model_name="bench",
-                             deterministic=kind == "paged-deterministic")
-        nbytes = sum(x.nbytes for x in _leaves(engine.pages))
-    else:
-        engine = SlotRunner(model, num_slots=8, max_seq_len=max_seq_len, chunk_size=chunk,
-                             deterministic=kind == "slots", model_name="bench")
-        nbytes = sum(x.nbytes for x in _leaves(engine.cache))
+    if kind not in ENGINES:
+        raise SystemExit(f"unknown engine {kind!r}: one of {', '.join(ENGINES)}")
+    engine = PagedRunner(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
+                         chunk_size=chunk, prefix_caching=False, model_name="bench",
+                         deterministic=kind == "paged-deterministic")
+    nbytes = sum(x.nbytes for x in _leaves(engine.pages))
     t = engine.warmup(lambda msg: None)
     print(f"  {kind} at max_seq_len {max_seq_len}: warmed up in {t:.0f}s, KV cache "
           f"{nbytes / 2**20:.0f} MiB", file=sys.stderr)
     return engine, nbytes
+
+
+def dense_cache_bytes(model, rows: int, seq_len: int) -> int:
+    """KV bytes of a dense cache of `rows` sequences of `seq_len` tokens (the global layers
+    hold every position, the local ones their window): the layout that reserves a whole
+    context per sequence, which the paged pools are measured against."""
+    from models.gemma3.kv_cache import bytes_per_sequence
+
+    return rows * bytes_per_sequence(model.config, seq_len, np.dtype(model.cache_dtype))
 
 
 def _leaves(tree):
@@ -82,12 +92,12 @@ def batch_tok_s(core, prompts, tokens: int) -> float:
 
 
 def lone_ttft(model, length: int, prompt_tokens: int, repeats: int, chunk: int) -> dict:
-    """TTFT of one prompt of `prompt_tokens` alone, the slot engine (default, deterministic)
-    and the paged engine alternating (`--only ttft`)."""
+    """TTFT of one prompt of `prompt_tokens` alone, the deterministic and the default mode
+    alternating (`--only ttft`)."""
     from serving import EngineCore
 
     tok = model.tokenizer
-    cores = {k: EngineCore(build(model, k, length, chunk)[0]).start() for k in ("slots", "paged")}
+    cores = {k: EngineCore(build(model, k, length, chunk)[0]).start() for k in ENGINES[::-1]}
     times = {k: [] for k in cores}
     try:
         for r in range(repeats + 1):
@@ -103,7 +113,7 @@ def lone_ttft(model, length: int, prompt_tokens: int, repeats: int, chunk: int) 
     out = {}
     for kind, ts in times.items():
         out[f"{kind}@{length}"] = {"ttft_s": ts, "ttft_median_s": float(np.median(ts))}
-        print(f"  {kind:6s} a lone {prompt_tokens}-token prompt: TTFT "
+        print(f"  {kind:19s} a lone {prompt_tokens}-token prompt: TTFT "
               f"{np.median(ts) * 1000:6.0f} ms", file=sys.stderr)
     return out
 
@@ -137,12 +147,11 @@ def streams_scaling(model, length: int, counts: list[int], tokens: int, prompt_t
     return out
 
 
-def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int = 8192) -> dict:
+def capacity(model, seqs: int, prompt_tokens: int, rows: int = 8, row_len: int = 8192) -> dict:
     """How many concurrent sequences of `prompt_tokens` the paged engine serves in the KV bytes
-    of the slot engine's `slots` x `slot_len` cache (`--only capacity`): the allocator and
-    scheduler run for real (no model steps: the pages a sequence holds do not depend on the
-    values computed)."""
-    from models.gemma3.kv_cache import bytes_per_sequence
+    of a dense cache of `rows` x `row_len` tokens (`dense_cache_bytes`, `--only capacity`): the
+    allocator and scheduler run for real (no model steps: the pages a sequence holds do not
+    depend on the values computed)."""
     from serving import local_pages_for, paged_runner_info
     from serving import PagedScheduler
     from serving import SamplingParams
@@ -150,7 +159,7 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
 
     c = model.config
     dtype = np.dtype(model.cache_dtype)
-    budget = slots * bytes_per_sequence(c, slot_len, dtype)
+    budget = dense_cache_bytes(model, rows, row_len)
     n_global, n_local = c.num_global_layers, c.num_local_layers
     token_layer = 2 * c.num_kv_heads * c.head_dim * dtype.itemsize
     page = 16
@@ -163,10 +172,10 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
                 + (info.num_local_pages - 1) * n_local) * page * token_layer
 
     # The most sequences whose pools (as the engine sizes them: a quarter more local pages
-    # than the windows need, for prefix-cache hits) fit in the slot engine's bytes.
+    # than the windows need, for prefix-cache hits) fit in the dense cache's bytes.
     fits = int(budget // per_seq) + 1
     while True:
-        info = paged_runner_info(model, fits, slot_len, page, fits * per_seq_global * page, page,
+        info = paged_runner_info(model, fits, row_len, page, fits * per_seq_global * page, page,
                                  None, False, False, "bench")
         if pool_bytes(info) <= budget:
             break
@@ -184,12 +193,12 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
                 p.seq.generated.append(7)
                 if len(p.seq.generated) >= 16:
                     sched.finish(p.seq)
-    res = {"slot_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
+    res = {"dense_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
            "sequences_that_fit": fits, "pool_bytes": int(pool_bytes(info)), "most_running": most,
            "preemptions": sched.num_preemptions, "steps": steps,
            "bytes_for_all": int(per_seq * seqs)}
-    print(f"  KV bytes of {slots} slots x {slot_len}: {budget / 2**20:.0f} MiB; a {prompt_tokens}-"
-          f"token sequence holds {per_seq / 2**20:.2f} MiB of pages ({per_seq_local} local pages "
+    print(f"  KV bytes of a dense cache of {rows} x {row_len} tokens: {budget / 2**20:.0f} MiB; "
+          f"a {prompt_tokens}-token sequence holds {per_seq / 2**20:.2f} MiB of pages ({per_seq_local} local pages "
           f"x {n_local} layers + {per_seq_global} global x {n_global}); {fits} fit, ran {most} at "
           f"once, {sched.num_preemptions} preemptions; {seqs} need "
           f"{per_seq * seqs / budget:.2f}x the bytes", file=sys.stderr)
@@ -199,28 +208,19 @@ def capacity(model, seqs: int, prompt_tokens: int, slots: int = 8, slot_len: int
 def step_runners(model, length: int, context: int, rows: int = 8) -> dict:
     """Per engine, a function that runs one decode step of `rows` sequences at position
     `context` (what their caches hold does not matter to the time: zeros) and waits for its
-    tokens. The paged rows hold their pages as the allocator gives them out."""
-    from serving import DecodeInputs, SlotRunner
-    from serving import KVPages
-    from serving import PagedRunner, step_inputs
-    from serving import Piece, StepPlan
-    from serving import IDLE, SlotSampling
-    from serving import Sequence
+    tokens. The rows hold their pages as the allocator gives them out; each call runs the same
+    step again (it rewrites the same positions)."""
+    from eval.paged_decode import decode_batch
+    from serving import PagedRunner
 
-    paged = PagedRunner(model, max_num_seqs=rows, max_seq_len=length, page_size=16,
-                        prefix_caching=False, model_name="bench")
-    info = paged.info
-    kv = KVPages(info.page_size, info.num_global_pages, info.num_local_pages,
-                 info.sliding_window, info.has_global_layers)
-    seqs = [Sequence(id=i, prompt=[2] * (context + 1), params=IDLE, seed=0) for i in range(rows)]
-    for s in seqs:
-        kv.allocate(s.id, 0, context + 1)
-    inputs = step_inputs(StepPlan(tuple(Piece(s, context, context + 1, sample=True) for s in seqs)), kv, info)
-    slots = SlotRunner(model, num_slots=rows, max_seq_len=length, deterministic=True, chunk_size=16,
-                        model_name="bench")
-    decode = DecodeInputs(np.full(rows, 2, np.int32), np.full(rows, context, np.int32),
-                          SlotSampling.of_rows(seqs))
-    return {"slots": lambda: slots.run_decode(decode), "paged": lambda: paged.run_step(inputs)}
+    out = {}
+    for kind in ENGINES:
+        engine = PagedRunner(model, max_num_seqs=rows, max_seq_len=length, page_size=16,
+                             prefix_caching=False, model_name="bench",
+                             deterministic=kind == "paged-deterministic")
+        inputs = decode_batch(engine.info, rows, context + 1, model.tokenizer.bos_id).inputs()
+        out[kind] = lambda engine=engine, inputs=inputs: engine.run_step(inputs)
+    return out
 
 
 def step_times(model, lengths: list[int], context: int, repeats: int) -> dict:
@@ -239,7 +239,7 @@ def step_times(model, lengths: list[int], context: int, repeats: int) -> dict:
                 times[kind].append(time.perf_counter() - t0)
         for kind, ts in times.items():
             out[f"{kind}@{length}"] = {"step_s": ts, "step_median_s": float(np.median(ts))}
-            print(f"  {kind:6s} max_seq_len {length:6d}: 8-row decode step at context {context}: "
+            print(f"  {kind:19s} max_seq_len {length:6d}: 8-row decode step at context {context}: "
                   f"{np.median(ts) * 1000:6.1f} ms (quartiles {np.percentile(ts, 25) * 1000:.1f}"
                   f"-{np.percentile(ts, 75) * 1000:.1f})", file=sys.stderr)
         del runners
@@ -268,12 +268,14 @@ def compare_engines(model, args) -> dict:
         finally:
             for core in cores.values():
                 core.shutdown()
+        dense = dense_cache_bytes(model, 8, length)
+        print(f"  a dense cache of 8 x {length} tokens: {dense / 2**20:7.0f} MiB", file=sys.stderr)
         for kind, run in runs.items():
-            entry = {"kv_cache_bytes": sizes[kind], **run,
+            entry = {"kv_cache_bytes": sizes[kind], "dense_cache_bytes": dense, **run,
                      "lone_itl_median_s": float(np.median(run["lone_itl_s"])),
                      "batch_tok_s_median": float(np.median(run["batch_tok_s"]))}
             results[f"{kind}@{length}"] = entry
-            print(f"  {kind:13s} max_seq_len {length:6d}: lone ITL "
+            print(f"  {kind:19s} max_seq_len {length:6d}: lone ITL "
                   f"{entry['lone_itl_median_s'] * 1000:6.1f} ms, 8 streams "
                   f"{entry['batch_tok_s_median']:6.1f} tok/s, KV {sizes[kind] / 2**20:7.0f} MiB",
                   file=sys.stderr)
@@ -291,7 +293,8 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-seq-len", default="2048,32768")
-    p.add_argument("--engines", default="slots,slots-packed,paged")
+    p.add_argument("--engines", default="paged-deterministic,paged",
+                   help="comma-separated: " + ", ".join(ENGINES))
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--prefill-chunk", type=int, default=16)

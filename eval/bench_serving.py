@@ -19,9 +19,10 @@ meets 7 others in the same prefill burst; r > 0 lets them drift apart as in real
     python -m eval.bench_serving --url http://127.0.0.1:8000 --concurrency 1,8
 
 --engine-ratio R: the server's 8-stream output tokens/s against the engine's batch-8 decode
-tokens/s measured in this process (the same engine the server builds, `runtime.load_runner`,
-driven directly: `run_decode` over all slots, each step's tokens fed to the next, no scheduler,
-no HTTP), R times each, alternating (engine, server, engine, ...), and their median ratio:
+tokens/s measured in this process (the same paged engine the server builds, `load_runner`,
+driven directly: ragged steps of one token for each of max-batch rows, each step's tokens fed to
+the next, no scheduler, no HTTP), R times each, alternating (engine, server, engine, ...), and
+their median ratio:
 
     python -m eval.bench_serving --engine-ratio 3 --max-tokens 256 --requests-per-stream 2
 """
@@ -122,31 +123,32 @@ async def run_level(url: str, model: str, concurrency: int, requests_per_stream:
 
 
 def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = False) -> float:
-    """Tokens/s of `steps` back-to-back decode steps over all of the engine's slots (greedy,
-    each step fed the previous step's tokens, positions from `start`): the engine alone. With
-    `overlapped`, each step is dispatched fed from the previous one on the device before that
-    one's tokens are read back (`dispatch_decode`), as the engine core's overlapped loop does."""
-    from serving import DecodeInputs, SlotSampling
+    """Tokens/s of `steps` back-to-back decode steps of a PagedRunner, one token for each of
+    its max_num_seqs rows (greedy, each step fed the previous step's tokens, positions from
+    `start`): the engine alone. With `overlapped`, each step is dispatched fed from the previous
+    one on the device before that one's tokens are read back (`dispatch_step`), as the engine
+    core's overlapped loop does."""
+    from eval.paged_decode import decode_batch
 
-    rows = engine.info.num_slots
-    tokens = np.full(rows, engine.tokenizer.bos_id, np.int32)
-    sampling = SlotSampling.greedy(rows)
-    engine.run_decode(DecodeInputs(tokens, np.full(rows, start - 1, np.int32), sampling))  # warm
-    every_row = np.arange(rows, dtype=np.int32)
-    pending = None
-    t0 = time.perf_counter()
-    for i in range(steps):
-        inputs = DecodeInputs(tokens, np.full(rows, start + i, np.int32), sampling)
-        if not overlapped:
-            tokens = engine.run_decode(inputs).tokens
-            continue
-        step = engine.dispatch_decode(inputs, None if pending is None else (pending, every_row))
+    batch = decode_batch(engine.info, engine.info.num_slots, start, engine.tokenizer.bos_id)
+
+    def run(n: int) -> None:
+        pending = None
+        for _ in range(n):
+            if not overlapped:
+                batch.accept(engine.run_step(batch.inputs()).tokens)
+                continue
+            step = engine.dispatch_step(batch.inputs(fed=pending is not None), pending)
+            if pending is not None:
+                batch.accept(pending.result().tokens)
+            pending = step
         if pending is not None:
-            tokens = pending.result().tokens
-        pending = step
-    if pending is not None:
-        pending.result()
-    return rows * steps / (time.perf_counter() - t0)
+            batch.accept(pending.result().tokens)
+
+    run(2)  # warm: the step's programs and, overlapped, the token feed's
+    t0 = time.perf_counter()
+    run(steps)
+    return engine.info.num_slots * steps / (time.perf_counter() - t0)
 
 
 def load_local_engine(args):
@@ -156,15 +158,15 @@ def load_local_engine(args):
     if args.server_arg:
         raise SystemExit("--engine-ratio does not pass --server-arg to the local engine: drop them")
     config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
-                          max_batch=args.max_batch, max_seq_len=args.max_seq_len, engine="slots")
+                          max_batch=args.max_batch, max_seq_len=args.max_seq_len)
     jax_platform.request_cpu_devices(args.tp)
     return load_runner(config, lambda msg: None)
 
 
 def engine_ratio(args, url: str, model: str, engine) -> dict:
     """Alternating engine and max-batch-stream server runs; medians and their ratio. The engine
-    runs its decode steps one by one (`run_decode`) and, when it can, overlapped."""
-    modes = ["sync"] + (["overlapped"] if hasattr(engine, "dispatch_decode") else [])
+    runs its decode steps one by one (`run_step`) and overlapped (`dispatch_step`)."""
+    modes = ["sync", "overlapped"]
     eng: dict[str, list[float]] = {m: [] for m in modes}
     srv = []
     n = engine.info.num_slots
@@ -190,8 +192,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     env = jax_platform.child_environment()
     cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port), "--model", args.model,
            "--dtype", args.dtype, "--tp", str(args.tp), "--allreduce", args.allreduce,
-           "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len), *args.server_arg,
-           *(["--engine", "slots"] if getattr(args, "engine_ratio", 0) else [])]  # run_decode is the slot engine's
+           "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
+           *args.server_arg]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{args.port}"

@@ -11,9 +11,10 @@ Not part of the test suite (minutes on 2 cores):
 
 The one-shot reference is one prefill program over the whole prompt; past 1,024 tokens it
 attends in query chunks of 1,024 (the prompt right-padded to a multiple), so 32,000 tokens need
-[1,024, 32,768] scores a layer, not [32,000, 32,000] (16 GiB). `--reference chunked` is the slot
-engine's chunked prefill (its own programs, a contiguous cache with ring buffers for the
-sliding-window layers, chunks of 256), a second reference and a faster one.
+[1,024, 32,768] scores a layer, not [32,000, 32,000] (16 GiB). `--reference chunked` is the
+model's own chunked prefill (`prefill_chunk` / `write_chunk`: programs of their own, a contiguous
+cache with ring buffers for the sliding-window layers, chunks of 256), a second reference and a
+faster one.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def paged_last_logits(model, prompt: list[int], budget: int, chunk: int) -> tupl
 
 
 def one_shot_last_logits(model, prompt: list[int]) -> np.ndarray:
-    """One prefill program over the whole prompt (the slot engine's, into a one-slot cache).
+    """One prefill program over the whole prompt (the model's `prefill`, into a one-row cache).
     Past `PROMPT_CHUNK` tokens the prompt is right-padded to a multiple of it, so the prefill
     attends in query chunks ([chunk, T] scores, not [T, T]); padding after the last token
     changes none of its logits (causal attention)."""
@@ -74,7 +75,7 @@ def one_shot_last_logits(model, prompt: list[int]) -> np.ndarray:
 
 
 def chunked_last_logits(model, prompt: list[int], chunk: int = 256) -> np.ndarray:
-    """The slot engine's chunked prefill into a one-slot cache: chunk after chunk, each reading
+    """The model's chunked prefill into a one-row cache: chunk after chunk, each reading
     the cache and then written into it."""
     import jax
 

@@ -1,7 +1,7 @@
 """Compiling the engine's remaining step programs on a low-priority thread once it serves.
 
 The warm-up compiles what every server meets first; the other step shapes (pieces beside other
-work, longer prompts' pieces, other row counts: about 110 for the paged engine's defaults)
+work, longer prompts' pieces, other row counts: about 120 for the defaults)
 would each compile when a step first needs one, and every running stream waits for it (~3 s
 for the 270M on a CPU; the persistent compilation cache spares a restart, not a first start).
 This thread compiles them one at a time after /health turns ready, while the engine is idle

@@ -131,7 +131,7 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
 
 
 def later_buckets(info: RunnerInfo) -> list[Buckets]:
-    """Every text step shape outside deterministic mode (110 for the defaults), for a
+    """Every text step shape outside deterministic mode (120 for the defaults), for a
     server to compile in the background those the warm-up did not: at each page bucket from
     the smallest, decodes of every row count, pieces beside other work (S rows, a chunk of
     queries, T tokens), a lone prompt's pieces (one row of Q = T); pieces with and without
@@ -141,8 +141,10 @@ def later_buckets(info: RunnerInfo) -> list[Buckets]:
     top = pow2(info.max_num_batched_tokens)
     rows = sorted({buckets_for(info, n, n, 1, 1, True).seqs for n in range(1, info.num_slots + 1)})
     shapes = [(s, s, 1) for s in rows]  # (tokens, seqs, longest piece)
+    # A row bucket holds fewer real rows than its size: a piece beside a few decodes can fill
+    # the smallest token bucket whatever S it pads to.
     shapes += [(t, s, info.chunk_size) for s in rows if s > 1
-               for t in (pow2(s + 1) << i for i in range(top.bit_length())) if t <= top]
+               for t in (MIN_TOKENS << i for i in range(top.bit_length())) if t <= top]
     shapes += [(q, 1, q) for q in (pow2(info.chunk_size) << i for i in range(top.bit_length()))
                if q <= top]
     out: list[Buckets] = []

@@ -236,7 +236,7 @@ def vision_golden_images(m, golden: dict, k: int):
     16-token soft span, pixels and a content key)."""
     import numpy as np
 
-    from serving.scheduler import SeqImage
+    from serving.sequence import SeqImage
 
     ids = golden[f"ids_{k}"]
     soft = np.flatnonzero(ids == m.vision.tokens.soft)

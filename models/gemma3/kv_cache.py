@@ -54,16 +54,6 @@ class KVCache:
                    for x in jax.tree.leaves(self))
 
 
-def move_slot(cache: KVCache, src, dst) -> KVCache:
-    """Copy slot src's rows (every layer's keys and values) into slot dst; src is left as it was.
-    The slot axis is never sharded, so on a mesh this is a local copy on every device."""
-    def move(x):
-        row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=0)
-        return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis=0)
-
-    return jax.tree.map(move, cache)
-
-
 def cache_shapes(c: Gemma3Config, num_slots: int, max_seq_len: int, cache_heads: int,
                  dtype) -> KVCache:
     """Abstract cache (ShapeDtypeStruct leaves, global shapes)."""

@@ -1,7 +1,7 @@
-"""The step API a model runner drives (serving/runner.py, serving/paged_runner.py): `init_cache`,
-`prefill`, `decode_step`, `move_slot`, and the ahead-of-time half (`lower_*`, `compile_*`,
-`warm_up`) that needs no weights. The paged runner drives `init_pages` and `ragged_step` (one
-program a step over a paged cache) instead.
+"""The model's step API: over a dense cache of slots, `init_cache`, `prefill`, `decode_step` and
+chunked prefill (what `generate`, the parity tests and eval run), and the ahead-of-time half
+(`lower_*`, `compile_*`, `warm_up`) that needs no weights; over a paged cache, `init_pages` and
+`ragged_step` (one program a step), which the server's runner drives (serving/paged_runner.py).
 
 `Gemma3StepAPI` is a model's programs (`ModelPrograms`) with its weights and tokenizer. Every call
 has static shapes: a new prompt length only picks a bucket, and a call whose shapes were
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gemma3.kv_cache import KVCache, move_slot
+from models.gemma3.kv_cache import KVCache
 from models.gemma3.paged_kv import PagedKV
 from models.gemma3.programs import ModelPrograms, ProgramKey
 from models.gemma3.ragged import ImageRows, RaggedBatch
@@ -45,7 +45,6 @@ class Gemma3StepAPI:
         self.cache_dtype = programs.cache_dtype
         self.prefill_buckets = programs.prefill_buckets
         self._tokenizer = tokenizer
-        self._move_slot = jax.jit(move_slot, donate_argnums=(0,))
         self.vision = None  # a VisionModel with placed weights (`attach_vision`), or None
         self._image_features = None
 
@@ -114,14 +113,6 @@ class Gemma3StepAPI:
             raise ValueError(f"cache max_seq_len {max_seq_len} exceeds the model's "
                              f"{self.config.max_seq_len}")
         return self.programs.zeros_cache(num_slots, max_seq_len)
-
-    def move_slot(self, cache: KVCache, src: int, dst: int) -> KVCache:
-        """The cache with slot src's keys and values copied into slot dst (for a server that
-        keeps its busy slots packed at the front, so that decode reads fewer rows)."""
-        for name, i in (("src", src), ("dst", dst)):
-            if not 0 <= int(i) < cache.num_slots:
-                raise ValueError(f"{name} slot {i} outside 0..{cache.num_slots - 1}")
-        return self._move_slot(cache, np.int32(src), np.int32(dst))
 
     # -- the paged cache -----------------------------------------------------------------------
     def pages_shapes(self, num_global_pages: int, num_local_pages: int,

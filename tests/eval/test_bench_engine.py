@@ -10,17 +10,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_engine_runs_on_a_tiny_model(tmp_path):
     out = tmp_path / "engine.json"
-    # A context of 128 (one prefill bucket fewer for the packed engine to compile than 256);
-    # the long prompt still runs as 13 chunks beside the streams.
+    # A context of 128 in pages of 16: one page bucket, so few step shapes to compile before
+    # the timed runs; the long prompt still runs as 7 pieces beside the streams.
     cmd = [sys.executable, "-m", "eval.bench_engine", "--model", "random:tiny", "--dtype", "float32",
-           "--max-seq-len", "128", "--prefill-chunk", "8", "--prefix-tokens", "60", "--long-tokens", "100",
-           "--itl-tokens", "100", "--baseline-s", "0.1", "--tokens", "8", "--requests", "1", "--repeats", "1",
-           "--compile-cache-dir", "", "--out", str(out)]
+           "--max-seq-len", "128", "--prefill-chunk", "16", "--page-size", "16", "--prefix-tokens", "60",
+           "--long-tokens", "100", "--itl-tokens", "100", "--baseline-s", "0.1", "--tokens", "8",
+           "--requests", "1", "--repeats", "1", "--compile-cache-dir", "", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["throughput"]["packed"]["tok_s"] > 0 and report["throughput"]["deterministic"]["tok_s"] > 0
+    assert report["page_size"] == 16
+    tp = report["throughput"]
+    assert tp["default"]["tok_s"] > 0 and tp["deterministic"]["tok_s"] > 0
+    assert tp["deterministic_cost"] == 1 - tp["deterministic"]["tok_s"] / tp["default"]["tok_s"]
     assert 0 < report["prefix"]["second_ttft_s"] and report["prefix"]["prefix_tokens"] == 60
-    itl = report["itl"]["deterministic"]
+    # The second request found the shared prefix's whole pages cached.
+    assert report["prefix"]["hit_tokens"] >= 60 // 16 * 16
+    itl = report["itl"]["default"]
     assert itl["admission_gaps"] > 0 and itl["ratio"] > 0
     assert "TTFT with a 60-token prefix hit" in r.stdout

@@ -1,5 +1,6 @@
-"""The serving benchmark's measurement code against a server with a known pace (the fake engine
-sleeps a fixed time per step), so its TTFT / TPOT / throughput arithmetic is checked."""
+"""The serving benchmark's measurement code against a server with a known pace (the paged
+engine over the fake model, which sleeps a fixed time per step), so its TTFT / TPOT / throughput
+arithmetic is checked."""
 import asyncio
 import statistics
 import time
@@ -8,7 +9,7 @@ import pytest
 
 from eval.bench_serving import run_level, summarize
 from serving.config import ServerConfig
-from serving.fake_runner import FakeRunner
+from serving.fake_runner import fake_paged_runner
 from testkit import ServerThread
 
 # The fake engine's pace: each step sleeps this long. The asserts below take their upper bounds
@@ -16,31 +17,33 @@ from testkit import ServerThread
 STEP = 0.05
 
 
-class TimedEngine(FakeRunner):
-    """The fake engine, recording when each step ended (server side)."""
+def timed_engine(**kw):
+    """The paged engine over the fake model, recording (kind, rows) of every step ("decode":
+    every row computes one token; "piece": a prompt piece runs, perhaps beside decodes) and when
+    it ended: the fake model computes at dispatch, so a step has ended when `dispatch_step`
+    returns."""
+    engine = fake_paged_runner(**kw)
+    engine.steps, engine.ends = [], []
+    dispatch = engine.dispatch_step
 
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.ends: list[float] = []
-
-    def run_prefill(self, inputs):
-        out = super().run_prefill(inputs)
-        self.ends.append(time.perf_counter())
+    def dispatch_step(inputs, prev=None):
+        out = dispatch(inputs, prev)
+        engine.ends.append(time.perf_counter())
+        engine.steps.append(("decode" if inputs.buckets.queries == 1 else "piece", inputs.rows))
         return out
 
-    def run_decode(self, inputs):
-        out = super().run_decode(inputs)
-        self.ends.append(time.perf_counter())
-        return out
+    engine.dispatch_step = dispatch_step  # run_step goes through it too
+    return engine
 
 
 @pytest.fixture(scope="module")
 def paced_server():
+    # Without overlap a request's steps are exactly its own (the overlapped loop runs an ended
+    # sequence one step more), so the counts below are exact.
     config = ServerConfig(model="fake", served_model_name="fake", max_batch=4, max_seq_len=256,
-                          compile_cache_dir="", admission_wait_ms=0)
-    engine = TimedEngine(num_slots=4, max_seq_len=256, step_delay=STEP, prefill_batch_sizes=(1, 4))
+                          compile_cache_dir="", admission_wait_ms=0, overlap=False)
+    engine = timed_engine(num_slots=4, max_seq_len=256, step_delay=STEP)
     s = ServerThread(config, engine)
-    s.runner = engine
     yield s
     s.stop()
 
@@ -77,18 +80,20 @@ def test_levels_measure_the_engine_pace(paced_server):
     lone, steps, engine_gap = _level(paced_server, 1, 2, 10)
     assert lone["requests"] == 2 and lone["output_tokens"] == 20
     assert lone["itl_s"]["n"] == 2 * 9
-    # One prefill step before the first token, then one decode step per token, one row each.
-    assert [k for k, _ in steps].count("prefill") == 2 and {r for _, r in steps} == {1}
+    # One step of the prompt before the first token (a lone prompt runs whole: the step's
+    # budget holds it), then one decode step per token, one row each.
+    assert [k for k, _ in steps].count("piece") == 2 and {r for _, r in steps} == {1}
     assert [k for k, _ in steps].count("decode") == 2 * 9
     # The client's TTFT covers at least the prefill's sleep and its TPOT the decode steps' pace:
     # what the engine spent between two decode steps, as the server saw it.
     assert lone["ttft_s"]["median"] >= STEP
     assert 0.8 * STEP < lone["tpot_s"]["median"] < 1.5 * engine_gap
     four, steps, engine_gap = _level(paced_server, 4, 2, 10)
-    # Four streams share each step: the decode steps carry several rows at once, which is
-    # where the throughput comes from (4x when nothing else runs), at the engine's pace.
-    decode_rows = [r for k, r in steps if k == "decode"]
-    assert four["output_tokens"] == 80 and max(decode_rows) == 4
-    assert sum(decode_rows) / len(decode_rows) > 2
+    # Four streams share each step: a step carries several rows at once (the streams' decodes
+    # beside the others' prompt pieces), which is where the throughput comes from (4x when
+    # nothing else runs), at the engine's pace.
+    rows = [r for _, r in steps]
+    assert four["output_tokens"] == 80 and max(rows) == 4
+    assert sum(rows) / len(rows) > 2
     assert four["tpot_s"]["median"] < 1.5 * engine_gap
     assert four["output_tokens_per_s"] == pytest.approx(80 / four["wall_s"])

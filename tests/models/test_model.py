@@ -142,22 +142,6 @@ def test_decoding_the_first_slots_only(tiny, tp):
         np.testing.assert_array_equal(np.asarray(part)[2:], old[2:])
 
 
-def test_move_slot_carries_a_sequence_to_another_slot(tiny):
-    """After move_slot(3, 0), decoding the sequence in slot 0 gives what slot 3 would have given."""
-    m = tiny[2]
-    seq = _random_seqs([10], seed=9)[0]
-    cache = m.init_cache(num_slots=4, max_seq_len=32)
-    _, cache = m.prefill(cache, np.array([seq + [0] * 6], np.int32), np.array([10], np.int32),
-                         np.array([3], np.int32))
-    nxt, pos = np.array([17, 0, 0, 17], np.int32), np.array([10, 0, 0, 10], np.int32)
-    expected_logits = np.asarray(m.decode_step(jax.tree.map(jax.numpy.array, cache), nxt, pos)[0])[3]
-    cache = m.move_slot(cache, 3, 0)
-    got = np.asarray(m.decode_step(cache, nxt[:1], pos[:1])[0])[0]
-    np.testing.assert_allclose(got, expected_logits, atol=1e-6)
-    with pytest.raises(ValueError, match="outside"):
-        m.move_slot(m.init_cache(num_slots=2, max_seq_len=32), 2, 0)
-
-
 def test_generate_is_greedy_and_uses_the_cache(tiny):
     m = tiny[2]
     seqs = _random_seqs([4, 10])

@@ -105,3 +105,17 @@ def test_a_server_compiles_in_the_background_answers_meanwhile_and_exits_cleanly
         assert "background compile:" in text and "step programs in" in text, text[-3000:]
     finally:
         stop_processes(procs)
+
+
+def test_the_later_shapes_hold_a_short_piece_beside_a_few_decodes():
+    """With 8 sequence rows, 4 decodes and a prompt's 4-token last piece fill the smallest
+    token bucket (8) at the 8-row bucket: a shape of its own, which a server meets mid-traffic."""
+    from serving.paged_steps import buckets_for, later_buckets
+    from serving.runner import RunnerInfo
+
+    info = RunnerInfo(model_name="t", num_slots=8, max_seq_len=256, vocab_size=512, eos_ids=(1,),
+                      chunk_size=16, page_size=16, num_global_pages=129, num_local_pages=20,
+                      max_num_batched_tokens=64, sliding_window=8)
+    step = buckets_for(info, tokens=8, seqs=5, longest_piece=4, pages=1, logits=True)
+    assert (step.tokens, step.seqs, step.queries) == (8, 8, 16)
+    assert step in later_buckets(info)
