@@ -68,9 +68,14 @@ def same(a, b, bitwise):
         np.testing.assert_allclose([lp for _, lp in x], [lp for _, lp in y], rtol=0, atol=1e-4)
 
 
+# The engines of test_paged_runner.py and test_batch_invariance.py (4 sequences, 96 tokens,
+# pages of 4, pieces of 8): the session's compilation cache serves their programs to all three.
 def engine_maker(deterministic):
-    return lambda: PagedRunner(model(), max_num_seqs=4, max_seq_len=64, page_size=4,
-                               chunk_size=16, deterministic=deterministic)
+    return lambda: PagedRunner(model(), max_num_seqs=4, max_seq_len=MAX_SEQ_LEN,
+                               page_size=4, chunk_size=8, deterministic=deterministic)
+
+
+MAX_SEQ_LEN = 96
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -82,7 +87,7 @@ def test_overlapped_loop_gives_the_plain_loops_outputs(deterministic):
     requests = [(prompt(5 + 3 * i, i), greedy(n, ignore_eos=True)) for i, n in enumerate(lengths)]
     requests += [(prompt(7, 50 + i), SamplingParams(max_tokens=11, temperature=1.0, top_k=40, seed=i,
                                                      logprobs=0, ignore_eos=True)) for i in range(2)]
-    requests.append((prompt(40, 99), greedy(24, ignore_eos=True)))  # fills the context (64) exactly
+    requests.append((prompt(72, 99), greedy(24, ignore_eos=True)))  # fills the context (96) exactly
     plain = run(make(), requests, overlap=False)
     engine = Counting(make())
     overlapped = run(engine, requests, overlap=True)
@@ -97,7 +102,8 @@ def test_overlapped_loop_gives_the_plain_loops_outputs(deterministic):
     for (_, got, _), (p, _) in zip(plain[:8], requests[:8]):
         ids = [t for t, _ in got]
         if len(ids) >= 3:
-            stops.append((p, greedy(64 - len(p), ignore_eos=True, stop_token_ids=(ids[2],)), ids.index(ids[2])))
+            stops.append((p, greedy(MAX_SEQ_LEN - len(p), ignore_eos=True, stop_token_ids=(ids[2],)),
+                          ids.index(ids[2])))
     assert stops
     plain_stop = run(make(), [(p, sp) for p, sp, _ in stops], overlap=False)
     overlapped_stop = run(Counting(make()), [(p, sp) for p, sp, _ in stops], overlap=True)
@@ -107,8 +113,7 @@ def test_overlapped_loop_gives_the_plain_loops_outputs(deterministic):
 
 
 def make_small():
-    return PagedRunner(model(), max_num_seqs=2, max_seq_len=96, page_size=4, chunk_size=16,
-                       deterministic=True)
+    return engine_maker(True)()
 
 
 def test_cancel_while_a_step_is_in_flight():

@@ -31,9 +31,10 @@ from testkit import free_port
 ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT = 3.0
 SHUTDOWN_TIMEOUT = 2.0
-# Two streams of up to 1,900 tokens: the 1,000th engine call comes long after both requests
-# arrived and long before either ends.
-STALL_STEP = 1000
+# Two streams of up to 480 tokens, each engine call a step of both: the 250th call comes long
+# after both requests arrived and long before either ends. (A context of 512: the warm-up
+# compiles the decode of 3 page buckets, not the 5 of 2,048.)
+STALL_STEP = 250
 STARTUP_TIMEOUT = 240
 
 
@@ -90,7 +91,7 @@ def servers(tmp_path_factory):
     cache = tmp_path_factory.mktemp("watchdog-cache")
     # Started together (their start-ups overlap). "late": its stuck step's limit is far off when
     # SIGTERM comes.
-    s = {"stuck": Server("stuck", logs, cache, STALL_STEP, STEP_TIMEOUT, 2048),
+    s = {"stuck": Server("stuck", logs, cache, STALL_STEP, STEP_TIMEOUT, 512),
          "late": Server("late", logs, cache, 3, 120.0, 256)}
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -112,7 +113,7 @@ def _is_openai_error(body: dict) -> bool:
 
 
 # logprobs: every token is an event, whatever its text.
-BODY = {"prompt": "watch the steps", "max_tokens": 1900, "ignore_eos": True, "temperature": 0, "logprobs": 0}
+BODY = {"prompt": "watch the steps", "max_tokens": 480, "ignore_eos": True, "temperature": 0, "logprobs": 0}
 
 
 def test_a_stuck_step_fails_its_requests_turns_unhealthy_and_sigterm_ends_the_server(servers):
