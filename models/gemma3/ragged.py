@@ -12,7 +12,7 @@ attention, one mask rule (`visible_keys`), whatever mix of work the step holds. 
 pool only after the scatter also keeps the donated pool updated in place (XLA:CPU copies a
 buffer that one program reads *before* updating it, see model.py).
 
-The numerics are the slot engine's (model.py), cast for cast: the same building blocks, the same
+The numerics are the dense cache's programs' (model.py), cast for cast: the same building blocks, the same
 `attend` (float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`).
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: ja
 
 def _xla_attention(q, pages, table, first, batch, window):
     """Gather each row's pages whole and its queries into [S, Q], dense masked attention (the
-    slot engine's `attend`), then back to the flat tokens. Unused table entries point at the
+    dense cache's `attend`), then back to the flat tokens. Unused table entries point at the
     scratch page, at logical positions the rule rejects (the engine's guarantee)."""
     k, v = gather(pages, table)  # [S, L, Kl, H]
     s, length = k.shape[:2]

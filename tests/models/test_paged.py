@@ -1,5 +1,5 @@
 """The paged KV cache and the ragged step (models/gemma3/paged_kv.py, ragged.py) on the tiny
-random model: chunked prompts and decode through ragged steps equal the slot engine's prefill and
+random model: chunked prompts and decode through ragged steps equal the dense cache's prefill and
 decode, a mixed step equals its parts alone, a bidirectional span equals a dense reference written
 from the mask rule, what padding to a larger bucket changes, the pool updated in place, and the
 Pallas TPU kernel behind the same interface (lowered for TPU, run in interpret mode)."""
@@ -110,7 +110,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_chunked_prompt_and_decode_equal_prefill_and_decode(tiny, tp):
     """A 20-token prompt (the window is 8) in chunks of 6, then 4 decode steps, through ragged
-    steps over randomly ordered, recycled pages: the slot engine's logits within float32
+    steps over randomly ordered, recycled pages: the dense cache's logits within float32
     rounding (the sums run in another order: measured max relative difference ~1e-6)."""
     m = tiny[tp]
     prompt, chunk, bucket = _tokens(20, 1), 6, (8, 2, 8, 16, local_pages(8))

@@ -1,6 +1,6 @@
 """`gemma3-generate` end to end (in this process): on a tiny random model (on 2 of the session's
 virtual devices) the label-spelled AllReduce reaches the model and the prompt is generated; on
-the real 270M its text through the paged engine is the one-slot slot engine's it replaced."""
+the real 270M its greedy text is the model's own greedy generation, its seeded text the engine's."""
 import pytest
 
 from serving.cli import generate_main
