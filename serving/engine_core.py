@@ -236,8 +236,9 @@ class EngineCore:
         held) for requests to take their places before starting the next step.
 
         A client that sends its next request as soon as the last one finished (a chat turn, a
-        batch job, a benchmark stream) otherwise arrives just after the next decode step began and
-        waits for all of it before its prefill: its time to first token grows by a whole step. The running streams pay the wait only on steps after a finish."""
+        batch job, a benchmark stream) otherwise arrives just after the next step began and
+        waits for all of it before its prompt runs: its time to first token grows by a whole
+        step. The running streams pay the wait only on steps after a finish."""
         freed, self._freed = self._freed, 0
         if not (freed and self.admission_wait > 0 and self.num_running):
             return
@@ -249,7 +250,8 @@ class EngineCore:
             self._lock.wait(left)
 
     def _execute(self, plan: StepPlan) -> None:
-        """One ragged step of the paged engine: every piece of the plan in one program."""
+        """One ragged step: every piece of the plan in one program (two in deterministic
+        mode), then the image work between steps."""
         from serving.paged_steps import step_inputs
 
         for queried, hit in plan.lookups:
