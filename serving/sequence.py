@@ -1,6 +1,7 @@
 """A sequence as the scheduler and the engine core see it (`Sequence`, its images `SeqImage`),
-and what any scheduling policy shares: the bounded waiting queue with its context check
-(`WaitingQueue`, `check_context`, `QueueFull`). The policy itself is `paged_scheduler.py`'s.
+and the scheduler's waiting side: the bounded waiting queue with its context check
+(`WaitingQueue`, `check_context`, `QueueFull`), which `paged_scheduler.PagedScheduler` builds its
+policy on.
 
 Not thread-safe: the engine core serialises every call (a lock around the waiting queue).
 """
@@ -75,8 +76,8 @@ class Sequence:
 
 
 class WaitingQueue:
-    """What every scheduling policy shares: the bounded waiting queue, the context check, and
-    removing sequences (waiting or running). A policy defines `running`, `finish` and
+    """The scheduler's waiting side: the bounded waiting queue, the context check, and
+    removing sequences (waiting or running). The scheduler defines `running`, `finish` and
     `schedule`; `admissible` may refuse what it cannot serve."""
 
     def __init__(self, info: RunnerInfo, max_waiting: int = 256):
@@ -89,7 +90,7 @@ class WaitingQueue:
         check_context(self.info.max_seq_len, prompt_len, max_tokens)
 
     def admissible(self, seq: Sequence) -> None:
-        """Raises InvalidParameter for a sequence this policy cannot serve."""
+        """Raises InvalidParameter for a sequence the scheduler cannot serve."""
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queues sequences, all or none. Raises InvalidParameter or QueueFull."""
