@@ -75,11 +75,13 @@ def _engine(model, args, deterministic: bool, prefix: bool, slots: int):
     # Ready as a server is once its background compiler is done (serving/runtime.py,
     # serving/background_compile.py): the warm-up's programs compiled and run, then every other
     # step shape compiled, so that no timed step waits for a compile (the deterministic mode
-    # has none left after the warm-up).
+    # has none left after the warm-up); with --no-background-compile, as ready as such a
+    # server is after its warm-up.
     t0 = time.perf_counter()
     engine.compile_warmup(lambda msg: None)
     engine.warmup(lambda msg: None)
-    engine.model.compile_ragged(engine.later_programs())
+    if args.background_compile:
+        engine.model.compile_ragged(engine.later_programs())
     print(f"  engine ({'deterministic' if deterministic else 'default'} mode, pieces of "
           f"{args.prefill_chunk}, {slots} sequences) compiled and warmed up in "
           f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
@@ -233,6 +235,9 @@ def main(argv=None) -> None:
     p.add_argument("--itl-modes", type=int, default=1, choices=(1, 2),
                    help="itl: the default mode only, or both")
     p.add_argument("--compile-cache-dir", default=None)
+    p.add_argument("--no-background-compile", dest="background_compile", action="store_false",
+                   help="measure a server started with --no-background-compile: the step shapes "
+                        "the warm-up leaves compile on first use, inside the timed runs")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     jax_platform.request_cpu_devices(args.tp)
