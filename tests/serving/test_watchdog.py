@@ -32,23 +32,25 @@ ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT = 3.0
 SHUTDOWN_TIMEOUT = 2.0
 # Two streams of up to 480 tokens, each engine call a step of both: the 250th call comes long
-# after both requests arrived and long before either ends. (A context of 512: the warm-up
-# compiles the decode of 3 page buckets, not the 5 of 2,048.)
+# after both requests arrived and long before either ends.
 STALL_STEP = 250
+# Both servers' context: one model and one set of programs, which the second reads from the
+# cache the first filled. (512: the warm-up compiles the decode of 3 page buckets, not the 5 of
+# 2,048.)
+MAX_SEQ_LEN = 512
 STARTUP_TIMEOUT = 240
 
 
 class Server:
-    def __init__(self, name: str, log_dir: Path, cache_dir: Path, stall_step: int, step_timeout: float,
-                 max_seq_len: int):
+    def __init__(self, name: str, log_dir: Path, cache_dir: Path, stall_step: int, step_timeout: float):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
         env["GEMMA3_TEST_STALL_STEP"] = str(stall_step)
         env["EQUARX_NATIVE_CPU"] = "0"  # tp=1 runs no AllReduce: no need to build its CPU kernels
-        cmd = [sys.executable, "-m", "serving.cli", "--model", f"random:tiny?max_len={max_seq_len}",
-               "--dtype", "float32", "--max-seq-len", str(max_seq_len), "--max-batch", "2", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "serving.cli", "--model", f"random:tiny?max_len={MAX_SEQ_LEN}",
+               "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2", "--port", str(self.port),
                "--compile-cache-dir", str(cache_dir), "--step-timeout", str(step_timeout),
                "--compile-timeout", str(max(step_timeout, 60)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
         self.log = open(self.log_path, "w")
@@ -89,19 +91,21 @@ class Server:
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("watchdog-logs")
     cache = tmp_path_factory.mktemp("watchdog-cache")
-    # "late": its stuck step's limit is far off when SIGTERM comes. It starts once "stuck" is
-    # ready: the same model and shapes, so it reads every program from the cache "stuck" filled
-    # instead of compiling them again.
-    s = {"stuck": Server("stuck", logs, cache, STALL_STEP, STEP_TIMEOUT, 512)}
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    s = {}
+
+    def start(name: str, stall_step: int, step_timeout: float) -> None:
+        server = s[name] = Server(name, logs, cache, stall_step, step_timeout)
+        while not server.ready():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{name} not ready:\n" + server.text()[-2000:])
+            time.sleep(0.2)
+
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        for name in ("stuck", "late"):
-            if name not in s:
-                s[name] = Server(name, logs, cache, 3, 120.0, 512)
-            while not s[name].ready():
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{name} not ready:\n" + s[name].text()[-2000:])
-                time.sleep(0.2)
+        start("stuck", STALL_STEP, STEP_TIMEOUT)
+        # "late": its stuck step's limit is far off when SIGTERM comes. It starts once "stuck" is
+        # ready, so that it reads every program from the cache "stuck" filled.
+        start("late", 3, 120.0)
         yield s
     finally:
         for x in s.values():
