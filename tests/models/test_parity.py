@@ -147,7 +147,8 @@ def int8_tp4(params, golden):
 
 # Floors one position (of 167) under the lowest measured agreement, so a regression shows at once
 # (the count moves by a position or two with the CPU's float summation order):
-#   full + tile (the paper's scales)  measured 0.886-0.898 (148-150 of 167)  floor 0.88 (147)
+#   full + tile (the paper's scales)  measured 0.874-0.898 (146-150 of 167;  floor 0.868 (145)
+#                                      146 on a processor without AVX-512)
 #   auto + group (the default int8:   measured 0.970 (162; 0.982, 164, with  floor 0.97 (162)
 #     two-shot here, token-local       bfloat16 scales until 2026-11-26: its
 #     groups of 32)                    5 misses are near ties, asserted below)
@@ -155,7 +156,7 @@ def int8_tp4(params, golden):
 #   pass the floor and fail the target.
 # The older rotated-row codecs (full / semi + hadamard: 0.976-0.994, misses near ties) are
 # measured by `python -m eval.quality` rather than here, to keep the suite's time.
-INT8_TP4_FLOORS = {("full", "tile"): 0.88, ("auto", "group"): 0.97}
+INT8_TP4_FLOORS = {("full", "tile"): 0.868, ("auto", "group"): 0.97}
 DEFAULT_INT8_TARGET = 0.97
 NEAR_TIE = 0.2
 
@@ -177,7 +178,7 @@ def test_int8_allreduce_top1_at_tp4(int8_tp4, golden, variant, blocks):
                 assert val[pos, 0] - val[pos, 1] < NEAR_TIE, (pos, val[pos, :2])
 
 
-@pytest.mark.xfail(strict=True, reason="the paper's 8x128 tile scales: measured 0.886-0.898 (148-150 of 167); "
+@pytest.mark.xfail(strict=True, reason="the paper's 8x128 tile scales: measured 0.874-0.898 (146-150 of 167); "
                    "an int8 step of (block max)/127 flips near ties (docs/quality.md). The default "
                    "int8's token-local groups meet it, see the floors above")
 def test_int8_allreduce_top1_target(int8_tp4):
