@@ -38,16 +38,18 @@ def _text_ids(tokenizer, n: int, seed: int) -> list[int]:
 
 
 class Stream:
-    """A sink recording the arrival time of every token of one request."""
+    """A sink recording every token of one request: its arrival time, id and logprob."""
 
     def __init__(self):
         self.times: list[float] = []
+        self.tokens: list[tuple[int, float | None]] = []
         self.done = threading.Event()
         self.error = None
 
     def __call__(self, event) -> None:
         now = time.perf_counter()
         self.times += [now] * len(event.tokens)
+        self.tokens += [(t.id, t.logprob) for t in event.tokens]
         if event.finish_reason is not None:
             self.error = event.error
             self.done.set()

@@ -20,7 +20,8 @@ import os
 import resource
 import subprocess
 import sys
-import threading
+
+from eval.bench_engine import _submit
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Flags of jaxlib's XLA:CPU that could plausibly make compiling cheaper.
@@ -37,24 +38,15 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _generate(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
-    from serving import EngineCore, SamplingParams
+    """Each prompt's greedy (token, logprob)s, all submitted before any is awaited."""
+    from serving import EngineCore
 
-    outs = [[] for _ in prompts]
-    done = [threading.Event() for _ in prompts]
     core = EngineCore(engine).start()
     try:
-        for i, p in enumerate(prompts):
-            def sink(e, i=i):
-                outs[i].extend((t.id, t.logprob) for t in e.tokens)
-                if e.finish_reason is not None:
-                    done[i].set()
-            core.submit([(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                            logprobs=0), sink)])
-        if not all(d.wait(600) for d in done):
-            raise RuntimeError("the engine did not finish")
+        streams = [_submit(core, p, max_tokens) for p in prompts]
+        return [s.wait(600).tokens for s in streams]
     finally:
         core.shutdown()
-    return outs
 
 
 def child(model: str) -> dict:
@@ -125,6 +117,7 @@ def main(argv=None) -> None:
         ("compile s", ">9", lambda r: str(r.get("compile_s", "-"))),
         ("programs", ">8", lambda r: str(r.get("programs", "-"))),
         ("bits vs default", "<20", verdict)]))
+
 
 if __name__ == "__main__":
     main()
