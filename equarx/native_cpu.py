@@ -81,8 +81,8 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     # -ffp-contract=off: a product and a sum are never fused into one rounding (the kernels
     # give the pure-JAX form's bits).
-    flags = ["-O3", f"-march={arch}", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC",
-             "-w", *codec_spec.cpp_defines()]  # the codec's constants: codec_spec
+    flags = ["-O3", f"-march={arch}", "-std=c++17", "-ffp-contract=off", "-fPIC", "-w",
+             *codec_spec.cpp_defines()]  # the codec's constants: codec_spec
     key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), _cpu_flags().encode(),
                                      " ".join(flags).encode(), platform.machine().encode()]))
     directory = directory or _cache_dir()
@@ -94,15 +94,38 @@ def build(compiler: str, arch: str = "native", directory: Path | None = None) ->
     # (one per device in a multi-process group) never load a half-written file.
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
+    objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
     try:
-        subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o",
-                        tmp],
-                       check=True, capture_output=True, text=True, timeout=300)
+        # One compiler a source, side by side, then the link: a server's first start waits for
+        # this (-O3 takes ~8 s a source on a slow core), and the sources are independent.
+        _run_together([[compiler, *flags, "-c", "-I", jax.ffi.include_dir(), str(src), "-o", obj]
+                       for src, obj in zip(SOURCES, objects)])
+        _run_together([[compiler, *flags, "-shared", *objects, "-o", tmp]])
         os.replace(tmp, lib)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, *objects):
+            if os.path.exists(path):
+                os.unlink(path)
     return lib
+
+
+def _run_together(commands: list[list[str]], timeout: float = 300) -> None:
+    """Runs the commands at once; raises CalledProcessError (with its stderr) for the first
+    that fails, after all have ended."""
+    procs = []
+    try:
+        for command in commands:
+            procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for command, p, (out, err) in zip(commands, procs, outs):
+        if p.returncode:
+            raise subprocess.CalledProcessError(p.returncode, command, out, err)
 
 
 def register(lib: Path, suffix: str = "") -> tuple[str, ...]:
@@ -143,6 +166,14 @@ def available() -> bool:
     """Whether the native kernels are built and registered (building them on first call)."""
     with _LOCK:
         return _load()
+
+
+def build_in_background() -> None:
+    """On the CPU backend, build (or find) and register the kernels on a thread: a caller that
+    will trace programs calling them starts the build (seconds, the first time on a machine)
+    beside its other work; `available()` and `in_use()` wait for it."""
+    if jax.default_backend() == "cpu":
+        threading.Thread(target=available, name="equarx-native-cpu-build", daemon=True).start()
 
 
 def in_use() -> bool:

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from equarx import AllReduceConfig
+from equarx import AllReduceConfig, native_cpu
 from models.gemma3 import loading
 from models.gemma3.config import Gemma3Config, get_config
 from models.gemma3.step_api import Gemma3StepAPI, check_token_range
@@ -271,6 +271,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
     parse_tp_mesh(tp_mesh, tp)  # a bad mesh fails before anything loads
     if isinstance(config, str):
         config = get_config(config)
+    if tp > 1:  # its AllReduce may call the native CPU kernels: a first start builds them now
+        native_cpu.build_in_background()
     source, vision_name = split_vision_option(source)
     if _is_official_dir(source):
         # Read once: the text and the vision tower come from the same tree.
@@ -286,7 +288,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
         program_cache = ProgramCache(
             program_cache_dir, salt=f"{source_fingerprint()} {device.platform} "
             f"{device.device_kind} x64={jax.config.jax_enable_x64} "
-            f"precision={jax.config.jax_default_matmul_precision}")
+            f"precision={jax.config.jax_default_matmul_precision}", native_kernels=tp > 1)
     programs = ModelPrograms(cfg, mesh=mesh, allreduce=allreduce, dtype=dtype,
                              program_cache=program_cache, fold_rotation=fold_rotation)
     compiling = None

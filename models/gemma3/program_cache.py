@@ -181,12 +181,22 @@ class ProgramCache:
     (traced and written), "loaded" (read back, no tracing), "unreadable" (a bad file,
     traced again), "not_exportable" (jax.export refused it: the plain jitted function runs)."""
 
-    def __init__(self, directory: str | os.PathLike, salt: str = ""):
+    def __init__(self, directory: str | os.PathLike, salt: str = "", native_kernels: bool = True):
+        """`native_kernels`: whether the programs may call equarx's native CPU kernels (any
+        with an AllReduce may); whether those are in use is then part of every key."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        # Also registers the kernel's FFI target before any stored program that calls it runs.
-        self._salt = f"{salt}\nnative_cpu={native_cpu.in_use()}"
+        self._given_salt, self._native_kernels = salt, native_kernels
         self.stats: collections.Counter = collections.Counter()
+
+    @functools.cached_property
+    def _salt(self) -> str:
+        # Asked at the first program's look-up, not at construction: on a first start that
+        # waits for the kernels' build (seconds), which may meanwhile overlap the weights' load.
+        # Asking registers the kernels' FFI targets before any stored program that calls them
+        # runs.
+        native = self._native_kernels and native_cpu.in_use()
+        return f"{self._given_salt}\nnative_cpu={native}"
 
     def wrap(self, name: str, fn: Callable, donate_argnums: Sequence[int] = (),
              static: str = "", default_sharding=None) -> CachedProgram:

@@ -147,3 +147,37 @@ def test_outputs_fed_back_reuse_the_program(tmp_path):
     assert _stats(model) == {"exported": 2}  # decode, write_token
     assert len(model.programs.jitted(Program.DECODE)._entries) == 1
     assert len(model.programs.jitted(Program.WRITE_TOKEN)._entries) == 1
+
+
+# A fresh process (this one has the kernels loaded): a tp=1 model has no AllReduce, so loading
+# it with a program cache and running its programs must neither build nor load the native CPU
+# kernels (a first `gemma3-serve` at tp=1 used to wait ~16 s for a C++ build it never called).
+_TP1_BUILDS_NOTHING = """
+import sys
+import numpy as np
+from equarx import native_cpu
+from models.gemma3 import load_model
+model = load_model("random:tiny", tp=1, dtype="float32", max_seq_len=32,
+                   program_cache_dir=sys.argv[1])
+model.score([[2, 7, 9]])
+stats = model.programs.program_cache.stats
+print("exported", stats["exported"], "kernels", native_cpu._load.cache_info().currsize)
+"""
+
+
+def test_a_tp1_model_never_builds_the_native_kernels(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import jax_platform
+
+    env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu",
+                                              EQUARX_CACHE_DIR=str(tmp_path / "kernels")),
+                                         malloc_tunables=False, cpu_devices=1)
+    out = subprocess.run([sys.executable, "-c", _TP1_BUILDS_NOTHING, str(tmp_path / "programs")],
+                         env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-4:] == ["exported", "1", "kernels", "0"], out.stdout
+    assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").iterdir())
