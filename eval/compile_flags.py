@@ -22,8 +22,8 @@ import subprocess
 import sys
 
 from eval.bench_engine import _submit
+from eval.compile_events import record_compiles
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Flags of jaxlib's XLA:CPU that could plausibly make compiling cheaper.
 DEFAULT_FLAGS = ("", "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_use_xnnpack=false",
                  "--xla_cpu_enable_concurrency_optimized_scheduler=false")
@@ -51,7 +51,6 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tu
 
 def child(model: str) -> dict:
     """This process's measurement (its XLA_FLAGS set by the parent)."""
-    import jax
     import numpy as np
 
     from equarx import AllReduceConfig
@@ -59,8 +58,7 @@ def child(model: str) -> dict:
     from serving import PagedRunner
 
     compiles: list[float] = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **_: compiles.append(seconds) if event == COMPILE_EVENT else None)
+    record_compiles(compiles)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     m = load_model(model, tp=1, dtype="float32", allreduce=AllReduceConfig("f32"))
     prompts = _prompts(m.config.vocab_size)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from eval.compile_events import record_compiles
 from eval.reports import format_columns
 
 DIR_ENV = "SUITE_PROFILE_DIR"
 DEFAULT_DIR = ".suite-profile"
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 _compiles: list[float] = []
 _listening = False
@@ -39,18 +39,11 @@ def _directory() -> Path:
     return Path(os.environ.get(DIR_ENV, DEFAULT_DIR))
 
 
-def _on_event(event: str, seconds: float, **_) -> None:
-    if event == COMPILE_EVENT:
-        _compiles.append(seconds)
-
-
 def _listen_once_jax_is_here() -> None:
     # Importing jax here would start it in processes (and tests) that never use it.
     global _listening
     if not _listening and "jax" in sys.modules:
-        import jax.monitoring
-
-        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        record_compiles(_compiles)
         _listening = True
 
 
