@@ -9,8 +9,12 @@ costs and gains of the engine's scheduling modes (docs/engine.md):
               (its pieces beside their decodes: p99 of their gaps from its arrival to its first
               token) against their median gap without it; the default mode, or both modes with
               --itl-modes 2.
+  burst       8 requests of mixed prompt lengths at once on an engine just through its warm-up
+              (a server the moment it is ready: no background compile yet), then 8 others:
+              the step shapes the warm-up left compile inside the first burst, stalling every
+              stream; the first burst's time and longest gap against the second's.
 
-    python -m eval.bench_engine                          # all three, gemma3-270m bfloat16
+    python -m eval.bench_engine                          # all four, gemma3-270m bfloat16
     python -m eval.bench_engine --only prefix,itl --prefill-chunk 16 --out report.json
 """
 from __future__ import annotations
@@ -68,7 +72,7 @@ def _submit(core, ids, max_tokens: int) -> Stream:
     return s
 
 
-def _engine(model, args, deterministic: bool, prefix: bool, slots: int):
+def _engine(model, args, deterministic: bool, prefix: bool, slots: int, background: bool = True):
     from serving import PagedRunner
 
     engine = PagedRunner(model, max_num_seqs=slots, max_seq_len=args.max_seq_len,
@@ -82,7 +86,7 @@ def _engine(model, args, deterministic: bool, prefix: bool, slots: int):
     t0 = time.perf_counter()
     engine.compile_warmup(lambda msg: None)
     engine.warmup(lambda msg: None)
-    if args.background_compile:
+    if args.background_compile and background:
         engine.model.compile_ragged(engine.later_programs())
     print(f"  engine ({'deterministic' if deterministic else 'default'} mode, pieces of "
           f"{args.prefill_chunk}, {slots} sequences) compiled and warmed up in "
@@ -215,9 +219,46 @@ def bench_itl(model, args) -> dict:
     return out
 
 
+# The burst's prompt lengths, as fractions of --burst-tokens: lone-prompt and beside-others
+# pieces of several token buckets, as a first minute of chat traffic brings.
+BURST_FRACTIONS = (0.03, 0.13, 0.3, 0.5, 0.73, 1.0, 0.08, 0.2)
+
+
+def bench_burst(model, args) -> dict:
+    """8 requests sent at once to an engine just through its warm-up, then 8 others (other
+    texts, no prefix hits) once they are done: each burst's wall time from sending to the last
+    token, and its longest gap between two tokens of a stream."""
+    from serving import EngineCore
+
+    engine = _engine(model, args, False, prefix=True, slots=8, background=False)
+    tok = model.tokenizer
+    core = EngineCore(engine).start()
+    runs = []
+    try:
+        for burst in range(2):
+            t0 = time.perf_counter()
+            streams = [_submit(core, [tok.bos_id] + _text_ids(tok, max(1, int(f * args.burst_tokens)),
+                                                               300 + 10 * burst + i), args.tokens)
+                       for i, f in enumerate(BURST_FRACTIONS)]
+            for s in streams:
+                s.wait()
+            gaps = [float(np.max(np.diff(s.times))) for s in streams if len(s.times) > 1]
+            runs.append({"wall_s": max(s.times[-1] for s in streams) - t0,
+                         "longest_gap_s": max(gaps, default=0.0),
+                         "ttft_s": [s.times[0] - t0 for s in streams]})
+    finally:
+        core.shutdown()
+    out = {"first": runs[0], "second": runs[1], "ratio": runs[0]["wall_s"] / runs[1]["wall_s"]}
+    for name, r in (("first", runs[0]), ("second", runs[1])):
+        print(f"  {name} burst: {r['wall_s']:.1f} s, longest gap {r['longest_gap_s']:.2f} s, TTFT "
+              f"{min(r['ttft_s']):.2f}-{max(r['ttft_s']):.2f} s", file=sys.stderr)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="throughput,prefix,itl", help="comma-separated: throughput, prefix, itl")
+    p.add_argument("--only", default="throughput,prefix,itl,burst",
+                   help="comma-separated: throughput, prefix, itl, burst")
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tp", type=int, default=1)
@@ -236,6 +277,7 @@ def main(argv=None) -> None:
     p.add_argument("--baseline-s", type=float, default=3.0, help="itl: seconds of gaps without the long prompt")
     p.add_argument("--itl-modes", type=int, default=1, choices=(1, 2),
                    help="itl: the default mode only, or both")
+    p.add_argument("--burst-tokens", type=int, default=300, help="burst: the longest prompt")
     p.add_argument("--compile-cache-dir", default=None)
     p.add_argument("--no-background-compile", dest="background_compile", action="store_false",
                    help="measure a server started with --no-background-compile: the step shapes "
@@ -258,7 +300,8 @@ def main(argv=None) -> None:
               "command": "python -m eval.bench_engine " + " ".join(argv if argv is not None else sys.argv[1:])}
     for part in args.only.split(","):
         print(f"{part}:", file=sys.stderr)
-        report[part] = {"throughput": bench_throughput, "prefix": bench_prefix, "itl": bench_itl}[part](model, args)
+        report[part] = {"throughput": bench_throughput, "prefix": bench_prefix, "itl": bench_itl,
+                        "burst": bench_burst}[part](model, args)
     write_json(args.out, report)
     if "throughput" in report:
         cost = report["throughput"]["deterministic_cost"]
@@ -268,6 +311,9 @@ def main(argv=None) -> None:
     for name, r in report.get("itl", {}).items():
         print(f"p99 ITL of 4 streams while a {args.long_tokens}-token prompt is admitted ({name}): "
               f"{r['ratio']:.2f}x their median")
+    if "burst" in report:
+        print(f"a first burst of 8 requests on a just-warmed engine: {report['burst']['ratio']:.2f}x "
+              f"the time of the next")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def test_bench_engine_runs_on_a_tiny_model(tmp_path):
     # the warm-up leaves compile when first met (a server without its background compile).
     cmd = [sys.executable, "-m", "eval.bench_engine", "--model", "random:tiny", "--dtype", "float32",
            "--max-seq-len", "128", "--prefill-chunk", "16", "--page-size", "16", "--prefix-tokens", "60",
-           "--long-tokens", "100", "--itl-tokens", "100", "--baseline-s", "0.1", "--tokens", "8",
+           "--long-tokens", "100", "--itl-tokens", "100", "--baseline-s", "0.1", "--tokens", "8", "--burst-tokens", "100",
            "--requests", "1", "--repeats", "1", "--compile-cache-dir", "", "--no-background-compile",
            "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -31,3 +31,9 @@ def test_bench_engine_runs_on_a_tiny_model(tmp_path):
     itl = report["itl"]["default"]
     assert itl["admission_gaps"] > 0 and itl["ratio"] > 0
     assert "TTFT with a 60-token prefix hit" in r.stdout
+    burst = report["burst"]
+    for run in (burst["first"], burst["second"]):
+        assert len(run["ttft_s"]) == 8 and 0 < max(run["ttft_s"]) <= run["wall_s"]
+        assert 0 < run["longest_gap_s"] < run["wall_s"]
+    assert burst["ratio"] == burst["first"]["wall_s"] / burst["second"]["wall_s"]
+    assert "a first burst of 8 requests" in r.stdout
