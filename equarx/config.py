@@ -109,6 +109,13 @@ class AllReduceConfig:
         return self.blocks == "group"
 
     @property
+    def group_codec(self) -> bool:
+        """Whether the ppermute schedules quantize with the group codec (codecs.GroupCodec),
+        whose operations have native kernels on some platforms (equarx.backends): XLA's psums,
+        bf16_ring, the flat "tile" / "hadamard" scales and the Pallas kernel never call them."""
+        return self.method in QUANTIZED and self.blocks == "group" and self.impl == "ppermute"
+
+    @property
     def label(self) -> str:
         """Short name used in metrics labels, benchmark rows, /health and on the command line:
         method, then -variant, -phases, +blocks where they differ from the defaults, then the

@@ -271,7 +271,9 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
     parse_tp_mesh(tp_mesh, tp)  # a bad mesh fails before anything loads
     if isinstance(config, str):
         config = get_config(config)
-    if tp > 1:  # its AllReduce may call the native CPU kernels: a first start builds them now
+    # Where the AllReduce may call the native CPU kernels, a first start builds them now.
+    native_kernels = tp > 1 and allreduce.group_codec
+    if native_kernels:
         native_cpu.build_in_background()
     source, vision_name = split_vision_option(source)
     if _is_official_dir(source):
@@ -288,7 +290,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
         program_cache = ProgramCache(
             program_cache_dir, salt=f"{source_fingerprint()} {device.platform} "
             f"{device.device_kind} x64={jax.config.jax_enable_x64} "
-            f"precision={jax.config.jax_default_matmul_precision}", native_kernels=tp > 1)
+            f"precision={jax.config.jax_default_matmul_precision}", native_kernels=native_kernels)
     programs = ModelPrograms(cfg, mesh=mesh, allreduce=allreduce, dtype=dtype,
                              program_cache=program_cache, fold_rotation=fold_rotation)
     compiling = None

@@ -182,8 +182,9 @@ class ProgramCache:
     traced again), "not_exportable" (jax.export refused it: the plain jitted function runs)."""
 
     def __init__(self, directory: str | os.PathLike, salt: str = "", native_kernels: bool = True):
-        """`native_kernels`: whether the programs may call equarx's native CPU kernels (any
-        with an AllReduce may); whether those are in use is then part of every key."""
+        """`native_kernels`: whether the programs may call equarx's native CPU kernels (an
+        AllReduce with the group codec may: `AllReduceConfig.group_codec`); whether those are
+        in use is then part of every key."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._given_salt, self._native_kernels = salt, native_kernels

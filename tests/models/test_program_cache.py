@@ -149,23 +149,25 @@ def test_outputs_fed_back_reuse_the_program(tmp_path):
     assert len(model.programs.jitted(Program.WRITE_TOKEN)._entries) == 1
 
 
-# A fresh process (this one has the kernels loaded): a tp=1 model has no AllReduce, so loading
-# it with a program cache and running its programs must neither build nor load the native CPU
-# kernels (a first `gemma3-serve` at tp=1 used to wait ~16 s for a C++ build it never called).
-_TP1_BUILDS_NOTHING = """
+# A fresh process (this one has the kernels loaded): a model whose AllReduce never calls the
+# native CPU kernels (none at tp=1; XLA's psum at tp=2), loaded with a program cache and running
+# its programs, must neither build nor load them (a first `gemma3-serve` at tp=1 used to wait
+# ~16 s for a C++ build it never called).
+_BUILDS_NOTHING = """
 import sys
 import numpy as np
-from equarx import native_cpu
+from equarx import AllReduceConfig, native_cpu
 from models.gemma3 import load_model
-model = load_model("random:tiny", tp=1, dtype="float32", max_seq_len=32,
-                   program_cache_dir=sys.argv[1])
+model = load_model("random:tiny", tp=int(sys.argv[2]), dtype="float32", max_seq_len=32,
+                   allreduce=AllReduceConfig.from_label(sys.argv[3]), program_cache_dir=sys.argv[1])
 model.score([[2, 7, 9]])
 stats = model.programs.program_cache.stats
 print("exported", stats["exported"], "kernels", native_cpu._load.cache_info().currsize)
 """
 
 
-def test_a_tp1_model_never_builds_the_native_kernels(tmp_path):
+@pytest.mark.parametrize("tp,allreduce", [(1, "int8"), (2, "f32"), (2, "int8+tile")])
+def test_a_model_whose_allreduce_calls_no_kernel_never_builds_them(tmp_path, tp, allreduce):
     import os
     import subprocess
     import sys
@@ -174,10 +176,22 @@ def test_a_tp1_model_never_builds_the_native_kernels(tmp_path):
 
     env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu",
                                               EQUARX_CACHE_DIR=str(tmp_path / "kernels")),
-                                         malloc_tunables=False, cpu_devices=1)
-    out = subprocess.run([sys.executable, "-c", _TP1_BUILDS_NOTHING, str(tmp_path / "programs")],
+                                         malloc_tunables=False, cpu_devices=tp)
+    out = subprocess.run([sys.executable, "-c", _BUILDS_NOTHING, str(tmp_path / "programs"),
+                          str(tp), allreduce],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-4:] == ["exported", "1", "kernels", "0"], out.stdout
     assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").iterdir())
+
+
+def test_which_allreduces_use_the_group_codec():
+    """`AllReduceConfig.group_codec`: the quantized methods with the group scales on the
+    ppermute schedules, and nothing else."""
+    uses = {label: AllReduceConfig.from_label(label).group_codec
+            for label in ("int8", "int4", "fp8", "int8-semi", "int8-full+tile", "int8+hadamard",
+                          "int8@pallas", "bf16_ring", "bf16", "f32")}
+    assert uses == {"int8": True, "int4": True, "fp8": True, "int8-semi": True,
+                    "int8-full+tile": False, "int8+hadamard": False, "int8@pallas": False,
+                    "bf16_ring": False, "bf16": False, "f32": False}
