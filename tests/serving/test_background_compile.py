@@ -6,6 +6,7 @@ compile; a shutdown waits for the program in progress and the process exits clea
 The suite turns it off for every other server (tests/conftest.py, tests/testkit.py): here it
 runs on a tiny model with few buckets (one page bucket, a budget of 32 tokens).
 """
+import logging
 import os
 import signal
 import subprocess
@@ -32,7 +33,12 @@ def small_engine():
                           max_num_batched_tokens=32)
 
 
-def test_after_the_background_compile_no_step_compiles():
+def _first_use_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "compiled on first use" in r.getMessage()]
+
+
+def test_after_the_background_compile_no_step_compiles(caplog):
+    caplog.set_level(logging.INFO, logger="serving.paged_runner")
     m, engine = small_engine()
     engine.compile_warmup(progress=lambda msg: None)
     engine.warmup(progress=lambda msg: None)
@@ -50,6 +56,19 @@ def test_after_the_background_compile_no_step_compiles():
     run = {m.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages, engine.pages,
                         b.logits) for b in engine.programs_run}
     assert run & set(later) and run <= m.programs.kept(), run - m.programs.kept()
+    assert _first_use_lines(caplog) == []
+
+
+def test_a_step_that_compiles_on_first_use_says_so_once_per_shape(caplog):
+    """Without the warm-up's compile or the background's, each step shape's first run compiles
+    its program while every running sequence waits: one log line per shape."""
+    caplog.set_level(logging.INFO, logger="serving.paged_runner")
+    _, engine = small_engine()
+    generate(engine, [prompt(3, 1)], max_tokens=3)
+    generate(engine, [prompt(3, 2)], max_tokens=3)  # the same shapes again: compiled already
+    lines = _first_use_lines(caplog)
+    assert len(lines) == len(engine.programs_run) >= 2, lines
+    assert all(line.startswith("ragged step T=") for line in lines), lines
 
 
 def test_a_step_waits_for_the_compile_in_progress_instead_of_compiling_again():
