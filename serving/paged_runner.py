@@ -191,14 +191,7 @@ class PagedRunner:
         the sampling device; (None, None) for a program that returns no logits."""
         from models.gemma3.ragged import RaggedBatch
 
-        b = inputs.buckets
-        # A text step whose program neither the warm-up nor the background compiler made: its
-        # dispatch compiles it, and every running sequence waits (said in the log, since it
-        # looks like a slow step otherwise).
-        first_use = (not inputs.images and not b.every_token and b not in self.programs_run
-                     and self._key(b) not in self.model.programs.kept())
-        t0 = time.perf_counter()
-        self.programs_run.add(b)
+        self.programs_run.add(inputs.buckets)
         fields = dict(inputs.batch)
         if inputs.feed is not None:
             if prev is None or prev.tokens is None:
@@ -217,11 +210,6 @@ class PagedRunner:
         else:
             logits, self.pages = self.model.ragged_step(
                 self.pages, batch, logits=inputs.buckets.logits, images=images)
-        if first_use:
-            log.info("ragged step T=%d S=%d Q=%d Pg=%d Pl=%d%s compiled on first use: %.1fs, "
-                     "every running sequence waited", b.tokens, b.seqs, b.queries,
-                     b.global_pages, b.local_pages, "" if b.logits else " (no logits)",
-                     time.perf_counter() - t0)
         self.window.dispatched(logits)
         if not inputs.buckets.logits:
             return None, None

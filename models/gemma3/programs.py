@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import functools
+import logging
 import threading
 import time
 from typing import Callable, Iterable
@@ -42,6 +43,8 @@ from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, ragged
 from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
                                     resolve_tree, tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
+
+log = logging.getLogger(__name__)
 
 MIN_BUCKET = 32
 
@@ -173,6 +176,17 @@ class ProgramKey:
                    local_pages=local_pages, pools=pools, features=features)
 
 
+    def describe(self) -> str:
+        """For logs: "ragged step T=.. S=.. Q=.. Pg=.. Pl=..[ F=..][ (no logits)]", else the
+        program and its batch and tokens."""
+        if self.program not in RAGGED_PROGRAMS:
+            return f"{self.program.value} B={self.batch} T={self.tokens}"
+        return (f"ragged step T={self.tokens} S={self.batch} Q={self.queries} "
+                f"Pg={self.global_pages} Pl={self.local_pages}"
+                + (f" F={self.features}" if self.features else "")
+                + (" (no logits)" if self.program.value.endswith("_kv") else ""))
+
+
 class ModelPrograms:
     """The jitted programs of one model setup and the executables compiled for it (see the
     module docstring). Needs no weights, only their shapes.
@@ -227,6 +241,7 @@ class ModelPrograms:
         # Executables compiled ahead of time (`compile`): calls with their key run them
         # directly, with no tracing or cache lookup.
         self._executables: dict[ProgramKey, Callable] = {}
+        self._jit_ran: set[ProgramKey] = set()  # keys run through the jitted program
         # Keys being compiled on some thread (a server's background compiler): a caller that
         # needs one waits for that compile instead of compiling it a second time.
         self._compiling: dict[ProgramKey, concurrent.futures.Future] = {}
@@ -510,7 +525,23 @@ class ModelPrograms:
         pending = self._compiling.get(key)
         if pending is not None:
             pending.exception()  # waits; a failed compile leaves the jitted program
-        return self._executables.get(key) or self._jitted[key.program]
+        executable = self._executables.get(key)
+        if executable is not None:
+            return executable
+        if key in self._jit_ran:
+            return self._jitted[key.program]
+        return functools.partial(self._first_call, key)
+
+    def _first_call(self, key: ProgramKey, *args):
+        """A program's first call without a kept executable: it traces and compiles (or reads
+        the compilation cache) while its caller waits. Logged, since in a server every running
+        sequence waits for it and it would read as a slow step otherwise."""
+        t0 = time.perf_counter()
+        out = self._jitted[key.program](*args)
+        self._jit_ran.add(key)
+        log.info("%s compiled on first use: %.1fs, its caller waited", key.describe(),
+                 time.perf_counter() - t0)
+        return out
 
     def kept(self) -> frozenset[ProgramKey]:
         """The keys whose executables are kept."""

@@ -207,11 +207,7 @@ class Gemma3StepAPI:
         """
         keys = list(keys)
         self.programs.compile_all(
-            [(f"ragged step T={k.tokens} S={k.batch} Q={k.queries} Pg={k.global_pages} "
-              f"Pl={k.local_pages}" + (f" F={k.features}" if k.features else "")
-              + ("" if k.program.value.startswith("ragged") and not k.program.value.endswith(
-                  "_kv") else " (no logits)"),
-              [k]) for k in keys], workers, progress)
+            [(k.describe(), [k]) for k in keys], workers, progress)
 
     # -- running -------------------------------------------------------------------------------
     def prefill(self, cache: KVCache, tokens, lengths, slots, return_all_logits: bool = False):

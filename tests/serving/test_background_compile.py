@@ -38,7 +38,7 @@ def _first_use_lines(caplog) -> list[str]:
 
 
 def test_after_the_background_compile_no_step_compiles(caplog):
-    caplog.set_level(logging.INFO, logger="serving.paged_runner")
+    caplog.set_level(logging.INFO, logger="models.gemma3.programs")
     m, engine = small_engine()
     engine.compile_warmup(progress=lambda msg: None)
     engine.warmup(progress=lambda msg: None)
@@ -62,7 +62,7 @@ def test_after_the_background_compile_no_step_compiles(caplog):
 def test_a_step_that_compiles_on_first_use_says_so_once_per_shape(caplog):
     """Without the warm-up's compile or the background's, each step shape's first run compiles
     its program while every running sequence waits: one log line per shape."""
-    caplog.set_level(logging.INFO, logger="serving.paged_runner")
+    caplog.set_level(logging.INFO, logger="models.gemma3.programs")
     _, engine = small_engine()
     generate(engine, [prompt(3, 1)], max_tokens=3)
     generate(engine, [prompt(3, 2)], max_tokens=3)  # the same shapes again: compiled already
