@@ -175,7 +175,6 @@ class ProgramKey:
         return cls(program, seqs, tokens, queries=queries, global_pages=global_pages,
                    local_pages=local_pages, pools=pools, features=features)
 
-
     def describe(self) -> str:
         """For logs: "ragged step T=.. S=.. Q=.. Pg=.. Pl=..[ F=..][ (no logits)]", else the
         program and its batch and tokens."""
