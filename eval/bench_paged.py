@@ -4,8 +4,9 @@ model, same machine, runs alternating:
   lone   one greedy stream (a short prompt, then N tokens): its median inter-token latency.
          A lone request must not pay for a full batch.
   batch  8 concurrent greedy streams: tokens/s of the whole run.
-  Both at each --max-seq-len given: the default mode's steps attend over the pages the
-  sequences hold, the deterministic mode's decode over the whole --max-seq-len.
+  Both at each --max-seq-len given: the steps attend over the pages the sequences hold (the
+  deterministic mode's decode program has a table of the whole --max-seq-len, of which it
+  reads the rows' pages).
   memory the KV cache each engine allocates for the setting (bytes counted from the arrays),
          beside what a dense cache of 8 rows of --max-seq-len tokens would hold.
 
@@ -28,8 +29,8 @@ The other measurements (`--only`):
             not depend on the values).
 
 Engines (--engines): "paged" the paged engine's default mode, "paged-deterministic" the paged
-engine with --deterministic (batch-invariant: a step's decode rows over the whole context, its
-prompt piece in a program of its own).
+engine with --deterministic (batch-invariant: a step's decode rows in one program of every
+slot's row, its prompt piece in a program of its own).
 """
 from __future__ import annotations
 

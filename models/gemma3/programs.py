@@ -176,14 +176,15 @@ class ProgramKey:
                    local_pages=local_pages, pools=pools, features=features)
 
     def describe(self) -> str:
-        """For logs: "ragged step T=.. S=.. Q=.. Pg=.. Pl=..[ F=..][ (no logits)]", else the
-        program and its batch and tokens."""
+        """For logs: "ragged step T=.. S=.. Q=.. Pg=.. Pl=..[ F=..][ (no logits)][ (every
+        token's logits)]", else the program and its batch and tokens."""
         if self.program not in RAGGED_PROGRAMS:
             return f"{self.program.value} B={self.batch} T={self.tokens}"
         return (f"ragged step T={self.tokens} S={self.batch} Q={self.queries} "
                 f"Pg={self.global_pages} Pl={self.local_pages}"
                 + (f" F={self.features}" if self.features else "")
-                + (" (no logits)" if self.program.value.endswith("_kv") else ""))
+                + (" (no logits)" if self.program.value.endswith("_kv") else "")
+                + (" (every token's logits)" if self.program == Program.RAGGED_ALL_LOGITS else ""))
 
 
 class ModelPrograms:

@@ -13,7 +13,11 @@ pool only after the scatter also keeps the donated pool updated in place (XLA:CP
 buffer that one program reads *before* updating it, see model.py).
 
 The numerics are the dense cache's programs' (model.py), cast for cast: the same building blocks, the same
-`attend` (float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`).
+`attend` (float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`),
+but for a step of one-query rows (decodes) in the global layers: they read their pages a block
+at a time with a running softmax (`_xla_decode_attention`), so that a decode's cost follows the
+context its rows hold rather than the width of their tables (within a rounding of the dense
+form; a row's bits do not depend on the other rows or the table's width).
 """
 from __future__ import annotations
 
@@ -109,6 +113,8 @@ def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: ja
     express: `lax.cond` picks one per step on the device.
     """
     if impl == "xla":
+        if window is None and batch.queries.shape[1] == 1 and table.shape[1] % BLOCK_PAGES == 0:
+            return _xla_decode_attention(q, pages, table, batch)
         return _xla_attention(q, pages, table, first, batch, window)
     if impl != "pallas":
         raise ValueError(f"paged attention impl must be 'xla' or 'pallas', got {impl!r}")
@@ -130,6 +136,56 @@ def _xla_attention(q, pages, table, first, batch, window):
     mask = visible_keys(key_pos[:, None, :], qpos[:, :, None], qvis[:, :, None], window)
     out = attend_gathered(q[batch.queries], k, v, mask)  # [S, Q, Nl, H]
     return out[batch.seq, batch.col]
+
+
+# A global layer's one-query rows read their pages this many at a time (`_xla_decode_attention`).
+BLOCK_PAGES = 8
+
+
+def _xla_decode_attention(q, pages, table, batch):
+    """A global layer's attention for a step whose rows have one query each (decodes): the
+    rows' pages a block of BLOCK_PAGES at a time, in a loop that stops after the block holding
+    the farthest key any row sees, with a running softmax (max, sum and output rescaled per
+    block, float32). So a decode reads the pages its rows hold, not every page of the table
+    (the whole `--max-seq-len` in deterministic mode, whose decode program has one table
+    width). A block past a row's last key is masked whole for that row and changes nothing of
+    it, bit for bit (its weights are exp(K_MASK - max) = 0, the rescale exp(0) = 1): so a
+    row's result depends on its own keys only, whatever the other rows' lengths or the
+    table's width. Unused table entries point at the scratch page (finite values)."""
+    s, pn = table.shape
+    size = pages.page_size
+    span = BLOCK_PAGES * size
+    rows = batch.queries[:, 0]
+    qvis = batch.visible[rows]  # [S]: the last key position each row sees
+    qr = q[rows]  # [S, Nl, H]
+    n, h = qr.shape[1:]
+    kv_heads = pages.kv.shape[2] // 2
+    qr = qr.reshape(s, kv_heads, n // kv_heads, h)
+    blocks = jnp.minimum(jnp.max(qvis) // span + 1, pn // BLOCK_PAGES)
+
+    def body(j, carry):
+        top, total, acc = carry  # [S, Kl, G], [S, Kl, G], [S, Kl, G, H]: float32
+        k, v = gather(pages, lax.dynamic_slice_in_dim(table, j * BLOCK_PAGES, BLOCK_PAGES, 1))
+        key_pos = j * span + jnp.arange(span, dtype=qvis.dtype)
+        logits = jnp.einsum("skgh,slkh->skgl", qr, k, preferred_element_type=jnp.float32)
+        logits = jnp.where((key_pos[None, :] <= qvis[:, None])[:, None, None],
+                           logits.astype(q.dtype), forward.K_MASK).astype(jnp.float32)
+        new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+        weights = jnp.exp(logits - new_top[..., None])
+        rescale = jnp.exp(top - new_top)
+        part = jnp.einsum("skgl,slkh->skgh", weights.astype(q.dtype), v,
+                          preferred_element_type=jnp.float32)
+        return (new_top, total * rescale + jnp.sum(weights, axis=-1),
+                acc * rescale[..., None] + part)
+
+    g = n // kv_heads
+    start = (jnp.full((s, kv_heads, g), forward.K_MASK, jnp.float32),
+             jnp.zeros((s, kv_heads, g), jnp.float32), jnp.zeros((s, kv_heads, g, h), jnp.float32))
+    # The first block outside the loop: its carry then has the loop's types (in a shard_map,
+    # values varying over the mesh axis like the pages they come from).
+    _, total, acc = lax.fori_loop(1, blocks, body, body(0, start))
+    out = (acc / total[..., None]).astype(q.dtype).reshape(s, n, h)
+    return out[batch.seq]
 
 
 def attend_gathered(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -379,3 +379,19 @@ def test_models_are_not_kept_alive_by_the_library():
     del m, cache
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def test_a_program_key_names_its_program_for_the_logs():
+    """`ProgramKey.describe` (the warm-up's progress and the first-use compile lines): a ragged
+    step's shapes and which of its variants it is."""
+    from models.gemma3.config import get_config
+    from models.gemma3.paged_kv import paged_shapes
+
+    pages = paged_shapes(get_config("tiny"), 9, 5, 4, 2, "float32")
+    plain = ProgramKey.ragged(16, 2, 8, 8, 3, pages)
+    assert plain.describe() == "ragged step T=16 S=2 Q=8 Pg=8 Pl=3"
+    assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, logits=False).describe().endswith(
+        "Pl=3 (no logits)")
+    assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, every_token=True).describe().endswith(
+        "Pl=3 (every token's logits)")
+    assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, features=4).describe().endswith("Pl=3 F=4")

@@ -49,12 +49,16 @@ def test_a_request_alone_and_among_others_agree(deterministic):
     assert tokens_of(together) == tokens_of(alone)
     close(together, alone, 0.0 if deterministic else 1e-5)
     if deterministic:
-        # Two programs: the decode rows' (every slot's row, one query each, the whole
-        # context) and the prompt piece's (one row of a chunk of queries over its own
+        # Two programs: the decode rows' (every slot's row, one query each, a table of the
+        # whole context) and the prompt piece's (one row of a chunk of queries over its own
         # context's pages: up to 12 of 4 tokens here); they give the default mode's answers.
         run = {(b.seqs, b.queries, b.global_pages) for b in engine.programs_run}
         assert run == {(4, 1, 32), (1, 8, 8), (1, 8, 16)}
         close(together, generate(paged(m), PROMPTS, max_tokens=8), 1e-5)
+        # The decode rows read the pages they hold, not the table's width: the same bits
+        # under the model's longest --max-seq-len (a decode table of 64 pages, not 32).
+        longer = paged(m, deterministic=True, max_seq_len=m.config.max_seq_len)
+        close(generate(longer, PROMPTS, max_tokens=8), together, 0.0)
 
 
 def test_pages_running_out_preempt_and_lose_nothing():
@@ -85,7 +89,9 @@ def test_a_prefix_hit_gives_what_a_miss_gives_and_is_counted():
         other = generate(engine, [p[:30] + prompt(10, 4)], core=core)
     finally:
         core.shutdown()
-    close(second, first, 1e-6)
+    # The hit computes one token where the miss computed the prompt in one piece: other matmul
+    # shapes, so float noise (up to 2e-6 over a few prompts), within the default mode's 1e-5.
+    close(second, first, 1e-5)
     # the whole prompt but its last token (11 pages of 4), then the 7 full pages of the shared 30
     assert metrics.prefix_hits._value.get() == 44 + 28
     fresh = generate(paged(m, prefix_caching=False), [p[:30] + prompt(10, 4)])
