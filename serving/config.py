@@ -101,7 +101,7 @@ class ServerConfig:
                                  "on what else is batched. A step's decode rows then run in one "
                                  "program of every slot's row, and its prompt piece (one a step) "
                                  "in a program of its own: a lone request's inter-token latency "
-                                 "is ~1.8-2x the default mode's (docs/engine.md)")
+                                 "is ~1.6-2x the default mode's (docs/engine.md)")
     prefill_chunk: int = _field(16, "the most prompt tokens a sequence computes in one step while "
                                 "others run (a lone prompt takes the whole step budget); a "
                                 "multiple of page_size")
