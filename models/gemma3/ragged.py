@@ -156,11 +156,11 @@ def _xla_decode_attention(q, pages, table, batch):
     size = pages.page_size
     span = BLOCK_PAGES * size
     rows = batch.queries[:, 0]
-    qvis = batch.visible[rows]  # [S]: the last key position each row sees
-    qr = q[rows]  # [S, Nl, H]
-    n, h = qr.shape[1:]
+    qpos, qvis = batch.positions[rows], batch.visible[rows]  # [S]
+    n, h = q.shape[1:]
     kv_heads = pages.kv.shape[2] // 2
-    qr = qr.reshape(s, kv_heads, n // kv_heads, h)
+    g = n // kv_heads
+    qr = q[rows].reshape(s, kv_heads, g, h)
     blocks = jnp.minimum(jnp.max(qvis) // span + 1, pn // BLOCK_PAGES)
 
     def body(j, carry):
@@ -168,8 +168,9 @@ def _xla_decode_attention(q, pages, table, batch):
         k, v = gather(pages, lax.dynamic_slice_in_dim(table, j * BLOCK_PAGES, BLOCK_PAGES, 1))
         key_pos = j * span + jnp.arange(span, dtype=qvis.dtype)
         logits = jnp.einsum("skgh,slkh->skgl", qr, k, preferred_element_type=jnp.float32)
-        logits = jnp.where((key_pos[None, :] <= qvis[:, None])[:, None, None],
-                           logits.astype(q.dtype), forward.K_MASK).astype(jnp.float32)
+        mask = visible_keys(key_pos[None, :], qpos[:, None], qvis[:, None], None)  # [S, L]
+        logits = jnp.where(mask[:, None, None], logits.astype(q.dtype),
+                           forward.K_MASK).astype(jnp.float32)
         new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
         weights = jnp.exp(logits - new_top[..., None])
         rescale = jnp.exp(top - new_top)
@@ -178,7 +179,6 @@ def _xla_decode_attention(q, pages, table, batch):
         return (new_top, total * rescale + jnp.sum(weights, axis=-1),
                 acc * rescale[..., None] + part)
 
-    g = n // kv_heads
     start = (jnp.full((s, kv_heads, g), forward.K_MASK, jnp.float32),
              jnp.zeros((s, kv_heads, g), jnp.float32), jnp.zeros((s, kv_heads, g, h), jnp.float32))
     # The first block outside the loop: its carry then has the loop's types (in a shard_map,
