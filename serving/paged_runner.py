@@ -247,9 +247,9 @@ class PagedRunner:
     def warmup(self, progress: Callable[[str], None] = log.info) -> float:
         """Runs the steps every server meets first, so that they do not wait for a compile: a
         lone short prompt in each token bucket up to SHORT_PROMPT_TOKENS (a first chat or
-        completion request) and its decode at the smallest page bucket, a lone prompt of the
+        completion request) and its decode, a lone prompt of the
         whole budget, a full batch's prompts and decode. `compile_warmup` compiles these and
-        the decodes at every page bucket beforehand; other programs (pieces beside other work,
+        the decodes (`decode_buckets`) beforehand; other programs (pieces beside other work,
         longer prompts' pieces, other batch sizes) compile on first use. Returns seconds."""
         t0 = time.perf_counter()
         self._warmup_steps(self.run_step, progress)
@@ -258,7 +258,7 @@ class PagedRunner:
 
     def compile_warmup(self, progress: Callable[[str], None] = log.info) -> None:
         """Compiles, without running, the ragged programs `warmup` runs and the decode steps
-        of a lone sequence and of a full batch at every page bucket (`decode_buckets`), two at
+        of a lone sequence and of a full batch (`decode_buckets`), two at
         a time. The server calls it before the warm-up; a multi-process group also meets at a
         barrier after it (serving/runtime.py), so that the warm-up's first collective starts
         in every process at once however long each compiled."""
@@ -366,4 +366,5 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         max_num_batched_tokens=budget,
         sliding_window=window,
         has_global_layers=has_global,
+        attention=model.paged_attention,
     )

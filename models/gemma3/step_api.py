@@ -115,6 +115,11 @@ class Gemma3StepAPI:
         return self.programs.zeros_cache(num_slots, max_seq_len)
 
     # -- the paged cache -----------------------------------------------------------------------
+    @property
+    def paged_attention(self) -> str:
+        """The paged attention's form on this model's devices (`ragged.attention_impl`)."""
+        return self.programs.attention
+
     def pages_shapes(self, num_global_pages: int, num_local_pages: int,
                      page_size: int) -> PagedKV:
         """The paged cache's shapes (ShapeDtypeStructs, global shapes), e.g. for its bytes."""

@@ -35,8 +35,7 @@ SHUTDOWN_TIMEOUT = 2.0
 # after both requests arrived and long before either ends.
 STALL_STEP = 250
 # Both servers' context: one model and one set of programs, which the second reads from the
-# cache the first filled. (512: the warm-up compiles the decode of 3 page buckets, not the 5 of
-# 2,048.)
+# cache the first filled.
 MAX_SEQ_LEN = 512
 STARTUP_TIMEOUT = 240
 
