@@ -22,7 +22,7 @@ image holds up a running stream, and the time to first token of an image request
     python -m eval.bench_images --model "random:4b?layers=4&vocab=4096&vision=so400m" --tp 2
 
 Every kind of request runs once before it is measured (with a different image), and a gap in
-which a program still compiled (the stream's growing context reaching a new page bucket) is
+which a program still compiled (a step shape the warm-up did not run) is
 left out of the maxima and counted.
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def stall(core, model, args, kind: str, seed: int) -> dict:
     # The gaps before the other request's features were ready: the encoder's share (the step
     # that then runs the image's soft tokens, all in one piece, comes after).
     enc = np.array(encoded[lo:hi + 1])
-    # A gap in which a program compiled (a new page bucket of the growing stream, say) is
+    # A gap in which a program compiled (a step shape the warm-up did not run, say) is
     # left out of the maxima and counted: compilation is not what this measures.
     ends = times[lo + 1:hi + 1]
     compiled = np.array([any(a < c <= b for c in COMPILES) for a, b in zip(ends - gaps, ends)],
