@@ -31,14 +31,13 @@ class Buckets:
     max_num_seqs; Q is 1 (every row decodes), else the longest piece's power of two, at least
     the chunk size (pieces beside other work are at most a chunk; a lone prompt's take the
     budget); T is max(8, S) when every row decodes, else a power of two from 8 up to the
-    budget's; Pg a power of two from 8 pages up to max_seq_len's pages for a step with prompt
-    pieces, and max_seq_len's pages for a decode step (in the XLA form a decode reads the
-    pages its rows hold, whatever the width; the TPU kernel's decodes keep the buckets); Pl
-    follows Q. With max_num_seqs 8, max_seq_len 2048, pages of 16, chunks of 16 and the
-    default budget of 256 that is 2 decode programs (S), 6 x 5 x 2 with pieces beside other
-    work (T x Pg x logits) and 5 x 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256),
-    112 in all, of which a server meets the ones its load needs. A lone request runs S = 1
-    programs: it never pays for the batch.
+    budget's; Pg max_seq_len's pages in the XLA form, which reads the pages the rows hold
+    whatever the width, and on TPU a power of two from 8 pages up to that (`global_pages_for`);
+    Pl follows Q. With max_num_seqs 8, max_seq_len 2048, pages of 16, chunks of 16 and the
+    default budget of 256 that is 2 decode programs (S), 6 x 2 with pieces beside other work
+    (T x logits) and 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256), 24 in all (120
+    on TPU: each but the decodes' at 5 page buckets, the decodes' too), of which a server meets
+    the ones its load needs. A lone request runs S = 1 programs: it never pays for the batch.
 
     A prompt piece never ends inside an image's soft tokens (they attend to each other both
     ways, so the step that computes them must write them all): such a piece runs on to the
@@ -85,6 +84,17 @@ def max_page_bucket(info: RunnerInfo) -> int:
     return max(MIN_PAGES, pow2(-(-info.max_seq_len // info.page_size)))
 
 
+def global_pages_for(info: RunnerInfo, pages: int) -> int:
+    """Pg of a step whose rows hold up to `pages` global pages. In the XLA form a step reads
+    the pages its rows hold whatever the table's width (`ragged._xla_blocked_attention`): one
+    width, max_seq_len's, so one program where there were a page bucket's each, and no compile
+    when a stream's context crosses one. The TPU kernel holds the whole table in its scalar
+    memory: powers of two from MIN_PAGES there."""
+    if info.attention == "xla":
+        return max_page_bucket(info)
+    return min(max(MIN_PAGES, pow2(pages)), max_page_bucket(info))
+
+
 def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
                 logits: bool) -> Buckets:
     max_pages = max_page_bucket(info)
@@ -101,28 +111,24 @@ def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pa
     s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, pow2(seqs)))
     q = 1 if longest_piece == 1 else max(info.chunk_size, pow2(longest_piece))
     t = max(MIN_TOKENS, s if q == 1 else pow2(tokens))
-    # A decode step in the XLA form reads the pages its rows hold, whatever the table's width
-    # (`ragged._xla_decode_attention`): one table width, so no compile when a stream's context
-    # crosses a page bucket.
-    widest = q == 1 and info.attention == "xla"
-    return Buckets(tokens=t, seqs=s, queries=q,
-                   global_pages=max_pages if widest else min(max(MIN_PAGES, pow2(pages)), max_pages),
+    return Buckets(tokens=t, seqs=s, queries=q, global_pages=global_pages_for(info, pages),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size),
                    logits=logits)
 
 
 def page_buckets(info: RunnerInfo) -> list[int]:
-    """Every Pg a step may have: powers of two from MIN_PAGES to `max_page_bucket`."""
-    return [MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length())]
+    """Every Pg a step may have (`global_pages_for`), smallest first."""
+    powers = (MIN_PAGES << i for i in range((max_page_bucket(info) // MIN_PAGES).bit_length()))
+    return sorted({global_pages_for(info, pg) for pg in powers})
 
 
 def decode_buckets(info: RunnerInfo) -> list[Buckets]:
-    """The decode steps of a lone sequence and of a full batch, at every page bucket where
-    decodes have them (the TPU kernel's: a stream meets the next bucket when its context grows
+    """The decode steps of a lone sequence and of a full batch, at every page bucket
+    (`page_buckets`: one in the XLA form; on TPU a stream meets the next when its context grows
     past one, 128 tokens of pages of 16, then 256, 512, ..., and a compile there would stall
-    every running stream); in the XLA form one table width, so two programs. Compiled before
-    the server is ready (`compile_warmup`). Deterministic mode has one decode program, and its
-    prompt pieces' program at every page bucket instead (a prompt's pieces cross them)."""
+    every running stream). Compiled before the server is ready (`compile_warmup`).
+    Deterministic mode has one decode program, and its prompt pieces' program at every page
+    bucket instead (a prompt's pieces cross them)."""
     pages = page_buckets(info)
     if info.deterministic:
         return [deterministic_decode_buckets(info)] + [
@@ -137,7 +143,7 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
 
 
 def later_buckets(info: RunnerInfo) -> list[Buckets]:
-    """Every text step shape outside deterministic mode (112 for the defaults), for a
+    """Every text step shape outside deterministic mode (24 for the defaults, 120 on TPU), for a
     server to compile in the background those the warm-up did not: at each page bucket from
     the smallest, decodes of every row count, pieces beside other work (S rows, a chunk of
     queries, T tokens), a lone prompt's pieces (one row of Q = T); pieces with and without
@@ -344,11 +350,12 @@ def deterministic_decode_buckets(info: RunnerInfo) -> Buckets:
 def deterministic_piece_buckets(info: RunnerInfo, length: int, pages: int) -> Buckets:
     """Deterministic mode's program for one prompt piece of `length` tokens whose sequence
     holds `pages` global pages: one row of a chunk's queries (more for a piece run on to an
-    image's end) over the page bucket of its own context. Both follow the request alone, not
-    its neighbours, so a prompt's prefill costs what its own context does."""
+    image's end) over its own context (the one table read as far as that reaches, or on TPU
+    its context's page bucket). Both follow the request alone, not its neighbours, so a
+    prompt's prefill costs what its own context does."""
     q = max(info.chunk_size, pow2(length))
     return Buckets(tokens=max(MIN_TOKENS, q), seqs=1, queries=q,
-                   global_pages=min(max(MIN_PAGES, pow2(pages)), max_page_bucket(info)),
+                   global_pages=global_pages_for(info, pages),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size))
 
 

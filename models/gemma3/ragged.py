@@ -14,10 +14,10 @@ buffer that one program reads *before* updating it, see model.py).
 
 The numerics are the dense cache's programs' (model.py), cast for cast: the same building blocks, the same
 `attend` (float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`),
-but for a step of one-query rows (decodes) in the global layers: they read their pages a block
-at a time with a running softmax (`_xla_decode_attention`), so that a decode's cost follows the
-context its rows hold rather than the width of their tables (within a rounding of the dense
-form; a row's bits do not depend on the other rows or the table's width).
+but in the global layers: there each row reads its pages a block at a time with a running
+softmax (`_xla_blocked_attention`), so that a step's cost follows the context its rows hold
+rather than the width of their tables (within a rounding of the dense form; a row's bits do
+not depend on the other rows or the table's width), and one table width serves every step.
 """
 from __future__ import annotations
 
@@ -113,8 +113,8 @@ def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: ja
     express: `lax.cond` picks one per step on the device.
     """
     if impl == "xla":
-        if window is None and batch.queries.shape[1] == 1 and table.shape[1] % BLOCK_PAGES == 0:
-            return _xla_decode_attention(q, pages, table, batch)
+        if window is None and table.shape[1] % BLOCK_PAGES == 0:
+            return _xla_blocked_attention(q, pages, table, batch)
         return _xla_attention(q, pages, table, first, batch, window)
     if impl != "pallas":
         raise ValueError(f"paged attention impl must be 'xla' or 'pallas', got {impl!r}")
@@ -138,54 +138,56 @@ def _xla_attention(q, pages, table, first, batch, window):
     return out[batch.seq, batch.col]
 
 
-# A global layer's one-query rows read their pages this many at a time (`_xla_decode_attention`).
+# A global layer's rows read their pages this many at a time (`_xla_blocked_attention`).
 BLOCK_PAGES = 8
 
 
-def _xla_decode_attention(q, pages, table, batch):
-    """A global layer's attention for a step whose rows have one query each (decodes): the
-    rows' pages a block of BLOCK_PAGES at a time, in a loop that stops after the block holding
-    the farthest key any row sees, with a running softmax (max, sum and output rescaled per
-    block, float32). So a decode reads the pages its rows hold, not every page of the table
-    (the whole `--max-seq-len` in deterministic mode, whose decode program has one table
-    width). A block past a row's last key is masked whole for that row and changes nothing of
-    it, bit for bit (its weights are exp(K_MASK - max) = 0, the rescale exp(0) = 1): so a
-    row's result depends on its own keys only, whatever the other rows' lengths or the
+def _xla_blocked_attention(q, pages, table, batch):
+    """A global layer's attention: each row's pages a block of BLOCK_PAGES at a time, in a loop
+    that stops after the block holding the farthest key any query sees, with a running softmax
+    (max, sum and output rescaled per block, float32). So a step reads the pages its rows
+    hold, not every page of the table: one table width (the whole `--max-seq-len`) serves
+    every context, and needs one program. A block past a query's last key is masked whole for
+    it and changes nothing of it, bit for bit (its weights are exp(K_MASK - max) = 0, the
+    rescale exp(0) = 1; the first block holds position 0, which every query sees): so a
+    query's result depends on its own keys only, whatever the other rows' lengths or the
     table's width. Unused table entries point at the scratch page (finite values)."""
     s, pn = table.shape
     size = pages.page_size
     span = BLOCK_PAGES * size
-    rows = batch.queries[:, 0]
-    qpos, qvis = batch.positions[rows], batch.visible[rows]  # [S]
+    qpos, qvis = batch.positions[batch.queries], batch.visible[batch.queries]  # [S, Q]
+    nq = batch.queries.shape[1]
     n, h = q.shape[1:]
     kv_heads = pages.kv.shape[2] // 2
     g = n // kv_heads
-    qr = q[rows].reshape(s, kv_heads, g, h)
+    qr = q[batch.queries].reshape(s, nq, kv_heads, g, h)
     blocks = jnp.minimum(jnp.max(qvis) // span + 1, pn // BLOCK_PAGES)
 
     def body(j, carry):
-        top, total, acc = carry  # [S, Kl, G], [S, Kl, G], [S, Kl, G, H]: float32
+        top, total, acc = carry  # [S, Kl, G, Q], [S, Kl, G, Q], [S, Kl, G, Q, H]: float32
         k, v = gather(pages, lax.dynamic_slice_in_dim(table, j * BLOCK_PAGES, BLOCK_PAGES, 1))
         key_pos = j * span + jnp.arange(span, dtype=qvis.dtype)
-        logits = jnp.einsum("skgh,slkh->skgl", qr, k, preferred_element_type=jnp.float32)
-        mask = visible_keys(key_pos[None, :], qpos[:, None], qvis[:, None], None)  # [S, L]
+        logits = jnp.einsum("sqkgh,slkh->skgql", qr, k, preferred_element_type=jnp.float32)
+        mask = visible_keys(key_pos[None, None, :], qpos[..., None], qvis[..., None], None)
         logits = jnp.where(mask[:, None, None], logits.astype(q.dtype),
-                           forward.K_MASK).astype(jnp.float32)
+                           forward.K_MASK).astype(jnp.float32)  # [S, Kl, G, Q, L]
         new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
         weights = jnp.exp(logits - new_top[..., None])
         rescale = jnp.exp(top - new_top)
-        part = jnp.einsum("skgl,slkh->skgh", weights.astype(q.dtype), v,
+        part = jnp.einsum("skgql,slkh->skgqh", weights.astype(q.dtype), v,
                           preferred_element_type=jnp.float32)
         return (new_top, total * rescale + jnp.sum(weights, axis=-1),
                 acc * rescale[..., None] + part)
 
-    start = (jnp.full((s, kv_heads, g), forward.K_MASK, jnp.float32),
-             jnp.zeros((s, kv_heads, g), jnp.float32), jnp.zeros((s, kv_heads, g, h), jnp.float32))
+    start = (jnp.full((s, kv_heads, g, nq), forward.K_MASK, jnp.float32),
+             jnp.zeros((s, kv_heads, g, nq), jnp.float32),
+             jnp.zeros((s, kv_heads, g, nq, h), jnp.float32))
     # The first block outside the loop: its carry then has the loop's types (in a shard_map,
     # values varying over the mesh axis like the pages they come from).
     _, total, acc = lax.fori_loop(1, blocks, body, body(0, start))
-    out = (acc / total[..., None]).astype(q.dtype).reshape(s, n, h)
-    return out[batch.seq]
+    out = (acc / total[..., None]).astype(q.dtype)  # [S, Kl, G, Q, H]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(s, nq, n, h)
+    return out[batch.seq, batch.col]
 
 
 def attend_gathered(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

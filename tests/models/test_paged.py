@@ -299,12 +299,14 @@ def _attention_case(seed=0, dtype=jnp.float32):
     return q, LayerPages(kv=kv), jnp.asarray(table), jnp.zeros(2, jnp.int32), batch
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_rows_read_their_own_pages_a_block_at_a_time(dtype):
-    """A global layer's one-query rows (`ragged._xla_decode_attention`): the dense form's
-    attention within rounding, and a row's bits depend on its own keys only: not on the
-    table's width (in deterministic mode, --max-seq-len's pages) nor on how far the other
-    rows reach (the loop's trip count)."""
+def test_rows_read_their_own_pages_a_block_at_a_time(dtype, pieces):
+    """A global layer's rows (`ragged._xla_blocked_attention`), decodes (one query each) or
+    prompt pieces (several, one of them an image's span, whose queries see each other both
+    ways): the dense form's attention within rounding, and a row's bits depend on its own keys
+    only: not on the table's width (--max-seq-len's pages) nor on how far the other rows reach
+    (the loop's trip count)."""
     from models.gemma3.paged_kv import LayerPages
     from models.gemma3.ragged import BLOCK_PAGES, _xla_attention
 
@@ -312,38 +314,53 @@ def test_decode_rows_read_their_own_pages_a_block_at_a_time(dtype):
     page, heads, h, width = 4, 2, 16, 4 * BLOCK_PAGES
     pages = LayerPages(kv=jnp.asarray(rng.normal(size=(200, page, 2 * heads, h)), dtype))
     lengths = np.array([5, 40, 77, 1])  # 1 to 3 of the 4 blocks
+    # Queries per row: the last of its context (decodes), or a piece ending there; row 2's
+    # piece is a bidirectional span (each of its queries sees up to the span's end).
+    counts = np.array([3, 8, 4, 1]) if pieces else np.ones(4, np.int64)
     table = np.zeros((4, width), np.int32)
     free = iter(rng.permutation(np.arange(1, 200)))
     for row, n in enumerate(lengths):
         table[row, :-(-n // page)] = [next(free) for _ in range(-(-n // page))]
 
-    def step(last, table):
-        positions = np.zeros(8, np.int32)
-        positions[:4] = last
+    def step(lengths, table):
+        tokens = 16
+        positions, visible = np.zeros(tokens, np.int32), np.zeros(tokens, np.int32)
+        seq, col = np.zeros(tokens, np.int32), np.zeros(tokens, np.int32)
+        queries, at = np.zeros((4, 8), np.int32), 0
+        for row, (n, k) in enumerate(zip(lengths, counts)):
+            k = min(k, n)
+            positions[at:at + k] = np.arange(n - k, n)
+            visible[at:at + k] = n - 1 if (pieces and row == 2) else positions[at:at + k]
+            seq[at:at + k], col[at:at + k] = row, np.arange(k)
+            queries[row, :k] = np.arange(at, at + k)
+            at += k
         return RaggedBatch(
-            tokens=np.zeros(8, np.int32), positions=positions, visible=positions,
-            seq=np.array([0, 1, 2, 3, 0, 0, 0, 0], np.int32), col=np.zeros(8, np.int32),
-            write_global=np.zeros(8, np.int32), write_local=np.zeros(8, np.int32),
-            queries=np.arange(4, dtype=np.int32)[:, None], global_table=table,
-            local_table=np.zeros((4, 1), np.int32), local_first=np.zeros(4, np.int32),
-            last=np.arange(4, dtype=np.int32))
+            tokens=np.zeros(tokens, np.int32), positions=positions, visible=visible,
+            seq=seq, col=col, write_global=np.zeros(tokens, np.int32),
+            write_local=np.zeros(tokens, np.int32), queries=queries[:, :max(counts)],
+            global_table=table, local_table=np.zeros((4, 1), np.int32),
+            local_first=np.zeros(4, np.int32), last=queries.max(axis=1))
 
-    q = jnp.asarray(rng.normal(size=(8, 2 * heads, h)), dtype)
+    real = int(sum(np.minimum(counts, lengths)))
+    q = jnp.asarray(rng.normal(size=(16, 2 * heads, h)), dtype)
     first = jnp.zeros(4, jnp.int32)
     attend = jax.jit(lambda b: paged_attention(q, pages, b.global_table, first, b, None))
-    got = np.asarray(attend(step(lengths - 1, table)), np.float32)[:4]
+    got = np.asarray(attend(step(lengths, table)), np.float32)[:real]
     dense = jax.jit(lambda b: _xla_attention(q, pages, b.global_table, first, b, None))
-    want = np.asarray(dense(step(lengths - 1, table)), np.float32)[:4]
+    want = np.asarray(dense(step(lengths, table)), np.float32)[:real]
     # bfloat16: within one rounding of the output (the dense form rounds normalized weights,
     # this one running ones)
     np.testing.assert_allclose(got, want, **(dict(atol=2e-6) if dtype == "float32" else
                                              dict(rtol=1e-2, atol=1e-2)))
     wide = np.zeros((4, 4 * width), np.int32)
     wide[:, :width] = table
-    assert np.array_equal(np.asarray(attend(step(lengths - 1, wide)), np.float32)[:4], got)
-    shorter = np.array([5, 3, 2, 1]) - 1  # rows 1 and 2 now end in the first block
-    again = np.asarray(attend(step(shorter, table)), np.float32)
-    assert np.array_equal(again[[0, 3]], got[[0, 3]])
+    assert np.array_equal(np.asarray(attend(step(lengths, wide)), np.float32)[:real], got)
+    # Rows 1 and 2 now end in the first block; rows 0 and 3, first in the step, keep their bits.
+    again = np.asarray(attend(step(np.array([5, 9, 6, 1]), table)), np.float32)
+    mine = np.minimum(counts, lengths)
+    assert np.array_equal(again[:mine[0]], got[:mine[0]])
+    n = int(sum(np.minimum(counts, [5, 9, 6, 1])))
+    assert np.array_equal(again[n - 1], got[real - 1])
 
 
 def test_the_pallas_kernel_lowers_for_tpu(monkeypatch):

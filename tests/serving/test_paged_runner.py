@@ -49,11 +49,11 @@ def test_a_request_alone_and_among_others_agree(deterministic):
     assert tokens_of(together) == tokens_of(alone)
     close(together, alone, 0.0 if deterministic else 1e-5)
     if deterministic:
-        # Two programs: the decode rows' (every slot's row, one query each, a table of the
-        # whole context) and the prompt piece's (one row of a chunk of queries over its own
-        # context's pages: up to 12 of 4 tokens here); they give the default mode's answers.
+        # Two programs: the decode rows' (every slot's row, one query each) and the prompt
+        # piece's (one row of a chunk of queries), both over a table of the whole context,
+        # read as far as each row's own; they give the default mode's answers.
         run = {(b.seqs, b.queries, b.global_pages) for b in engine.programs_run}
-        assert run == {(4, 1, 32), (1, 8, 8), (1, 8, 16)}
+        assert run == {(4, 1, 32), (1, 8, 32)}
         close(together, generate(paged(m), PROMPTS, max_tokens=8), 1e-5)
         # The decode rows read the pages they hold, not the table's width: the same bits
         # under the model's longest --max-seq-len (a decode table of 64 pages, not 32).
@@ -112,9 +112,10 @@ def test_after_the_warm_up_lone_requests_compile_nothing():
     """A server's first requests are lone and short (a chat message, a completion), and a
     stream's context grows past the page buckets: the warm-up runs each token bucket's
     prompt piece up to 64 tokens and compiles the lone and full-batch decodes (one table
-    width, read as far as the rows' contexts reach), so none of them waits for a compile (a
-    first request waited ~6 s for two, a stream crossing 128 tokens stalled 2.5 s, on the
-    270M, when decodes had page buckets). A longer prompt may still compile its own piece."""
+    width for every step, read as far as the rows' contexts reach), so none of them waits for
+    a compile (a first request waited ~6 s for two, a stream crossing 128 tokens stalled 2.5 s,
+    on the 270M, when steps had page buckets). A longer prompt may still compile its own
+    piece."""
     m = load_model(TINY, dtype="float32", allreduce=AllReduceConfig("f32"))  # nothing kept yet
     engine = paged(m, page_size=16, chunk_size=16, max_seq_len=256)
     engine.compile_warmup(progress=lambda msg: None)
@@ -127,10 +128,8 @@ def test_after_the_warm_up_lone_requests_compile_nothing():
     generate(engine, [prompt(17, seed) for seed in range(4)], max_tokens=130)
     run = {m.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages, engine.pages,
                         b.logits) for b in engine.programs_run}
-    # The pieces' tables follow their contexts (the warm-up's whole-budget prompt 16 pages,
-    # the others 8); the decodes' are the widest (16 pages), however short their contexts.
-    assert {b.global_pages for b in engine.programs_run if b.queries > 1} == {8, 16}
-    assert {b.global_pages for b in engine.programs_run if b.queries == 1} == {16}
+    # Every step's table is the widest (16 pages), however short its rows' contexts.
+    assert {b.global_pages for b in engine.programs_run} == {16}
     assert run <= m.programs.kept(), run - m.programs.kept()
 
 

@@ -245,17 +245,18 @@ def test_step_buckets_follow_the_rows_and_pieces():
     big = info(num_slots=32, max_num_batched_tokens=256, max_seq_len=2048)
     assert buckets_for(big, 1, 1, 1, 3, True).seqs == 1  # a lone decode: one row
     assert [buckets_for(big, n, n, 1, 3, True).seqs for n in (2, 8, 9, 17, 32)] == [8, 8, 16, 32, 32]
-    # A decode reads the pages its rows hold whatever the table's width (the XLA form): one
-    # table, the widest, however long the rows' contexts; the TPU kernel's keep the buckets.
+    # A step reads the pages its rows hold whatever the table's width (the XLA form): one
+    # table, the widest, however long the rows' contexts; the TPU kernel's follow them.
     decode = buckets_for(big, 9, 9, 1, 3, True)
     assert (decode.tokens, decode.queries, decode.global_pages) == (16, 1, 256)
     assert buckets_for(big, 9, 9, 1, 200, True) == decode
-    assert buckets_for(dataclasses.replace(big, attention="pallas"), 9, 9, 1, 3,
-                       True).global_pages == 8
-    piece = buckets_for(big, 40, 2, 16, 3, True)  # a piece's table follows its context
-    assert (piece.queries, piece.global_pages) == (16, 8)
+    piece = buckets_for(big, 40, 2, 16, 3, True)
+    assert (piece.queries, piece.global_pages) == (16, 256)
+    tpu = dataclasses.replace(big, attention="pallas")
+    assert [buckets_for(tpu, 9, 9, 1, n, True).global_pages for n in (3, 9, 200)] == [8, 16, 256]
+    assert buckets_for(tpu, 40, 2, 16, 3, True).global_pages == 8
     lone = buckets_for(big, 200, 1, 200, 40, True)  # a lone prompt's whole-budget piece
-    assert (lone.tokens, lone.seqs, lone.queries, lone.global_pages) == (256, 1, 256, 64)
+    assert (lone.tokens, lone.seqs, lone.queries, lone.global_pages) == (256, 1, 256, 256)
     det = buckets_for(info(num_slots=32, max_num_batched_tokens=48, max_seq_len=2048,
                            deterministic=True), 1, 1, 1, 3, True)
     assert (det.tokens, det.seqs, det.queries, det.global_pages) == (64, 32, 16, 256)
