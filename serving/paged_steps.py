@@ -36,8 +36,7 @@ class Buckets:
     Pl follows Q. With max_num_seqs 8, max_seq_len 2048, pages of 16, chunks of 16 and the
     default budget of 256 that is 2 decode programs (S), 6 x 2 with pieces beside other work
     (T x logits) and 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256), 24 in all (120
-    on TPU: each but the decodes' at 5 page buckets, the decodes' too), of which a server meets
-    the ones its load needs. A lone request runs S = 1 programs: it never pays for the batch.
+    on TPU, each at 5 page buckets), of which a server meets the ones its load needs. A lone request runs S = 1 programs: it never pays for the batch.
 
     A prompt piece never ends inside an image's soft tokens (they attend to each other both
     ways, so the step that computes them must write them all): such a piece runs on to the

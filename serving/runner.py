@@ -59,9 +59,9 @@ class RunnerInfo:
     max_num_batched_tokens: int = 256  # the token budget of one step
     sliding_window: int | None = None  # the local layers' window (None: no local layers)
     has_global_layers: bool = True
-    # The paged attention's form (models.gemma3.ragged.attention_impl). The XLA form's decode
-    # steps read the pages their rows hold whatever the table's width, so they need no page
-    # buckets; the TPU kernel takes the whole table into its scalar memory, so they keep them.
+    # The paged attention's form (models.gemma3.ragged.attention_impl). The XLA form's steps
+    # read the pages their rows hold whatever the table's width, so they need no page buckets;
+    # the TPU kernel takes the whole table into its scalar memory, so its steps keep them.
     attention: str = "xla"
 
 
