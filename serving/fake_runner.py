@@ -98,6 +98,8 @@ class FakePagedModel:
         self.tokenizer = ByteTokenizer()
         self.config = _FakeConfig(self.tokenizer.vocab_size, max_seq_len, window)
         self.tp, self.dtype, self.allreduce = 1, "float32", _FakeAllReduce()
+        # Its steps read each row's context whatever the table's width, as the XLA form does.
+        self.paged_attention = "xla"
         self.mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
         self.step_delay = step_delay
         self.page_size = 0
