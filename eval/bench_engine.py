@@ -76,7 +76,7 @@ def _engine(model, args, deterministic: bool, prefix: bool, slots: int, backgrou
     from serving import PagedRunner
 
     engine = PagedRunner(model, max_num_seqs=slots, max_seq_len=args.max_seq_len,
-                         page_size=args.page_size, chunk_size=args.prefill_chunk,
+                         page_size=args.page_size, chunk_size=args.prefill_chunk or None,
                          prefix_caching=prefix, deterministic=deterministic, model_name="bench")
     # Ready as a server is once its background compiler is done (serving/runtime.py,
     # serving/background_compile.py): the warm-up's programs compiled and run, then every other
@@ -89,7 +89,7 @@ def _engine(model, args, deterministic: bool, prefix: bool, slots: int, backgrou
     if args.background_compile and background:
         engine.model.compile_ragged(engine.later_programs())
     print(f"  engine ({'deterministic' if deterministic else 'default'} mode, pieces of "
-          f"{args.prefill_chunk}, {slots} sequences) compiled and warmed up in "
+          f"{engine.info.chunk_size}, {slots} sequences) compiled and warmed up in "
           f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return engine
 
@@ -264,8 +264,9 @@ def main(argv=None) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--allreduce", default="bf16")
     p.add_argument("--max-seq-len", type=int, default=2560)
-    p.add_argument("--prefill-chunk", type=int, default=16, help="the most prompt tokens a step "
-                   "computes for one sequence beside others (a multiple of --page-size)")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="the most prompt tokens a step "
+                   "computes for one sequence beside others (a multiple of --page-size; 0: "
+                   "each mode's default, 16 or deterministic 64)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--slots", type=int, default=8, help="sequences running at once (max_num_seqs)")
     p.add_argument("--tokens", type=int, default=64, help="throughput: mean tokens per request")

@@ -102,9 +102,10 @@ class ServerConfig:
                                  "program of every slot's row, and its prompt piece (one a step) "
                                  "in a program of its own: a lone request's inter-token latency "
                                  "is ~1.6-2x the default mode's (docs/engine.md)")
-    prefill_chunk: int = _field(16, "the most prompt tokens a sequence computes in one step while "
-                                "others run (a lone prompt takes the whole step budget); a "
-                                "multiple of page_size")
+    prefill_chunk: int = _field(0, "the most prompt tokens a sequence computes in one step while "
+                                "others run (a lone prompt takes the whole step budget; in "
+                                "deterministic mode every piece); a multiple of page_size (0: "
+                                "16, or 64 when deterministic)")
     prefix_caching: bool = _field(True, "keep prompts' full pages and reuse them for later prompts "
                                   "that start with the same tokens (--no-prefix-caching: off)")
     overlap: bool = _field(True, "dispatch each step before the last one's tokens reach the host "
@@ -147,7 +148,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if min(self.kv_cache_tokens, self.max_num_batched_tokens) < 0 or self.page_size < 1:
             raise ValueError("kv_cache_tokens and max_num_batched_tokens must be >= 0, page_size >= 1")
-        if self.prefill_chunk < 1 or self.prefill_chunk % self.page_size:
+        if self.prefill_chunk < 0 or self.prefill_chunk % self.page_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be a positive multiple of "
                              f"page_size ({self.page_size})")
         if self.limit_mm_per_prompt < 0:

@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 # compile (each took ~3 s for the 270M on a CPU, more on a TPU host); longer prompts are rarer
 # first requests and their pieces compile on first use.
 SHORT_PROMPT_TOKENS = 64
+# The default prompt piece (`chunk_size`). Outside deterministic mode a piece of C tokens
+# while others run keeps their inter-token latency to one small step, and a lone prompt takes
+# the whole budget anyway. In deterministic mode every piece is C tokens in a one-row program
+# of its own, one a step, whether or not the prompt is alone: at 16 a long prompt takes 4x
+# the steps of 64, each about half as long (docs/engine.md, deterministic mode).
+DEFAULT_CHUNK = 16
+DETERMINISTIC_CHUNK = 64
 
 
 class PagedRunner:
@@ -49,12 +56,12 @@ class PagedRunner:
     max_seq_len); the local (sliding-window) pool holds every running sequence's window plus a
     quarter more, which keeps the windows of recent prompts for prefix-cache hits. chunk_size:
     the most prompt tokens one sequence computes in a step while others run (a multiple of
-    page_size); max_num_batched_tokens: the step's token budget, which a lone sequence's prompt
+    page_size; default `default_chunk_size`); max_num_batched_tokens: the step's token budget, which a lone sequence's prompt
     takes whole (default `STEP_BUDGET`; in deterministic mode, where every step has the
     budget's shape, max_num_seqs + chunk_size: every decode plus one prompt piece)."""
 
     def __init__(self, model, *, max_num_seqs: int, max_seq_len: int, page_size: int = 16,
-                 kv_cache_tokens: int | None = None, chunk_size: int = 16,
+                 kv_cache_tokens: int | None = None, chunk_size: int | None = None,
                  max_num_batched_tokens: int | None = None, prefix_caching: bool = True,
                  deterministic: bool = False, model_name: str = "gemma3-270m"):
         import jax
@@ -317,8 +324,18 @@ class PagedRunner:
                     break
 
 
+def default_chunk_size(deterministic: bool, page_size: int, max_seq_len: int,
+                       max_num_batched_tokens: int | None = None) -> int:
+    """The prompt piece when none is given: `DETERMINISTIC_CHUNK` tokens in deterministic mode,
+    `DEFAULT_CHUNK` otherwise, no longer than the context or a given step budget, in whole
+    pages (one at least)."""
+    c = min(DETERMINISTIC_CHUNK if deterministic else DEFAULT_CHUNK, max_seq_len,
+            max_num_batched_tokens or max_seq_len)
+    return max(page_size, c - c % page_size)
+
+
 def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int,
-                      kv_cache_tokens: int | None, chunk_size: int,
+                      kv_cache_tokens: int | None, chunk_size: int | None,
                       max_num_batched_tokens: int | None, prefix_caching: bool,
                       deterministic: bool, model_name: str) -> RunnerInfo:
     """The facts a PagedRunner over `model` serves with (no device work)."""
@@ -327,7 +344,11 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if not 2 <= max_seq_len <= c.max_seq_len:
         raise ValueError(f"max_seq_len must lie in 2..{c.max_seq_len}, got {max_seq_len}")
-    if page_size < 1 or chunk_size < page_size or chunk_size % page_size:
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    chunk_size = chunk_size or default_chunk_size(deterministic, page_size, max_seq_len,
+                                                  max_num_batched_tokens)
+    if chunk_size < page_size or chunk_size % page_size:
         raise ValueError(f"chunk_size ({chunk_size}) must be a positive multiple of page_size "
                          f"({page_size})")
     budget = max_num_batched_tokens or (max_num_seqs + chunk_size if deterministic

@@ -264,6 +264,20 @@ def test_the_prefill_chunk_is_a_multiple_of_the_page():
         from_sources({"prefill_chunk": 12, "page_size": 8}, env={})
 
 
+def test_the_default_prompt_piece_follows_the_mode():
+    """Unset (0), the piece is 16 tokens, 64 in deterministic mode (where every piece has it,
+    a lone prompt's too), within the context and a given budget, in whole pages."""
+    from serving.paged_runner import default_chunk_size
+
+    assert from_sources({}, env={}).prefill_chunk == 0
+    assert from_sources({"page_size": 32}, env={}).page_size == 32  # 0 is a multiple of any page
+    assert default_chunk_size(False, 16, 2048) == 16
+    assert default_chunk_size(True, 16, 2048) == 64
+    assert default_chunk_size(True, 16, 40) == 32
+    assert default_chunk_size(True, 4, 2048, max_num_batched_tokens=22) == 20
+    assert default_chunk_size(True, 128, 2048) == default_chunk_size(False, 128, 2048) == 128
+
+
 def test_served_model_name():
     assert ServerConfig().model_name == "gemma3-270m"
     assert ServerConfig(model="/models/my-gemma.gguf").model_name == "my-gemma"
