@@ -76,7 +76,7 @@ def _engine(model, args, deterministic: bool, prefix: bool, slots: int, backgrou
     from serving import PagedRunner
 
     engine = PagedRunner(model, max_num_seqs=slots, max_seq_len=args.max_seq_len,
-                         page_size=args.page_size, chunk_size=args.prefill_chunk or None,
+                         page_size=args.page_size, chunk_size=args.prefill_chunk,
                          prefix_caching=prefix, deterministic=deterministic, model_name="bench")
     # Ready as a server is once its background compiler is done (serving/runtime.py,
     # serving/background_compile.py): the warm-up's programs compiled and run, then every other

@@ -55,7 +55,7 @@ def build(model, kind: str, max_seq_len: int, chunk: int):
     if kind not in ENGINES:
         raise SystemExit(f"unknown engine {kind!r}: one of {', '.join(ENGINES)}")
     engine = PagedRunner(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
-                         chunk_size=chunk or None, prefix_caching=False, model_name="bench",
+                         chunk_size=chunk, prefix_caching=False, model_name="bench",
                          deterministic=kind == "paged-deterministic")
     nbytes = sum(x.nbytes for x in _leaves(engine.pages))
     t = engine.warmup(lambda msg: None)
@@ -128,7 +128,7 @@ def streams_scaling(model, length: int, counts: list[int], tokens: int, prompt_t
 
     tok = model.tokenizer
     engine = PagedRunner(model, max_num_seqs=max(counts), max_seq_len=length, page_size=16,
-                         chunk_size=chunk or None, prefix_caching=False, model_name="bench")
+                         chunk_size=chunk, prefix_caching=False, model_name="bench")
     engine.warmup(lambda msg: None)
     core = EngineCore(engine).start()
     rates = {n: [] for n in counts}

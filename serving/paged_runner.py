@@ -56,9 +56,10 @@ class PagedRunner:
     max_seq_len); the local (sliding-window) pool holds every running sequence's window plus a
     quarter more, which keeps the windows of recent prompts for prefix-cache hits. chunk_size:
     the most prompt tokens one sequence computes in a step while others run (a multiple of
-    page_size; default `default_chunk_size`); max_num_batched_tokens: the step's token budget, which a lone sequence's prompt
-    takes whole (default `STEP_BUDGET`; in deterministic mode, where every step has the
-    budget's shape, max_num_seqs + chunk_size: every decode plus one prompt piece)."""
+    page_size; 0 or None: `default_chunk_size`); max_num_batched_tokens: the step's token
+    budget, which a lone sequence's prompt takes whole (default `STEP_BUDGET`; in deterministic
+    mode, where every step has the budget's shape, max_num_seqs + chunk_size: every decode plus
+    one prompt piece)."""
 
     def __init__(self, model, *, max_num_seqs: int, max_seq_len: int, page_size: int = 16,
                  kv_cache_tokens: int | None = None, chunk_size: int | None = None,

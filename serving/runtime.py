@@ -205,7 +205,7 @@ def load_runner(config: ServerConfig, progress: Callable[[str], None]):
         jax_platform.group_barrier("loaded")
     runner = PagedRunner(model, max_num_seqs=config.max_batch, max_seq_len=config.max_seq_len,
                          page_size=config.page_size, kv_cache_tokens=config.kv_cache_tokens or None,
-                         chunk_size=config.prefill_chunk or None,
+                         chunk_size=config.prefill_chunk,
                          max_num_batched_tokens=config.max_num_batched_tokens or None,
                          prefix_caching=config.prefix_caching, deterministic=config.deterministic,
                          model_name=config.model_name)
