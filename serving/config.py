@@ -150,7 +150,7 @@ class ServerConfig:
             raise ValueError("kv_cache_tokens and max_num_batched_tokens must be >= 0, page_size >= 1")
         if self.prefill_chunk < 0 or self.prefill_chunk % self.page_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be a positive multiple of "
-                             f"page_size ({self.page_size})")
+                             f"page_size ({self.page_size}), or 0 for the mode's default")
         if self.limit_mm_per_prompt < 0:
             raise ValueError(f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}")
         self._check_processor_kwargs()
