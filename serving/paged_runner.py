@@ -293,8 +293,8 @@ class PagedRunner:
 
     def _warmup_steps(self, run: Callable[[StepInputs], StepOutputs | None],
                       progress: Callable[[str], None]) -> None:
-        """The warm-up's steps, each given to `run`: a lone prompt, then a full batch, each until
-        every sequence decoded twice."""
+        """The warm-up's steps, each given to `run`: a lone prompt, then a full batch, each
+        sequence until it has two tokens (a prompt piece's and a decode's)."""
         from serving.paged_scheduler import PagedScheduler
         from serving.sequence import Sequence
 
@@ -321,8 +321,12 @@ class PagedRunner:
                 for row, p in enumerate(plan.pieces):
                     if p.sample:
                         p.seq.generated.append(int(out.tokens[row]))
-                if all(len(s.generated) >= 2 for s in sched.running) and not sched.num_waiting:
-                    break
+                # A sequence with its two tokens ends, as a request of max_tokens=2 would:
+                # kept running, it decoded past --max-seq-len and held pages the waiting ones
+                # needed (8 prompts of 63 tokens in a 64-token context ran the 64-step cap).
+                for s in sched.running:
+                    if len(s.generated) >= 2:
+                        sched.finish(s)
 
 
 def default_chunk_size(deterministic: bool, page_size: int, max_seq_len: int,

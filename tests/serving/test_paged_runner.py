@@ -133,6 +133,31 @@ def test_after_the_warm_up_lone_requests_compile_nothing():
     assert run <= m.programs.kept(), run - m.programs.kept()
 
 
+def test_the_warm_up_stays_inside_the_context_and_ends_its_sequences():
+    """A full batch of prompts nearly as long as the context (deterministic mode's 64-token
+    pieces in a 64-token context, pages for exactly 8 contexts): each warm-up sequence ends
+    with its second token, as a request of max_tokens=2 would, so none decodes past the
+    context nor holds the pages the waiting ones need (they had run to position 125, and the
+    warm-up to its 64-step cap)."""
+    m = model(1)
+    engine = paged(m, deterministic=True, max_num_seqs=8, max_seq_len=64, page_size=16,
+                   chunk_size=0)  # the mode's 64
+    seen = []
+    run_step = engine.run_step
+
+    def spy(inputs):
+        seen.append((inputs.rows, int(inputs.batch["positions"].max())))
+        return run_step(inputs)
+
+    engine.run_step = spy
+    engine.warmup(progress=lambda msg: None)
+    assert max(p for _, p in seen) == 63  # the last position of the context
+    # the lone prompt and its decode, then the 8 prompts a piece a step beside the decode of
+    # the one before, then the last one's decode
+    assert len(seen) == 2 + 8 + 1, seen
+    assert max(rows for rows, _ in seen) == 2
+
+
 def model_prompt_logprobs(m, prompts, top=3):
     """What `prompt_logprobs` should give, from one forward pass of the model over each prompt."""
     lps = log_softmax(m.score(prompts))
