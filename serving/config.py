@@ -115,6 +115,12 @@ class ServerConfig:
                                       "would otherwise compile when a step first needs it, and "
                                       "every stream would wait: ~3 s for the 270M on a CPU); "
                                       "--no-background-compile: on first use")
+    generation_config: str = _field("auto", "the sampling parameters of requests that leave them "
+                                    "out: 'auto', the model's own (a Hugging Face checkpoint's "
+                                    "generation_config.json: temperature, top_p, top_k, min_p, "
+                                    "repetition_penalty, as vLLM's --generation-config auto; "
+                                    "/health shows them); 'none', OpenAI's (temperature 1, no "
+                                    "top-k or top-p)", choices=("auto", "none"))
     admission_wait_ms: float = _field(20.0, "after a step that ended sequences, wait this long for new "
                                       "requests before the next decode step (0 disables)")
     limit_mm_per_prompt: int = _field(4, "images one chat request may carry (more: 400); images "

@@ -52,34 +52,38 @@ def _reject_unsupported(req) -> None:
 
 
 def _sampling(req, max_tokens: int, logprobs: int | None, seed_offset: int = 0, grammar=None,
-              vocab_size: int | None = None) -> SamplingParams:
+              vocab_size: int | None = None, defaults: dict | None = None) -> SamplingParams:
+    """The request's sampling parameters; those it leaves out are `defaults`' (the model's,
+    `Runtime.sampling_defaults`), else OpenAI's."""
     stop = req.stop if req.stop is not None else ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    defaults = defaults or {}
+
+    def pick(name: str, fallback):
+        value = getattr(req, name, None)
+        return value if value is not None else defaults.get(name, fallback)
+
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
             seed=None if req.seed is None else req.seed + seed_offset,
             stop=stop,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             logprobs=logprobs,
             ignore_eos=req.ignore_eos,
-            min_p=_number(getattr(req, "min_p", None), 0.0),
-            presence_penalty=_number(getattr(req, "presence_penalty", None), 0.0),
-            frequency_penalty=_number(getattr(req, "frequency_penalty", None), 0.0),
-            repetition_penalty=_number(getattr(req, "repetition_penalty", None), 1.0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=_logit_bias(getattr(req, "logit_bias", None), vocab_size),
             min_tokens=getattr(req, "min_tokens", 0),
             grammar=grammar,
         )
     except InvalidParameter as e:
         raise ApiError(400, str(e), param=e.param) from None
-
-
-def _number(value, default: float) -> float:
-    return default if value is None else value
 
 
 def _logit_bias(bias: dict | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
@@ -285,7 +289,8 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
     scoring_only = max_tokens == 0  # echo of the prompt (with its logprobs): nothing generated
     grammar = await _grammar(runtime, _request_grammar_spec(req))
     vocab = runtime.runner.info.vocab_size
-    params = [_sampling(req, max(max_tokens, 1), req.logprobs, j, grammar, vocab) for _ in prompts for j in range(req.n)]
+    params = [_sampling(req, max(max_tokens, 1), req.logprobs, j, grammar, vocab, runtime.sampling_defaults)
+              for _ in prompts for j in range(req.n)]
     seq_prompts = [p for p in prompts for _ in range(req.n)]
     run = _Run(runtime, seq_prompts, params, prompt_logprobs=req.echo and req.logprobs is not None)
     choices = [fmt.Choice(tok, i, req.logprobs) for i in range(len(seq_prompts))]
@@ -409,7 +414,8 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     elif max_tokens < 1:
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
     vocab = runtime.runner.info.vocab_size
-    params = [_sampling(req, max_tokens, n_top, j, grammar, vocab) for j in range(req.n)]
+    params = [_sampling(req, max_tokens, n_top, j, grammar, vocab, runtime.sampling_defaults)
+              for j in range(req.n)]
     run = _Run(runtime, [prompt] * req.n, params, images=images)
     choices = [fmt.Choice(runtime.runner.tokenizer, i, n_top) for i in range(req.n)]
     usage = lambda: fmt.usage(len(prompt), sum(c.num_generated for c in choices))  # noqa: E731

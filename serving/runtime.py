@@ -39,6 +39,7 @@ class Runtime:
         self._factory = runner_factory or load_runner
         self._thread: threading.Thread | None = None
         self.background = None  # serving.background_compile.BackgroundCompiler, once serving
+        self.sampling_defaults: dict = {}  # what requests that leave them out sample with
         self.on_load_failure: Callable[[str], None] | None = None
 
     @property
@@ -54,6 +55,7 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             runner = self._factory(self.config, lambda msg: log.info("%s", msg))
+            self.sampling_defaults = self._model_sampling_defaults(runner)
         except Exception as e:
             log.exception("loading the model failed")
             self.status, self.error = "error", f"{type(e).__name__}: {e}"
@@ -63,6 +65,18 @@ class Runtime:
         self.attach(runner)
         self.load_seconds = time.perf_counter() - t0
         log.info("ready in %.1fs: %s", self.load_seconds, runner.info)
+
+    def _model_sampling_defaults(self, runner) -> dict:
+        """The model's sampling defaults (--generation-config auto), checked; {} for none."""
+        from serving.sampling import checked_defaults
+
+        values = getattr(getattr(runner, "tokenizer", None), "sampling_defaults", None) or {}
+        if self.config.generation_config != "auto" or not values:
+            return {}
+        values = checked_defaults(values, "the model's generation_config.json")
+        log.info("requests that leave them out sample with the model's generation_config.json: "
+                 "%s (--generation-config none: OpenAI's defaults)", values)
+        return values
 
     def attach(self, runner) -> None:
         """Starts serving with an engine (loaded and warmed up)."""
@@ -135,7 +149,8 @@ class Runtime:
                      engine="paged", page_size=info.page_size,
                      kv_cache_pages={"global": info.num_global_pages - 1,
                                      "local": info.num_local_pages - 1},
-                     max_num_batched_tokens=info.max_num_batched_tokens)
+                     max_num_batched_tokens=info.max_num_batched_tokens,
+                     sampling_defaults=self.sampling_defaults)
         return d
 
 

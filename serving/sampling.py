@@ -129,6 +129,18 @@ class SamplingParams:
                     or self.grammar is not None)
 
 
+def checked_defaults(values: dict, source: str) -> dict:
+    """Sampling defaults (SamplingParams fields by name) checked as a request's values are, so
+    that a bad one fails at start-up, naming `source`, rather than every request."""
+    try:
+        SamplingParams(**values)
+    except InvalidParameter as e:
+        raise ValueError(f"{source}: {e}") from None
+    except TypeError as e:
+        raise ValueError(f"{source}: not sampling parameters: {e}") from None
+    return dict(values)
+
+
 def _check_float(name: str, value, low: float, high: float, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not np.isfinite(value) \
             or value > high or value < low or (low_open and value == low):

@@ -1,5 +1,6 @@
 """The tokenizer side of a Hugging Face checkpoint: tokenizer.model or tokenizer.json, the EOS ids
-of generation_config.json and the checkpoint's own chat template, read and written.
+and sampling defaults of generation_config.json and the checkpoint's own chat template, read and
+written.
 
 `tokenizer.model` (SentencePiece, what Gemma was trained with) is preferred when a directory has
 both; `tokenizer.json` is read with the `tokenizers` library. Both give the same ids on Gemma's
@@ -191,9 +192,21 @@ def read_eos_ids(path: str | os.PathLike) -> tuple[int, ...] | None:
     return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
 
 
+# generation_config.json's sampling fields, the defaults its authors chose for requests that leave
+# them out (Gemma 3's instruction-tuned checkpoints: top_k 64, top_p 0.95); the ones vLLM's
+# --generation-config auto reads. do_sample is not among them: temperature says it.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_sampling_defaults(path: str | os.PathLike) -> dict:
+    """generation_config.json's sampling fields present in it ({} for none or no file)."""
+    config = _json(Path(path) / GENERATION_CONFIG)
+    return {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None}
+
+
 def read_tokenizer(path: str | os.PathLike):
     """The tokenizer of a checkpoint directory (tokenizer.model, else tokenizer.json; None when
-    it has neither) with its EOS ids and chat template attached."""
+    it has neither) with its EOS ids, chat template and sampling defaults attached."""
     path = Path(path)
     if (path / TOKENIZER_MODEL).is_file():
         tok = Tokenizer.from_file(path / TOKENIZER_MODEL)
@@ -205,6 +218,7 @@ def read_tokenizer(path: str | os.PathLike):
     if eos is not None:
         tok.eos_ids = eos
     tok.chat_template = read_chat_template(path)
+    tok.sampling_defaults = read_sampling_defaults(path)
     return tok
 
 
@@ -234,5 +248,6 @@ def save_tokenizer(path: str | os.PathLike, tok, eos_ids: tuple[int, ...] | None
                                          encoding="utf-8")
     eos = tuple(eos_ids or getattr(tok, "eos_ids", None) or (tok.eos_id, tok.end_of_turn_id))
     (path / GENERATION_CONFIG).write_text(json.dumps(
-        {"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id, "eos_token_id": list(eos)},
+        {"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id, "eos_token_id": list(eos),
+         **getattr(tok, "sampling_defaults", {})},
         indent=2))

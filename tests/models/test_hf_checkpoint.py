@@ -278,28 +278,45 @@ def test_chat_template_renders_as_transformers(hf_dir, golden, tmp_path, kind):
         render_chat([("user", "a"), ("user", "b")], tok)
 
 
-def test_serve_hf_checkpoint(hf_dir, golden):
+def test_serve_hf_checkpoint(hf_dir, golden, tmp_path):
     """What `gemma3-serve --model DIR` runs (its engine loader and the HTTP app on a real
-    server): a greedy completion equals transformers' continuation, and a chat is rendered
-    with the checkpoint's own template."""
+    server): a completion that names no sampling parameters samples with the checkpoint's
+    generation_config.json (here top_k 1, so greedy whatever its temperature) and equals
+    transformers' greedy continuation, and a chat is rendered with the checkpoint's own
+    template. The checkpoint's sampling defaults survive our tokenizer writer."""
     import httpx
 
+    from models.gemma3.hf_tokenizer import read_sampling_defaults
     from serving.config import ServerConfig
     from serving.runtime import load_runner
     from testkit import ServerThread
 
-    config = ServerConfig(model=str(hf_dir), dtype="float32", allreduce="f32", max_batch=1,
+    model_dir = tmp_path / "with-defaults"  # hf_dir's files, generation_config.json rewritten
+    model_dir.mkdir()
+    for f in hf_dir.iterdir():
+        if f.name != "generation_config.json":
+            (model_dir / f.name).symlink_to(f)
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    defaults = {"temperature": 0.7, "top_k": 1}
+    (model_dir / "generation_config.json").write_text(json.dumps({**generation, **defaults}))
+    tok = read_tokenizer(model_dir)
+    assert tok.sampling_defaults == defaults
+    save_tokenizer(tmp_path / "written", tok)
+    assert read_sampling_defaults(tmp_path / "written") == defaults
+
+    config = ServerConfig(model=str(model_dir), dtype="float32", allreduce="f32", max_batch=1,
                           max_seq_len=32, compile_cache_dir="")
     server = ServerThread(config, load_runner(config, lambda _: None))
     try:
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
         r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-            "model": config.model_name, "prompt": golden["prompts"][0], "max_tokens": 8,
-            "temperature": 0})
+            "model": config.model_name, "prompt": golden["prompts"][0], "max_tokens": 8, "seed": 3})
         chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
             "model": config.model_name, "messages": golden["chats"][1], "max_tokens": 1})
     finally:
         server.stop()
+    assert health["sampling_defaults"] == defaults
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == read_tokenizer(hf_dir).decode(golden["greedy"][0][:8])
+    assert r.json()["choices"][0]["text"] == tok.decode(golden["greedy"][0][:8])
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == len(golden["chat_ids"][1])

@@ -182,6 +182,45 @@ def test_sampling_params_validation():
     assert SamplingParams(seed=-1).seed32(0) == 2**32 - 1
 
 
+# Gemma 3's instruction-tuned checkpoints' generation_config.json, as Hugging Face ships it.
+GEMMA3_IT_GENERATION_CONFIG = {"bos_token_id": 2, "cache_implementation": "hybrid", "do_sample": True,
+                               "eos_token_id": [1, 106], "pad_token_id": 0, "top_k": 64, "top_p": 0.95,
+                               "transformers_version": "4.50.0.dev0"}
+
+
+def test_a_models_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
+    from models.gemma3.hf_tokenizer import read_sampling_defaults
+    from serving.endpoints import _sampling
+    from serving.openai_schema import ChatCompletionRequest, CompletionRequest
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(GEMMA3_IT_GENERATION_CONFIG))
+    defaults = read_sampling_defaults(tmp_path)
+    assert defaults == {"top_k": 64, "top_p": 0.95}  # do_sample and the ids are not sampling fields
+    assert read_sampling_defaults(tmp_path / "missing") == {}
+    msgs = [{"role": "user", "content": "hi"}]
+    p = _sampling(ChatCompletionRequest(messages=msgs), 8, None, defaults=defaults)
+    assert (p.temperature, p.top_k, p.top_p) == (1.0, 64, 0.95)
+    # A request's own values win, a value that turns a filter off included.
+    p = _sampling(ChatCompletionRequest(messages=msgs, top_k=0, top_p=1.0, temperature=0), 8, None,
+                  defaults=defaults)
+    assert (p.temperature, p.top_k, p.top_p) == (0, 0, 1.0)
+    p = _sampling(CompletionRequest(prompt="hi", top_p=0.5), 8, None,
+                  defaults={"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1, "min_p": 0.05})
+    assert (p.temperature, p.top_p, p.repetition_penalty, p.min_p, p.top_k) == (0.6, 0.5, 1.1, 0.05, 0)
+    p = _sampling(CompletionRequest(prompt="hi"), 8, None)  # no model defaults: OpenAI's
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (1.0, 0, 1.0, 0.0, 1.0)
+
+
+def test_bad_sampling_defaults_fail_at_start_up_naming_the_file():
+    from serving.sampling import checked_defaults
+
+    assert checked_defaults({"top_k": 64, "top_p": 0.95}, "f") == {"top_k": 64, "top_p": 0.95}
+    with pytest.raises(ValueError, match="generation_config.json: top_p must be in"):
+        checked_defaults({"top_p": 1.5}, "the model's generation_config.json")
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        checked_defaults({"temperature": "hot"}, "the model's generation_config.json")
+
+
 # ---- chat template ----
 
 def test_chat_template_matches_gemma_format(gemma_tokenizer):
