@@ -55,7 +55,11 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             runner = self._factory(self.config, lambda msg: log.info("%s", msg))
-            self.sampling_defaults = self._model_sampling_defaults(runner)
+            self.sampling_defaults = model_sampling_defaults(self.config, getattr(runner, "tokenizer", None))
+            if self.sampling_defaults:
+                log.info("requests that leave them out sample with the model's "
+                         "generation_config.json: %s (--generation-config none: OpenAI's)",
+                         self.sampling_defaults)
         except Exception as e:
             log.exception("loading the model failed")
             self.status, self.error = "error", f"{type(e).__name__}: {e}"
@@ -65,18 +69,6 @@ class Runtime:
         self.attach(runner)
         self.load_seconds = time.perf_counter() - t0
         log.info("ready in %.1fs: %s", self.load_seconds, runner.info)
-
-    def _model_sampling_defaults(self, runner) -> dict:
-        """The model's sampling defaults (--generation-config auto), checked; {} for none."""
-        from serving.sampling import checked_defaults
-
-        values = getattr(getattr(runner, "tokenizer", None), "sampling_defaults", None) or {}
-        if self.config.generation_config != "auto" or not values:
-            return {}
-        values = checked_defaults(values, "the model's generation_config.json")
-        log.info("requests that leave them out sample with the model's generation_config.json: "
-                 "%s (--generation-config none: OpenAI's defaults)", values)
-        return values
 
     def attach(self, runner) -> None:
         """Starts serving with an engine (loaded and warmed up)."""
@@ -154,6 +146,17 @@ class Runtime:
         return d
 
 
+def model_sampling_defaults(config: ServerConfig, tokenizer) -> dict:
+    """The model's sampling defaults under --generation-config auto, checked as a request's
+    values are (a bad one is an error naming the file); {} for none."""
+    from serving.sampling import checked_defaults
+
+    values = getattr(tokenizer, "sampling_defaults", None) or {}
+    if config.generation_config != "auto" or not values:
+        return {}
+    return checked_defaults(values, "the model's generation_config.json")
+
+
 def _stall_step() -> int | None:
     """The test hook's step (module docstring), None when it is not set."""
     value = os.environ.get(STALL_STEP_ENV, "").strip()
@@ -216,6 +219,7 @@ def load_runner(config: ServerConfig, progress: Callable[[str], None]):
     t = time.perf_counter()
     model = load_configured_model(config)
     progress(f"weights loaded in {time.perf_counter() - t:.1f}s")
+    model_sampling_defaults(config, model.tokenizer)  # a bad one fails before the compiles
     if group:
         jax_platform.group_barrier("loaded")
     runner = PagedRunner(model, max_num_seqs=config.max_batch, max_seq_len=config.max_seq_len,

@@ -278,6 +278,32 @@ def test_chat_template_renders_as_transformers(hf_dir, golden, tmp_path, kind):
         render_chat([("user", "a"), ("user", "b")], tok)
 
 
+def _with_generation_config(hf_dir, path, fields: dict):
+    """`hf_dir`'s files linked into `path`, with `fields` added to its generation_config.json."""
+    path.mkdir()
+    for f in hf_dir.iterdir():
+        if f.name != "generation_config.json":
+            (path / f.name).symlink_to(f)
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, **fields}))
+    return path
+
+
+def test_a_bad_sampling_default_stops_the_server_before_it_compiles(hf_dir, tmp_path):
+    from serving.config import ServerConfig
+    from serving.runtime import load_runner, model_sampling_defaults
+
+    model_dir = _with_generation_config(hf_dir, tmp_path / "bad", {"top_p": 1.5})
+    said = []
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p must be in \(0, 1\], got 1.5"):
+        load_runner(ServerConfig(model=str(model_dir), dtype="float32", allreduce="f32", max_batch=1,
+                                 max_seq_len=32, compile_cache_dir=""), said.append)
+    assert said and said[-1].startswith("weights loaded"), said  # nothing compiled
+    # --generation-config none does not use them.
+    none = ServerConfig(model=str(model_dir), generation_config="none")
+    assert model_sampling_defaults(none, read_tokenizer(model_dir)) == {}
+
+
 def test_serve_hf_checkpoint(hf_dir, golden, tmp_path):
     """What `gemma3-serve --model DIR` runs (its engine loader and the HTTP app on a real
     server): a completion that names no sampling parameters samples with the checkpoint's
@@ -291,14 +317,8 @@ def test_serve_hf_checkpoint(hf_dir, golden, tmp_path):
     from serving.runtime import load_runner
     from testkit import ServerThread
 
-    model_dir = tmp_path / "with-defaults"  # hf_dir's files, generation_config.json rewritten
-    model_dir.mkdir()
-    for f in hf_dir.iterdir():
-        if f.name != "generation_config.json":
-            (model_dir / f.name).symlink_to(f)
-    generation = json.loads((hf_dir / "generation_config.json").read_text())
     defaults = {"temperature": 0.7, "top_k": 1}
-    (model_dir / "generation_config.json").write_text(json.dumps({**generation, **defaults}))
+    model_dir = _with_generation_config(hf_dir, tmp_path / "with-defaults", defaults)
     tok = read_tokenizer(model_dir)
     assert tok.sampling_defaults == defaults
     save_tokenizer(tmp_path / "written", tok)
