@@ -322,8 +322,8 @@ class PagedRunner:
                     if p.sample:
                         p.seq.generated.append(int(out.tokens[row]))
                 # A sequence with its two tokens ends, as a request of max_tokens=2 would:
-                # kept running, it decoded past --max-seq-len and held pages the waiting ones
-                # needed (8 prompts of 63 tokens in a 64-token context ran the 64-step cap).
+                # kept running, it would decode past --max-seq-len and hold pages the waiting
+                # ones need.
                 for s in sched.running:
                     if len(s.generated) >= 2:
                         sched.finish(s)
