@@ -58,7 +58,11 @@ class GroupCodec:
     unrotate_to: jnp.dtype | None = None
 
     def encode(self, x: jax.Array) -> jax.Array:
-        return groups.encode(x, self.group, self.code)
+        """[..., *piece_shape] -> [..., wire bytes]: each minishard on its own (any leading
+        axes, e.g. pieces stacked by `encode_shards`)."""
+        lead = x.shape[:x.ndim - len(self.piece_shape)]
+        wire = groups.encode(x.reshape(-1, *self.piece_shape), self.group, self.code)
+        return wire.reshape(*lead, wire.shape[-1])
 
     def decode(self, wire: jax.Array) -> jax.Array:
         if self.unrotate_to is not None:
@@ -149,6 +153,37 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
         return pure(buf, shard, *arrivals)
     return lax.platform_dependent(buf, jnp.asarray(shard, jnp.int32), *arrivals, default=pure,
                                   **kernels)
+
+
+def encode_shards(codec: Codec, buf: jax.Array, layout, shards, piece: tuple[int, int]
+                  ) -> jax.Array:
+    """`encode_sum` of piece `piece` at each of `shards`, without arrivals: [len(shards),
+    *wire]. The XLA form encodes the pieces stacked, as one encode: an AllReduce's encodes are
+    most of its fused kernels, so one per shard multiplied its compile time and its
+    executable's size. The same bits: an encode reads each minishard alone. The kernels of
+    `GroupCodec.sum_kernels` still run once per shard."""
+    shards = list(shards)
+
+    def pure(buf, where):
+        return codec.encode(jnp.stack([layout.piece(buf, where[i], *piece)
+                                       for i in range(len(shards))]))
+
+    kernels = {}
+    if isinstance(codec, GroupCodec):
+        geometry = layout.piece_geometry(*piece) if isinstance(layout, TokenLayout) else None
+        impls = {"native_cpu": native_cpu.encode_sum, "triton": triton_codecs.encode_sum}
+        for platform, backend in codec.sum_kernels(codec, layout, buf.dtype).items():
+            kernels[platform] = functools.partial(_kernel_shards, impls[backend], geometry,
+                                                  codec.group, codec.code)
+    where = jnp.stack([jnp.asarray(s, jnp.int32) for s in shards])
+    if not kernels:
+        return pure(buf, where)
+    return lax.platform_dependent(buf, where, default=pure, **kernels)
+
+
+def _kernel_shards(impl, geometry, group, code, buf, where):
+    return jnp.stack([impl(buf, where[i], (), geometry, group, code)
+                      for i in range(where.shape[0])])
 
 
 def _kernel_sum(impl, geometry, group, code, buf, shard, *arrivals):

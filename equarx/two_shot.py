@@ -39,8 +39,11 @@ def reduce_scatter_arrivals(buf: jax.Array, axis_name: str, pieces, codec: Codec
     order)}."""
     n = layout.n_devices
     d = lax.axis_index(axis_name)
-    return {p: [lax.ppermute(codecs.encode_sum(codec, buf, layout, (d + k) % n, p), axis_name,
-                             _shift(n, k)) for k in range(1, n)] for p in pieces}
+    out = {}
+    for p in pieces:
+        wires = codecs.encode_shards(codec, buf, layout, [(d + k) % n for k in range(1, n)], p)
+        out[p] = [lax.ppermute(wires[k - 1], axis_name, _shift(n, k)) for k in range(1, n)]
+    return out
 
 
 def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout) -> jax.Array:
