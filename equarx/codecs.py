@@ -181,6 +181,18 @@ def encode_shards(codec: Codec, buf: jax.Array, layout, shards, piece: tuple[int
     return lax.platform_dependent(buf, where, default=pure, **kernels)
 
 
+def encode_together(codec: Codec, xs: list[jax.Array]) -> list[jax.Array]:
+    """`codec.encode` of each of `xs` (stacks [S_i, m_i, *piece] of pieces, one dtype), as one
+    encode of them all (see `encode_shards`): [S_i, m_i, *wire] each, the same bits."""
+    flat = [x.reshape(-1, *x.shape[2:]) for x in xs]
+    wire = codec.encode(jnp.concatenate(flat) if len(flat) > 1 else flat[0])
+    out, at = [], 0
+    for x, f in zip(xs, flat):
+        out.append(wire[at:at + f.shape[0]].reshape(*x.shape[:2], *wire.shape[1:]))
+        at += f.shape[0]
+    return out
+
+
 def _kernel_shards(impl, geometry, group, code, buf, where):
     return jnp.stack([impl(buf, where[i], (), geometry, group, code)
                       for i in range(where.shape[0])])

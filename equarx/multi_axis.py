@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx import ring, two_shot
+from equarx import codecs, ring, two_shot
 from equarx.codecs import Codec
 
 
@@ -56,17 +56,37 @@ def axis_orders(k: int) -> list[tuple[int, ...]]:
     return [tuple((p + t) % k for t in range(k)) for p in range(k)]
 
 
-def reduce_scatter_axis(buf: jax.Array, axis_name: str, variant: str, codec: Codec,
-                        pipelined: bool) -> jax.Array:
-    """buf [n, M, *piece] (this device's partials; row s is the block of axis index s) ->
-    f32 [M, *piece], the block of this device's axis index reduced over the axis."""
-    n, m = buf.shape[0], buf.shape[1]
-    layout = StackedLayout(n, m)
-    if variant == "twoshot":
-        return two_shot.reduce_scatter(buf, axis_name, two_shot.pieces_for(m, pipelined),
-                                       codec, layout)
-    rs_chains, _ = ring.chains_for(variant, n, m, pipelined)
-    return ring.ring_reduce_scatter(buf, axis_name, rs_chains, codec, layout)
+def reduce_scatter_stage(bufs: Sequence[jax.Array], axis_names: Sequence[str],
+                         variants: Sequence[str], codec: Codec, pipelined: bool
+                         ) -> list[jax.Array]:
+    """One reduce-scatter stage of every part: bufs[i] [n, M, *piece] (part i's partials; row
+    s is the block of index s along axis_names[i]) -> f32 [M, *piece] each, the block of this
+    device's index reduced over that axis. The two-shot parts' sends are encoded as one
+    (`codecs.encode_together`: one set of fused kernels for the stage instead of one per part
+    and piece, the same bits) and still travel as one ppermute per piece; a ring's hops depend
+    on each other and encode one by one."""
+    out: list = [None] * len(bufs)
+    sends = []  # (part, piece, [n - 1, j1 - j0, *piece]: the piece of every shard sent)
+    for i, (buf, axis, variant) in enumerate(zip(bufs, axis_names, variants)):
+        n, m = buf.shape[0], buf.shape[1]
+        layout = StackedLayout(n, m)
+        if variant != "twoshot":
+            rs_chains, _ = ring.chains_for(variant, n, m, pipelined)
+            out[i] = ring.ring_reduce_scatter(buf, axis, rs_chains, codec, layout)
+            continue
+        shards = two_shot.owners(axis, n)
+        sends += [(i, p, jnp.stack([layout.piece(buf, s, *p) for s in shards]))
+                  for p in two_shot.pieces_for(m, pipelined)]
+    arrivals: dict = {}
+    if sends:
+        wires = codecs.encode_together(codec, [x for _, _, x in sends])
+        for (i, p, _), w in zip(sends, wires):
+            arrivals.setdefault(i, {})[p] = two_shot.send(w, axis_names[i])
+    for i, got in arrivals.items():
+        n, m = bufs[i].shape[0], bufs[i].shape[1]
+        out[i] = codecs.reduced(codec, bufs[i], StackedLayout(n, m),
+                                lax.axis_index(axis_names[i]), got)
+    return out
 
 
 def gather_axis(payload: jax.Array, axis_name: str, n: int, variant: str,
@@ -107,15 +127,14 @@ def multi_axis_schedule(buf: jax.Array, axis_names: Sequence[str], variants: Seq
     # works on [n_{o_t}, rest, *piece] with the earlier axes already reduced away.
     parts = [buf[p * n_all:(p + 1) * n_all] for p in range(k)]
     for t in range(k):
-        for p in range(k):
-            a = orders[p][t]
-            rest = math.prod(sizes[orders[p][s]] for s in range(t + 1, k))
-            part = parts[p].reshape(sizes[a], rest * m, *piece)
-            parts[p] = reduce_scatter_axis(part, axis_names[a], variants[a], rs_codec,
-                                           pipelined)
-    # Each owner encodes its m reduced pieces once; the barrier makes it decode the very bytes
-    # it sends (see equarx.ring.all_gather_wires).
-    wires = [lax.optimization_barrier(ag_codec.encode(y)) for y in parts]
+        axes = [orders[p][t] for p in range(k)]
+        stage = [parts[p].reshape(sizes[a], -1, *piece) for p, a in enumerate(axes)]
+        parts = reduce_scatter_stage(stage, [axis_names[a] for a in axes],
+                                     [variants[a] for a in axes], rs_codec, pipelined)
+    # Each owner encodes its m reduced pieces once (every part in one encode); the barrier
+    # makes it decode the very bytes it sends (see equarx.ring.all_gather_wires).
+    wires = [lax.optimization_barrier(w[0]) for w in
+             codecs.encode_together(ag_codec, [y[None] for y in parts])]
     tail = wires[0].shape[1:]  # one piece's wire bytes
     for t in reversed(range(k)):
         for p in range(k):
@@ -124,15 +143,16 @@ def multi_axis_schedule(buf: jax.Array, axis_names: Sequence[str], variants: Seq
             got = gather_axis(w.reshape(-1, *tail), axis_names[a], sizes[a], variants[a],
                               pipelined)
             wires[p] = got.reshape(sizes[a], *w.shape)
-    out = []
+    gathered = []
     for p in range(k):
         w = wires[p]  # [n_{o_0}, ..., n_{o_{k-1}}, m, *wire], relative along every axis
         for t in range(k):
             # Relative row r along this axis is absolute (d + r) % n: roll by d.
             w = _roll(w, lax.axis_index(axis_names[orders[p][t]]), t)
-        w = w.reshape(n_all * m, *tail)
-        out.append(ag_codec.decode(w).astype(out_dtype).reshape(n_all, m, *piece))
-    return jnp.concatenate(out)
+        gathered.append(w.reshape(n_all * m, *tail))
+    # Every part decoded at once: one set of fused kernels (each row decodes alone).
+    return ag_codec.decode(jnp.concatenate(gathered)).astype(out_dtype).reshape(
+        k * n_all, m, *piece)
 
 
 def _roll(x: jax.Array, shift, axis: int) -> jax.Array:

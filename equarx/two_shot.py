@@ -38,12 +38,22 @@ def reduce_scatter_arrivals(buf: jax.Array, axis_name: str, pieces, codec: Codec
     arrived for this device's own shard of it, from device d - k for k = 1..N-1 (a fixed
     order)}."""
     n = layout.n_devices
+    shards = owners(axis_name, n)
+    return {p: send(codecs.encode_shards(codec, buf, layout, shards, p), axis_name)
+            for p in pieces}
+
+
+def owners(axis_name: str, n: int) -> list:
+    """The shards this device sends in the reduce-scatter, in order: device d + k's for k = 1..N-1."""
     d = lax.axis_index(axis_name)
-    out = {}
-    for p in pieces:
-        wires = codecs.encode_shards(codec, buf, layout, [(d + k) % n for k in range(1, n)], p)
-        out[p] = [lax.ppermute(wires[k - 1], axis_name, _shift(n, k)) for k in range(1, n)]
-    return out
+    return [(d + k) % n for k in range(1, n)]
+
+
+def send(wires: jax.Array, axis_name: str) -> list[jax.Array]:
+    """wires [N-1, ...]: row k-1 for device d + k (`owners`' order) -> what arrived here, from
+    device d - k for k = 1..N-1 (one ppermute each)."""
+    n = wires.shape[0] + 1
+    return [lax.ppermute(wires[k - 1], axis_name, _shift(n, k)) for k in range(1, n)]
 
 
 def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout) -> jax.Array:
