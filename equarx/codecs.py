@@ -142,13 +142,7 @@ def encode_sum(codec: Codec, buf: jax.Array, layout, shard, piece: tuple[int, in
     def pure(buf, shard, *arrivals):
         return codec.encode(_plus(layout.piece(buf, shard, *piece), arrivals, arrival_codec))
 
-    kernels = {}
-    if isinstance(codec, GroupCodec):
-        geometry = layout.piece_geometry(*piece) if isinstance(layout, TokenLayout) else None
-        impls = {"native_cpu": native_cpu.encode_sum, "triton": triton_codecs.encode_sum}
-        for platform, backend in codec.sum_kernels(arrival_codec, layout, buf.dtype).items():
-            kernels[platform] = functools.partial(_kernel_sum, impls[backend], geometry,
-                                                  codec.group, codec.code)
+    kernels = _sum_kernels(codec, arrival_codec, layout, piece, buf.dtype, _kernel_sum)
     if not kernels:
         return pure(buf, shard, *arrivals)
     return lax.platform_dependent(buf, jnp.asarray(shard, jnp.int32), *arrivals, default=pure,
@@ -168,13 +162,7 @@ def encode_shards(codec: Codec, buf: jax.Array, layout, shards, piece: tuple[int
         return codec.encode(jnp.stack([layout.piece(buf, where[i], *piece)
                                        for i in range(len(shards))]))
 
-    kernels = {}
-    if isinstance(codec, GroupCodec):
-        geometry = layout.piece_geometry(*piece) if isinstance(layout, TokenLayout) else None
-        impls = {"native_cpu": native_cpu.encode_sum, "triton": triton_codecs.encode_sum}
-        for platform, backend in codec.sum_kernels(codec, layout, buf.dtype).items():
-            kernels[platform] = functools.partial(_kernel_shards, impls[backend], geometry,
-                                                  codec.group, codec.code)
+    kernels = _sum_kernels(codec, codec, layout, piece, buf.dtype, _kernel_shards)
     where = jnp.stack([jnp.asarray(s, jnp.int32) for s in shards])
     if not kernels:
         return pure(buf, where)
@@ -191,6 +179,18 @@ def encode_together(codec: Codec, xs: list[jax.Array]) -> list[jax.Array]:
         out.append(wire[at:at + f.shape[0]].reshape(*x.shape[:2], *wire.shape[1:]))
         at += f.shape[0]
     return out
+
+
+def _sum_kernels(codec: Codec, arrival_codec: Codec, layout, piece: tuple[int, int], dtype,
+                 call) -> dict:
+    """{platform: `call` bound to that platform's encode_sum kernel} where
+    `GroupCodec.sum_kernels` has one, else {}."""
+    if not isinstance(codec, GroupCodec):
+        return {}
+    geometry = layout.piece_geometry(*piece) if isinstance(layout, TokenLayout) else None
+    impls = {"native_cpu": native_cpu.encode_sum, "triton": triton_codecs.encode_sum}
+    return {platform: functools.partial(call, impls[backend], geometry, codec.group, codec.code)
+            for platform, backend in codec.sum_kernels(arrival_codec, layout, dtype).items()}
 
 
 def _kernel_shards(impl, geometry, group, code, buf, where):
