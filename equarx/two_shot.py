@@ -44,7 +44,7 @@ def reduce_scatter_arrivals(buf: jax.Array, axis_name: str, pieces, codec: Codec
 
 
 def owners(axis_name: str, n: int) -> list:
-    """The shards this device sends in the reduce-scatter, in order: device d + k's for k = 1..N-1."""
+    """The shards this device sends in the reduce-scatter, in order: device d + k's, k = 1..N-1."""
     d = lax.axis_index(axis_name)
     return [(d + k) % n for k in range(1, n)]
 
@@ -54,13 +54,6 @@ def send(wires: jax.Array, axis_name: str) -> list[jax.Array]:
     device d - k for k = 1..N-1 (one ppermute each)."""
     n = wires.shape[0] + 1
     return [lax.ppermute(wires[k - 1], axis_name, _shift(n, k)) for k in range(1, n)]
-
-
-def reduce_scatter(buf: jax.Array, axis_name: str, pieces, codec: Codec, layout) -> jax.Array:
-    """`reduce_scatter_arrivals` as values: f32[pieces, *piece], this device's reduced shard
-    (the arrivals decoded and added to its own partial in float32, in order)."""
-    arrivals = reduce_scatter_arrivals(buf, axis_name, pieces, codec, layout)
-    return codecs.reduced(codec, buf, layout, lax.axis_index(axis_name), arrivals)
 
 
 def all_gather_wires(wire: dict, axis_name: str, pieces, codec: Codec, layout,

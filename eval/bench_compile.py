@@ -14,10 +14,11 @@ such as 2x2 for `--tp-mesh`) this runs, in fresh processes:
   cache and the program cache), as a restart meets it;
 
 and reports each one's wall and CPU seconds, the bytes the caches hold after it (the compiled
-executables and the traced programs: a restart that reads everything back adds none), and, for the AllReduce alone, the fused kernels and HLO
-instructions of one call on a decode-sized message (the model's width, 8 rows, bfloat16)
-compiled for this machine. `--no-native` measures the XLA form of the codec (what a TPU or a
-GPU without the Triton kernels compiles) instead of this CPU's C++ kernels.
+executables and the traced programs: a restart that reads everything back adds none), and, for
+the AllReduce alone, the fused kernels and HLO instructions of one call on a decode-sized
+message (the model's width, 8 rows, bfloat16) compiled for this machine. `--no-native`
+measures the XLA form of the codec (what a TPU or a GPU without the Triton kernels compiles)
+instead of this CPU's C++ kernels.
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ def test_a_restart_reads_back_what_the_first_start_compiled():
     row = bench_compile.measure(MODEL, "2:int8", native=True)
     # The first start stores the step's programs; the restart reads them back and stores
     # nothing new.
-    assert row["cold_cache_bytes"] > 0 and row["restart_cache_bytes"] == row["cold_cache_bytes"], row
-    assert row["allreduce_fusions"] >= 1 and row["allreduce_instructions"] > row["allreduce_fusions"]
+    assert row["cold_cache_bytes"] > 0, row
+    assert row["restart_cache_bytes"] == row["cold_cache_bytes"], row
+    assert 1 <= row["allreduce_fusions"] < row["allreduce_instructions"], row
 
 
 def test_a_configuration_is_spelled_tp_colon_label():
