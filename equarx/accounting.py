@@ -1,4 +1,5 @@
-"""Bytes each device sends, read from a compiled program's HLO text.
+"""Bytes each device sends, read from a compiled program's HLO text (and its size:
+`program_size`).
 
 Counting bytes from the program rather than timing the network gives a figure that does not
 depend on noise. Rules:
@@ -95,6 +96,14 @@ def hlo_text(program) -> str:
             raise ValueError("need a compiled program (lower(...).compile()), not a lowering")
         return text
     raise TypeError(f"expected HLO text or a compiled program, got {type(program).__name__}")
+
+
+def program_size(program) -> tuple[int, int]:
+    """(fused kernels in the entry computation, HLO instructions in all) of a compiled program:
+    what its compile time and executable size grow with."""
+    text = hlo_text(program)
+    fusions = re.findall(r"^\s*\S+ = \S+ fusion\(", text[text.index("ENTRY"):], re.M)
+    return len(fusions), len(re.findall(r"^\s*\S+ = ", text, re.M))
 
 
 def collectives(program) -> list[CollectiveOp]:

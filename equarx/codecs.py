@@ -172,6 +172,8 @@ def encode_shards(codec: Codec, buf: jax.Array, layout, shards, piece: tuple[int
 def encode_together(codec: Codec, xs: list[jax.Array]) -> list[jax.Array]:
     """`codec.encode` of each of `xs` (stacks [S_i, m_i, *piece] of pieces, one dtype), as one
     encode of them all (see `encode_shards`): [S_i, m_i, *wire] each, the same bits."""
+    if not xs:
+        return []
     flat = [x.reshape(-1, *x.shape[2:]) for x in xs]
     wire = codec.encode(jnp.concatenate(flat) if len(flat) > 1 else flat[0])
     out, at = [], 0

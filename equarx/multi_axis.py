@@ -66,10 +66,10 @@ def reduce_scatter_stage(bufs: Sequence[jax.Array], axis_names: Sequence[str],
     and piece, the same bits) and still travel as one ppermute per piece; a ring's hops depend
     on each other and encode one by one."""
     out: list = [None] * len(bufs)
+    layouts = [StackedLayout(buf.shape[0], buf.shape[1]) for buf in bufs]
     sends = []  # (part, piece, [n - 1, j1 - j0, *piece]: the piece of every shard sent)
-    for i, (buf, axis, variant) in enumerate(zip(bufs, axis_names, variants)):
-        n, m = buf.shape[0], buf.shape[1]
-        layout = StackedLayout(n, m)
+    for i, (buf, axis, variant, layout) in enumerate(zip(bufs, axis_names, variants, layouts)):
+        n, m = layout.n_devices, layout.pieces
         if variant != "twoshot":
             rs_chains, _ = ring.chains_for(variant, n, m, pipelined)
             out[i] = ring.ring_reduce_scatter(buf, axis, rs_chains, codec, layout)
@@ -78,14 +78,10 @@ def reduce_scatter_stage(bufs: Sequence[jax.Array], axis_names: Sequence[str],
         sends += [(i, p, jnp.stack([layout.piece(buf, s, *p) for s in shards]))
                   for p in two_shot.pieces_for(m, pipelined)]
     arrivals: dict = {}
-    if sends:
-        wires = codecs.encode_together(codec, [x for _, _, x in sends])
-        for (i, p, _), w in zip(sends, wires):
-            arrivals.setdefault(i, {})[p] = two_shot.send(w, axis_names[i])
+    for (i, p, _), w in zip(sends, codecs.encode_together(codec, [x for _, _, x in sends])):
+        arrivals.setdefault(i, {})[p] = two_shot.send(w, axis_names[i])
     for i, got in arrivals.items():
-        n, m = bufs[i].shape[0], bufs[i].shape[1]
-        out[i] = codecs.reduced(codec, bufs[i], StackedLayout(n, m),
-                                lax.axis_index(axis_names[i]), got)
+        out[i] = codecs.reduced(codec, bufs[i], layouts[i], lax.axis_index(axis_names[i]), got)
     return out
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -41,13 +41,7 @@ def _parse(config: str) -> tuple[int, str | None, str]:
     where, _, label = config.partition(":")
     if not label:
         raise SystemExit(f"a configuration is TP:LABEL (e.g. 4:int8 or 2x2:int8), got {config!r}")
-    if "x" in where:
-        sizes = [int(v) for v in where.split("x")]
-        tp = 1
-        for v in sizes:
-            tp *= v
-        return tp, where, label
-    return int(where), None, label
+    return math.prod(int(v) for v in where.split("x")), where if "x" in where else None, label
 
 
 def _child(model: str, config: str, cache: str) -> dict:
@@ -73,32 +67,26 @@ def _child(model: str, config: str, cache: str) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     runner.run_step(inputs)
     row = {"step_s": time.perf_counter() - t0, "step_cpu_s": time.process_time() - c0}
-    row.update(_allreduce_size(m.config.d_model, tp, mesh, allreduce))
+    row.update(_allreduce_size(m.mesh, m.config.d_model, allreduce))
     return row
 
 
-def _allreduce_size(width: int, tp: int, mesh: str | None, allreduce) -> dict:
-    """Fused kernels and HLO instructions of one AllReduce of bfloat16 [8, width], compiled."""
+def _allreduce_size(mesh, width: int, allreduce) -> dict:
+    """Fused kernels and HLO instructions of one AllReduce of bfloat16 [8, width] over the
+    model's mesh (every axis), compiled."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     from equarx import all_reduce
+    from equarx.accounting import program_size
 
-    devices = np.array(jax.devices()[:tp])
-    if mesh:
-        names = ("x", "y", "z")[:len(mesh.split("x"))]
-        grid = Mesh(devices.reshape([int(v) for v in mesh.split("x")]), names)
-        axes, spec = names, P(names)
-    else:
-        grid, axes, spec = Mesh(devices, ("tp",)), "tp", P("tp")
-    f = jax.jit(jax.shard_map(lambda v: all_reduce(v[0], axes, allreduce)[None], mesh=grid,
-                              in_specs=spec, out_specs=spec, check_vma=False))
-    hlo = f.lower(jnp.zeros((tp, 8, width), jnp.bfloat16)).compile().as_text()
-    entry = hlo[hlo.index("ENTRY"):]
-    return {"allreduce_fusions": len(re.findall(r"^\s*\S+ = \S+ fusion\(", entry, re.M)),
-            "allreduce_instructions": len(re.findall(r"^\s*\S+ = ", hlo, re.M))}
+    axes = tuple(mesh.axis_names)
+    f = jax.jit(jax.shard_map(lambda v: all_reduce(v[0], axes, allreduce)[None], mesh=mesh,
+                              in_specs=P(axes), out_specs=P(axes), check_vma=False))
+    fusions, instructions = program_size(
+        f.lower(jnp.zeros((mesh.size, 8, width), jnp.bfloat16)).compile())
+    return {"allreduce_fusions": fusions, "allreduce_instructions": instructions}
 
 
 def _bytes(path: Path) -> int:
