@@ -7,8 +7,8 @@ per-file report of what it recorded.
 Per test: wall seconds, CPU seconds of the test process, CPU seconds of the child processes it
 started and waited for (servers, process groups, interpret-mode children; the kernel counts a
 child once it is reaped), and XLA backend-compile seconds and program count in the test process
-(`jax.monitoring`'s compile events, counted from the first test that runs after jax is
-imported). Records go to $SUITE_PROFILE_DIR (default .suite-profile/), one file per process,
+(`eval.compile_events`, counted from the first test that runs after jax is imported), and how
+many programs it read back from the persistent compilation cache instead. Records go to $SUITE_PROFILE_DIR (default .suite-profile/), one file per process,
 so xdist workers do not interleave; the directory is emptied by the controller at the start.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ DIR_ENV = "SUITE_PROFILE_DIR"
 DEFAULT_DIR = ".suite-profile"
 
 _compiles: list[float] = []
+_hits: list[float] = []
 _listening = False
 
 
@@ -43,7 +44,7 @@ def _listen_once_jax_is_here() -> None:
     # Importing jax here would start it in processes (and tests) that never use it.
     global _listening
     if not _listening and "jax" in sys.modules:
-        record_compiles(_compiles)
+        record_compiles(_compiles, _hits)
         _listening = True
 
 
@@ -61,13 +62,14 @@ def pytest_configure(config):
 def pytest_runtest_protocol(item, nextitem):
     _listen_once_jax_is_here()
     _compiles.clear()
+    _hits.clear()
     t0, own0 = time.perf_counter(), _cpu(resource.RUSAGE_SELF)
     kids0 = _cpu(resource.RUSAGE_CHILDREN)
     yield
     record = dict(test=item.nodeid, pid=os.getpid(), wall_s=time.perf_counter() - t0,
                   cpu_s=_cpu(resource.RUSAGE_SELF) - own0,
                   child_cpu_s=_cpu(resource.RUSAGE_CHILDREN) - kids0,
-                  compile_s=sum(_compiles), programs=len(_compiles))
+                  compile_s=sum(_compiles), programs=len(_compiles), cache_hits=len(_hits))
     directory = _directory()
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / f"{os.getpid()}.jsonl", "a") as f:
@@ -76,7 +78,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 # ---- the report ----
 
-FIELDS = ("wall_s", "cpu_s", "child_cpu_s", "compile_s", "programs")
+FIELDS = ("wall_s", "cpu_s", "child_cpu_s", "compile_s", "programs", "cache_hits")
 
 
 def read_records(directory: str | os.PathLike) -> list[dict]:
@@ -91,7 +93,7 @@ def per_file(records: list[dict]) -> list[dict]:
     for r in records:
         row = sums[r["test"].split("::", 1)[0]]
         for key in FIELDS:
-            row[key] += r[key]
+            row[key] += r.get(key, 0)  # records written before a field existed lack it
     rows = [dict(file=f, **row) for f, row in sums.items()]
     return sorted(rows, key=lambda r: -(r["cpu_s"] + r["child_cpu_s"]))
 
@@ -102,7 +104,8 @@ def format_report(records: list[dict], top: int | None = None) -> str:
     workers = len({r["pid"] for r in records})
     title = (f"{len(records)} tests in {len(rows)} files; CPU {total['cpu_s']:.0f} s in the test "
              f"processes + {total['child_cpu_s']:.0f} s in their children; XLA compile "
-             f"{total['compile_s']:.0f} s ({total['programs']} programs)"
+             f"{total['compile_s']:.0f} s ({total['programs']} programs; "
+             f"{total['cache_hits']} more read from the cache)"
              + (f"; {workers} processes" if workers > 1 else ""))
     table = format_columns(rows[:top], [
         ("wall s", ">8", lambda r: f"{r['wall_s']:.1f}"),
