@@ -143,13 +143,24 @@ def _check_model(runtime: Runtime, name: str | None) -> None:
                        f"'{runtime.config.model_name}'.", "not_found_error", "model", "model_not_found")
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+async def _read_body(request: Request) -> bytes:
+    """The body, refused (413) once it passes MAX_BODY_BYTES: up front when its Content-Length
+    says so, else while it is read, so that a chunked upload is never held whole in memory."""
+    too_large = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    body = await _read_body(request)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -4,6 +4,7 @@ The same app over the real model is tested in test_server_e2e.py."""
 import asyncio
 import json
 import re
+import socket
 import time
 
 import httpx
@@ -76,6 +77,21 @@ def test_oversized_body_gets_413(client):
     r = client.post("/v1/completions", content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
                     headers={"content-type": "application/json"})
     assert _error(r, 413)["code"] == "request_too_large"
+
+
+def test_oversized_chunked_body_gets_413_before_it_ends(server):
+    """A chunked upload (no Content-Length) is refused as soon as it passes the limit, not
+    buffered whole: the 413 comes while the body is still open (its last chunk never sent)."""
+    from serving.api import MAX_BODY_BYTES
+
+    piece = b"a" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(MAX_BODY_BYTES // len(piece) + 1):
+            sock.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
 
 
 def test_prompt_longer_than_context_states_the_limit(client):
