@@ -38,6 +38,9 @@ _BISECT_STEPS = 40
 # Seeds are accepted as signed 64-bit integers and reduced to 32 bits on device.
 _MAX_SEED = 2**63
 _MAX_INT32 = 2**31 - 1
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): divided by ~1e-9 the logits reach
+# ~1e10, where float32 rounds every candidate's probability to 0 and the draw is meaningless.
+GREEDY_BELOW = 1e-5
 
 
 class InvalidParameter(ValueError):
@@ -52,9 +55,9 @@ class InvalidParameter(ValueError):
 class SamplingParams:
     """How one sequence is generated (host side, validated on construction).
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. logprobs: None
-    for none, else the number of alternatives (0..20) reported beside each chosen token's logprob.
-    seed None draws a fresh seed per request.
+    temperature 0 means greedy (one below GREEDY_BELOW is made 0). top_k <= 0 and top_p == 1
+    disable those filters. logprobs: None for none, else the number of alternatives (0..20)
+    reported beside each chosen token's logprob. seed None draws a fresh seed per request.
 
     Logits processing (vLLM's meaning, applied in this order before temperature): penalties over
     the tokens seen so far (repetition_penalty over prompt and output, presence and frequency over
@@ -87,6 +90,8 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
                 or not np.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidParameter("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:  # here, so that every reader sees the greedy row
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
                 or not (0.0 < self.top_p <= 1.0):
             raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -153,6 +153,19 @@ def test_sampler_greedy_and_logprobs():
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(logp, top, -1), rtol=1e-5, atol=1e-5)
 
 
+def test_a_tiny_temperature_is_greedy():
+    """A temperature below 1e-5 is greedy (vLLM's rule): at 1e-9 the scaled logits (~1e10) round
+    every candidate's probability to 0 in float32, and top-k / top-p would pick the 256th."""
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(16, 5000)) * 4).astype(np.float32)
+    params = [SamplingParams(temperature=1e-9, top_k=64, top_p=0.95, seed=i) for i in range(16)]
+    assert all(p.temperature == 0.0 for p in params)
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    out = jax.device_get(jax.jit(sample)(jnp.asarray(logits), SlotSampling.of(params, list(range(16))),
+                                         jnp.zeros(16, jnp.int32)))
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+
+
 def test_sampler_seed_determinism():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=3000).astype(np.float32)
