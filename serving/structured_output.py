@@ -181,6 +181,12 @@ def _short(message: str, limit: int = 400) -> str:
 # how many tokens early it takes the closing path (one sampled token can open more to close).
 CLOSING_WINDOW = 16
 CLOSING_MARGIN = 4
+# A closing search fills one mask per token it tries: it tries at most CLOSING_HORIZON +
+# CLOSING_WINDOW tokens (a grammar that needs more to close is not closed in time), and one that
+# finds nothing is not repeated before the last that many tokens of the budget. Otherwise a
+# grammar whose greedy path never ends (a+b: 'a' is always preferred) searched the whole budget at
+# every step (~0.5 s a step at a 32k context, holding up every stream's step).
+CLOSING_HORIZON = 128
 # Short texts, most useful first, to end whatever is open: close strings, arrays, objects and
 # calls, end a number (a comma before a digit, or numbers never end), then the shortest values.
 _CLOSING_TEXTS = ('"', "}", "]", ")", ",", "0", ":", "[", "{")
@@ -372,11 +378,13 @@ class StructuredOutputs:
         the grammar (`closing_path`) needs all the tokens left, allow only its first token, so
         that output cut by max_tokens still parses (finish_reason "stop", not "length")."""
         budget = row.budget
+        reach = min(max(budget, 0), CLOSING_HORIZON)
         path = row.closing
         if path is None:
-            path = closing_path(row.matcher, self._closers, self.eos_ids, self.words, max(budget, 0) + CLOSING_WINDOW)
+            path = closing_path(row.matcher, self._closers, self.eos_ids, self.words, reach + CLOSING_WINDOW)
         row.closing = path
-        row.closing_len = len(path) if path is not None else max(row.closing_len, budget)
+        # No path within reach: a lower bound, so the next search waits for the last tokens.
+        row.closing_len = len(path) if path is not None else max(row.closing_len, reach)
         if path and len(path) + CLOSING_MARGIN >= budget:
             mask[:] = 0
             mask[path[0] // 32] = np.int32(np.uint32(1 << (path[0] % 32)).view(np.int32))

@@ -223,3 +223,51 @@ def test_sampler_processing_units():
                                          np.full(3, s, np.uint32), min_p), np.ones(3, np.int32)).tokens[0]
              for s in range(20)]
     assert set(int(t) for t in draws) == {0}
+
+
+def test_closing_searches_stay_bounded_far_from_the_end(monkeypatch):
+    """A grammar whose greedy closing path never ends (a+b: 'a' is always preferred) at a long
+    budget: one bounded search when the sequence starts, none while its end is far, then
+    searches no longer than the budget left in its last tokens, where a closing path matters.
+    (Each search fills one mask per token it tries; it used to try the whole budget at every
+    step.)"""
+    from types import SimpleNamespace
+
+    from models.gemma3 import load_model
+    from serving import structured_output as so
+
+    tok = load_model("random:tiny", tp=1, dtype="float32").tokenizer
+    eos = (1,)
+    grammar = so.build_grammar("regex", "a+b", "guided_regex", tok, eos)
+    limits, search = [], so.closing_path
+
+    def counted(*args):
+        limits.append(args[-1])
+        return search(*args)
+
+    monkeypatch.setattr(so, "closing_path", counted)
+    outputs = so.StructuredOutputs(tok.vocab_size, eos, max_seq_len=32_768, tokenizer=tok)
+    try:
+        budget = 30_000
+        outputs.add(SimpleNamespace(id=0, params=SimpleNamespace(grammar=grammar, max_tokens=budget),
+                                    generated=[], length=5))
+        a = tok.encode("a")[0]
+
+        def step():
+            bits = outputs.masks([0]).result()[0].view(np.uint32)
+            assert bits[a // 32] >> (a % 32) & 1  # 'a' stays allowed: the grammar is not forced yet
+            assert outputs.accept(0, a) is None
+
+        for _ in range(50):
+            step()
+        assert limits == [so.CLOSING_HORIZON + so.CLOSING_WINDOW]
+        # The last tokens: a search at every step, bounded by the budget left.
+        for _ in range(budget - 50 - so.CLOSING_HORIZON - so.CLOSING_WINDOW):
+            outputs._rows[0].budget -= 1  # skip ahead without the steps in between
+        limits.clear()
+        for _ in range(40):
+            step()
+        assert len(limits) == 40 and max(limits) <= so.CLOSING_HORIZON + so.CLOSING_WINDOW
+        assert limits[-1] == outputs._rows[0].budget + 1 + so.CLOSING_WINDOW
+    finally:
+        outputs.close()
