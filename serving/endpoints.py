@@ -69,7 +69,7 @@ def _sampling(req, max_tokens: int, logprobs: int | None, seed_offset: int = 0, 
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0),
-            seed=None if req.seed is None else req.seed + seed_offset,
+            seed=SamplingParams.choice_seed(req.seed, seed_offset),
             stop=stop,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             logprobs=logprobs,
@@ -90,7 +90,9 @@ def _logit_bias(bias: dict | None, vocab_size: int | None) -> tuple[tuple[int, f
     """OpenAI's {"token id as a string": bias} -> ((id, bias), ...), ids checked against the vocabulary."""
     out = []
     for key, value in (bias or {}).items():
-        if not key.strip().lstrip("-").isdigit():
+        digits = key.strip().removeprefix("-")
+        # ASCII digits only: str.isdigit() also holds for "²" and "٣", which int() refuses or reads.
+        if not (digits.isascii() and digits.isdigit()):
             raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
         t = int(key)
         if t < 0 or (vocab_size is not None and t >= vocab_size):

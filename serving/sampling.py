@@ -123,6 +123,16 @@ class SamplingParams:
         """The 32-bit seed used on device; `fallback` (random) when the request gave none."""
         return (fallback if self.seed is None else self.seed) % (2**32)
 
+    @staticmethod
+    def choice_seed(seed: int | None, j: int) -> int | None:
+        """The seed of a request's choice j (n > 1 draws with seed, seed + 1, ...): `seed` is
+        checked as the client sent it, then seed + j wraps into the signed 64-bit range, so that
+        every valid seed takes n choices (the device seeds, mod 2**32, run on unchanged)."""
+        if seed is None:
+            return None
+        _check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED - 1)
+        return (seed + j + _MAX_SEED) % (2 * _MAX_SEED) - _MAX_SEED
+
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -62,6 +62,10 @@ def _error(r, status, param=None):
     (b'{"prompt": "x", "logprobs": 50}', "logprobs"),
     (b'{"prompt": "x", "n": 0}', "n"),
     (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty"),
+    (b'{"prompt": "x", "logit_bias": {"--5": 1}}', "logit_bias"),  # not ids, though
+    (b'{"prompt": "x", "logit_bias": {"\xc2\xb2": 1}}', "logit_bias"),  # str.isdigit() holds
+    (b'{"prompt": "x", "logit_bias": {"-5": 1}}', "logit_bias"),
+    (b'{"prompt": "x", "seed": 9223372036854775808}', "seed"),
     (b'{"prompt": "\\ud800"}', None),  # a lone surrogate is not text
     (b'{"prompt": "caf\xe9"}', None),  # invalid UTF-8 (Latin-1 byte)
 ])
@@ -270,6 +274,19 @@ def test_seeded_sampling_is_reproducible(client):
     b = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     c = client.post("/v1/completions", json={**body, "seed": 8}).json()["choices"][0]["text"]
     assert a == b and a != c
+
+
+def test_the_largest_seed_takes_n_choices(client):
+    """Choice j draws with seed + j, wrapped into the seeds' signed 64-bit range: the largest
+    seed a client may send works with n > 1, and an error names the seed that was sent."""
+    body = {"prompt": "s", "max_tokens": 12, "temperature": 1.0, "n": 2}
+    r = client.post("/v1/completions", json={**body, "seed": 2**63 - 1})
+    assert r.status_code == 200, r.text
+    # The device seeds are 32-bit: 2**63 - 1 + 1 wraps to -2**63, the same seed as 0 there.
+    zero = client.post("/v1/completions", json={**body, "n": 1, "seed": 0}).json()["choices"][0]["text"]
+    assert r.json()["choices"][1]["text"] == zero
+    err = _error(client.post("/v1/completions", json={**body, "seed": 2**63}), 400, "seed")
+    assert str(2**63) in err["message"] and str(2**63 + 1) not in err["message"]
 
 
 def test_generate_endpoint_plain_and_streamed(client):
