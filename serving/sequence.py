@@ -93,10 +93,14 @@ class WaitingQueue:
         """Raises InvalidParameter for a sequence the scheduler cannot serve."""
 
     def add(self, seqs: list[Sequence]) -> None:
-        """Queues sequences, all or none. Raises InvalidParameter or QueueFull."""
+        """Queues sequences, all or none. Raises InvalidParameter (also for more sequences than
+        the queue holds: waiting would never help) or QueueFull (retry later)."""
         for s in seqs:
             self.check(len(s.prompt), s.params.max_tokens)
             self.admissible(s)
+        if len(seqs) > self.max_waiting:
+            raise InvalidParameter("n", f"the request makes {len(seqs)} sequences (prompts x n); this "
+                                   f"server queues at most {self.max_waiting} (--max-waiting)")
         if len(self.waiting) + len(seqs) > self.max_waiting:
             raise QueueFull(f"too many waiting requests ({len(self.waiting)} waiting, limit "
                             f"{self.max_waiting}); retry later")

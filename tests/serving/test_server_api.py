@@ -166,6 +166,17 @@ def test_queue_full_gets_429_with_retry_after(server):
     assert _error(limited, 429)["type"] == "rate_limit_error"
 
 
+def test_a_request_that_can_never_wait_gets_400_not_429(client, server):
+    """More sequences (prompts x n) than --max-waiting (4 here) could not be queued even on an
+    idle server: a 400 saying the limit, not a 429 the client would retry for ever."""
+    _wait_idle(server)
+    r = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
+    err = _error(r, 400, "n")
+    assert "6 sequences" in err["message"] and "4" in err["message"] and "retry-after" not in r.headers
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
 def _wait_idle(server, timeout=5.0):
     deadline = time.monotonic() + timeout
     while server.runtime.core.num_running or server.runtime.core.num_waiting:
