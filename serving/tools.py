@@ -79,8 +79,15 @@ def parse_tools(tools) -> list[Tool]:
     return out
 
 
-def tool_mode(tool_choice, tools: list[Tool]) -> str:
-    """"none", "auto", "required" or the name of the function that must be called."""
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """A named tool_choice: one call of this function. Not the bare name, which a function called
+    "none", "auto" or "required" would turn into that keyword."""
+    name: str
+
+
+def tool_mode(tool_choice, tools: list[Tool]) -> str | Named:
+    """"none", "auto", "required" or the function that must be called (`Named`)."""
     if tool_choice is None:
         return "auto" if tools else "none"
     if isinstance(tool_choice, str):
@@ -96,7 +103,7 @@ def tool_mode(tool_choice, tools: list[Tool]) -> str:
         raise InvalidParameter("tool_choice", "a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
     if name not in {t.name for t in tools}:
         raise InvalidParameter("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
-    return name
+    return Named(name)
 
 
 # ---- the prompt ----
@@ -139,12 +146,13 @@ def tool_result_text(content: str) -> str:
 
 # ---- the grammar of calls ----
 
-def call_grammar(tools: list[Tool], mode: str, parallel: bool = True) -> str:
+def call_grammar(tools: list[Tool], mode: str | Named, parallel: bool = True) -> str:
     """A Lark grammar (llguidance's dialect, with %json for argument values) of a list of calls:
-    one call of the named function, or (required) one or more calls of any tool (one when not
-    parallel). Arguments come in the schema's property order; required ones always, optional
-    ones may be left out."""
-    chosen = [t for t in tools if t.name == mode] if mode not in ("auto", "required") else tools
+    one call of the named function (`Named`), or (required) one or more calls of any tool (one
+    when not parallel). Arguments come in the schema's property order; required ones always,
+    optional ones may be left out."""
+    named = isinstance(mode, Named)
+    chosen = [t for t in tools if t.name == mode.name] if named else tools
     rules = []
     alts = []
     for n, t in enumerate(chosen):
@@ -171,7 +179,7 @@ def call_grammar(tools: list[Tool], mode: str, parallel: bool = True) -> str:
         rules.append(f"call_{n}: \"{t.name}(\" first_{n}_0 \")\"")
         alts.append(f"call_{n}")
     rules.append("call: " + " | ".join(alts))
-    many = parallel and mode in ("auto", "required")
+    many = parallel and not named
     rules.insert(0, 'start: "[" call ("," " " call)* "]"' if many else 'start: "[" call "]"')
     return "\n".join(rules) + "\n"
 

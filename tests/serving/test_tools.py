@@ -62,6 +62,18 @@ def test_constrained_calls_are_valid(oai, choice):
             _check(call, name)
 
 
+@pytest.mark.parametrize("name", ["none", "auto", "required"])
+def test_a_function_named_like_a_mode_can_be_forced(oai, name):
+    """A named tool_choice forces exactly that function (one call), also when its name is one of
+    tool_choice's keywords."""
+    fn = {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 5}}, "required": ["q"]}}}
+    r = oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=[fn, SEARCH], temperature=1.0, seed=4,
+                                    tool_choice={"type": "function", "function": {"name": name}}, max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls or ()] == [name], c
+
+
 def test_streamed_tool_call_deltas(oai):
     stream = oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                          temperature=1.0, seed=5, max_tokens=120, stream=True,
@@ -147,7 +159,7 @@ def test_call_grammar_names_and_refs():
                                       "properties": {"user-id": {"type": "integer"}, "u": {"$ref": "#/$defs/U"}},
                                       "required": ["user-id", "u"]}}
     tools = T.parse_tools([{"type": "function", "function": fn}])
-    grammar = so.build_grammar("tool_call", T.call_grammar(tools, "f"), "tools", ByteTokenizer(512), (1, 106))
+    grammar = so.build_grammar("tool_call", T.call_grammar(tools, T.Named("f")), "tools", ByteTokenizer(512), (1, 106))
     matcher = grammar.new_matcher()
     assert matcher.consume_tokens(ByteTokenizer(512).encode('[f(user-id=3, u="b")]')) and matcher.is_stopped()
     assert T.parse_calls('[f(user-id=3, u="b")]', tools) == [("f", {"user-id": 3, "u": "b"})]
@@ -155,6 +167,25 @@ def test_call_grammar_names_and_refs():
         "type": "object", "properties": {"a b": {"type": "string"}}, "required": ["a b"]}}}])
     with pytest.raises(InvalidParameter):
         T.call_grammar(bad, "required")
+
+
+def test_a_named_choice_grammar_takes_that_function_only():
+    """The grammar of a named choice whose name is a keyword ("required") takes one call of that
+    function, not a call of any tool nor several."""
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+    from serving import structured_output as so
+
+    tok = ByteTokenizer(512)
+    tools = T.parse_tools([{"type": "function", "function": {"name": "required"}}, SEARCH])
+    mode = T.tool_mode({"type": "function", "function": {"name": "required"}}, tools)
+    grammar = so.build_grammar("tool_call", T.call_grammar(tools, mode), "tools", tok, (1, 106))
+
+    def takes(text):
+        matcher = grammar.new_matcher()
+        return bool(matcher.consume_tokens(tok.encode(text))) and matcher.is_stopped()
+
+    assert takes("[required()]")
+    assert not takes('[search(query="q")]') and not takes("[required(), required()]")
 
 
 def test_mask_timer_sees_each_mask_job():
