@@ -7,6 +7,8 @@ streaming decoders), and decodes a short window of tokens, not the whole sequenc
 
 `TextStream` adds stop strings on top: a tail of the text that could still be the start of a stop
 string is held back while streaming, and a match cuts the output before the stop string (OpenAI semantics).
+As in vLLM, stop strings are not looked for until min_tokens tokens are out, and then only matches
+that end in text new since the last look count.
 """
 from __future__ import annotations
 
@@ -56,12 +58,16 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """Detokenizer plus stop strings. `add` returns (text delta to emit, stopped)."""
+    """Detokenizer plus stop strings. `add` returns (text delta to emit, stopped). No stop string
+    ends the text until more than `min_tokens` tokens were added (vLLM's min_tokens)."""
 
-    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._min_tokens = min_tokens
+        self._tokens = 0
+        self._checked = 0  # the text up to here has been looked at for stop strings
         self.text = ""  # all text produced so far (up to a stop string, excluded)
         self._emitted = 0
         self.stopped = False
@@ -69,6 +75,7 @@ class TextStream:
     def add(self, token_id: int) -> tuple[str, bool]:
         if self.stopped:
             raise RuntimeError("token added after a stop string matched")
+        self._tokens += 1
         self.text += self._detok.add(token_id)
         return self._emit(final=False)
 
@@ -80,14 +87,17 @@ class TextStream:
         return self._emit(final=True)[0]
 
     def _emit(self, final: bool) -> tuple[str, bool]:
-        if self._stop:
-            # A stop string can only newly appear in text not yet emitted, or straddle the boundary.
-            start = max(0, self._emitted - self._hold)
-            hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+        if self._stop and self._tokens > self._min_tokens:
+            # Only a match that ends in new text: an older one was found before, or it ended
+            # within min_tokens, where it does not count. (The hold-back below keeps a match
+            # that straddles the boundary unemitted, during min_tokens too.)
+            hits = [i for i in (self.text.find(s, max(0, self._checked - len(s) + 1)) for s in self._stop)
+                    if i >= 0]
             if hits:
                 self.text = self.text[:min(hits)]
                 self.stopped = True
                 final = True
+        self._checked = len(self.text)
         end = len(self.text) if final else len(self.text) - self._partial_match()
         delta = self.text[self._emitted:end]
         self._emitted = end

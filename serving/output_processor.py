@@ -84,7 +84,8 @@ class OutputProcessor:
         self.structured = StructuredOutputs(info.vocab_size, info.eos_ids, info.max_seq_len, tokenizer)
 
     def add(self, seq: Sequence, sink: Sink, arrival: float) -> None:
-        self._live[seq.id] = _Output(sink, TextStream(self.tokenizer, seq.params.stop), arrival)
+        self._live[seq.id] = _Output(sink, TextStream(self.tokenizer, seq.params.stop, seq.params.min_tokens),
+                                     arrival)
         self.structured.add(seq)
 
     def is_live(self, seq_id: int) -> bool:

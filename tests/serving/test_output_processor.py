@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from serving.runner import RunnerInfo, StepOutputs
+from serving.detokenize import TextStream
 from serving.fake_runner import ByteTokenizer
 from serving.metrics import Metrics
 from serving.output_processor import OutputProcessor
@@ -104,6 +105,35 @@ def test_output_processor_detokenizes_stops_and_records_metrics():
     assert value("gemma3:prompt_tokens_total", labels) == 3 * 2
 
 
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """As in vLLM, no stop string ends a sequence before min_tokens tokens: "b" in the first 3
+    is text, the "b" after them stops it (and is cut, as a stop string is)."""
+    proc = OutputProcessor(TOK, info())
+    q = Sequence(1, [TOK.bos_id, 301], SamplingParams(max_tokens=10, temperature=0.0, stop=("b",),
+                                                      min_tokens=3), 0)
+    got = []
+    proc.add(q, got.append, arrival=0.0)
+    for t, tok in enumerate(TOK.encode("abcbd")):
+        if got and got[-1].finish_reason:
+            break
+        proc.deliver(proc.on_step(step_plan([q]), outputs([tok]), started=t, now=t + 0.5))
+    assert "".join(e.text for e in got) == "abc" and got[-1].finish_reason == "stop"
+    assert got[-1].num_generated == 4
+
+
+def test_text_stream_min_tokens_finds_only_matches_ending_after_them():
+    """A stop string that ended within the first min_tokens tokens is not matched later (vLLM
+    searches only the text new since its last check); one that ends after them is, and what
+    streamed before it never includes a part of it."""
+    tok = ByteTokenizer()
+    s = TextStream(tok, ["aa", "xyz"], min_tokens=3)
+    deltas = [s.add(i) for i in tok.encode("caay")]
+    assert deltas[-1] == ("aay", False) and "".join(d for d, _ in deltas) == "caay"
+    s = TextStream(tok, ["aa"], min_tokens=2)
+    deltas = [s.add(i) for i in tok.encode("caa")]
+    assert "".join(d for d, _ in deltas) == "c" and deltas[-1][1] and s.text == "c"
 
 
 def test_output_processor_ends_sequences_aborted_from_outside():
