@@ -121,7 +121,7 @@ def _request_grammar_spec(req):
 
 
 def _check_ids(runtime: Runtime, ids: list[int], param: str) -> None:
-    vocab = runtime.runner.info.vocab_size
+    vocab = runtime.runner.info.token_ids
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param=param)
@@ -290,7 +290,7 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
         raise ApiError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
     scoring_only = max_tokens == 0  # echo of the prompt (with its logprobs): nothing generated
     grammar = await _grammar(runtime, _request_grammar_spec(req))
-    vocab = runtime.runner.info.vocab_size
+    vocab = runtime.runner.info.token_ids
     params = [_sampling(req, max(max_tokens, 1), req.logprobs, j, grammar, vocab, runtime.sampling_defaults)
               for _ in prompts for j in range(req.n)]
     seq_prompts = [p for p in prompts for _ in range(req.n)]
@@ -415,7 +415,7 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
         max_tokens = max(limit - len(prompt), 1)  # the rest of the context (over-long prompts fail below)
     elif max_tokens < 1:
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
-    vocab = runtime.runner.info.vocab_size
+    vocab = runtime.runner.info.token_ids
     params = [_sampling(req, max_tokens, n_top, j, grammar, vocab, runtime.sampling_defaults)
               for j in range(req.n)]
     run = _Run(runtime, [prompt] * req.n, params, images=images)

@@ -79,7 +79,8 @@ class PagedRunner:
                                       page_size)
         self._sample_device = next(d for d in model.mesh.devices.flat
                                    if d.process_index == jax.process_index())
-        self._sample = sampling.make_sampler()
+        self._sample = sampling.make_sampler(
+            self.info.token_ids if self.info.token_ids < self.info.vocab_size else None)
         self._token_logprobs = jax.jit(sampling.token_logprobs)
         self._feed = jax.jit(feed_tokens)
         # Deterministic mode: the rows of a step's programs' outputs in the step's order.
@@ -378,6 +379,8 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         num_slots=max_num_seqs,
         max_seq_len=max_seq_len,
         vocab_size=c.vocab_size,
+        tokenizer_vocab_size=(tokenizer.vocab_size if tokenizer.vocab_size != c.vocab_size
+                              else None),
         eos_ids=tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id, tokenizer.end_of_turn_id))),
         tp=int(model.tp),
         dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,

@@ -63,6 +63,15 @@ class RunnerInfo:
     # read the pages their rows hold whatever the table's width, so they need no page buckets;
     # the TPU kernel takes the whole table into its scalar memory, so its steps keep them.
     attention: str = "xla"
+    # The ids the tokenizer has, where the checkpoint's embedding is padded past them (Gemma 3
+    # 4B-27B: 262,208 rows for 262,144 pieces); None: every row is a token.
+    tokenizer_vocab_size: int | None = None
+
+    @property
+    def token_ids(self) -> int:
+        """The ids a request may name and the sampler may draw, [0, token_ids): what both the
+        logits and the tokenizer hold. A padded row's token cannot be detokenized."""
+        return min(self.vocab_size, self.tokenizer_vocab_size or self.vocab_size)
 
 
 class Runner(Protocol):

@@ -20,6 +20,7 @@ the exact cut-off by bisection and samples by inverse CDF over the full vocabula
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -298,12 +299,16 @@ class SampleOutput(NamedTuple):
 _K_OFF = np.iinfo(np.int32).max
 
 
-def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array) -> SampleOutput:
+def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array,
+           vocab: int | None = None) -> SampleOutput:
     """Draws one token per row. logits float32 [B, V]; positions int32 [B]: the position the drawn
     token will occupy (with the seed it selects the random stream). With `params.extras`, the
     logits are processed first (`process_logits`); reported logprobs are those of the processed
-    distribution before temperature."""
+    distribution before temperature. `vocab` < V: ids at or past it are never drawn nor counted
+    (a checkpoint's embedding padded past its tokenizer's vocabulary)."""
     logits = logits.astype(jnp.float32)
+    if vocab is not None and vocab < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
     ex = params.extras
     if ex is not None:
         logits = process_logits(logits, ex)
@@ -341,12 +346,12 @@ def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array) -> Sam
     return SampleOutput(tokens, chosen, cand_ids[:, :k].astype(jnp.int32), cand_vals[:, :k] - lse[:, None])
 
 
-def make_sampler():
-    """`sample` as the engine runs it: the logits processing, when a step has any, as a program of
-    its own before the sampler's (fused into one program, XLA CPU made a sampled step of 8 rows
-    ~10 ms slower; apart, the processing costs ~1-2 ms)."""
+def make_sampler(vocab: int | None = None):
+    """`sample` as the engine runs it (over `vocab` ids, see there): the logits processing, when
+    a step has any, as a program of its own before the sampler's (fused into one program, XLA CPU
+    made a sampled step of 8 rows ~10 ms slower; apart, the processing costs ~1-2 ms)."""
     process = jax.jit(process_logits)
-    draw = jax.jit(sample)
+    draw = jax.jit(sample if vocab is None else functools.partial(sample, vocab=vocab))
 
     def run(logits, params: SlotSampling, positions) -> SampleOutput:
         if params.extras is not None:

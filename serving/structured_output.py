@@ -239,6 +239,16 @@ def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int
 
 # ---- per-sequence matchers and masks ----
 
+def id_bits(n: int, words: int) -> np.ndarray:
+    """int32 [words] with the bits of ids [0, n) set (a token mask allowing those ids)."""
+    out = np.zeros(words, np.uint32)
+    full, rest = divmod(n, 32)
+    out[:full] = 0xFFFFFFFF
+    if rest:
+        out[full] = (1 << rest) - 1
+    return out.view(np.int32)
+
+
 @dataclasses.dataclass(eq=False)
 class _Row:
     matcher: object
@@ -254,7 +264,8 @@ class _Row:
 
 
 class _MaskJob:
-    """The masks of several sequences, computed in one pass on the worker thread."""
+    """The masks of several sequences, computed in one pass on the worker thread (the grammar's
+    width: its tokenizer's vocabulary)."""
 
     def __init__(self, n: int, words: int):
         self.masks = np.zeros((n, words), np.int32)
@@ -265,16 +276,21 @@ class _MaskJob:
 
 
 class PendingMask:
-    """The mask rows of one step; `result()` waits for their jobs and gathers them ([B, words])."""
+    """The mask rows of one step; `result()` waits for their jobs and gathers them ([B, words]:
+    the logits' width; a grammar row allows nothing past its tokenizer's vocabulary)."""
 
-    def __init__(self, rows: list[tuple[int, _Row]], n: int, words: int):
-        self._rows, self._n, self.words = rows, n, words
+    def __init__(self, rows: list[tuple[int, _Row]], n: int, keep: np.ndarray):
+        self._rows, self._n, self._keep = rows, n, keep
+        self.words = len(keep)
 
     def result(self) -> np.ndarray:
         out = np.full((self._n, self.words), -1, np.int32)
         for i, row in self._rows:
             row.job.wait()
-            out[i] = row.job.masks[row.job_index]
+            mask = row.job.masks[row.job_index]
+            w = min(len(mask), self.words)
+            out[i, :w] = mask[:w] & self._keep[:w]
+            out[i, w:] = 0
         return out
 
 
@@ -290,6 +306,11 @@ class StructuredOutputs:
         runs (a benchmark's view of the host work a constrained step adds)."""
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
+        # The grammar's masks cover its tokenizer's ids (llguidance takes exactly that width),
+        # which a checkpoint's padded embedding may outnumber; ids the logits lack are cleared.
+        text = vocab_size if tokenizer is None else tokenizer.vocab_size
+        self.grammar_words = (text + 31) // 32
+        self._keep = id_bits(min(text, vocab_size), self.words)
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = max_seq_len
         self._closers = _closing_preference(tokenizer, self.eos_ids) if tokenizer is not None else list(self.eos_ids)
@@ -345,7 +366,7 @@ class StructuredOutputs:
         dirty = [r for r in list(self._rows.values()) if r.dirty]  # list(): one atomic snapshot
         if not dirty:
             return
-        job = _MaskJob(len(dirty), self.words)
+        job = _MaskJob(len(dirty), self.grammar_words)
         for i, r in enumerate(dirty):
             r.job, r.job_index, r.dirty = job, i, False
         matchers = [(r.matcher, i) for i, r in enumerate(dirty)]
@@ -361,7 +382,7 @@ class StructuredOutputs:
             return None
         if any(r.dirty for _, r in rows):
             self.prefetch()
-        return PendingMask(rows, len(seq_ids), self.words)
+        return PendingMask(rows, len(seq_ids), self._keep)
 
     def _compute(self, matchers, out: np.ndarray, closing) -> None:
         from llguidance.numpy import fill_next_token_bitmask_par
@@ -381,7 +402,8 @@ class StructuredOutputs:
         reach = min(max(budget, 0), CLOSING_HORIZON)
         path = row.closing
         if path is None:
-            path = closing_path(row.matcher, self._closers, self.eos_ids, self.words, reach + CLOSING_WINDOW)
+            path = closing_path(row.matcher, self._closers, self.eos_ids, self.grammar_words,
+                                reach + CLOSING_WINDOW)
         row.closing = path
         # No path within reach: a lower bound, so the next search waits for the last tokens.
         row.closing_len = len(path) if path is not None else max(row.closing_len, reach)

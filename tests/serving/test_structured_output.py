@@ -271,3 +271,45 @@ def test_closing_searches_stay_bounded_far_from_the_end(monkeypatch):
         assert limits[-1] == outputs._rows[0].budget + 1 + so.CLOSING_WINDOW
     finally:
         outputs.close()
+
+
+def test_an_embedding_padded_past_its_tokenizer():
+    """A checkpoint whose embedding has more rows than its tokenizer has ids (Gemma 3 4B-27B:
+    262,208 for 262,144 pieces), here 544 for a 512-id tokenizer: structured output works (the
+    grammar's masks are the tokenizer's width, widened to the logits' with the padded ids off;
+    llguidance refused a mask of the logits' width), the sampler never draws a padded id (it
+    cannot be detokenized), and a request naming one is refused."""
+    import httpx
+
+    from models.gemma3 import load_model
+    from models.gemma3.api import Gemma3Model
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+    from serving.paged_runner import PagedRunner
+
+    padded = load_model("random:tiny?vocab=544", tp=1, dtype="float32", seed=5)
+    model = Gemma3Model.from_programs(padded.programs, padded.weights, ByteTokenizer(512))
+    engine = PagedRunner(model, max_num_seqs=2, max_seq_len=96)
+    assert (engine.info.vocab_size, engine.info.token_ids) == (544, 512)
+    s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=2,
+                                  max_seq_len=96, compile_cache_dir=""), engine)
+    try:
+        with httpx.Client(base_url=s.url, timeout=300) as c:
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+                      "required": ["a", "b"], "additionalProperties": False}
+            r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=40, temperature=1.0, seed=3,
+                                                    response_format=_response_format(schema)))
+            assert r.status_code == 200, r.text
+            jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
+            drawn = []
+            for seed in range(3):  # ~6% of a random model's draws would be padded ids
+                r = c.post("/generate", json=dict(prompt="x", max_tokens=60, temperature=1.5,
+                                                  seed=seed, ignore_eos=True))
+                assert r.status_code == 200, r.text
+                drawn += r.json()["token_ids"]
+            assert len(drawn) == 180 and max(drawn) < 512
+            for body in (dict(prompt=[2, 530], max_tokens=2), dict(prompt="x", max_tokens=2, logit_bias={"530": 5})):
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 400 and "512" in r.json()["error"]["message"], r.text
+            assert c.post("/detokenize", json={"tokens": [530]}).status_code == 400
+    finally:
+        s.stop()
