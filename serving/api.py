@@ -3,6 +3,7 @@ OpenAI-style errors. The generation endpoints themselves are in `endpoints.py`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -90,12 +91,12 @@ def create_app(runtime: Runtime) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = await _accept(runtime, request, TokenizeRequest)
-        return endpoints.tokenize(runtime, req)
+        return await asyncio.to_thread(endpoints.tokenize, runtime, req)  # off the event loop
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = await _accept(runtime, request, DetokenizeRequest)
-        return endpoints.detokenize(runtime, req)
+        return await asyncio.to_thread(endpoints.detokenize, runtime, req)
 
     @app.post("/generate")
     async def generate(request: Request):

@@ -282,7 +282,9 @@ async def _openai_reply(run: _Run, request: Request, req, choices: list[fmt.Choi
 async def completions(runtime: Runtime, request: Request, req: CompletionRequest):
     _reject_unsupported(req)
     tok = runtime.runner.tokenizer
-    prompts, texts, added_bos = _completion_prompts(runtime, req.prompt)
+    # Tokenizing (and rendering a chat) off the event loop: a prompt of megabytes takes seconds,
+    # every other stream's chunks would wait for it (the tokenizer releases the GIL).
+    prompts, texts, added_bos = await asyncio.to_thread(_completion_prompts, runtime, req.prompt)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     if max_tokens < 0 or (max_tokens == 0 and not req.echo):
         raise ApiError(400, f"max_tokens must be >= 1 (0 only with echo), got {max_tokens}", param="max_tokens")
@@ -379,7 +381,7 @@ async def chat(runtime: Runtime, request: Request, req: ChatCompletionRequest):
     if mode != "none":  # the tools are described first, as a system message
         turns.insert(0, ("system", tool_calls.preamble(tools)))
     try:
-        prompt = render_chat(turns, tok)
+        prompt = await asyncio.to_thread(render_chat, turns, tok)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
     images = ()
@@ -478,7 +480,7 @@ async def generate(runtime: Runtime, request: Request, req: GenerateRequest):
     if req.prompt is not None:
         if not req.prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        ids = ([tok.bos_id] if req.add_bos else []) + tok.encode(req.prompt)
+        ids = ([tok.bos_id] if req.add_bos else []) + await asyncio.to_thread(tok.encode, req.prompt)
     else:
         _check_ids(runtime, req.prompt_ids, "prompt_ids")
         ids = list(req.prompt_ids)

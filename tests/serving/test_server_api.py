@@ -309,6 +309,28 @@ def test_generate_endpoint_plain_and_streamed(client):
     _error(client.post("/generate", json={"max_tokens": 3}), 400, "prompt")
 
 
+def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
+    """Tokenizing a prompt (or rendering a chat) of megabytes takes seconds: it runs on a worker
+    thread, never on the event loop that streams every other request's chunks."""
+    tok = server.runner.tokenizer
+    threads = []
+
+    def encode(text, _encode=tok.encode):
+        import threading
+        threads.append(threading.get_ident())
+        return _encode(text)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+    assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
+                                                     "max_tokens": 2}).status_code == 200
+    assert client.post("/generate", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+    assert client.post("/tokenize", json={"prompt": "ab"}).status_code == 200
+    long = client.post("/v1/completions", json={"prompt": "ab" * 2_000_000, "max_tokens": 2})
+    assert long.status_code == 400 and "maximum context length" in long.text
+    assert len(threads) >= 5 and server.thread.ident not in threads
+
+
 def test_models_health_and_metrics(client):
     m = client.get("/v1/models").json()
     assert m["data"][0]["id"] == "fake" and m["data"][0]["allreduce"]["method"] == "bf16"
