@@ -112,7 +112,15 @@ class OutputProcessor:
             if s.want_prompt_logprobs and s.id in self._live and not s.generated:
                 lps = self._gather_prompt_logprobs(s, p, out, first)
             if p.sample and s.id in self._live:
-                events.append(self._on_token(s, out, row, now, lps))
+                try:
+                    events.append(self._on_token(s, out, row, now, lps))
+                except Exception as e:  # one sequence's failure (its text, its grammar) is its own
+                    log.exception("sequence %d: processing its token failed", s.id)
+                    if s.id in self._live:
+                        events.append(self._end(s, Event(
+                            text="", tokens=(), finish_reason="error", num_prompt_tokens=len(s.prompt),
+                            num_generated=len(s.generated),
+                            error=f"output processing failed: {type(e).__name__}: {e}"), now))
             first += p.end - p.start
         if decoding:
             self.metrics.on_decode(len(plan.pieces), decoding)

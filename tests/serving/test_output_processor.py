@@ -152,3 +152,27 @@ def test_metrics_leave_out_created_series_without_a_process_wide_switch():
     other = CollectorRegistry()
     Counter("unrelated", "A counter of another registry.", registry=other)
     assert "unrelated_created" in generate_latest(other).decode()
+
+
+def test_a_sequence_whose_output_fails_ends_alone():
+    """A token one sequence cannot turn into text (its tokenizer refuses it) fails that sequence
+    with an error; the others in the step go on, and so do later steps."""
+    class Refusing(ByteTokenizer):
+        def decode(self, ids):
+            if 299 in ids:
+                raise ValueError("token id 299 out of range")
+            return super().decode(ids)
+
+    proc = OutputProcessor(Refusing(), info(), Metrics("plain", "bf16"))
+    bad, good = seq(2), seq(2)
+    got = {bad.id: [], good.id: []}
+    for q in (bad, good):
+        proc.add(q, got[q.id].append, 0.0)
+    a, b = TOK.encode("ab")
+    proc.deliver(proc.on_step(step_plan([bad, good]), outputs([299, a]), 0.0, 1.0))
+    [end] = got[bad.id]
+    assert end.finish_reason == "error" and "299 out of range" in end.error
+    assert not proc.is_live(bad.id) and proc.is_live(good.id)
+    assert got[good.id][0].finish_reason is None
+    proc.deliver(proc.on_step(step_plan([good]), outputs([b]), 1.0, 2.0))
+    assert "".join(e.text for e in got[good.id]) == "ab" and len(got[bad.id]) == 1
