@@ -6,9 +6,15 @@ the step waits for them only after it has dispatched the model's program). Also 
 mask work alone, per step.
 
     python -m eval.bench_grammar --model gemma3-270m --dtype float32 --steps 64
+    python -m eval.bench_grammar --closing-regex 'x+y' --budgets 2000,32000
 
 Reports median step times, the grammar's cost as a fraction of the plain step, and how many rows
-produced schema-valid JSON. Both kinds of step run one at a time (the engine core's overlapped
+produced schema-valid JSON. With --closing-regex, only the host's mask work of one sequence whose
+grammar is that regex, a step at a time with the given token budgets (the closing-path search near
+a budget's end is the part that grows with it; `x+y` is a grammar whose greedy closing path never
+ends).
+
+Both kinds of step run one at a time (the engine core's overlapped
 loop cannot run a step whose rows need logits processing before the last one's tokens are back),
 so the difference is the grammar's alone.
 """
@@ -109,6 +115,30 @@ def valid_rows(texts: list[str]) -> int:
     return valid
 
 
+def closing_cost(tok, eos_ids, regex: str, budget: int, steps: int = 12) -> dict:
+    """Host milliseconds of one sequence's masks under `regex` with `budget` tokens left: its
+    first step (where the closing path is first searched) and the median of the next ones."""
+    from serving import SamplingParams, Sequence, StructuredOutputs, build_grammar
+
+    grammar = build_grammar("regex", regex, "bench", tok, eos_ids)
+    structured = StructuredOutputs(tok.vocab_size, eos_ids, budget + 8, tok)
+    structured.add(Sequence(0, [tok.bos_id] * 8, SamplingParams(max_tokens=budget, grammar=grammar),
+                            seed=0))
+    allowed = None
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        bits = structured.masks([0]).result()[0].view("uint32")
+        times.append(time.perf_counter() - t)
+        allowed = next(i for i in range(len(bits) * 32) if bits[i // 32] >> (i % 32) & 1) \
+            if allowed is None else allowed  # the first allowed token, taken at every step
+        if structured.accept(0, allowed) is not None:
+            break
+    structured.close()
+    return {"budget": budget, "first_step_ms": round(times[0] * 1e3, 2),
+            "later_steps_ms_median": round(statistics.median(times[1:]) * 1e3, 2)}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="gemma3-270m")
@@ -117,11 +147,22 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--closing-regex", help="measure only the mask work under this regex")
+    p.add_argument("--budgets", default="2000,32000", help="token budgets, with --closing-regex")
     args = p.parse_args(argv)
 
     from models.gemma3 import load_model
     from serving import PagedRunner, build_grammar
     from eval.reports import write_json
+
+    if args.closing_regex:
+        tok = load_model(args.model, tp=1, dtype=args.dtype).tokenizer
+        eos = (tok.eos_id, tok.end_of_turn_id)
+        report = {"regex": args.closing_regex, "runs": [
+            closing_cost(tok, eos, args.closing_regex, int(b)) for b in args.budgets.split(",")]}
+        print(json.dumps(report, indent=1))
+        write_json(args.json, report)
+        return
 
     b = args.batch
     model = load_model(args.model, tp=1, dtype=args.dtype, max_seq_len=args.max_seq_len)

@@ -231,9 +231,8 @@ def test_closing_searches_stay_bounded_far_from_the_end(monkeypatch):
     searches no longer than the budget left in its last tokens, where a closing path matters.
     (Each search fills one mask per token it tries; it used to try the whole budget at every
     step.)"""
-    from types import SimpleNamespace
-
     from models.gemma3 import load_model
+    from serving import SamplingParams, Sequence
     from serving import structured_output as so
 
     tok = load_model("random:tiny", tp=1, dtype="float32").tokenizer
@@ -249,8 +248,7 @@ def test_closing_searches_stay_bounded_far_from_the_end(monkeypatch):
     outputs = so.StructuredOutputs(tok.vocab_size, eos, max_seq_len=32_768, tokenizer=tok)
     try:
         budget = 30_000
-        outputs.add(SimpleNamespace(id=0, params=SimpleNamespace(grammar=grammar, max_tokens=budget),
-                                    generated=[], length=5))
+        outputs.add(Sequence(0, [2] * 5, SamplingParams(max_tokens=budget, grammar=grammar), seed=0))
         a = tok.encode("a")[0]
 
         def step():
