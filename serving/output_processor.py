@@ -108,24 +108,32 @@ class OutputProcessor:
                 self.metrics.on_prefill([p.end - p.start], now - started, plan.num_tokens, len(plan.pieces))
             else:
                 decoding += 1
-            lps = None
-            if s.want_prompt_logprobs and s.id in self._live and not s.generated:
-                lps = self._gather_prompt_logprobs(s, p, out, first)
-            if p.sample and s.id in self._live:
-                try:
-                    events.append(self._on_token(s, out, row, now, lps))
-                except Exception as e:  # one sequence's failure (its text, its grammar) is its own
-                    log.exception("sequence %d: processing its token failed", s.id)
-                    if s.id in self._live:
-                        events.append(self._end(s, Event(
-                            text="", tokens=(), finish_reason="error", num_prompt_tokens=len(s.prompt),
-                            num_generated=len(s.generated),
-                            error=f"output processing failed: {type(e).__name__}: {e}"), now))
+            try:
+                event = self._on_piece(p, out, row, first, now)
+            except Exception as e:  # one sequence's failure (its text, its grammar) is its own
+                log.exception("sequence %d: processing its outputs failed", s.id)
+                event = None if s.id not in self._live else self._end(s, Event(
+                    text="", tokens=(), finish_reason="error", num_prompt_tokens=len(s.prompt),
+                    num_generated=len(s.generated),
+                    error=f"output processing failed: {type(e).__name__}: {e}"), now)
+            if event is not None:
+                events.append(event)
             first += p.end - p.start
         if decoding:
             self.metrics.on_decode(len(plan.pieces), decoding)
         self.structured.prefetch()
         return events
+
+    def _on_piece(self, p, out: StepOutputs, row: int, first: int, now: float) -> Emitted | None:
+        """A piece's outputs: its prompt tokens' logprobs when asked for, its next token when it
+        samples one (flat tokens first.. of the step are the piece's)."""
+        s = p.seq
+        lps = None
+        if s.want_prompt_logprobs and s.id in self._live and not s.generated:
+            lps = self._gather_prompt_logprobs(s, p, out, first)
+        if p.sample and s.id in self._live:
+            return self._on_token(s, out, row, now, lps)
+        return None
 
     def finish(self, seqs: list[Sequence], reason: str, error: str | None,
                now: float) -> list[Emitted]:

@@ -142,7 +142,16 @@ class PagedScheduler(WaitingQueue):
             self._running.remove(seq)
             self.kv.free(seq.id)
             return True
+        if seq in self.waiting:  # preempted while the step in flight sampled its last token:
+            self.waiting.remove(seq)  # it ended there, and must not run on unwatched
         return False
+
+    def abort_running(self) -> list[Sequence]:
+        """Removes every running sequence after a failed step, whose tokens are lost: a sequence
+        preempted while that step sampled its next token recomputes it instead of waiting."""
+        failed = super().abort_running()
+        self._sampled_to.clear()
+        return failed
 
     def reset_prefix_cache(self) -> None:
         """After an engine failure: the device pages may be lost (running sequences were

@@ -212,3 +212,23 @@ def test_an_ended_sequence_waits_briefly_for_the_next_request(admission_wait, ne
     # The step after the one dispatched while the finish was processed (the overlapped loop).
     rows, tokens = steps(engine)[at_finish[0]]
     assert (tokens > rows) == newcomer_next
+
+
+def test_a_sequence_preempted_as_its_last_token_is_sampled_leaves_the_engine():
+    """Pages for two of the sequences' contexts only: the overlapped loop plans the next step
+    before the last one's tokens are back, so it can preempt a sequence whose last token that
+    step is sampling. The token ends it (its stream gets its last event); it must then leave the
+    waiting queue too, not run on unwatched and hold the queue's head for ever. After a failed
+    step, a sequence preempted while that step sampled its token recomputes it."""
+    engine = fake_paged_runner(num_slots=2, max_seq_len=16, kv_cache_tokens=16, chunk_size=4,
+                               page_size=4)
+    with running_core(engine) as s:
+        a, b = Collector(), Collector()
+        s.submit([(prompt("bcd"), greedy(12), b)])
+        s.submit([(prompt("efg"), greedy(5), a)])
+        assert (a.wait().text, b.wait().text) == (expected("efg", 5), expected("bcd", 12))
+        assert s.scheduler.num_preemptions > 0
+        c = Collector()
+        s.submit([(prompt("hij"), greedy(3), c)])
+        assert c.wait().text == expected("hij", 3)
+        assert s.num_waiting == 0 and s.num_running == 0

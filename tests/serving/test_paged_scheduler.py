@@ -165,6 +165,44 @@ def test_when_pages_run_out_the_newest_sequence_is_preempted_and_recomputes():
     assert len(restarts) == 1 + len(preempted) and len(b.generated) == 20
 
 
+def _preempted_with_its_token_in_flight():
+    """Two sequences outgrowing the pages, stepped as the engine core's overlapped loop does (a
+    step is planned before the last one's tokens are back), up to the step that preempts the
+    newest while the step in flight samples its next token."""
+    sched = PagedScheduler(info(num_global_pages=10, num_slots=2, prefix_caching=False))
+    a, b = seq(1, 20, max_tokens=40), seq(2, 20, max_tokens=40, base=300)
+    sched.add([a, b])
+    in_flight = None
+    while True:
+        plan = sched.schedule()
+        if plan.preempted:
+            assert list(plan.preempted) == [b] and any(p.seq is b and p.sample for p in in_flight.pieces)
+            return sched, a, b, in_flight
+        if in_flight is not None:
+            for p in in_flight.pieces:
+                if p.sample:
+                    p.seq.generated.append(7)
+        in_flight = plan
+
+
+def test_a_sequence_ended_by_the_token_in_flight_as_it_was_preempted_leaves_the_queue():
+    sched, a, b, in_flight = _preempted_with_its_token_in_flight()
+    b.generated.append(7)  # the token arrives and ends b (EOS, a stop, max_tokens)
+    assert not sched.finish(b)
+    assert b not in sched.waiting
+    c = seq(3, 4, base=500)
+    sched.add([c])
+    sched.finish(a)
+    assert [p.seq for p in sched.schedule().pieces] == [c]
+
+
+def test_a_sequence_preempted_during_a_failed_step_recomputes_the_token_it_lost():
+    sched, a, b, in_flight = _preempted_with_its_token_in_flight()
+    assert sched.abort_running() == [a]  # the step failed: its tokens never arrive
+    plan = sched.schedule()
+    assert [(p.seq, p.start) for p in plan.pieces] == [(b, 0)]
+
+
 def test_admission_waits_for_pages_and_max_num_seqs():
     sched = PagedScheduler(info(num_global_pages=6, num_slots=8, prefix_caching=False, max_num_batched_tokens=64))
     sched.add([seq(i, 16) for i in range(5)])
