@@ -370,9 +370,13 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     has_global = any(c.is_global(i) for i in range(c.num_layers))
     window = c.sliding_window if has_local else None
     per_seq_local = local_pages_for(pow2(chunk_size), window, page_size)
-    # ... and room for a lone prompt's whole-budget piece, whose window reaches further back.
+    # ... and room for a lone prompt's whole-budget piece, whose window reaches further back,
+    # run on to the end of an image's soft tokens it ends inside (`PagedScheduler._past_images`):
+    # a piece that no pool can hold would preempt its sequence at the same place for ever.
+    vision = getattr(model, "vision", None)
+    image = vision.config.tokens_per_image if vision is not None else 0
     local_pages = max(max_num_seqs * per_seq_local * 5 // 4,
-                      local_pages_for(pow2(budget), window, page_size))
+                      local_pages_for(pow2(budget) + image, window, page_size))
     tokenizer = model.tokenizer
     return RunnerInfo(
         model_name=model_name,

@@ -165,3 +165,33 @@ def test_when_the_scheduler_writes_a_span_between_steps(model, vision_golden):
     assert [(j.start, j.end) for j in plan.spans] == [(a, b)]
     written.add(4)
     assert [p.start for p in sched.schedule().pieces] == [b]
+
+
+def test_a_lone_piece_run_on_past_an_image_fits_the_local_pool():
+    """A lone prompt's whole-budget piece that ends inside an image's soft tokens runs on to the
+    span's end: the local pool holds that longer piece's window (plain data; it used to preempt
+    the sequence at the same place for ever, every later request waiting behind it)."""
+    from models.gemma3 import load_model
+    from serving.paged_runner import paged_runner_info
+    from serving.sequence import SeqImage
+
+    m = load_model("random:tiny?vision=tiny&max_len=1024", tp=1, dtype="float32")
+    info = paged_runner_info(m, 1, 1024, 4, None, None, None, True, False, "t")  # pages of 4
+    sched = PagedScheduler(info)
+    sched.stage_spans = True
+    n = m.vision.config.tokens_per_image
+    a = info.max_num_batched_tokens * 2 - 7  # the second whole-budget piece ends inside the span
+    prompt = [2] + [100 + i % 50 for i in range(1, 700)]
+    prompt[a:a + n] = [m.vision.tokens.soft] * n
+    s = Sequence(id=1, prompt=prompt, params=SamplingParams(max_tokens=2, temperature=0.0), seed=0,
+                 images=(SeqImage(spans=((a, a + n),), pixels=None, key="img"),))
+    sched.add([s])
+    ends = []
+    for _ in range(4):
+        plan = sched.schedule()
+        assert not plan.preempted
+        ends += [p.end for p in plan.pieces]
+        for p in plan.pieces:
+            if p.sample:
+                s.generated.append(5)
+    assert ends[:3] == [256, a + n, len(prompt)]
