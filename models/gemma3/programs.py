@@ -482,7 +482,7 @@ class ModelPrograms:
         """Compile `key`'s program (without running it) and keep the executable; if another
         thread is compiling it, wait for that one."""
         with self._compiling_lock:
-            if key in self._executables:
+            if key in self._executables or key in self._jit_ran:  # a step compiled it on first use
                 return
             pending = self._compiling.get(key)
             mine = pending is None

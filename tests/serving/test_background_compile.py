@@ -71,6 +71,22 @@ def test_a_step_that_compiles_on_first_use_says_so_once_per_shape(caplog):
     assert all(line.startswith("ragged step T=") for line in lines), lines
 
 
+def test_a_program_a_step_compiled_on_first_use_is_not_compiled_again():
+    """The background's list is made at the start; a shape a step met first since then was
+    compiled by that step: the background passes over it (compiling it again would cost a
+    compile, and a step that needs it would wait for that compile under the step's limit)."""
+    m, engine = small_engine()
+    generate(engine, [prompt(3, 1)], max_tokens=3)
+    ran = [m.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages, engine.pages,
+                        b.logits) for b in engine.programs_run]
+    lowered = []
+    lower = m.programs.lower
+    m.programs.lower = lambda key: lowered.append(key) or lower(key)
+    background = BackgroundCompiler(ran, m.programs.compile).start()
+    assert background.wait(300) and background.compiled == len(ran) >= 2
+    assert lowered == []
+
+
 def test_a_step_waits_for_the_compile_in_progress_instead_of_compiling_again():
     m, engine = small_engine()
     key = engine.later_programs()[0]
