@@ -24,7 +24,7 @@ from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import MIN_BUCKET, ModelPrograms, ProgramKey, prefill_buckets
 from models.gemma3.sampling import sample
 from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
-from models.gemma3.sources import resolve_source
+from models.gemma3.sources import replace_checkpoint, resolve_source
 from models.gemma3.weights import Weights
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,8 @@ class Gemma3Model(Gemma3StepAPI):
         transformers loads too; `dtype` (default: the model's) is the stored one. With a vision
         tower, "hf" writes a Gemma3ForConditionalGeneration directory (one safetensors file).
         "official": the official `gemma` library's parameter tree (orbax), tower included.
+        A checkpoint already in `path`, of any format, is replaced (`sources.replace_checkpoint`:
+        its files are removed first; other files stay).
         A model whose weights carry the AllReduce's rotation (`load_model`'s fold_rotation)
         cannot save: they would no longer be the checkpoint's.
         """
@@ -169,6 +171,9 @@ class Gemma3Model(Gemma3StepAPI):
                 f"this model's o and linear weights carry the {self.allreduce.label} "
                 f"AllReduce's rotation (folded in at load); load it with "
                 f"fold_rotation=False, tp=1 or another AllReduce to save it")
+        if format not in ("orbax", "hf", "official"):
+            raise ValueError(f"format must be 'orbax', 'hf' or 'official', got {format!r}")
+        replace_checkpoint(path, format)
         if format == "hf":
             from models.gemma3 import hf_checkpoint, hf_tokenizer
 
@@ -186,8 +191,6 @@ class Gemma3Model(Gemma3StepAPI):
         if format == "official":
             loading.save_official_checkpoint(path, self._official_tree(dtype or self.dtype))
             return
-        if format != "orbax":
-            raise ValueError(f"format must be 'orbax', 'hf' or 'official', got {format!r}")
         if self.vision is not None:
             log.warning("the orbax format keeps the text model only: the vision tower is not "
                         "saved (save with format 'hf' or 'official' to keep it)")

@@ -429,7 +429,8 @@ def save_hf_weights(path: str | os.PathLike, weights: Weights, c: Gemma3Config, 
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write config.json and the weights as safetensors (one file, or several of at most
     `max_shard_bytes` each with model.safetensors.index.json, as `save_pretrained` does),
-    gathering one tensor at a time to the host. Returns the files written."""
+    gathering one tensor at a time to the host, into a directory that holds no other checkpoint
+    (`Gemma3Model.save` clears it: `sources.replace_checkpoint`). Returns the files written."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(dtype if dtype is not None else weights.embed.dtype)
@@ -445,8 +446,6 @@ def save_hf_weights(path: str | os.PathLike, weights: Weights, c: Gemma3Config, 
         size += n
     names = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for old in [*path.glob("*.safetensors"), path / INDEX_FILE]:
-        old.unlink(missing_ok=True)  # a previous save's shards would be read as ours
     for file, members in zip(names, shards):
         write_safetensors(path / file, shapes={k: (tensors[k][0], dtype) for k in members},
                           produce=lambda k: tensors[k][1](), metadata={"format": "pt"})

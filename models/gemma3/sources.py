@@ -4,16 +4,20 @@ official tree in memory.
 
 `resolve_source` only reads what a source says about shapes (config, vocabulary) up front;
 placing the weights is the returned function, so that programs can compile meanwhile.
+`replace_checkpoint` clears a directory of the checkpoint files this reads, before a save.
 """
 from __future__ import annotations
 
 import os
+import re
+import shutil
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 from jax.sharding import Mesh
 
-from models.gemma3 import hf_checkpoint, loading
+from models.gemma3 import hf_checkpoint, hf_tokenizer, loading
 from models.gemma3.config import Gemma3Config, get_config
 from models.gemma3.weights import Weights
 
@@ -41,11 +45,9 @@ def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: in
                                                        c, dtype, mesh, tp),
                 Tokenizer.from_gguf(path))
     if os.path.isdir(source) and hf_checkpoint.is_hf_checkpoint(source):
-        from models.gemma3.hf_tokenizer import read_tokenizer
-
         return (hf_checkpoint.read_config(source),
                 lambda c, mesh: hf_checkpoint.place_hf(source, c, dtype, mesh, tp),
-                read_tokenizer(source))
+                hf_tokenizer.read_tokenizer(source))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
         from models.gemma3.tokenizer import Tokenizer
 
@@ -75,3 +77,61 @@ def _gguf_tree(path: str, dtype, cache_dir) -> dict:
     if cache_dir is not None:
         weights_cache.store(cache_dir, path, dtype, weights_cache.tree_items(tree))
     return tree
+
+
+# The top-level names of a checkpoint directory in the formats `Gemma3Model.save` writes and
+# `resolve_source` reads: Hugging Face (weights, index, config, tokenizer files, including those
+# transformers reads beside ours) and ours (orbax).
+_CHECKPOINT_NAMES = {
+    hf_checkpoint.CONFIG_FILE, hf_checkpoint.INDEX_FILE, hf_checkpoint.SINGLE_FILE,
+    hf_tokenizer.TOKENIZER_MODEL, hf_tokenizer.TOKENIZER_JSON, hf_tokenizer.TOKENIZER_CONFIG,
+    hf_tokenizer.GENERATION_CONFIG, hf_tokenizer.CHAT_TEMPLATE_JINJA,
+    hf_tokenizer.CHAT_TEMPLATE_JSON, "special_tokens_map.json", "added_tokens.json",
+    loading.CONFIG_FILE, loading.PARAMS_DIR}
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+# An official checkpoint is an orbax directory: its entries, recognised only beside its metadata.
+_ORBAX_METADATA = {"_CHECKPOINT_METADATA", "_METADATA"}
+_ORBAX_NAMES = _ORBAX_METADATA | {"_sharding", "manifest.ocdbt", "commit_success.txt", "d",
+                                  "array_metadatas", "descriptor"}
+_ORBAX_PROCESS = re.compile(r"ocdbt\.process_\d+")
+
+
+def replace_checkpoint(path: str | os.PathLike, format: str) -> None:
+    """Clear `path` for a save in `format` ("orbax", "hf" or "official"): remove the checkpoint
+    it holds, whatever its format.
+
+    A save must replace, not add to, what is there: `resolve_source` reads a Hugging Face
+    directory before ours, every shard its index lists (or every *.safetensors file) and a
+    chat_template.jinja before the template in tokenizer_config.json, so any old file left
+    there would load instead of, or along with, the new checkpoint. As transformers'
+    `save_pretrained` removes its previous shards, only names these formats use are removed,
+    at the top level; a symlink among them is unlinked, never followed. Refused (ValueError,
+    nothing removed) where replacing would lose a file that is not a checkpoint's: another
+    *.safetensors file (the loader reads it with ours), or for "official", any file (orbax
+    replaces that directory whole)."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    with os.scandir(path) as it:
+        entries = list(it)
+    orbax = any(e.name in _ORBAX_METADATA for e in entries)
+    ours, theirs = [], []
+    for e in entries:
+        if (e.name in _CHECKPOINT_NAMES or _SHARD.fullmatch(e.name)
+                or orbax and (e.name in _ORBAX_NAMES or _ORBAX_PROCESS.fullmatch(e.name))):
+            ours.append(e)
+        else:
+            theirs.append(e.name)
+    stray = sorted(n for n in theirs if n.endswith(".safetensors"))
+    if stray:
+        raise ValueError(f"{path} holds {', '.join(stray)}, which no save of ours writes and "
+                         "the loader would read with the new checkpoint; move it away first")
+    if format == "official" and theirs:
+        raise ValueError(f"{path} holds {', '.join(sorted(theirs))}: an official checkpoint is "
+                         "an orbax directory, which orbax replaces whole; save into an empty "
+                         "directory or move them away first")
+    for e in ours:
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path)
+        else:
+            os.unlink(e.path)

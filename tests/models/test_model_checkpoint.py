@@ -214,3 +214,61 @@ def test_gemma3_convert_command_writes_a_checkpoint_of_the_real_weights(tmp_path
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not found" in bad.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_save_replaces_the_checkpoint_in_its_directory(tmp_path):
+    """Saving where a checkpoint already is (another format, more shards, a chat_template.jinja
+    or tokenizer the new model lacks) removes the old checkpoint's files, which the loader would
+    otherwise read before or with the new ones; files no checkpoint has stay, and a symlink
+    among the old files is removed, never what it points to. What cannot be replaced without
+    losing a file that is not ours is refused before anything is removed."""
+    from models.gemma3.tokenizer import Tokenizer
+
+    def embed(m):
+        return np.asarray(m.weights.embed)
+
+    def names(d):
+        return sorted(p.name for p in d.iterdir())
+
+    old = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32, seed=5)
+    old._tokenizer = Tokenizer(_small_vocabulary(old.config.vocab_size))
+    new = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32, seed=6)
+    new_mm = load_model("random:tiny?vision=tiny", tp=1, dtype="float32", allreduce=F32, seed=7)
+    d = tmp_path / "ckpt"
+    old.save(d, format="hf", max_shard_bytes=200_000)  # shards, an index, tokenizer files
+    (d / "chat_template.jinja").write_text("OLD TEMPLATE")
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    (d / "special_tokens_map.json").symlink_to(outside)
+    (d / "notes.txt").write_text("not a checkpoint file")
+
+    new.save(d)  # orbax over hf
+    back = load_model(d, tp=1, dtype="float32", allreduce=F32)
+    np.testing.assert_array_equal(embed(back), embed(new))
+    assert type(back.tokenizer) is type(new.tokenizer)  # not the old tokenizer files
+    assert names(d) == ["gemma3_config.json", "notes.txt", "params"]
+    assert outside.read_text() == "{}"
+
+    old.save(d, format="hf", max_shard_bytes=200_000)
+    new_mm.save(d, format="hf")  # one multimodal file over shards and their index
+    back = load_model(d, tp=1, dtype="float32", allreduce=F32)
+    np.testing.assert_array_equal(embed(back), embed(new_mm))
+    assert back.takes_images
+    assert names(d) == ["config.json", "model.safetensors", "notes.txt"]
+
+    # A safetensors file we do not write, which the loader reads with ours: refused.
+    (d / "adapter.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="adapter.safetensors"):
+        new.save(d, format="hf")
+    assert names(d) == ["adapter.safetensors", "config.json", "model.safetensors", "notes.txt"]
+    (d / "adapter.safetensors").unlink()
+    # The official format is orbax's own directory, which orbax replaces whole: refused while
+    # the directory holds a file that is no checkpoint's.
+    with pytest.raises(ValueError, match="notes.txt"):
+        new.save(d, format="official")
+    (d / "notes.txt").unlink()
+    new.save(d, format="official")
+    np.testing.assert_array_equal(embed(load_model(d, tp=1, dtype="float32", allreduce=F32)),
+                                  embed(new))
+    new.save(d, format="hf")  # over an official checkpoint
+    assert names(d) == ["config.json", "model.safetensors"]
