@@ -153,7 +153,8 @@ class Gemma3Model(Gemma3StepAPI):
 
     def save(self, path: str | os.PathLike, format: str = "orbax", dtype=None,
              max_shard_bytes: int | None = None) -> None:
-        """Save the weights (and the tokenizer, if the model has one) for `load_model(path)`.
+        """Save the weights for `load_model(path)`, and with them, but for "official", the
+        tokenizer (if the model has one) with its EOS ids, chat template and sampling defaults.
 
         format "orbax": our converted, sharded checkpoint, for a fast restart. "hf": a Hugging
         Face Gemma3ForCausalLM directory (config.json, safetensors sharded at
@@ -174,8 +175,16 @@ class Gemma3Model(Gemma3StepAPI):
         if format not in ("orbax", "hf", "official"):
             raise ValueError(f"format must be 'orbax', 'hf' or 'official', got {format!r}")
         replace_checkpoint(path, format)
+        if format == "official":
+            loading.save_official_checkpoint(path, self._official_tree(dtype or self.dtype))
+            return
+        from models.gemma3 import hf_tokenizer
+
+        # A byte tokenizer (no control tokens) is the default of a small random vocabulary:
+        # there is nothing to keep.
+        tokenizer = self.tokenizer if hasattr(self.tokenizer, "control_tokens") else None
         if format == "hf":
-            from models.gemma3 import hf_checkpoint, hf_tokenizer
+            from models.gemma3 import hf_checkpoint
 
             if self.vision is not None:
                 from models.gemma3.vision_checkpoint import save_hf_multimodal
@@ -185,18 +194,19 @@ class Gemma3Model(Gemma3StepAPI):
                 hf_checkpoint.save_hf_weights(
                     path, self.weights, self.config, dtype or self.dtype,
                     max_shard_bytes or hf_checkpoint.DEFAULT_MAX_SHARD_BYTES)
-            if self.tokenizer is not None and hasattr(self.tokenizer, "control_tokens"):
-                hf_tokenizer.save_tokenizer(path, self.tokenizer)
-            return
-        if format == "official":
-            loading.save_official_checkpoint(path, self._official_tree(dtype or self.dtype))
+            if tokenizer is not None:
+                hf_tokenizer.save_tokenizer(path, tokenizer)
             return
         if self.vision is not None:
             log.warning("the orbax format keeps the text model only: the vision tower is not "
                         "saved (save with format 'hf' or 'official' to keep it)")
-        serialized = getattr(self.tokenizer, "serialized_model", None)
-        loading.save_checkpoint(path, self.weights, self.config,
-                                serialized() if serialized is not None else None)
+        loading.save_checkpoint(path, self.weights, self.config)
+        if tokenizer is not None:
+            # tokenizer.model when there is one (converting Gemma's to tokenizer.json takes ~3 s
+            # and the restore reads tokenizer.model first), else tokenizer.json.
+            hf_tokenizer.save_tokenizer(path, tokenizer, files=(
+                hf_tokenizer.TOKENIZER_MODEL if hasattr(tokenizer, "serialized_model")
+                else hf_tokenizer.TOKENIZER_JSON,))
 
     def host_vision(self):
         """The tower and projector as host arrays (placed on the mesh: `attach_vision`)."""

@@ -24,7 +24,6 @@ from models.gemma3.weights import (
 
 CONFIG_FILE = "gemma3_config.json"  # marks a checkpoint written by `save_checkpoint`
 PARAMS_DIR = "params"
-TOKENIZER_FILE = "tokenizer.model"  # the model's SentencePiece vocabulary, when it has one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,11 +170,10 @@ def _from_tree(tree: dict) -> Weights:
     return Weights(embed=tree["embed"], final_norm=tree["final_norm"], layers=layers)
 
 
-def save_checkpoint(path: str | os.PathLike, weights: Weights, c: Gemma3Config,
-                    tokenizer_model: bytes | None = None) -> None:
-    """Write converted, sharded weights (each device writes its shards), the config and, when
-    given, the SentencePiece model: a checkpoint of a model from any GGUF restores with that
-    file's own vocabulary."""
+def save_checkpoint(path: str | os.PathLike, weights: Weights, c: Gemma3Config) -> None:
+    """Write converted, sharded weights (each device writes its shards) and the config. The
+    tokenizer goes beside them as in a Hugging Face directory (`Gemma3Model.save`,
+    `hf_tokenizer.save_tokenizer`), and is read back the same way."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -184,14 +182,7 @@ def save_checkpoint(path: str | os.PathLike, weights: Weights, c: Gemma3Config,
     # it is most of a restore (270M at tp=2: 1.22 -> 0.71 s restored, 397 -> 512 MB on disk).
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckptr:
         ckptr.save(path / PARAMS_DIR, args=ocp.args.PyTreeSave(_to_tree(weights)), force=True)
-    if tokenizer_model is not None:
-        (path / TOKENIZER_FILE).write_bytes(tokenizer_model)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(c), indent=1))
-
-
-def checkpoint_tokenizer_path(path: str | os.PathLike) -> Path | None:
-    p = Path(path) / TOKENIZER_FILE
-    return p if p.is_file() else None
 
 
 def is_converted_checkpoint(path: str | os.PathLike) -> bool:

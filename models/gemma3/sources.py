@@ -49,12 +49,9 @@ def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: in
                 lambda c, mesh: hf_checkpoint.place_hf(source, c, dtype, mesh, tp),
                 hf_tokenizer.read_tokenizer(source))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
-        from models.gemma3.tokenizer import Tokenizer
-
-        vocab = loading.checkpoint_tokenizer_path(source)
         return (loading.read_checkpoint_config(source),
                 lambda c, mesh: loading.restore_checkpoint(source, c, dtype, mesh, tp),
-                Tokenizer.from_file(vocab) if vocab is not None else None)
+                hf_tokenizer.read_tokenizer(source))
     if os.path.isdir(source):
         tree = loading.read_official_checkpoint(source)
         return (loading.config_for_official_tree(tree, config),

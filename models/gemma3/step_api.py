@@ -94,8 +94,9 @@ class Gemma3StepAPI:
 
     @property
     def tokenizer(self):
-        """Real Gemma 3 tokenizer when the vocabulary matches it, else a byte-level one
-        (loaded on first use: most engine work needs none)."""
+        """The source's tokenizer; without one, the real Gemma 3 tokenizer for a vocabulary of
+        its size or more, else a byte-level one (`default_tokenizer`; loaded on first use: most
+        engine work needs none)."""
         if self._tokenizer is None:
             self._tokenizer = default_tokenizer(self.config.vocab_size)
         return self._tokenizer
@@ -366,11 +367,17 @@ def check_token_range(tokens, vocab_size: int) -> None:
 
 @functools.cache
 def default_tokenizer(vocab_size: int):
-    """The real Gemma 3 tokenizer for its vocabulary size, else a byte-level one (one per
-    size and process: models of one vocabulary share it)."""
+    """The real Gemma 3 tokenizer for its vocabulary size or more, else a byte-level one (one
+    per size and process: models of one vocabulary share it).
+
+    More: 4B-27B embed 262,208 rows for the same 262,144 pieces (the rest pad the table, image
+    tokens among them), and a checkpoint without tokenizer files (an official tree, a download
+    of only config.json and safetensors) is one of them. Every Gemma 3 size shares the one
+    vocabulary; a byte tokenizer would turn each request into garbage without a word, and
+    refusing would refuse the official checkpoints, which never carry a tokenizer."""
     from models.gemma3.byte_tokenizer import ByteTokenizer
 
-    if vocab_size == 262_144:
+    if vocab_size >= 262_144:
         from models.gemma3.gguf import default_gguf_path
         from models.gemma3.tokenizer import Tokenizer
 

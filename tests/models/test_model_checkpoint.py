@@ -216,6 +216,30 @@ def test_gemma3_convert_command_writes_a_checkpoint_of_the_real_weights(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["model", "json"])
+def test_orbax_checkpoint_keeps_the_tokenizer_and_its_settings(tmp_path, kind):
+    """Whatever its kind (SentencePiece, or only a tokenizer.json), the orbax format keeps the
+    model's tokenizer with its EOS ids, chat template and sampling defaults, as "hf" does."""
+    from models.gemma3.hf_tokenizer import (
+        ChatTemplate, JsonTokenizer, tokenizer_json_from_sentencepiece)
+    from models.gemma3.tokenizer import Tokenizer
+
+    m = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32)
+    proto = _small_vocabulary(m.config.vocab_size)
+    tok = (Tokenizer(proto) if kind == "model"
+           else JsonTokenizer(tokenizer_json_from_sentencepiece(proto)))
+    tok.eos_ids = (1, 106, 7)
+    tok.chat_template = ChatTemplate("{{ bos_token }}{{ messages[0]['content'] }}")
+    tok.sampling_defaults = {"top_k": 64, "top_p": 0.95}
+    m._tokenizer = tok
+    m.save(tmp_path / "ckpt")
+    back = load_model(tmp_path / "ckpt", tp=1, dtype="float32", allreduce=F32).tokenizer
+    assert type(back) is type(tok)
+    assert back.encode("hello world") == tok.encode("hello world") != []
+    assert back.eos_ids == (1, 106, 7) and back.chat_template == tok.chat_template
+    assert back.sampling_defaults == {"top_k": 64, "top_p": 0.95}
+
+
 def test_a_save_replaces_the_checkpoint_in_its_directory(tmp_path):
     """Saving where a checkpoint already is (another format, more shards, a chat_template.jinja
     or tokenizer the new model lacks) removes the old checkpoint's files, which the loader would

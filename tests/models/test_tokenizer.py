@@ -134,3 +134,17 @@ def test_errors(tok, tmp_path):
         tok.id_to_piece(-1)
     with pytest.raises(TypeError):
         tok.encode(b"bytes")
+
+
+def test_a_padded_gemma_vocabulary_gets_the_gemma_tokenizer(tok):
+    """4B-27B embed 262,208 rows for Gemma's 262,144 pieces: such a model from a source with no
+    tokenizer files (an official tree, a download of config.json and safetensors only) is
+    tokenized as Gemma, never as bytes; a small random vocabulary keeps the byte tokenizer."""
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+    from models.gemma3.step_api import default_tokenizer
+
+    for rows in (262_144, 262_208):
+        fallback = default_tokenizer(rows)
+        assert isinstance(fallback, Tokenizer) and fallback.vocab_size == 262_144
+        assert fallback.encode("Hi there") == tok.encode("Hi there")
+    assert isinstance(default_tokenizer(512), ByteTokenizer)
