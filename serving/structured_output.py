@@ -206,11 +206,13 @@ def _closing_preference(tok, eos_ids: tuple[int, ...]) -> list[int]:
     return ids
 
 
-def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int) -> list[int] | None:
+def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int,
+                 fresh: bool = False) -> list[int] | None:
     """A short token path that completes the grammar from the matcher's state (ending with EOS,
     which is allowed only where the grammar accepts), found greedily: at each step the first
-    allowed token of `preference`, else the lowest allowed id. None when none is found within
-    `limit` tokens. Works on a copy of the matcher."""
+    allowed token of `preference` (with `fresh`, the first not yet in the path, if any), else the
+    lowest allowed id. None when none is found within `limit` tokens. Works on a copy of the
+    matcher."""
     from llguidance.numpy import fill_next_token_bitmask
 
     m = matcher.deep_copy()
@@ -222,7 +224,10 @@ def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int
             return path  # the sequence ends here, no EOS needed
         fill_next_token_bitmask(m, mask)
         bits = mask[0].view(np.uint32)
-        tok = next((t for t in preference if bits[t // 32] >> (t % 32) & 1), None)
+        allowed = (t for t in preference if bits[t // 32] >> (t % 32) & 1)
+        tok = next(allowed, None)
+        if fresh and tok in path:
+            tok = next((t for t in allowed if t not in path), tok)
         if tok is None:
             nz = np.flatnonzero(bits)
             if not len(nz):
@@ -402,8 +407,12 @@ class StructuredOutputs:
         reach = min(max(budget, 0), CLOSING_HORIZON)
         path = row.closing
         if path is None:
-            path = closing_path(row.matcher, self._closers, self.eos_ids, self.grammar_words,
-                                reach + CLOSING_WINDOW)
+            args = (row.matcher, self._closers, self.eos_ids, self.grammar_words, reach + CLOSING_WINDOW)
+            # The greedy walk, else one that takes tokens new to the path first: where the
+            # preferred token loops (x+y: 'x' for ever) the next one preferred ends it.
+            path = closing_path(*args)
+            if path is None:
+                path = closing_path(*args, fresh=True)
         row.closing = path
         # No path within reach: a lower bound, so the next search waits for the last tokens.
         row.closing_len = len(path) if path is not None else max(row.closing_len, reach)

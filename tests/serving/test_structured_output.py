@@ -226,23 +226,23 @@ def test_sampler_processing_units():
 
 
 def test_closing_searches_stay_bounded_far_from_the_end(monkeypatch):
-    """A grammar whose greedy closing path never ends (a+b: 'a' is always preferred) at a long
-    budget: one bounded search when the sequence starts, none while its end is far, then
-    searches no longer than the budget left in its last tokens, where a closing path matters.
-    (Each search fills one mask per token it tries; it used to try the whole budget at every
-    step.)"""
+    """A grammar whose closing paths the searches never find ([a-z]+é: letters are always
+    preferred, é never) at a long budget: one bounded search (greedy, then taking new tokens
+    first) when the sequence starts, none while its end is far, then searches no longer than
+    the budget left in its last tokens, where a closing path matters. (Each search fills one
+    mask per token it tries; it used to try the whole budget at every step.)"""
     from models.gemma3 import load_model
     from serving import SamplingParams, Sequence
     from serving import structured_output as so
 
     tok = load_model("random:tiny", tp=1, dtype="float32").tokenizer
     eos = (1,)
-    grammar = so.build_grammar("regex", "a+b", "guided_regex", tok, eos)
+    grammar = so.build_grammar("regex", "[a-z]+é", "guided_regex", tok, eos)
     limits, search = [], so.closing_path
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         limits.append(args[-1])
-        return search(*args)
+        return search(*args, **kwargs)
 
     monkeypatch.setattr(so, "closing_path", counted)
     outputs = so.StructuredOutputs(tok.vocab_size, eos, max_seq_len=32_768, tokenizer=tok)
@@ -258,15 +258,40 @@ def test_closing_searches_stay_bounded_far_from_the_end(monkeypatch):
 
         for _ in range(50):
             step()
-        assert limits == [so.CLOSING_HORIZON + so.CLOSING_WINDOW]
+        assert limits == [so.CLOSING_HORIZON + so.CLOSING_WINDOW] * 2
         # The last tokens: a search at every step, bounded by the budget left.
         for _ in range(budget - 50 - so.CLOSING_HORIZON - so.CLOSING_WINDOW):
             outputs._rows[0].budget -= 1  # skip ahead without the steps in between
         limits.clear()
         for _ in range(40):
             step()
-        assert len(limits) == 40 and max(limits) <= so.CLOSING_HORIZON + so.CLOSING_WINDOW
+        assert len(limits) == 80 and max(limits) <= so.CLOSING_HORIZON + so.CLOSING_WINDOW
         assert limits[-1] == outputs._rows[0].budget + 1 + so.CLOSING_WINDOW
+    finally:
+        outputs.close()
+
+
+def test_a_grammar_whose_greedy_closing_loops_still_closes_in_time():
+    """x+y: the greedy walk takes 'x' for ever; the walk that takes new tokens first ends it, so
+    a sequence that always picks 'x' is made to close with its last tokens, and parses."""
+    from models.gemma3 import load_model
+    from serving import SamplingParams, Sequence
+    from serving import structured_output as so
+
+    tok = load_model("random:tiny", tp=1, dtype="float32").tokenizer
+    grammar = so.build_grammar("regex", "x+y", "guided_regex", tok, (1,))
+    outputs = so.StructuredOutputs(tok.vocab_size, (1,), max_seq_len=256, tokenizer=tok)
+    try:
+        outputs.add(Sequence(0, [2], SamplingParams(max_tokens=30, grammar=grammar), seed=0))
+        x, text, end = tok.encode("x")[0], [], None
+        while end is None and len(text) < 30:  # max_tokens
+            bits = outputs.masks([0]).result()[0].view(np.uint32)
+            allowed = [t for t in range(tok.vocab_size) if bits[t // 32] >> (t % 32) & 1]
+            token = x if x in allowed else allowed[0]  # a model that loves 'x'
+            text.append(token)
+            end = outputs.accept(0, token)
+        assert end == "stop"
+        assert re.fullmatch("x+y", tok.decode(text))
     finally:
         outputs.close()
 
