@@ -230,18 +230,26 @@ class _Cursor:
         raise GGUFError(f"{self.path}: unknown GGUF metadata value type {vtype}")
 
 
+def file_stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """(size, mtime, inode, ctime) of a file: what tells the in-process caches of its parse that
+    it changed. Size and mtime alone miss a file replaced by one of the same size with its mtime
+    kept (cp -p, rsync -t, images that pin mtimes); utime cannot set ctime, which every write,
+    rename or replace changes."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+
+
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse a GGUF file's header (cached per path, size and modification time)."""
+    """Parse a GGUF file's header (cached per path and `file_stamp`)."""
     path = os.path.realpath(os.fspath(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    st = os.stat(path)
-    return _open_cached(path, st.st_size, st.st_mtime_ns)
+    return _open_cached(path, file_stamp(path))
 
 
 @functools.lru_cache(maxsize=4)
-def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    del mtime_ns  # part of the cache key only
+def _open_cached(path: str, stamp: tuple[int, int, int, int]) -> GGUFFile:
+    size = stamp[0]  # the rest is part of the cache key only
     if size < 24:
         raise GGUFError(f"{path}: too small to be a GGUF file")
     buffer = np.memmap(path, dtype=np.uint8, mode="r")

@@ -164,7 +164,9 @@ def _cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=4)
-def _gguf_model_proto_cached(path: str, size: int, mtime_ns: int) -> bytes:
+def _gguf_model_proto_cached(path: str, stamp: tuple[int, int, int, int]) -> bytes:
+    """The model proto of a GGUF file's vocabulary (`stamp`: its `gguf.file_stamp`, the
+    in-process key)."""
     from models.gemma3.gguf import StringArray, open_gguf
 
     md = open_gguf(path).metadata
@@ -200,8 +202,9 @@ def _gguf_model_proto_cached(path: str, size: int, mtime_ns: int) -> bytes:
 
 
 def _gguf_model_proto(path: str) -> bytes:
+    from models.gemma3.gguf import file_stamp
+
     real = os.path.realpath(path)
     if not os.path.isfile(real):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    st = os.stat(real)
-    return _gguf_model_proto_cached(real, st.st_size, st.st_mtime_ns)
+    return _gguf_model_proto_cached(real, file_stamp(real))

@@ -1,6 +1,6 @@
-"""The decoded-weights cache: entries round-trip bit for bit, are keyed by the GGUF file and
-dtype, replace stale or broken versions, respect their size limit, never fail a load, and make
-a real restart skip the GGUF decode."""
+"""The decoded-weights cache: entries round-trip bit for bit, are keyed by the GGUF file (its
+content, not only its size and mtime), the decoder and dtype, replace stale or broken versions,
+respect their size limit, never fail a load, and make a real restart skip the GGUF decode."""
 from __future__ import annotations
 
 import os
@@ -23,10 +23,24 @@ def _leaves(tree):
     return {path: a for path, a in wc.tree_items(tree)}
 
 
+def _write_gguf(path, seed: int) -> None:
+    """A small GGUF file (its header and tensor data make the key, not its meaning): another
+    seed, another file of the same size."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tensor("token_embd.weight",
+                 np.random.default_rng(seed).standard_normal((512, 64)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 @pytest.fixture
 def source(tmp_path):
     path = tmp_path / "model.gguf"
-    path.write_bytes(b"GGUF stand-in: only its path, size and mtime make the key")
+    _write_gguf(path, seed=0)
     return path
 
 
@@ -62,6 +76,35 @@ def test_entries_follow_the_file_and_the_dtype(tmp_path, source):
     assert len(os.listdir(cache)) == 2  # the stale float32 entry is gone, bf16 stays
     np.testing.assert_array_equal(wc.load(cache, source, np.float32)["final_norm"]["scale"],
                                   newer["final_norm"]["scale"])
+
+
+def test_a_file_replaced_at_the_same_size_and_mtime_is_not_served_stale(tmp_path, source,
+                                                                       monkeypatch):
+    """A GGUF replaced by another of the same size with its mtime kept (cp -p, rsync -t, images
+    that pin mtimes) misses the old entry, as does the same file decoded by another version of
+    the gguf package."""
+    from models.gemma3 import gguf as G
+
+    cache = tmp_path / "cache"
+    assert wc.store(cache, source, np.float32, wc.tree_items(_tree(np.random.default_rng(4),
+                                                                   np.float32)))
+    assert wc.load(cache, source, np.float32) is not None
+    before = source.stat()
+    _write_gguf(source, seed=1)
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = source.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert wc.load(cache, source, np.float32) is None
+    # The in-process parse follows the new file too.
+    np.testing.assert_array_equal(
+        G.open_gguf(source).tensor("token_embd.weight"),
+        np.random.default_rng(1).standard_normal((512, 64)).astype(np.float32))
+
+    assert wc.store(cache, source, np.float32, wc.tree_items(_tree(np.random.default_rng(5),
+                                                                   np.float32)))
+    assert wc.load(cache, source, np.float32) is not None
+    monkeypatch.setattr(wc, "_library_versions", lambda: "gguf=0.0.1")
+    assert wc.load(cache, source, np.float32) is None
 
 
 def test_broken_entry_is_replaced(tmp_path, source):
