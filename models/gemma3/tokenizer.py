@@ -8,18 +8,23 @@ model needs exactly one UNKNOWN piece), so it is retyped; and user-defined piece
 U+2581 that llama.cpp's converter turned into spaces.
 
 Building the 262,144-piece proto takes about a second; the serialized bytes are cached on disk
-(keyed by the GGUF's content hash of the vocabulary) so later processes load it directly.
+(keyed by the GGUF's content hash of the vocabulary, and named with their own checksum, so that
+a damaged file is rebuilt rather than trusted) so later processes load it directly.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
+
+log = logging.getLogger(__name__)
 
 # The Gemma 3 special token ids the rest of the project relies on.
 SPECIAL_PIECES = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>", 106: "<end_of_turn>"}
@@ -187,18 +192,47 @@ def _gguf_model_proto_cached(path: str, stamp: tuple[int, int, int, int]) -> byt
     digest.update(pieces.raw)
     digest.update(np.ascontiguousarray(scores, np.float32).tobytes())
     digest.update(np.ascontiguousarray(types, np.int32).tobytes())
-    cached = _cache_dir() / f"{digest.hexdigest()[:32]}.model"
-    if cached.is_file():
-        return cached.read_bytes()
+    key = digest.hexdigest()[:32]
+    proto = _read_cached(key, path)
+    if proto is not None:
+        return proto
     proto = build_model_proto(pieces, scores, types)
+    cached = _cache_dir() / f"{key}-{_checksum(proto)}.model"
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(proto)
+        with open(tmp, "wb") as f:
+            f.write(proto)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the name: a crash leaves no short file
         os.replace(tmp, cached)  # atomic: concurrent builders never expose a partial file
-    except OSError:
-        pass  # a read-only cache only costs the rebuild next time
+    except OSError:  # a read-only or full cache only costs the rebuild next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return proto
+
+
+def _checksum(proto: bytes) -> str:
+    return hashlib.sha256(proto).hexdigest()[:16]
+
+
+def _read_cached(key: str, gguf_path: str) -> bytes | None:
+    """The cached proto of the vocabulary `key`, or None. The file is named `<key>-<checksum of
+    its bytes>.model`: one whose bytes no longer match (cut short by a crash or power loss, or
+    damaged on disk) would fail every later start with an error that blames the GGUF file, or
+    load another vocabulary; it is removed, said, and rebuilt by the caller."""
+    for cached in _cache_dir().glob(f"{key}-*.model"):
+        try:
+            proto = cached.read_bytes()
+        except OSError:
+            continue
+        if cached.stem == f"{key}-{_checksum(proto)}":
+            return proto
+        log.warning("tokenizer cache: %s is damaged (its bytes do not match its checksum); "
+                    "removing it and rebuilding the vocabulary of %s", cached, gguf_path)
+        with contextlib.suppress(OSError):  # read-only: rebuilt each time, as if uncached
+            cached.unlink()
+    return None
 
 
 def _gguf_model_proto(path: str) -> bytes:

@@ -148,3 +148,45 @@ def test_a_padded_gemma_vocabulary_gets_the_gemma_tokenizer(tok):
         assert isinstance(fallback, Tokenizer) and fallback.vocab_size == 262_144
         assert fallback.encode("Hi there") == tok.encode("Hi there")
     assert isinstance(default_tokenizer(512), ByteTokenizer)
+
+
+@pytest.mark.parametrize("cut", ["half", "empty", "flipped"])
+def test_a_damaged_cache_file_is_rebuilt_and_said(tmp_path, monkeypatch, caplog, cut):
+    """A cached vocabulary cut short (a crash before it reached the disk) or damaged is found
+    out, removed and rebuilt, with a warning naming it: it neither fails every later start nor
+    loads a different vocabulary."""
+    import gguf
+
+    pieces = [T.SPECIAL_PIECES.get(i, f"<unused{i}>") for i in range(107)]
+    pieces += [f"<0x{b:02X}>" for b in range(256)] + list("abcdefghijklmnopqrstuvwxyz")
+    pieces += ["\u2581", "he", "ll", "hell", "hello"]
+    types = [3 if i in T.SPECIAL_PIECES else 5 for i in range(107)] + [6] * 256
+    types += [1] * (len(pieces) - len(types))
+    scores = [0.0] * 363 + [-float(i) for i in range(len(pieces) - 363)]
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    T._gguf_model_proto_cached.cache_clear()
+    fresh = Tokenizer.from_gguf(path)
+    (cached,) = (tmp_path / "cache").rglob("*.model")
+    proto = cached.read_bytes()
+    assert proto == fresh.serialized_model()
+    damaged = {"half": proto[:len(proto) // 2 + 3], "empty": b"",
+               "flipped": proto[:100] + bytes([proto[100] ^ 1]) + proto[101:]}[cut]
+    cached.write_bytes(damaged)
+    T._gguf_model_proto_cached.cache_clear()  # a new process
+    with caplog.at_level("WARNING", logger=T.__name__):
+        again = Tokenizer.from_gguf(path)
+    assert again.serialized_model() == proto
+    assert again.encode("hello hell") == fresh.encode("hello hell")
+    assert any(str(cached) in r.getMessage() for r in caplog.records), caplog.text
+    assert [p.read_bytes() for p in (tmp_path / "cache").rglob("*.model")] == [proto]
