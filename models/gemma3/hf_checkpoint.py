@@ -78,21 +78,61 @@ class HFCheckpointError(ValueError):
 
 
 class SafetensorsFile:
-    """One .safetensors file, memory-mapped: `tensor(name)` is a read-only view, no copy."""
+    """One .safetensors file, memory-mapped: `tensor(name)` is a read-only view, no copy.
+
+    The header is checked as the `safetensors` library checks it, before any tensor is read: a
+    truncated download or a corrupt header is an HFCheckpointError naming the file and what is
+    wrong, not a struct or JSON error without a file name, a MemoryError, or a shape error that
+    blames config.json."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise self._error(f"{size} bytes: shorter than the 8-byte header length")
             (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            if n > size - 8:
+                raise self._error(f"header of {n} bytes runs past the end of the file ({size} "
+                                  "bytes): truncated, or not a safetensors file")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise self._error(f"invalid JSON header ({e})") from None
+        if not isinstance(header, dict):
+            raise self._error("invalid header: not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
         self.entries: dict[str, dict] = header
         self._base = 8 + n
+        spans = sorted(self._span(name, e, size - self._base) for name, e in header.items())
+        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+            if begin < end:
+                raise self._error(f"the data of {a} and {b} overlap")
         self._map = np.memmap(self.path, np.uint8, mode="r") if header else None
-        for name, e in header.items():
-            if e["dtype"] not in _DTYPES:
-                raise HFCheckpointError(f"{self.path}: {name} has dtype {e['dtype']}, expected "
-                                        f"one of {sorted(_DTYPES)}")
+
+    def _error(self, what: str) -> HFCheckpointError:
+        return HFCheckpointError(f"{self.path}: {what}")
+
+    def _span(self, name: str, e, data_bytes: int) -> tuple[int, int, str]:
+        """(begin, end, name) of one header entry, checked against its shape, dtype and the
+        bytes the file holds after its header."""
+        try:
+            dtype, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise self._error(f"{name}: malformed header entry {e!r}") from None
+        if dtype not in _DTYPES:
+            raise self._error(f"{name} has dtype {dtype}, expected one of {sorted(_DTYPES)}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and type(begin) is int and type(end) is int and 0 <= begin <= end):
+            raise self._error(f"{name}: malformed shape {shape!r} or data_offsets {[begin, end]}")
+        if end > data_bytes:
+            raise self._error(f"truncated: {name} ends at byte {self._base + end}, the file has "
+                              f"{self._base + data_bytes}")
+        need = math.prod(shape) * _DTYPES[dtype].itemsize
+        if end - begin != need:
+            raise self._error(f"{name} holds {end - begin} bytes where its shape {shape} in "
+                              f"{dtype} needs {need}")
+        return begin, end, name
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
@@ -146,8 +186,13 @@ class SafetensorsDir:
         self.path = Path(path)
         index = self.path / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise HFCheckpointError(f"{index}: not a safetensors index with a weight_map "
+                                        f"of tensor names to files ({type(e).__name__}: {e})") \
+                    from None
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             weight_map = None

@@ -169,6 +169,38 @@ def test_checkpoint_that_does_not_fit_its_config(tiny, tmp_path):
         load_model(tmp_path, dtype="float32")
 
 
+
+def _resized_entry(data: bytes) -> bytes:
+    """A safetensors file whose first tensor's data_offsets span 4 bytes less than its shape and
+    dtype need (the header rewritten at its own length)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][1] -= 4
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    return data[:8] + text + b" " * (n - len(text)) + data[8 + n:]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:4], "4 bytes: shorter than the 8-byte header length"),
+    (lambda b: b[:1000], r"header of \d+ bytes runs past the end of the file \(1000 bytes\)"),
+    (lambda b: (1 << 62).to_bytes(8, "little") + b[8:], "header of 4611686018427387904 bytes"),
+    (lambda b: b[:8] + b"x" + b[9:], "invalid JSON header"),
+    (lambda b: b[:-1000], r"truncated: model\.\S+ ends at byte \d+, the file has \d+"),
+    (_resized_entry, r"holds \d+ bytes where its shape \[\d+, \d+\] in F32 needs \d+"),
+])
+def test_a_damaged_safetensors_file_is_named_with_what_is_wrong(tiny, tmp_path, damage, message):
+    """A truncated download or a corrupt header: an HFCheckpointError that names the file and
+    says what is wrong (it was a struct.error, a bare JSONDecodeError or MemoryError, or a
+    shape error that blamed config.json)."""
+    tiny.save(tmp_path, format="hf", dtype="float32")
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(damage(f.read_bytes()))
+    with pytest.raises(HFCheckpointError, match=message) as e:
+        load_model(tmp_path, dtype="float32")
+    assert str(f) in str(e.value)
+
 def test_config_spellings():
     # google/gemma-3-27b-it's text_config: everything else is Gemma3TextConfig's default.
     published = {"text_config": {
