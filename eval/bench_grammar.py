@@ -124,14 +124,14 @@ def closing_cost(tok, eos_ids, regex: str, budget: int, steps: int = 12) -> dict
     structured = StructuredOutputs(tok.vocab_size, eos_ids, budget + 8, tok)
     structured.add(Sequence(0, [tok.bos_id] * 8, SamplingParams(max_tokens=budget, grammar=grammar),
                             seed=0))
-    allowed = None
+    allowed = None  # the first token allowed at the first step, taken at every step
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         bits = structured.masks([0]).result()[0].view("uint32")
         times.append(time.perf_counter() - t)
-        allowed = next(i for i in range(len(bits) * 32) if bits[i // 32] >> (i % 32) & 1) \
-            if allowed is None else allowed  # the first allowed token, taken at every step
+        if allowed is None:
+            allowed = next(i for i in range(len(bits) * 32) if bits[i // 32] >> (i % 32) & 1)
         if structured.accept(0, allowed) is not None:
             break
     structured.close()

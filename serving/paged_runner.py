@@ -383,8 +383,7 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         num_slots=max_num_seqs,
         max_seq_len=max_seq_len,
         vocab_size=c.vocab_size,
-        tokenizer_vocab_size=(tokenizer.vocab_size if tokenizer.vocab_size != c.vocab_size
-                              else None),
+        tokenizer_vocab_size=tokenizer.vocab_size,
         eos_ids=tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id, tokenizer.end_of_turn_id))),
         tp=int(model.tp),
         dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,

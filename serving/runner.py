@@ -63,7 +63,7 @@ class RunnerInfo:
     # read the pages their rows hold whatever the table's width, so they need no page buckets;
     # the TPU kernel takes the whole table into its scalar memory, so its steps keep them.
     attention: str = "xla"
-    # The ids the tokenizer has, where the checkpoint's embedding is padded past them (Gemma 3
+    # The ids the tokenizer has: a checkpoint's embedding may be padded past them (Gemma 3
     # 4B-27B: 262,208 rows for 262,144 pieces); None: every row is a token.
     tokenizer_vocab_size: int | None = None
 
