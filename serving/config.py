@@ -1,16 +1,9 @@
-"""Server settings from, in increasing precedence: defaults, a config file (TOML or JSON), environment
-variables `GEMMA3_<NAME>` (e.g. GEMMA3_PORT=9000, GEMMA3_ALLREDUCE=int8-semi+hadamard) and
-command-line flags.
+"""Server settings from, in increasing precedence: defaults, a config file (TOML or JSON),
+`GEMMA3_<NAME>` environment variables and command-line flags.
 
-The AllReduce is one setting, `allreduce`: an `equarx.AllReduceConfig.label` (`bf16`, `f32`,
-`bf16_ring`, `int8-full`, `int8-semi-rs+hadamard`, ...), the spelling
-used by /health, metrics labels and the benchmarks, plus the numeric `allreduce_minishards` and
-`allreduce_min_bytes`. The older `allreduce_variant` / `allreduce_phases` / `allreduce_blocks`
-settings are still read (flags, environment, file) as aliases that rewrite the label given in
-the same source, e.g. `--allreduce int8 --allreduce-blocks hadamard` is `int8-full+hadamard`.
-
-Nothing here starts JAX's backend: the CLI asks for virtual CPU devices after reading settings
-(validating a label imports equarx, hence jax, which is fine before the backend starts).
+The AllReduce is one setting, `allreduce`: an `equarx.AllReduceConfig.label` (`bf16`,
+`int8-full`, `int8-semi-rs+hadamard`, ...); `allreduce_variant` / `_phases` / `_blocks` are
+aliases that rewrite the label given in the same source. Nothing here starts JAX's backend.
 """
 from __future__ import annotations
 
@@ -221,12 +214,6 @@ class ServerConfig:
         mode, and an AllReduce whose result for a token depends on that token's rows alone (the
         paper's tile scales span several tokens; with one device there is no AllReduce)."""
         return self.deterministic and (self.tp == 1 or self.allreduce_config().token_local)
-
-    def public_dict(self) -> dict:
-        """Settings safe to show (the API key is not)."""
-        d = dataclasses.asdict(self)
-        d["api_key"] = "set" if self.api_key else None
-        return d
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}

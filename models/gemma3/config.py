@@ -81,13 +81,6 @@ class Gemma3Config:
     def num_local_layers(self) -> int:
         return self.num_layers - self.num_global_layers
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once: the output logits are tied to it)."""
-        d, h, f = self.d_model, self.head_dim, self.ffn_hidden
-        attn = (self.num_heads * 2 + self.num_kv_heads * 2) * d * h + 2 * h
-        layer = attn + 3 * f * d + 4 * d
-        return self.vocab_size * d + d + self.num_layers * layer
-
     def replace(self, **changes) -> "Gemma3Config":
         return dataclasses.replace(self, **changes)
 

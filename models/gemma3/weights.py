@@ -1,13 +1,10 @@
-"""The parameter pytree: one LayerWeights per layer, matmul-friendly layouts.
+"""The parameter pytree: one LayerWeights per layer, in matmul-friendly layouts.
 
 Each projection is stored with its contracted dimension first ([D, N, H] for the query
-projection instead of the official [N, D, H], ...), the layout matmul kernels read without a
-transpose: with the official layouts XLA:CPU copied the q, kv and gating weights into that
-order on every step. Conversion from and to the official tree is a fixed transpose per tensor.
-
-Layers are separate arrays, not stacked for a `lax.scan`: slicing a layer out of a stack is a
-copy of its weights on every call on CPU (measured ~3x the cost of the layer's matmuls on the
-270M at decode), while separate arrays are read in place.
+projection, officially [N, D, H]), the layout matmul kernels read without a transpose;
+conversion from and to the official tree is a fixed transpose per tensor. Layers are separate
+arrays, not stacked for a `lax.scan`: on CPU, slicing a layer out of a stack copies its weights
+on every call.
 """
 from __future__ import annotations
 
@@ -103,10 +100,6 @@ def map_weights(c: Gemma3Config, fn: Callable[[int | None, str, tuple[int, ...]]
 def weight_shapes(c: Gemma3Config, dtype) -> Weights:
     """Abstract weights (ShapeDtypeStruct leaves): no memory is touched."""
     return map_weights(c, lambda layer, name, shape: jax.ShapeDtypeStruct(shape, dtype))
-
-
-def num_elements(weights: Weights) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(weights))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_sharded_files_and_index(hf_dir):
     names = set(index["weight_map"])
     assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
     assert len(names) == 2 + 18 * 13 and all(n.startswith("model.") for n in names)
-    assert index["metadata"]["total_size"] == 4 * CONFIGS["270m"].num_params()
+    assert index["metadata"]["total_size"] == 4 * 268_098_176  # the 270M's parameters, float32
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["torch_dtype"] == "float32"
     assert json.loads((hf_dir / "generation_config.json").read_text())["eos_token_id"] == [1, 106]

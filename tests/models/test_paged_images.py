@@ -44,7 +44,10 @@ def image_rows(m, vision_golden, k, ids, positions):
 def visible(m, ids):
     spans = mm.image_spans(np.where(np.asarray(ids) == m.vision.tokens.soft,
                                     mm.IMAGE_SOFT_TOKEN_ID, 0))
-    return mm.visible_positions(np.arange(len(ids)), spans), spans
+    vis = np.arange(len(ids))
+    for a, b in spans:  # an image's soft tokens see each other: up to its last one
+        vis[a:b] = b - 1
+    return vis, spans
 
 
 def run(m, host, pages, pieces, bucket, vision_golden, k, ids, all_logits=False):

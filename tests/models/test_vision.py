@@ -10,6 +10,7 @@ import pytest
 from models.gemma3 import multimodal as mm
 from models.gemma3.hf_checkpoint import CONFIG_FILE, HFWeights, read_config
 from models.gemma3.projector import image_features
+from models.gemma3.ragged import ImageRows, merge_image_rows
 from models.gemma3.vision import VISION_CONFIGS, encode, random_vision_weights
 from models.gemma3.projector import random_projector_weights
 from models.gemma3.vision_checkpoint import (load_hf_vision, save_hf_multimodal,
@@ -70,20 +71,12 @@ def test_merged_embeddings_match_transformers(vision_golden, checkpoint, vm, k):
     embeds = jax.jit(lambda t, i: t[i] * jnp.sqrt(jnp.float32(c.d_model)))(table, ids)
     if f"features_{k}" in vision_golden:
         feats = vision_golden[f"features_{k}"].reshape(-1, c.d_model)
-        merged = jax.jit(mm.merge_image_features)(embeds, feats, ids == SOFT)
-        index = np.flatnonzero(ids == SOFT)
-        at = jax.jit(mm.merge_at)(embeds, feats, index)
-        np.testing.assert_array_equal(at, merged)
+        index = np.where(ids == SOFT, np.cumsum(ids == SOFT) - 1, -1).astype(np.int32)
+        merged = jax.jit(lambda e, f, i: merge_image_rows(e[None], ImageRows(f, i))[0])(
+            embeds, feats, index)
     else:
         merged = embeds
     assert rel(merged, vision_golden[f"embeds_{k}"]) < 1e-6
-
-
-def test_merge_at_drops_padding():
-    embeds = np.zeros((5, 2), np.float32)
-    feats = np.ones((3, 2), np.float32) * np.arange(1, 4, dtype=np.float32)[:, None]
-    got = jax.jit(mm.merge_at)(embeds, feats, np.array([1, 3, 99], np.int32))
-    np.testing.assert_array_equal(got[:, 0], [0, 1, 0, 2, 0])
 
 
 def test_text_part_of_the_checkpoint_loads(checkpoint, vision_golden):
@@ -153,36 +146,25 @@ def test_expansion_is_the_reference_processors():
         mm.expand_image_placeholders("<start_of_image><start_of_image>", crops=[0])
 
 
-def test_encode_with_images_spans_and_visible():
-    encode = lambda s: [ord(ch) for ch in s]  # noqa: E731
-    text = mm.expand_image_placeholders("ab<start_of_image>c<start_of_image>", tokens_per_image=3)
-    prompt = mm.encode_with_images(text, encode)
-    ids = prompt.ids.tolist()
-    soft, boi, eoi = mm.IMAGE_SOFT_TOKEN_ID, mm.START_OF_IMAGE_ID, mm.END_OF_IMAGE_ID
-    nl = [10, 10]
-    assert ids == [97, 98, *nl, boi, soft, soft, soft, eoi, *nl, 99, *nl, boi, soft, soft, soft,
-                   eoi, *nl]
-    assert prompt.spans == ((5, 8), (15, 18)) and prompt.num_images == 2
-    mm.check_spans(prompt.spans, 3)
-    with pytest.raises(ValueError):
-        mm.check_spans(prompt.spans, 4)
-    vis = mm.visible_positions(np.arange(len(ids)), prompt.spans)
-    assert vis[4] == 4 and list(vis[5:8]) == [7, 7, 7] and vis[8] == 8 and list(vis[15:18]) == [17] * 3
-    official = mm.expand_image_ids([2, boi, 7], tokens_per_image=2)
-    assert official.ids.tolist() == [2, 108, boi, soft, soft, eoi, 108, 7]
+def test_image_spans():
+    soft = mm.IMAGE_SOFT_TOKEN_ID
+    assert mm.image_spans([2, soft, soft, 7, soft]) == ((1, 3), (4, 5))
+    assert mm.image_spans([2, 7]) == ()
 
 
 def test_real_tokenizer_ids():
-    """Gemma 3's vocabulary: the image tokens' ids, and "\\n\\n" merging as the reference's."""
+    """Gemma 3's vocabulary: the image tokens' ids, and "\\n\\n" merging as the reference's
+    textual expansion merges it, through the server's image tokenizer."""
     from models.gemma3.gguf import default_gguf_path
     from models.gemma3.tokenizer import Tokenizer
+    from serving.chat_images import ImageTokenizer
 
     tok = Tokenizer.from_gguf(default_gguf_path())
     assert tok.piece_to_id(mm.START_OF_IMAGE) == mm.START_OF_IMAGE_ID
     assert tok.piece_to_id(mm.END_OF_IMAGE) == mm.END_OF_IMAGE_ID
-    assert tok.id_to_piece(mm.DOUBLE_NEWLINE_ID) == "\n\n"
-    text = mm.expand_image_placeholders("user\n<start_of_image>Describe.", tokens_per_image=4)
-    ids = mm.encode_with_images(text, tok.encode).ids.tolist()
+    assert tok.id_to_piece(108) == "\n\n"
+    images = ImageTokenizer(tok, mm.START_OF_IMAGE_ID, mm.END_OF_IMAGE_ID, mm.IMAGE_SOFT_TOKEN_ID, 4)
+    ids = images.encode("user\n" + images.sentinel + "Describe.")
     assert ids[:3] == tok.encode("user\n\n\n") + [mm.START_OF_IMAGE_ID]
     assert ids[-len(tok.encode("\n\nDescribe.")) - 1:] == [mm.END_OF_IMAGE_ID] + tok.encode("\n\nDescribe.")
 

@@ -6,6 +6,7 @@ gets a 400 with a clear message, and the server answers a text request afterward
 crops asked for per request equal a direct engine run of the reference processor's layout."""
 import base64
 import io
+import re
 import threading
 
 import numpy as np
@@ -170,13 +171,12 @@ def direct_run(model, ids, image: SeqImage, n: int):
 def reference_ids(model, question: str, crops: int) -> list[int]:
     """The chat prompt of one user turn `question` + one image with `crops` crops, laid out by
     the reference processor's textual expansion (`multimodal.expand_image_placeholders`) and
-    tokenized around the image tokens (`encode_with_images`), then given the tiny tower's ids."""
+    tokenized around the image tokens, which take the tiny tower's ids."""
     from models.gemma3 import multimodal as mm
     from serving.chat_template import render_chat
 
     tok, t = model.tokenizer, model.vision.tokens
-    ours = {mm.START_OF_IMAGE_ID: t.start, mm.END_OF_IMAGE_ID: t.end,
-            mm.IMAGE_SOFT_TOKEN_ID: t.soft}
+    pieces = {mm.START_OF_IMAGE: t.start, mm.END_OF_IMAGE: t.end, mm.IMAGE_SOFT_TOKEN: t.soft}
 
     class Expanding:  # the template's tokenizer, expanding the image marker as the reference
         def __getattr__(self, name):
@@ -185,7 +185,10 @@ def reference_ids(model, question: str, crops: int) -> list[int]:
         def encode(self, text):
             text = mm.expand_image_placeholders(text, [crops] if mm.START_OF_IMAGE in text else [],
                                                 model.vision.config.tokens_per_image)
-            return [ours.get(int(i), int(i)) for i in mm.encode_with_images(text, tok.encode).ids]
+            ids = []  # the image tokens as the reference's added tokens split the text
+            for piece in re.split(f"({'|'.join(map(re.escape, pieces))})", text):
+                ids += [pieces[piece]] if piece in pieces else tok.encode(piece) if piece else []
+            return ids
 
     return render_chat([("user", question + mm.START_OF_IMAGE)], Expanding())
 
