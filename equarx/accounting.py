@@ -1,15 +1,10 @@
 """Bytes each device sends, read from a compiled program's HLO text (and its size:
-`program_size`).
+`program_size`): a figure that does not depend on network noise, as timings do.
 
-Counting bytes from the program rather than timing the network gives a figure that does not
-depend on noise. Rules:
-- collective-permute (and -start): the operand bytes, for every device that is a source.
-- all-reduce: converted to what a bandwidth-optimal ring would send, 2 (N-1)/N x operand bytes.
-- all-gather: (N-1)/N x result bytes; reduce-scatter: (N-1) x result bytes;
-  all-to-all: (N-1)/N x operand bytes.
-Each op is counted once as it appears in the text: a collective inside a while loop body is
-counted once, not once per iteration (the schedules in this package are unrolled, so that does
-not arise for them).
+collective-permute: the operand bytes, per source device; all-reduce: what a bandwidth-optimal
+ring sends, 2 (N-1)/N x operand bytes; all-gather: (N-1)/N x result bytes; reduce-scatter:
+(N-1) x result bytes; all-to-all: (N-1)/N x operand bytes. An op inside a while loop counts
+once (this package's schedules are unrolled).
 """
 from __future__ import annotations
 

@@ -1,26 +1,11 @@
-"""Which implementation of the group codec's operations runs on which platform: the one table.
+"""Which implementation of the group codec's operations (`OPERATIONS`) runs on which platform: the
+one table.
 
-Every operation has the XLA form (equarx.groups over equarx.codec_spec) as its default on every
-platform; a row below adds a kernel for one platform, with the same bits (held to it by
-tests/equarx/test_codec_conformance.py). A traced program carries the kernels usable now beside
-the XLA form, and `lax.platform_dependent` picks by the platform it is compiled for, so one
-trace serves CPU, GPU and TPU.
-
-Operations (what each kernel computes, and who calls it):
-- encode: rotated rows -> wire bytes (`groups.encode`).
-- encode_sum: a piece of the token layout's buffer read in place plus its arrivals decoded and
-  added in float32 in order, encoded: a reduce-scatter hop, decode-add fused with the encode
-  (`codecs.encode_sum`).
-- decode_add: arrivals decoded and added (`codecs.reduced`, the reduce-scatter's end): XLA
-  only; the kernels fold it into encode_sum.
-- unrotate: codes, steps and exponents -> values with the rotation undone
-  (`groups.unrotate_codes`).
-- gather_unrotate: the all-gather's end, every arrived piece un-rotated straight into its place
-  in the layout's buffer (`codecs.GroupCodec.unrotate_gathered`).
-
-On a TPU every operation is XLA's inside the ppermute schedules; `@pallas` replaces the whole
-collective by the Pallas ring kernel (equarx.pallas_ring), whose codec (equarx.pallas_codecs)
-computes these codes and scales with its own wire (codec_spec's docstring, last paragraph).
+Every operation has the XLA form (equarx.groups over equarx.codec_spec) as its default; a row
+adds a kernel for one platform with the same bits (tests/equarx/test_codec_conformance.py). A
+traced program carries the usable kernels beside the XLA form and `lax.platform_dependent` picks
+by the platform it is compiled for, so one trace serves CPU, GPU and TPU. The Pallas TPU ring
+(`@pallas`) has its own codec (equarx.pallas_codecs).
 """
 from __future__ import annotations
 
@@ -31,6 +16,12 @@ import jax.numpy as jnp
 
 from equarx import native_cpu, triton_codecs
 
+# encode: rotated rows -> wire bytes (`groups.encode`); encode_sum: a reduce-scatter hop, a piece
+# of the layout's buffer read in place plus its arrivals decoded and added in float32, encoded
+# (`codecs.encode_sum`); decode_add: arrivals decoded and added (`codecs.reduced`; XLA only, the
+# kernels fold it into encode_sum); unrotate: codes, steps and exponents -> un-rotated values
+# (`groups.unrotate_codes`); gather_unrotate: every arrived piece of the all-gather un-rotated
+# into its place (`codecs.GroupCodec.unrotate_gathered`).
 OPERATIONS = ("encode", "encode_sum", "decode_add", "unrotate", "gather_unrotate")
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 

@@ -1,52 +1,11 @@
-"""The group codec (blocks="group"), specified once: the scale grid, the rounding, the rotation
+"""The group codec (blocks="group") specified once: the scale grid, the rounding, the rotation
 and the wire layout, as the pure-JAX functions every backend is held to.
 
-Four backends implement it, chosen per operation and platform in one table (equarx.backends):
-XLA ops (equarx.groups: what TPU programs and every fallback run), C++ for the CPU
-(equarx/csrc, equarx.native_cpu: the build takes this module's constants as -D flags,
-`cpp_defines`), Triton for CUDA GPUs (equarx.triton_codecs) and the Pallas TPU ring kernel
-(equarx.pallas_codecs). Each must give `encode`'s bytes and `decode`'s / `unrotate_codes`'
-values bit for bit, with the one freedom of the NaN rule below; tests/equarx/
-test_codec_conformance.py holds every backend this machine can run to that. A new backend is
-one row of the table plus passing that test.
-
-Why this shape of block (the measurements are in docs/results.md and docs/quality.md):
-- A scale covers values of one token only (a run of `g` consecutive columns of one row), so a
-  token's quantization never depends on the other tokens of the batch.
-- Gemma's partial sums have outliers that differ from token to token; a randomized Hadamard
-  rotation of each run (`rotation`) spreads an outlier over its run, so the run's scale follows
-  its bulk (QuaRot, THC). Runs of 32 halve the error of runs of 128 at the same rotation.
-
-Scale grid. A run's float32 scale (absmax / code_max, as a product with the float32 reciprocal)
-is rounded up to 5 mantissa bits, so no value leaves the code's range. The row's exponent e is
-the smallest power of two at or above its largest finite run scale, clipped to [E_MIN, E_MAX];
-each run's step byte k counts its scale down from 2^e: the float whose bits are 2^e's less
-k * 2^STEP_BITS (32 steps an octave, 8 octaves deep, k = 0..254). Every grid point is a
-bfloat16 value (so the un-rotation's exactness argument holds), on average ~1% above the exact
-scale. After the float32 scale everything is integer arithmetic on its bits.
-
-Rounding. Codes are rounded half to even by the float adder: adding ROUNDING_MAGIC (1.5 * 2^23)
-to a float32 below 2^22 in magnitude leaves the rounded integer in the low mantissa bits, whose
-low byte is its int8 two's complement (`round_half_even`). The product that makes the value and
-that add must never be fused into one multiply-add (its single rounding breaks some ties the
-other way); how each backend keeps them apart is `round_half_even`'s `fence`.
-
-Wire layout (`encode`): per leading index, int8 bytes: the payload (each row's codes in turn:
-int8 and fp8 e4m3 one byte a value; int4 two values a byte, a run's first half in the low
-nibbles, its second half in the high ones), then every run's step byte, then every row's
-exponent byte (e + 127). Contiguous parts keep the join a few copies; steps and exponents are
-apart because interleaved per row XLA:CPU's decode indexed them with a division.
-
-NaN. A run holding a NaN or an Inf gets the step byte NOT_FINITE and decodes as NaN, whatever
-its codes (they are unspecified). Every backend promises these functions' results with one
-freedom: a NaN where they have a NaN, of any payload and sign; every other value bit for bit,
-the sign of a zero included (tests/testkit.assert_same_bits). The NaN's own bits are left free
-because XLA:CPU does not fix them either (equarx.groups, "NaN", says where they come from).
-
-The Pallas TPU kernel sends the same codes and the same scale values, but each run's scale as
-a bfloat16 (0.531 of bf16's bytes where this layout moves 0.516 at 16 MiB): its label is
-"int8@pallas", its bytes `wire_bytes_per_value(g, code, scale="bf16")`, and the reason it keeps
-them is in equarx.pallas_codecs.GroupCodec.
+The backends (XLA ops in equarx.groups, C++ in equarx.native_cpu, Triton in
+equarx.triton_codecs; chosen by equarx.backends) must give `encode`'s bytes and `decode`'s and
+`unrotate_codes`' values bit for bit, a NaN's own bits aside (`NOT_FINITE`);
+tests/equarx/test_codec_conformance.py holds each to that. Why a scale covers a rotated run of
+one token's values: docs/algorithm.md ("Version 2").
 """
 from __future__ import annotations
 
@@ -60,7 +19,10 @@ from jax import lax
 CODES = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}  # the largest code of each payload type
 CODE_IDS = {"int8": 0, "int4": 1, "fp8": 2}  # the native kernels' `code` attribute
 
-NOT_FINITE = 255  # the step byte of a run holding a NaN or Inf (it decodes as NaN)
+# The step byte of a run holding a NaN or Inf: it decodes as NaN, whatever its codes. A
+# backend may give that NaN any payload and sign (XLA:CPU does not fix them: equarx.groups);
+# every other value, a zero's sign included, bit for bit (tests/testkit.assert_same_bits).
+NOT_FINITE = 255
 E_MIN, E_MAX = -100, 126  # a row's exponent: every scale and 1 / scale stays normal
 EXPONENT_BIAS = 127  # an exponent byte is e + 127 (float32's own bias is 127 too)
 STEP_BITS = 18  # 23 mantissa bits less the 5 a scale keeps
@@ -161,12 +123,18 @@ def scale_parts(amax: jax.Array, code_max: float, axis: int = -1,
                 row_max: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per-run absmax f32[..., G, ...] (the runs of one row along `axis`) -> (step int32 [like
-    amax], row exponent int32 [keepdims along axis], scale f32 [like amax], 1/scale f32): the
-    scale grid of the module docstring. A run more than 8 octaves below its row's largest takes
+    amax], row exponent int32 [keepdims along axis], scale f32 [like amax], 1/scale f32) on
+    the grid below. A run more than 8 octaves below its row's largest takes
     the grid's last scale. A NaN or Inf makes a run's step NOT_FINITE, its 1/scale 0, and
     leaves the row's other runs alone. `row_max` (the row's `largest_scale`, given when `amax`
     holds only some of a row's runs, as a GPU kernel's pieces of a row do) stands for the
-    maximum over `axis`."""
+    maximum over `axis`.
+
+    The grid: a run's float32 scale is rounded up to 5 mantissa bits (no value leaves the
+    code's range); the row's exponent e is the smallest power of two at or above its largest
+    finite run scale, clipped to [E_MIN, E_MAX]; the run's step byte k counts its scale down
+    from 2^e in units of 2^STEP_BITS of the float's bits (32 steps an octave, k = 0..254).
+    Every grid point is a bfloat16 value; past the float32 scale it is integer arithmetic."""
     s = run_scales(amax, code_max)
     finite = s < jnp.inf
     m = lax.bitcast_convert_type(_largest(s, axis) if row_max is None else row_max, jnp.int32)
@@ -240,8 +208,10 @@ def codes_f32(payload: jax.Array, g: int, code: str) -> jax.Array:
 
 
 def encode(x: jax.Array, g: int, code: str) -> jax.Array:
-    """f32/bf16[B, ..., R] (R a multiple of g; the runs already rotated) -> int8[B, N]: the
-    wire of the module docstring."""
+    """f32/bf16[B, ..., R] (R a multiple of g; the runs already rotated) -> int8[B, N]: per
+    leading index the payload (each row's codes in turn; int4 two a byte, a run's first half in
+    the low nibbles), then every run's step byte, then every row's exponent byte (e + 127).
+    Steps and exponents are apart so that XLA:CPU's decode indexes them without a division."""
     b, r = x.shape[0], x.shape[-1]
     v = x.reshape(b, -1, r // g, g)
     # The absmax in the input's own dtype (exact: a maximum of its values), widened after: a

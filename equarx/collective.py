@@ -1,16 +1,10 @@
-"""`all_reduce`: pick the path (XLA psum, or a layout + schedule + codecs), run it, unpad.
+"""`all_reduce`: pick the path, run it, unpad.
 
-- "f32" / "bf16", messages under `min_bytes`, empty messages: XLA's psum.
-- Ring methods: the layout (equarx.layout: token layout for blocks="group" and unquantized
-  rings, the paper's flat layout for "tile" / "hadamard"), the schedule (equarx.ring's full- or
-  semi-loop chains, or equarx.two_shot; "auto" asks equarx.schedule), the codecs of each phase
-  (equarx.codecs), and the rotation where the codec wants one (equarx.groups for "group",
-  equarx.hadamard for "hadamard"): once before the reduce-scatter, undone once after the
-  all-gather, every hop in between moves rotated values.
-- impl="pallas": the same ring as one Pallas TPU kernel (equarx.pallas_ring).
-- Several mesh axes: the multi-axis schedule (equarx.multi_axis) over the same layouts and
-  codecs, planned for (devices x axes) shards; with impl="pallas" its stages run as Pallas
-  kernels (equarx.pallas_torus).
+"f32" / "bf16", messages under `min_bytes` and empty ones: XLA's psum. Ring methods: a layout
+(equarx.layout), a schedule (equarx.ring or equarx.two_shot; "auto" asks equarx.schedule), each
+phase's codecs (equarx.codecs), and the codec's rotation, applied once before the reduce-scatter
+and undone once after the all-gather. impl="pallas": one Pallas TPU kernel (equarx.pallas_ring).
+Several mesh axes: equarx.multi_axis (with impl="pallas", equarx.pallas_torus).
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""The token-local codec (blocks="group") in XLA ops: what TPU programs and every fallback run,
-and where the other backends are chosen (equarx.backends). The codec itself (scale grid,
-rounding, rotation, wire layout) is specified in equarx.codec_spec; this module applies the
-rotation to messages and dispatches each operation to the backend the table picks.
+"""The token-local group codec (blocks="group") in XLA ops: what TPU programs and every fallback
+run. The codec is specified in equarx.codec_spec; this module applies the rotation to messages
+and dispatches each operation to the backend equarx.backends picks.
 
-NaN: a run holding a NaN or an Inf gets the step byte NOT_FINITE and decodes as NaN, whatever
-its codes (they are unspecified). Every form of the codec (these XLA ops, the native CPU
-kernels on each instruction set, the GPU kernels) promises the pure-JAX form's result with one
-freedom: a NaN where it has a NaN, of any payload and sign; every other value bit for bit, the
-sign of a zero included (tests/testkit.assert_same_bits checks exactly that). The NaN's own bits
-are left free because XLA:CPU does not fix them either. Such a run's scale is the float32 NaN
-0x7FC00000 and its products keep it; the conversion to bfloat16 then depends on where XLA:CPU
-puts it: fused with the un-rotation's product-sum into a YNNPACK call, whose conversion YNNPACK
-picks by processor (0x7FC0 with AVX512-BF16; on an AVX2 processor 0x7FC1, its portable
-(bits >> 16) | 1, or 0x7FC0 for a message of a few thousand values), or in XLA's own loops
-(sign | 0x7FC0). The native kernels keep the top bits and set the quiet bit (0x7FC0 on every
-path); with fp8 codes a NaN code enters the sums too, and which NaN survives, so its sign,
-follows the order of the operations (the plain loops' differs from the butterflies').
+NaN: a run holding a NaN or Inf decodes as NaN, and every backend gives the pure-JAX form's
+values bit for bit but a NaN's own payload and sign, which XLA:CPU does not fix either: the
+scale's NaN 0x7FC00000 becomes 0x7FC0 or 0x7FC1 in bfloat16 depending on fusion and processor
+(YNNPACK), sign | 0x7FC0 in XLA's own loops; with fp8 codes the order of the sums decides.
 """
 from __future__ import annotations
 
@@ -77,7 +67,7 @@ def butterflies(v: jax.Array) -> jax.Array:
 
 def to_f32(x: jax.Array) -> jax.Array:
     """x as float32. bfloat16 by its bits (the same values): a plain convert fuses into the
-    rotation's reduce, which then ran 2-5x slower on XLA:CPU than on float32 input."""
+    rotation's reduce, which XLA:CPU then runs 2-5x slower than on float32 input."""
     if x.dtype == jnp.bfloat16:
         bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
         return lax.bitcast_convert_type(bits, jnp.float32)

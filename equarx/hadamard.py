@@ -1,22 +1,11 @@
-"""A randomized Hadamard rotation of 128-element groups: spreads outliers before quantizing.
+"""A randomized Hadamard rotation of 128-element groups (H D: Walsh-Hadamard times fixed random
+signs), which spreads an outlier's energy over its group so that block scales fit the bulk of
+the data (QuaRot, THC; docs/algorithm.md).
 
-Transformer activations carry a few channels (and a few tokens, e.g. the attention-sink BOS)
-that are orders of magnitude larger than the rest. A block whose absmax is set by one outlier
-quantizes every other element of the block to a handful of levels. Rotating each group of 128
-consecutive elements by H D (H the 128x128 Walsh-Hadamard matrix, D a fixed diagonal of random
-signs) spreads an outlier's energy over its group, so block scales fit the bulk of the data
-(QuaRot, THC). The rotation is linear, so the sum of rotated partials is the rotated sum: each
-device rotates its partial once before the reduce-scatter and un-rotates once after the
-all-gather; every hop in between moves rotated values.
-
-The 128x128 Hadamard matrix is the Kronecker product H8 (x) H16, so the transform is two small
-matmuls over a [groups, 8, 16] view: 48 multiply-adds per value instead of 256 for the dense
-matrix. On 8 virtual CPU devices it measured 1.5x faster than the dense matmul and than a
-7-stage butterfly of additions (on TPU the dense 128x128 matmul, one MXU tile, may be the better
-choice: not measured). HIGHEST precision keeps TPUs from rounding the operands to bfloat16. The
-same program on every device gives the same bits, so replicas stay bitwise identical. The
-forward pass is unnormalized (H H = 128 I); `unrotate` divides by 128, a power of two. A NaN or
-Inf spreads to its whole group of 128, which stays non-finite.
+It is linear, so each device rotates its partial once before the reduce-scatter and un-rotates
+once after the all-gather. H is the Kronecker product H8 (x) H16: two small matmuls over a
+[groups, 8, 16] view, at HIGHEST precision so that TPUs do not round the operands to bfloat16.
+Unnormalized (H H = 128 I): `unrotate` divides by 128. A NaN or Inf spreads to its whole group.
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
-"""How a message is cut into shards and pieces: the paper's flat layout and the token layout.
+"""How a message is cut into shards and pieces, behind one view for the schedules (equarx.ring,
+equarx.two_shot): N shards of `pieces` pieces of `piece_shape`, read with `piece(buf, shard, j0,
+j1)` and put back in order with `assemble`; `split` and `join` go to the buffer and back.
 
-Both present the schedules (equarx.ring, equarx.two_shot) with the same view: N shards, each of
-`pieces` pieces of `piece_shape`, read with `piece(buf, shard, j0, j1)` and put back in
-absolute order with `assemble(stacked)`; `split` and `join` go from the caller's array to the
-buffer and back.
-
-FlatLayout (blocks "tile" and "hadamard"): the message flattened and padded to
-  N shards x m minishards x K tiles x (8 x 128). A value's shard follows its flat index, so it
-  moves with its row and with the message's length.
-TokenLayout (blocks "group", and every unquantized ring): the message seen as rows
-  [T, D] (D = its last axis), every row split by columns into N shards of width w
-  (D padded to N w, w a multiple of the codec's group), so a value's shard, and with it the
-  order in which its partial sums are added, depend on its column alone. Pieces cut the rows
-  (minishards of T/m rows, for pipelining) and, for the full-loop ring, the columns in two
-  halves, one per ring direction: a row-split would send a row one way or the other depending
-  on where it sits in the batch.
-The minimum piece size keeps per-message overhead small: a piece is never cut below
-MIN_PIECE_ELEMENTS values (the flat layout's 128 tiles of 8x128).
+`Layout` (blocks "tile", "hadamard"): the paper's flat layout, a value's shard following its flat
+index. `TokenLayout` (blocks "group", unquantized rings): every row split by columns across the
+shards, so a value's shard, and the order its partial sums are added in, depend on its column
+alone (token-local). No piece is cut below MIN_PIECE_ELEMENTS values.
 """
 from __future__ import annotations
 

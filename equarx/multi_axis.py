@@ -1,27 +1,12 @@
 """Multi-axis AllReduce: reduce-scatter along each mesh axis in turn, all-gather back in reverse,
-with the message split so that every axis' links are busy at once.
+the message cut into one part per axis so that every axis' links are busy at once (a TPU torus
+gives a chip two links per axis; a ring over one axis drives two).
 
-Why: a TPU torus gives a chip two links per axis (four on a 2D torus, six on a 3D one); a ring
-over one axis drives two of them. Over axes (a_0, ..., a_{k-1}) of sizes n_0..n_{k-1}
-(N = n_0 ... n_{k-1} devices) the message is cut into k *parts*, and part p visits the axes in
-the rotated order a_p, a_{p+1}, ..., a_{p-1}: at stage t of the reduce-scatter part p moves
-along axis a_{(p+t) % k}, so the k parts use k different axes at every stage (half of the
-message starts on x and half on y on a 2D torus). Each stage is one of this package's
-single-axis schedules (equarx.ring's full- or semi-loop chains, or equarx.two_shot) over that
-axis, on a buffer whose shards are the remaining axes' blocks: after stage t a device holds the
-part's partial sums of 1 / (n_{s_0} ... n_{s_t}) of it, reduced over those axes.
-
-Quantization: every reduce-scatter hop decodes to float32, adds, and re-encodes (as the rings
-do). The all-gather encodes each fully reduced shard once, by its owner, and every later stage
-forwards the gathered wire bytes verbatim (a stage along axis a sends everything gathered along
-the axes after it), so a value is quantized (RS hops over all axes) + 1 times, and every device
-decodes the very same bytes: replicas are bitwise identical.
-
-Layout: the caller's message takes the single-axis layout (equarx.layout) planned for N x k
-shards: shard p N + s is shard s of part p. With blocks="group" and the unquantized rings that
-is the token layout (columns of every row split across the shards, the same for every row), so
-the schedule is token-local exactly when the single-axis one is (`AllReduceConfig.token_local`):
-a value's shard, part, axis order and so its rounding steps depend on its column alone.
+Part p visits the axes in the rotated order a_p, a_{p+1}, ... (`axis_orders`), each stage a
+single-axis schedule over one axis. The all-gather forwards each owner's encoded bytes verbatim,
+so replicas are bitwise identical. The layout is the single-axis one planned for N x k shards
+(shard p N + s is shard s of part p): token-local exactly when the single-axis one is.
+docs/native_kernel.md describes it.
 """
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
-"""Native CPU kernels of the group codec, as XLA FFI handlers built on first use.
+"""Native CPU kernels of the group codec, as XLA FFI handlers built on first use: the all-gather's
+un-rotation of the codes (equarx/csrc/unrotate_cpu.cc, `groups.unrotate_codes`, also straight
+into the layout's buffer: `codecs.GroupCodec.unrotate_gathered`) and the encode fused with the
+sum before it (equarx/csrc/encode_cpu.cc, `codecs.encode_sum`). They give the pure-JAX forms'
+bits (a NaN's own bits aside: equarx.groups) and change speed only, on the CPU backend only.
 
-Kernels with the pure-JAX forms' bits (a NaN's own bits aside: equarx.groups, "NaN"):
-- the all-gather's un-rotation of the codes (int8, int4, fp8; equarx/csrc/unrotate_cpu.cc,
-  `groups.unrotate_codes`): on XLA:CPU a fused broadcast product-sum at about 25 GFLOP/s, the
-  default codec's largest cost between blocking transfers; here a run's Hadamard structure as
-  butterflies with AVX-512 (about 6x faster) or AVX2 (about 5x), elsewhere a plain loop. One
-  form of it takes every arrived piece and writes each straight into its place in the
-  layout's buffer (`codecs.GroupCodec.unrotate_gathered`), where XLA:CPU first puts codes and
-  scales in place as bytes and copies them;
-- the encode fused with the sum before it (int8, int4, fp8; equarx/csrc/encode_cpu.cc,
-  `codecs.encode_sum`): a piece read in place from the layout's strided buffer plus
-  the decoded arrivals, quantized while each group is in registers, where XLA:CPU copies the
-  piece out, widens it for the absmax and reads it again to quantize.
-They change speed only, and only on the CPU backend: TPU and GPU programs lower the pure-JAX
-forms (`lax.platform_dependent`). Measured in docs/results.md.
-
-Built with the host's C++ compiler (`$CXX`, else `c++`) for the host's processor
-(`-march=native`) into a cache directory keyed by the sources, the jaxlib release and the
-processor's flags (`$EQUARX_CACHE_DIR`, else `$XDG_CACHE_HOME/equarx`, else `~/.cache/equarx`);
+Built with `$CXX` (else `c++`), `-march=native`, into a cache keyed by the sources, jaxlib and the
+processor's flags (`$EQUARX_CACHE_DIR`, else `$XDG_CACHE_HOME/equarx` or `~/.cache/equarx`);
 without a compiler, or with `EQUARX_NATIVE_CPU=0`, the pure-JAX forms run, with one warning.
-Nothing is built or registered at import time.
 """
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
-"""The codecs and layouts of the Pallas ring kernel (equarx.pallas_ring): what a minishard looks
-like in VMEM and on the wire, written with the operations Mosaic lowers.
+"""The codecs and layouts of the Pallas ring kernel (equarx.pallas_ring): a minishard in VMEM and
+on the wire, written with the operations Mosaic lowers.
 
-The kernel moves a message as a buffer [N shards, 2 directions, mh minishards, R, L] (R rows on
-sublanes, L columns on lanes), one [R, L] tile array per minishard. Each codec fixes R and L so
-that every array the kernel touches respects the TPU's native tiling (f32 8x128, bf16 16x128,
-int8 32x128), and only uses tile-aligned reshapes (splitting the sublane axis by a multiple of
-8), elementwise arithmetic, bit casts of equal width and reductions over the major axis.
-
-- TileCodec (blocks="tile", the paper's): the flat layout; a minishard is K tiles of 8x128 as
-  [8 K, 128] (K a multiple of 4, so the int8 payload is whole 32x128 tiles); its scales are one
-  float32 [8, 128] tile, the elementwise absmax over the K tiles (equarx.quantize).
-- GroupCodec (blocks="group", the default): the token layout (equarx.layout.TokenLayout) with
-  each piece transposed to [W columns, Tm tokens]: a group of g consecutive columns of one
-  token lies along the sublanes of one lane, so its absmax is a reduction over a tile-aligned
-  [W / g, g, Tm] view, not a cross-lane one; scales are bfloat16 [W / g, Tm] (codec_spec's grid values; its own wire: GroupCodec).
-  Tm is a multiple of 128 (whole lanes), W a multiple of max(g, 32) (whole int8 tiles).
-- FloatCodec (bf16_ring, unquantized): the same transposed token layout (W a multiple of 16),
-  the values rounded to bfloat16 on the wire, no scales.
-
-Every codec computes exactly what the ppermute implementation's codec computes (equarx.codecs),
-operation for operation, so the kernel and the ring functions of equarx.ring driven with the
-same layout agree bit for bit (checked in interpret mode by tests/equarx/test_pallas.py). The
-predicates are rewritten without isnan/isfinite (NaN != NaN; |a| < inf), which give the same
-booleans.
+The kernel's buffer is [N shards, 2 directions, mh minishards, R, L] (rows on sublanes, columns on
+lanes). Each codec fixes R and L so that every array is whole native TPU tiles (f32 8x128, bf16
+16x128, int8 32x128) and uses only tile-aligned reshapes, elementwise arithmetic, equal-width
+bit casts and reductions over the major axis; each computes what equarx.codecs computes,
+operation for operation, so equarx.ring on the same layout is its bitwise reference.
 """
 from __future__ import annotations
 

@@ -1,48 +1,12 @@
-"""EQuARX's full-loop ring as one Pallas TPU kernel (AllReduceConfig(impl="pallas")).
+"""EQuARX's full-loop ring as one Pallas TPU kernel (AllReduceConfig(impl="pallas")): the
+reduce-scatter and all-gather of a bidirectional ring, the message in HBM, minishards streamed
+through VMEM and sent by remote DMA. Variant "full" (and "auto"), both phases quantized: int8
+with blocks "tile" or "group", and bf16_ring. The schedule is `PartRing`'s, the flow control
+`_PartsKernel`'s.
 
-One kernel runs the reduce-scatter and the all-gather of a bidirectional ring: the shard of
-every device is split in two halves, one per ring direction, each half cut into mh minishards
-(equarx.pallas_codecs owns the layouts and the in-VMEM codecs). The message stays in HBM;
-minishards stream through VMEM. It covers variant "full" (and "auto", which it runs as
-"full") with both phases quantized: int8 with blocks "tile" or "group", and bf16_ring.
-
-Schedule, per direction s (+1: send to the right neighbour, -1: to the left), the same on every
-device: the direction's mh minishards are taken a window of g = min(mh, 4) at a time (the last
-window may have fewer), and a window is a sequence of items (step t = 0 .. 2N-2, minishard i of the window), hop-major:
-- t <= N-2, reduce-scatter hop t: the partial for the shard of device d + s (N-1-t) is the local
-  minishard (copied from HBM), plus, for t > 0, the decoded message received for (t-1, i); it
-  is encoded afresh into a send buffer and sent to the neighbour by remote DMA (payload and
-  scales, two DMAs).
-- t == N-1: the last partial of the device's own shard arrives; with the local minishard it is
-  the reduced value y, encoded once (the all-gather's payload), kept as decode(encode(y)) in
-  the output and sent on.
-- N <= t <= 2N-3, all-gather: the message received for (t-1, i) (owner d - s (t-N+1)) is
-  forwarded verbatim from the receive slot where it landed, and decoded into the output.
-- t == 2N-2: the last message is only decoded.
-Every message is sent at item (t, i) and consumed at item (t+1, i) on the neighbour, g items
-later. Per minishard this is equarx.ring's full-loop schedule (pipelined: one minishard per
-message) and the codecs' arithmetic is that of equarx.codecs, so the ring functions driven with
-the same layout are a bitwise reference (reference_all_reduce; tests/equarx/test_pallas.py).
-
-Pipelining and flow control: one message per direction is on the wire while the next item is
-computed (the send of item k is waited for at item k+1), and the neighbour's slots hold the
-messages of up to a window's items ahead of the one consuming them. Messages land in S = g + 2 receive slots per direction
-(message m in slot m mod S). Before reusing a slot the sender waits on a REGULAR "capacity"
-semaphore, which the receiver signals once it has consumed the message in the slot (decoded
-it, and forwarded it: one item later, after the forward's send completed). With S = g + 2 the
-item a sender waits for on its neighbour is always an earlier one, so the ring cannot
-deadlock; the last S messages are never released and their waits never happen, so every
-semaphore is zero at exit. A barrier with both neighbours at entry makes sure that they are
-in the kernel (their receive slots allocated) before the first remote DMA. The window bounds
-the receive slots, so VMEM does not grow with the message (pallas_codecs caps a minishard at
-MAX_PIECE_ELEMENTS values).
-
-Buffers (VMEM, per direction): the local minishard (2 slots, prefetched one item ahead), the
-encoded send buffer (2 slots), the receive slots (S), the decoded output (2 slots, written
-back to HBM by local DMA). DMA semaphores: one per slot and kind (payload, scales).
-
-Off TPU the kernel runs in Pallas' TPU interpret mode (slow: seconds per call), which checks
-the schedule, the flow control (race detector) and the arithmetic, not the speed.
+Per minishard it is equarx.ring's full-loop schedule with equarx.codecs' arithmetic, so the ring
+functions on the same layout are its bitwise reference (`reference_all_reduce`). Off TPU it runs
+in Pallas' interpret mode: slow, it checks the schedule, flow control and arithmetic only.
 """
 from __future__ import annotations
 
@@ -144,7 +108,14 @@ def ring_kernel_call(buf: jax.Array, axis_name: str, p: KernelPlan, out_dtype,
 @dataclasses.dataclass(frozen=True)
 class PartRing:
     """The static schedule of one part of parts_kernel_call: the ring of `n` devices over its
-    axis, `mh` minishards per direction, taken a window of g = min(mh, WINDOW) at a time."""
+    axis, `mh` minishards per direction, taken a window of g = min(mh, WINDOW) at a time.
+
+    Per direction s (the same on every device) a window is items (step t, minishard i),
+    hop-major, t = 0 .. 2N-2. t <= N-2: reduce-scatter hop, the partial for device d + s (N-1-t),
+    the local minishard plus (t > 0) the arrival decoded, encoded and sent; t = N-1: the own
+    shard's last partial arrives, and the reduced value is encoded once, kept decoded and sent on;
+    N <= t <= 2N-3: all-gather, the arrival forwarded verbatim and decoded; t = 2N-2: decode
+    only. A message sent at item (t, i) is consumed at (t+1, i) on the neighbour."""
 
     n: int
     mh: int
@@ -200,7 +171,14 @@ class PartRing:
 class _PartsKernel:
     """One trace of parts_kernel_call's kernel: the refs it was handed, the parts' static rings
     and this device's place on the mesh. Each item of each stream is traced in the same order
-    as one closure would, in methods short enough to read one step at a time."""
+    as one closure would, in methods short enough to read one step at a time.
+
+    Flow control: one send per direction is in flight (waited for at the next item); messages
+    land in S = g + 2 receive slots (message m in slot m mod S), and before reusing a slot the
+    sender waits on a "capacity" semaphore that the receiver signals once it has decoded and
+    forwarded the message. With S = g + 2 every wait is on an earlier item, so the ring cannot
+    deadlock; the last S messages are never released and their waits never happen, so every
+    semaphore is zero at exit. A barrier with both neighbours precedes the first remote DMA."""
 
     def __init__(self, refs, axis_names: tuple[str, ...], rings: list[PartRing],
                  codec: KernelCodec, phase: str):

@@ -1,31 +1,12 @@
 """The multi-axis AllReduce (equarx.multi_axis' schedule) through Pallas TPU kernels:
-`equarx.all_reduce(x, ("x", "y"), AllReduceConfig(impl="pallas"))` on a torus' axes.
+`all_reduce(x, ("x", "y"), AllReduceConfig(impl="pallas"))` on a torus' axes.
 
-Over k axes of sizes n_0 .. n_{k-1} (N devices in all; v5e 2x2, 2x4 and 4x4, v6e 4x4, v5p
-4x4x4) the message is the single-axis kernel's buffer planned for k N shards (equarx.
-pallas_codecs.plan), cut into k parts of N shards, each shard 2 mh minishards. Part p visits
-the axes in the rotated order a_p, a_{p+1}, ... (equarx.multi_axis.axis_orders), so at every
-stage the k parts move along k different axes, and one kernel runs all of them at once: every
-axis' links carry a part, both directions of each. On axes of different sizes the parts' rings
-differ in length and minishards at a stage (a part on a shorter axis has fewer hops of larger
-blocks); each part runs its own ring in the shared kernel and finishes when it is done.
-
-- Reduce-scatter: k stages, one kernel each (equarx.pallas_ring.parts_kernel_call, phase
-  "rs": the bidirectional, minishard-pipelined ring, quantization and dequantize-add in VMEM,
-  payload and scales by remote DMA). At stage t part p's remaining shards are [n_a, rest]
-  blocks along axis a = a_{(p+t) % k}; the stage leaves this device the float32 sum, over
-  that axis, of its block. After the last stage a device holds its block of every part
-  summed over all devices (each value re-quantized at every hop of every axis, as the
-  ppermute schedule does).
-- All-gather: each owner encodes its blocks once (the kernel codec's arithmetic, as an XLA
-  elementwise op), then k stages in reverse axis order, one kernel each (gather_kernel_call),
-  forward the wire bytes, payload and scales, verbatim by remote DMA from HBM to HBM along
-  each part's axis, both directions; a stage sends everything gathered along the later axes.
-  Every device then decodes the very same bytes: replicas are bitwise identical.
-
-`reference_all_reduce` runs the same stages through equarx.ring's ppermutes and equarx.codecs'
-codecs (and lax.all_gather for the verbatim gathers): bitwise what `all_reduce` computes
-(tests/equarx/test_pallas.py, in interpret mode on 2x2, 2x4 and 2x2x2 meshes).
+The single-axis kernel's buffer is planned for k N shards and cut into k parts that visit the
+axes in rotated orders, so one kernel per stage drives every axis' links, both directions.
+Reduce-scatter: k stages of `pallas_ring.parts_kernel_call`, each part its own ring; all-gather:
+each owner encodes once, then k stages of `gather_kernel_call` forward the bytes verbatim, HBM to
+HBM. `reference_all_reduce` runs the same stages through ppermutes, bitwise the same
+(docs/native_kernel.md).
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""Dynamic block-wise symmetric int8 quantization with 8x128 scale tiles.
+"""Dynamic block-wise symmetric int8 quantization with 8x128 scale tiles (the paper's tile codec).
 
-A minishard of K * 1024 elements is viewed as K tiles of shape 8x128 (one TPU vector register
-each). Its scales form one 8x128 tile: scale[s, l] covers the strided set {x[k, s, l] : k < K},
-so computing them is an elementwise max over tiles (no cross-lane reduction, no relayout).
-
-The two passes are separate functions, as in the paper: Qp1 (`absmax`) only needs the data,
-Qp2 (`scale_round_cast`) needs Qp1's final result. Keeping them apart lets the schedule start Qp1
-on a partial sum while the next minishard is still on the wire.
-
-Every function accepts leading batch dimensions ([..., K, 8, 128]): a batch of minishards,
-each with its own scales, is how several minishards travel in one message.
-
-Non-finite input: rounding or casting NaN/Inf to int8 is undefined, so q is kept finite (0) and
-the non-finiteness travels in the block's float32 scale (NaN or Inf). Dequantization then yields a
-non-finite value for every element of that block, on every device that receives it.
+A minishard is K tiles of 8x128 (one TPU vector register each) with one 8x128 scale tile:
+scale[s, l] covers {x[k, s, l] : k < K}, an elementwise max over tiles. Qp1 (`absmax`) and Qp2
+(`scale_round_cast`) are separate, as in the paper, so that Qp1 can start on a partial sum while
+the next minishard is on the wire. Leading dimensions are a batch of minishards. A NaN or Inf
+travels in the block's float32 scale (q stays finite): the whole block dequantizes non-finite.
 """
 from __future__ import annotations
 

@@ -1,30 +1,11 @@
 """Unrolled ring schedules: reduce-scatter and all-gather as chains of ppermutes.
 
-Shards are addressed *relative* to this device d: relative row r is the shard owned by device
-(d + r) % N. With that convention the schedule is the same on every device, and it is plain
-Python loops that emit one `ppermute` per piece per hop (below), so XLA sees independent
-collective-permutes it may overlap with the (de)quantization of other pieces. Only the row
-offsets into the local buffer depend on d: each read is a dynamic slice of one piece, and the
-gathered result is put in absolute order at the end (see SWITCH_MIN_ELEMENTS).
-
-A *chain* moves a set of minishards in one ring direction for a number of hops, as *pieces*:
-each piece is a contiguous range of minishards that travels as one ppermute (each minishard
-keeps its own scales). With one minishard per piece (the default, as in the paper) XLA may
-overlap one minishard's transfer with the next one's quantization; runtimes whose collectives
-block and never overlap (XLA:CPU with gloo) are better served by one piece per chain, which
-sends fewer, larger messages.
-
-- reduce-scatter: at hop t a device sends the partial sum for owner d + s*(H - t) to d + s
-  (s = direction, H = hops); after the last hop the partial for the device's own shard arrives.
-- all-gather: at hop t a device forwards to d + s the payload of owner d - s*t (its own at t=0);
-  the payload is encoded once by its owner and forwarded verbatim.
-
-Variants:
-- full-loop: two chains of N-1 hops, one per direction, each taking half the minishards.
-- semi-loop: for owner c, L = (N-1)//2 and R = N-1-L; devices c+R..c+1 pass partials leftwards
-  and c-L..c-1 rightwards, so every minishard is reduced by two chains of about N/2 hops (fewer
-  re-quantizations, lower error); the owner adds both arriving partials to its own value. The
-  all-gather mirrors it (R hops rightwards, L hops leftwards).
+Shards are addressed relative to this device d (relative row r is device (d + r) % N's), so the
+schedule is the same Python loops on every device, one `ppermute` per piece per hop, which XLA
+may overlap with other pieces' (de)quantization. A `Chain` moves minishards one ring direction
+for some hops, as pieces (one per minishard, or one per chain for runtimes whose collectives
+block, as XLA:CPU with gloo). Full-loop: two chains of N-1 hops, one per direction; semi-loop:
+every minishard reduced by two chains of about N/2 hops (fewer re-quantizations).
 """
 from __future__ import annotations
 

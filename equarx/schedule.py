@@ -1,15 +1,10 @@
-"""variant="auto": which schedule a message takes, from the axis size, its bytes and the
-topology. The same alpha-beta reasoning as eval/cost_model/, reduced to a comparison.
+"""variant="auto": which schedule a message takes, from the axis size, its bytes and the topology
+(eval/cost_model/'s alpha-beta reasoning reduced to a comparison).
 
-- Two devices: every schedule makes the same sends; two-shot.
-- Switched (every pair one hop: GPUs behind NVSwitch, hosts behind a switch): two-shot sends
-  the ring's bytes from every device in 2 steps instead of 2 (N-1), and quantizes each value
-  twice instead of N times. It wins at every size.
-- Ring-connected (a TPU torus axis, links only to the two neighbours): a two-shot send to
-  device d + k crosses min(k, N-k) links, so the busiest link carries sum_k min(k, N-k) / 2
-  shards per phase against the bidirectional ring's (N-1) / 2; from N = 4 on that is more
-  bytes per link (N=4: 4/3 of the ring's, N=16: 4.3x), which only pays where the ring's
-  2 (N-1) hop latencies dominate. The ring keeps large messages on a torus, the paper's case.
+Two devices: two-shot (every schedule makes the same sends). Switched (every pair one hop):
+two-shot, which sends the ring's bytes in 2 steps instead of 2 (N-1) and quantizes each value
+twice instead of N times. Ring-connected (a TPU torus axis): from N = 4 on two-shot loads the
+busiest link more than the ring (`two_shot_link_load`), so it only pays for small messages.
 """
 from __future__ import annotations
 

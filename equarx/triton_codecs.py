@@ -1,36 +1,12 @@
-"""The group codec's encode, reduce-scatter hop and un-rotation as GPU kernels (Pallas, Triton
-lowering), which `groups` and `codecs` choose on a CUDA backend.
+"""The group codec's encode, reduce-scatter hop (`codecs.encode_sum`) and un-rotation as GPU
+kernels (Pallas, Triton lowering), which `groups` and `codecs` choose on a CUDA backend.
 
-Written in XLA ops, `groups.encode` reads its input more than once on a GPU: the runs' absmax is
-a reduction, the row's exponent a second one over its result, and the codes a third pass that
-reads the values again and joins payload and scale bytes into one array (an H100: 28-52% of a
-copy's bandwidth, docs/results.md). `encode` here reads a block of rows once, keeps it in
-registers, and writes the codes, the runs' step bytes and the rows' exponent bytes straight
-into their places in `groups.encode`'s wire: 4 bytes read and 1 + 1/g + 1/W written per float32
-value, the least the codec can move.
-
-`encode_sum` is a reduce-scatter hop (`codecs.encode_sum`) the same way: the piece read in
-place from the token layout's buffer, each arrival decoded and added, the sum encoded, with no
-float32 sum written out and read back.
-
-`unrotate` is `groups.unrotate_codes` in one pass: codes, steps and exponents in, values out.
-The inner products with the rotation's +-1 are a bfloat16 dot accumulated in float32 on the
-tensor cores: exact, since codes and +-1 are bfloat16 values and their sums integers below 2^12.
-
-All three give the bits of the XLA:CPU programs and of the native CPU kernels (equarx.native_cpu),
-as `groups` defines them; two things differ in how, because a Triton kernel has no round
-instruction and its float32 division may round the last bit otherwise:
-- the codes' rounding (`codec_spec.round_half_even`) is fenced from the product by a max that
-  changes no value, not by a round, so that no compiler fuses them into one multiply-add;
-- 1 / scale comes from integer arithmetic on the scale's bits (`_reciprocal`), exact.
-On an H100 the encode's codes equalled the CPU's on all of 64M values, where XLA's GPU program
-of `groups.encode` differed on 25 (docs/results.md).
-
-Rows of any width W (a multiple of g) and count: a block is a power of two of rows by W padded
-to a power of two (Triton's block sizes), its edges masked, or with `chunked=True` by W's
-binary decomposition into power-of-two pieces, which leaves no lane idle (not yet timed on a
-GPU: docs/algorithm.md). Each row is encoded from its own values alone, so the bits are the same
-whatever rows come with it (token-local).
+Each reads a block of rows once, in registers, and writes its result in place (XLA's encode
+reads its input three times). They give the CPU programs' bits: the codes' rounding is fenced
+from the product by a max that changes no value (Triton has no round instruction), and 1 / scale
+comes from integer arithmetic on the scale's bits (`_reciprocal`). A row of any width is one
+block padded to a power of two, or (`chunked=True`) power-of-two pieces; every row is encoded
+from its own values (token-local). Figures: docs/results.md, "An H100, with GPU kernels".
 """
 from __future__ import annotations
 
@@ -45,9 +21,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from equarx import codec_spec
 
-# Values a program holds (padded; 16 KiB of float32, in registers) and its warps. An H100, two
-# runs: encode 92-96% of a copy's bandwidth with 4096 / 4, 92-94% with 8192 / 8, 81% with
-# 8192 / 4; the un-rotation 86-90% and 82-86% (docs/results.md).
+# Values a program holds (padded; 16 KiB of float32, in registers) and its warps: the fastest
+# of the sizes tried on an H100 (docs/results.md, "Figures moved from code comments").
 BLOCK_VALUES = 4096
 NUM_WARPS = 4
 _MAX_INDEX = 1 << 31  # offsets are int32

@@ -1,17 +1,8 @@
-"""The two-shot schedule: reduce-scatter as direct sends to each shard's owner, then a direct
-all-gather (QuickReduce, FlashInfer, Flash Communication use it on GPUs).
-
-Reduce-scatter: device d encodes its partial of every other shard once and sends the one for
-owner d + k straight to it (one ppermute per k = 1..N-1, all independent); the owner decodes
-the N-1 arrivals and adds them to its own partial in float32, in the order k = 1..N-1.
-All-gather: the owner encodes its reduced shard once and sends the same bytes to every other
-device (again one ppermute per k); like the ring, it keeps decode(encode(y)) itself.
-
-Each value is therefore quantized exactly twice whatever N (the ring re-quantizes a growing
-partial sum N-1 times), and every device sends the ring's bytes, 2 (N-1)/N of the message.
-What it gives up: on a ring-connected topology (a TPU torus axis) the send to device d + k
-crosses min(k, N-k) links, so the links carry about N^2/8 / (N-1)/2 times the ring's load
-(equarx.schedule weighs that); on a switched network every send is one hop.
+"""The two-shot schedule (QuickReduce, FlashInfer, Flash Communication use it on GPUs): each device
+encodes its partial of every other shard once and sends it straight to the owner, which adds the
+N-1 decoded arrivals in float32 in the order k = 1..N-1, then encodes its reduced shard once and
+sends the same bytes to every device. Each value is quantized exactly twice whatever N; on a
+ring-connected topology the send to d + k crosses min(k, N-k) links (equarx.schedule weighs it).
 """
 from __future__ import annotations
 

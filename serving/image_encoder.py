@@ -1,28 +1,11 @@
 """The paged engine's image encoder: features cached by content hash, computed a bounded piece
-per engine step, batched across the images that wait at the same stage.
+per engine step, so that one image's encode does not hold up every running stream.
 
-Run whole on the engine thread, one So400m image (~5.5 TFLOP) would hold up every running stream
-for the whole encode. Instead the scheduler keeps a prompt's piece from reaching an image whose
-features are not ready (`PagedScheduler.image_ready`) and lists the images it waits for
-(`StepPlan.encode`); after each step the engine core calls `advance` with them, which runs
-stages of the encoder (`models.gemma3.vision_stages`) worth at most `budget_flops`: by default
-the matmul FLOPs of one prefill piece of `chunk_size` tokens through the text model, so that a
-step with encoder work stalls the running decodes no longer than a step with a prompt piece.
-(A single stage costlier than the budget still runs whole: `blocks_for` makes the stages small
-enough for every published pairing of tower and text model at the default chunk of 16.)
-
-A step that ran nothing else (every running sequence waits for an image, none could be
-admitted) has no stream to stall: then, outside deterministic mode, the stages of the images
-it waits for run up to `WHOLE_CALL_FLOPS` at once, not the budget. Not the whole encoder in one
-call (as before): the full tower takes 30-90 s on a CPU, past the step watchdog's default 30 s,
-and the engine core's next turn simply goes on with the next call.
-
-Images at the same stage run as one batch, oldest first; the oldest image moves on first, so
-an image's encode ends after a bounded number of steps whatever arrives after it. The features
-equal the one-shot encoder's to float32 rounding (a stage is the same functions on fewer rows,
-tests/serving/test_image_encoder.py). In deterministic mode every image runs alone in a batch
-of its own frames: a batch's shape changes the last bits of its rows, and a request's features
-must not depend on what else is encoded beside it.
+After each step the engine core calls `advance` with the images the scheduler waits for
+(`StepPlan.encode`); it runs encoder stages (`models.gemma3.vision_stages`), oldest image first
+and batched across images at the same stage, worth at most `budget_flops` (by default one prompt
+piece's matmul FLOPs). A step that ran nothing else runs up to `WHOLE_CALL_FLOPS` instead. In
+deterministic mode each image runs alone, so its features do not depend on what else is encoded.
 """
 from __future__ import annotations
 
@@ -38,8 +21,8 @@ log = logging.getLogger(__name__)
 
 BATCH_FRAMES = 4
 MAX_IN_PROGRESS = 16
-# Encoder FLOPs of one call when nothing else runs: ~3 s on a 2-core CPU (docs/vision.md), a
-# fraction of a second on an accelerator; far below any step watchdog limit.
+# Encoder FLOPs of one call when nothing else runs: not the whole tower, whose encode on a CPU
+# can outlast the step watchdog's limit; this much stays far below it (docs/vision.md).
 WHOLE_CALL_FLOPS = 4e11
 
 

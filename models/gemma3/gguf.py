@@ -1,17 +1,9 @@
 """Gemma 3 weights from a GGUF file (llama.cpp's format), converted to the official parameter tree.
 
-numpy only (no jax): the model package decides where each tensor goes. The file is parsed by a
-small header reader of our own because `gguf.GGUFReader` builds one numpy view per element of
-every metadata array, which takes ~13 s for Gemma's 262,144-piece vocabulary; ours takes well under
-a second. Tensor payloads stay memory-mapped and are dequantized one tensor at a time by the
-`gguf` package's per-format block decoders, in chunks of about a million values spread over a
-small thread pool (numpy releases the GIL) and rounded per chunk to the dtype the caller asks
-for, so a bfloat16 load never holds a float32 copy of a large tensor.
-
-Conversion from llama.cpp's gemma3 conventions (see the official tree in the project docs):
-- numpy shapes come out in PyTorch (out_features, in_features) order;
-- every `*norm.weight` is stored as (1 + scale): we subtract 1;
-- q/k are not permuted (Gemma's half-rotation RoPE layout is kept).
+numpy only (no jax): the model package decides where each tensor goes. The header is parsed by a
+reader of our own, since `gguf.GGUFReader` is slow on Gemma's 262,144-piece vocabulary; tensors
+stay memory-mapped and are dequantized one at a time by the `gguf` package's block decoders, in
+chunks rounded to the caller's dtype. llama.cpp stores every `*norm.weight` as (1 + scale).
 """
 from __future__ import annotations
 

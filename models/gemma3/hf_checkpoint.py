@@ -1,24 +1,11 @@
 """Hugging Face checkpoints: config.json and safetensors weights, read into the sharded layout and
-written back.
+written back (`Gemma3ForCausalLM`, and the text part of `Gemma3ForConditionalGeneration`; the
+tokenizer side is `hf_tokenizer`'s).
 
-Owns the mapping between a Hugging Face Gemma 3 directory and our `Gemma3Config` and `Weights`:
-`Gemma3ForCausalLM` (`model.*` names) and the text part of `Gemma3ForConditionalGeneration`
-(`language_model.model.*`, or `model.language_model.*` as transformers >= 4.52 saves it; the
-vision tower and projector are skipped). The tokenizer, EOS ids and chat template of such a
-directory are `hf_tokenizer`'s.
-
-Safetensors files are read by a reader of our own: the format is an 8-byte header length, a JSON
-header and raw little-endian tensors, so a `numpy.memmap` of the file gives every tensor as a
-zero-copy view in any dtype, bfloat16 included (ml_dtypes), which `safetensors`' numpy backend
-cannot return. Each device's shard is then read straight from the mapped file by
-`jax.make_array_from_callback`, so no device (and no host buffer) holds a whole tensor it does not
-need, and a checkpoint larger than host memory still loads at tp > 1.
-
-Layouts: Hugging Face stores each projection as PyTorch's (out_features, in_features), heads
-major (q_proj [N*H, D], k_proj / v_proj [K*H, D], o_proj [D, N*H], gate_proj / up_proj [F, D],
-down_proj [D, F]); norms store the same `scale` as the official tree (Gemma3RMSNorm computes
-x * (1 + weight), like ours); RoPE is the half-rotation layout (no permutation); the output
-projection is tied to embed_tokens.
+Safetensors files are read by a reader of our own over a `numpy.memmap` (bfloat16 included, which
+`safetensors`' numpy backend cannot return), so each device's shard is read straight from the
+mapped file and a checkpoint larger than host memory still loads at tp > 1. Projections are
+stored as PyTorch's (out_features, in_features), heads major; the output projection is tied.
 """
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """The tokenizer side of a Hugging Face checkpoint: tokenizer.model or tokenizer.json, the EOS ids
-and sampling defaults of generation_config.json and the checkpoint's own chat template, read and
-written.
+and sampling defaults of generation_config.json and the chat template, read and written.
 
-`tokenizer.model` (SentencePiece, what Gemma was trained with) is preferred when a directory has
-both; `tokenizer.json` is read with the `tokenizers` library. Both give the same ids on Gemma's
-vocabulary (tests/models/test_hf_checkpoint.py). A checkpoint written from a SentencePiece
-vocabulary gets a tokenizer.json too, converted the way transformers converts Gemma's (BPE with
-byte fallback, merges from the vocabulary, control pieces as special added tokens).
-
-The chat template is only carried here (`ChatTemplate`); serving renders it.
+`tokenizer.model` (SentencePiece) is preferred when a directory has both; both give the same ids
+on Gemma's vocabulary (tests/models/test_hf_checkpoint.py). The chat template is only carried
+here (`ChatTemplate`); serving renders it.
 """
 from __future__ import annotations
 

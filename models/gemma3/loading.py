@@ -72,13 +72,10 @@ def config_for_official_tree(tree: dict, config: Gemma3Config | None) -> Gemma3C
 
 
 def cache_dtype(dtype, mesh: Mesh):
-    """dtype in which the KV cache is held.
-
-    float32 for bfloat16 models on CPU: XLA:CPU has no bfloat16 dynamic_update_slice and
-    converts the whole bfloat16 buffer to float32 and back around each one (measured: ~60 ms
-    per layer and step for the 270M at batch 8). The float32 cache holds bfloat16-rounded
-    values (keys and values are rounded before they are stored), so the numerics are those of
-    a bfloat16 cache, for twice its memory.
+    """dtype in which the KV cache is held: float32 for bfloat16 models on CPU, where XLA:CPU
+    has no bfloat16 dynamic_update_slice and converts the whole buffer to float32 and back
+    around each one (docs/results.md, "Figures moved from code comments"). The float32 cache
+    holds bfloat16-rounded values, so the numerics are a bfloat16 cache's, for twice its memory.
     """
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
@@ -179,7 +176,7 @@ def save_checkpoint(path: str | os.PathLike, weights: Weights, c: Gemma3Config) 
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     # Uncompressed: bf16 weights shrink only to ~3/4 under orbax's default zstd, and decoding
-    # it is most of a restore (270M at tp=2: 1.22 -> 0.71 s restored, 397 -> 512 MB on disk).
+    # it is most of a restore (docs/results.md, "Figures moved from code comments").
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckptr:
         ckptr.save(path / PARAMS_DIR, args=ocp.args.PyTreeSave(_to_tree(weights)), force=True)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(c), indent=1))

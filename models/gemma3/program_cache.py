@@ -1,23 +1,11 @@
-"""Traced programs kept on disk, so that a restart skips Python tracing and lowering.
+"""Traced programs kept on disk (`jax.export`), so that a restart skips Python tracing and lowering;
+the executables themselves come from JAX's persistent compilation cache.
 
-JAX's persistent compilation cache stores compiled executables keyed by the lowered module,
-so every start still traces and lowers each program in Python before it can look the
-executable up: 0.2-0.5 s per program for the 18-layer 270M on CPU, and a server warms about
-twenty (prefill buckets x batch sizes, decode row counts). This cache stores the lowered
-program itself (`jax.export`, serialized StableHLO) next to the executables. On a restart a
-program is deserialized (milliseconds), wrapped in a `jax.jit` that only inlines it (with the
-same buffer donation), and that wrapper's executable comes from the compilation cache.
-
-A stored program is reused only under the same key: a fingerprint of the source code of the
-packages that build the programs (`models`, `equarx`), the jax/jaxlib versions, the backend,
-the program's name and static settings (model config, AllReduce config, dtypes), whether the
-native CPU codec kernels are in use (equarx.native_cpu: a stored program calls them by name, so
-a start without them must not load such a program), and the abstract signature of its arguments
-(tree structure, shapes, dtypes, shardings). Anything else that changes what tracing produces
-must be part of `salt`. Single-process only: in a multi-process run every process must run the
-very same program, so the cache is bypassed.
-Each file is a pickle (the output tree structure and the serialized program): like the
-compilation cache's executables, it is code, so the directory must be writable by its user only.
+A stored program is reused only under the same key: the `models` and `equarx` sources, the
+jax/jaxlib versions, the backend, the program's static settings, whether the native CPU codec
+kernels are in use, and its arguments' abstract signature; anything else that changes tracing
+must go in `salt`. Single-process only. Each file is a pickle, i.e. code: the directory must be
+writable by its user only.
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Gemma 3's SentencePiece tokenizer, from a `tokenizer.model` or rebuilt from GGUF metadata.
 
-The GGUF stores the vocabulary as three parallel arrays (`tokenizer.ggml.tokens / scores /
-token_type`). We rebuild the SentencePiece model proto from them: BPE, byte fallback, identity
-normalizer, no dummy prefix, whitespace escaped as U+2581. GGUF token types are SentencePiece's
-piece types, except that llama.cpp stores `<unk>` as CONTROL, which SentencePiece refuses (a
-model needs exactly one UNKNOWN piece), so it is retyped; and user-defined pieces get back the
-U+2581 that llama.cpp's converter turned into spaces.
-
-Building the 262,144-piece proto takes about a second; the serialized bytes are cached on disk
-(keyed by the GGUF's content hash of the vocabulary, and named with their own checksum, so that
-a damaged file is rebuilt rather than trusted) so later processes load it directly.
+The SentencePiece model proto is rebuilt from the GGUF's vocabulary arrays (`build_model_proto`
+says how llama.cpp's conventions are undone) and cached on disk, named by the vocabulary's hash
+and its own checksum so that a damaged file is rebuilt rather than trusted.
 """
 from __future__ import annotations
 
@@ -128,7 +121,9 @@ class Tokenizer(SpecialIds):
 
 
 def build_model_proto(pieces: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> bytes:
-    """Serialized SentencePiece ModelProto for a Gemma-style (llama.cpp "llama") vocabulary."""
+    """Serialized SentencePiece ModelProto for a Gemma-style (llama.cpp "llama") vocabulary:
+    BPE, byte fallback, identity normalizer, no dummy prefix. llama.cpp stores `<unk>` as
+    CONTROL, which SentencePiece refuses (a model needs one UNKNOWN piece): it is retyped."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     if not len(pieces) == len(scores) == len(types):

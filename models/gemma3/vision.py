@@ -1,19 +1,10 @@
 """Gemma 3's image encoder: SigLIP So400m/14 at 896x896, as pure functions over a weights pytree.
 
-A ViT without a pooling head (the official `gemma.multimodal.vision_utils.ViTModel`, transformers'
-`SiglipVisionModel`): the image is cut into 14x14 patches (64x64 = 4,096 at 896 px), each patch
-linearly embedded plus a learned position embedding, then 27 pre-LayerNorm blocks of
-bidirectional multi-head attention and a gelu-tanh MLP, then a final LayerNorm. The projector
-into the text model (pooling to 256 tokens) is `projector.py`.
-
-Pixels come in channels-last, [B, H, W, 3] float, already normalized to [-1, 1]
-(`serving.media`); the patch embedding is then one matmul over each patch's (row, column,
-channel) values, which is the official convolution's HWIO kernel flattened.
-
-Numerics follow transformers' float32 path: matmuls accumulate in float32 and round to the
-activation dtype; LayerNorm and softmax run in float32. Biases are added after a matmul's
-result is reduced, so the same block runs on a tensor-parallel shard of the heads and of the MLP
-(`encode(..., reduce=...)`); whether that pays is measured in docs/vision.md.
+A ViT without a pooling head (the official `ViTModel`, transformers' `SiglipVisionModel`) over
+channels-last pixels [B, H, W, 3] already normalized to [-1, 1] (`serving.media`); the projector
+into the text model is `projector.py`. Numerics follow transformers' float32 path. Biases are
+added after a matmul's result is reduced, so the same block runs on a tensor-parallel shard of
+the heads and the MLP (`encode(..., reduce=...)`, docs/vision.md).
 """
 from __future__ import annotations
 

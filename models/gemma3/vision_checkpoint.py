@@ -1,21 +1,6 @@
 """The vision half of Gemma 3 checkpoints: SigLIP tower + projector, from and to Hugging Face
-`Gemma3ForConditionalGeneration` safetensors and the official `gemma` parameter tree.
-
-Hugging Face names, below one of `VISION_PREFIXES` (published 4B-27B checkpoints and
-transformers 4.50 write `vision_tower.vision_model.`, 4.52-4.x `model.vision_tower.vision_model.`,
-5.x `model.vision_tower.`): `embeddings.patch_embedding.{weight [W, C, P, P], bias}`,
-`embeddings.position_embedding.weight [L, W]`, `encoder.layers.{i}.{layer_norm1, layer_norm2}`,
-`.self_attn.{q,k,v,out}_proj.{weight [out, in], bias}`, `.mlp.{fc1, fc2}`, `post_layernorm`;
-the projector `multi_modal_projector.{mm_input_projection_weight [W, D], mm_soft_emb_norm.weight}`
-under the same model prefix.
-
-Official names (`gemma.multimodal.vision_utils.ViTModel` under `vision_encoder/siglip_encoder`,
-flat checkpoints: `SigLiPFromPatches_0/siglip_encoder/...`): `embedding/{kernel [P, P, C, W],
-bias}`, `pos_embedding [1, L, W]`, `Transformer/encoderblock_{i}/{LayerNorm_0, LayerNorm_1}/
-{scale, bias}`, `.../MultiHeadDotProductAttention_0/{query,key,value}/{kernel [W, N, Hd], bias
-[N, Hd]}`, `.../out/{kernel [N, Hd, W], bias}`, `.../MlpBlock_0/{Dense_0, Dense_1}/{kernel,
-bias}`, `Transformer/encoder_norm/{scale, bias}`; the projector is in the embedder:
-`embedder/mm_soft_embedding_norm/scale`, `embedder/mm_input_projection/w [W, D]`.
+`Gemma3ForConditionalGeneration` safetensors and the official `gemma` parameter tree (nested
+under `vision_encoder/siglip_encoder` and `embedder`, or flat `SigLiPFromPatches_0/...`).
 """
 from __future__ import annotations
 
@@ -33,6 +18,7 @@ from models.gemma3.projector import ProjectorWeights
 from models.gemma3.vision import VisionConfig, VisionLayerWeights, VisionWeights, map_vision_weights
 from models.gemma3.weights import lookup
 
+# Published checkpoints and transformers 4.50 / 4.52-4.x / 5.x, in that order.
 VISION_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
                    "model.vision_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")

@@ -1,21 +1,11 @@
-"""The image encoder cut into small stages, so that a server can run it a bounded piece at a time.
-
-A whole So400m image is ~5.5 TFLOP: run at once on the engine thread it holds up every running
-stream for that long. The stages here split it into pieces about as costly as a short prefill
-piece of the text model, which a server interleaves with its steps (`serving.image_encoder`):
+"""The image encoder cut into small stages, so that a server can run it a bounded piece at a time
+between engine steps (`serving.image_encoder`) instead of holding up every stream for a whole
+image:
 
     embed block 0..nb-1 | (qkv block 0..nb-1, rows block 0..nb-1) for each encoder block | finish
 
-`embed` embeds 1/nb of the patches; `qkv` computes the queries, keys and values of 1/nb of the tokens; `rows` runs the rest of the
-block (attention over all keys, output projection, MLP) for 1/nb of the rows; `finish` is the
-final LayerNorm and the projector. Every stage is row-wise apart from the keys and values,
-which `rows` reads whole, so the stages compute what `projector.image_features` computes in one
-program: the same functions (`vision.attention_inputs`, `vision.block_rows`) on fewer rows.
-
-Several images at the same stage run as one batch (their frames concatenated, padded to a
-power of two so that few programs compile); a frame's result does not depend on the others
-(every operation is per frame). Programs take a block's weights as arguments, so one program
-serves all 27 blocks.
+Each stage is the one-shot encoder's functions (`vision.attention_inputs`, `vision.block_rows`)
+on 1/nb of the rows, so the stages compute what `projector.image_features` computes.
 """
 from __future__ import annotations
 
@@ -93,7 +83,9 @@ def _unpack(x, counts):
 
 class StagedEncoder:
     """Runs `stages` on a placed tower and projector (`Gemma3StepAPI.vision`): run(stage, states)
-    advances several images' states by one stage in one program."""
+    advances several images' states by one stage in one program (frames concatenated and
+    padded to a power of two; a block's weights are arguments, so one program serves every
+    block)."""
 
     def __init__(self, vision, c: VisionConfig, blocks: int, dtype):
         self.vision, self.config, self.blocks, self.dtype = vision, c, blocks, dtype

@@ -1,19 +1,11 @@
-"""Decoded GGUF weights kept on disk, so that a restart maps them instead of dequantizing again.
+"""Decoded GGUF weights kept on disk, so that a restart memory-maps them instead of dequantizing
+the quantized blocks again (docs/deployment.md).
 
-Dequantizing the 270M GGUF (Q8_0 / Q5_0 / Q4_K / Q6_K blocks) takes about a second of CPU on
-every start, most of a warm restart once the compiled programs come from the persistent
-caches. The decoded official parameter tree, in the dtype the model runs in, is stored as one
-flat file of raw arrays (each at a 4096-byte boundary) plus a JSON index; a later start
-memory-maps it (270M bf16 at tp=2: 1.0 s -> 0.1 s from GGUF file to placed shards).
-
-Layout: `<cache_dir>/<key>/{weights.bin,index.json}`, where key hashes the GGUF file's real
-path, size, mtime, inode and ctime, its header and samples of its tensor data (`entry_key`), the
-dtype, this package's decoder source, the versions of the libraries that decode and round, and
-the format version: a changed file or decoder never reuses an entry. An entry is written into a temporary
-directory and renamed into place (a reader sees a whole entry or none; a process still mapping
-a replaced entry keeps its file), and older entries for the same GGUF path and dtype are removed. Large
-models are not cached (`max_bytes`): a 27B model decodes to 54 GB in bf16; convert it once with
-`gemma3-convert` instead. Every failure here only costs the speed-up: the caller dequantizes.
+An entry, `<cache_dir>/<key>/{weights.bin,index.json}`, is the official parameter tree in the
+model's dtype: raw arrays at 4096-byte boundaries and a JSON index. The key (`entry_key`) covers
+the GGUF file's identity and content, the dtype, the decoder's source and library versions, so a
+changed file or decoder never reuses an entry. Entries are renamed into place whole; models over
+`max_bytes` decoded are not cached. Any failure here only costs the speed-up.
 """
 from __future__ import annotations
 
@@ -61,8 +53,8 @@ def _library_versions() -> str:
 def _hash_content(h, f: GGUFFile) -> None:
     """The header (metadata and tensor table) whole, then `_SAMPLES` blocks spread over the
     tensor data: any re-quantization or fine-tune changes every block. With the file's stamp
-    this catches a file replaced at the same size and mtime even where ctime does not tell
-    (7 MB read for the 270M: a few ms, against ~1 s of decoding)."""
+    this catches a file replaced at the same size and mtime even where ctime does not tell; it
+    reads a small fraction of what decoding reads."""
     data = f.buffer
     start = min((t.offset for t in f.tensors.values()), default=data.size)
     h.update(data[:start])
