@@ -56,16 +56,20 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def engine(model, slots: int, max_seq_len: int):
+def engine(model, slots: int, max_seq_len: int, precompile: str = "all"):
     """A paged runner of `slots` sequences (no prefix cache: every prompt computed), its
-    warm-up's programs compiled and run as the server does before it is ready
+    step programs compiled (--precompile: every shape, or the warm-up's) and its warm-up run as
+    the server does before it is ready
     (serving/runtime.py); returns (runner, seconds)."""
     from serving import PagedRunner
 
     t0 = time.perf_counter()
     runner = PagedRunner(model, max_num_seqs=slots, max_seq_len=max_seq_len, page_size=16,
                          prefix_caching=False, model_name="bench")
-    runner.compile_warmup(lambda msg: None)
+    if precompile == "all":
+        runner.compile_warmup(lambda msg: None, everything=True)
+    else:
+        runner.compile_warmup(lambda msg: None)
     runner.warmup(lambda msg: None)
     return runner, time.perf_counter() - t0
 
@@ -360,6 +364,9 @@ def main(argv=None) -> dict:
     p.add_argument("--long-prompt", type=int, default=2048,
                    help="ttft's prompt (at most max_seq_len - tokens)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--precompile", default="all", choices=("all", "warmup"),
+                   help="as the server's flag: every step shape compiled before ready, or the "
+                        "warm-up's (the others then compile in the untimed rounds)")
     p.add_argument("--out")
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -395,7 +402,7 @@ def main(argv=None) -> dict:
         "tokens": args.tokens, "repeats": args.repeats, "load_s": time.perf_counter() - t0, **done}
     _log(f"loaded {args.model} in {report['load_s']:.1f}s ({report['tokenizer']} tokenizer)")
     if {"streams", "ttft", "compiles"} & set(only):
-        runner, report["warmup_s"] = engine(model, slots, args.max_seq_len)
+        runner, report["warmup_s"] = engine(model, slots, args.max_seq_len, args.precompile)
         _log(f"engine of {slots} sequences compiled and warmed up in {report['warmup_s']:.1f}s")
         durations, hits = [], []
         record_compiles(durations, hits)  # from ready on; `compiles` reads them

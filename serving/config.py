@@ -103,6 +103,12 @@ class ServerConfig:
                                   "that start with the same tokens (--no-prefix-caching: off)")
     overlap: bool = _field(True, "dispatch each step before the last one's tokens reach the host "
                            "(the overlapped loop; --no-overlap: the plain loop, for comparisons)")
+    precompile: str = _field("all", "step shapes compiled before /health says ready: 'all' "
+                             "(every shape these settings allow, several at a time: nothing "
+                             "compiles while serving; a restart reads them from the cache), "
+                             "'warmup' (the warm-up's: a quicker first start; the others compile "
+                             "in the background or on first use, and every stream waits for "
+                             "such a compile)", choices=("all", "warmup"))
     background_compile: bool = _field(True, "once serving, compile the step "
                                       "shapes the warm-up did not on a low-priority thread (each "
                                       "would otherwise compile when a step first needs it, and "

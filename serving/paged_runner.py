@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from typing import Callable
 
@@ -94,6 +95,7 @@ class PagedRunner:
             lambda: self.pages,
             dispatch_window.DEFAULT_LIMIT if dispatch_window.needed(local) else 0)
         self.programs_run: set[Buckets] = set()
+        self._compiled: list[Buckets] = []  # every step shape, compiled ahead (compile_warmup)
         self._encoder = None  # serving.image_encoder.ImageEncoder, made on first use
         self.encoder_budget_flops = None  # encoder work a step; None: one prompt piece's FLOPs
         self._spans = None  # serving.image_spans.SpanWriter, made on first use
@@ -205,7 +207,7 @@ class PagedRunner:
         if inputs.feed is not None:
             if prev is None or prev.tokens is None:
                 raise ValueError("a step fed from the step in flight needs that step")
-            fields["tokens"] = self._feed(prev.tokens, fields["tokens"], inputs.feed)
+            fields["tokens"] = self._feed(prev.tokens, np.stack([fields["tokens"], inputs.feed]))
             self.window.dispatched(fields["tokens"])
             fields["tokens"] = self.on_every_process(fields["tokens"])
         batch = RaggedBatch(**fields)
@@ -262,15 +264,39 @@ class PagedRunner:
         longer prompts' pieces, other batch sizes) compile on first use. Returns seconds."""
         t0 = time.perf_counter()
         self._warmup_steps(self.run_step, progress)
+        self._warm_small_programs(self._compiled or list(self.programs_run))
         self.reset()
         return time.perf_counter() - t0
 
-    def compile_warmup(self, progress: Callable[[str], None] = log.info) -> None:
+    def _warm_small_programs(self, buckets: list[Buckets]) -> None:
+        """Runs the programs a step runs beside the model's once at each of their shapes: the
+        samplers (greedy and full) at each row count, the feed of a step's tokens from the
+        step before at each pair of row and token counts. So that, after a compile of every
+        step shape, no step compiles anything while serving."""
+        from serving.sampling import SlotSampling
+
+        jnp = self._jax.numpy
+        rows = sorted({b.seqs for b in buckets if b.logits})
+        tokens = sorted({b.tokens for b in buckets})
+        out = None
+        for s in rows:
+            logits = self._jax.device_put(jnp.zeros((s, self.info.vocab_size), jnp.float32),
+                                          self._sample_device)
+            greedy, pos = SlotSampling.greedy(s), np.zeros(s, np.int32)
+            out = self._sample(logits, greedy, pos)
+            self._sample(logits, greedy._replace(temperature=np.ones(s, np.float32)), pos)
+            for t in tokens:
+                self._feed(out.tokens, np.zeros((2, t), np.int32))
+        self._jax.block_until_ready(out)
+
+    def compile_warmup(self, progress: Callable[[str], None] = log.info,
+                       everything: bool = False) -> None:
         """Compiles, without running, the ragged programs `warmup` runs and the decode steps
-        of a lone sequence and of a full batch (`decode_buckets`), two at
-        a time. The server calls it before the warm-up; a multi-process group also meets at a
-        barrier after it (serving/runtime.py), so that the warm-up's first collective starts
-        in every process at once however long each compiled."""
+        of a lone sequence and of a full batch (`decode_buckets`), or with everything=True
+        every text step shape these settings allow (`later_buckets`), several at a time
+        (`compile_workers`). The server calls it before the warm-up; a multi-process group
+        also meets at a barrier after it (serving/runtime.py), so that the warm-up's first
+        collective starts in every process at once however long each compiled."""
         seen: list[Buckets] = []
 
         def plan_only(inputs: StepInputs):
@@ -279,7 +305,11 @@ class PagedRunner:
 
         self._warmup_steps(plan_only, lambda msg: None)
         seen += [b for b in decode_buckets(self.info) if b not in seen]
-        self.model.compile_ragged([self._key(b) for b in seen], progress=progress)
+        if everything:
+            seen += [b for b in later_buckets(self.info) if b not in seen]
+            self._compiled = seen
+        self.model.compile_ragged([self._key(b) for b in seen], workers=compile_workers(),
+                                  progress=progress)
 
     def later_programs(self) -> list:
         """The program keys of the step shapes the warm-up did not compile
@@ -328,6 +358,12 @@ class PagedRunner:
                 for s in sched.running:
                     if len(s.generated) >= 2:
                         sched.finish(s)
+
+
+def compile_workers() -> int:
+    """Programs compiled at once before serving: XLA compiles with the GIL released, each
+    compile mostly on one core; the tracing before it holds the GIL."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def default_chunk_size(deterministic: bool, page_size: int, max_seq_len: int,

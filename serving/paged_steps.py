@@ -89,7 +89,7 @@ def global_pages_for(info: RunnerInfo, pages: int) -> int:
     width, max_seq_len's, so one program where there were a page bucket's each, and no compile
     when a stream's context crosses one. The TPU kernel holds the whole table in its scalar
     memory: powers of two from MIN_PAGES there."""
-    if info.attention == "xla":
+    if info.attention != "pallas":
         return max_page_bucket(info)
     return min(max(MIN_PAGES, pow2(pages)), max_page_bucket(info))
 

@@ -104,9 +104,10 @@ class PendingStep:
         return self._host
 
 
-def feed_tokens(prev, host, src):
-    """Input tokens of a step: row i is prev[src[i]] (a token still on the device) where
-    src[i] >= 0, else host[i]."""
+def feed_tokens(prev, host_src):
+    """Input tokens of a step: with host, src = host_src [2, T] (one array: one transfer),
+    row i is prev[src[i]] (a token still on the device) where src[i] >= 0, else host[i]."""
     import jax.numpy as jnp
 
+    host, src = host_src[0], host_src[1]
     return jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], host)

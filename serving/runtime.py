@@ -231,9 +231,9 @@ def load_runner(config: ServerConfig, progress: Callable[[str], None]):
     info = runner.info
     progress(f"paged KV cache: {info.num_global_pages - 1} global and {info.num_local_pages - 1} "
              f"local pages of {info.page_size} tokens, step budget {info.max_num_batched_tokens} tokens")
-    # The warm-up's programs compiled first, two at a time (XLA compiles with the GIL released):
+    # The step programs compiled first, several at a time (XLA compiles with the GIL released):
     # the warm-up then only runs them.
-    runner.compile_warmup(progress)
+    runner.compile_warmup(progress, everything=config.precompile == "all")
     if group:
         jax_platform.group_barrier("compiled")
     seconds = runner.warmup(progress)

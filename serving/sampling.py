@@ -216,12 +216,16 @@ class SlotSampling(NamedTuple):
     # (an object with `result()`): `resolve` waits for it; the engine calls it after dispatching
     # the model's step, so that the grammar's host work overlaps the device's.
     extras: LogitsExtras | None = None
+    # int32 [B]: the top alternatives each row reports beside its token (logprobs); None:
+    # not known, as many as the sampler gives. Lets a step that needs none skip finding them.
+    top_logprobs: np.ndarray | None = None
 
     # How each field travels to a group's other processes (serving/wire.py). The logits
     # processing stays on process 0: only its sampled tokens are used (the others' samplers run
     # on their own devices, no collective, and their tokens are dropped).
     WIRE = dict(temperature=wire.Array(np.float32), top_k=wire.Array(np.int32),
-                top_p=wire.Array(np.float32), seed=wire.Array(np.uint32), extras=wire.Stays(None))
+                top_p=wire.Array(np.float32), seed=wire.Array(np.uint32), extras=wire.Stays(None),
+                top_logprobs=wire.Optional(wire.Array(np.int32)))
 
     @staticmethod
     def of(params: list[SamplingParams], seeds: list[int]) -> "SlotSampling":
@@ -230,6 +234,7 @@ class SlotSampling(NamedTuple):
             top_k=np.array([max(p.top_k, 0) for p in params], np.int32),
             top_p=np.array([p.top_p for p in params], np.float32),
             seed=np.array(seeds, np.uint32),
+            top_logprobs=np.array([p.logprobs or 0 for p in params], np.int32),
         )
 
     @staticmethod
@@ -242,15 +247,18 @@ class SlotSampling(NamedTuple):
     @staticmethod
     def greedy(n: int) -> "SlotSampling":
         return SlotSampling(np.zeros(n, np.float32), np.zeros(n, np.int32),
-                            np.ones(n, np.float32), np.zeros(n, np.uint32))
+                            np.ones(n, np.float32), np.zeros(n, np.uint32),
+                            top_logprobs=np.zeros(n, np.int32))
 
     @staticmethod
     def concat(parts: list["SlotSampling"]) -> "SlotSampling":
         """Rows of several samplings, in order (pending masks resolved)."""
         parts = [p.resolve() for p in parts]
         base = [np.concatenate([getattr(p, f) for p in parts]) for f in SlotSampling._fields[:4]]
+        top = (None if any(p.top_logprobs is None for p in parts)
+               else np.concatenate([p.top_logprobs for p in parts]))
         if all(p.extras is None for p in parts):
-            return SlotSampling(*base)
+            return SlotSampling(*base, top_logprobs=top)
         n_rows = [len(p.temperature) for p in parts]
         extras = [p.extras for p in parts]
         extras = [LogitsExtras.neutral(n) if e is None else e for n, e in zip(n_rows, extras)]
@@ -273,7 +281,7 @@ class SlotSampling(NamedTuple):
                     a = np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
                 arrays.append(a)
             cat.append(None if arrays[0] is None else np.concatenate(arrays))
-        return SlotSampling(*base, LogitsExtras(*cat))
+        return SlotSampling(*base, LogitsExtras(*cat), top)
 
     def padded(self, n: int) -> "SlotSampling":
         """These rows then greedy idle rows up to n in all."""
@@ -349,17 +357,38 @@ def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array,
 def make_sampler(vocab: int | None = None):
     """`sample` as the engine runs it (over `vocab` ids, see there): the logits processing, when
     a step has any, as a program of its own before the sampler's (fused into one program, XLA CPU
-    made a sampled step of 8 rows ~10 ms slower; apart, the processing costs ~1-2 ms)."""
+    made a sampled step of 8 rows ~10 ms slower; apart, the processing costs ~1-2 ms). A step
+    whose rows are all greedy and report no alternatives runs `greedy`, which finds no
+    candidates (their top-k is a sort of the vocabulary on a GPU, the step's largest kernel)."""
     process = jax.jit(process_logits)
     draw = jax.jit(sample if vocab is None else functools.partial(sample, vocab=vocab))
+    argmax = jax.jit(functools.partial(greedy, vocab=vocab))
 
     def run(logits, params: SlotSampling, positions) -> SampleOutput:
         if params.extras is not None:
             logits = process(logits, params.extras)
             params = params._replace(extras=None)
+        elif params.top_logprobs is not None and not np.any(params.top_logprobs) \
+                and not np.any(params.temperature):
+            return argmax(logits)
         return draw(logits, params, positions)
 
     return run
+
+
+def greedy(logits: jax.Array, vocab: int | None = None) -> SampleOutput:
+    """`sample` of rows that are all greedy, without their top alternatives (zeros): the same
+    tokens (the first of equal largest logits, as `lax.top_k` orders them) and logprobs."""
+    logits = logits.astype(jnp.float32)
+    if vocab is not None and vocab < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
+    # (A one-candidate top-k, not argmax: XLA:CPU's argmax over a row is ~4x slower.)
+    chosen, tokens = _top_k(logits, 1)
+    k = min(MAX_TOP_LOGPROBS, logits.shape[1])
+    return SampleOutput(tokens[:, 0].astype(jnp.int32),
+                        chosen[:, 0] - jax.nn.logsumexp(logits, axis=-1),
+                        jnp.zeros((logits.shape[0], k), jnp.int32),
+                        jnp.zeros((logits.shape[0], k), jnp.float32))
 
 
 def process_logits(logits: jax.Array, ex: LogitsExtras) -> jax.Array:

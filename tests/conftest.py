@@ -19,6 +19,9 @@ def pytest_configure(config):
     # The servers the tests start (child processes read it) compile no step program in the
     # background beside the suite: tests/serving/test_background_compile.py turns it on.
     os.environ.setdefault("GEMMA3_BACKGROUND_COMPILE", "0")
+    # ... and compile only the warm-up's before they are ready: test_background_compile.py and
+    # test_precompile.py check what compiles after ready.
+    os.environ.setdefault("GEMMA3_PRECOMPILE", "warmup")
     jax_platform.request_cpu_devices(8)  # 8 devices on 2 cores: with the longer collective timeout
     # One compilation cache for the session, shared by the xdist workers (they inherit the
     # controller's environment): a program several files compile alike is compiled once. It

@@ -38,8 +38,8 @@ from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
 from models.gemma3.loading import cache_dtype
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
-from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, ragged_step, span_kv,
-                                  span_rows)
+from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, packed_size,
+                                  ragged_step, span_kv, span_rows, unpack)
 from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
                                     resolve_tree, tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
@@ -70,8 +70,8 @@ class Program(enum.Enum):
                         the chunk's keys/values): one chunk of a prompt, reading the cache
     CHUNK_KV:           the same without the logits (a chunk before the prompt's last)
     WRITE_CHUNK:        (cache, chunk keys/values, start, length, slot) -> cache
-    RAGGED:             (weights, pages, RaggedBatch) -> (logits [S, V], pages): one ragged step
-                        over the paged cache
+    RAGGED:             (weights, pages, tokens, packed RaggedBatch) -> (logits [S, V],
+                        pages): one ragged step over the paged cache (`ragged_program`)
     RAGGED_KV:          (weights, pages, RaggedBatch) -> pages: the same without logits
     RAGGED_IMAGES:      (weights, pages, RaggedBatch, ImageRows) -> (logits, pages): a ragged
                         step whose tokens include image soft tokens (their features replace
@@ -175,6 +175,11 @@ class ProgramKey:
         return cls(program, seqs, tokens, queries=queries, global_pages=global_pages,
                    local_pages=local_pages, pools=pools, features=features)
 
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """A ragged step's (T, S, Q, Pg, Pl)."""
+        return (self.tokens, self.batch, self.queries, self.global_pages, self.local_pages)
+
     def describe(self) -> str:
         """For logs: "ragged step T=.. S=.. Q=.. Pg=.. Pl=..[ F=..][ (no logits)][ (every
         token's logits)]", else the program and its batch and tokens."""
@@ -232,6 +237,7 @@ class ModelPrograms:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
             weight_shapes(config, self.dtype), named(mesh, self._weight_specs))
         self._jitted = self._build_programs()
+        self._ragged_programs: dict[tuple[Program, tuple], Callable] = {}
         self._span_programs: dict[tuple[str, str], Callable] = {}
         self._zeros = jax.jit(self._zeros_cache, static_argnums=(0, 1),
                               out_shardings=named(mesh, self._cache_specs))
@@ -322,16 +328,6 @@ class ModelPrograms:
                                    return_all=True)[0]
 
         prefill = functools.partial(forward.prefill, ctx=self._ctx, return_all=False)
-        pages = self._pages_specs
-        batch = RaggedBatch(**{f.name: ids for f in dataclasses.fields(RaggedBatch)})
-        step = functools.partial(ragged_step, ctx=self._ctx, attention=self.attention)
-
-        def step_kv(w, kv, b, images=None):
-            return step(w, kv, b, images, logits=False)[1]
-
-        def step_all(w, kv, b):
-            return step(w, kv, b, None, every_token=True)
-        images = ImageRows(features=ids, index=ids)
         prefill_all = functools.partial(forward.prefill, ctx=self._ctx, return_all=True)
         return {
             Program.PREFILL: self._jit(Program.PREFILL, prefill, (weights, cache, ids, ids, ids),
@@ -355,20 +351,35 @@ class ModelPrograms:
             Program.WRITE_CHUNK: self._jit(
                 Program.WRITE_CHUNK, functools.partial(forward.write_chunk, ctx=self._ctx),
                 (cache, chunk_kv, ids, ids, ids), cache, donate=(0,)),
-            Program.RAGGED: self._jit(Program.RAGGED, step, (weights, pages, batch),
-                                      (vocab_last, pages), donate=(1,)),
-            Program.RAGGED_KV: self._jit(Program.RAGGED_KV, step_kv, (weights, pages, batch),
-                                         pages, donate=(1,)),
-            Program.RAGGED_IMAGES: self._jit(Program.RAGGED_IMAGES, step,
-                                             (weights, pages, batch, images),
-                                             (vocab_last, pages), donate=(1,)),
-            Program.RAGGED_IMAGES_KV: self._jit(Program.RAGGED_IMAGES_KV, step_kv,
-                                                (weights, pages, batch, images), pages,
-                                                donate=(1,)),
-            Program.RAGGED_ALL_LOGITS: self._jit(Program.RAGGED_ALL_LOGITS, step_all,
-                                                 (weights, pages, batch),
-                                                 (vocab_last, vocab_last, pages), donate=(1,)),
         }
+
+    def ragged_program(self, program: Program, shape: tuple[int, int, int, int, int]) -> Callable:
+        """`program` (one of RAGGED_PROGRAMS) for batches of shape (T, S, Q, Pg, Pl): (weights,
+        pages, tokens [T], the batch's other fields `ragged.pack`ed[, ImageRows]) -> its
+        outputs (see `Program`). One jitted program per shape, which unpacks the batch with
+        static slices."""
+        key = (program, shape)
+        if key not in self._ragged_programs:
+            self._ragged_programs[key] = self._build_ragged(program, shape)
+        return self._ragged_programs[key]
+
+    def _build_ragged(self, program: Program, shape) -> Callable:
+        ids, pages, vocab_last = P(), self._pages_specs, P(None, AXIS)
+        logits = program in (Program.RAGGED, Program.RAGGED_IMAGES, Program.RAGGED_ALL_LOGITS)
+        every = program is Program.RAGGED_ALL_LOGITS
+        images = program in (Program.RAGGED_IMAGES, Program.RAGGED_IMAGES_KV)
+
+        def ragged_step_packed(w, kv, tokens, packed, rows=None):
+            out = ragged_step(w, kv, unpack(tokens, packed, shape), rows, ctx=self._ctx,
+                              attention=self.attention, logits=logits, every_token=every)
+            return out if logits else out[1]
+
+        in_specs = (self._weight_specs, pages, ids, ids)
+        in_specs += (ImageRows(features=ids, index=ids),) if images else ()
+        out_specs = ((vocab_last, vocab_last, pages) if every else
+                     (vocab_last, pages) if logits else pages)
+        return self._jit(program, ragged_step_packed, in_specs, out_specs, donate=(1,),
+                         salt=" shape=%s" % (shape,))
 
     def span_program(self, part: str, kind: str) -> Callable:
         """An image span's stage over one layer of `kind` ("global" or "local"): part "kv"
@@ -404,7 +415,7 @@ class ModelPrograms:
                                      out_specs=resolve_tree(self.mesh, out_specs),
                                      check_vma=check), donate_argnums=donate)
 
-    def _jit(self, program: Program, body, in_specs, out_specs, donate=()):
+    def _jit(self, program: Program, body, in_specs, out_specs, donate=(), salt: str = ""):
         # Nor the Pallas attention kernel's outputs (the ragged step on TPU).
         check = not (program in RAGGED_PROGRAMS and self.attention == "pallas")
         fn = self._shard_jit(body, in_specs, out_specs, donate, check)
@@ -417,7 +428,7 @@ class ModelPrograms:
         static = (f"{self.config!r} tp={self.tp} {self.allreduce!r} "
                   f"dtype={self.dtype} cache_dtype={self.cache_dtype}"
                   f" rotated_partials={self.rotation_folded}"
-                  + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else ""))
+                  + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else "") + salt)
         return self.program_cache.wrap(program.value, fn, donate, static, self.replicated)
 
     def _new_kv_specs(self) -> tuple[LayerCache, ...]:
@@ -438,8 +449,15 @@ class ModelPrograms:
         return tuple(LayerCache(k=kv, v=kv) for _ in range(self.config.num_layers))
 
     def jitted(self, program: Program) -> Callable:
-        """The jitted program (a `CachedProgram` with a program cache)."""
+        """The jitted program (a `CachedProgram` with a program cache); a ragged step's is
+        one per shape (`program_of`)."""
         return self._jitted[program]
+
+    def program_of(self, key: ProgramKey) -> Callable:
+        """The jitted program that runs `key`."""
+        if key.program in RAGGED_PROGRAMS:
+            return self.ragged_program(key.program, key.shape)
+        return self._jitted[key.program]
 
     # -- lowering, compiling, running ------------------------------------------------------------
     def abstract_args(self, key: ProgramKey) -> tuple:
@@ -450,14 +468,13 @@ class ModelPrograms:
         if key.program is Program.SCORE:
             return self.abstract_weights, ids(key.batch, key.tokens), ids(key.batch)
         if key.program in RAGGED_PROGRAMS:
-            t, s = key.tokens, key.batch
-            flat = {f: ids(t) for f in ("tokens", "positions", "visible", "seq", "col",
-                                        "write_global", "write_local")}
-            batch = RaggedBatch(**flat, queries=ids(s, key.queries),
-                                global_table=ids(s, key.global_pages),
-                                local_table=ids(s, key.local_pages), local_first=ids(s),
-                                last=ids(s))
-            return self.abstract_weights, self.abstract_pages(*key.pools), batch
+            args = (self.abstract_weights, self.abstract_pages(*key.pools), ids(key.tokens),
+                    ids(packed_size(key.shape)))
+            if key.features:
+                features = jax.ShapeDtypeStruct((key.features, self.config.d_model), self.dtype,
+                                                sharding=self.replicated)
+                args += (ImageRows(features=features, index=ids(key.tokens)),)
+            return args
         cache = self.abstract_cache(key.num_slots, key.max_seq_len)
         if key.program in (Program.PREFILL, Program.PREFILL_ALL_LOGITS):
             return (self.abstract_weights, cache, ids(key.batch, key.tokens), ids(key.batch),
@@ -476,7 +493,7 @@ class ModelPrograms:
 
     def lower(self, key: ProgramKey) -> jax.stages.Lowered:
         """`key`'s program lowered from abstract arguments: `.compile()` it, or read its HLO."""
-        return self._jitted[key.program].lower(*self.abstract_args(key))
+        return self.program_of(key).lower(*self.abstract_args(key))
 
     def compile(self, key: ProgramKey) -> None:
         """Compile `key`'s program (without running it) and keep the executable; if another
@@ -529,7 +546,7 @@ class ModelPrograms:
         if executable is not None:
             return executable
         if key in self._jit_ran:
-            return self._jitted[key.program]
+            return self.program_of(key)
         return functools.partial(self._first_call, key)
 
     def _first_call(self, key: ProgramKey, *args):
@@ -537,7 +554,7 @@ class ModelPrograms:
         the compilation cache) while its caller waits. Logged, since in a server every running
         sequence waits for it and it would read as a slow step otherwise."""
         t0 = time.perf_counter()
-        out = self._jitted[key.program](*args)
+        out = self.program_of(key)(*args)
         self._jit_ran.add(key)
         log.info("%s compiled on first use: %.1fs, its caller waited", key.describe(),
                  time.perf_counter() - t0)

@@ -21,7 +21,7 @@ import numpy as np
 from models.gemma3.kv_cache import KVCache
 from models.gemma3.paged_kv import PagedKV
 from models.gemma3.programs import ModelPrograms, ProgramKey
-from models.gemma3.ragged import ImageRows, RaggedBatch
+from models.gemma3.ragged import ImageRows, RaggedBatch, pack
 from models.gemma3.weights import Weights
 
 
@@ -140,18 +140,17 @@ class Gemma3StepAPI:
         feature rows [F, D] the step's soft tokens take (index [T], -1 for text); each F is
         its own program (pad F to a few sizes). every_token=True returns (row logits, logits
         [T, V] at every token, pages) (`ragged.ragged_step`)."""
-        b = RaggedBatch(**{f.name: self._ids(getattr(batch, f.name), _RAGGED_NDIM[f.name],
-                                             f.name)
-                           for f in dataclasses.fields(RaggedBatch)})
         check_token_range(batch.tokens, self.config.vocab_size)
-        t, s, q, pg, pl = b.shape
-        shapes = {"positions", "visible", "seq", "col", "write_global", "write_local"}
-        if any(getattr(b, n).shape != (t,) for n in shapes) or any(
-                getattr(b, n).shape[0] != s for n in ("global_table", "local_table",
-                                                      "local_first", "last")):
-            raise ValueError("a RaggedBatch's per-token arrays must all be [T] and its per-row "
-                             f"arrays [S, ...]: got {_describe(b)}")
-        args = (self.weights, pages, b)
+        shape = _batch_shape(batch)
+        packed = pack(batch)
+        t, s, q, pg, pl = shape
+        if isinstance(batch.tokens, jax.Array):
+            tokens = self._ids(batch.tokens, 1, "tokens")
+            packed = jax.device_put(packed, self.programs.replicated)
+        else:  # one transfer call for both
+            tokens, packed = jax.device_put([np.asarray(batch.tokens, np.int32), packed],
+                                            self.programs.replicated)
+        args = (self.weights, pages, tokens, packed)
         features = 0
         if images is not None:
             feats = images.features
@@ -350,6 +349,26 @@ class Gemma3StepAPI:
 
 _RAGGED_NDIM = {f.name: 2 if f.name in ("queries", "global_table", "local_table") else 1
                 for f in dataclasses.fields(RaggedBatch)}
+
+
+def _batch_shape(batch: RaggedBatch) -> tuple[int, int, int, int, int]:
+    """(T, S, Q, Pg, Pl) of a batch of host or device arrays, checked for their ranks."""
+    for f in dataclasses.fields(RaggedBatch):
+        x = getattr(batch, f.name)
+        dtype = getattr(x, "dtype", None) or np.asarray(x).dtype
+        if np.ndim(x) != _RAGGED_NDIM[f.name] or not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"{f.name} must be an integer array with {_RAGGED_NDIM[f.name]} "
+                             f"dims, got {dtype} {np.shape(x)}")
+    t, (s, q) = np.shape(batch.tokens)[0], np.shape(batch.queries)
+    if any(np.shape(getattr(batch, n)) != (t,) for n in _PER_TOKEN) or any(
+            np.shape(getattr(batch, n))[0] != s for n in _PER_ROW):
+        raise ValueError("a RaggedBatch's per-token arrays must all be [T] and its per-row "
+                         f"arrays [S, ...]: got {_describe(batch)}")
+    return t, s, q, np.shape(batch.global_table)[1], np.shape(batch.local_table)[1]
+
+
+_PER_TOKEN = ("positions", "visible", "seq", "col", "write_global", "write_local")
+_PER_ROW = ("global_table", "local_table", "local_first", "last")
 
 
 def _describe(batch: RaggedBatch) -> str:

@@ -163,6 +163,23 @@ def test_a_mixed_step_equals_each_sequence_alone(tiny):
     np.testing.assert_array_equal(mixed[0][0], alone_a[0][0])
 
 
+def test_the_gpu_form_equals_the_cpu_form():
+    """The GPU's attention ("gather": every layer reads its rows' tables whole, no loop in the
+    step) gives the CPU form's logits (global layers a block of pages at a time) on mixed steps
+    of prompt pieces and decodes, within float32 rounding, with the same tokens."""
+    cpu, gpu = (load_model(TINY, dtype="float32", allreduce=F32) for _ in range(2))
+    gpu.programs.attention = "gather"
+    a, b = _tokens(14, 2), _tokens(5, 3)
+    steps = [[Piece(0, tuple(a[:8]), 0), Piece(1, tuple(b), 0)],
+             [Piece(1, (7,), 5), Piece(0, tuple(a[8:]), 8)], [Piece(0, (9,), 14)]]
+    bucket = (16, 4, 8, 8, local_pages(8))
+    want, _ = _mixed_run(cpu, Host(cpu.config, seed=4), bucket, steps)
+    got, _ = _mixed_run(gpu, Host(gpu.config, seed=4), bucket, steps)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-5
+        np.testing.assert_array_equal(g.argmax(-1), w.argmax(-1))
+
+
 def dense_logits(m, tokens, visible):
     """Every position's logits of one sequence by plain dense attention over all its keys, with
     the mask written out from the rule: key j is seen by query i iff j <= visible[i] and, in a

@@ -104,7 +104,7 @@ def test_a_step_waits_for_the_compile_in_progress_instead_of_compiling_again():
     assert started.wait(60)
     runnable = m.programs.runnable(key)  # waits for the background's executable
     assert background.wait(60) and compiles == [key]
-    assert runnable is not m.programs.jitted(key.program) and key in m.programs.kept()
+    assert runnable is not m.programs.program_of(key) and key in m.programs.kept()
 
 
 def test_it_compiles_only_while_the_engine_is_idle():

@@ -1,5 +1,6 @@
 """Unit tests of the serving pieces that need no model: detokenizer, stop strings, sampler, chat
 template, settings."""
+import functools
 import json
 
 import jax
@@ -11,7 +12,7 @@ from serving.chat_template import render_chat
 from serving.config import ServerConfig, from_sources
 from serving.detokenize import IncrementalDetokenizer, TextStream
 from serving.fake_runner import ByteTokenizer
-from serving.sampling import InvalidParameter, SamplingParams, SlotSampling, sample
+from serving.sampling import InvalidParameter, SamplingParams, SlotSampling, make_sampler, sample
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +152,28 @@ def test_sampler_greedy_and_logprobs():
     top = np.argsort(-logits, -1)[:, :20]
     np.testing.assert_array_equal(out.top_ids, top)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(logp, top, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_greedy_fast_path_gives_the_samplers_tokens_and_logprobs():
+    """A step of greedy rows that report no alternatives runs `greedy` (no candidates): the
+    full sampler's tokens (the first of tied maxima too) and logprobs, over the tokenizer's
+    ids only; a row that wants alternatives or samples takes the full sampler."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(4, 3000)).astype(np.float32)
+    logits[1, [7, 9]] = 50.0  # a tie: the lower id wins
+    logits[2, 2990] = 60.0  # past the tokenizer's ids: never drawn
+    run = make_sampler(vocab=2900)
+    greedy_rows = SlotSampling.greedy(4)
+    got = jax.device_get(run(jnp.asarray(logits), greedy_rows, np.zeros(4, np.int32)))
+    want = jax.device_get(jax.jit(functools.partial(sample, vocab=2900))(
+        jnp.asarray(logits), greedy_rows, jnp.zeros(4, jnp.int32)))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.tokens[1] == 7 and got.tokens[2] != 2990
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+    assert not np.any(got.top_ids)  # no alternatives were found
+    asks = greedy_rows._replace(top_logprobs=np.array([0, 3, 0, 0], np.int32))
+    top = jax.device_get(run(jnp.asarray(logits), asks, np.zeros(4, np.int32)))
+    np.testing.assert_array_equal(top.top_ids, want.top_ids)
 
 
 def test_a_tiny_temperature_is_greedy():
