@@ -152,10 +152,15 @@ def evaluate_tp(base, modes: list[str], windows: list[list[int]], prompts: list[
     models = mode_models(base, modes)
     sums, seconds = score_windows(models[REFERENCE], models, windows,
                                   log=lambda msg: log(f"  tp={base.tp} {msg}"))
+    from serving import LLM, SamplingParams
+
     greedy = {}
     bos = base.tokenizer.bos_id
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    length = max(len(p) for p in prompts) + 1 + new_tokens
     for m in modes:
-        greedy[m] = models[m].generate([[bos] + p for p in prompts], new_tokens)
+        with LLM(models[m], max_num_seqs=len(prompts), max_seq_len=length) as llm:
+            greedy[m] = llm.generate([[bos] + p for p in prompts], params)
     rows = []
     for m in modes:
         s = sums[m]

@@ -37,6 +37,7 @@ _PUBLIC = {
     "IDLE": "serving.sampling",
     "SeqImage": "serving.sequence",
     "EngineCore": "serving.engine_core",
+    "LLM": "serving.llm",
     "SamplingParams": "serving.sampling",
     "SlotSampling": "serving.sampling",
     "Sequence": "serving.sequence",

@@ -1,14 +1,13 @@
 """`load_model` and `Gemma3Model`, the model object shared by eval, serving, tests and users.
 
-`Gemma3Model` is the step API (`step_api.Gemma3StepAPI`: prefill, decode_step, the KV cache,
-compiling ahead of time) plus the conveniences a user calls directly: `score`, `generate` and
-`save`. Its programs and their compiled executables live in `programs.ModelPrograms`.
+`Gemma3Model` is the step API (`step_api.Gemma3StepAPI`: the ragged step over pages, compiling
+ahead of time) plus what a user calls directly: `score` and `save`. Generation runs the
+server's engine (`serving.LLM`). Its programs and executables live in `programs.ModelPrograms`.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import os
 from typing import Callable, Sequence
 
@@ -21,18 +20,19 @@ from models.gemma3.config import Gemma3Config, get_config
 from models.gemma3.step_api import Gemma3StepAPI, check_token_range
 from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
-from models.gemma3.programs import MIN_BUCKET, ModelPrograms, ProgramKey, prefill_buckets
-from models.gemma3.sampling import sample
+from models.gemma3.programs import ModelPrograms
+from models.gemma3.ragged import BLOCK_PAGES, RaggedBatch
 from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
 from models.gemma3.sources import replace_checkpoint, resolve_source
 from models.gemma3.weights import Weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Gemma3Model", "MIN_BUCKET", "load_model", "prefill_buckets"]
+__all__ = ["Gemma3Model", "load_model"]
 
 # score() splits its batch so that the float32 logits of one call stay under this many bytes.
 _SCORE_LOGITS_BUDGET = 1 << 30
+_SCORE_PAGE = 16
 
 
 class Gemma3Model(Gemma3StepAPI):
@@ -76,80 +76,33 @@ class Gemma3Model(Gemma3StepAPI):
         return Gemma3Model.from_programs(programs, programs.fold_weights(self.weights),
                                          self.tokenizer)
 
-    def _pad_batch(self, seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    def score(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 logits [B, T, V] at every position (T = longest sequence; positions past a
+        sequence's own length are NaN). Each sequence is one row of a ragged step of its whole
+        prompt over fresh pages: the server's step program, with every token's logits."""
         seqs = [list(map(int, s)) for s in seqs]
         if not seqs or any(len(s) == 0 for s in seqs):
             raise ValueError("need at least one sequence, each with at least one token")
-        lengths = np.array([len(s) for s in seqs], np.int32)
-        tokens = np.zeros((len(seqs), self.bucket_for(int(lengths.max()))), np.int32)
-        for i, s in enumerate(seqs):
-            tokens[i, :len(s)] = s
-        check_token_range(tokens, self.config.vocab_size)
-        return tokens, lengths
-
-    def score(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
-        """float32 logits [B, T, V] at every position (T = longest sequence; positions past a
-        sequence's own length are NaN). Runs without a cache."""
-        tokens, lengths = self._pad_batch(seqs)
-        b, tb = tokens.shape
-        t = int(lengths.max())
-        out = np.full((b, t, self.config.vocab_size), np.nan, np.float32)
-        rows = max(1, _SCORE_LOGITS_BUDGET // (tb * self.config.vocab_size * 4))
-        chunk = 1 << min(int(math.log2(rows)), math.ceil(math.log2(b)))  # few distinct shapes
-        score = self.programs.runnable(ProgramKey.score(chunk, tb))
-        for start in range(0, b, chunk):
-            part_t = np.zeros((chunk, tb), np.int32)
-            part_l = np.ones((chunk,), np.int32)
-            n = min(chunk, b - start)
-            part_t[:n], part_l[:n] = tokens[start:start + n], lengths[start:start + n]
-            logits = np.asarray(score(self.weights, part_t, part_l))
-            for i in range(n):
-                length = lengths[start + i]
-                out[start + i, :length] = logits[i, :length]
+        longest = max(len(s) for s in seqs)
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {longest} tokens is longer than max_seq_len "
+                             f"({self.config.max_seq_len})")
+        for s in seqs:
+            check_token_range(np.asarray(s), self.config.vocab_size)
+        v = self.config.vocab_size
+        q = _pow2(max(longest, 8))  # a few shapes: query slots a row
+        table = _pow2(max(BLOCK_PAGES, -(-q // _SCORE_PAGE)))  # pages a row
+        rows = min(_pow2(len(seqs)), _pow2_floor(max(1, _SCORE_LOGITS_BUDGET // (q * v * 4))))
+        pages = self.init_pages(rows * table + 1, rows * table + 1, _SCORE_PAGE)
+        out = np.full((len(seqs), longest, v), np.nan, np.float32)
+        for start in range(0, len(seqs), rows):
+            part = seqs[start:start + rows]
+            _, every, pages = self.ragged_step(pages, _score_batch(part, rows, q, table),
+                                               every_token=True)
+            every = np.asarray(every)
+            for i, s in enumerate(part):
+                out[start + i, :len(s)] = every[i * q:i * q + len(s)]
         return out
-
-    def generate(self, seqs: Sequence[Sequence[int]], max_new_tokens: int,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int = 0, stop_ids: Sequence[int] = ()) -> list[list[int]]:
-        """New ids per sequence (the prompt runs once, then one decode step per token).
-
-        Exactly max_new_tokens ids each, unless stop_ids is given: a sequence then ends with
-        the first stop id it produces (included).
-        """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        tokens, lengths = self._pad_batch(seqs)
-        b = tokens.shape[0]
-        need = int(lengths.max()) + max_new_tokens - 1
-        if need > self.config.max_seq_len:
-            raise ValueError(f"prompt plus {max_new_tokens} new tokens needs {need} positions, "
-                             f"max_seq_len is {self.config.max_seq_len}")
-        cache = self.init_cache(b, self.bucket_for(max(need, tokens.shape[1])))
-        logits, cache = self.prefill(cache, tokens, lengths, np.arange(b, dtype=np.int32))
-        key = jax.random.key(seed)
-        positions = lengths.copy()  # on the host: an eager add on device costs more
-        stop = set(int(i) for i in stop_ids)
-        done = np.zeros(b, bool)
-        out = []
-        for step in range(max_new_tokens):
-            key, sub = jax.random.split(key)
-            # Read back each step's ids before the next step: a loop that queued every step
-            # unread would wedge XLA:CPU at tp >= 2 (serving/dispatch_window.py says why).
-            next_ids = np.asarray(sample(logits, sub, temperature, top_k, top_p))
-            out.append(next_ids)
-            if stop:
-                done |= np.isin(next_ids, list(stop))
-                if done.all():
-                    break
-            if step + 1 < max_new_tokens:
-                logits, cache = self.decode_step(cache, next_ids, positions)
-                positions += 1
-        ids = np.stack(out, axis=1)
-        result = []
-        for row in ids.tolist():
-            hits = [i for i, t in enumerate(row) if t in stop]
-            result.append(row[:hits[0] + 1] if hits else row)
-        return result
 
     def save(self, path: str | os.PathLike, format: str = "orbax", dtype=None,
              max_shard_bytes: int | None = None) -> None:
@@ -239,7 +192,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
                allreduce: AllReduceConfig | None = None, dtype="bfloat16",
                max_seq_len: int | None = None, devices=None,
                config: Gemma3Config | str | None = None, seed: int = 0,
-               warm_up: dict | Callable[[Gemma3Model], None] | None = None,
+               warm_up: Callable[[Gemma3Model], None] | None = None,
                program_cache_dir: str | os.PathLike | None = None,
                weights_cache_dir: str | os.PathLike | None = None,
                fold_rotation: bool = True) -> Gemma3Model:
@@ -263,11 +216,11 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
       (e.g. "random:1b", "random:27b?layers=4"; weights drawn from `seed`), or an official
       parameter tree already in memory (nested dicts of host arrays).
     config: for official checkpoints whose shapes match no official size (e.g. tiny test models).
-    max_seq_len: longest sequence served (default: the config's); sets the prefill buckets.
-    warm_up: keyword arguments of `Gemma3Model.warm_up` (num_slots, max_seq_len, buckets, batch,
-      ...), or a function of a model whose weights are still abstract (ShapeDtypeStructs: it
-      can lower and compile, not run): compile those programs on a thread while the weights
-      load (compilation needs only their shapes). The model returned keeps the executables.
+    max_seq_len: longest sequence served (default: the config's).
+    warm_up: a function of a model whose weights are still abstract (ShapeDtypeStructs: it can
+      lower and compile, not run), e.g. compiling ragged step programs (`compile_ragged`): it
+      runs on a thread while the weights load (compilation needs only their shapes). The model
+      returned keeps the executables.
     program_cache_dir: keep the traced programs there (`models.gemma3.program_cache`), so that
       a restart skips tracing; pair it with JAX's persistent compilation cache, which then
       supplies the executables. Ignored in multi-process runs.
@@ -310,8 +263,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         if warm_up is not None:
             shape_only = Gemma3Model.from_programs(programs, programs.abstract_weights, tokenizer)
-            compiling = (pool.submit(shape_only.warm_up, **warm_up) if isinstance(warm_up, dict)
-                         else pool.submit(warm_up, shape_only))
+            compiling = pool.submit(warm_up, shape_only)
         weights = programs.fold_weights(place(cfg, mesh), donate=True)
         if compiling is not None:
             compiling.result()
@@ -381,3 +333,34 @@ def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int
             log.warning("serving text only: %s", e)
             return None
     return None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
+
+
+def _score_batch(seqs: list[list[int]], rows: int, q: int, table: int) -> RaggedBatch:
+    """Row i: sequence i's tokens at flat indices i*q.., its keys in pages 1 + i*table.. of both
+    pools (the local table covers the whole sequence from its first page: the window is the
+    mask's); padding tokens write to the scratch page."""
+    t = rows * q
+    f = {n: np.zeros(t, np.int32) for n in ("tokens", "positions", "visible", "seq", "col",
+                                           "write_global", "write_local")}
+    queries, last = np.zeros((rows, q), np.int32), np.zeros(rows, np.int32)
+    tables = np.zeros((rows, table), np.int32)
+    for i, s in enumerate(seqs):
+        n, at = len(s), i * q
+        pos = np.arange(n, dtype=np.int32)
+        tables[i] = 1 + i * table + np.arange(table)
+        span = slice(at, at + n)
+        f["tokens"][span], f["positions"][span], f["visible"][span] = s, pos, pos
+        f["seq"][span], f["col"][span] = i, pos
+        f["write_global"][span] = tables[i, pos // _SCORE_PAGE] * _SCORE_PAGE + pos % _SCORE_PAGE
+        f["write_local"][span] = f["write_global"][span]
+        queries[i, :n], last[i] = at + pos, at + n - 1
+    return RaggedBatch(**f, queries=queries, global_table=tables, local_table=tables,
+                       local_first=np.zeros(rows, np.int32), last=last)

@@ -71,18 +71,6 @@ def config_for_official_tree(tree: dict, config: Gemma3Config | None) -> Gemma3C
 # Placement
 
 
-def cache_dtype(dtype, mesh: Mesh):
-    """dtype in which the KV cache is held: float32 for bfloat16 models on CPU, where XLA:CPU
-    has no bfloat16 dynamic_update_slice and converts the whole buffer to float32 and back
-    around each one (docs/results.md, "Figures moved from code comments"). The float32 cache
-    holds bfloat16-rounded values, so the numerics are a bfloat16 cache's, for twice its memory.
-    """
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
-        return jnp.dtype(jnp.float32)
-    return dtype
-
-
 def _sharding(shardings: Weights, layer: int | None, name: str):
     return getattr(shardings, name) if layer is None else getattr(shardings.layers[layer], name)
 

@@ -89,10 +89,10 @@ def pool_dtype(dtype, platform: str):
     """The dtype the pools are held in for activations of `dtype` on `platform`: the
     activation dtype, except bfloat16 on CPU, held as uint16 (its bits, `as_values`).
 
-    XLA:CPU has no bfloat16 scatter: a bfloat16 pool was converted whole to float32 and back
-    around every layer's store. A float32 pool (the slot cache's answer, loading.cache_dtype)
-    doubles the bytes every step gathers. uint16 stores in place and gathers half the bytes;
-    the bits are reinterpreted, never converted, so the numerics are a bfloat16 cache's."""
+    XLA:CPU has no bfloat16 scatter: it converts a bfloat16 pool whole to float32 and back
+    around every layer's store, and a float32 pool doubles the bytes every step gathers. uint16
+    stores in place and gathers half the bytes; the bits are reinterpreted, never converted,
+    so the numerics are a bfloat16 cache's."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bfloat16 and platform == "cpu":
         return jnp.dtype(jnp.uint16)

@@ -1,20 +1,11 @@
 """The model's device programs and the executables compiled ahead of time, by `ProgramKey`.
 
 `ModelPrograms` owns everything about one model setup that is not its weights: the config, the
-mesh, the AllReduce (or a plugged-in reduction), the dtypes. From those it builds the five
-jitted `shard_map` programs once, lowers any of them for a `ProgramKey` from abstract shapes
+mesh, the AllReduce (or a plugged-in reduction), the dtypes. It builds the ragged step's jitted
+`shard_map` program once per step shape, lowers it for a `ProgramKey` from abstract shapes
 alone (so compilation can run while the weights load), and keeps the executables it compiles:
 `runnable(key)` hands back the kept executable for a key, or the jitted program, which traces
-on its first call with new shapes.
-
-The decode step is two programs: a forward pass that only reads the cache and returns the new
-keys/values, then a write-only program (cache donated) that stores them in place: XLA:CPU
-copies a buffer that one program both reads and updates in place. Prefill never reads the
-cache, so it is one program.
-
-The paged engine's step (`ragged.ragged_step`) is one program, RAGGED, over a paged cache
-(`paged_kv`): it stores each layer's new keys/values before it reads the pool, which XLA
-updates in place (the pool is donated).
+on its first call.
 """
 from __future__ import annotations
 
@@ -34,62 +25,31 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from equarx import AllReduceConfig, folds_rotation, groups
 from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
-from models.gemma3.kv_cache import KVCache, LayerCache, cache_shapes
-from models.gemma3.loading import cache_dtype
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
 from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, packed_size,
                                   ragged_step, span_kv, span_rows, unpack)
-from models.gemma3.sharding import (AXIS, cache_specs, local_kv_heads, mesh_label, named,
-                                    resolve_tree, tp_axes, weight_specs)
+from models.gemma3.sharding import (AXIS, local_kv_heads, mesh_label, named, resolve_tree,
+                                    tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
 
 log = logging.getLogger(__name__)
 
-MIN_BUCKET = 32
-
-
-def prefill_buckets(max_seq_len: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
-    """Powers of two from `smallest`, ending with max_seq_len itself."""
-    out, b = [], smallest
-    while b < max_seq_len:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (max_seq_len,)
-
 
 class Program(enum.Enum):
-    """The device programs; the value names the program in the program cache's files.
+    """The step's programs (`ragged.ragged_step` over the paged cache, its batch packed:
+    `ragged.pack`); the value names the program in the program cache's files.
 
-    PREFILL:            (weights, cache, tokens, lengths, slots) -> (logits [B, V], cache)
-    PREFILL_ALL_LOGITS: the same with logits [B, T, V] at every position
-    DECODE:             (weights, cache, tokens, positions) -> (logits [R, V], new keys/values)
-    WRITE_TOKEN:        (cache, new keys/values, positions) -> cache
-    SCORE:              (weights, tokens, lengths) -> logits [B, T, V], with no cache
-    CHUNK:              (weights, cache, tokens [1, T], start, length, slot) -> (logits [1, V],
-                        the chunk's keys/values): one chunk of a prompt, reading the cache
-    CHUNK_KV:           the same without the logits (a chunk before the prompt's last)
-    WRITE_CHUNK:        (cache, chunk keys/values, start, length, slot) -> cache
-    RAGGED:             (weights, pages, tokens, packed RaggedBatch) -> (logits [S, V],
-                        pages): one ragged step over the paged cache (`ragged_program`)
-    RAGGED_KV:          (weights, pages, RaggedBatch) -> pages: the same without logits
-    RAGGED_IMAGES:      (weights, pages, RaggedBatch, ImageRows) -> (logits, pages): a ragged
+    RAGGED:             (weights, pages, tokens, packed batch) -> (logits [S, V], pages)
+    RAGGED_KV:          the same without logits (prompt pieces that sample nothing)
+    RAGGED_IMAGES:      (weights, pages, tokens, packed batch, ImageRows) -> (logits, pages): a
                         step whose tokens include image soft tokens (their features replace
                         their embeddings); text-only steps keep the programs above
     RAGGED_IMAGES_KV:   the same without logits
-    RAGGED_ALL_LOGITS:  (weights, pages, RaggedBatch) -> (logits [S, V], logits [T, V] at every
-                        token, pages): a text step with a sequence that wants its prompt's
-                        logprobs
+    RAGGED_ALL_LOGITS:  (weights, pages, tokens, packed batch) -> (logits [S, V], logits [T, V]
+                        at every token, pages): prompt logprobs, and `Gemma3Model.score`
     """
 
-    PREFILL = "prefill"
-    PREFILL_ALL_LOGITS = "prefill_all"
-    DECODE = "decode"
-    WRITE_TOKEN = "write_token"
-    SCORE = "score"
-    CHUNK = "chunk"
-    CHUNK_KV = "chunk_kv"
-    WRITE_CHUNK = "write_chunk"
     RAGGED = "ragged"
     RAGGED_KV = "ragged_kv"
     RAGGED_IMAGES = "ragged_images"
@@ -103,58 +63,22 @@ RAGGED_PROGRAMS = (Program.RAGGED, Program.RAGGED_KV, Program.RAGGED_IMAGES,
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
-    """One program at one set of shapes: what a kept executable was compiled for.
+    """One ragged step program at one set of shapes: what a kept executable was compiled for.
 
-    batch: prompts (prefill, score) or leading cache slots (decode, write_token); sequence
-      rows S of a ragged step.
-    tokens: tokens per prompt (the bucket); 1 for the decode step; T of a ragged step.
-    num_slots, max_seq_len: the KV cache the program reads or writes (0 for score: none), as
-      `cache_shapes` takes them (max_seq_len is the global layers' length, which may be shorter
-      than the local layers' window): `abstract_args` lowers the program from them.
-    queries, global_pages, local_pages: a ragged step's Q, Pg and Pl (`RaggedBatch`).
-    pools: a ragged step's paged cache, (global pages, local pages, page size), as
-      `paged_shapes` takes them.
-    features: F, the image feature rows of a ragged step with images (0: none).
+    batch: sequence rows S; tokens: T; queries, global_pages, local_pages: Q, Pg and Pl
+    (`RaggedBatch`); pools: the paged cache, (global pages, local pages, page size), as
+    `paged_shapes` takes them; features: F, the image feature rows of a step with images (0:
+    none).
     """
 
     program: Program
     batch: int
     tokens: int = 1
-    num_slots: int = 0
-    max_seq_len: int = 0
     queries: int = 0
     global_pages: int = 0
     local_pages: int = 0
     pools: tuple[int, int, int] = (0, 0, 0)
     features: int = 0
-
-    @classmethod
-    def prefill(cls, batch: int, bucket: int, cache: KVCache,
-                all_logits: bool = False) -> ProgramKey:
-        """`cache` may hold arrays or ShapeDtypeStructs: only its shape is read."""
-        program = Program.PREFILL_ALL_LOGITS if all_logits else Program.PREFILL
-        return cls(program, batch, bucket, cache.num_slots, cache.max_seq_len)
-
-    @classmethod
-    def decode(cls, rows: int, cache: KVCache) -> ProgramKey:
-        return cls(Program.DECODE, rows, 1, cache.num_slots, cache.max_seq_len)
-
-    @classmethod
-    def write_token(cls, rows: int, cache: KVCache) -> ProgramKey:
-        return cls(Program.WRITE_TOKEN, rows, 1, cache.num_slots, cache.max_seq_len)
-
-    @classmethod
-    def chunk(cls, tokens: int, cache: KVCache, logits: bool = True) -> ProgramKey:
-        program = Program.CHUNK if logits else Program.CHUNK_KV
-        return cls(program, 1, tokens, cache.num_slots, cache.max_seq_len)
-
-    @classmethod
-    def write_chunk(cls, tokens: int, cache: KVCache) -> ProgramKey:
-        return cls(Program.WRITE_CHUNK, 1, tokens, cache.num_slots, cache.max_seq_len)
-
-    @classmethod
-    def score(cls, batch: int, length: int) -> ProgramKey:
-        return cls(Program.SCORE, batch, length)
 
     @classmethod
     def ragged(cls, tokens: int, seqs: int, queries: int, global_pages: int, local_pages: int,
@@ -182,9 +106,7 @@ class ProgramKey:
 
     def describe(self) -> str:
         """For logs: "ragged step T=.. S=.. Q=.. Pg=.. Pl=..[ F=..][ (no logits)][ (every
-        token's logits)]", else the program and its batch and tokens."""
-        if self.program not in RAGGED_PROGRAMS:
-            return f"{self.program.value} B={self.batch} T={self.tokens}"
+        token's logits)]"."""
         return (f"ragged step T={self.tokens} S={self.batch} Q={self.queries} "
                 f"Pg={self.global_pages} Pl={self.local_pages}"
                 + (f" F={self.features}" if self.features else "")
@@ -216,9 +138,6 @@ class ModelPrograms:
         self.allreduce = allreduce
         self.reduction = reduction
         self.dtype = jnp.dtype(dtype)
-        # The KV cache may be held wider than the numerics' dtype (float32 on CPU).
-        self.cache_dtype = cache_dtype(self.dtype, mesh)
-        self.prefill_buckets = prefill_buckets(config.max_seq_len)
         self.program_cache = program_cache
         self.replicated = NamedSharding(mesh, P())
         # "2x2" on a multi-axis TP mesh (its axes then stand for "tp"), None on a 1-D one.
@@ -229,18 +148,14 @@ class ModelPrograms:
                                 reduction=reduction, axes=tp_axes(mesh),
                                 rotated_partials=self.rotation_folded)
         self._weight_specs = weight_specs(config, self.tp)
-        self._cache_specs = cache_specs(config, self.tp)
         self._pages_specs = paged_specs(config)
         self.attention = attention_impl(mesh.devices.flat[0].platform)
         # Lowering needs only the weights' shapes and shardings, so it can run while they load.
         self.abstract_weights: Weights = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
             weight_shapes(config, self.dtype), named(mesh, self._weight_specs))
-        self._jitted = self._build_programs()
         self._ragged_programs: dict[tuple[Program, tuple], Callable] = {}
         self._span_programs: dict[tuple[str, str], Callable] = {}
-        self._zeros = jax.jit(self._zeros_cache, static_argnums=(0, 1),
-                              out_shardings=named(mesh, self._cache_specs))
         self._zeros_pages = jax.jit(
             lambda *a: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pages_shapes(*a)),
             static_argnums=(0, 1, 2), out_shardings=named(mesh, self._pages_specs))
@@ -272,31 +187,6 @@ class ModelPrograms:
         return dataclasses.replace(weights, layers=layers)
 
     # -- shapes --------------------------------------------------------------------------------
-    def bucket_for(self, length: int) -> int:
-        """The prefill bucket (padded prompt length) of a prompt of `length` tokens."""
-        if not 1 <= length <= self.config.max_seq_len:
-            raise ValueError(f"sequence length {length} is outside [1, max_seq_len="
-                             f"{self.config.max_seq_len}]")
-        return next(b for b in self.prefill_buckets if b >= length)
-
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> KVCache:
-        heads = local_kv_heads(self.config, self.tp) * self.tp
-        return cache_shapes(self.config, num_slots, max_seq_len, heads, self.cache_dtype)
-
-    def abstract_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
-        """The cache's ShapeDtypeStructs, with their shardings."""
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            self.cache_shapes(num_slots, max_seq_len),
-                            named(self.mesh, self._cache_specs))
-
-    def zeros_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
-        """A zeroed, sharded KV cache."""
-        return self._zeros(num_slots, max_seq_len)
-
-    def _zeros_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                            self.cache_shapes(num_slots, max_seq_len))
-
     def pages_shapes(self, num_global_pages: int, num_local_pages: int,
                      page_size: int) -> PagedKV:
         heads = local_kv_heads(self.config, self.tp) * self.tp
@@ -317,42 +207,6 @@ class ModelPrograms:
         return self._zeros_pages(num_global_pages, num_local_pages, page_size)
 
     # -- building ------------------------------------------------------------------------------
-    def _build_programs(self) -> dict[Program, Callable]:
-        weights, cache, ids = self._weight_specs, self._cache_specs, P()
-        new_kv = self._new_kv_specs()
-        chunk_kv = self._chunk_kv_specs()
-        vocab_last, vocab_all = P(None, AXIS), P(None, None, AXIS)
-
-        def score(w, tokens, lengths):
-            return forward.prefill(w, None, tokens, lengths, None, ctx=self._ctx,
-                                   return_all=True)[0]
-
-        prefill = functools.partial(forward.prefill, ctx=self._ctx, return_all=False)
-        prefill_all = functools.partial(forward.prefill, ctx=self._ctx, return_all=True)
-        return {
-            Program.PREFILL: self._jit(Program.PREFILL, prefill, (weights, cache, ids, ids, ids),
-                                       (vocab_last, cache), donate=(1,)),
-            Program.PREFILL_ALL_LOGITS: self._jit(
-                Program.PREFILL_ALL_LOGITS, prefill_all, (weights, cache, ids, ids, ids),
-                (vocab_all, cache), donate=(1,)),
-            Program.DECODE: self._jit(
-                Program.DECODE, functools.partial(forward.decode_step, ctx=self._ctx),
-                (weights, cache, ids, ids), (vocab_last, new_kv)),
-            Program.WRITE_TOKEN: self._jit(
-                Program.WRITE_TOKEN, functools.partial(forward.write_token, ctx=self._ctx),
-                (cache, new_kv, ids), cache, donate=(0,)),
-            Program.SCORE: self._jit(Program.SCORE, score, (weights, ids, ids), vocab_all),
-            Program.CHUNK: self._jit(
-                Program.CHUNK, functools.partial(forward.prefill_chunk, ctx=self._ctx),
-                (weights, cache, ids, ids, ids, ids), (vocab_last, chunk_kv)),
-            Program.CHUNK_KV: self._jit(
-                Program.CHUNK_KV, functools.partial(forward.prefill_chunk, ctx=self._ctx, logits=False),
-                (weights, cache, ids, ids, ids, ids), chunk_kv),
-            Program.WRITE_CHUNK: self._jit(
-                Program.WRITE_CHUNK, functools.partial(forward.write_chunk, ctx=self._ctx),
-                (cache, chunk_kv, ids, ids, ids), cache, donate=(0,)),
-        }
-
     def ragged_program(self, program: Program, shape: tuple[int, int, int, int, int]) -> Callable:
         """`program` (one of RAGGED_PROGRAMS) for batches of shape (T, S, Q, Pg, Pl): (weights,
         pages, tokens [T], the batch's other fields `ragged.pack`ed[, ImageRows]) -> its
@@ -426,38 +280,14 @@ class ModelPrograms:
         # Everything besides the arguments' shapes that changes what tracing produces.
         # (A multi-axis mesh lowers to the same HLO shardings as the 1-D one of its size.)
         static = (f"{self.config!r} tp={self.tp} {self.allreduce!r} "
-                  f"dtype={self.dtype} cache_dtype={self.cache_dtype}"
+                  f"dtype={self.dtype}"
                   f" rotated_partials={self.rotation_folded}"
                   + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else "") + salt)
         return self.program_cache.wrap(program.value, fn, donate, static, self.replicated)
 
-    def _new_kv_specs(self) -> tuple[LayerCache, ...]:
-        """The decode step's new keys/values: per layer [R, Kc, H], split over KV heads."""
-        spec = P(None, AXIS, None)
-        return tuple(LayerCache(k=spec, v=spec) for _ in range(self.config.num_layers))
-
-    def _chunk_kv_specs(self) -> tuple[LayerCache, ...]:
-        """A prefill chunk's keys/values: per layer [1, T, Kc, H], split over KV heads."""
-        spec = P(None, None, AXIS, None)
-        return tuple(LayerCache(k=spec, v=spec) for _ in range(self.config.num_layers))
-
-    def chunk_kv_shapes(self, tokens: int) -> tuple[LayerCache, ...]:
-        """ShapeDtypeStructs (with shardings) of a `tokens`-long chunk's keys/values."""
-        heads = local_kv_heads(self.config, self.tp) * self.tp
-        kv = jax.ShapeDtypeStruct((1, tokens, heads, self.config.head_dim), self.cache_dtype,
-                                  sharding=named(self.mesh, P(None, None, AXIS, None)))
-        return tuple(LayerCache(k=kv, v=kv) for _ in range(self.config.num_layers))
-
-    def jitted(self, program: Program) -> Callable:
-        """The jitted program (a `CachedProgram` with a program cache); a ragged step's is
-        one per shape (`program_of`)."""
-        return self._jitted[program]
-
     def program_of(self, key: ProgramKey) -> Callable:
         """The jitted program that runs `key`."""
-        if key.program in RAGGED_PROGRAMS:
-            return self.ragged_program(key.program, key.shape)
-        return self._jitted[key.program]
+        return self.ragged_program(key.program, key.shape)
 
     # -- lowering, compiling, running ------------------------------------------------------------
     def abstract_args(self, key: ProgramKey) -> tuple:
@@ -465,31 +295,13 @@ class ModelPrograms:
         def ids(*shape):
             return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
 
-        if key.program is Program.SCORE:
-            return self.abstract_weights, ids(key.batch, key.tokens), ids(key.batch)
-        if key.program in RAGGED_PROGRAMS:
-            args = (self.abstract_weights, self.abstract_pages(*key.pools), ids(key.tokens),
-                    ids(packed_size(key.shape)))
-            if key.features:
-                features = jax.ShapeDtypeStruct((key.features, self.config.d_model), self.dtype,
-                                                sharding=self.replicated)
-                args += (ImageRows(features=features, index=ids(key.tokens)),)
-            return args
-        cache = self.abstract_cache(key.num_slots, key.max_seq_len)
-        if key.program in (Program.PREFILL, Program.PREFILL_ALL_LOGITS):
-            return (self.abstract_weights, cache, ids(key.batch, key.tokens), ids(key.batch),
-                    ids(key.batch))
-        if key.program is Program.DECODE:
-            return self.abstract_weights, cache, ids(key.batch), ids(key.batch)
-        if key.program in (Program.CHUNK, Program.CHUNK_KV):
-            return self.abstract_weights, cache, ids(1, key.tokens), ids(1), ids(1), ids(1)
-        if key.program is Program.WRITE_CHUNK:
-            return cache, self.chunk_kv_shapes(key.tokens), ids(1), ids(1), ids(1)
-        heads = local_kv_heads(self.config, self.tp) * self.tp
-        kv = jax.ShapeDtypeStruct((key.batch, heads, self.config.head_dim), self.dtype,
-                                  sharding=named(self.mesh, P(None, AXIS, None)))
-        new_kv = tuple(LayerCache(k=kv, v=kv) for _ in range(self.config.num_layers))
-        return cache, new_kv, ids(key.batch)
+        args = (self.abstract_weights, self.abstract_pages(*key.pools), ids(key.tokens),
+                ids(packed_size(key.shape)))
+        if key.features:
+            features = jax.ShapeDtypeStruct((key.features, self.config.d_model), self.dtype,
+                                            sharding=self.replicated)
+            args += (ImageRows(features=features, index=ids(key.tokens)),)
+        return args
 
     def lower(self, key: ProgramKey) -> jax.stages.Lowered:
         """`key`'s program lowered from abstract arguments: `.compile()` it, or read its HLO."""

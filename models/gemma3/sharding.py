@@ -23,7 +23,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.gemma3.config import Gemma3Config
-from models.gemma3.kv_cache import KVCache, LayerCache
 from models.gemma3.weights import Weights, map_weights
 
 AXIS = "tp"
@@ -46,8 +45,6 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "gating": ("d_model", None, "ffn"),
     "linear": ("ffn", "d_model"),
 }
-CACHE_AXES = {"k": ("slots", "cache_heads", "head_dim", "seq"),
-              "v": ("slots", "cache_heads", "seq", "head_dim")}
 
 
 def check_tp(c: Gemma3Config, tp: int) -> None:
@@ -85,12 +82,6 @@ def weight_specs(c: Gemma3Config, tp: int) -> Weights:
     """PartitionSpec of every weight, in a Weights tree."""
     table = rules(c, tp)
     return map_weights(c, lambda layer, name, shape: _spec(PARAM_AXES[name], table))
-
-
-def cache_specs(c: Gemma3Config, tp: int) -> KVCache:
-    table = rules(c, tp)
-    layer = LayerCache(k=_spec(CACHE_AXES["k"], table), v=_spec(CACHE_AXES["v"], table))
-    return KVCache(layers=(layer,) * c.num_layers)
 
 
 def parse_tp_mesh(tp_mesh, tp: int) -> tuple[int, ...] | None:

@@ -1,12 +1,10 @@
-"""The model's step API: over a dense cache of slots, `init_cache`, `prefill`, `decode_step` and
-chunked prefill (what `generate`, the parity tests and eval run), and the ahead-of-time half
-(`lower_*`, `compile_*`, `warm_up`) that needs no weights; over a paged cache, `init_pages` and
-`ragged_step` (one program a step), which the server's runner drives (serving/paged_runner.py).
+"""The model's step API: `init_pages` and `ragged_step` (one program a step over the paged
+cache, which the server's runner drives: serving/paged_runner.py), the image tower, and the
+ahead-of-time half (`ragged_key`, `lower_ragged`, `compile_ragged`) that needs no weights.
 
 `Gemma3StepAPI` is a model's programs (`ModelPrograms`) with its weights and tokenizer. Every call
-has static shapes: a new prompt length only picks a bucket, and a call whose shapes were
-compiled ahead of time runs the kept executable. Both `prefill` and `decode_step` donate the
-cache: never reuse a cache object after passing it in.
+has static shapes; a call whose shapes were compiled ahead of time runs the kept executable.
+`ragged_step` donates the pages: never reuse a pages object after passing it in.
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gemma3.kv_cache import KVCache
 from models.gemma3.paged_kv import PagedKV
 from models.gemma3.programs import ModelPrograms, ProgramKey
 from models.gemma3.ragged import ImageRows, RaggedBatch, pack
@@ -42,8 +39,6 @@ class Gemma3StepAPI:
         self.allreduce = programs.allreduce
         self.reduction = programs.reduction
         self.dtype = programs.dtype
-        self.cache_dtype = programs.cache_dtype
-        self.prefill_buckets = programs.prefill_buckets
         self._tokenizer = tokenizer
         self.vision = None  # a VisionModel with placed weights (`attach_vision`), or None
         self._image_features = None
@@ -53,11 +48,10 @@ class Gemma3StepAPI:
         """Serve images with `vision` (a `vision_checkpoint.VisionModel`, host arrays): its
         tower and projector are placed, in the model's dtype, on one device of the mesh (this
         process's first), and `image_features` runs them there; the features then go to every
-        device with the step that reads them (256 x D values an image). Replicated on the mesh
-        (replicated=True, as before) every device ran the whole tower: free on an accelerator
-        with its own compute per chip, but on a CPU the tp virtual devices share the cores, so
-        at tp=2 one image took twice as long (docs/vision.md). The split placement
-        (`vision_sharding.encode_sharded`) gained nothing here."""
+        device with the step that reads them (256 x D values an image). replicated=True runs
+        the whole tower on every device of the mesh instead: free on an accelerator with its
+        own compute per chip, but on a CPU the virtual devices share the cores
+        (docs/vision.md)."""
         from models.gemma3.projector import image_features
         from models.gemma3.vision_sharding import place_vision
 
@@ -100,20 +94,6 @@ class Gemma3StepAPI:
         if self._tokenizer is None:
             self._tokenizer = default_tokenizer(self.config.vocab_size)
         return self._tokenizer
-
-    # -- shapes and caches ---------------------------------------------------------------------
-    def bucket_for(self, length: int) -> int:
-        return self.programs.bucket_for(length)
-
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> KVCache:
-        return self.programs.cache_shapes(num_slots, max_seq_len)
-
-    def init_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
-        """Zeroed KV cache for num_slots sequences of up to max_seq_len tokens (sharded)."""
-        if max_seq_len > self.config.max_seq_len:
-            raise ValueError(f"cache max_seq_len {max_seq_len} exceeds the model's "
-                             f"{self.config.max_seq_len}")
-        return self.programs.zeros_cache(num_slots, max_seq_len)
 
     # -- the paged cache -----------------------------------------------------------------------
     @property
@@ -214,66 +194,6 @@ class Gemma3StepAPI:
         self.programs.compile_all(
             [(k.describe(), [k]) for k in keys], workers, progress)
 
-    # -- running -------------------------------------------------------------------------------
-    def prefill(self, cache: KVCache, tokens, lengths, slots, return_all_logits: bool = False):
-        """Run prompts tokens [B, Tb] (right-padded) at positions 0..len-1 into cache rows
-        slots [B]. Returns (float32 logits [B, V] at each last real token, or [B, Tb, V] with
-        return_all_logits; the new cache). Tb may exceed the cache length only by padding."""
-        check_token_range(tokens, self.config.vocab_size)
-        tokens = self._ids(tokens, 2, "tokens")
-        lengths, slots = self._ids(lengths, 1, "lengths"), self._ids(slots, 1, "slots")
-        if not tokens.shape[0] == lengths.shape[0] == slots.shape[0]:
-            raise ValueError(f"tokens {tokens.shape}, lengths {lengths.shape} and slots "
-                             f"{slots.shape} disagree on the batch size")
-        key = ProgramKey.prefill(*tokens.shape, cache, return_all_logits)
-        return self.programs.runnable(key)(self.weights, cache, tokens, lengths, slots)
-
-    def decode_step(self, cache: KVCache, tokens, positions):
-        """One token for each of the first R cache slots (tokens, positions [R], 1 <= R <= cache
-        slots) -> (logits [R, V], cache). The other slots are neither read nor written; each R
-        is its own program (a server compiles a few, e.g. 1, 2, 4, 8)."""
-        check_token_range(tokens, self.config.vocab_size)
-        tokens, positions = self._ids(tokens, 1, "tokens"), self._ids(positions, 1, "positions")
-        rows = tokens.shape[0]
-        if not (rows == positions.shape[0] and 1 <= rows <= cache.num_slots):
-            raise ValueError(f"decode_step needs one token and position for each of 1.."
-                             f"{cache.num_slots} leading cache slots, got {rows} and "
-                             f"{positions.shape[0]}")
-        decode = self.programs.runnable(ProgramKey.decode(rows, cache))
-        write = self.programs.runnable(ProgramKey.write_token(rows, cache))
-        logits, new_kv = decode(self.weights, cache, tokens, positions)
-        return logits, write(cache, new_kv, positions)
-
-    def prefill_chunk(self, cache: KVCache, tokens, start: int, length: int, slot: int,
-                      logits: bool = True):
-        """One chunk of a prompt: tokens [1, T] (the first `length` real) at positions
-        start..start+T-1 of the sequence in cache row `slot`, whose earlier positions are in the
-        cache. Returns (float32 logits [1, V] at the chunk's last real token, or None with
-        logits=False, and the chunk's keys and values for `write_chunk`); the cache is only
-        read (not donated)."""
-        check_token_range(tokens, self.config.vocab_size)
-        tokens = self._ids(tokens, 2, "tokens")
-        t = tokens.shape[1]
-        if tokens.shape[0] != 1 or not 1 <= int(length) <= t:
-            raise ValueError(f"a chunk is one row of 1..{t} real tokens, got {tokens.shape} "
-                             f"with length {length}")
-        if t > cache.max_seq_len or not 0 <= int(slot) < cache.num_slots:
-            raise ValueError(f"chunk of {t} tokens into slot {slot} of a cache of "
-                             f"{cache.num_slots} x {cache.max_seq_len}")
-        args = [self._ids(np.array([v], np.int32), 1, n)
-                for v, n in ((start, "start"), (length, "length"), (slot, "slot"))]
-        key = ProgramKey.chunk(t, cache, logits)
-        out = self.programs.runnable(key)(self.weights, cache, tokens, *args)
-        return out if logits else (None, out)
-
-    def write_chunk(self, cache: KVCache, kv, start: int, length: int, slot: int) -> KVCache:
-        """Store a chunk's keys/values (from `prefill_chunk`, or a prefix cache's copy of them)
-        at positions start..start+length-1 of cache row `slot`. Donates the cache."""
-        t = kv[0].k.shape[1]
-        args = [self._ids(np.array([v], np.int32), 1, n)
-                for v, n in ((start, "start"), (length, "length"), (slot, "slot"))]
-        return self.programs.runnable(ProgramKey.write_chunk(t, cache))(cache, kv, *args)
-
     def _ids(self, x, ndim: int, name: str) -> jax.Array:
         """Integer ids as int32, replicated on the mesh (as the kept executables expect)."""
         replicated = self.programs.replicated
@@ -291,61 +211,6 @@ class Gemma3StepAPI:
             raise ValueError(f"{name} must be an integer array with {ndim} dims, got "
                              f"{x.dtype} {x.shape}")
         return jax.device_put(x.astype(np.int32), replicated)
-
-    # -- ahead of time (warm-up without running, HLO inspection) -------------------------------
-    def lower_prefill(self, batch: int, bucket: int, num_slots: int, max_seq_len: int,
-                      return_all_logits: bool = False) -> jax.stages.Lowered:
-        """The prefill program for tokens [batch, bucket] into a (num_slots, max_seq_len) cache,
-        as `prefill` runs it: (weights, cache, tokens, lengths, slots) -> (logits, cache).
-        `.compile()` it to warm the compilation caches or to read its HLO."""
-        return self.programs.lower(self._prefill_key(batch, bucket, num_slots, max_seq_len,
-                                                     return_all_logits))
-
-    def lower_decode(self, num_slots: int, max_seq_len: int, rows: int | None = None
-                     ) -> jax.stages.Lowered:
-        """The decode-step forward program for a (num_slots, max_seq_len) cache and its first
-        `rows` slots (default all): (weights, cache, tokens, positions) -> (logits, new
-        keys/values); it holds all of decode's communication. `decode_step` runs it, then the
-        write-only cache update."""
-        return self.programs.lower(self._decode_keys(num_slots, max_seq_len, rows)[0])
-
-    def warm_up(self, num_slots: int, max_seq_len: int, buckets=None, batch: int = 1,
-                decode_rows=None, prefill_shapes=None, workers: int = 2,
-                progress: Callable[[str], None] | None = None, chunk_sizes=()) -> None:
-        """Compile (without running) every program a server needs: prefill of `batch` prompts
-        per bucket (default: the buckets up to max_seq_len; or the (batch, bucket) pairs in
-        `prefill_shapes`), the decode step over each count of leading slots in `decode_rows`
-        (default: all slots) and its cache write. The executables are kept for calls with
-        those shapes; with a persistent compilation cache (and a program cache), a later start
-        loads them instead of compiling. `workers` programs compile at a time (see
-        `ModelPrograms.compile_all`); `progress` receives one line per program with its
-        seconds. `chunk_sizes`: prefill chunk lengths (`prefill_chunk` and `write_chunk`; the
-        largest also without logits, as every chunk before a prompt's last runs)."""
-        if prefill_shapes is None:
-            buckets = buckets or [b for b in self.prefill_buckets if b <= max_seq_len]
-            prefill_shapes = [(batch, bucket) for bucket in buckets]
-        jobs = [(f"prefill bucket {bucket} x{n}",
-                 [self._prefill_key(n, bucket, num_slots, max_seq_len)])
-                for n, bucket in prefill_shapes]
-        jobs += [(f"decode step x{rows}", self._decode_keys(num_slots, max_seq_len, rows))
-                 for rows in decode_rows or (num_slots,)]
-        cache = self.programs.cache_shapes(num_slots, max_seq_len)
-        jobs += [(f"prefill chunk of {t}", [ProgramKey.chunk(t, cache),
-                                            ProgramKey.write_chunk(t, cache)]
-                  + ([ProgramKey.chunk(t, cache, logits=False)] if t == max(chunk_sizes) else []))
-                 for t in chunk_sizes]
-        self.programs.compile_all(jobs, workers, progress)
-
-    def _prefill_key(self, batch, bucket, num_slots, max_seq_len, all_logits=False):
-        cache = self.programs.cache_shapes(num_slots, max_seq_len)
-        return ProgramKey.prefill(batch, bucket, cache, all_logits)
-
-    def _decode_keys(self, num_slots, max_seq_len, rows=None) -> list[ProgramKey]:
-        """The decode step's two programs: the forward pass, then the cache write."""
-        cache = self.programs.cache_shapes(num_slots, max_seq_len)
-        rows = rows or num_slots
-        return [ProgramKey.decode(rows, cache), ProgramKey.write_token(rows, cache)]
-
 
 _RAGGED_NDIM = {f.name: 2 if f.name in ("queries", "global_table", "local_table") else 1
                 for f in dataclasses.fields(RaggedBatch)}

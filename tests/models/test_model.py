@@ -1,12 +1,12 @@
-"""Gemma 3 model on tiny random configs: tensor-parallel equivalence, KV cache semantics
-(prefill + decode == full forward, local ring buffers, slot independence), generation, errors."""
+"""Gemma 3 model on tiny random configs: tensor-parallel equivalence, `score` against a plain
+reference forward, compiling ahead of time, the reduction hook, errors."""
 import numpy as np
 import pytest
 
 import jax
 from equarx import AllReduceConfig
-from models.gemma3 import Program, ProgramKey, load_model, prefill_buckets
-from models.gemma3.kv_cache import KVCache
+from models.gemma3 import ProgramKey, load_model
+from tests.models.reference import reference_logits
 
 F32 = AllReduceConfig(method="f32")
 # "tiny": 3 layers (local, global, local: a global layer every 2nd), window 8, 2 KV heads
@@ -39,13 +39,12 @@ def test_weights_are_sharded_over_tp(tiny):
     assert layer.q.addressable_shards[0].data.shape == (64, 1, 16)  # [D, N, H]: heads split
     assert layer.gating.addressable_shards[0].data.shape == (64, 2, 128 // 4)  # FFN split
     assert layer.linear.addressable_shards[0].data.shape == (128 // 4, 64)
-    # 2 KV heads on 4 devices: the projection is replicated, the cache is still split.
+    # 2 KV heads on 4 devices: the projection is replicated, the pages are still split.
     assert layer.kv.addressable_shards[0].data.shape == layer.kv.shape
-    cache = m.init_cache(num_slots=3, max_seq_len=32)
-    assert [c.v.shape[2] for c in cache.layers] == [8, 32, 8]  # local rings of W = 8
-    glob = cache.layers[1]
-    assert glob.k.shape == (3, 4, 16, 32) and glob.v.shape == (3, 4, 32, 16)
-    assert glob.k.addressable_shards[0].data.shape == (3, 1, 16, 32)
+    pages = m.init_pages(9, 5, 4)
+    assert [p.kv.shape[0] for p in pages.layers] == [5, 9, 5]  # local, global, local pools
+    glob = pages.layers[1].kv
+    assert glob.shape == (9, 4, 2 * 4, 16) and glob.addressable_shards[0].data.shape == (9, 4, 2, 16)
 
 
 def test_tp_1_2_4_give_the_same_logits(tiny):
@@ -56,124 +55,18 @@ def test_tp_1_2_4_give_the_same_logits(tiny):
         np.testing.assert_allclose(tiny[tp].score(seqs), ref, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_prefill_then_decode_equals_full_forward(tiny, tp):
-    """Teacher-forced decoding after prompts shorter and longer than the window (8) and past
-    the bucket size must give the logits of one forward pass over the whole sequence."""
-    m = tiny[tp]
-    prompt_lens, steps = [3, 11, 20], 14
-    seqs = _random_seqs([n + steps for n in prompt_lens], seed=tp)
-    full = m.score(seqs)
-    bucket = m.bucket_for(max(prompt_lens))
-    tokens = np.zeros((3, bucket), np.int32)
-    for b, n in enumerate(prompt_lens):
-        tokens[b, :n] = seqs[b][:n]
-    lengths = np.array(prompt_lens, np.int32)
-    cache = m.init_cache(num_slots=3, max_seq_len=64)
-    logits, cache = m.prefill(cache, tokens, lengths, np.arange(3, dtype=np.int32))
-    np.testing.assert_allclose(np.asarray(logits), full[np.arange(3), lengths - 1], atol=2e-5)
-    for step in range(steps):
-        pos = lengths + step
-        next_tokens = np.array([seqs[b][p] for b, p in enumerate(pos)], np.int32)
-        logits, cache = m.decode_step(cache, next_tokens, pos)
-        np.testing.assert_allclose(np.asarray(logits), full[np.arange(3), pos], atol=2e-5,
-                                   err_msg=f"decode step {step}")
-
-
-def test_prefill_all_logits_equal_score(tiny):
-    m = tiny[2]
-    seqs = _random_seqs([7, 30])
-    tokens = np.zeros((2, 32), np.int32)
-    for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = s
-    cache = m.init_cache(num_slots=2, max_seq_len=32)
-    logits, _ = m.prefill(cache, tokens, np.array([7, 30], np.int32), np.array([1, 0], np.int32),
-                          return_all_logits=True)
-    assert logits.shape == (2, 32, 512)
-    full = m.score(seqs)
-    np.testing.assert_allclose(np.asarray(logits)[0, :7], full[0, :7], atol=2e-5)
-    np.testing.assert_allclose(np.asarray(logits)[1, :30], full[1, :30], atol=2e-5)
-
-
-def test_slots_are_independent(tiny):
-    """A sequence decoded in slot 2 of a busy cache equals the same sequence alone; other
-    slots' prefills and idle slots (junk positions, even past the cache) do not disturb it."""
-    m = tiny[2]
-    a, b = _random_seqs([13, 21], seed=7)
-
-    # The cache and prompt shapes of the tests around it (4 slots of 32, prompts of 16): their
-    # programs, compiled once.
-    def run(busy):
-        cache = m.init_cache(num_slots=4, max_seq_len=32)
-        if busy:
-            cache = m.prefill(cache, np.array([b[:16]], np.int32),
-                              np.array([16], np.int32), np.array([0], np.int32))[1]
-        logits, cache = m.prefill(cache, np.array([a[:9] + [0] * 7], np.int32),
-                                  np.array([9], np.int32), np.array([2], np.int32))
-        out = [np.asarray(logits)[0]]
-        for step in range(4):
-            tokens = np.array([b[16 + step], 5, a[9 + step], 7], np.int32)
-            positions = np.array([16 + step, 1000, 9 + step, 3], np.int32)
-            logits, cache = m.decode_step(cache, tokens, positions)
-            out.append(np.asarray(logits)[2])
-        return np.stack(out)
-
-    np.testing.assert_allclose(run(busy=True), run(busy=False), atol=1e-6)
-
-
 @pytest.mark.parametrize("tp", [1, 2])
-def test_decoding_the_first_slots_only(tiny, tp):
-    """decode_step with R < S tokens decodes slots 0..R-1 exactly as a full step does and
-    leaves the other slots' cache rows untouched."""
+def test_score_equals_a_plain_reference_forward(tiny, tp):
+    """score (the server's step program over pages, every token's logits) against a plain dense
+    forward at tp=1, for sequences shorter and longer than the window (8) and the page table's
+    blocks, scored together and apart."""
     m = tiny[tp]
-    seqs = _random_seqs([7, 11, 5, 9], seed=5)
-    cache = m.init_cache(num_slots=4, max_seq_len=32)
-    tokens = np.array([s + [0] * (16 - len(s)) for s in seqs], np.int32)
-    _, cache = m.prefill(cache, tokens, np.array([len(s) for s in seqs], np.int32),
-                         np.arange(4, dtype=np.int32))
-    before = jax.tree.map(np.asarray, cache)
-    nxt, pos = np.array([11, 12, 13, 14], np.int32), np.array([7, 11, 5, 9], np.int32)
-    full_logits, full_cache = m.decode_step(jax.tree.map(jax.numpy.array, before), nxt, pos)
-    part_logits, part_cache = m.decode_step(cache, nxt[:2], pos[:2])
-    np.testing.assert_allclose(np.asarray(part_logits), np.asarray(full_logits)[:2], atol=1e-6)
-    for full, part, old in zip(jax.tree.leaves(full_cache), jax.tree.leaves(part_cache),
-                               jax.tree.leaves(before)):
-        np.testing.assert_array_equal(np.asarray(part)[:2], np.asarray(full)[:2])
-        np.testing.assert_array_equal(np.asarray(part)[2:], old[2:])
-
-
-def test_generate_is_greedy_and_uses_the_cache(tiny):
-    m = tiny[2]
-    seqs = _random_seqs([4, 10])
-    out = m.generate(seqs, max_new_tokens=12)
-    assert [len(o) for o in out] == [12, 12]
-    for s, new in zip(seqs, out):
-        logits = m.score([s + new])[0]
-        assert new == np.argmax(logits[len(s) - 1:-1], axis=-1).tolist()
-
-
-def test_sampling_is_seeded_and_bounded(tiny):
-    m = tiny[1]
-    seqs = _random_seqs([6, 6], seed=3)
-    a = m.generate(seqs, 8, temperature=1.0, seed=11)
-    assert a == m.generate(seqs, 8, temperature=1.0, seed=11)
-    assert a != m.generate(seqs, 8, temperature=1.0, seed=12)
-    assert m.generate(seqs, 8, temperature=0.7, top_k=1, seed=5) == m.generate(seqs, 8)
-    assert m.generate(seqs, 8, temperature=0.7, top_p=1e-6, seed=5) == m.generate(seqs, 8)
-
-
-def test_generate_stops_at_stop_ids(tiny):
-    m = tiny[1]
-    seqs = _random_seqs([5])
-    free = m.generate(seqs, 10)[0]
-    stop = free[3]
-    out = m.generate(seqs, 10, stop_ids=[stop])[0]
-    assert out == free[:free.index(stop) + 1]
-
-
-def test_buckets():
-    assert prefill_buckets(256) == (32, 64, 128, 256)
-    assert prefill_buckets(1000) == (32, 64, 128, 256, 512, 1000)
+    seqs = _random_seqs([3, 11, 40], seed=tp)
+    together = m.score(seqs)
+    for i, s in enumerate(seqs):
+        ref = reference_logits(m, s)
+        np.testing.assert_allclose(together[i, :len(s)], ref, rtol=1e-5, atol=2e-5)
+        np.testing.assert_allclose(m.score([s])[0], ref, rtol=1e-5, atol=2e-5)
 
 
 def test_bad_input_gets_clear_errors(tiny):
@@ -184,13 +77,6 @@ def test_bad_input_gets_clear_errors(tiny):
         m.score([[2] * 300])
     with pytest.raises(ValueError, match="at least one token"):
         m.score([[]])
-    cache = m.init_cache(num_slots=2, max_seq_len=32)
-    with pytest.raises(ValueError, match="leading cache slots"):
-        m.decode_step(cache, np.array([1, 1, 1], np.int32), np.array([0, 0, 0], np.int32))
-    with pytest.raises(ValueError, match="leading cache slots"):
-        m.decode_step(cache, np.array([1, 1], np.int32), np.array([0], np.int32))
-    with pytest.raises(ValueError, match="exceeds"):
-        m.init_cache(num_slots=1, max_seq_len=10_000)
 
 
 def test_load_model_errors():
@@ -214,96 +100,39 @@ def test_byte_tokenizer_for_small_vocabularies(tiny):
     assert tok.decode([tok.bos_id] + tok.encode("a") + [tok.eos_id]) == "a"
 
 
-@pytest.mark.parametrize("window", [None, 8])
-def test_long_prompts_attend_in_chunks_with_the_same_result(monkeypatch, window):
-    import jax.numpy as jnp
-
-    from models.gemma3 import model as fwd
-
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-               for s in [(2, 64, 4, 8), (2, 64, 2, 8), (2, 64, 2, 8)])
-    whole = fwd.attend_prompt(q, k, v, window)
-    monkeypatch.setattr(fwd, "PROMPT_CHUNK", 16)
-    np.testing.assert_allclose(fwd.attend_prompt(q, k, v, window), whole, rtol=1e-6, atol=1e-6)
+def _score_key(m, length: int, every_token: bool = True) -> ProgramKey:
+    """The program key of `score` of one sequence of `length` <= 8 tokens: T = Q = 8, one row,
+    8 pages of 16 a row in both pools."""
+    return ProgramKey.ragged(8, 1, 8, 8, 8, m.pages_shapes(9, 9, 16), every_token=every_token)
 
 
 def test_compiles_while_loading():
-    """load_model(warm_up=...) compiles from the weights' shapes while they load."""
-    # The shapes of the warm-up tests below (which then find these programs compiled).
+    """load_model(warm_up=...) compiles from the weights' shapes while they load; a call with
+    those shapes then runs the kept executable (the jitted program is never traced) and gives
+    what a model that traces gives."""
     m = load_model(TINY, tp=2, dtype="float32", allreduce=F32,
-                   warm_up=dict(num_slots=2, max_seq_len=32, buckets=[8]))
-    cache = m.init_cache(2, 32)
-    logits, cache = m.prefill(cache, np.array([[2, 7, 9] + [0] * 5], np.int32),
-                              np.array([3], np.int32), np.array([1], np.int32))
-    full = m.score([[2, 7, 9]])[0, 2]
-    np.testing.assert_allclose(np.asarray(logits)[0], full, atol=2e-5)
-
-
-def test_warmed_programs_run_without_tracing():
-    """warm_up keeps the executables it compiles: prefill and decode calls with those shapes run
-    them (the jitted functions are never traced) and agree with a model that traces."""
-    m = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
-    m.warm_up(num_slots=2, max_seq_len=32, buckets=[8], decode_rows=[1, 2])
+                   warm_up=lambda shape_only: shape_only.compile_ragged([_score_key(shape_only, 3)]))
+    assert m.programs.kept() == {_score_key(m, 3)}
+    got = m.score([[2, 7, 9]])
+    assert m.programs.program_of(_score_key(m, 3))._cache_size() == 0
     ref = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
-    outs = []
-    for model in (m, ref):
-        cache = model.init_cache(2, 32)
-        logits, cache = model.prefill(cache, np.array([[2, 7, 9, 0, 0, 0, 0, 0]], np.int32),
-                                      np.array([3]), np.array([1]))
-        step, cache = model.decode_step(cache, np.array([5, 6], np.int32), np.array([0, 3], np.int32))
-        one, cache = model.decode_step(cache, np.array([8], np.int32), np.array([1], np.int32))
-        outs.append([np.asarray(x) for x in (logits, step, one)])
-    cache = m.cache_shapes(2, 32)
-    assert m.programs.kept() == {ProgramKey.prefill(1, 8, cache), ProgramKey.decode(1, cache),
-                                 ProgramKey.decode(2, cache), ProgramKey.write_token(1, cache),
-                                 ProgramKey.write_token(2, cache)}
-    for program in (Program.PREFILL, Program.DECODE, Program.WRITE_TOKEN):
-        assert m.programs.jitted(program)._cache_size() == 0  # never called: the kept ran
-    assert ref.programs.jitted(Program.DECODE)._cache_size() == 2  # rows 2 and 1
-    for a, b in zip(*outs, strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
-def test_warmed_programs_for_a_cache_shorter_than_the_window():
-    """A cache shorter than the sliding window has local layers longer than its global ones:
-    its program key must still name that cache (not the window's), so that warm_up compiles
-    for it and prefill/decode run those executables. (The kept executables were once compiled
-    for global layers as long as the window, and the first prefill failed.)"""
-    m = load_model(TINY + "?window=64", tp=2, dtype="float32", allreduce=F32)
-    for length in (4, 32, 64, 128):
-        cache = m.cache_shapes(2, length)
-        for key in (ProgramKey.prefill(1, 32, cache), ProgramKey.decode(2, cache),
-                    ProgramKey.write_token(2, cache)):
-            assert key.max_seq_len == length
-            abstract = next(a for a in m.programs.abstract_args(key) if isinstance(a, KVCache))
-            assert jax.tree.map(lambda x: x.shape, abstract) == jax.tree.map(
-                lambda x: x.shape, cache)
-    m.warm_up(num_slots=2, max_seq_len=32, buckets=[32], decode_rows=[2])
-    cache = m.init_cache(2, 32)
-    logits, cache = m.prefill(cache, np.array([[2, 7, 9] + [0] * 29], np.int32), np.array([3]),
-                              np.array([0]))
-    step, cache = m.decode_step(cache, np.array([5, 6], np.int32), np.array([3, 0], np.int32))
-    for program in (Program.PREFILL, Program.DECODE, Program.WRITE_TOKEN):
-        assert m.programs.jitted(program)._cache_size() == 0  # the kept executables ran
-    full = m.score([[2, 7, 9, 5]])[0]
-    np.testing.assert_allclose(np.asarray(logits)[0], full[2], atol=2e-5)
-    np.testing.assert_allclose(np.asarray(step)[0], full[3], atol=2e-5)
+    np.testing.assert_array_equal(got, ref.score([[2, 7, 9]]))
+    assert ref.programs.program_of(_score_key(ref, 3))._cache_size() == 1
 
 
 def test_kept_executable_takes_ids_placed_anywhere():
     """Token ids already on one device (not the mesh) are moved to the mesh for a kept
     executable, as jit would do."""
+    from models.gemma3.api import _score_batch
+
     m = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
-    m.warm_up(num_slots=2, max_seq_len=32, buckets=[8], decode_rows=[2])
+    m.compile_ragged([_score_key(m, 3)])
     one = jax.devices()[0]
-    cache = m.init_cache(2, 32)
-    tokens = jax.device_put(np.array([[2, 7, 9, 0, 0, 0, 0, 0]], np.int32), one)
-    logits, cache = m.prefill(cache, tokens, jax.device_put(np.array([3]), one),
-                              jax.device_put(np.array([0]), one))
-    ref = m.score([[2, 7, 9]])[0, 2]
-    np.testing.assert_allclose(np.asarray(logits)[0], ref, atol=2e-5)
-    assert m.programs.jitted(Program.PREFILL)._cache_size() == 0
+    batch = _score_batch([[2, 7, 9]], 1, 8, 8)
+    batch = type(batch)(**{k: jax.device_put(v, one) for k, v in vars(batch).items()})
+    _, every, _ = m.ragged_step(m.init_pages(9, 9, 16), batch, every_token=True)
+    np.testing.assert_allclose(np.asarray(every)[:3], m.score([[2, 7, 9]])[0], atol=2e-5)
+    assert m.programs.program_of(_score_key(m, 3))._cache_size() == 0
 
 
 def test_reduction_hook_runs_at_every_tensor_parallel_reduction(tiny):
@@ -370,13 +199,9 @@ def test_models_are_not_kept_alive_by_the_library():
     import weakref
 
     m = load_model(TINY, tp=2, dtype="float32", allreduce=F32)
-    cache = m.init_cache(2, 32)
-    # Shapes the tests above compiled programs for (the session's compilation cache has them).
-    _, cache = m.prefill(cache, np.array([[2, 7, 9, 0, 0, 0, 0, 0]], np.int32), np.array([3]),
-                         np.array([0]))
-    m.generate([[2, 7], [2, 9]], 2)
+    m.score([[2, 7, 9], [2, 9]])
     refs = [weakref.ref(m), weakref.ref(m.programs), weakref.ref(m.weights)]
-    del m, cache
+    del m
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
 

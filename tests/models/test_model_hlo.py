@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce
-from models.gemma3 import ProgramKey, load_model
+from models.gemma3 import load_model
 from models.gemma3.sharding import make_mesh
 
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "all-to-all", "reduce-scatter",
@@ -49,38 +49,27 @@ def equarx_alone(tp: int, shape: tuple[int, ...], config: AllReduceConfig) -> di
 CASES = [(4, "bf16"), (2, "int8")]
 
 
+def _local_pages(queries: int, window: int = 8, page: int = 16) -> int:
+    return -(-(window - 1 + queries) // page) + 1
+
+
 @pytest.mark.parametrize("tp,method", CASES)
 def test_two_equarx_all_reduces_per_layer_and_one_for_the_embedding(tp, method):
     config = AllReduceConfig(method=method)
     m = load_model("random:tiny", tp=tp, dtype="bfloat16", allreduce=config)
     layers, d = m.config.num_layers, m.config.d_model
-    batch, bucket, slots = 2, 32, 3
-    for name, lowered, act_shape in [
-        ("prefill", m.lower_prefill(batch, bucket, slots, 64), (batch, bucket, d)),
-        ("decode", m.lower_decode(slots, 64), (slots, 1, d)),
-    ]:
-        ops = collectives(lowered.compile().as_text())
+    pages = m.pages_shapes(17, 17, 16)
+    # (T, S, Q): a decode step of 8 rows, a lone prompt's piece of 32 tokens.
+    for name, (t, s, q) in [("decode", (8, 8, 1)), ("prompt piece", (32, 1, 32))]:
+        key = m.ragged_key(t, s, q, 8, _local_pages(q), pages)
+        ops = collectives(m.lower_ragged(key).compile().as_text())
+        act_shape = (1, t, d)
         per_call = equarx_alone(tp, act_shape, config)
-        act = 1
-        for n in act_shape:
-            act *= n
         assert set(ops) <= {"all-reduce", "collective-permute"}, (name, dict(ops))
         # Every all-reduce carries one activation: 2 per layer from equarx (if its method uses
         # XLA's all-reduce at all) plus the embedding's.
-        assert [elements(s) for s in ops["all-reduce"]] == [act] * len(ops["all-reduce"]), name
+        assert [elements(x) for x in ops["all-reduce"]] == [t * d] * len(ops["all-reduce"]), name
         assert len(ops["all-reduce"]) == 2 * layers * len(per_call["all-reduce"]) + 1, name
         assert len(ops["collective-permute"]) == 2 * layers * len(per_call["collective-permute"])
         if method == "int8":  # the ring: only the embedding's all-reduce is left to XLA
             assert len(ops["all-reduce"]) == 1 and per_call["collective-permute"]
-
-
-def test_cache_writes_communicate_nothing():
-    """The write-only programs that store new keys/values touch each device's own shard."""
-    m = load_model("random:tiny", tp=2, dtype="bfloat16")
-    key = ProgramKey.write_token(3, m.cache_shapes(3, 64))
-    # The cache write is lowered for exactly what the decode program returns.
-    returned = jax.tree.leaves(m.lower_decode(3, 64).out_info[1])
-    expected = jax.tree.leaves(m.programs.abstract_args(key)[1])
-    assert len(returned) == len(expected) == 2 * m.config.num_layers
-    assert [(r.shape, r.dtype) for r in returned] == [(e.shape, e.dtype) for e in expected]
-    assert not collectives(m.programs.lower(key).compile().as_text())

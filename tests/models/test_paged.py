@@ -15,6 +15,7 @@ from models.gemma3 import load_model
 from models.gemma3 import model as forward
 from models.gemma3.paged_kv import SCRATCH
 from models.gemma3.ragged import RaggedBatch, kernel_metadata, paged_attention
+from tests.models.reference import reference_logits
 
 F32 = AllReduceConfig(method="f32")
 TINY = "random:tiny"  # 3 layers (local, global, local), window 8, 2 KV heads, vocabulary 512
@@ -108,21 +109,13 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_chunked_prompt_and_decode_equal_prefill_and_decode(tiny, tp):
+def test_chunked_prompt_and_decode_equal_the_reference_forward(tiny, tp):
     """A 20-token prompt (the window is 8) in chunks of 6, then 4 decode steps, through ragged
-    steps over randomly ordered, recycled pages: the dense cache's logits within float32
-    rounding (the sums run in another order: measured max relative difference ~1e-6)."""
+    steps over randomly ordered, recycled pages: a plain dense forward's logits of the whole
+    sequence within float32 rounding (the sums run in another order)."""
     m = tiny[tp]
     prompt, chunk, bucket = _tokens(20, 1), 6, (8, 2, 8, 16, local_pages(8))
-    cache = m.init_cache(1, 64)
-    ref, cache = m.prefill(cache, np.array([prompt + [0] * 12]), np.array([20]), np.array([0]))
-    refs, fed = [np.asarray(ref)[0]], []
-    for pos in range(20, 24):
-        fed.append(int(np.argmax(refs[-1])))
-        ref, cache = m.decode_step(cache, np.array([fed[-1]]), np.array([pos]))
-        refs.append(np.asarray(ref)[0])
-
-    host, pages, got = Host(m.config, seed=tp), m.init_pages(POOL, POOL, PAGE), []
+    host, pages, got, fed = Host(m.config, seed=tp), m.init_pages(POOL, POOL, PAGE), [], []
     for start in range(0, 20, chunk):
         piece = Piece(0, tuple(prompt[start:start + chunk]), start)
         final = start + chunk >= 20
@@ -130,11 +123,13 @@ def test_chunked_prompt_and_decode_equal_prefill_and_decode(tiny, tp):
         host.advance(0, min(start + chunk, 20))
         if final:
             got.append(np.asarray(logits)[0])
-    for pos, token in zip(range(20, 24), fed):
-        logits, pages = m.ragged_step(pages, host.batch([Piece(0, (token,), pos)], bucket))
+    for pos in range(20, 24):
+        fed.append(int(np.argmax(got[-1])))
+        logits, pages = m.ragged_step(pages, host.batch([Piece(0, (fed[-1],), pos)], bucket))
         host.advance(0, pos + 1)
         got.append(np.asarray(logits)[0])
-    for g, r in zip(got, refs):
+    ref = reference_logits(m, prompt + fed)[19:]
+    for g, r in zip(got, ref):
         assert _rel(g, r) < 1e-5
 
 
@@ -180,33 +175,6 @@ def test_the_gpu_form_equals_the_cpu_form():
         np.testing.assert_array_equal(g.argmax(-1), w.argmax(-1))
 
 
-def dense_logits(m, tokens, visible):
-    """Every position's logits of one sequence by plain dense attention over all its keys, with
-    the mask written out from the rule: key j is seen by query i iff j <= visible[i] and, in a
-    local layer, j > i - W. Built from model.py's blocks at tp=1, no cache, no pages."""
-    ctx = forward.Ctx(config=m.config, tp=1, allreduce=F32)
-    n, window = len(tokens), m.config.sliding_window
-    positions = jnp.arange(n, dtype=jnp.int32)[None]
-    masks = {kind: np.array([[j <= visible[i] and (kind == "global" or j > i - window)
-                              for j in range(n)] for i in range(n)]) for kind in ("global",
-                                                                                   "local")}
-
-    def logits(weights, tokens, masks):
-        def attn(x, w, layer, kind):
-            q, k, v = forward.project_qkv(x, w, positions, kind, ctx)
-            enc = forward.attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
-                                 masks[kind][None])
-            return forward.output_projection(enc, w.o), None
-
-        x = forward.embed_tokens(weights.embed, tokens, ctx)
-        x, _ = forward.run_layers(x, weights, attn, ctx)
-        x = forward.rms_norm(x[0], weights.final_norm, m.config.norm_eps)
-        return forward.output_logits(x, weights.embed)
-
-    # One compiled program (the same blocks), not one per eager op.
-    return np.asarray(jax.jit(logits)(m.weights, jnp.asarray([tokens], jnp.int32), masks))
-
-
 def test_a_bidirectional_span_matches_a_dense_reference(tiny):
     """Positions 7..10 form a span (visible = 10) inside the second of two prompt chunks; then
     one decode token. The ragged steps' logits equal the dense reference's, which differ from
@@ -223,8 +191,8 @@ def test_a_bidirectional_span_matches_a_dense_reference(tiny):
                   Piece(0, (tokens[12],), 12)):
         logits, pages = m.ragged_step(pages, host.batch([piece], bucket))
         got.append(np.asarray(logits)[0])
-    ref = dense_logits(m, tokens, visible)
-    causal = dense_logits(m, tokens, list(range(13)))
+    ref = reference_logits(m, tokens, visible)
+    causal = reference_logits(m, tokens, list(range(13)))
     for g, pos in zip(got, (5, 11, 12)):
         assert _rel(g, ref[pos]) < 1e-5
     assert _rel(ref[11], causal[11]) > 1e-3 and _rel(ref[12], causal[12]) > 1e-3

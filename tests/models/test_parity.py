@@ -68,10 +68,15 @@ def test_float32_matches_official(params, golden, tp):
 
 
 def test_generate_with_kv_cache_reproduces_official_greedy(golden):
-    """The user path: weights and tokenizer straight from the GGUF, tp=2, prefill once and 23
-    cached decode steps; identical 24-token greedy continuations for every prompt."""
+    """The user path: weights and tokenizer straight from the GGUF, tp=2, the server's engine
+    (`serving.LLM`: each prompt in one ragged step, then 23 decode steps over its pages);
+    identical 24-token greedy continuations for every prompt."""
+    from serving import LLM, SamplingParams
+
     m = load_model("gemma3-270m", tp=2, dtype="float32", allreduce=F32_ALLREDUCE, max_seq_len=128)
-    out = m.generate(golden["prompts"], max_new_tokens=24)
+    with LLM(m, max_num_seqs=len(golden["prompts"]), max_seq_len=128) as llm:
+        out = llm.generate(golden["prompts"], SamplingParams(max_tokens=24, temperature=0.0,
+                                                             ignore_eos=True))
     for i, expected in enumerate(golden["greedy"]):
         assert out[i] == expected.tolist(), f"prompt {i}"
     prompt = [m.tokenizer.bos_id] + m.tokenizer.encode("The capital of France is")

@@ -8,31 +8,22 @@ import numpy as np
 import pytest
 
 from equarx import AllReduceConfig
-from models.gemma3 import Program, load_model
+from models.gemma3 import load_model
 from models.gemma3.program_cache import SUFFIX
 
 TINY = "random:tiny"
 INT8 = AllReduceConfig(method="int8", pipelined=False)
 
 
-def _prefill(model, slots=2):
-    cache = model.init_cache(num_slots=slots, max_seq_len=32)
-    tokens = np.array([[2, 7, 9, 11, 0, 0, 0, 0], [2, 5, 6, 0, 0, 0, 0, 0]], np.int32)
-    logits, cache = model.prefill(cache, tokens, np.array([4, 3]), np.array([0, 1]))
-    return np.asarray(logits), cache
+def _score(model, long=False):
+    """Every token's logits of two prompts (or one longer one: another step shape), through
+    the ragged step's all-logits program."""
+    return model.score([[2, 7, 9, 11, 13, 2, 8, 9, 10]] if long else [[2, 7, 9, 11], [2, 5, 6]])
 
 
 def _run(model):
-    """Prefill two prompts, decode 3 steps, score: every program kind the model has."""
-    logits, cache = _prefill(model)
-    steps = [logits]
-    ids, pos = np.argmax(logits, -1).astype(np.int32), np.array([4, 3], np.int32)
-    for _ in range(3):
-        logits, cache = model.decode_step(cache, ids, pos)
-        steps.append(np.asarray(logits))
-        ids, pos = np.argmax(steps[-1], -1).astype(np.int32), pos + 1
-    steps.append(model.score([[2, 7, 9, 11]]))
-    return steps
+    """Two step shapes: two programs."""
+    return [_score(model), _score(model, long=True)]
 
 
 def _load(directory, allreduce=INT8, tp=2):
@@ -56,8 +47,8 @@ def stored(tmp_path_factory, plain):
     directory = tmp_path_factory.mktemp("programs")
     model = _load(directory)
     results = _run(model)
-    assert _stats(model) == {"exported": 4}  # prefill, decode, write_token, score
-    assert len(list(directory.glob(f"*{SUFFIX}"))) == 4
+    assert _stats(model) == {"exported": 2}
+    assert len(list(directory.glob(f"*{SUFFIX}"))) == 2
     return directory, results
 
 
@@ -65,7 +56,7 @@ def test_second_instance_loads_programs_and_matches(stored, plain):
     directory, first = stored
     second = _load(directory)
     got = _run(second)
-    assert _stats(second) == {"loaded": 4}
+    assert _stats(second) == {"loaded": 2}
     for a, b, c in zip(plain, first, got, strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
@@ -80,30 +71,30 @@ def test_stored_int8_programs_call_the_native_cpu_kernels(stored):
     modules = [jax.export.deserialize(bytearray(pickle.loads(p.read_bytes())[2])).mlir_module()
                for p in stored[0].glob(f"*{SUFFIX}")]
     for target in (native_cpu.ENCODE_TARGET, native_cpu.GATHER_TARGET):
-        assert sum(target in m for m in modules) >= 3  # prefill, decode, score
+        assert sum(target in m for m in modules) == 2
 
 
 def test_other_settings_or_shapes_never_reuse_a_program(stored, tmp_path):
     directory = tmp_path / "copy"
     shutil.copytree(stored[0], directory)
     other = _load(directory, allreduce=AllReduceConfig(method="f32"))
-    _prefill(other)
+    _score(other)
     assert _stats(other) == {"exported": 1}
     single = _load(directory, tp=1)
-    _prefill(single)
-    _prefill(single, slots=3)  # another cache shape: another program
+    _score(single)
+    _score(single, long=True)  # another step shape: another program
     assert _stats(single) == {"exported": 2}
-    assert len(list(directory.glob(f"*{SUFFIX}"))) == 7
+    assert len(list(directory.glob(f"*{SUFFIX}"))) == 5
 
 
 def test_unreadable_file_is_traced_again_and_replaced(stored, plain, tmp_path, caplog):
     directory = tmp_path / "copy"
     shutil.copytree(stored[0], directory)
-    (path,) = directory.glob(f"decode-*{SUFFIX}")
+    path = sorted(directory.glob(f"ragged_all-*{SUFFIX}"))[0]
     path.write_bytes(path.read_bytes()[:100])  # truncated
     model = _load(directory)
     got = _run(model)
-    assert _stats(model) == {"loaded": 3, "unreadable": 1, "exported": 1}
+    assert _stats(model) == {"loaded": 1, "unreadable": 1, "exported": 1}
     assert "cannot read" in caplog.text
     for a, b in zip(plain, got, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -111,12 +102,20 @@ def test_unreadable_file_is_traced_again_and_replaced(stored, plain, tmp_path, c
     assert jax.export.deserialize(bytearray(blob)).nr_devices == 2
 
 
-def test_lowering_for_warm_up_goes_through_the_cache(tmp_path):
-    _load(tmp_path, tp=1).warm_up(num_slots=2, max_seq_len=32, buckets=[8])
+def _key(model):
+    """The step program of `_score`'s two prompts (T = 2 rows x 8, Q = 8, 8 pages a row)."""
+    from models.gemma3 import ProgramKey
+
+    return ProgramKey.ragged(16, 2, 8, 8, 8, model.pages_shapes(17, 17, 16), every_token=True)
+
+
+def test_lowering_ahead_of_time_goes_through_the_cache(tmp_path):
+    first = _load(tmp_path, tp=1)
+    first.compile_ragged([_key(first)])
     model = _load(tmp_path, tp=1)
-    model.warm_up(num_slots=2, max_seq_len=32, buckets=[8])
-    assert _stats(model) == {"loaded": 3}  # prefill, decode, write_token
-    np.testing.assert_array_equal(_prefill(model)[0], _prefill(_load(None, tp=1))[0])
+    model.compile_ragged([_key(model)])
+    assert _stats(model) == {"loaded": 1}
+    np.testing.assert_array_equal(_score(model), _score(_load(None, tp=1)))
 
 
 def test_a_program_export_refuses_runs_uncached(tmp_path, caplog):
@@ -137,16 +136,17 @@ def test_a_program_export_refuses_runs_uncached(tmp_path, caplog):
 
 
 def test_outputs_fed_back_reuse_the_program(tmp_path):
-    """A cache returned by a program (its sharding spelled differently: P() on a 1-device
-    mesh) has the signature of the one init_cache made: one stored program per kind."""
+    """Pages returned by a step (their sharding spelled differently: P() on a 1-device mesh)
+    have the signature of the ones init_pages made: one stored program per step shape."""
+    from models.gemma3.api import _score_batch
+
     model = _load(tmp_path, tp=1)
-    cache = model.init_cache(num_slots=2, max_seq_len=32)
-    ids = np.array([5, 6], np.int32)
-    for step in range(3):  # first on init_cache's arrays, then on the step's own outputs
-        _, cache = model.decode_step(cache, ids, np.array([step, step], np.int32))
-    assert _stats(model) == {"exported": 2}  # decode, write_token
-    assert len(model.programs.jitted(Program.DECODE)._entries) == 1
-    assert len(model.programs.jitted(Program.WRITE_TOKEN)._entries) == 1
+    pages = model.init_pages(17, 17, 16)
+    batch = _score_batch([[2, 7, 9, 11], [2, 5, 6]], 2, 8, 8)
+    for _ in range(3):  # first on init_pages's arrays, then on the step's own outputs
+        _, _, pages = model.ragged_step(pages, batch, every_token=True)
+    assert _stats(model) == {"exported": 1}
+    assert len(model.programs.program_of(_key(model))._entries) == 1
 
 
 # A fresh process (this one has the kernels loaded): a model whose AllReduce never calls the

@@ -46,8 +46,8 @@ def test_weights_are_split_over_the_product_of_the_axes(models):
         where = {s.device: s.index for s in a.addressable_shards}
         for s in b.addressable_shards:
             assert s.index == where[one.mesh.devices.flat[devices.index(s.device)]]
-    cache = two.init_cache(num_slots=2, max_seq_len=32)
-    assert cache.layers[1].k.sharding.spec == P(None, ("x", "y"), None, None)
+    pages = two.init_pages(5, 5, 4)
+    assert pages.layers[1].kv.sharding.spec == P(None, None, ("x", "y"), None)
 
 
 def test_float32_logits_equal_the_1d_mesh(models):
@@ -58,8 +58,14 @@ def test_float32_logits_equal_the_1d_mesh(models):
 
 def test_greedy_generation_equals_the_1d_mesh(models):
     seqs = _seqs()
-    want = models["f32", None].generate(seqs, 8)
-    assert models["f32", "2x2"].generate(seqs, 8) == want
+    from serving import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = {}
+    for mesh in (None, "2x2"):
+        with LLM(models["f32", mesh], max_num_seqs=len(seqs), max_seq_len=64) as llm:
+            out[mesh] = llm.generate(seqs, params)
+    assert out["2x2"] == out[None]
 
 
 def test_int8_multi_axis_is_as_close_as_the_1d_ring(models):
