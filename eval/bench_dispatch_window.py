@@ -16,8 +16,8 @@ import json
 import time
 
 
-def run(model: str = "gemma3-270m", tp: int = 2, slots: int = 8, steps: int = 48, repeats: int = 4,
-        log=print) -> dict:
+def run(model: str = "gemma3-270m", tp: int = 2, max_num_seqs: int = 8, steps: int = 48,
+        repeats: int = 4, log=print) -> dict:
     import jax_platform
 
     jax_platform.ensure_cpu_devices(tp)
@@ -27,8 +27,9 @@ def run(model: str = "gemma3-270m", tp: int = 2, slots: int = 8, steps: int = 48
     from models.gemma3 import load_model
     from serving import PagedRunner
 
-    engine = PagedRunner(load_model(model, tp=tp, max_seq_len=1024), max_num_seqs=slots,
-                         max_seq_len=1024, chunk_size=16, prefix_caching=False, model_name="bench")
+    engine = PagedRunner(load_model(model, tp=tp, max_seq_len=1024), max_num_seqs=max_num_seqs,
+                         max_seq_len=1024, long_prefill_token_threshold=16, prefix_caching=False,
+                         model_name="bench")
     engine.warmup(lambda _: None)
     # The runner sets its window's limit from its devices (DEFAULT_LIMIT where XLA:CPU can
     # wedge, else 0); the runs below switch it by hand, the same window otherwise.
@@ -41,7 +42,7 @@ def run(model: str = "gemma3-270m", tp: int = 2, slots: int = 8, steps: int = 48
         window.limit = limit
         window.drain()
         drains, window.most_unfinished = window.drains, 0
-        batch = decode_batch(engine.info, slots, 10, engine.tokenizer.bos_id)
+        batch = decode_batch(engine.info, max_num_seqs, 10, engine.tokenizer.bos_id)
         prev = None
         t0 = time.perf_counter()
         for _ in range(n):
@@ -62,10 +63,11 @@ def run(model: str = "gemma3-270m", tp: int = 2, slots: int = 8, steps: int = 48
         drains, most = drains + waits, max(most, unfinished)
         times["none"].append(steps_ms(0, steps)[0])
     med = {k: float(np.median(v)) for k, v in times.items()}
-    report = {"model": model, "tp": tp, "slots": slots, "steps": steps, "window_limit": on,
+    report = {"model": model, "tp": tp, "max_num_seqs": max_num_seqs, "steps": steps,
+              "window_limit": on,
               "ms_per_step": times, "median_ms": med, "ratio": med["window"] / med["none"],
               "drains": drains, "most_unfinished": most}
-    log(f"tp={tp}, {slots} rows, window of {on} programs: {med['window']:.1f} ms a step, without "
+    log(f"tp={tp}, {max_num_seqs} rows, window of {on} programs: {med['window']:.1f} ms a step, without "
         f"{med['none']:.1f} ms: {report['ratio']:.3f}x; {drains} waits with the window on")
     return report
 
@@ -74,12 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
-    report = run(args.model, args.tp, args.slots, args.steps, args.repeats)
+    report = run(args.model, args.tp, args.max_num_seqs, args.steps, args.repeats)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

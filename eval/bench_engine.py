@@ -15,7 +15,7 @@ costs and gains of the engine's scheduling modes (docs/engine.md):
               stream; the first burst's time and longest gap against the second's.
 
     python -m eval.bench_engine                          # all four, gemma3-270m bfloat16
-    python -m eval.bench_engine --only prefix,itl --prefill-chunk 16 --out report.json
+    python -m eval.bench_engine --only prefix,itl --long-prefill-token-threshold 16 --out report.json
 """
 from __future__ import annotations
 
@@ -72,11 +72,13 @@ def _submit(core, ids, max_tokens: int) -> Stream:
     return s
 
 
-def _engine(model, args, deterministic: bool, prefix: bool, slots: int, background: bool = True):
+def _engine(model, args, deterministic: bool, prefix: bool, max_num_seqs: int,
+            background: bool = True):
     from serving import PagedRunner
 
-    engine = PagedRunner(model, max_num_seqs=slots, max_seq_len=args.max_seq_len,
-                         page_size=args.page_size, chunk_size=args.prefill_chunk,
+    engine = PagedRunner(model, max_num_seqs=max_num_seqs, max_seq_len=args.max_seq_len,
+                         page_size=args.page_size,
+                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                          prefix_caching=prefix, deterministic=deterministic, model_name="bench")
     # Ready as a server is once its background compiler is done (serving/runtime.py,
     # serving/background_compile.py): the warm-up's programs compiled and run, then every other
@@ -89,7 +91,8 @@ def _engine(model, args, deterministic: bool, prefix: bool, slots: int, backgrou
     if args.background_compile and background:
         engine.model.compile_ragged(engine.later_programs())
     print(f"  engine ({'deterministic' if deterministic else 'default'} mode, pieces of "
-          f"{engine.info.chunk_size}, {slots} sequences) compiled and warmed up in "
+          f"{engine.info.long_prefill_token_threshold}, {max_num_seqs} sequences) compiled and "
+          f"warmed up in "
           f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return engine
 
@@ -104,7 +107,7 @@ def bench_throughput(model, args) -> dict:
     lengths = np.random.default_rng(0).integers(args.tokens // 2, 3 * args.tokens // 2 + 1, (8, args.requests))
     prompts = [[model.tokenizer.bos_id] + _text_ids(model.tokenizer, 24, i) for i in range(8 * args.requests)]
     modes = {"default": False, "deterministic": True}
-    cores = {name: EngineCore(_engine(model, args, det, prefix=False, slots=8)).start()
+    cores = {name: EngineCore(_engine(model, args, det, prefix=False, max_num_seqs=8)).start()
              for name, det in modes.items()}
     runs: dict[str, list] = {name: [] for name in modes}
 
@@ -147,7 +150,7 @@ def bench_prefix(model, args) -> dict:
     one's; and the prompt tokens the second found cached (whole pages of the shared prefix)."""
     from serving import EngineCore
 
-    engine = _engine(model, args, False, prefix=True, slots=args.slots)
+    engine = _engine(model, args, False, prefix=True, max_num_seqs=args.max_num_seqs)
     tok = model.tokenizer
     prefix = [tok.bos_id] + _text_ids(tok, args.prefix_tokens - 1, 100)
     core = EngineCore(engine).start()
@@ -173,7 +176,7 @@ def bench_itl(model, args) -> dict:
 
     out = {}
     for name, det in (("default", False), ("deterministic", True))[:args.itl_modes]:
-        engine = _engine(model, args, det, prefix=False, slots=args.slots)
+        engine = _engine(model, args, det, prefix=False, max_num_seqs=args.max_num_seqs)
         tok = model.tokenizer
         core = EngineCore(engine).start()
         try:
@@ -230,7 +233,7 @@ def bench_burst(model, args) -> dict:
     token, and its longest gap between two tokens of a stream."""
     from serving import EngineCore
 
-    engine = _engine(model, args, False, prefix=True, slots=8, background=False)
+    engine = _engine(model, args, False, prefix=True, max_num_seqs=8, background=False)
     tok = model.tokenizer
     core = EngineCore(engine).start()
     runs = []
@@ -264,11 +267,11 @@ def main(argv=None) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--allreduce", default="bf16")
     p.add_argument("--max-seq-len", type=int, default=2560)
-    p.add_argument("--prefill-chunk", type=int, default=0, help="the most prompt tokens a step "
-                   "computes for one sequence beside others (a multiple of --page-size; 0: "
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the most prompt "
+                   "tokens a step computes for one sequence beside others (a multiple of --page-size; 0: "
                    "each mode's default, 16 or deterministic 64)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--slots", type=int, default=8, help="sequences running at once (max_num_seqs)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences running at once")
     p.add_argument("--tokens", type=int, default=64, help="throughput: mean tokens per request")
     p.add_argument("--requests", type=int, default=4, help="throughput: requests per stream")
     p.add_argument("--repeats", type=int, default=3, help="throughput: runs per mode, alternating (median)")
@@ -291,13 +294,14 @@ def main(argv=None) -> None:
     from serving import ServerConfig, configure_jax, load_configured_model
 
     config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
-                          max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                          max_seq_len=args.max_seq_len,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold,
                           page_size=args.page_size, compile_cache_dir=args.compile_cache_dir)
     configure_jax(config)
     model = load_configured_model(config)
     report = {"model": args.model, "dtype": args.dtype, "tp": args.tp, "allreduce": args.allreduce,
-              "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
-              "page_size": args.page_size,
+              "max_seq_len": args.max_seq_len,
+              "long_prefill_token_threshold": args.long_prefill_token_threshold, "page_size": args.page_size,
               "command": "python -m eval.bench_engine " + " ".join(argv if argv is not None else sys.argv[1:])}
     for part in args.only.split(","):
         print(f"{part}:", file=sys.stderr)

@@ -201,7 +201,7 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="random:tiny?vision=tiny")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=16)
     p.add_argument("--stream-tokens", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--kinds", default="text,whole,staged,spans",
@@ -230,10 +230,11 @@ def main(argv=None) -> dict:
     model = load_model(args.model, tp=args.tp, dtype=args.dtype, max_seq_len=4096 + 512,
                        allreduce=AllReduceConfig(method="f32"))
     engine = PagedRunner(model, max_num_seqs=4, max_seq_len=4096 + 512, page_size=16,
-                         chunk_size=args.chunk, deterministic=args.deterministic,
-                         model_name="bench")
+                         long_prefill_token_threshold=args.long_prefill_token_threshold,
+                         deterministic=args.deterministic, model_name="bench")
     core = EngineCore(engine).start()
-    results = {"model": args.model, "tp": args.tp, "chunk": args.chunk,
+    results = {"model": args.model, "tp": args.tp,
+               "long_prefill_token_threshold": args.long_prefill_token_threshold,
                "deterministic": args.deterministic,
                "encoder_budget_flops": engine.encoder.budget_flops,
                "encoder_stages": len(engine.encoder.stages), "stall": {}}

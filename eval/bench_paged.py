@@ -19,7 +19,7 @@ The other measurements (`--only`):
             alternating: the attention's cost without the scheduling and prefill around it.
   ttft      a lone prompt of --prompt-tokens (e.g. 900): its time to first token, the two modes
             alternating (the default mode runs a lone prompt in pieces of the whole step
-            budget, the deterministic mode in pieces of --prefill-chunk).
+            budget, the deterministic mode in pieces of --long-prefill-token-threshold).
   streams   the paged engine with max_num_seqs = the largest of --streams: output tokens/s at
             each stream count.
   capacity  how many sequences of --prompt-tokens the paged engine serves at once in the KV
@@ -55,8 +55,8 @@ def build(model, kind: str, max_seq_len: int, chunk: int):
     if kind not in ENGINES:
         raise SystemExit(f"unknown engine {kind!r}: one of {', '.join(ENGINES)}")
     engine = PagedRunner(model, max_num_seqs=8, max_seq_len=max_seq_len, page_size=16,
-                         chunk_size=chunk, prefix_caching=False, model_name="bench",
-                         deterministic=kind == "paged-deterministic")
+                         long_prefill_token_threshold=chunk, prefix_caching=False,
+                         model_name="bench", deterministic=kind == "paged-deterministic")
     nbytes = sum(x.nbytes for x in _leaves(engine.pages))
     t = engine.warmup(lambda msg: None)
     print(f"  {kind} at max_seq_len {max_seq_len}: warmed up in {t:.0f}s, KV cache "
@@ -128,7 +128,7 @@ def streams_scaling(model, length: int, counts: list[int], tokens: int, prompt_t
 
     tok = model.tokenizer
     engine = PagedRunner(model, max_num_seqs=max(counts), max_seq_len=length, page_size=16,
-                         chunk_size=chunk, prefix_caching=False, model_name="bench")
+                         long_prefill_token_threshold=chunk, prefix_caching=False, model_name="bench")
     engine.warmup(lambda msg: None)
     core = EngineCore(engine).start()
     rates = {n: [] for n in counts}
@@ -257,7 +257,7 @@ def compare_engines(model, args) -> dict:
     for length in _lengths(args):
         cores, sizes = {}, {}
         for kind in args.engines.split(","):
-            engine, sizes[kind] = build(model, kind, length, args.prefill_chunk)
+            engine, sizes[kind] = build(model, kind, length, args.long_prefill_token_threshold)
             cores[kind] = EngineCore(engine).start()
         try:
             runs = {k: {"lone_itl_s": [], "batch_tok_s": []} for k in cores}
@@ -298,7 +298,7 @@ def main(argv=None) -> dict:
                    help="comma-separated: " + ", ".join(ENGINES))
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=200)
-    p.add_argument("--prefill-chunk", type=int, default=0,
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="0: each mode's default (16, deterministic 64)")
     p.add_argument("--streams", default="8,32", help="with --only streams: stream counts")
     p.add_argument("--step-context", type=int, default=256, help="with --only step")
@@ -318,11 +318,11 @@ def main(argv=None) -> dict:
         results["runs"] = step_times(model, lengths, args.step_context, args.repeats)
     elif args.only == "ttft":
         results["runs"] = lone_ttft(model, lengths[0], args.prompt_tokens, args.repeats,
-                                    args.prefill_chunk)
+                                    args.long_prefill_token_threshold)
     elif args.only == "streams":
         results["runs"] = streams_scaling(model, lengths[0], [int(x) for x in args.streams.split(",")],
                                           args.tokens, args.prompt_tokens, args.repeats,
-                                          args.prefill_chunk)
+                                          args.long_prefill_token_threshold)
     elif args.only == "capacity":
         results["runs"] = capacity(model, 48, args.prompt_tokens)
     else:

@@ -20,7 +20,7 @@ meets 7 others in the same prefill burst; r > 0 lets them drift apart as in real
 
 --engine-ratio R: the server's 8-stream output tokens/s against the engine's batch-8 decode
 tokens/s measured in this process (the same paged engine the server builds, `load_runner`,
-driven directly: ragged steps of one token for each of max-batch rows, each step's tokens fed to
+driven directly: ragged steps of one token for each of max-num-seqs rows, each step's tokens fed to
 the next, no scheduler, no HTTP), R times each, alternating (engine, server, engine, ...), and
 their median ratio:
 
@@ -130,7 +130,7 @@ def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = F
     core's overlapped loop does."""
     from eval.paged_decode import decode_batch
 
-    batch = decode_batch(engine.info, engine.info.num_slots, start, engine.tokenizer.bos_id)
+    batch = decode_batch(engine.info, engine.info.max_num_seqs, start, engine.tokenizer.bos_id)
 
     def run(n: int) -> None:
         pending = None
@@ -148,7 +148,7 @@ def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = F
     run(2)  # warm: the step's programs and, overlapped, the token feed's
     t0 = time.perf_counter()
     run(steps)
-    return engine.info.num_slots * steps / (time.perf_counter() - t0)
+    return engine.info.max_num_seqs * steps / (time.perf_counter() - t0)
 
 
 def load_local_engine(args):
@@ -158,18 +158,18 @@ def load_local_engine(args):
     if args.server_arg:
         raise SystemExit("--engine-ratio does not pass --server-arg to the local engine: drop them")
     config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
-                          max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+                          max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len)
     jax_platform.request_cpu_devices(args.tp)
     return load_runner(config, lambda msg: None)
 
 
 def engine_ratio(args, url: str, model: str, engine) -> dict:
-    """Alternating engine and max-batch-stream server runs; medians and their ratio. The engine
+    """Alternating engine and max-num-seqs-stream server runs; medians and their ratio. The engine
     runs its decode steps one by one (`run_step`) and overlapped (`dispatch_step`)."""
     modes = ["sync", "overlapped"]
     eng: dict[str, list[float]] = {m: [] for m in modes}
     srv = []
-    n = engine.info.num_slots
+    n = engine.info.max_num_seqs
     for _ in range(args.engine_ratio):
         for m in modes:
             eng[m].append(engine_decode_rate(engine, args.engine_steps, overlapped=m == "overlapped"))
@@ -192,7 +192,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     env = jax_platform.child_environment()
     cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port), "--model", args.model,
            "--dtype", args.dtype, "--tp", str(args.tp), "--allreduce", args.allreduce,
-           "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-seq-len", str(args.max_seq_len),
            *args.server_arg]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -232,13 +232,13 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (mean)")
     p.add_argument("--range-ratio", type=float, default=None,
                    help="output lengths uniform in [L(1-r), L(1+r)]; 0 = all equal (default 0.5; "
-                        "with --engine-ratio 0, so that the server stays at max-batch streams "
+                        "with --engine-ratio 0, so that the server stays at max-num-seqs streams "
                         "until the end, as the engine's batch does)")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--engine-ratio", type=int, default=0, metavar="R",
                    help="instead of the levels: R alternating runs of the engine's batch decode "
-                        "(in this process) and the server at max-batch streams, and their ratio")
+                        "(in this process) and the server at max-num-seqs streams, and their ratio")
     p.add_argument("--engine-steps", type=int, default=128, help="--engine-ratio: decode steps per engine run")
     g = p.add_argument_group("server started by the benchmark (ignored with --url)")
     g.add_argument("--model", default="gemma3-270m")
@@ -246,7 +246,7 @@ def main(argv=None) -> None:
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--allreduce", default="bf16",
                    help="the server's AllReduce label (e.g. int8-semi+hadamard), passed on as is")
-    g.add_argument("--max-batch", type=int, default=8)
+    g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-seq-len", type=int, default=512)
     g.add_argument("--port", type=int, default=8011)
     g.add_argument("--server-log")
@@ -275,8 +275,9 @@ def main(argv=None) -> None:
             for m in ("sync", "overlapped"):
                 if m in r:
                     e = r[m]
-                    print(f"server {r['server_median']:.1f} tok/s at {args.max_batch} streams / engine ({m}) "
-                          f"{e['engine_median']:.1f} tok/s batch-{args.max_batch} decode = {e['ratio']:.3f} "
+                    print(f"server {r['server_median']:.1f} tok/s at {args.max_num_seqs} streams / "
+                          f"engine ({m}) {e['engine_median']:.1f} tok/s batch-{args.max_num_seqs} "
+                          f"decode = {e['ratio']:.3f} "
                           f"(medians of {args.engine_ratio}; per run {', '.join(f'{x:.3f}' for x in e['ratios'])})")
             if args.out:
                 Path(args.out).write_text(json.dumps(r, indent=2))

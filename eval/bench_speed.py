@@ -275,7 +275,7 @@ def _ready_child(args, slots: int) -> dict:
 
     durations, hits = [], []
     record_compiles(durations, hits)
-    config = ServerConfig(model=args.model, tp=args.tp, dtype=args.dtype, max_batch=slots,
+    config = ServerConfig(model=args.model, tp=args.tp, dtype=args.dtype, max_num_seqs=slots,
                           max_seq_len=args.max_seq_len, compile_cache_dir=args.cache_dir)
     t0 = time.perf_counter()
     load_runner(config, lambda msg: None)

@@ -62,7 +62,8 @@ def child(model: str) -> dict:
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     m = load_model(model, tp=1, dtype="float32", allreduce=AllReduceConfig("f32"))
     prompts = _prompts(m.config.vocab_size)
-    tokens = _generate(PagedRunner(m, max_num_seqs=4, max_seq_len=96, page_size=4, chunk_size=8),
+    tokens = _generate(PagedRunner(m, max_num_seqs=4, max_seq_len=96, page_size=4,
+                                   long_prefill_token_threshold=8),
                        prompts, max_tokens=6)
     scores = m.score(prompts)
     r1 = resource.getrusage(resource.RUSAGE_SELF)

@@ -52,8 +52,8 @@ def all_logits(model, ids, images) -> np.ndarray:
     # One piece; S rows = T tokens (deterministic mode pads every step to all S rows), so
     # that each row's `last` can name a token: the spare rows read every position.
     engine = PagedRunner(model, max_num_seqs=size, max_seq_len=2 * size, page_size=4,
-                         chunk_size=size, max_num_batched_tokens=size, prefix_caching=False,
-                         deterministic=True)
+                         long_prefill_token_threshold=size, max_num_batched_tokens=size,
+                         prefix_caching=False, deterministic=True)
     sched = PagedScheduler(engine.info)
     sched.add([Sequence(id=0, prompt=list(ids), params=SamplingParams(max_tokens=1), seed=0,
                         images=images)])

@@ -208,13 +208,13 @@ def settle(url: str, timeout: float = 30.0) -> dict:
 
 
 def run(model: str = "random:tiny", dtype: str = "float32", tp: int = 1, streams: int = 64,
-        seconds: float = 20.0, concurrency: int = 12, max_batch: int = 8, max_seq_len: int = 256,
+        seconds: float = 20.0, concurrency: int = 12, max_num_seqs: int = 8, max_seq_len: int = 256,
         port: int = 8013, server_log: str | None = None, seed: int = 0,
         rss_growth_mib: float = 64.0, allreduce: str = "bf16", log=print) -> dict:
     """Start a server, run the three phases, check it afterwards, stop it. The report's "ok"
     is whether every check holds."""
     args = SimpleNamespace(port=port, model=model, dtype=dtype, tp=tp, allreduce=allreduce,
-                           max_batch=max_batch, max_seq_len=max_seq_len, server_log=server_log,
+                           max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, server_log=server_log,
                            server_arg=["--compile-cache-dir", "", "--deterministic"], startup_timeout=1800)
     proc, url = start_server(args)
     try:
@@ -252,7 +252,7 @@ def run(model: str = "random:tiny", dtype: str = "float32", tp: int = 1, streams
         <= soaked["rss_mib_first_half_max"] + rss_growth_mib,
     }
     report = {"model": model, "dtype": dtype, "tp": tp, "allreduce": allreduce,
-              "max_batch": max_batch, "references": refs, "load": loaded, "soak": soaked,
+              "max_num_seqs": max_num_seqs, "references": refs, "load": loaded, "soak": soaked,
               "after": after, "rss_mib_start": rss_start, "rss_mib_end": rss_end,
               "rss_growth_bound_mib": rss_growth_mib, "checks": checks,
               "ok": all(checks.values())}
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=64, help="concurrent streams of the load phase")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the soak")
     p.add_argument("--concurrency", type=int, default=12, help="clients during the soak")
-    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--rss-growth-mib", type=float, default=64.0,
                    help="allowed growth of the second half's peak RSS over the first half's")
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
     report = run(args.model, args.dtype, args.tp, args.streams, args.seconds, args.concurrency,
-                 args.max_batch, args.max_seq_len, args.port, args.server_log,
+                 args.max_num_seqs, args.max_seq_len, args.port, args.server_log,
                  rss_growth_mib=args.rss_growth_mib, allreduce=args.allreduce,
                  log=lambda *a: print(*a, file=sys.stderr))
     if args.out:

@@ -12,7 +12,7 @@ deterministic stand-in for the model used to test the layers above the runner.
 The public API is the names below, for programs that drive the engine without HTTP (the benchmarks
 in eval/ use nothing else): build it from a `ServerConfig` (`load_runner`, or `configure_jax` +
 `load_configured_model` + `PagedRunner`), run it step by step (the `PagedScheduler` plans a
-`StepPlan` of `Piece`s over `KVPages`, `step_inputs` makes its arrays, `SlotSampling` its
+`StepPlan` of `Piece`s over `KVPages`, `step_inputs` makes its arrays, `SamplingMetadata` its
 sampling rows) or through an `EngineCore` (submit requests with `SamplingParams`);
 `build_grammar`, `StructuredOutputs`, `Sequence` and `step_extras` are the pieces of a
 constrained step. They load on first use, so importing `serving` imports no jax.
@@ -39,7 +39,7 @@ _PUBLIC = {
     "EngineCore": "serving.engine_core",
     "LLM": "serving.llm",
     "SamplingParams": "serving.sampling",
-    "SlotSampling": "serving.sampling",
+    "SamplingMetadata": "serving.sampling",
     "Sequence": "serving.sequence",
     "StructuredOutputs": "serving.structured_output",
     "build_grammar": "serving.structured_output",

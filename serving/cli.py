@@ -224,7 +224,8 @@ def _generate(config: ServerConfig, prompt: str, params, chat: bool, image_paths
     # The server's engine, for text and images alike. One sequence shares nothing, and
     # a prefix cache would give the timed run other steps (hits) than its warm-up below.
     runner = PagedRunner(model, max_num_seqs=1, max_seq_len=config.max_seq_len,
-                         page_size=config.page_size, chunk_size=config.prefill_chunk,
+                         page_size=config.page_size,
+                         long_prefill_token_threshold=config.long_prefill_token_threshold,
                          prefix_caching=False, model_name=config.model_name)
     tok = runner.tokenizer
     core = EngineCore(runner, max_waiting=1)

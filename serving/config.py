@@ -3,7 +3,10 @@
 
 The AllReduce is one setting, `allreduce`: an `equarx.AllReduceConfig.label` (`bf16`,
 `int8-full`, `int8-semi-rs+hadamard`, ...); `allreduce_variant` / `_phases` / `_blocks` are
-aliases that rewrite the label given in the same source. Nothing here starts JAX's backend.
+aliases that rewrite the label given in the same source. Settings that vLLM also has carry
+vLLM's names (`max_num_seqs`, `max_num_batched_tokens`, `long_prefill_token_threshold`); the old
+names (`RENAMED`) still work from a flag, the environment or a file, with a deprecation warning.
+Nothing here starts JAX's backend.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import logging
 import os
 import tomllib
 from pathlib import Path
@@ -18,12 +22,19 @@ from typing import Any, Mapping
 
 from jax_platform import default_compilation_cache_dir
 
+log = logging.getLogger(__name__)
+
 ENV_PREFIX = "GEMMA3_"
 DEFAULT_MODEL = "gemma3-270m"
 
 # Old spellings of the AllReduce switch -> the AllReduceConfig field each one sets in the label.
 ALLREDUCE_ALIASES = {"allreduce_variant": "variant", "allreduce_phases": "phases",
                      "allreduce_blocks": "blocks"}
+
+# Old names of settings -> the name each one has now (vLLM's): accepted as a flag
+# (`--max-batch`), an environment variable (`GEMMA3_MAX_BATCH`) or a config-file key, each with
+# a deprecation warning that names the new one.
+RENAMED = {"max_batch": "max_num_seqs", "prefill_chunk": "long_prefill_token_threshold"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,25 +91,25 @@ class ServerConfig:
     dtype: str = _field("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
     host: str = _field("127.0.0.1", "address to bind (loopback by default)")
     port: int = _field(8000, "port to bind")
-    max_batch: int = _field(8, "sequences generated together (vLLM's max-num-seqs)")
+    max_num_seqs: int = _field(8, "sequences running at once (generated together)")
     max_seq_len: int = _field(2048, "context length per sequence (prompt + generated tokens)")
     kv_cache_tokens: int = _field(0, "tokens of KV cache for the global layers, "
-                                  "shared by all sequences (0: max_batch x max_seq_len); the "
+                                  "shared by all sequences (0: max_num_seqs x max_seq_len); the "
                                   "sliding-window layers hold only each sequence's window")
     max_num_batched_tokens: int = _field(0, "the token budget of one step, which "
-                                         "a lone prompt takes whole (0: 256, or max_batch + "
-                                         "prefill_chunk when deterministic)")
-    page_size: int = _field(16, "tokens per KV-cache page (divides prefill_chunk)")
+                                         "a lone prompt takes whole (0: 256, or max_num_seqs + "
+                                         "long_prefill_token_threshold when deterministic)")
+    page_size: int = _field(16, "tokens per KV-cache page (divides long_prefill_token_threshold)")
     max_waiting: int = _field(256, "waiting sequences beyond which requests get 429")
     deterministic: bool = _field(False, "batch-invariant mode: a request's tokens do not depend "
                                  "on what else is batched. A step's decode rows then run in one "
                                  "program of every slot's row, and its prompt piece (one a step) "
                                  "in a program of its own: a lone request's inter-token latency "
                                  "is ~1.6-2x the default mode's (docs/engine.md)")
-    prefill_chunk: int = _field(0, "the most prompt tokens a sequence computes in one step while "
-                                "others run (a lone prompt takes the whole step budget; in "
-                                "deterministic mode every piece); a multiple of page_size (0: "
-                                "16, or 64 when deterministic)")
+    long_prefill_token_threshold: int = _field(
+        0, "the most prompt tokens a sequence computes in one step while others run or wait (a "
+        "lone prompt takes the whole step budget; in deterministic mode every piece has this "
+        "size); a multiple of page_size (0, unlike vLLM's no limit: 16, or 64 when deterministic)")
     prefix_caching: bool = _field(True, "keep prompts' full pages and reuse them for later prompts "
                                   "that start with the same tokens (--no-prefix-caching: off)")
     overlap: bool = _field(True, "dispatch each step before the last one's tokens reach the host "
@@ -148,14 +159,15 @@ class ServerConfig:
     log_level: str = _field("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self):
-        for name in ("tp", "max_batch", "max_seq_len", "max_waiting", "allreduce_minishards"):
+        for name in ("tp", "max_num_seqs", "max_seq_len", "max_waiting", "allreduce_minishards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if min(self.kv_cache_tokens, self.max_num_batched_tokens) < 0 or self.page_size < 1:
             raise ValueError("kv_cache_tokens and max_num_batched_tokens must be >= 0, page_size >= 1")
-        if self.prefill_chunk < 0 or self.prefill_chunk % self.page_size:
-            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be a positive multiple of "
-                             f"page_size ({self.page_size}), or 0 for the mode's default")
+        if self.long_prefill_token_threshold < 0 or self.long_prefill_token_threshold % self.page_size:
+            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must "
+                             f"be a positive multiple of page_size ({self.page_size}), or 0 for the "
+                             f"mode's default")
         if self.limit_mm_per_prompt < 0:
             raise ValueError(f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}")
         self._check_processor_kwargs()
@@ -302,20 +314,47 @@ def _check_retired(merged: Mapping[str, Any]) -> None:
         raise ValueError("; ".join(f"--{k.replace('_', '-')} was removed: {RETIRED[k]}" for k in retired))
 
 
+def _spelling(name: str, source: str) -> str:
+    """How a setting is written in a source: a flag, an environment variable or a file's key."""
+    if source == "flag":
+        return "--" + name.replace("_", "-")
+    return ENV_PREFIX + name.upper() if source == "env" else name
+
+
+def _rename(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """One source's settings ("flag", "env" or a file's name) with each old name (RENAMED)
+    replaced by its new one, and a deprecation warning naming the new one; ValueError when one
+    source gives both names."""
+    values = dict(values)
+    where = "" if source in ("flag", "env") else f"{source}: "
+    for old, new in RENAMED.items():
+        if old not in values:
+            continue
+        if new in values:
+            raise ValueError(f"{where}{_spelling(old, source)} and {_spelling(new, source)} are the "
+                             f"same setting: give only {_spelling(new, source)}")
+        flag = "" if source == "flag" else f" ({_spelling(new, 'flag')})"
+        log.warning("%s%s is deprecated: use %s%s", where, _spelling(old, source),
+                    _spelling(new, source), flag)
+        values[new] = values.pop(old)
+    return values
+
+
 def from_sources(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  config_file: str | None = None) -> ServerConfig:
-    """Merges file < environment < CLI (CLI values of None mean "not given")."""
+    """Merges file < environment < CLI (CLI values of None mean "not given"); an old name
+    (RENAMED) counts as its new one in its source."""
     env = os.environ if env is None else env
     cli = {k: v for k, v in (cli or {}).items() if v is not None}
     config_file = cli.pop("config", None) or config_file or env.get(ENV_PREFIX + "CONFIG")
     known = set(_FIELDS) | set(ALLREDUCE_ALIASES)
     merged: dict[str, Any] = {}
     if config_file:
-        merged.update(load_config_file(config_file))
-    for name in sorted(known | set(RETIRED)):
-        if ENV_PREFIX + name.upper() in env:
-            merged[name] = env[ENV_PREFIX + name.upper()]
-    merged.update(cli)
+        merged.update(_rename(load_config_file(config_file), f"config file {config_file}"))
+    merged.update(_rename({name: env[ENV_PREFIX + name.upper()]
+                           for name in sorted(known | set(RETIRED) | set(RENAMED))
+                           if ENV_PREFIX + name.upper() in env}, "env"))
+    merged.update(_rename(cli, "flag"))
     _check_retired(merged)
     unknown = sorted(set(merged) - known)
     if unknown:
@@ -331,8 +370,9 @@ def from_sources(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | 
 
 
 def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """One flag per setting (`--max-batch` for max_batch); unset flags stay None. With
-    `allreduce`, the old `--allreduce-variant/-phases/-blocks` too (aliases, see above)."""
+    """One flag per setting (`--max-num-seqs` for max_num_seqs), and the old name of a renamed
+    one (`--max-batch`, see RENAMED); unset flags stay None. With `allreduce`, the old
+    `--allreduce-variant/-phases/-blocks` too (aliases, see above)."""
     from equarx.config import BLOCKS, PHASES, VARIANTS
 
     parser.add_argument("--config", help="TOML or JSON file of settings (env: GEMMA3_CONFIG)")
@@ -354,6 +394,9 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
         parser.add_argument("--" + name.replace("_", "-"), type=_kind(name), default=None,
                             choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"),
                             help=f"{help} (default: {default!r}; env {ENV_PREFIX}{name.upper()})")
+        for old in (o for o, new in RENAMED.items() if new == name):
+            parser.add_argument("--" + old.replace("_", "-"), type=_kind(name), default=None,
+                                help=f"deprecated: the old name of --{name.replace('_', '-')}")
     if only is None or "allreduce" in only:
         for name, choices in zip(ALLREDUCE_ALIASES, (VARIANTS, PHASES, BLOCKS)):
             parser.add_argument("--" + name.replace("_", "-"), default=None, choices=choices,

@@ -168,12 +168,12 @@ def _continue_period(context: list[int]) -> int:
     return s[border[-1]]  # the period is len(s) - border[-1]: s[len(s) - period]
 
 
-def fake_paged_runner(num_slots: int = 4, max_seq_len: int = 64, step_delay: float = 0.0,
-                      chunk_size: int = 8, page_size: int = 4, **kw):
+def fake_paged_runner(max_num_seqs: int = 4, max_seq_len: int = 64, step_delay: float = 0.0,
+                      long_prefill_token_threshold: int = 8, page_size: int = 4, **kw):
     """The real PagedRunner over `FakePagedModel` (window 8: prompts outgrow it; pages of 4 and
-    chunks of 8: a short prompt already spans pages and pieces)."""
+    pieces of at most 8: a short prompt already spans pages and pieces)."""
     from serving.paged_runner import PagedRunner
 
-    return PagedRunner(FakePagedModel(max_seq_len, step_delay=step_delay), max_num_seqs=num_slots,
-                       max_seq_len=max_seq_len, page_size=page_size, chunk_size=chunk_size,
-                       model_name="fake", **kw)
+    return PagedRunner(FakePagedModel(max_seq_len, step_delay=step_delay), max_num_seqs=max_num_seqs,
+                       max_seq_len=max_seq_len, page_size=page_size,
+                       long_prefill_token_threshold=long_prefill_token_threshold, model_name="fake", **kw)

@@ -45,12 +45,13 @@ class ImageEncoder:
     """Features of sequence.SeqImages by content hash (module docstring). `model` is a
     Gemma3StepAPI with a tower (`takes_images`)."""
 
-    def __init__(self, model, chunk_size: int, deterministic: bool = False,
+    def __init__(self, model, long_prefill_token_threshold: int, deterministic: bool = False,
                  budget_flops: float | None = None, max_cached: int = 64):
         from models.gemma3.vision_stages import StagedEncoder, blocks_for, stages
 
         c = model.vision.config
-        self.budget_flops = float(budget_flops or chunk_flops(model.config, chunk_size))
+        self.budget_flops = float(budget_flops
+                                  or chunk_flops(model.config, long_prefill_token_threshold))
         # Stages small enough that BATCH_FRAMES frames of one fit the budget together: images
         # that wait at the same stage then share a program.
         blocks = blocks_for(c, self.budget_flops / BATCH_FRAMES)
@@ -71,7 +72,7 @@ class ImageEncoder:
         # frames one program took.
         self.advances = 0
         self.max_advance_flops = 0.0
-        self.max_batch_frames = 0
+        self.max_program_frames = 0
 
     def ready(self, key: str) -> bool:
         return key in self._features
@@ -166,7 +167,7 @@ class ImageEncoder:
         states = [p.state if s else p.image.pixels for p in progress]
         out = self._staged.run(stage, states, pow2(frames))
         self.last_work.append((s, frames, stage.flops * frames))
-        self.max_batch_frames = max(self.max_batch_frames, frames)
+        self.max_program_frames = max(self.max_program_frames, frames)
         for p, state in zip(progress, out):
             p.stage, p.state = s + 1, state
             if p.stage == len(self.stages):

@@ -109,7 +109,8 @@ class SpanWriter:
         self.engine = engine
         self.model = engine.model
         info = engine.info
-        self.budget_flops = float(budget_flops or chunk_flops(self.model.config, info.chunk_size))
+        self.budget_flops = float(budget_flops
+                                  or chunk_flops(self.model.config, info.long_prefill_token_threshold))
         self._progress: dict[object, _Progress] = {}
         self._written: set = set()
         # For the tests and metrics: stages run, the most FLOPs one advance ran.

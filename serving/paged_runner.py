@@ -40,13 +40,14 @@ log = logging.getLogger(__name__)
 # compile (each took ~3 s for the 270M on a CPU, more on a TPU host); longer prompts are rarer
 # first requests and their pieces compile on first use.
 SHORT_PROMPT_TOKENS = 64
-# The default prompt piece (`chunk_size`). Outside deterministic mode a piece of C tokens
-# while others run keeps their inter-token latency to one small step, and a lone prompt takes
-# the whole budget anyway. In deterministic mode every piece is C tokens in a one-row program
-# of its own, one a step, whether or not the prompt is alone: at 16 a long prompt takes 4x
-# the steps of 64, each about half as long (docs/engine.md, deterministic mode).
-DEFAULT_CHUNK = 16
-DETERMINISTIC_CHUNK = 64
+# The default `long_prefill_token_threshold` (C: the longest prompt piece while others run or
+# wait). Outside deterministic mode a piece of C tokens while others run keeps their
+# inter-token latency to one small step, and a lone prompt takes the whole budget anyway. In
+# deterministic mode every piece is C tokens in a one-row program of its own, one a step,
+# whether or not the prompt is alone: at 16 a long prompt takes 4x the steps of 64, each about
+# half as long (docs/engine.md, deterministic mode).
+DEFAULT_THRESHOLD = 16
+DETERMINISTIC_THRESHOLD = 64
 
 
 class PagedRunner:
@@ -55,15 +56,15 @@ class PagedRunner:
     max_num_seqs: sequences running at once; kv_cache_tokens: the global layers' pool in tokens
     (the sum of the contexts the running sequences may hold; default max_num_seqs x
     max_seq_len); the local (sliding-window) pool holds every running sequence's window plus a
-    quarter more, which keeps the windows of recent prompts for prefix-cache hits. chunk_size:
-    the most prompt tokens one sequence computes in a step while others run (a multiple of
-    page_size; 0 or None: `default_chunk_size`); max_num_batched_tokens: the step's token
-    budget, which a lone sequence's prompt takes whole (default `STEP_BUDGET`; in deterministic
-    mode, where every step has the budget's shape, max_num_seqs + chunk_size: every decode plus
-    one prompt piece)."""
+    quarter more, which keeps the windows of recent prompts for prefix-cache hits.
+    long_prefill_token_threshold: the most prompt tokens one sequence computes in a step while
+    others run (a multiple of page_size; 0 or None: `default_long_prefill_token_threshold`);
+    max_num_batched_tokens: the step's token budget, which a lone sequence's prompt takes whole
+    (default `STEP_BUDGET`; in deterministic mode, where every step has the budget's shape,
+    max_num_seqs + long_prefill_token_threshold: every decode plus one prompt piece)."""
 
     def __init__(self, model, *, max_num_seqs: int, max_seq_len: int, page_size: int = 16,
-                 kv_cache_tokens: int | None = None, chunk_size: int | None = None,
+                 kv_cache_tokens: int | None = None, long_prefill_token_threshold: int | None = None,
                  max_num_batched_tokens: int | None = None, prefix_caching: bool = True,
                  deterministic: bool = False, model_name: str = "gemma3-270m"):
         import jax
@@ -73,8 +74,8 @@ class PagedRunner:
         self.model = model
         self.tokenizer = model.tokenizer
         self.info = paged_runner_info(model, max_num_seqs, max_seq_len, page_size, kv_cache_tokens,
-                                      chunk_size, max_num_batched_tokens, prefix_caching,
-                                      deterministic, model_name)
+                                      long_prefill_token_threshold, max_num_batched_tokens,
+                                      prefix_caching, deterministic, model_name)
         self._jax = jax
         self.pages = model.init_pages(self.info.num_global_pages, self.info.num_local_pages,
                                       page_size)
@@ -109,8 +110,8 @@ class PagedRunner:
         tower."""
         if self._encoder is None:
             from serving.image_encoder import ImageEncoder
-            self._encoder = ImageEncoder(self.model, self.info.chunk_size, self.info.deterministic,
-                                         self.encoder_budget_flops)
+            self._encoder = ImageEncoder(self.model, self.info.long_prefill_token_threshold,
+                                         self.info.deterministic, self.encoder_budget_flops)
         return self._encoder
 
     @property
@@ -273,7 +274,7 @@ class PagedRunner:
         samplers (greedy and full) at each row count, the feed of a step's tokens from the
         step before at each pair of row and token counts. So that, after a compile of every
         step shape, no step compiles anything while serving."""
-        from serving.sampling import SlotSampling
+        from serving.sampling import SamplingMetadata
 
         jnp = self._jax.numpy
         rows = sorted({b.seqs for b in buckets if b.logits})
@@ -282,7 +283,7 @@ class PagedRunner:
         for s in rows:
             logits = self._jax.device_put(jnp.zeros((s, self.info.vocab_size), jnp.float32),
                                           self._sample_device)
-            greedy, pos = SlotSampling.greedy(s), np.zeros(s, np.int32)
+            greedy, pos = SamplingMetadata.greedy(s), np.zeros(s, np.int32)
             out = self._sample(logits, greedy, pos)
             self._sample(logits, greedy._replace(temperature=np.ones(s, np.float32)), pos)
             for t in tokens:
@@ -337,7 +338,8 @@ class PagedRunner:
             n for n in (MIN_TOKENS << i for i in range(8))
             if n <= min(SHORT_PROMPT_TOKENS, info.max_num_batched_tokens, info.max_seq_len - 3)]
         rounds = [(1, n) for n in short] + [(1, info.max_num_batched_tokens + 1)]
-        rounds += [(info.num_slots, info.chunk_size + 1)] if info.num_slots > 1 else []
+        if info.max_num_seqs > 1:
+            rounds.append((info.max_num_seqs, info.long_prefill_token_threshold + 1))
         for n_seqs, length in rounds:
             sched = PagedScheduler(dataclasses.replace(info, prefix_caching=False))
             prompt = [self.tokenizer.bos_id] * min(length, info.max_seq_len - 1)
@@ -366,18 +368,18 @@ def compile_workers() -> int:
     return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
-def default_chunk_size(deterministic: bool, page_size: int, max_seq_len: int,
-                       max_num_batched_tokens: int | None = None) -> int:
-    """The prompt piece when none is given: `DETERMINISTIC_CHUNK` tokens in deterministic mode,
-    `DEFAULT_CHUNK` otherwise, no longer than the context or a given step budget, in whole
-    pages (one at least)."""
-    c = min(DETERMINISTIC_CHUNK if deterministic else DEFAULT_CHUNK, max_seq_len,
+def default_long_prefill_token_threshold(deterministic: bool, page_size: int, max_seq_len: int,
+                                         max_num_batched_tokens: int | None = None) -> int:
+    """The longest prompt piece when none is given: `DETERMINISTIC_THRESHOLD` tokens in
+    deterministic mode, `DEFAULT_THRESHOLD` otherwise, no longer than the context or a given step
+    budget, in whole pages (one at least)."""
+    c = min(DETERMINISTIC_THRESHOLD if deterministic else DEFAULT_THRESHOLD, max_seq_len,
             max_num_batched_tokens or max_seq_len)
     return max(page_size, c - c % page_size)
 
 
 def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int,
-                      kv_cache_tokens: int | None, chunk_size: int | None,
+                      kv_cache_tokens: int | None, long_prefill_token_threshold: int | None,
                       max_num_batched_tokens: int | None, prefix_caching: bool,
                       deterministic: bool, model_name: str) -> RunnerInfo:
     """The facts a PagedRunner over `model` serves with (no device work)."""
@@ -388,16 +390,16 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         raise ValueError(f"max_seq_len must lie in 2..{c.max_seq_len}, got {max_seq_len}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    chunk_size = chunk_size or default_chunk_size(deterministic, page_size, max_seq_len,
-                                                  max_num_batched_tokens)
-    if chunk_size < page_size or chunk_size % page_size:
-        raise ValueError(f"chunk_size ({chunk_size}) must be a positive multiple of page_size "
-                         f"({page_size})")
-    budget = max_num_batched_tokens or (max_num_seqs + chunk_size if deterministic
-                                        else max(STEP_BUDGET, max_num_seqs + chunk_size))
-    if budget < chunk_size:
-        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= the chunk size "
-                         f"({chunk_size}): a prompt piece must fit one step")
+    threshold = long_prefill_token_threshold or default_long_prefill_token_threshold(
+        deterministic, page_size, max_seq_len, max_num_batched_tokens)
+    if threshold < page_size or threshold % page_size:
+        raise ValueError(f"long_prefill_token_threshold ({threshold}) must be a positive multiple "
+                         f"of page_size ({page_size})")
+    budget = max_num_batched_tokens or (max_num_seqs + threshold if deterministic
+                                        else max(STEP_BUDGET, max_num_seqs + threshold))
+    if budget < threshold:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= long_prefill_token_threshold "
+                         f"({threshold}): a prompt piece must fit one step")
     tokens = kv_cache_tokens or max_num_seqs * max_seq_len
     if tokens < max_seq_len:
         raise ValueError(f"kv_cache_tokens ({tokens}) must hold at least one sequence of "
@@ -405,7 +407,7 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     has_local = any(not c.is_global(i) for i in range(c.num_layers))
     has_global = any(c.is_global(i) for i in range(c.num_layers))
     window = c.sliding_window if has_local else None
-    per_seq_local = local_pages_for(pow2(chunk_size), window, page_size)
+    per_seq_local = local_pages_for(pow2(threshold), window, page_size)
     # ... and room for a lone prompt's whole-budget piece, whose window reaches further back,
     # run on to the end of an image's soft tokens it ends inside (`PagedScheduler._past_images`):
     # a piece that no pool can hold would preempt its sequence at the same place for ever.
@@ -416,7 +418,7 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     tokenizer = model.tokenizer
     return RunnerInfo(
         model_name=model_name,
-        num_slots=max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_seq_len=max_seq_len,
         vocab_size=c.vocab_size,
         tokenizer_vocab_size=tokenizer.vocab_size,
@@ -425,7 +427,7 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
         allreduce=model.allreduce.to_dict(),
         allreduce_label=model.allreduce.label,
-        chunk_size=chunk_size,
+        long_prefill_token_threshold=threshold,
         deterministic=bool(deterministic),
         prefix_caching=bool(prefix_caching),
         page_size=page_size,

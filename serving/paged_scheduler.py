@@ -3,7 +3,8 @@ ragged step. Plain data in, a `StepPlan` out; it runs nothing (vLLM v1's schedul
 
 Every step is one flat batch of at most `max_num_batched_tokens` tokens:
 1. Running sequences first: one token each for those decoding (oldest first), then the next
-   piece of the prompt (at most `chunk_size` tokens) for those still prefilling.
+   piece of the prompt (at most `long_prefill_token_threshold` tokens) for those still
+   prefilling.
 2. Then waiting sequences, oldest first, while the budget, `max_num_seqs` and free pages last: a
    prefix-cache lookup, then their first piece.
 A sequence computes tokens `computed .. computed+n-1` of `prompt + generated`; when that reaches
@@ -25,14 +26,14 @@ prompt pages stay cached), it returns to the head of the waiting queue and recom
 losing no token it produced (vLLM's recompute preemption). Admission never preempts: a waiting
 sequence waits for pages.
 
-A prompt piece takes what is left of the budget, up to `chunk_size` tokens (a lone sequence:
-the whole budget, see `_piece_len`); full pages are
-named in the prefix cache as soon as they are planned (a later step's reader runs after the
-writer: the device runs steps in order). In deterministic mode every piece is exactly
-`chunk_size` tokens at multiples of it (the last one shorter), whatever else runs in the step, so
-a request's pieces are a function of the request alone; a step then holds one piece of more
-than one token beside its decodes (the runner runs the two in programs of their own, one of a
-single row: `paged_steps.deterministic_parts`).
+A prompt piece takes what is left of the budget, up to `long_prefill_token_threshold` tokens (a
+lone sequence: the whole budget, see `_piece_len`); full pages are named in the prefix cache as
+soon as they are planned (a later step's reader runs after the writer: the device runs steps in
+order). In deterministic mode every piece is exactly `long_prefill_token_threshold` tokens at
+multiples of it (the last one shorter), whatever else runs in the step, so a request's pieces
+are a function of the request alone; a step then holds one piece of more than one token beside
+its decodes (the runner runs the two in programs of their own, one of a single row:
+`paged_steps.deterministic_parts`).
 
 Not thread-safe: the engine core serialises every call.
 """
@@ -215,7 +216,7 @@ class PagedScheduler(WaitingQueue):
             self._piece_planned |= n > 1
             budget -= n
         lookups = []
-        while self.waiting and budget > 0 and len(self._running) < self.info.num_slots:
+        while self.waiting and budget > 0 and len(self._running) < self.info.max_num_seqs:
             s = self.waiting[0]
             if s.length < self._length(s):  # preempted with its last token in flight
                 break
@@ -303,23 +304,25 @@ class PagedScheduler(WaitingQueue):
         return Piece(s, start, end, admitted, sample=end == length, fed=end > s.length)
 
     def _aligned_hit(self, pages: int) -> int:
-        """In deterministic mode a prefix hit must end on a chunk boundary (pieces start there)."""
+        """In deterministic mode a prefix hit must end on a piece boundary (pieces start at
+        multiples of long_prefill_token_threshold)."""
         if not self.info.deterministic:
             return pages
-        per_chunk = self.info.chunk_size // self.info.page_size
-        return pages - pages % per_chunk
+        per_piece = self.info.long_prefill_token_threshold // self.info.page_size
+        return pages - pages % per_piece
 
     def _piece_len(self, s: Sequence, budget: int, start: int | None = None,
                    alone: bool = False) -> int:
         """Tokens the sequence computes this step within `budget` (0: none); a piece that
         would end inside an image's soft tokens runs on to the image's end (`_past_images`).
 
-        A piece is at most `chunk_size` tokens while other sequences run or wait (a stream's
-        inter-token latency is one step, and prompts share the steps). A lone sequence
-        (`alone`: the only one running or waiting), outside deterministic mode, takes the whole
-        budget instead: a lone prompt is not fed `chunk_size` tokens a step with the budget
-        idle; but only as far as pages allow (a longer piece holds more of the window's local
-        pages). A request that arrives meanwhile waits for one such step at most."""
+        A piece is at most `long_prefill_token_threshold` tokens while other sequences run or
+        wait (a stream's inter-token latency is one step, and prompts share the steps). A lone
+        sequence (`alone`: the only one running or waiting), outside deterministic mode, takes
+        the whole budget instead: a lone prompt is not fed `long_prefill_token_threshold` tokens
+        a step with the budget idle; but only as far as pages allow (a longer piece holds more
+        of the window's local pages). A request that arrives meanwhile waits for one such step
+        at most."""
         start = s.computed if start is None else start
         n = self._plain_piece_len(s, budget, start)
         if alone and n and not self.info.deterministic:
@@ -363,7 +366,7 @@ class PagedScheduler(WaitingQueue):
     def _past_images(s: Sequence, start: int, n: int) -> int:
         """n, or more where start + n falls inside an image's soft-token span: the soft
         tokens see each other both ways, so all of a span's keys must be written in the step
-        whose queries attend to them. Such a piece exceeds the chunk size (and the budget)
+        whose queries attend to them. Such a piece exceeds the threshold (and the budget)
         by at most one image."""
         end = start + n
         for a, b in s.image_spans:
@@ -372,7 +375,7 @@ class PagedScheduler(WaitingQueue):
         return end - start
 
     def _plain_piece_len(self, s: Sequence, budget: int, start: int, limit: int = 0) -> int:
-        """The piece within `budget` and `limit` tokens (0: the chunk size)."""
+        """The piece within `budget` and `limit` tokens (0: long_prefill_token_threshold)."""
         left = self._length(s) - start
         if left <= 0:
             return 0
@@ -380,7 +383,7 @@ class PagedScheduler(WaitingQueue):
             return 1 if budget >= 1 else 0
         if self.info.deterministic and self._piece_planned:
             return 0  # one prompt piece a step: its program has one row (paged_steps)
-        c = limit or self.info.chunk_size
+        c = limit or self.info.long_prefill_token_threshold
         n = min(left, c - start % c if self.info.deterministic else c)
         if n <= budget:
             return n

@@ -17,7 +17,7 @@ from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
 from serving.sequence import SeqImage
 from serving.shapes import pow2
-from serving.sampling import SlotSampling
+from serving.sampling import SamplingMetadata
 
 
 
@@ -70,7 +70,7 @@ MIN_PAGES = 8
 MIN_SEQS = 8
 # The default token budget of a step outside deterministic mode: prompt pieces of several
 # requests share it, and a lone prompt takes it whole (paged_scheduler). In deterministic mode
-# every step has the budget's shape, so it stays max_num_seqs + chunk_size there.
+# every step has the budget's shape, so it stays max_num_seqs + long_prefill_token_threshold there.
 STEP_BUDGET = 256
 # XLA:CPU lowers a one-token store into the pool to a select over a dynamic slice of the whole
 # pool, which it then copies (every layer, every step: 4x a lone decode's time for the 270M);
@@ -103,12 +103,12 @@ def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pa
         # one shape for every step, the whole budget and context. (Its
         # one-token rows then run apart, in `deterministic_decode_buckets`: see
         # `deterministic_parts`.)
-        q = max(info.chunk_size, pow2(longest_piece))
+        q = max(info.long_prefill_token_threshold, pow2(longest_piece))
         return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_batched_tokens), pow2(tokens)),
-                       seqs=info.num_slots, queries=q, global_pages=max_pages,
+                       seqs=info.max_num_seqs, queries=q, global_pages=max_pages,
                        local_pages=local_pages_for(q, info.sliding_window, info.page_size))
-    s = 1 if seqs == 1 else min(info.num_slots, max(MIN_SEQS, pow2(seqs)))
-    q = 1 if longest_piece == 1 else max(info.chunk_size, pow2(longest_piece))
+    s = 1 if seqs == 1 else min(info.max_num_seqs, max(MIN_SEQS, pow2(seqs)))
+    q = 1 if longest_piece == 1 else max(info.long_prefill_token_threshold, pow2(longest_piece))
     t = max(MIN_TOKENS, s if q == 1 else pow2(tokens))
     return Buckets(tokens=t, seqs=s, queries=q, global_pages=global_pages_for(info, pages),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size),
@@ -131,9 +131,10 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
     pages = page_buckets(info)
     if info.deterministic:
         return [deterministic_decode_buckets(info)] + [
-            deterministic_piece_buckets(info, info.chunk_size, pg) for pg in pages]
+            deterministic_piece_buckets(info, info.long_prefill_token_threshold, pg)
+            for pg in pages]
     out = []
-    for seqs in sorted({1, info.num_slots}):
+    for seqs in sorted({1, info.max_num_seqs}):
         for pg in pages:
             b = buckets_for(info, seqs, seqs, 1, pg, True)
             if b not in out:
@@ -150,14 +151,15 @@ def later_buckets(info: RunnerInfo) -> list[Buckets]:
     if info.deterministic:
         return []
     top = pow2(info.max_num_batched_tokens)
-    rows = sorted({buckets_for(info, n, n, 1, 1, True).seqs for n in range(1, info.num_slots + 1)})
+    rows = sorted({buckets_for(info, n, n, 1, 1, True).seqs
+                   for n in range(1, info.max_num_seqs + 1)})
     shapes = [(s, s, 1) for s in rows]  # (tokens, seqs, longest piece)
     # A row bucket holds fewer real rows than its size: a piece beside a few decodes can fill
     # the smallest token bucket whatever S it pads to.
-    shapes += [(t, s, info.chunk_size) for s in rows if s > 1
+    piece = info.long_prefill_token_threshold
+    shapes += [(t, s, piece) for s in rows if s > 1
                for t in (MIN_TOKENS << i for i in range(top.bit_length())) if t <= top]
-    shapes += [(q, 1, q) for q in (pow2(info.chunk_size) << i for i in range(top.bit_length()))
-               if q <= top]
+    shapes += [(q, 1, q) for q in (pow2(piece) << i for i in range(top.bit_length())) if q <= top]
     out: list[Buckets] = []
     for pg in page_buckets(info):
         for logits in (True, False):
@@ -174,11 +176,11 @@ def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
     """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
     sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
     (one piece of the whole budget). A piece of image tokens may run past them."""
-    q = max(info.chunk_size, pow2(info.chunk_size))
-    t = max(MIN_TOKENS, info.num_slots, pow2(info.max_num_batched_tokens))
+    q = max(info.long_prefill_token_threshold, pow2(info.long_prefill_token_threshold))
+    t = max(MIN_TOKENS, info.max_num_seqs, pow2(info.max_num_batched_tokens))
     pages = max_page_bucket(info)
     lone_q = max(q, pow2(info.max_num_batched_tokens))
-    return (Buckets(tokens=t, seqs=info.num_slots, queries=q, global_pages=pages,
+    return (Buckets(tokens=t, seqs=info.max_num_seqs, queries=q, global_pages=pages,
                     local_pages=local_pages_for(q, info.sliding_window, info.page_size)),
             Buckets(tokens=t, seqs=1, queries=lone_q, global_pages=pages,
                     local_pages=local_pages_for(lone_q, info.sliding_window, info.page_size)))
@@ -194,7 +196,7 @@ class StepInputs(NamedTuple):
     """One ragged step as plain numpy arrays (see `models.gemma3.ragged.RaggedBatch`)."""
 
     batch: dict  # RaggedBatch's fields -> int32 arrays
-    sampling: SlotSampling  # [S]
+    sampling: SamplingMetadata  # [S]
     sample_positions: np.ndarray  # int32 [S]: the position of the token each row samples
     buckets: Buckets
     rows: int  # real sequence rows (the first `rows` of S)
@@ -211,8 +213,9 @@ class StepInputs(NamedTuple):
 
     # How each field travels to a group's other processes (serving/wire.py). Images as their
     # keys and spans: the others hold process 0's features by key (serving/group_images.py).
-    WIRE = dict(batch=wire.ArrayDict(np.int32, _ragged_fields), sampling=wire.Record(SlotSampling),
-                sample_positions=wire.Array(np.int32), buckets=wire.Record(Buckets),
+    WIRE = dict(batch=wire.ArrayDict(np.int32, _ragged_fields),
+                sampling=wire.Record(SamplingMetadata), sample_positions=wire.Array(np.int32),
+                buckets=wire.Record(Buckets),
                 rows=wire.Int(), images=wire.Tuple(wire.Record(SeqImage)),
                 image_index=wire.Optional(wire.Array(np.int32)),
                 targets=wire.Optional(wire.Array(np.int32)),
@@ -222,7 +225,7 @@ class StepInputs(NamedTuple):
     def wire_examples(info: RunnerInfo) -> list["StepInputs"]:
         """The largest steps of text an engine with `info` runs (sizing the group's
         broadcast), every optional array present."""
-        return [StepInputs(_empty_batch(b, info.page_size), SlotSampling.greedy(b.seqs),
+        return [StepInputs(_empty_batch(b, info.page_size), SamplingMetadata.greedy(b.seqs),
                            np.zeros(b.seqs, np.int32), dataclasses.replace(b, every_token=True),
                            b.seqs, (), *(np.zeros(b.tokens, np.int32),) * 3)
                 for b in largest_buckets(info)]
@@ -292,7 +295,7 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: RunnerInfo, extras=None,
     visible[:] = positions
     images, image_index = _image_rows(pieces, visible, b.tokens)
     rows = [p.seq if p.sample else None for p in pieces] + [None] * (b.seqs - len(pieces))
-    sampling = SlotSampling.of_rows(rows)
+    sampling = SamplingMetadata.of_rows(rows)
     if extras is not None:
         sampling = sampling._replace(extras=extras(rows))
     return StepInputs(batch, sampling, sample_positions, b, len(pieces), images, image_index,
@@ -341,8 +344,8 @@ def _image_rows(pieces, visible: np.ndarray, t: int):
 def deterministic_decode_buckets(info: RunnerInfo) -> Buckets:
     """Deterministic mode's decode program: a row for every sequence, one query each, the whole
     context."""
-    return Buckets(tokens=max(MIN_TOKENS, pow2(info.num_slots)), seqs=info.num_slots, queries=1,
-                   global_pages=max_page_bucket(info),
+    return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_seqs)), seqs=info.max_num_seqs,
+                   queries=1, global_pages=max_page_bucket(info),
                    local_pages=local_pages_for(1, info.sliding_window, info.page_size))
 
 
@@ -352,7 +355,7 @@ def deterministic_piece_buckets(info: RunnerInfo, length: int, pages: int) -> Bu
     image's end) over its own context (the one table read as far as that reaches, or on TPU
     its context's page bucket). Both follow the request alone, not its neighbours, so a
     prompt's prefill costs what its own context does."""
-    q = max(info.chunk_size, pow2(length))
+    q = max(info.long_prefill_token_threshold, pow2(length))
     return Buckets(tokens=max(MIN_TOKENS, q), seqs=1, queries=q,
                    global_pages=global_pages_for(info, pages),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size))

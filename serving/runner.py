@@ -42,7 +42,7 @@ class RunnerInfo:
     makes it for a model)."""
 
     model_name: str
-    num_slots: int  # sequences running at once (--max-batch, vLLM's max-num-seqs)
+    max_num_seqs: int  # sequences running at once (--max-num-seqs)
     max_seq_len: int
     vocab_size: int
     eos_ids: tuple[int, ...]  # tokens that end a sequence (EOS, <end_of_turn>)
@@ -50,7 +50,8 @@ class RunnerInfo:
     dtype: str = "bfloat16"
     allreduce: dict = dataclasses.field(default_factory=dict)
     allreduce_label: str = "bf16"
-    chunk_size: int = 16  # the most prompt tokens a sequence computes in one step
+    # The most prompt tokens a sequence computes in one step while others run or wait.
+    long_prefill_token_threshold: int = 16
     deterministic: bool = False  # batch-invariant steps (docs/engine.md)
     prefix_caching: bool = False  # full pages named by their prefix's hash and reused
     page_size: int = 16

@@ -130,15 +130,15 @@ class Runtime:
         c = self.config
         d = {"model": c.model_name, "source": c.model, "tp": c.tp, "dtype": c.dtype,
              "allreduce": c.allreduce_config().to_dict(), "allreduce_label": c.allreduce_config().label,
-             "max_model_len": c.max_seq_len, "max_batch": c.max_batch,
+             "max_model_len": c.max_seq_len, "max_num_seqs": c.max_num_seqs,
              "batch_invariant": c.batch_invariant}
         if self.runner is not None:
             info = self.runner.info
             d.update(tp=info.tp, dtype=info.dtype, allreduce=info.allreduce,
                      allreduce_label=info.allreduce_label, max_model_len=info.max_seq_len,
-                     max_batch=info.num_slots, deterministic=info.deterministic,
-                     prefill_chunk=info.chunk_size, prefix_caching=info.prefix_caching,
-                     engine="paged", page_size=info.page_size,
+                     max_num_seqs=info.max_num_seqs, deterministic=info.deterministic,
+                     long_prefill_token_threshold=info.long_prefill_token_threshold,
+                     prefix_caching=info.prefix_caching, engine="paged", page_size=info.page_size,
                      kv_cache_pages={"global": info.num_global_pages - 1,
                                      "local": info.num_local_pages - 1},
                      max_num_batched_tokens=info.max_num_batched_tokens,
@@ -222,9 +222,9 @@ def load_runner(config: ServerConfig, progress: Callable[[str], None]):
     model_sampling_defaults(config, model.tokenizer)  # a bad one fails before the compiles
     if group:
         jax_platform.group_barrier("loaded")
-    runner = PagedRunner(model, max_num_seqs=config.max_batch, max_seq_len=config.max_seq_len,
+    runner = PagedRunner(model, max_num_seqs=config.max_num_seqs, max_seq_len=config.max_seq_len,
                          page_size=config.page_size, kv_cache_tokens=config.kv_cache_tokens or None,
-                         chunk_size=config.prefill_chunk,
+                         long_prefill_token_threshold=config.long_prefill_token_threshold,
                          max_num_batched_tokens=config.max_num_batched_tokens or None,
                          prefix_caching=config.prefix_caching, deterministic=config.deterministic,
                          model_name=config.model_name)

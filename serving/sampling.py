@@ -205,8 +205,9 @@ class LogitsExtras(NamedTuple):
 IDLE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-class SlotSampling(NamedTuple):
-    """Sampling parameters of every row of a step, as plain arrays (the device program's input)."""
+class SamplingMetadata(NamedTuple):
+    """Sampling parameters of every row of a step, as plain arrays (the device program's input;
+    vLLM's name)."""
 
     temperature: np.ndarray  # float32 [B]; 0 = greedy
     top_k: np.ndarray  # int32 [B]; 0 = off
@@ -228,8 +229,8 @@ class SlotSampling(NamedTuple):
                 top_logprobs=wire.Optional(wire.Array(np.int32)))
 
     @staticmethod
-    def of(params: list[SamplingParams], seeds: list[int]) -> "SlotSampling":
-        return SlotSampling(
+    def of(params: list[SamplingParams], seeds: list[int]) -> "SamplingMetadata":
+        return SamplingMetadata(
             temperature=np.array([p.temperature for p in params], np.float32),
             top_k=np.array([max(p.top_k, 0) for p in params], np.int32),
             top_p=np.array([p.top_p for p in params], np.float32),
@@ -238,27 +239,28 @@ class SlotSampling(NamedTuple):
         )
 
     @staticmethod
-    def of_rows(rows) -> "SlotSampling":
+    def of_rows(rows) -> "SamplingMetadata":
         """Each row's sequence's parameters and seed (objects with `params` and `seed`), greedy
         for an idle row (None), which then costs the sampler nothing."""
-        return SlotSampling.of([IDLE if r is None else r.params for r in rows],
-                               [0 if r is None else r.seed for r in rows])
+        return SamplingMetadata.of([IDLE if r is None else r.params for r in rows],
+                                   [0 if r is None else r.seed for r in rows])
 
     @staticmethod
-    def greedy(n: int) -> "SlotSampling":
-        return SlotSampling(np.zeros(n, np.float32), np.zeros(n, np.int32),
-                            np.ones(n, np.float32), np.zeros(n, np.uint32),
-                            top_logprobs=np.zeros(n, np.int32))
+    def greedy(n: int) -> "SamplingMetadata":
+        return SamplingMetadata(np.zeros(n, np.float32), np.zeros(n, np.int32),
+                                np.ones(n, np.float32), np.zeros(n, np.uint32),
+                                top_logprobs=np.zeros(n, np.int32))
 
     @staticmethod
-    def concat(parts: list["SlotSampling"]) -> "SlotSampling":
+    def concat(parts: list["SamplingMetadata"]) -> "SamplingMetadata":
         """Rows of several samplings, in order (pending masks resolved)."""
         parts = [p.resolve() for p in parts]
-        base = [np.concatenate([getattr(p, f) for p in parts]) for f in SlotSampling._fields[:4]]
+        base = [np.concatenate([getattr(p, f) for p in parts])
+                for f in SamplingMetadata._fields[:4]]
         top = (None if any(p.top_logprobs is None for p in parts)
                else np.concatenate([p.top_logprobs for p in parts]))
         if all(p.extras is None for p in parts):
-            return SlotSampling(*base, top_logprobs=top)
+            return SamplingMetadata(*base, top_logprobs=top)
         n_rows = [len(p.temperature) for p in parts]
         extras = [p.extras for p in parts]
         extras = [LogitsExtras.neutral(n) if e is None else e for n, e in zip(n_rows, extras)]
@@ -281,14 +283,16 @@ class SlotSampling(NamedTuple):
                     a = np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
                 arrays.append(a)
             cat.append(None if arrays[0] is None else np.concatenate(arrays))
-        return SlotSampling(*base, LogitsExtras(*cat), top)
+        return SamplingMetadata(*base, LogitsExtras(*cat), top)
 
-    def padded(self, n: int) -> "SlotSampling":
+    def padded(self, n: int) -> "SamplingMetadata":
         """These rows then greedy idle rows up to n in all."""
         pad = n - len(self.temperature)
-        return self if pad <= 0 else SlotSampling.concat([self.resolve(), SlotSampling.greedy(pad)])
+        if pad <= 0:
+            return self
+        return SamplingMetadata.concat([self.resolve(), SamplingMetadata.greedy(pad)])
 
-    def resolve(self) -> "SlotSampling":
+    def resolve(self) -> "SamplingMetadata":
         """The same rows with a pending grammar mask computed (waits for it)."""
         e = self.extras
         if e is None or e.mask is None or isinstance(e.mask, np.ndarray):
@@ -307,7 +311,7 @@ class SampleOutput(NamedTuple):
 _K_OFF = np.iinfo(np.int32).max
 
 
-def sample(logits: jax.Array, params: SlotSampling, positions: jax.Array,
+def sample(logits: jax.Array, params: SamplingMetadata, positions: jax.Array,
            vocab: int | None = None) -> SampleOutput:
     """Draws one token per row. logits float32 [B, V]; positions int32 [B]: the position the drawn
     token will occupy (with the seed it selects the random stream). With `params.extras`, the
@@ -364,7 +368,7 @@ def make_sampler(vocab: int | None = None):
     draw = jax.jit(sample if vocab is None else functools.partial(sample, vocab=vocab))
     argmax = jax.jit(functools.partial(greedy, vocab=vocab))
 
-    def run(logits, params: SlotSampling, positions) -> SampleOutput:
+    def run(logits, params: SamplingMetadata, positions) -> SampleOutput:
         if params.extras is not None:
             logits = process(logits, params.extras)
             params = params._replace(extras=None)

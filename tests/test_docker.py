@@ -115,7 +115,7 @@ def test_entrypoint_serves_and_passes_healthcheck(tmp_path):
     env.update(d["env"])
     # Outside the container: loopback, a free port, a writable cache and a tiny model so it starts fast.
     env.update(GEMMA3_HOST="127.0.0.1", GEMMA3_PORT=str(port), GEMMA3_COMPILE_CACHE_DIR=str(tmp_path / "cache"),
-               GEMMA3_MODEL="random:tiny", GEMMA3_MAX_SEQ_LEN="32", GEMMA3_MAX_BATCH="1", JAX_PLATFORMS="cpu")
+               GEMMA3_MODEL="random:tiny", GEMMA3_MAX_SEQ_LEN="32", GEMMA3_MAX_NUM_SEQS="1", JAX_PLATFORMS="cpu")
     path = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env["PATH"] = path
     log = open(tmp_path / "server.log", "w")

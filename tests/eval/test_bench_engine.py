@@ -14,7 +14,8 @@ def test_bench_engine_runs_on_a_tiny_model(tmp_path):
     # the timed runs; the long prompt still runs as 7 pieces beside the streams. The step shapes
     # the warm-up leaves compile when first met (a server without its background compile).
     cmd = [sys.executable, "-m", "eval.bench_engine", "--model", "random:tiny", "--dtype", "float32",
-           "--max-seq-len", "128", "--prefill-chunk", "16", "--page-size", "16", "--prefix-tokens", "60",
+           "--max-seq-len", "128", "--long-prefill-token-threshold", "16", "--page-size", "16",
+           "--prefix-tokens", "60",
            "--long-tokens", "100", "--itl-tokens", "100", "--baseline-s", "0.1", "--tokens", "8", "--burst-tokens", "100",
            "--requests", "1", "--repeats", "1", "--compile-cache-dir", "", "--no-background-compile",
            "--out", str(out)]

@@ -40,9 +40,9 @@ def timed_engine(**kw):
 def paced_server():
     # Without overlap a request's steps are exactly its own (the overlapped loop runs an ended
     # sequence one step more), so the counts below are exact.
-    config = ServerConfig(model="fake", served_model_name="fake", max_batch=4, max_seq_len=256,
+    config = ServerConfig(model="fake", served_model_name="fake", max_num_seqs=4, max_seq_len=256,
                           compile_cache_dir="", admission_wait_ms=0, overlap=False)
-    engine = timed_engine(num_slots=4, max_seq_len=256, step_delay=STEP)
+    engine = timed_engine(max_num_seqs=4, max_seq_len=256, step_delay=STEP)
     s = ServerThread(config, engine)
     yield s
     s.stop()

@@ -23,7 +23,7 @@ def expected() -> list[list[int]]:
 
 
 def test_steps_one_by_one_continue_every_row():
-    engine = fake_paged_runner(num_slots=4, max_seq_len=64)
+    engine = fake_paged_runner(max_num_seqs=4, max_seq_len=64)
     batch = DecodeBatch(engine.info, rows())
     first = batch.inputs()  # the prompts, whole
     assert first.rows == 3 and first.buckets.queries > 1
@@ -36,7 +36,7 @@ def test_steps_one_by_one_continue_every_row():
 
 
 def test_overlapped_steps_feed_each_row_from_the_step_in_flight():
-    engine = fake_paged_runner(num_slots=4, max_seq_len=64)
+    engine = fake_paged_runner(max_num_seqs=4, max_seq_len=64)
     batch = DecodeBatch(engine.info, rows())
     prev = None
     for _ in range(STEPS + 1):
@@ -52,7 +52,7 @@ def test_overlapped_steps_feed_each_row_from_the_step_in_flight():
 
 
 def test_a_decode_batch_starts_at_its_context():
-    engine = fake_paged_runner(num_slots=4, max_seq_len=64)
+    engine = fake_paged_runner(max_num_seqs=4, max_seq_len=64)
     batch = decode_batch(engine.info, 3, 20, TOK.bos_id)
     step = batch.inputs()
     assert step.rows == 3 and step.buckets.queries == 1 and list(step.batch["positions"][:3]) == [19] * 3

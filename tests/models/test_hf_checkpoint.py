@@ -328,7 +328,7 @@ def test_a_bad_sampling_default_stops_the_server_before_it_compiles(hf_dir, tmp_
     model_dir = _with_generation_config(hf_dir, tmp_path / "bad", {"top_p": 1.5})
     said = []
     with pytest.raises(ValueError, match=r"generation_config.json: top_p must be in \(0, 1\], got 1.5"):
-        load_runner(ServerConfig(model=str(model_dir), dtype="float32", allreduce="f32", max_batch=1,
+        load_runner(ServerConfig(model=str(model_dir), dtype="float32", allreduce="f32", max_num_seqs=1,
                                  max_seq_len=32, compile_cache_dir=""), said.append)
     assert said and said[-1].startswith("weights loaded"), said  # nothing compiled
     # --generation-config none does not use them.
@@ -356,7 +356,7 @@ def test_serve_hf_checkpoint(hf_dir, golden, tmp_path):
     save_tokenizer(tmp_path / "written", tok)
     assert read_sampling_defaults(tmp_path / "written") == defaults
 
-    config = ServerConfig(model=str(model_dir), dtype="float32", allreduce="f32", max_batch=1,
+    config = ServerConfig(model=str(model_dir), dtype="float32", allreduce="f32", max_num_seqs=1,
                           max_seq_len=32, compile_cache_dir="")
     server = ServerThread(config, load_runner(config, lambda _: None))
     try:

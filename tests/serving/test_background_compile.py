@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def small_engine():
     m = load_model(TINY, dtype="float32", allreduce=AllReduceConfig("f32"))  # nothing kept yet
-    return m, PagedRunner(m, max_num_seqs=4, max_seq_len=64, page_size=16, chunk_size=16,
+    return m, PagedRunner(m, max_num_seqs=4, max_seq_len=64, page_size=16, long_prefill_token_threshold=16,
                           max_num_batched_tokens=32)
 
 
@@ -123,7 +123,7 @@ def test_a_server_compiles_in_the_background_answers_meanwhile_and_exits_cleanly
     log_path = tmp_path / "server.log"
     log = open(log_path, "w")
     cmd = [sys.executable, "-m", "serving.cli", "--model", TINY, "--dtype", "float32",
-           "--max-seq-len", "64", "--max-batch", "4", "--max-num-batched-tokens", "32",
+           "--max-seq-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
            "--compile-cache-dir", "", "--port", str(port), "--log-level", "info"]
     procs = [(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)]
     url = f"http://127.0.0.1:{port}"
@@ -148,8 +148,8 @@ def test_the_later_shapes_hold_a_short_piece_beside_a_few_decodes():
     from serving.paged_steps import buckets_for, later_buckets
     from serving.runner import RunnerInfo
 
-    info = RunnerInfo(model_name="t", num_slots=8, max_seq_len=256, vocab_size=512, eos_ids=(1,),
-                      chunk_size=16, page_size=16, num_global_pages=129, num_local_pages=20,
+    info = RunnerInfo(model_name="t", max_num_seqs=8, max_seq_len=256, vocab_size=512, eos_ids=(1,),
+                      long_prefill_token_threshold=16, page_size=16, num_global_pages=129, num_local_pages=20,
                       max_num_batched_tokens=64, sliding_window=8)
     step = buckets_for(info, tokens=8, seqs=5, longest_piece=4, pages=1, logits=True)
     assert (step.tokens, step.seqs, step.queries) == (8, 8, 16)

@@ -63,7 +63,7 @@ def reference(m, prompts, max_tokens=6):
 
 
 def paged(m, **kw):
-    args = dict(max_num_seqs=4, max_seq_len=96, page_size=4, chunk_size=8)
+    args = dict(max_num_seqs=4, max_seq_len=96, page_size=4, long_prefill_token_threshold=8)
     args.update(kw)
     return PagedRunner(m, **args)
 

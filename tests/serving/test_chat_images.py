@@ -52,10 +52,10 @@ def chat_body(*parts, max_tokens=6, **kw) -> dict:
 @pytest.fixture(scope="module")
 def server():
     m = load_model(MODEL, tp=1, dtype="float32", allreduce=AllReduceConfig(method="f32"))
-    engine = PagedRunner(m, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8,
+    engine = PagedRunner(m, max_num_seqs=4, max_seq_len=256, page_size=4, long_prefill_token_threshold=8,
                          model_name="tiny-vl")
-    config = ServerConfig(model=MODEL, served_model_name="tiny-vl", max_batch=4,
-                          max_seq_len=256, page_size=4, prefill_chunk=8, compile_cache_dir="")
+    config = ServerConfig(model=MODEL, served_model_name="tiny-vl", max_num_seqs=4,
+                          max_seq_len=256, page_size=4, long_prefill_token_threshold=8, compile_cache_dir="")
     s = ServerThread(config, engine)
     yield s
     s.stop()
@@ -134,7 +134,7 @@ def test_an_image_to_a_text_only_model_is_refused():
     from serving.fake_runner import fake_paged_runner
 
     with pytest.raises(chat_images.ImageRequestError, match="no vision tower"):
-        chat_images.check_allowed(fake_paged_runner(num_slots=1, max_seq_len=32), 1, 4)
+        chat_images.check_allowed(fake_paged_runner(max_num_seqs=1, max_seq_len=32), 1, 4)
 
 
 def test_typed_image_markers_stay_text():
@@ -150,7 +150,7 @@ def test_typed_image_markers_stay_text():
 def direct_run(model, ids, image: SeqImage, n: int):
     """Greedy tokens and their logprobs of prompt `ids` with `image`, through an engine core of
     its own over the server's model (no HTTP, no chat code)."""
-    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=256, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=256, page_size=4, long_prefill_token_threshold=8)
     core = EngineCore(engine).start()
     got, done = [], threading.Event()
 

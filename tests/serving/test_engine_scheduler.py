@@ -30,8 +30,8 @@ def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, **kw)
 
 
-def fake(num_slots=4, step_delay=0.0):
-    return fake_paged_runner(num_slots=num_slots, max_seq_len=64, step_delay=step_delay)
+def fake(max_num_seqs=4, step_delay=0.0):
+    return fake_paged_runner(max_num_seqs=max_num_seqs, max_seq_len=64, step_delay=step_delay)
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_cancel_frees_the_sequence_at_once(engine):
 
 
 def test_queue_full_and_shutdown():
-    one_slot = fake(num_slots=1, step_delay=0.01)
+    one_slot = fake(max_num_seqs=1, step_delay=0.01)
     s = EngineCore(one_slot, max_waiting=2).start()
     try:
         cols = [Collector() for _ in range(3)]
@@ -143,7 +143,7 @@ def test_shutdown_without_drain_aborts_in_flight(engine):
 
 def failing_engine():
     """The fake engine whose first step fails (a device lost), counting its resets."""
-    engine = fake(num_slots=2)
+    engine = fake(max_num_seqs=2)
     dispatch, reset = engine.dispatch_step, engine.reset
     engine.fail_next, engine.resets = True, 0
 
@@ -196,7 +196,7 @@ def test_an_ended_sequence_waits_briefly_for_the_next_request(admission_wait, ne
     # stream keeps decoding. With an admission wait the newcomer's prompt joins the next step;
     # without one the step starts at once (the other stream's decode alone) and the newcomer
     # waits for it.
-    engine = fake(num_slots=2, step_delay=0.01)
+    engine = fake(max_num_seqs=2, step_delay=0.01)
     with running_core(engine, admission_wait=admission_wait) as s:
         other, second = Collector(), Collector()
         at_finish = []
@@ -220,7 +220,7 @@ def test_a_sequence_preempted_as_its_last_token_is_sampled_leaves_the_engine():
     step is sampling. The token ends it (its stream gets its last event); it must then leave the
     waiting queue too, not run on unwatched and hold the queue's head for ever. After a failed
     step, a sequence preempted while that step sampled its token recomputes it."""
-    engine = fake_paged_runner(num_slots=2, max_seq_len=16, kv_cache_tokens=16, chunk_size=4,
+    engine = fake_paged_runner(max_num_seqs=2, max_seq_len=16, kv_cache_tokens=16, long_prefill_token_threshold=4,
                                page_size=4)
     with running_core(engine) as s:
         a, b = Collector(), Collector()

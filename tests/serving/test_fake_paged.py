@@ -40,13 +40,13 @@ def repeated(p, n):
 
 def test_the_fake_repeats_the_prompt_through_pieces_preemption_and_prefix_hits():
     want = [repeated(p, 12) for p in PROMPTS]
-    got, _ = answers(fake_paged_runner(num_slots=4, max_seq_len=64), PROMPTS)
+    got, _ = answers(fake_paged_runner(max_num_seqs=4, max_seq_len=64), PROMPTS)
     assert got == want
     # Room for 64 tokens of global cache: four sequences growing to 15-56 tokens cannot all fit.
-    squeezed, preemptions = answers(fake_paged_runner(num_slots=4, max_seq_len=64, kv_cache_tokens=64),
+    squeezed, preemptions = answers(fake_paged_runner(max_num_seqs=4, max_seq_len=64, kv_cache_tokens=64),
                                     PROMPTS)
     assert preemptions > 0 and squeezed == want
-    engine, metrics = fake_paged_runner(num_slots=4, max_seq_len=64), Metrics("fake", "bf16")
+    engine, metrics = fake_paged_runner(max_num_seqs=4, max_seq_len=64), Metrics("fake", "bf16")
     core = EngineCore(engine, metrics=metrics).start()
     try:
         first, _ = answers(engine, PROMPTS[1:2], core=core)
@@ -58,7 +58,7 @@ def test_the_fake_repeats_the_prompt_through_pieces_preemption_and_prefix_hits()
 
 
 def test_a_wrong_block_table_raises():
-    engine = fake_paged_runner(num_slots=2, max_seq_len=64, max_num_batched_tokens=10)
+    engine = fake_paged_runner(max_num_seqs=2, max_seq_len=64, max_num_batched_tokens=10)
     sched = PagedScheduler(engine.info)
     sched.add([Sequence(id=0, prompt=PROMPTS[1], params=IDLE, seed=0)])
     plan = sched.schedule()

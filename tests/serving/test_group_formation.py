@@ -45,7 +45,7 @@ def _start(pid: int, port: int, coord: int, delay: float, log_dir: Path, *flags:
     env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu", LOAD_DELAY=str(delay)),
                                          malloc_tunables=False)
     cmd = [sys.executable, "-c", SLOW_SERVE, "--model", "random:tiny", "--port", str(port), "--tp", "2",
-           "--dtype", "float32", "--max-seq-len", "32", "--max-batch", "2", "--compile-cache-dir", "",
+           "--dtype", "float32", "--max-seq-len", "32", "--max-num-seqs", "2", "--compile-cache-dir", "",
            "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(pid),
            "--heartbeat-timeout", "10", *flags]
     log = open(log_dir / f"p{pid}.log", "w")

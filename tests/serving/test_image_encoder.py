@@ -31,7 +31,7 @@ def small_budget(m):
 
 
 def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, vision_golden):
-    enc = ImageEncoder(model, chunk_size=8, budget_flops=small_budget(model))
+    enc = ImageEncoder(model, long_prefill_token_threshold=8, budget_flops=small_budget(model))
     c = model.vision.config
     assert len(enc.stages) == 4 + c.num_layers * 2 * 4 + 1  # embed, 4 + 4 blocks a layer, finish
     images = vision_golden_images(model, vision_golden, 2) + vision_golden_images(model, vision_golden, 1)
@@ -41,7 +41,7 @@ def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, visi
         steps += 1
         assert spent <= enc.budget_flops or len(enc.last_work) == 1
     assert enc.advances == steps and enc.max_advance_flops <= enc.budget_flops
-    assert enc.max_batch_frames == 3  # the three images ran each stage in one program
+    assert enc.max_program_frames == 3  # the three images ran each stage in one program
     assert steps >= len(enc.stages) // 2
     for k, found in ((2, images[:2]), (1, images[2:])):
         staged = np.stack([np.asarray(enc.features(im)) for im in found])
@@ -54,10 +54,11 @@ def test_staged_features_equal_the_one_shot_encoder_and_transformers(model, visi
 
 def test_deterministic_features_do_not_depend_on_what_encodes_beside(model, vision_golden):
     def run(images):
-        enc = ImageEncoder(model, chunk_size=8, deterministic=True, budget_flops=small_budget(model))
+        enc = ImageEncoder(model, long_prefill_token_threshold=8, deterministic=True,
+                           budget_flops=small_budget(model))
         while not all(enc.ready(im.key) for im in images):
             enc.advance(images)
-        assert enc.max_batch_frames == 1
+        assert enc.max_program_frames == 1
         return np.asarray(enc.features(images[-1]))
 
     a = vision_golden_images(model, vision_golden, 1)
@@ -69,7 +70,7 @@ def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, visio
     image = vision_golden_images(model, vision_golden, 1)[0]
     a, b = image.spans[0]
     for deterministic in (False, True):
-        engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
+        engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, long_prefill_token_threshold=8,
                              deterministic=deterministic)
         sched = PagedScheduler(engine.info)
         ready = set()
@@ -90,7 +91,7 @@ def test_a_piece_stops_before_an_image_whose_features_are_not_ready(model, visio
 
 
 def test_a_running_stream_decodes_every_step_while_an_image_encodes(model, vision_golden):
-    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8)
     engine.encoder_budget_flops = small_budget(model)
     images = vision_golden_images(model, vision_golden, 2)
     tokens, seen = stream_beside_an_image(
@@ -111,7 +112,7 @@ def test_a_lone_image_request_has_nothing_to_stall(model, vision_golden, determi
     tiny tower: whole in the first step that waits for them; a cap of 4 stages' FLOPs: in
     calls of at most that, never one past the step watchdog); in deterministic mode always by
     the bounded stages (the bits must not depend on the load)."""
-    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8,
                          deterministic=deterministic)
     engine.encoder_budget_flops = small_budget(model)
     calls = []
@@ -150,7 +151,7 @@ def test_a_lone_image_request_has_nothing_to_stall(model, vision_golden, determi
 def test_a_waiting_image_stays_listed_while_other_pieces_run(model, vision_golden):
     """A running sequence that waits for its image keeps it in `encode`, every step until it
     is ready, while another prompt's pieces take every token of the steps."""
-    engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, chunk_size=8,
+    engine = PagedRunner(model, max_num_seqs=2, max_seq_len=128, page_size=4, long_prefill_token_threshold=8,
                          max_num_batched_tokens=8)
     sched = PagedScheduler(engine.info)
     sched.image_ready = lambda key: False

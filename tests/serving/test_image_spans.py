@@ -32,7 +32,7 @@ def kv_after_prompt(model, vision_golden, staged: bool):
     """Runs a text sequence and the 2-image vision_golden prompt side by side (scheduler and engine
     driven by hand) until the image prompt samples its first token; returns its keys and
     values per layer [positions, 2 * Kc, H], and the writer."""
-    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8,
                          prefix_caching=False)
     engine.encoder_budget_flops = one_layer_rows(model)
     for im in vision_golden_images(model, vision_golden, 2):  # features ready: only the spans are staged
@@ -91,7 +91,7 @@ def test_a_running_stream_decodes_between_the_span_stages(model, vision_golden):
     """Through the engine core: the image request's greedy tokens are the golden's, and the
     span's stages ran spread over several steps, each after a step that gave the stream a
     token (counted, not timed)."""
-    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8)
     engine.encoder_budget_flops = one_layer_rows(model)
     for im in vision_golden_images(model, vision_golden, 2):  # features ready: only the spans are staged
         engine.image_features(im)
@@ -114,7 +114,7 @@ def test_when_the_scheduler_writes_a_span_between_steps(model, vision_golden):
     the plan lists the span every step until the engine says it is written, then the next
     piece starts at the span's end; a preempted sequence's span is dropped; a lone sequence
     runs the span inside its piece, except in deterministic mode."""
-    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8)
     image = vision_golden_images(model, vision_golden, 1)[0]
     (a, b), = image.spans
     params = SamplingParams(max_tokens=4, temperature=0.0)
@@ -157,7 +157,7 @@ def test_when_the_scheduler_writes_a_span_between_steps(model, vision_golden):
 
     # Deterministic mode stages the span alone too: the one-step piece rounds differently, and
     # a request's numbers must not depend on whether others run.
-    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8,
+    engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8,
                          deterministic=True)
     sched, written = scheduler(seq(4))
     while not (plan := sched.schedule()).spans:

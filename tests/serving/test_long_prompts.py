@@ -89,8 +89,9 @@ def server(request):
     model = load_model("random:tiny?max_len=2048", tp=tp, dtype="float32")
     # The engine a server builds in its deterministic mode, not warmed up: only the programs
     # these requests run compile.
-    engine = PagedRunner(model, max_num_seqs=8, max_seq_len=2048, chunk_size=16, deterministic=True)
-    s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", tp=tp, max_batch=8,
+    engine = PagedRunner(model, max_num_seqs=8, max_seq_len=2048, long_prefill_token_threshold=16,
+                         deterministic=True)
+    s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", tp=tp, max_num_seqs=8,
                                   max_seq_len=2048, compile_cache_dir="", deterministic=True), engine)
     yield s
     s.stop()

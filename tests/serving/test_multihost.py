@@ -35,7 +35,7 @@ import jax_platform
 from serving.runner import RunnerInfo
 from serving.paged_steps import StepInputs, step_inputs
 from serving.paged_scheduler import PagedScheduler
-from serving.sampling import IDLE, LogitsExtras, SlotSampling
+from serving.sampling import IDLE, LogitsExtras, SamplingMetadata
 from serving import group_images as gi
 from serving.sequence import SeqImage, Sequence
 from testkit import Collector, free_port, stop_processes, wait_group_ready
@@ -56,13 +56,13 @@ SHUTDOWN_DEADLINE = 120
 
 # ---- the step wire format, settings and watchdog ----
 
-def _sampling(n: int, rng) -> SlotSampling:
-    return SlotSampling(rng.random(n, dtype=np.float32), rng.integers(0, 50, n, dtype=np.int32),
-                        rng.random(n, dtype=np.float32), rng.integers(0, 2**32, n, dtype=np.uint32))
+def _sampling(n: int, rng) -> SamplingMetadata:
+    return SamplingMetadata(rng.random(n, dtype=np.float32), rng.integers(0, 50, n, dtype=np.int32),
+                            rng.random(n, dtype=np.float32), rng.integers(0, 2**32, n, dtype=np.uint32))
 
 
-PAGED_INFO = RunnerInfo(model_name="t", num_slots=4, max_seq_len=64, vocab_size=1000, eos_ids=(1,),
-                        chunk_size=16, page_size=4, num_global_pages=65, num_local_pages=40,
+PAGED_INFO = RunnerInfo(model_name="t", max_num_seqs=4, max_seq_len=64, vocab_size=1000, eos_ids=(1,),
+                        long_prefill_token_threshold=16, page_size=4, num_global_pages=65, num_local_pages=40,
                         max_num_batched_tokens=20, sliding_window=8, prefix_caching=True)
 
 
@@ -280,7 +280,7 @@ def test_a_groups_image_work_replays_on_another_process():
     tokens, per_image = model.vision.tokens, model.vision.config.tokens_per_image
 
     def make():
-        engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+        engine = PagedRunner(model, max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8)
         engine.encoder_budget_flops = 2e5  # the encoder in several steps, a span in stages
         return engine
 
@@ -341,7 +341,7 @@ def test_a_groups_image_work_replays_on_another_process():
 
 def _server_command(port: int, cache_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "serving.cli", "--port", str(port), "--tp", "2", "--dtype", "float32",
-            "--max-batch", "2", "--compile-cache-dir", str(cache_dir), "--step-timeout", str(STEP_TIMEOUT),
+            "--max-num-seqs", "2", "--compile-cache-dir", str(cache_dir), "--step-timeout", str(STEP_TIMEOUT),
             *args]
 
 

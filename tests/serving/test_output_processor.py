@@ -17,10 +17,10 @@ from serving.sequence import QueueFull, Sequence
 TOK = ByteTokenizer()
 
 
-def info(num_slots=4, max_seq_len=64):
-    return RunnerInfo(model_name="plain", num_slots=num_slots, max_seq_len=max_seq_len,
+def info(max_num_seqs=4, max_seq_len=64):
+    return RunnerInfo(model_name="plain", max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
                       vocab_size=TOK.vocab_size, eos_ids=(TOK.eos_id, TOK.end_of_turn_id),
-                      page_size=4, num_global_pages=65, num_local_pages=65, chunk_size=8,
+                      page_size=4, num_global_pages=65, num_local_pages=65, long_prefill_token_threshold=8,
                       max_num_batched_tokens=32)
 
 
@@ -35,7 +35,7 @@ def seq(prompt_len, max_tokens=8, **kw):
 # ---- the waiting queue ----
 
 def test_abort_takes_waiting_and_running_sequences_out():
-    s = PagedScheduler(info(num_slots=1))
+    s = PagedScheduler(info(max_num_seqs=1))
     running, waiting, other = seq(3), seq(3), seq(3)
     s.add([running, waiting, other])
     assert [p.seq for p in s.schedule().pieces] == [running]

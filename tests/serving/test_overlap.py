@@ -72,7 +72,7 @@ def same(a, b, bitwise):
 # pages of 4, pieces of 8): the session's compilation cache serves their programs to all three.
 def engine_maker(deterministic):
     return lambda: PagedRunner(model(), max_num_seqs=4, max_seq_len=MAX_SEQ_LEN,
-                               page_size=4, chunk_size=8, deterministic=deterministic)
+                               page_size=4, long_prefill_token_threshold=8, deterministic=deterministic)
 
 
 MAX_SEQ_LEN = 96

@@ -117,7 +117,7 @@ def test_after_the_warm_up_lone_requests_compile_nothing():
     on the 270M, when steps had page buckets). A longer prompt may still compile its own
     piece."""
     m = load_model(TINY, dtype="float32", allreduce=AllReduceConfig("f32"))  # nothing kept yet
-    engine = paged(m, page_size=16, chunk_size=16, max_seq_len=256)
+    engine = paged(m, page_size=16, long_prefill_token_threshold=16, max_seq_len=256)
     engine.compile_warmup(progress=lambda msg: None)
     engine.warmup(progress=lambda msg: None)
     # Lone prompts in every token bucket up to 64, then one decoding past 128 tokens (8 pages
@@ -141,7 +141,7 @@ def test_the_warm_up_stays_inside_the_context_and_ends_its_sequences():
     warm-up to its 64-step cap)."""
     m = model(1)
     engine = paged(m, deterministic=True, max_num_seqs=8, max_seq_len=64, page_size=16,
-                   chunk_size=0)  # the mode's 64
+                   long_prefill_token_threshold=0)  # the mode's 64
     seen = []
     run_step = engine.run_step
 

@@ -42,7 +42,7 @@ def generate(core, requests, max_tokens=32, logprobs=False):
 
 
 def engine_of(m, **kw):
-    args = dict(max_num_seqs=4, max_seq_len=128, page_size=4, chunk_size=8)
+    args = dict(max_num_seqs=4, max_seq_len=128, page_size=4, long_prefill_token_threshold=8)
     return PagedRunner(m, **{**args, **kw})
 
 

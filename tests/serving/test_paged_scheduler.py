@@ -13,8 +13,8 @@ from serving.sequence import Sequence
 
 
 def info(**kw) -> RunnerInfo:
-    base = dict(model_name="t", num_slots=4, max_seq_len=256, vocab_size=1000, eos_ids=(1,),
-                chunk_size=16, page_size=8, num_global_pages=65, num_local_pages=33,
+    base = dict(model_name="t", max_num_seqs=4, max_seq_len=256, vocab_size=1000, eos_ids=(1,),
+                long_prefill_token_threshold=16, page_size=8, num_global_pages=65, num_local_pages=33,
                 max_num_batched_tokens=20, sliding_window=12, prefix_caching=True)
     base.update(kw)
     return RunnerInfo(**base)
@@ -103,7 +103,7 @@ def run(sched, steps=500, finish_at=None):
         plan = sched.schedule()
         plans.append(plan)
         assert plan.num_tokens <= sched.info.max_num_batched_tokens
-        assert len(plan.pieces) <= sched.info.num_slots
+        assert len(plan.pieces) <= sched.info.max_num_seqs
         held = [p for sp in sched.kv.seqs.values() for p in sp.global_pages]
         writers = [p for p in plan.pieces]
         for p in writers:  # a page being written is held by its writer alone
@@ -111,7 +111,7 @@ def run(sched, steps=500, finish_at=None):
                 g, _ = sched.kv.slot(p.seq.id, pos)
                 assert sched.kv.global_pool.refs[g // sched.kv.page_size] == 1
             # Only a lone sequence's piece may exceed the chunk (it takes the budget).
-            assert p.end - p.start <= sched.info.chunk_size or (
+            assert p.end - p.start <= sched.info.long_prefill_token_threshold or (
                 alone and not sched.info.deterministic)
         assert len(held) <= sched.info.num_global_pages - 1
         for p in plan.pieces:
@@ -139,7 +139,7 @@ def test_decodes_go_first_then_prompt_pieces_within_the_budget():
 
 def test_every_sequence_finishes_with_each_position_computed_in_order():
     random.seed(0)
-    sched = PagedScheduler(info(num_slots=3))
+    sched = PagedScheduler(info(max_num_seqs=3))
     seqs = [seq(i, random.randint(1, 60), max_tokens=random.randint(1, 20), base=100 * (i + 1))
             for i in range(12)]
     sched.add(seqs)
@@ -153,7 +153,7 @@ def test_every_sequence_finishes_with_each_position_computed_in_order():
 
 def test_when_pages_run_out_the_newest_sequence_is_preempted_and_recomputes():
     # 9 usable global pages of 8 tokens: two sequences growing to 40 tokens each cannot both fit.
-    sched = PagedScheduler(info(num_global_pages=10, num_slots=2, prefix_caching=False))
+    sched = PagedScheduler(info(num_global_pages=10, max_num_seqs=2, prefix_caching=False))
     a, b = seq(1, 20, max_tokens=20), seq(2, 20, max_tokens=20, base=300)
     sched.add([a, b])
     plans, done = run(sched)
@@ -169,7 +169,7 @@ def _preempted_with_its_token_in_flight():
     """Two sequences outgrowing the pages, stepped as the engine core's overlapped loop does (a
     step is planned before the last one's tokens are back), up to the step that preempts the
     newest while the step in flight samples its next token."""
-    sched = PagedScheduler(info(num_global_pages=10, num_slots=2, prefix_caching=False))
+    sched = PagedScheduler(info(num_global_pages=10, max_num_seqs=2, prefix_caching=False))
     a, b = seq(1, 20, max_tokens=40), seq(2, 20, max_tokens=40, base=300)
     sched.add([a, b])
     in_flight = None
@@ -204,7 +204,7 @@ def test_a_sequence_preempted_during_a_failed_step_recomputes_the_token_it_lost(
 
 
 def test_admission_waits_for_pages_and_max_num_seqs():
-    sched = PagedScheduler(info(num_global_pages=6, num_slots=8, prefix_caching=False, max_num_batched_tokens=64))
+    sched = PagedScheduler(info(num_global_pages=6, max_num_seqs=8, prefix_caching=False, max_num_batched_tokens=64))
     sched.add([seq(i, 16) for i in range(5)])
     plan = sched.schedule()
     # 5 usable pages of 8 tokens: two 16-token prompts (2 pages each), the third waits
@@ -280,7 +280,7 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_are_refused_with_images():
 def test_step_buckets_follow_the_rows_and_pieces():
     from serving.paged_steps import buckets_for
 
-    big = info(num_slots=32, max_num_batched_tokens=256, max_seq_len=2048)
+    big = info(max_num_seqs=32, max_num_batched_tokens=256, max_seq_len=2048)
     assert buckets_for(big, 1, 1, 1, 3, True).seqs == 1  # a lone decode: one row
     assert [buckets_for(big, n, n, 1, 3, True).seqs for n in (2, 8, 9, 17, 32)] == [8, 8, 16, 32, 32]
     # A step reads the pages its rows hold whatever the table's width (the XLA form): one
@@ -295,6 +295,6 @@ def test_step_buckets_follow_the_rows_and_pieces():
     assert buckets_for(tpu, 40, 2, 16, 3, True).global_pages == 8
     lone = buckets_for(big, 200, 1, 200, 40, True)  # a lone prompt's whole-budget piece
     assert (lone.tokens, lone.seqs, lone.queries, lone.global_pages) == (256, 1, 256, 256)
-    det = buckets_for(info(num_slots=32, max_num_batched_tokens=48, max_seq_len=2048,
+    det = buckets_for(info(max_num_seqs=32, max_num_batched_tokens=48, max_seq_len=2048,
                            deterministic=True), 1, 1, 1, 3, True)
     assert (det.tokens, det.seqs, det.queries, det.global_pages) == (64, 32, 16, 256)

@@ -21,9 +21,9 @@ MAX_SEQ_LEN = 64
 @pytest.fixture(scope="module")
 def server():
     """The app over the real engine (its scheduler, pages and sampler) over the fake model."""
-    config = ServerConfig(model="fake", served_model_name="fake", max_batch=2, max_seq_len=MAX_SEQ_LEN,
+    config = ServerConfig(model="fake", served_model_name="fake", max_num_seqs=2, max_seq_len=MAX_SEQ_LEN,
                           max_waiting=4, compile_cache_dir="")
-    engine = fake_paged_runner(num_slots=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003)
+    engine = fake_paged_runner(max_num_seqs=2, max_seq_len=MAX_SEQ_LEN, step_delay=0.003)
     s = ServerThread(config, engine)
     yield s
     s.stop()
@@ -350,9 +350,9 @@ def test_models_health_and_metrics(client):
 # ---- readiness and API key ----
 
 def test_not_ready_gives_503_then_200_and_api_key():
-    config = ServerConfig(model="fake", served_model_name="fake", max_batch=1, max_seq_len=32,
+    config = ServerConfig(model="fake", served_model_name="fake", max_num_seqs=1, max_seq_len=32,
                           api_key="sekret", compile_cache_dir="")
-    s = ServerThread(config, fake_paged_runner(num_slots=1, max_seq_len=32), load=False)
+    s = ServerThread(config, fake_paged_runner(max_num_seqs=1, max_seq_len=32), load=False)
     try:
         assert httpx.get(s.url + "/health").status_code == 503
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sekret"})

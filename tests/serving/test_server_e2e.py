@@ -88,7 +88,7 @@ class ServerProcess:
 def server(tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
     cache = tmp_path_factory.mktemp("compile-cache")
-    s = ServerProcess("tp2", ["--tp", "2", "--allreduce", "f32", "--max-batch", "8", "--deterministic",
+    s = ServerProcess("tp2", ["--tp", "2", "--allreduce", "f32", "--max-num-seqs", "8", "--deterministic",
                               "--max-waiting", "64"], logs, cache, MAX_SEQ_LEN)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -143,7 +143,7 @@ def test_health_models_and_metrics_show_the_allreduce_mode(server):
     assert (h["status"], h["tp"], h["dtype"], h["allreduce_label"]) == ("ready", 2, "float32", "f32")
     assert h["allreduce"]["method"] == "f32"
     assert h["batch_invariant"]  # deterministic, token-local f32 psum
-    assert h["prefill_chunk"] == 64  # deterministic mode's own default piece (context 64)
+    assert h["long_prefill_token_threshold"] == 64  # deterministic mode's own default piece (context 64)
     models = openai.OpenAI(base_url=server.url + "/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == ["gemma3-270m"]
     assert models.data[0].model_extra["allreduce"]["method"] == "f32"

@@ -1,7 +1,9 @@
 """Unit tests of the serving pieces that need no model: detokenizer, stop strings, sampler, chat
 template, settings."""
+import argparse
 import functools
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +11,10 @@ import numpy as np
 import pytest
 
 from serving.chat_template import render_chat
-from serving.config import ServerConfig, from_sources
+from serving.config import ServerConfig, add_arguments, from_sources
 from serving.detokenize import IncrementalDetokenizer, TextStream
 from serving.fake_runner import ByteTokenizer
-from serving.sampling import InvalidParameter, SamplingParams, SlotSampling, make_sampler, sample
+from serving.sampling import InvalidParameter, SamplingMetadata, SamplingParams, make_sampler, sample
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +101,8 @@ def test_stop_string_prefix_is_held_back_while_streaming():
 
 def _run_sample(logits, temperature, top_k, top_p, seeds, position=7):
     n = len(seeds)
-    params = SlotSampling(np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
-                          np.full(n, top_p, np.float32), np.asarray(seeds, np.uint32))
+    params = SamplingMetadata(np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
+                              np.full(n, top_p, np.float32), np.asarray(seeds, np.uint32))
     out = jax.jit(sample)(jnp.asarray(np.tile(logits, (n, 1))), params, jnp.full((n,), position, jnp.int32))
     return jax.device_get(out)
 
@@ -144,7 +146,7 @@ def test_sampler_matches_the_truncated_distribution(temperature, top_k, top_p):
 def test_sampler_greedy_and_logprobs():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(3, 5000)).astype(np.float32)
-    params = SlotSampling.greedy(3)
+    params = SamplingMetadata.greedy(3)
     out = jax.device_get(jax.jit(sample)(jnp.asarray(logits), params, jnp.zeros(3, jnp.int32)))
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
     logp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
@@ -163,7 +165,7 @@ def test_the_greedy_fast_path_gives_the_samplers_tokens_and_logprobs():
     logits[1, [7, 9]] = 50.0  # a tie: the lower id wins
     logits[2, 2990] = 60.0  # past the tokenizer's ids: never drawn
     run = make_sampler(vocab=2900)
-    greedy_rows = SlotSampling.greedy(4)
+    greedy_rows = SamplingMetadata.greedy(4)
     got = jax.device_get(run(jnp.asarray(logits), greedy_rows, np.zeros(4, np.int32)))
     want = jax.device_get(jax.jit(functools.partial(sample, vocab=2900))(
         jnp.asarray(logits), greedy_rows, jnp.zeros(4, jnp.int32)))
@@ -184,7 +186,7 @@ def test_a_tiny_temperature_is_greedy():
     params = [SamplingParams(temperature=1e-9, top_k=64, top_p=0.95, seed=i) for i in range(16)]
     assert all(p.temperature == 0.0 for p in params)
     assert SamplingParams(temperature=1e-5).temperature == 1e-5
-    out = jax.device_get(jax.jit(sample)(jnp.asarray(logits), SlotSampling.of(params, list(range(16))),
+    out = jax.device_get(jax.jit(sample)(jnp.asarray(logits), SamplingMetadata.of(params, list(range(16))),
                                          jnp.zeros(16, jnp.int32)))
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
 
@@ -288,9 +290,9 @@ def test_chat_template_rejects_bad_conversations():
 
 def test_config_precedence_file_env_cli(tmp_path):
     f = tmp_path / "server.toml"
-    f.write_text('port = 9001\ntp = 2\nallreduce = "int8"\nmax-batch = 4\n')
+    f.write_text('port = 9001\ntp = 2\nallreduce = "int8"\nmax-num-seqs = 4\n')
     c = from_sources({"config": str(f)}, env={})
-    assert (c.port, c.tp, c.allreduce, c.max_batch) == (9001, 2, "int8", 4)
+    assert (c.port, c.tp, c.allreduce, c.max_num_seqs) == (9001, 2, "int8", 4)
     c = from_sources({"config": str(f)}, env={"GEMMA3_PORT": "9002", "GEMMA3_DTYPE": "float32"})
     assert (c.port, c.dtype, c.tp) == (9002, "float32", 2)
     c = from_sources({"config": str(f), "port": 9003}, env={"GEMMA3_PORT": "9002"})
@@ -307,12 +309,46 @@ def test_config_precedence_file_env_cli(tmp_path):
 @pytest.mark.parametrize("kwargs,env,match", [
     ({"allreduce": "int3"}, {}, "allreduce"),
     ({}, {"GEMMA3_TP": "two"}, "tp"),
-    ({}, {"GEMMA3_MAX_BATCH": "0"}, "max_batch"),
+    ({}, {"GEMMA3_MAX_NUM_SEQS": "0"}, "max_num_seqs"),
     ({"bogus": 1}, {}, "unknown"),
 ])
 def test_config_errors(kwargs, env, match):
     with pytest.raises(ValueError, match=match):
         from_sources(kwargs, env=env)
+
+
+def test_old_setting_names_give_the_new_ones_with_a_warning(tmp_path, caplog):
+    """max_batch is max_num_seqs and prefill_chunk long_prefill_token_threshold (vLLM's names):
+    the old flag, environment variable and file key still set them, each with a warning naming
+    the new one; an old name counts as the new one in its source's precedence."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    f = tmp_path / "old.toml"
+    f.write_text("max-batch = 3\nprefill_chunk = 32\n")
+    with caplog.at_level(logging.WARNING, logger="serving.config"):
+        flag = from_sources(vars(parser.parse_args(["--max-batch", "2", "--prefill-chunk", "48"])), env={})
+        env = from_sources({}, env={"GEMMA3_MAX_BATCH": "5", "GEMMA3_PREFILL_CHUNK": "64"})
+        file = from_sources({"config": str(f)}, env={})
+    assert (flag.max_num_seqs, flag.long_prefill_token_threshold) == (2, 48)
+    assert (env.max_num_seqs, env.long_prefill_token_threshold) == (5, 64)
+    assert (file.max_num_seqs, file.long_prefill_token_threshold) == (3, 32)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "--max-batch is deprecated: use --max-num-seqs",
+        "--prefill-chunk is deprecated: use --long-prefill-token-threshold",
+        "GEMMA3_MAX_BATCH is deprecated: use GEMMA3_MAX_NUM_SEQS (--max-num-seqs)",
+        "GEMMA3_PREFILL_CHUNK is deprecated: use GEMMA3_LONG_PREFILL_TOKEN_THRESHOLD "
+        "(--long-prefill-token-threshold)",
+        f"config file {f}: max_batch is deprecated: use max_num_seqs (--max-num-seqs)",
+        f"config file {f}: prefill_chunk is deprecated: use long_prefill_token_threshold "
+        f"(--long-prefill-token-threshold)"]
+    # Precedence by source whatever the name: the environment's new name over the file's old one,
+    # the old flag over the environment's new name; both names in one source are refused.
+    assert from_sources({"config": str(f)}, env={"GEMMA3_MAX_NUM_SEQS": "6"}).max_num_seqs == 6
+    assert from_sources({"max_batch": 7}, env={"GEMMA3_MAX_NUM_SEQS": "6"}).max_num_seqs == 7
+    with pytest.raises(ValueError, match="--max-batch and --max-num-seqs are the same setting"):
+        from_sources({"max_batch": 7, "max_num_seqs": 6}, env={})
+    assert "--max-batch" in parser.format_help() and "old name of --max-num-seqs" in parser.format_help()
 
 
 def test_deterministic_mode_is_off_by_default_and_batch_invariant_with_a_token_local_allreduce():
@@ -333,23 +369,24 @@ def test_a_retired_slot_engine_setting_is_refused_with_what_to_do(kwargs, env, f
         from_sources(kwargs, env=env)
 
 
-def test_the_prefill_chunk_is_a_multiple_of_the_page():
-    with pytest.raises(ValueError, match="prefill_chunk .12. must be a positive multiple of page_size .8."):
-        from_sources({"prefill_chunk": 12, "page_size": 8}, env={})
+def test_the_long_prefill_token_threshold_is_a_multiple_of_the_page():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold .12. must be a positive "
+                                         "multiple of page_size .8."):
+        from_sources({"long_prefill_token_threshold": 12, "page_size": 8}, env={})
 
 
 def test_the_default_prompt_piece_follows_the_mode():
     """Unset (0), the piece is 16 tokens, 64 in deterministic mode (where every piece has it,
     a lone prompt's too), within the context and a given budget, in whole pages."""
-    from serving.paged_runner import default_chunk_size
+    from serving.paged_runner import default_long_prefill_token_threshold as default
 
-    assert from_sources({}, env={}).prefill_chunk == 0
+    assert from_sources({}, env={}).long_prefill_token_threshold == 0
     assert from_sources({"page_size": 32}, env={}).page_size == 32  # 0 is a multiple of any page
-    assert default_chunk_size(False, 16, 2048) == 16
-    assert default_chunk_size(True, 16, 2048) == 64
-    assert default_chunk_size(True, 16, 40) == 32
-    assert default_chunk_size(True, 4, 2048, max_num_batched_tokens=22) == 20
-    assert default_chunk_size(True, 128, 2048) == default_chunk_size(False, 128, 2048) == 128
+    assert default(False, 16, 2048) == 16
+    assert default(True, 16, 2048) == 64
+    assert default(True, 16, 40) == 32
+    assert default(True, 4, 2048, max_num_batched_tokens=22) == 20
+    assert default(True, 128, 2048) == default(False, 128, 2048) == 128
 
 
 def test_served_model_name():
@@ -364,7 +401,7 @@ def test_served_model_name():
 @pytest.mark.parametrize("main,argv", [
     ("serve_main", ["--allreduce", "int3"]),
     ("serve_main", ["--tp", "two"]),
-    ("serve_main", ["--max-batch", "0"]),
+    ("serve_main", ["--max-num-seqs", "0"]),
     ("serve_main", ["--prefill-batch", "4"]),  # a slot engine flag with the paged default
     ("generate_main", ["hello", "--temperature", "-1"]),
     ("generate_main", ["hello", "--top-p", "2"]),

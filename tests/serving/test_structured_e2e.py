@@ -23,7 +23,7 @@ def oai():
     # Not warmed up: a program compiles on its first use, so only the few these requests need
     # are compiled (test_server_e2e covers the warm-up).
     engine = PagedRunner(load_model("gemma3-270m", tp=1, dtype="bfloat16"), max_num_seqs=4, max_seq_len=768)
-    s = ServerThread(ServerConfig(model="gemma3-270m", served_model_name="gemma3-270m", max_batch=4,
+    s = ServerThread(ServerConfig(model="gemma3-270m", served_model_name="gemma3-270m", max_num_seqs=4,
                                   max_seq_len=768, compile_cache_dir=""), engine)
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     s.stop()

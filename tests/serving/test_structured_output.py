@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving.config import ServerConfig
-from serving.sampling import SamplingParams, SlotSampling, sample
+from serving.sampling import SamplingParams, SamplingMetadata, sample
 from testkit import ServerThread
 
 SCHEMA = {
@@ -37,7 +37,7 @@ def server():
 
     model = load_model("random:tiny", tp=1, dtype="float32", seed=5)
     engine = PagedRunner(model, max_num_seqs=4, max_seq_len=256)  # compiles on use
-    config = ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=256,
+    config = ServerConfig(model="random:tiny", served_model_name="tiny", max_num_seqs=4, max_seq_len=256,
                           compile_cache_dir="")
     s = ServerThread(config, engine)
     yield s
@@ -206,21 +206,22 @@ def test_sampler_processing_units():
 
     sample_jit = jax.jit(sample)
     ex = step_extras(seqs, None, eos_ids=(0,))
-    params = SlotSampling.of([s.params for s in seqs], [1, 1, 1])._replace(extras=ex)
+    params = SamplingMetadata.of([s.params for s in seqs], [1, 1, 1])._replace(extras=ex)
     out = sample_jit(logits, params, np.ones(3, np.int32))
     # bias picks 2; min_tokens bans EOS (0) so 1 wins; token 0 seen -> log(.5)*2 < log(.3) -> 1
     assert out.tokens.tolist() == [2, 1, 1]
     mask = np.zeros((3, 1), np.int32)
     mask[:, 0] = 1 << 3
-    params = SlotSampling.greedy(3)._replace(extras=ex._replace(mask=mask))
+    params = SamplingMetadata.greedy(3)._replace(extras=ex._replace(mask=mask))
     assert sample_jit(logits, params, np.ones(3, np.int32)).tokens.tolist() == [3, 3, 3]
-    sampled = SlotSampling(np.ones(3, np.float32), np.zeros(3, np.int32), np.ones(3, np.float32),
-                           np.arange(3, dtype=np.uint32), ex._replace(mask=mask))
+    sampled = SamplingMetadata(np.ones(3, np.float32), np.zeros(3, np.int32), np.ones(3, np.float32),
+                               np.arange(3, dtype=np.uint32), ex._replace(mask=mask))
     assert sample_jit(logits, sampled, np.ones(3, np.int32)).tokens.tolist() == [3, 3, 3]
     min_p = ex._replace(min_p=np.full(3, 0.9, np.float32), bias_vals=np.zeros_like(ex.bias_vals),
                         repetition=np.ones(3, np.float32))
-    draws = [sample_jit(logits, SlotSampling(np.ones(3, np.float32), np.zeros(3, np.int32), np.ones(3, np.float32),
-                                         np.full(3, s, np.uint32), min_p), np.ones(3, np.int32)).tokens[0]
+    draws = [sample_jit(logits, SamplingMetadata(np.ones(3, np.float32), np.zeros(3, np.int32),
+                                                 np.ones(3, np.float32), np.full(3, s, np.uint32), min_p),
+                        np.ones(3, np.int32)).tokens[0]
              for s in range(20)]
     assert set(int(t) for t in draws) == {0}
 
@@ -313,7 +314,7 @@ def test_an_embedding_padded_past_its_tokenizer():
     model = Gemma3Model.from_programs(padded.programs, padded.weights, ByteTokenizer(512))
     engine = PagedRunner(model, max_num_seqs=2, max_seq_len=96)
     assert (engine.info.vocab_size, engine.info.token_ids) == (544, 512)
-    s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=2,
+    s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_num_seqs=2,
                                   max_seq_len=96, compile_cache_dir=""), engine)
     try:
         with httpx.Client(base_url=s.url, timeout=300) as c:

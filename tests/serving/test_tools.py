@@ -38,7 +38,7 @@ def server():
     # Not warmed up: only the step shapes these prompts use compile.
     engine = PagedRunner(load_model("random:tiny?max_len=4096", tp=1, dtype="float32", seed=9),
                          max_num_seqs=4, max_seq_len=4096)
-    s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_batch=4, max_seq_len=4096,
+    s = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_num_seqs=4, max_seq_len=4096,
                                   compile_cache_dir=""), engine)
     yield s
     s.stop()

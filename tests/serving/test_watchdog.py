@@ -49,7 +49,8 @@ class Server:
         env["GEMMA3_TEST_STALL_STEP"] = str(stall_step)
         env["EQUARX_NATIVE_CPU"] = "0"  # tp=1 runs no AllReduce: no need to build its CPU kernels
         cmd = [sys.executable, "-m", "serving.cli", "--model", f"random:tiny?max_len={MAX_SEQ_LEN}",
-               "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2", "--port", str(self.port),
+               "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--max-num-seqs", "2",
+               "--port", str(self.port),
                "--compile-cache-dir", str(cache_dir), "--step-timeout", str(step_timeout),
                "--compile-timeout", str(max(step_timeout, 60)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
         self.log = open(self.log_path, "w")
@@ -266,10 +267,10 @@ def test_step_timeout_settings():
     assert (g.step_timeout_s, g.compile_timeout_s, g.heartbeat_s) == (4.0, 90.0, 1.0)
 
 
-def _slow(slow: set[int], seconds: float, num_slots: int):
+def _slow(slow: set[int], seconds: float, max_num_seqs: int):
     """The fake engine whose steps number `slow` (1-based; the plain loop's `run_step`) take
     `seconds`."""
-    engine = fake_paged_runner(num_slots=num_slots, max_seq_len=64)
+    engine = fake_paged_runner(max_num_seqs=max_num_seqs, max_seq_len=64)
     run, calls = engine.run_step, []
 
     def slow_step(inputs):
@@ -298,7 +299,7 @@ def _wait(cond, timeout=5.0):
 
 def test_engine_core_fails_running_and_waiting_sequences_on_a_stuck_step():
     events, told = [], []
-    core = EngineCore(fake_paged_runner(num_slots=1, max_seq_len=64), step_timeout=0.3, compile_timeout=0.3,
+    core = EngineCore(fake_paged_runner(max_num_seqs=1, max_seq_len=64), step_timeout=0.3, compile_timeout=0.3,
                       stall_step=4, on_stuck=lambda m: told.append((m, len(events)))).start()
     t0 = time.monotonic()
     _submit(core, 2, events)  # one sequence at a time: one runs, one waits
@@ -318,7 +319,7 @@ def test_engine_core_fails_running_and_waiting_sequences_on_a_stuck_step():
 def test_a_stuck_step_that_returns_late_does_not_resume_serving():
     events = []
     # The third step: the second decode, a shape run before.
-    core = EngineCore(_slow({3}, 1.0, num_slots=2), step_timeout=0.3, compile_timeout=5.0,
+    core = EngineCore(_slow({3}, 1.0, max_num_seqs=2), step_timeout=0.3, compile_timeout=5.0,
                       overlap=False).start()
     _submit(core, 1, events)
     assert _wait(lambda: any(e.finish_reason for e in events))
@@ -331,7 +332,7 @@ def test_a_stuck_step_that_returns_late_does_not_resume_serving():
 def test_a_first_run_of_a_shape_gets_the_compile_limit():
     events = []
     # The first step (a new shape) takes 0.5 s: over the step limit, within the compile limit.
-    core = EngineCore(_slow({1}, 0.5, num_slots=2), step_timeout=0.2, compile_timeout=3.0,
+    core = EngineCore(_slow({1}, 0.5, max_num_seqs=2), step_timeout=0.2, compile_timeout=3.0,
                       overlap=False).start()
     _submit(core, 1, events, max_tokens=5)
     assert _wait(lambda: any(e.finish_reason for e in events))
