@@ -68,9 +68,16 @@ def dense_cache_bytes(model, rows: int, seq_len: int) -> int:
     """KV bytes of a dense cache of `rows` sequences of `seq_len` tokens (the global layers
     hold every position, the local ones their window): the layout that reserves a whole
     context per sequence, which the paged pools are measured against."""
-    from models.gemma3.kv_cache import bytes_per_sequence
+    c = model.config
+    per_position = 2 * c.num_kv_heads * c.head_dim * _kv_dtype(model).itemsize
+    return rows * per_position * (c.num_global_layers * seq_len
+                                  + c.num_local_layers * min(c.sliding_window, seq_len))
 
-    return rows * bytes_per_sequence(model.config, seq_len, np.dtype(model.cache_dtype))
+
+def _kv_dtype(model) -> np.dtype:
+    """The dtype a KV value takes on this model's devices (bfloat16 pools on a CPU are held as
+    their 16-bit patterns)."""
+    return np.dtype(model.pages_shapes(2, 2, 1).layers[0].kv.dtype)
 
 
 def _leaves(tree):
@@ -159,7 +166,7 @@ def capacity(model, seqs: int, prompt_tokens: int, rows: int = 8, row_len: int =
     from serving import Sequence
 
     c = model.config
-    dtype = np.dtype(model.cache_dtype)
+    dtype = _kv_dtype(model)
     budget = dense_cache_bytes(model, rows, row_len)
     n_global, n_local = c.num_global_layers, c.num_local_layers
     token_layer = 2 * c.num_kv_heads * c.head_dim * dtype.itemsize

@@ -377,8 +377,10 @@ def _reference_model(allreduce: str):
 
 
 def _reference(model, prompts: list[list[int]]) -> list[list[int]]:
-    # One prompt per call: the same compiled programs for both.
-    return [[int(t) for t in model.generate([ids], NEW_TOKENS)[0]] for ids in prompts]
+    """Greedy tokens from forward passes over the whole text so far (one prompt per call)."""
+    from tests.serving.test_batch_invariance import reference
+
+    return [[tok for tok, _ in reference(model, [ids], NEW_TOKENS)[0]] for ids in prompts]
 
 
 @pytest.mark.slow
