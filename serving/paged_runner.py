@@ -10,7 +10,7 @@ and its prompt piece run as two programs of fixed shapes (`paged_steps.determini
 
 The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions);
 `paged_steps.step_inputs` turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays
-padded to buckets (`Buckets`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
+padded to a few shapes (`models.gemma3.shapes.StepShape`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
 returns the sampled tokens of the rows that sample. It knows nothing about requests or HTTP.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ import numpy as np
 from serving import dispatch_window
 from serving.runner import RunnerInfo, PendingStep, StepOutputs, feed_tokens
 from serving.kv_pages import KVPages
-from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Buckets, Split, StepInputs,
+from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Split, StepInputs,
                                  decode_buckets, deterministic_parts, later_buckets,
                                  local_pages_for, step_inputs)
-from serving.shapes import pow2
+from models.gemma3.shapes import StepShape, pow2
 from serving.sampling import IDLE
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ class PagedRunner:
         self.window = dispatch_window.DispatchWindow(
             lambda: self.pages,
             dispatch_window.DEFAULT_LIMIT if dispatch_window.needed(local) else 0)
-        self.programs_run: set[Buckets] = set()
-        self._compiled: list[Buckets] = []  # every step shape, compiled ahead (compile_warmup)
+        self.programs_run: set[StepShape] = set()
+        self._compiled: list[StepShape] = []  # every step shape, compiled ahead (compile_warmup)
         self._encoder = None  # serving.image_encoder.ImageEncoder, made on first use
         self.encoder_budget_flops = None  # encoder work a step; None: one prompt piece's FLOPs
         self._spans = None  # serving.image_spans.SpanWriter, made on first use
@@ -161,8 +161,7 @@ class PagedRunner:
             return None
         jnp = self._jax.numpy
         rows = [self.image_features(im) for im in inputs.images]
-        n = sum(r.shape[0] for r in rows)
-        pad = pow2(n) - n  # a few feature counts, so a few programs
+        pad = inputs.buckets.features - sum(r.shape[0] for r in rows)
         if pad:
             rows.append(jnp.zeros((pad, rows[0].shape[1]), rows[0].dtype))
         feats = rows[0] if len(rows) == 1 else jnp.concatenate(rows)
@@ -269,7 +268,7 @@ class PagedRunner:
         self.reset()
         return time.perf_counter() - t0
 
-    def _warm_small_programs(self, buckets: list[Buckets]) -> None:
+    def _warm_small_programs(self, buckets: list[StepShape]) -> None:
         """Runs the programs a step runs beside the model's once at each of their shapes: the
         samplers (greedy and full) at each row count, the feed of a step's tokens from the
         step before at each pair of row and token counts. So that, after a compile of every
@@ -298,7 +297,7 @@ class PagedRunner:
         (`compile_workers`). The server calls it before the warm-up; a multi-process group
         also meets at a barrier after it (serving/runtime.py), so that the warm-up's first
         collective starts in every process at once however long each compiled."""
-        seen: list[Buckets] = []
+        seen: list[StepShape] = []
 
         def plan_only(inputs: StepInputs):
             seen.extend(p.buckets for p in self._split(inputs).parts if p.buckets not in seen)
@@ -318,10 +317,9 @@ class PagedRunner:
         kept = self.model.programs.kept()
         return [k for k in map(self._key, later_buckets(self.info)) if k not in kept]
 
-    def _key(self, b: Buckets):
-        """The model's program key of a step at buckets `b` over this runner's pages."""
-        return self.model.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages,
-                                     self.pages, b.logits)
+    def _key(self, b: StepShape):
+        """The model's program key of a step of shape `b` over this runner's pages."""
+        return self.model.ragged_key(b, self.pages)
 
     def _warmup_steps(self, run: Callable[[StepInputs], StepOutputs | None],
                       progress: Callable[[str], None]) -> None:

@@ -1,4 +1,4 @@
-"""A planned paged step as device-ready arrays: the buckets a step is padded to (`Buckets`,
+"""A planned paged step as device-ready arrays: the buckets a step is padded to (`StepShape`,
 `buckets_for`), the arrays themselves (`StepInputs`, built by `step_inputs` from a scheduler plan
 and the page tables), and in deterministic mode the split of a step into its decode rows and its
 prompt pieces (`deterministic_parts`). Plain numpy, no device: the runner (`paged_runner.py`)
@@ -16,44 +16,9 @@ from serving.runner import RunnerInfo
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
 from serving.sequence import SeqImage
-from serving.shapes import pow2
+from models.gemma3.shapes import StepShape, pow2
 from serving.sampling import SamplingMetadata
 
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """The padded shapes of one step: T tokens, S sequence rows, Q query tokens per row in the
-    attention view, Pg global and Pl local pages per row, and whether it returns logits.
-
-    Few values each, so that a server compiles few programs (each is one compile, kept by the
-    persistent compilation cache): S is 1 (a lone sequence), else a power of two from 8 up to
-    max_num_seqs; Q is 1 (every row decodes), else the longest piece's power of two, at least
-    the chunk size (pieces beside other work are at most a chunk; a lone prompt's take the
-    budget); T is max(8, S) when every row decodes, else a power of two from 8 up to the
-    budget's; Pg max_seq_len's pages in the XLA form, which reads the pages the rows hold
-    whatever the width, and on TPU a power of two from 8 pages up to that (`global_pages_for`);
-    Pl follows Q. With max_num_seqs 8, max_seq_len 2048, pages of 16, chunks of 16 and the
-    default budget of 256 that is 2 decode programs (S), 6 x 2 with pieces beside other work
-    (T x logits) and 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256), 24 in all (120
-    on TPU, each at 5 page buckets), of which a server meets the ones its load needs. A lone request runs S = 1 programs: it never pays for the batch.
-
-    A prompt piece never ends inside an image's soft tokens (they attend to each other both
-    ways, so the step that computes them must write them all): such a piece runs on to the
-    image's end, past the chunk size, and Q (then T, and in deterministic mode the one shape)
-    grows to the power of two that holds it; a step with images also has its own programs,
-    one per power-of-two count of feature rows F (`models.gemma3.ragged.ImageRows`)."""
-
-    tokens: int
-    seqs: int
-    queries: int
-    global_pages: int
-    local_pages: int
-    logits: bool = True
-    every_token: bool = False  # also every token's logprobs (a sequence wants its prompt's)
-
-    WIRE = dict(tokens=wire.Int(), seqs=wire.Int(), queries=wire.Int(), global_pages=wire.Int(),
-                local_pages=wire.Int(), logits=wire.Bool(), every_token=wire.Bool())
 
 
 def local_pages_for(queries: int, window: int | None, page_size: int) -> int:
@@ -95,7 +60,21 @@ def global_pages_for(info: RunnerInfo, pages: int) -> int:
 
 
 def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pages: int,
-                logits: bool) -> Buckets:
+                logits: bool) -> StepShape:
+    """The shape a step of `tokens` tokens in `seqs` rows, its longest piece of `longest_piece`
+    and its rows holding up to `pages` global pages, is padded to: few values each, so that a
+    server compiles few programs. S is 1 (a lone sequence), else a power of two from 8 up to
+    max_num_seqs; Q is 1 (every row decodes), else the longest piece's power of two, at least
+    the long-prefill threshold (pieces beside other work are at most that; a lone prompt's take
+    the budget); T is max(8, S) when every row decodes, else a power of two from 8 up to the
+    budget's; Pg max_seq_len's pages in the XLA forms, which read the pages the rows hold
+    whatever the width, and on TPU a power of two from 8 pages up to that (`global_pages_for`);
+    Pl follows Q. With max_num_seqs 8, max_seq_len 2048, pages of 16, a threshold of 16 and the
+    default budget of 256: 2 decode shapes, 6 x 2 with pieces beside other work (T x logits)
+    and 5 x 2 for a lone prompt's pieces (Q = T from 16 to 256), 24 text shapes (120 on TPU).
+    A prompt piece never ends inside an image's soft tokens (they attend to each other both
+    ways): it runs on to the image's end, and Q (then T) grows to hold it; a step with images
+    also has F, a power of two of feature rows (`step_inputs`)."""
     max_pages = max_page_bucket(info)
     if info.deterministic:
         # XLA:CPU's fused softmax rounds differently with the shape (even along rows it keeps
@@ -104,13 +83,13 @@ def buckets_for(info: RunnerInfo, tokens: int, seqs: int, longest_piece: int, pa
         # one-token rows then run apart, in `deterministic_decode_buckets`: see
         # `deterministic_parts`.)
         q = max(info.long_prefill_token_threshold, pow2(longest_piece))
-        return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_batched_tokens), pow2(tokens)),
+        return StepShape(tokens=max(MIN_TOKENS, pow2(info.max_num_batched_tokens), pow2(tokens)),
                        seqs=info.max_num_seqs, queries=q, global_pages=max_pages,
                        local_pages=local_pages_for(q, info.sliding_window, info.page_size))
     s = 1 if seqs == 1 else min(info.max_num_seqs, max(MIN_SEQS, pow2(seqs)))
     q = 1 if longest_piece == 1 else max(info.long_prefill_token_threshold, pow2(longest_piece))
     t = max(MIN_TOKENS, s if q == 1 else pow2(tokens))
-    return Buckets(tokens=t, seqs=s, queries=q, global_pages=global_pages_for(info, pages),
+    return StepShape(tokens=t, seqs=s, queries=q, global_pages=global_pages_for(info, pages),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size),
                    logits=logits)
 
@@ -121,7 +100,7 @@ def page_buckets(info: RunnerInfo) -> list[int]:
     return sorted({global_pages_for(info, pg) for pg in powers})
 
 
-def decode_buckets(info: RunnerInfo) -> list[Buckets]:
+def decode_buckets(info: RunnerInfo) -> list[StepShape]:
     """The decode steps of a lone sequence and of a full batch, at every page bucket
     (`page_buckets`: one in the XLA form; on TPU a stream meets the next when its context grows
     past one, 128 tokens of pages of 16, then 256, 512, ..., and a compile there would stall
@@ -142,7 +121,7 @@ def decode_buckets(info: RunnerInfo) -> list[Buckets]:
     return out
 
 
-def later_buckets(info: RunnerInfo) -> list[Buckets]:
+def later_buckets(info: RunnerInfo) -> list[StepShape]:
     """Every text step shape outside deterministic mode (24 for the defaults, 120 on TPU), for a
     server to compile in the background those the warm-up did not: at each page bucket from
     the smallest, decodes of every row count, pieces beside other work (S rows, a chunk of
@@ -160,7 +139,7 @@ def later_buckets(info: RunnerInfo) -> list[Buckets]:
     shapes += [(t, s, piece) for s in rows if s > 1
                for t in (MIN_TOKENS << i for i in range(top.bit_length())) if t <= top]
     shapes += [(q, 1, q) for q in (pow2(piece) << i for i in range(top.bit_length())) if q <= top]
-    out: list[Buckets] = []
+    out: list[StepShape] = []
     for pg in page_buckets(info):
         for logits in (True, False):
             for tokens, seqs, longest in shapes:
@@ -172,17 +151,17 @@ def later_buckets(info: RunnerInfo) -> list[Buckets]:
     return out
 
 
-def largest_buckets(info: RunnerInfo) -> tuple[Buckets, Buckets]:
-    """Buckets no step of text exceeds (`buckets_for`'s bounds): of a step of several
+def largest_buckets(info: RunnerInfo) -> tuple[StepShape, StepShape]:
+    """StepShape no step of text exceeds (`buckets_for`'s bounds): of a step of several
     sequences (a piece is at most a chunk, a step at most the budget) and of a lone sequence's
     (one piece of the whole budget). A piece of image tokens may run past them."""
     q = max(info.long_prefill_token_threshold, pow2(info.long_prefill_token_threshold))
     t = max(MIN_TOKENS, info.max_num_seqs, pow2(info.max_num_batched_tokens))
     pages = max_page_bucket(info)
     lone_q = max(q, pow2(info.max_num_batched_tokens))
-    return (Buckets(tokens=t, seqs=info.max_num_seqs, queries=q, global_pages=pages,
+    return (StepShape(tokens=t, seqs=info.max_num_seqs, queries=q, global_pages=pages,
                     local_pages=local_pages_for(q, info.sliding_window, info.page_size)),
-            Buckets(tokens=t, seqs=1, queries=lone_q, global_pages=pages,
+            StepShape(tokens=t, seqs=1, queries=lone_q, global_pages=pages,
                     local_pages=local_pages_for(lone_q, info.sliding_window, info.page_size)))
 
 
@@ -198,7 +177,7 @@ class StepInputs(NamedTuple):
     batch: dict  # RaggedBatch's fields -> int32 arrays
     sampling: SamplingMetadata  # [S]
     sample_positions: np.ndarray  # int32 [S]: the position of the token each row samples
-    buckets: Buckets
+    buckets: StepShape
     rows: int  # real sequence rows (the first `rows` of S)
     # The distinct images (sequence.SeqImage) whose soft tokens the step computes, and per
     # token [T] the row of its features among theirs concatenated in that order (-1: text).
@@ -215,7 +194,7 @@ class StepInputs(NamedTuple):
     # keys and spans: the others hold process 0's features by key (serving/group_images.py).
     WIRE = dict(batch=wire.ArrayDict(np.int32, _ragged_fields),
                 sampling=wire.Record(SamplingMetadata), sample_positions=wire.Array(np.int32),
-                buckets=wire.Record(Buckets),
+                buckets=wire.Record(StepShape),
                 rows=wire.Int(), images=wire.Tuple(wire.Record(SeqImage)),
                 image_index=wire.Optional(wire.Array(np.int32)),
                 targets=wire.Optional(wire.Array(np.int32)),
@@ -294,6 +273,8 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: RunnerInfo, extras=None,
     visible = batch["visible"]
     visible[:] = positions
     images, image_index = _image_rows(pieces, visible, b.tokens)
+    if images:
+        b = dataclasses.replace(b, features=image_features_bucket(images))
     rows = [p.seq if p.sample else None for p in pieces] + [None] * (b.seqs - len(pieces))
     sampling = SamplingMetadata.of_rows(rows)
     if extras is not None:
@@ -302,7 +283,13 @@ def step_inputs(plan: StepPlan, kv: KVPages, info: RunnerInfo, extras=None,
                       targets, feed)
 
 
-def _empty_batch(b: Buckets, page_size: int) -> dict:
+def image_features_bucket(images) -> int:
+    """F of a step computing the soft tokens of `images` (sequence.SeqImage): their feature
+    rows, padded to a power of two."""
+    return pow2(sum(b - a for im in images for a, b in im.spans))
+
+
+def _empty_batch(b: StepShape, page_size: int) -> dict:
     """A step's arrays at buckets `b`, all padding: padding tokens write to the scratch page,
     padding rows read only it."""
     t, s = b.tokens, b.seqs
@@ -341,22 +328,22 @@ def _image_rows(pieces, visible: np.ndarray, t: int):
 
 # -- deterministic mode: decode rows apart from prompt pieces -------------------------------------
 
-def deterministic_decode_buckets(info: RunnerInfo) -> Buckets:
+def deterministic_decode_buckets(info: RunnerInfo) -> StepShape:
     """Deterministic mode's decode program: a row for every sequence, one query each, the whole
     context."""
-    return Buckets(tokens=max(MIN_TOKENS, pow2(info.max_num_seqs)), seqs=info.max_num_seqs,
+    return StepShape(tokens=max(MIN_TOKENS, pow2(info.max_num_seqs)), seqs=info.max_num_seqs,
                    queries=1, global_pages=max_page_bucket(info),
                    local_pages=local_pages_for(1, info.sliding_window, info.page_size))
 
 
-def deterministic_piece_buckets(info: RunnerInfo, length: int, pages: int) -> Buckets:
+def deterministic_piece_buckets(info: RunnerInfo, length: int, pages: int) -> StepShape:
     """Deterministic mode's program for one prompt piece of `length` tokens whose sequence
     holds `pages` global pages: one row of a chunk's queries (more for a piece run on to an
     image's end) over its own context (the one table read as far as that reaches, or on TPU
     its context's page bucket). Both follow the request alone, not its neighbours, so a
     prompt's prefill costs what its own context does."""
     q = max(info.long_prefill_token_threshold, pow2(length))
-    return Buckets(tokens=max(MIN_TOKENS, q), seqs=1, queries=q,
+    return StepShape(tokens=max(MIN_TOKENS, q), seqs=1, queries=q,
                    global_pages=global_pages_for(info, pages),
                    local_pages=local_pages_for(q, info.sliding_window, info.page_size))
 
@@ -409,7 +396,7 @@ def deterministic_parts(inputs: StepInputs, info: RunnerInfo) -> Split:
     return Split(parts, rows, tokens)
 
 
-def _rows_part(inputs: StepInputs, rows: np.ndarray, pb: Buckets, page_size: int) -> StepInputs:
+def _rows_part(inputs: StepInputs, rows: np.ndarray, pb: StepShape, page_size: int) -> StepInputs:
     """The step's `rows` as a step of their own at buckets `pb`, their tokens in order."""
     b = inputs.batch
     index = np.concatenate([np.arange(b["queries"][r, 0], b["last"][r] + 1) for r in rows])
@@ -431,8 +418,11 @@ def _rows_part(inputs: StepInputs, rows: np.ndarray, pb: Buckets, page_size: int
     if image_index is not None and not (image_index >= 0).any():
         image_index = None
     feed = _moved(inputs.feed, index, pb.tokens, -1)
+    images = inputs.images if image_index is not None else ()
+    if images:
+        pb = dataclasses.replace(pb, features=inputs.buckets.features)
     return StepInputs(d, inputs.sampling, inputs.sample_positions, pb, len(rows),
-                      inputs.images if image_index is not None else (), image_index,
+                      images, image_index,
                       _moved(inputs.targets, index, pb.tokens, 0),
                       None if feed is None or (feed < 0).all() else feed)
 

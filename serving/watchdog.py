@@ -13,14 +13,12 @@ group ends itself, since the group can no longer be kept in step (`distributed.p
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
 import time
 from typing import Callable, Hashable
 
-from serving.shapes import pow2
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +126,12 @@ class StepLimits:
 
 def step_key(kind: str, inputs=None, **more) -> tuple:
     """(kind, ((name, value), ...)): an engine step's kind and what decides which programs it
-    runs: its shapes (a ragged step's buckets), its image rows, the shapes of its logits
-    processing (`more`: anything else, e.g. an overlapped step's feed)."""
+    runs: its shape (a ragged step's `StepShape`, image feature rows included), the shapes of
+    its logits processing (`more`: anything else, e.g. an overlapped step's feed)."""
     parts = []
-    buckets = getattr(inputs, "buckets", None)  # a ragged step's shapes
-    if buckets is not None:
-        parts.append(("buckets", dataclasses.astuple(buckets)))
-    images = getattr(inputs, "images", None)
-    if images:  # a step's feature rows, padded to a power of two
-        rows = sum(b - a for im in images for a, b in im.spans)
-        parts.append(("image_rows", pow2(rows)))
+    shape = getattr(inputs, "buckets", None)  # a ragged step's shape
+    if shape is not None:
+        parts.append(("shape", shape.describe()))
     extras = getattr(getattr(inputs, "sampling", None), "extras", None)
     if extras is not None:
         parts.append(("extras", tuple((f, tuple(getattr(v, "shape", ())))
@@ -147,7 +141,7 @@ def step_key(kind: str, inputs=None, **more) -> tuple:
 
 
 def describe(key: tuple) -> str:
-    """'ragged step (buckets (16, 8, 1, 8, 2, False), feed True)'."""
+    """'ragged step (shape T=16 S=8 Q=1 Pg=8 Pl=2 (no logits), feed True)'."""
     kind, parts = key
     text = ", ".join(f"{name} {value}" if name != "extras" else
                      "logits processing " + " ".join(f"{f} {s}" for f, s in value) for name, value in parts)

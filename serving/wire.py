@@ -14,6 +14,7 @@ No jax import: the group's processes join it before jax creates its backends.
 from __future__ import annotations
 
 import dataclasses
+import typing
 import math
 from typing import Callable
 
@@ -173,8 +174,15 @@ class Stays:
 
 
 def table(cls) -> dict:
-    """cls.WIRE, checked against cls's fields (a missing or extra entry is a bug)."""
+    """cls.WIRE, checked against cls's fields (a missing or extra entry is a bug); a dataclass
+    of plain ints and bools without one (`models.gemma3.shapes.StepShape`) travels field by
+    field."""
     wire = getattr(cls, "WIRE", None)
+    if wire is None and dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls)
+        kinds = {f.name: hints.get(f.name) for f in dataclasses.fields(cls)}
+        if all(k in (int, bool) for k in kinds.values()):
+            wire = {name: Bool() if k is bool else Int() for name, k in kinds.items()}
     if wire is None:
         raise TypeError(f"{cls.__name__} has no WIRE table: it cannot travel to other processes")
     fields = (cls._fields if hasattr(cls, "_fields")

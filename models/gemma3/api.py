@@ -22,6 +22,7 @@ from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import ModelPrograms
 from models.gemma3.ragged import BLOCK_PAGES, RaggedBatch
+from models.gemma3.shapes import pow2
 from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
 from models.gemma3.sources import replace_checkpoint, resolve_source
 from models.gemma3.weights import Weights
@@ -90,9 +91,9 @@ class Gemma3Model(Gemma3StepAPI):
         for s in seqs:
             check_token_range(np.asarray(s), self.config.vocab_size)
         v = self.config.vocab_size
-        q = _pow2(max(longest, 8))  # a few shapes: query slots a row
-        table = _pow2(max(BLOCK_PAGES, -(-q // _SCORE_PAGE)))  # pages a row
-        rows = min(_pow2(len(seqs)), _pow2_floor(max(1, _SCORE_LOGITS_BUDGET // (q * v * 4))))
+        q = pow2(max(longest, 8))  # a few shapes: query slots a row
+        table = pow2(max(BLOCK_PAGES, -(-q // _SCORE_PAGE)))  # pages a row
+        rows = min(pow2(len(seqs)), _pow2_floor(max(1, _SCORE_LOGITS_BUDGET // (q * v * 4))))
         pages = self.init_pages(rows * table + 1, rows * table + 1, _SCORE_PAGE)
         out = np.full((len(seqs), longest, v), np.nan, np.float32)
         for start in range(0, len(seqs), rows):
@@ -333,10 +334,6 @@ def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int
             log.warning("serving text only: %s", e)
             return None
     return None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _pow2_floor(n: int) -> int:

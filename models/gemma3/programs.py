@@ -27,8 +27,9 @@ from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
-from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, packed_size,
-                                  ragged_step, span_kv, span_rows, unpack)
+from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, ragged_step,
+                                  span_kv, span_rows, unpack)
+from models.gemma3.shapes import StepShape
 from models.gemma3.sharding import (AXIS, local_kv_heads, mesh_label, named, resolve_tree,
                                     tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes
@@ -63,55 +64,33 @@ RAGGED_PROGRAMS = (Program.RAGGED, Program.RAGGED_KV, Program.RAGGED_IMAGES,
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
-    """One ragged step program at one set of shapes: what a kept executable was compiled for.
+    """One ragged step program at one set of shapes, what a kept executable was compiled for:
+    the step's shape and the paged cache's pools, (global pages, local pages, page size) as
+    `paged_shapes` takes them."""
 
-    batch: sequence rows S; tokens: T; queries, global_pages, local_pages: Q, Pg and Pl
-    (`RaggedBatch`); pools: the paged cache, (global pages, local pages, page size), as
-    `paged_shapes` takes them; features: F, the image feature rows of a step with images (0:
-    none).
-    """
-
-    program: Program
-    batch: int
-    tokens: int = 1
-    queries: int = 0
-    global_pages: int = 0
-    local_pages: int = 0
-    pools: tuple[int, int, int] = (0, 0, 0)
-    features: int = 0
+    shape: StepShape
+    pools: tuple[int, int, int]
 
     @classmethod
-    def ragged(cls, tokens: int, seqs: int, queries: int, global_pages: int, local_pages: int,
-               pages: PagedKV, logits: bool = True, features: int = 0,
-               every_token: bool = False) -> ProgramKey:
-        """A ragged step padded to (T, S, Q, Pg, Pl) over `pages` (arrays or
-        ShapeDtypeStructs: only the pools' shapes are read); `features` > 0: with that many
-        image feature rows (`ImageRows`); every_token: also the logits of every token."""
-        if every_token:
-            if features or not logits:
-                raise ValueError("every-token logits are for text steps that sample")
-            program = Program.RAGGED_ALL_LOGITS
-        elif features:
-            program = Program.RAGGED_IMAGES if logits else Program.RAGGED_IMAGES_KV
-        else:
-            program = Program.RAGGED if logits else Program.RAGGED_KV
-        pools = (pages.num_pages("global"), pages.num_pages("local"), pages.page_size)
-        return cls(program, seqs, tokens, queries=queries, global_pages=global_pages,
-                   local_pages=local_pages, pools=pools, features=features)
+    def of(cls, shape: StepShape, pages: PagedKV) -> ProgramKey:
+        """The program of a step of `shape` over `pages` (arrays or ShapeDtypeStructs: only the
+        pools' shapes are read)."""
+        return cls(shape, (pages.num_pages("global"), pages.num_pages("local"), pages.page_size))
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """A ragged step's (T, S, Q, Pg, Pl)."""
-        return (self.tokens, self.batch, self.queries, self.global_pages, self.local_pages)
+    def program(self) -> Program:
+        s = self.shape
+        if s.every_token:
+            if s.features or not s.logits:
+                raise ValueError("every-token logits are for text steps that sample")
+            return Program.RAGGED_ALL_LOGITS
+        if s.features:
+            return Program.RAGGED_IMAGES if s.logits else Program.RAGGED_IMAGES_KV
+        return Program.RAGGED if s.logits else Program.RAGGED_KV
 
     def describe(self) -> str:
-        """For logs: "ragged step T=.. S=.. Q=.. Pg=.. Pl=..[ F=..][ (no logits)][ (every
-        token's logits)]"."""
-        return (f"ragged step T={self.tokens} S={self.batch} Q={self.queries} "
-                f"Pg={self.global_pages} Pl={self.local_pages}"
-                + (f" F={self.features}" if self.features else "")
-                + (" (no logits)" if self.program.value.endswith("_kv") else "")
-                + (" (every token's logits)" if self.program == Program.RAGGED_ALL_LOGITS else ""))
+        """For logs: "ragged step " and the shape's `describe`."""
+        return "ragged step " + self.shape.describe()
 
 
 class ModelPrograms:
@@ -154,7 +133,7 @@ class ModelPrograms:
         self.abstract_weights: Weights = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
             weight_shapes(config, self.dtype), named(mesh, self._weight_specs))
-        self._ragged_programs: dict[tuple[Program, tuple], Callable] = {}
+        self._ragged_programs: dict[StepShape, Callable] = {}
         self._span_programs: dict[tuple[str, str], Callable] = {}
         self._zeros_pages = jax.jit(
             lambda *a: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pages_shapes(*a)),
@@ -207,21 +186,17 @@ class ModelPrograms:
         return self._zeros_pages(num_global_pages, num_local_pages, page_size)
 
     # -- building ------------------------------------------------------------------------------
-    def ragged_program(self, program: Program, shape: tuple[int, int, int, int, int]) -> Callable:
-        """`program` (one of RAGGED_PROGRAMS) for batches of shape (T, S, Q, Pg, Pl): (weights,
-        pages, tokens [T], the batch's other fields `ragged.pack`ed[, ImageRows]) -> its
-        outputs (see `Program`). One jitted program per shape, which unpacks the batch with
-        static slices."""
-        key = (program, shape)
-        if key not in self._ragged_programs:
-            self._ragged_programs[key] = self._build_ragged(program, shape)
-        return self._ragged_programs[key]
+    def ragged_program(self, shape: StepShape) -> Callable:
+        """The step's program for batches of `shape`: (weights, pages, tokens [T], the batch's
+        other fields `ragged.pack`ed[, ImageRows]) -> its outputs (see `Program`). One jitted
+        program per shape, which unpacks the batch with static slices."""
+        if shape not in self._ragged_programs:
+            self._ragged_programs[shape] = self._build_ragged(shape)
+        return self._ragged_programs[shape]
 
-    def _build_ragged(self, program: Program, shape) -> Callable:
+    def _build_ragged(self, shape: StepShape) -> Callable:
         ids, pages, vocab_last = P(), self._pages_specs, P(None, AXIS)
-        logits = program in (Program.RAGGED, Program.RAGGED_IMAGES, Program.RAGGED_ALL_LOGITS)
-        every = program is Program.RAGGED_ALL_LOGITS
-        images = program in (Program.RAGGED_IMAGES, Program.RAGGED_IMAGES_KV)
+        logits, every = shape.logits, shape.every_token
 
         def ragged_step_packed(w, kv, tokens, packed, rows=None):
             out = ragged_step(w, kv, unpack(tokens, packed, shape), rows, ctx=self._ctx,
@@ -229,11 +204,12 @@ class ModelPrograms:
             return out if logits else out[1]
 
         in_specs = (self._weight_specs, pages, ids, ids)
-        in_specs += (ImageRows(features=ids, index=ids),) if images else ()
+        in_specs += (ImageRows(features=ids, index=ids),) if shape.features else ()
         out_specs = ((vocab_last, vocab_last, pages) if every else
                      (vocab_last, pages) if logits else pages)
+        program = ProgramKey(shape, (0, 0, 0)).program
         return self._jit(program, ragged_step_packed, in_specs, out_specs, donate=(1,),
-                         salt=" shape=%s" % (shape,))
+                         salt=f" shape={shape}")
 
     def span_program(self, part: str, kind: str) -> Callable:
         """An image span's stage over one layer of `kind` ("global" or "local"): part "kv"
@@ -287,7 +263,7 @@ class ModelPrograms:
 
     def program_of(self, key: ProgramKey) -> Callable:
         """The jitted program that runs `key`."""
-        return self.ragged_program(key.program, key.shape)
+        return self.ragged_program(key.shape)
 
     # -- lowering, compiling, running ------------------------------------------------------------
     def abstract_args(self, key: ProgramKey) -> tuple:
@@ -295,12 +271,13 @@ class ModelPrograms:
         def ids(*shape):
             return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
 
-        args = (self.abstract_weights, self.abstract_pages(*key.pools), ids(key.tokens),
-                ids(packed_size(key.shape)))
-        if key.features:
-            features = jax.ShapeDtypeStruct((key.features, self.config.d_model), self.dtype,
+        s = key.shape
+        args = (self.abstract_weights, self.abstract_pages(*key.pools), ids(s.tokens),
+                ids(s.packed_size))
+        if s.features:
+            features = jax.ShapeDtypeStruct((s.features, self.config.d_model), self.dtype,
                                             sharding=self.replicated)
-            args += (ImageRows(features=features, index=ids(key.tokens)),)
+            args += (ImageRows(features=features, index=ids(s.tokens)),)
         return args
 
     def lower(self, key: ProgramKey) -> jax.stages.Lowered:

@@ -58,22 +58,10 @@ class RaggedBatch:
     local_first: Array  # [S]
     last: Array  # [S] flat index of the token whose logits row s returns (unused rows: 0)
 
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """(T, S, Q, Pg, Pl): the bucket this batch is padded to."""
-        return (self.tokens.shape[0], *self.queries.shape, self.global_table.shape[1],
-                self.local_table.shape[1])
-
 
 # The fields a step's program receives packed into one int32 array (`pack`), in this order;
 # `tokens` travels apart, since the overlapped engine computes it on the device.
 PACKED_FIELDS = tuple(f.name for f in dataclasses.fields(RaggedBatch) if f.name != "tokens")
-
-
-def packed_size(shape: tuple[int, int, int, int, int]) -> int:
-    """Length of `pack`'s array for a batch of shape (T, S, Q, Pg, Pl)."""
-    t, s, q, pg, pl = shape
-    return 6 * t + s * (q + pg + pl + 2)
 
 
 def pack(batch) -> np.ndarray:
@@ -83,10 +71,10 @@ def pack(batch) -> np.ndarray:
                            for n in PACKED_FIELDS])
 
 
-def unpack(tokens: jax.Array, packed: jax.Array,
-           shape: tuple[int, int, int, int, int]) -> RaggedBatch:
-    """`pack`'s inverse on the device (static slices)."""
-    t, s, q, pg, pl = shape
+def unpack(tokens: jax.Array, packed: jax.Array, shape) -> RaggedBatch:
+    """`pack`'s inverse on the device (static slices), for a batch of `shape` (a StepShape)."""
+    t, s, q, pg, pl = (shape.tokens, shape.seqs, shape.queries, shape.global_pages,
+                       shape.local_pages)
     sizes = {"queries": (s, q), "global_table": (s, pg), "local_table": (s, pl),
              "local_first": (s,), "last": (s,)}
     fields, at = {}, 0

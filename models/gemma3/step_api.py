@@ -18,6 +18,7 @@ import numpy as np
 
 from models.gemma3.paged_kv import PagedKV
 from models.gemma3.programs import ModelPrograms, ProgramKey
+from models.gemma3.shapes import StepShape
 from models.gemma3.ragged import ImageRows, RaggedBatch, pack
 from models.gemma3.weights import Weights
 
@@ -121,9 +122,8 @@ class Gemma3StepAPI:
         its own program (pad F to a few sizes). every_token=True returns (row logits, logits
         [T, V] at every token, pages) (`ragged.ragged_step`)."""
         check_token_range(batch.tokens, self.config.vocab_size)
-        shape = _batch_shape(batch)
+        t, s, q, pg, pl = _batch_shape(batch)
         packed = pack(batch)
-        t, s, q, pg, pl = shape
         if isinstance(batch.tokens, jax.Array):
             tokens = self._ids(batch.tokens, 1, "tokens")
             packed = jax.device_put(packed, self.programs.replicated)
@@ -143,8 +143,9 @@ class Gemma3StepAPI:
                 raise ValueError(f"the image index must be [T]={t}, got {index.shape}")
             features = feats.shape[0]
             args += (ImageRows(features=feats, index=index),)
-        key = ProgramKey.ragged(t, s, q, pg, pl, pages, logits, features, every_token)
-        out = self.programs.runnable(key)(*args)
+        shape = StepShape(t, s, q, pg, pl, logits=logits, every_token=every_token,
+                          features=features)
+        out = self.programs.runnable(ProgramKey.of(shape, pages))(*args)
         if every_token:
             return out
         return out if logits else (None, out)
@@ -171,11 +172,9 @@ class Gemma3StepAPI:
         return self.programs.span_program("rows", kind)(w, pages.layers[layer], x, b,
                                                         np.int32(start))
 
-    def ragged_key(self, tokens: int, seqs: int, queries: int, global_pages: int,
-                   local_pages: int, pages: PagedKV, logits: bool = True,
-                   features: int = 0) -> ProgramKey:
-        return ProgramKey.ragged(tokens, seqs, queries, global_pages, local_pages, pages, logits,
-                                 features)
+    def ragged_key(self, shape: StepShape, pages: PagedKV) -> ProgramKey:
+        """The program of a step of `shape` over `pages` (arrays or their shapes)."""
+        return ProgramKey.of(shape, pages)
 
     def lower_ragged(self, key: ProgramKey) -> jax.stages.Lowered:
         """A ragged step's program (from `ragged_key`), lowered from abstract shapes."""
@@ -185,8 +184,8 @@ class Gemma3StepAPI:
                        progress: Callable[[str], None] | None = None) -> None:
         """Compile (without running) and keep the ragged steps of `keys` (`ragged_key`s).
 
-        Every (T, S, Q, Pg, Pl) is its own program, so the caller pads each to a few values
-        (the paged engine's choice: `serving.paged_steps.Buckets`, which also says how many
+        Every `StepShape` is its own program, so the caller pads each step to a few
+        (the paged engine's choice: `serving.paged_steps.buckets_for`, which also says how many
         programs that gives). Compile the ones every server meets first here; the others
         compile on first use.
         """

@@ -5,7 +5,7 @@ import pytest
 
 import jax
 from equarx import AllReduceConfig
-from models.gemma3 import ProgramKey, load_model
+from models.gemma3 import ProgramKey, StepShape, load_model
 from tests.models.reference import reference_logits
 
 F32 = AllReduceConfig(method="f32")
@@ -103,7 +103,7 @@ def test_byte_tokenizer_for_small_vocabularies(tiny):
 def _score_key(m, length: int, every_token: bool = True) -> ProgramKey:
     """The program key of `score` of one sequence of `length` <= 8 tokens: T = Q = 8, one row,
     8 pages of 16 a row in both pools."""
-    return ProgramKey.ragged(8, 1, 8, 8, 8, m.pages_shapes(9, 9, 16), every_token=every_token)
+    return ProgramKey.of(StepShape(8, 1, 8, 8, 8, every_token=every_token), m.pages_shapes(9, 9, 16))
 
 
 def test_compiles_while_loading():
@@ -213,13 +213,16 @@ def test_a_program_key_names_its_program_for_the_logs():
     from models.gemma3.paged_kv import paged_shapes
 
     pages = paged_shapes(get_config("tiny"), 9, 5, 4, 2, "float32")
-    plain = ProgramKey.ragged(16, 2, 8, 8, 3, pages)
-    assert plain.describe() == "ragged step T=16 S=2 Q=8 Pg=8 Pl=3"
-    assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, logits=False).describe().endswith(
-        "Pl=3 (no logits)")
-    assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, every_token=True).describe().endswith(
-        "Pl=3 (every token's logits)")
-    assert ProgramKey.ragged(16, 2, 8, 8, 3, pages, features=4).describe().endswith("Pl=3 F=4")
+    def key(**kw):
+        return ProgramKey.of(StepShape(16, 2, 8, 8, 3, **kw), pages)
+
+    assert key().describe() == "ragged step T=16 S=2 Q=8 Pg=8 Pl=3"
+    assert key(logits=False).describe().endswith("Pl=3 (no logits)")
+    assert key(every_token=True).describe().endswith("Pl=3 (every token's logits)")
+    assert key(features=4).describe().endswith("Pl=3 F=4")
+    assert key(features=4).program.value == "ragged_images"
+    with pytest.raises(ValueError, match="every-token"):
+        key(every_token=True, features=4).program
 
 
 def test_a_random_model_of_gemmas_vocabulary_runs_without_the_weights_package(monkeypatch,

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from equarx import AllReduceConfig, all_reduce
-from models.gemma3 import load_model
+from models.gemma3 import StepShape, load_model
 from models.gemma3.sharding import make_mesh
 
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "all-to-all", "reduce-scatter",
@@ -61,7 +61,7 @@ def test_two_equarx_all_reduces_per_layer_and_one_for_the_embedding(tp, method):
     pages = m.pages_shapes(17, 17, 16)
     # (T, S, Q): a decode step of 8 rows, a lone prompt's piece of 32 tokens.
     for name, (t, s, q) in [("decode", (8, 8, 1)), ("prompt piece", (32, 1, 32))]:
-        key = m.ragged_key(t, s, q, 8, _local_pages(q), pages)
+        key = m.ragged_key(StepShape(t, s, q, 8, _local_pages(q)), pages)
         ops = collectives(m.lower_ragged(key).compile().as_text())
         act_shape = (1, t, d)
         per_call = equarx_alone(tp, act_shape, config)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from equarx import AllReduceConfig
-from models.gemma3 import load_model
+from models.gemma3 import StepShape, load_model
 from models.gemma3 import model as forward
 from models.gemma3.paged_kv import SCRATCH
 from models.gemma3.ragged import RaggedBatch, kernel_metadata, paged_attention
@@ -250,7 +250,8 @@ def test_the_pool_is_updated_in_place(tiny):
     m = load_model(TINY, tp=2, dtype="bfloat16", allreduce=F32)
     pages = m.pages_shapes(37, 23, PAGE)
     for logits in (True, False):
-        hlo = m.lower_ragged(m.ragged_key(8, 2, 8, 4, 6, pages, logits)).compile().as_text()
+        key = m.ragged_key(StepShape(8, 2, 8, 4, 6, logits=logits), pages)
+        hlo = m.lower_ragged(key).compile().as_text()
         header = hlo.splitlines()[0]
         aliased = re.findall(r"\{\d+\}: \((\d+), \{\}, may-alias\)", header)
         assert len(aliased) == m.config.num_layers, header[:300]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from equarx import AllReduceConfig
-from models.gemma3 import load_model
+from models.gemma3 import StepShape, load_model
 from models.gemma3 import multimodal as mm
 from models.gemma3.ragged import ImageRows
 from test_paged import Host, Piece  # the tests' page bookkeeping (tests/models/test_paged.py)
@@ -129,7 +129,7 @@ def test_text_step_pays_nothing(models):
     """A step without images runs the text-only program (no features argument)."""
     m = models[1]
     assert m.takes_images and m.vision.tokens.soft == 502
-    key = m.ragged_key(8, 1, 8, 4, 4, m.init_pages(8, 8, PAGE))
-    assert key.program.value == "ragged" and key.features == 0
-    key = m.ragged_key(8, 1, 8, 4, 4, m.init_pages(8, 8, PAGE), features=32)
+    key = m.ragged_key(StepShape(8, 1, 8, 4, 4), m.init_pages(8, 8, PAGE))
+    assert key.program.value == "ragged" and key.shape.features == 0
+    key = m.ragged_key(StepShape(8, 1, 8, 4, 4, features=32), m.init_pages(8, 8, PAGE))
     assert key.program.value == "ragged_images"

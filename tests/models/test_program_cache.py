@@ -104,9 +104,9 @@ def test_unreadable_file_is_traced_again_and_replaced(stored, plain, tmp_path, c
 
 def _key(model):
     """The step program of `_score`'s two prompts (T = 2 rows x 8, Q = 8, 8 pages a row)."""
-    from models.gemma3 import ProgramKey
+    from models.gemma3 import ProgramKey, StepShape
 
-    return ProgramKey.ragged(16, 2, 8, 8, 8, model.pages_shapes(17, 17, 16), every_token=True)
+    return ProgramKey.of(StepShape(16, 2, 8, 8, 8, every_token=True), model.pages_shapes(17, 17, 16))
 
 
 def test_lowering_ahead_of_time_goes_through_the_cache(tmp_path):

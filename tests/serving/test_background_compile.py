@@ -53,8 +53,7 @@ def test_after_the_background_compile_no_step_compiles(caplog):
     generate(engine, [prompt(33, 5)], max_tokens=3)
     for n in (17, 30, 50):
         generate(engine, [prompt(n, n)], max_tokens=2)
-    run = {m.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages, engine.pages,
-                        b.logits) for b in engine.programs_run}
+    run = {m.ragged_key(b, engine.pages) for b in engine.programs_run}
     assert run & set(later) and run <= m.programs.kept(), run - m.programs.kept()
     assert _first_use_lines(caplog) == []
 
@@ -77,8 +76,7 @@ def test_a_program_a_step_compiled_on_first_use_is_not_compiled_again():
     compile, and a step that needs it would wait for that compile under the step's limit)."""
     m, engine = small_engine()
     generate(engine, [prompt(3, 1)], max_tokens=3)
-    ran = [m.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages, engine.pages,
-                        b.logits) for b in engine.programs_run]
+    ran = [m.ragged_key(b, engine.pages) for b in engine.programs_run]
     lowered = []
     lower = m.programs.lower
     m.programs.lower = lambda key: lowered.append(key) or lower(key)

@@ -33,7 +33,7 @@ from serving import group_steps
 from serving import wire
 import jax_platform
 from serving.runner import RunnerInfo
-from serving.paged_steps import StepInputs, step_inputs
+from serving.paged_steps import StepInputs, image_features_bucket, step_inputs
 from serving.paged_scheduler import PagedScheduler
 from serving.sampling import IDLE, LogitsExtras, SamplingMetadata
 from serving import group_images as gi
@@ -131,13 +131,16 @@ def test_paged_steps_round_trip_and_fit_their_capacity():
     images = (SeqImage(((3, 19), (25, 41)), np.ones((2, 8, 8, 3), np.float32), "a" * 64),
               SeqImage(((50, 66),), np.ones((1, 8, 8, 3), np.float32), "b\u00e9"))
     indexed = inputs._replace(image_index=np.arange(inputs.buckets.tokens, dtype=np.int32) - 1,
-                              images=images)
+                              images=images, buckets=dataclasses.replace(
+                                  inputs.buckets, features=image_features_bucket(images)))
     got = group_steps.decode_step(group_steps.encode_step(group_steps.RAGGED, indexed, cap))[1]
     assert [(im.spans, im.key, im.pixels) for im in got.images] == [
         (im.spans, im.key, None) for im in images]
     _same(got._replace(images=()), indexed._replace(images=()))
-    # (The watchdog's key names the step's padded feature rows: a new count compiles.)
-    assert ("image_rows", 64) in dist._key(group_steps.RAGGED, got)[1]
+    # (The step's shape, which the watchdog's key names, has its padded feature rows: a new
+    # count compiles.)
+    assert got.buckets.features == 64
+    assert dict(dist._key(group_steps.RAGGED, got)[1])["shape"].endswith("F=64")
 
 
 def test_image_work_travels_and_both_sides_agree_on_the_features_held():

@@ -126,8 +126,7 @@ def test_after_the_warm_up_lone_requests_compile_nothing():
     for seed, (n, new) in enumerate(((3, 4), (8, 4), (12, 4), (30, 4), (64, 4), (20, 150))):
         generate(engine, [prompt(n, seed)], max_tokens=new)
     generate(engine, [prompt(17, seed) for seed in range(4)], max_tokens=130)
-    run = {m.ragged_key(b.tokens, b.seqs, b.queries, b.global_pages, b.local_pages, engine.pages,
-                        b.logits) for b in engine.programs_run}
+    run = {m.ragged_key(b, engine.pages) for b in engine.programs_run}
     # Every step's table is the widest (16 pages), however short its rows' contexts.
     assert {b.global_pages for b in engine.programs_run} == {16}
     assert run <= m.programs.kept(), run - m.programs.kept()

@@ -23,7 +23,7 @@ import jax_platform
 from serving.config import from_sources
 from serving.engine_core import EngineCore, EngineStuck
 from serving.fake_runner import fake_paged_runner
-from serving.paged_steps import Buckets
+from models.gemma3.shapes import StepShape
 from serving.sampling import SamplingParams
 from serving.watchdog import EXIT_STUCK, StepLimits, Watchdog, describe, step_key
 from testkit import free_port
@@ -180,7 +180,7 @@ def test_a_stuck_step_fails_its_requests_turns_unhealthy_and_sigterm_ends_the_se
     assert httpx.get(s.url + "/health", timeout=5).status_code == 503
     text = s.text()
     # Two streams decoding: a step of two one-token rows.
-    assert "ERROR serving.engine_core: the engine is stuck: a ragged step (buckets (8, 2, 1," in text
+    assert "ERROR serving.engine_core: the engine is stuck: a ragged step (shape T=8 S=2 Q=1" in text
     seconds, status = s.terminate()
     print(f"SIGTERM -> exit {seconds:.2f}s (status {status})")
     assert status == EXIT_STUCK and seconds < SHUTDOWN_TIMEOUT + 5, s.text()[-3000:]
@@ -241,13 +241,15 @@ def test_watchdog_fires_once_per_arming_and_disarm_says_who_won():
 
 def test_step_limits_and_keys():
     limits = StepLimits(step_s=2.0, compile_s=50.0)
-    k = step_key("ragged", FakeStep(Buckets(8, 8, 1, 16, 2)), feed=True)
-    assert k == ("ragged", (("buckets", (8, 8, 1, 16, 2, True, False)), ("feed", True)))
-    assert describe(k) == "ragged step (buckets (8, 8, 1, 16, 2, True, False), feed True)"
+    k = step_key("ragged", FakeStep(StepShape(8, 8, 1, 16, 2)), feed=True)
+    assert k == ("ragged", (("shape", "T=8 S=8 Q=1 Pg=16 Pl=2"), ("feed", True)))
+    assert describe(k) == "ragged step (shape T=8 S=8 Q=1 Pg=16 Pl=2, feed True)"
+    with_images = step_key("ragged", FakeStep(StepShape(8, 8, 1, 16, 2, features=256)))
+    assert describe(with_images) == "ragged step (shape T=8 S=8 Q=1 Pg=16 Pl=2 F=256)"
     assert limits.limit(k) == 50.0
     limits.done(k)
     assert limits.limit(k) == 2.0
-    assert limits.limit(step_key("ragged", FakeStep(Buckets(8, 8, 1, 32, 2)), feed=True)) == 50.0
+    assert limits.limit(step_key("ragged", FakeStep(StepShape(8, 8, 1, 32, 2)), feed=True)) == 50.0
     assert StepLimits(30.0, 10.0).limit("new") == 30.0  # a first run never gets less than a step
     assert describe(step_key("reset")) == "reset step"
 
