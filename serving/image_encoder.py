@@ -14,7 +14,7 @@ import logging
 from collections import OrderedDict
 from typing import Callable
 
-from models.gemma3.shapes import pow2
+from models.shapes import pow2
 
 log = logging.getLogger(__name__)
 

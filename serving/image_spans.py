@@ -40,7 +40,7 @@ from serving import wire
 from serving.image_encoder import chunk_flops
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_steps import MIN_PAGES, local_pages_for
-from models.gemma3.shapes import pow2
+from models.shapes import pow2
 
 
 MIN_ROWS = 8  # rows of a stage: fewer make matmuls too thin to pay for a program

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from serving.sampling import LogitsExtras
-from models.gemma3.shapes import pow2
+from models.shapes import pow2
 
 
 def step_extras(seqs, structured, eos_ids: tuple[int, ...]) -> LogitsExtras | None:

@@ -10,7 +10,7 @@ and its prompt piece run as two programs of fixed shapes (`paged_steps.determini
 
 The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions);
 `paged_steps.step_inputs` turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays
-padded to a few shapes (`models.gemma3.shapes.StepShape`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
+padded to a few shapes (`models.shapes.StepShape`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
 returns the sampled tokens of the rows that sample. It knows nothing about requests or HTTP.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from serving.kv_pages import KVPages
 from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Split, StepInputs,
                                  decode_buckets, deterministic_parts, later_buckets,
                                  local_pages_for, step_inputs)
-from models.gemma3.shapes import StepShape, pow2
+from models.shapes import StepShape, pow2
 from serving.sampling import IDLE
 
 log = logging.getLogger(__name__)

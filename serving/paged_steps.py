@@ -16,7 +16,7 @@ from serving.runner import RunnerInfo
 from serving.kv_pages import SCRATCH, KVPages
 from serving.paged_scheduler import StepPlan
 from serving.sequence import SeqImage
-from models.gemma3.shapes import StepShape, pow2
+from models.shapes import StepShape, pow2
 from serving.sampling import SamplingMetadata
 
 

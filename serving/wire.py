@@ -175,7 +175,7 @@ class Stays:
 
 def table(cls) -> dict:
     """cls.WIRE, checked against cls's fields (a missing or extra entry is a bug); a dataclass
-    of plain ints and bools without one (`models.gemma3.shapes.StepShape`) travels field by
+    of plain ints and bools without one (`models.shapes.StepShape`) travels field by
     field."""
     wire = getattr(cls, "WIRE", None)
     if wire is None and dataclasses.is_dataclass(cls):

@@ -2,28 +2,13 @@
 
 Public API: `load_model`, `Gemma3Model` (the step API + score / save), `Gemma3Config`,
 `get_config`, `CONFIGS`; for model runners, `Gemma3StepAPI` (the step API alone),
-`ModelPrograms` / `ProgramKey` (the compiled programs, by key) and `StepShape`. They load on
-first use, so that importing a jax-free module of the package (`shapes`) starts no jax.
+`ModelPrograms` / `ProgramKey` (the compiled programs, by key) and `StepShape`.
 """
-import importlib
+from models.gemma3.api import Gemma3Model, load_model
+from models.gemma3.config import CONFIGS, Gemma3Config, get_config
+from models.gemma3.step_api import Gemma3StepAPI
+from models.gemma3.programs import ModelPrograms, Program, ProgramKey
+from models.shapes import StepShape
 
-_PUBLIC = {
-    "CONFIGS": "models.gemma3.config",
-    "Gemma3Config": "models.gemma3.config",
-    "get_config": "models.gemma3.config",
-    "Gemma3Model": "models.gemma3.api",
-    "load_model": "models.gemma3.api",
-    "Gemma3StepAPI": "models.gemma3.step_api",
-    "ModelPrograms": "models.gemma3.programs",
-    "Program": "models.gemma3.programs",
-    "ProgramKey": "models.gemma3.programs",
-    "StepShape": "models.gemma3.shapes",
-}
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'models.gemma3' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__ = ["CONFIGS", "Gemma3Config", "Gemma3StepAPI", "Gemma3Model", "ModelPrograms", "Program",
+           "ProgramKey", "StepShape", "get_config", "load_model"]

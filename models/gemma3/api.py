@@ -22,7 +22,7 @@ from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import ModelPrograms
 from models.gemma3.ragged import BLOCK_PAGES, RaggedBatch
-from models.gemma3.shapes import pow2
+from models.shapes import pow2
 from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
 from models.gemma3.sources import replace_checkpoint, resolve_source
 from models.gemma3.weights import Weights

@@ -29,7 +29,7 @@ from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtyp
 from models.gemma3.program_cache import ProgramCache
 from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, ragged_step,
                                   span_kv, span_rows, unpack)
-from models.gemma3.shapes import StepShape
+from models.shapes import StepShape
 from models.gemma3.sharding import (AXIS, local_kv_heads, mesh_label, named, resolve_tree,
                                     tp_axes, weight_specs)
 from models.gemma3.weights import Weights, weight_shapes

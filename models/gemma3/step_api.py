@@ -18,7 +18,7 @@ import numpy as np
 
 from models.gemma3.paged_kv import PagedKV
 from models.gemma3.programs import ModelPrograms, ProgramKey
-from models.gemma3.shapes import StepShape
+from models.shapes import StepShape
 from models.gemma3.ragged import ImageRows, RaggedBatch, pack
 from models.gemma3.weights import Weights
 

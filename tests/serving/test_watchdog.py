@@ -23,7 +23,7 @@ import jax_platform
 from serving.config import from_sources
 from serving.engine_core import EngineCore, EngineStuck
 from serving.fake_runner import fake_paged_runner
-from models.gemma3.shapes import StepShape
+from models.shapes import StepShape
 from serving.sampling import SamplingParams
 from serving.watchdog import EXIT_STUCK, StepLimits, Watchdog, describe, step_key
 from testkit import free_port
