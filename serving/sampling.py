@@ -1,5 +1,5 @@
-"""Per-request sampling: host-side parameters and the on-device sampler. (The server samples only
-here; `models/gemma3/sampling.py` is the simpler sampler of the model's own offline `generate`.)
+"""Per-request sampling: host-side parameters and the on-device sampler, the project's one
+sampler (the server's, and offline generation's through `serving.LLM`).
 
 The sampler runs inside one jitted function over every slot of a step at once, each slot with its
 own temperature, top-k, top-p and seed, so that a batch can mix greedy and sampled requests without

@@ -7,14 +7,13 @@ heads), so on TPU the kernel reads the pool as it is stored; separate key and va
 would have to be interleaved into a copy of the whole pool for every layer and step. On CPU
 the XLA form gathers keys and values apart through strided views of the pool, which fuse
 into the gathers (`gather`), so the layout costs it nothing. Splitting the third
-axis over tp gives each device the (key, value) pairs of its own Kc / tp heads, the same heads
-the slot cache's heads axis gives it (Kc as in kv_cache.py: num_kv_heads, or tp when KV heads
-are replicated).
+axis over tp gives each device the (key, value) pairs of its own Kc / tp heads (Kc:
+num_kv_heads, or tp when KV heads are replicated).
 
 All layers of one kind share page ids: page p of the global pool is page p in every global
 layer, so a sequence has one block table per kind. Page 0 of each pool is scratch (`SCRATCH`):
 never given to a sequence; padding tokens write there and unused table entries point there,
-always masked. A layer's keys are stored after QK-norm and RoPE, as in the slot cache.
+always masked. A layer's keys are stored after QK-norm and RoPE.
 """
 from __future__ import annotations
 
@@ -133,7 +132,7 @@ def paged_shapes(c: Gemma3Config, num_global_pages: int, num_local_pages: int, p
 
 def paged_specs(c: Gemma3Config) -> PagedKV:
     """PartitionSpecs of the pools: the combined heads split over tp (whatever tp is: even
-    replicated KV heads are cached one per device, as in the slot cache)."""
+    replicated KV heads are cached one per device)."""
     spec = P(*(AXIS if a == "cache_heads" else None for a in PAGES_AXES))
     kinds = layer_kinds(c)
     return PagedKV(layers=tuple(LayerPages(kv=spec) for _ in kinds), kinds=kinds)

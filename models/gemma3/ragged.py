@@ -1,4 +1,4 @@
-"""One ragged forward step over the paged KV cache: the paged engine's only model program.
+"""One ragged forward step over the paged KV cache: the model's one forward pass.
 
 A step is a flat batch of T tokens from S sequence rows, each row's tokens contiguous: decode
 tokens (one per sequence) and prompt pieces (several) side by side, each token with its
@@ -10,14 +10,15 @@ queries gathered into a padded [S, Q] view, whose outputs go back to the flat la
 first means a piece sees its own keys through the same pages as the earlier ones: one
 attention, one mask rule (`visible_keys`), whatever mix of work the step holds. Reading the
 pool only after the scatter also keeps the donated pool updated in place (XLA:CPU copies a
-buffer that one program reads *before* updating it, see model.py).
+buffer that one program reads *before* updating it).
 
-The numerics are the dense cache's programs' (model.py), cast for cast: the same building blocks, the same
-`attend` (float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`),
-but in the global layers: there each row reads its pages a block at a time with a running
-softmax (`_xla_blocked_attention`), so that a step's cost follows the context its rows hold
-rather than the width of their tables (within a rounding of the dense form; a row's bits do
-not depend on the other rows or the table's width), and one table width serves every step.
+The numerics are the official model's, cast for cast (model.py's building blocks; attention in
+float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`). On a CPU the
+global layers read each row's pages a block at a time with a running softmax
+(`_xla_blocked_attention`), so that a step's cost follows the context its rows hold rather than
+the width of their tables (a row's bits do not depend on the other rows or the table's width),
+and one table width serves every step; on a GPU every layer gathers its tables whole
+(`attention_impl`); on a TPU the Pallas kernel reads the pages in place.
 """
 from __future__ import annotations
 
@@ -152,8 +153,8 @@ def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: ja
 
 
 def _xla_attention(q, pages, table, first, batch, window):
-    """Gather each row's pages whole and its queries into [S, Q], dense masked attention (the
-    dense cache's `attend`), then back to the flat tokens. Unused table entries point at the
+    """Gather each row's pages whole and its queries into [S, Q], dense masked attention
+    (`attend_gathered`), then back to the flat tokens. Unused table entries point at the
     scratch page, at logical positions the rule rejects (the engine's guarantee)."""
     k, v = gather(pages, table)  # [S, L, Kl, H]
     s, length = k.shape[:2]
@@ -218,11 +219,10 @@ def _xla_blocked_attention(q, pages, table, batch):
 
 
 def attend_gathered(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """`forward.attend`'s numerics, cast for cast, over keys and values as gathered: q [S, Q,
-    Nl, H], k, v [S, L, Kl, H], mask [S, Q, L] -> [S, Q, Nl, H]. The dots take the gathered
-    arrays as they lie and leave the layout to XLA: transposing them into the slot cache's
-    layouts first cost XLA:CPU extra copies of every row's pages (it still transposes the
-    keys once for the first dot, per layer, as the compiled program shows)."""
+    """Grouped-query attention over keys and values as gathered: q [S, Q, Nl, H], k, v
+    [S, L, Kl, H], mask [S, Q, L] -> [S, Q, Nl, H]. The dots take the gathered arrays as they
+    lie and leave the layout to XLA: transposing them first costs XLA:CPU extra copies of
+    every row's pages."""
     s, t, n, h = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(s, t, kv_heads, n // kv_heads, h)
