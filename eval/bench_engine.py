@@ -1,59 +1,92 @@
-"""Engine benchmark: the engine core over the paged engine, driven in-process (no HTTP), for the
-costs and gains of the engine's scheduling modes (docs/engine.md):
+"""The engine in-process: greedy requests through an `EngineCore` over a `PagedRunner` (no HTTP),
+built as the server builds it (`eval.common.build_engine`), each kind of request run once
+untimed before it is timed. Modes (--only, comma-separated):
 
-  throughput  8 closed-loop greedy streams (4 requests each, 32-96 tokens), the deterministic
-              (batch-invariant) mode against the default mode: tokens/s of the whole run.
-  prefix      time to first token of a request whose first 1,500 tokens another request already
-              prefilled (prefix cache hit) against that first request's (the default mode).
-  itl         inter-token latency of 4 running streams while a 2,000-token prompt is admitted
-              (its pieces beside their decodes: p99 of their gaps from its arrival to its first
-              token) against their median gap without it; the default mode, or both modes with
-              --itl-modes 2.
-  burst       8 requests of mixed prompt lengths at once on an engine just through its warm-up
-              (a server the moment it is ready: no background compile yet), then 8 others:
-              the step shapes the warm-up left compile inside the first burst, stalling every
-              stream; the first burst's time and longest gap against the second's.
+  lone      one stream: its inter-token latency (ITL: the median gap between its tokens)
+  batch     --max-num-seqs streams at once: output tok/s, ITL (median over streams), TTFT
+  streams   the same at each --streams count (the engine's max_num_seqs: the largest)
+  ttft      a lone prompt of --long-prompt tokens: its time to first token
+  prefix    TTFT of a prompt whose first --long-prompt tokens an earlier one computed (a prefix
+            cache hit) against the earlier one's
+  itl       4 streams' p99 gap while a --long-prompt-token prompt is admitted beside them,
+            against their median gap before it arrived
+  step      one decode step of 8 rows at a 256-token context, as the scheduler plans it:
+            `run_step` (inputs up, step, sampler, tokens back), its dispatch alone, and the model
+            program alone (inputs on the device)
+  census    that step's compiled program (kernels of its entry computation, parameters, per
+            layer); from a profiler trace of 8 steps: the programs and arrays put on a device per
+            step (host) and the device's kernels (accelerators)
+  capacity  how many sequences of --prompt-tokens the scheduler and page allocator run at once
+            in the KV bytes of a dense cache of 8 x 8,192 tokens (no model steps)
+  images    (a model with a tower) a running stream's largest gap while an image request is
+            admitted, against a text request of the same length; the image request's TTFT, and
+            again with its features and pages cached; the encoder's images/s
+  ready     time to ready (`serving.load_runner`) in a fresh process over an empty compilation
+            cache, then in another over the cache the first filled
+  compiles  compiles and cache reads after ready: prompts of mixed lengths at 1, 8, 32, 64 streams
 
-    python -m eval.bench_engine                          # all four, gemma3-270m bfloat16
-    python -m eval.bench_engine --only prefix,itl --long-prefill-token-threshold 16 --out report.json
+lone, batch, streams, ttft, itl and step run on every engine of --engines (default,
+deterministic) at every --max-seq-len, the engines alternating between runs.
+
+    python -m eval.bench_engine --only lone,batch --engines deterministic,default --max-seq-len 2048,32768
+    python -m eval.bench_engine --model "random:1b?vocab=262000" --only streams,ttft,step,census,ready
+    python -m eval.bench_engine --only images --model "random:tiny?vision=tiny" --dtype float32
 """
 from __future__ import annotations
 
-import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 import jax_platform
+from eval import common
+from eval.reports import write_json
+
+MODES = ("lone", "batch", "streams", "ttft", "prefix", "itl", "step", "census", "capacity",
+         "images", "ready", "compiles")
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the sea lighthouse keeper winter snow lost key robot paint library night train garden "
+         "moon rival bakers forgotten song bookshop storm harvest clock letter mountain village "
+         "city bridges river market children evening quiet light road").split()
 
 
-def _text_ids(tokenizer, n: int, seed: int) -> list[int]:
-    """`n` token ids of ordinary text (the real tokenizer's), deterministic per seed."""
-    words = ("the sea lighthouse keeper winter snow lost key robot paint library night train garden "
-             "moon rival bakers forgotten song bookshop storm harvest clock letter mountain village "
-             "city bridges river market children evening quiet light road").split()
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def text_ids(tok, n: int, seed: int) -> list[int]:
+    """`n` token ids of ordinary text, deterministic per seed."""
     rng = np.random.default_rng(seed)
     ids: list[int] = []
     while len(ids) < n:
-        ids += tokenizer.encode(" ".join(rng.choice(words, 64)) + ". ")
+        ids += tok.encode(" ".join(rng.choice(WORDS, 64)) + ". ")
     return ids[:n]
 
 
 class Stream:
-    """A sink recording every token of one request: its arrival time, id and logprob."""
+    """A sink recording when each token of one request arrived."""
 
-    def __init__(self):
+    def __init__(self, on_tokens=None):
         self.times: list[float] = []
-        self.tokens: list[tuple[int, float | None]] = []
         self.done = threading.Event()
         self.error = None
+        self.on_tokens = on_tokens
 
     def __call__(self, event) -> None:
-        now = time.perf_counter()
-        self.times += [now] * len(event.tokens)
-        self.tokens += [(t.id, t.logprob) for t in event.tokens]
+        self.times += [time.perf_counter()] * len(event.tokens)
+        if self.on_tokens:
+            self.on_tokens(len(event.tokens))
         if event.finish_reason is not None:
             self.error = event.error
             self.done.set()
@@ -64,261 +97,528 @@ class Stream:
         return self
 
 
-def _submit(core, ids, max_tokens: int) -> Stream:
+def submit(core, ids, tokens: int, images=(), stream: Stream | None = None) -> Stream:
+    """A greedy request of `tokens` tokens (EOS ignored); returns its Stream (`.seq_id` set)."""
     from serving import SamplingParams
 
-    s = Stream()
-    core.submit([(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0), s)])
+    s = stream or Stream()
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    [s.seq_id] = core.submit([(ids, params, s, images)])
     return s
 
 
-def _engine(model, args, deterministic: bool, prefix: bool, max_num_seqs: int,
-            background: bool = True):
-    from serving import PagedRunner
-
-    engine = PagedRunner(model, max_num_seqs=max_num_seqs, max_seq_len=args.max_seq_len,
-                         page_size=args.page_size,
-                         long_prefill_token_threshold=args.long_prefill_token_threshold,
-                         prefix_caching=prefix, deterministic=deterministic, model_name="bench")
-    # Ready as a server is once its background compiler is done (serving/runtime.py,
-    # serving/background_compile.py): the warm-up's programs compiled and run, then every other
-    # step shape compiled, so that no timed step waits for a compile (the deterministic mode
-    # has none left after the warm-up); with --no-background-compile, as ready as such a
-    # server is after its warm-up.
+def run_round(core, prompts, tokens: int) -> dict:
+    """All `prompts` at once, `tokens` each: output tok/s, ITL (per stream the median gap,
+    then the median over streams) and the median TTFT."""
     t0 = time.perf_counter()
-    engine.compile_warmup(lambda msg: None)
-    engine.warmup(lambda msg: None)
-    if args.background_compile and background:
-        engine.model.compile_ragged(engine.later_programs())
-    print(f"  engine ({'deterministic' if deterministic else 'default'} mode, pieces of "
-          f"{engine.info.long_prefill_token_threshold}, {max_num_seqs} sequences) compiled and "
-          f"warmed up in "
-          f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
-    return engine
+    streams = [submit(core, p, tokens) for p in prompts]
+    for s in streams:
+        s.wait()
+    gaps = [np.median(np.diff(s.times)) for s in streams if len(s.times) > 1]
+    return {"tok_s": sum(len(s.times) for s in streams) / (max(s.times[-1] for s in streams) - t0),
+            "itl_s": float(np.median(gaps)) if gaps else float("nan"),
+            "ttft_s": float(np.median([s.times[0] - t0 for s in streams]))}
 
 
-def bench_throughput(model, args) -> dict:
-    """8 closed-loop streams (bench_serving's load): each sends `args.requests` requests one after
-    another, a short prompt each and an output length drawn from [L/2, 3L/2] (L = args.tokens,
-    the same draws for both modes). The two modes' runs alternate (a shared machine's load
-    drifts); tokens/s of the whole run, median over the repeats."""
-    from serving import EngineCore
+def alternate(cores: dict, fn, repeats: int) -> dict:
+    """fn(core, r) -> figures: once untimed per engine (r = 0), then `repeats` times, the
+    engines' order reversed every other round. Per engine: the runs and each figure's median."""
+    for core in cores.values():
+        fn(core, 0)
+    runs: dict = {k: [] for k in cores}
+    for r in range(repeats):
+        for k in (list(cores) if r % 2 == 0 else list(cores)[::-1]):
+            runs[k].append(fn(cores[k], r + 1))
+    return {k: {"runs": v, **{f"{f}_median": float(np.median([x[f] for x in v])) for f in v[0]}}
+            for k, v in runs.items()}
 
-    lengths = np.random.default_rng(0).integers(args.tokens // 2, 3 * args.tokens // 2 + 1, (8, args.requests))
-    prompts = [[model.tokenizer.bos_id] + _text_ids(model.tokenizer, 24, i) for i in range(8 * args.requests)]
-    modes = {"default": False, "deterministic": True}
-    cores = {name: EngineCore(_engine(model, args, det, prefix=False, max_num_seqs=8)).start()
-             for name, det in modes.items()}
-    runs: dict[str, list] = {name: [] for name in modes}
 
-    def stream(core, k: int, out: list) -> None:
-        for j in range(args.requests):
-            out.append(len(_submit(core, prompts[k * args.requests + j], int(lengths[k, j])).wait().times))
+def prompts(tok, n: int, length: int, seed: int) -> list[list[int]]:
+    return [[tok.bos_id] + text_ids(tok, length - 1, seed + i) for i in range(n)]
 
-    def tok_s(core) -> float:
-        counts: list[int] = []
+
+def per_engine(model, args, only: list[str], length: int, report: dict) -> None:
+    """The modes that compare engines (lone, batch, streams, ttft), at one --max-seq-len."""
+    import jax
+
+    tok, n = model.tokenizer, args.max_num_seqs
+    counts = common.ints(args.streams) if "streams" in only else []
+    cores = {}
+    for name in args.engines.split(","):
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=stream, args=(core, k, counts)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(counts) / (time.perf_counter() - t0)
-
+        cores[f"{name}@{length}"] = core = common.build_engine(
+            args, model, max_seq_len=length, max_num_seqs=max([n] + counts),
+            deterministic=name == "deterministic", prefix_caching=False)
+        report.setdefault("engines", {})[f"{name}@{length}"] = {
+            "ready_s": time.perf_counter() - t0,
+            "kv_bytes": sum(x.nbytes for x in jax.tree.leaves(core.runner.pages)),
+            "dense_cache_bytes": dense_cache_bytes(model, n, length)}
+    long = min(args.long_prompt, length - args.tokens - 1)
+    jobs = {"lone": lambda c, r: run_round(c, prompts(tok, 1, args.prompt_tokens, 100 * r), args.tokens),
+            "batch": lambda c, r: run_round(c, prompts(tok, n, args.prompt_tokens, 100 * r), args.tokens),
+            "ttft": lambda c, r: {"ttft_s": run_round(c, prompts(tok, 1, long, 500 + r), 1)["ttft_s"],
+                                  "prompt_tokens": long}}
+    jobs.update({f"streams:{k}": lambda c, r, k=k: run_round(
+        c, prompts(tok, k, args.prompt_tokens, 1000 * k + 100 * r), args.tokens) for k in counts})
     try:
-        for core in cores.values():
-            # A round untimed: the few small programs the warm-up does not run (the sampler's,
-            # the overlapped loop's token feed at each step shape) compile on first use.
-            tok_s(core)
-        for r in range(args.repeats):
-            for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
-                runs[name].append(tok_s(cores[name]))
+        for job, fn in jobs.items():
+            mode, _, k = job.partition(":")
+            if mode in only:
+                for name, res in alternate(cores, fn, args.repeats).items():
+                    report.setdefault(mode, {}).setdefault(name, {})
+                    if k:
+                        report[mode][name][k] = res
+                    else:
+                        report[mode][name] = res
+                log(f"{job} at {length} done")
     finally:
         for core in cores.values():
             core.shutdown()
-    out = {}
-    for name in modes:
-        out[name] = {"tok_s": float(np.median(runs[name])), "runs": runs[name]}
-        print(f"  {name}: {out[name]['tok_s']:.1f} tok/s (median of {args.repeats}: "
-              f"{', '.join(f'{x:.1f}' for x in runs[name])})", file=sys.stderr)
-    out["deterministic_cost"] = 1 - out["deterministic"]["tok_s"] / out["default"]["tok_s"]
-    return out
 
 
-def bench_prefix(model, args) -> dict:
-    """TTFT of a request sharing a 1,500-token prefix with an earlier one, against the earlier
-    one's; and the prompt tokens the second found cached (whole pages of the shared prefix)."""
-    from serving import EngineCore
-
-    engine = _engine(model, args, False, prefix=True, max_num_seqs=args.max_num_seqs)
+def prefix(model, args) -> dict:
+    """TTFT of a prompt sharing a --long-prompt-token prefix with an earlier one's, and the
+    prompt tokens the second found cached."""
+    core = common.build_engine(args, model, prefix_caching=True)
     tok = model.tokenizer
-    prefix = [tok.bos_id] + _text_ids(tok, args.prefix_tokens - 1, 100)
-    core = EngineCore(engine).start()
+    shared = [tok.bos_id] + text_ids(tok, min(args.long_prompt, args.max_seq_len[0] - 64), 100)
     try:
-        ttfts = []
+        submit(core, [tok.bos_id] + text_ids(tok, 40, 1), 2).wait()  # untimed
+        ttft = []
         for i in range(2):
             t0 = time.perf_counter()
-            s = _submit(core, prefix + _text_ids(tok, 40, 200 + i), 2).wait()
-            ttfts.append(s.times[0] - t0)
-        hit = core.scheduler.kv.hits
+            ttft.append(submit(core, shared + text_ids(tok, 40, 200 + i), 2).wait().times[0] - t0)
+        hits = core.scheduler.kv.hits
     finally:
         core.shutdown()
-    out = {"prefix_tokens": args.prefix_tokens, "first_ttft_s": ttfts[0], "second_ttft_s": ttfts[1],
-           "ratio": ttfts[1] / ttfts[0], "hit_tokens": hit}
-    print(f"  TTFT first {ttfts[0] * 1000:.0f} ms, second {ttfts[1] * 1000:.0f} ms "
-          f"({hit} tokens cached): {out['ratio']:.3f}x", file=sys.stderr)
-    return out
+    return {"prefix_tokens": len(shared), "first_ttft_s": ttft[0], "second_ttft_s": ttft[1],
+            "ratio": ttft[1] / ttft[0], "hit_tokens": hits}
 
 
-def bench_itl(model, args) -> dict:
-    """4 running streams; a 2,000-token prompt arrives; their gaps during its admission."""
-    from serving import EngineCore
-
-    out = {}
-    for name, det in (("default", False), ("deterministic", True))[:args.itl_modes]:
-        engine = _engine(model, args, det, prefix=False, max_num_seqs=args.max_num_seqs)
-        tok = model.tokenizer
-        core = EngineCore(engine).start()
-        try:
-            _submit(core, [tok.bos_id] + _text_ids(tok, 20, 1), 4).wait()
-            streams = [_submit(core, [tok.bos_id] + _text_ids(tok, 20, 10 + i), args.itl_tokens) for i in range(4)]
-            while min(len(s.times) for s in streams) < 8:  # all four decoding
-                time.sleep(0.01)
-            # The baseline lasts --baseline-s, but ends while the streams have three quarters
-            # of their tokens left: on a fast machine they would otherwise end before the long
-            # prompt arrives, leaving no gap to measure during its admission.
-            deadline = time.perf_counter() + args.baseline_s
-            while time.perf_counter() < deadline and min(
-                    len(s.times) for s in streams) < args.itl_tokens // 4:
-                time.sleep(0.005)
-            t_arrive = time.perf_counter()
-            long = _submit(core, [tok.bos_id] + _text_ids(tok, args.long_tokens - 1, 2), 2)
-            while not long.times:
-                time.sleep(0.005)
-            t_first = long.times[0]
-            for s in streams:
-                s.wait()
-            long.wait()
-        finally:
-            core.shutdown()
-        base, during = [], []
-        for s in streams:
-            t = np.asarray(s.times[4:])  # past the start-up
-            gaps, ends = np.diff(t), t[1:]
-            base += list(gaps[ends < t_arrive])
-            during += list(gaps[(ends > t_arrive) & (t[:-1] < t_first)])
-        if not base or not during:  # a model so fast that no gap fell in a window
-            raise RuntimeError(f"no gaps to compare ({len(base)} before, {len(during)} during the "
-                               "admission): raise --baseline-s or --long-tokens")
-        med, p99 = float(np.median(base)), float(np.percentile(during, 99))
-        out[name] = {"baseline_median_itl_s": med, "baseline_gaps": len(base), "admission_p99_itl_s": p99,
-                     "admission_median_itl_s": float(np.median(during)),
-                     "admission_max_itl_s": float(np.max(during)), "admission_gaps": len(during),
-                     "admission_s": t_first - t_arrive, "ratio": p99 / med}
-        print(f"  {name}: median ITL {med * 1000:.1f} ms without, median {np.median(during) * 1000:.1f} "
-              f"and p99 {p99 * 1000:.1f} ms while the "
-              f"{args.long_tokens}-token prompt is admitted ({t_first - t_arrive:.1f} s): {p99 / med:.2f}x",
-              file=sys.stderr)
-    return out
-
-
-# The burst's prompt lengths, as fractions of --burst-tokens: lone-prompt and beside-others
-# pieces of several token buckets, as a first minute of chat traffic brings.
-BURST_FRACTIONS = (0.03, 0.13, 0.3, 0.5, 0.73, 1.0, 0.08, 0.2)
-
-
-def bench_burst(model, args) -> dict:
-    """8 requests sent at once to an engine just through its warm-up, then 8 others (other
-    texts, no prefix hits) once they are done: each burst's wall time from sending to the last
-    token, and its longest gap between two tokens of a stream."""
-    from serving import EngineCore
-
-    engine = _engine(model, args, False, prefix=True, max_num_seqs=8, background=False)
+def itl(model, args, deterministic: bool) -> dict:
+    """4 running streams; a --long-prompt-token prompt arrives once each has 20 tokens; their
+    gaps before it arrived against those until its first token (the streams then cancelled)."""
+    core = common.build_engine(args, model, deterministic=deterministic, prefix_caching=False)
     tok = model.tokenizer
-    core = EngineCore(engine).start()
-    runs = []
+    length = min(args.long_prompt, args.max_seq_len[0] - 8)
     try:
-        for burst in range(2):
-            t0 = time.perf_counter()
-            streams = [_submit(core, [tok.bos_id] + _text_ids(tok, max(1, int(f * args.burst_tokens)),
-                                                               300 + 10 * burst + i), args.tokens)
-                       for i, f in enumerate(BURST_FRACTIONS)]
-            for s in streams:
-                s.wait()
-            gaps = [float(np.max(np.diff(s.times))) for s in streams if len(s.times) > 1]
-            runs.append({"wall_s": max(s.times[-1] for s in streams) - t0,
-                         "longest_gap_s": max(gaps, default=0.0),
-                         "ttft_s": [s.times[0] - t0 for s in streams]})
+        submit(core, [tok.bos_id] + text_ids(tok, 20, 1), 4).wait()
+        streams = [submit(core, [tok.bos_id] + text_ids(tok, 20, 10 + i), args.max_seq_len[0] - 32)
+                   for i in range(4)]
+        while min(len(s.times) for s in streams) < 20:
+            time.sleep(0.005)
+        t_arrive = time.perf_counter()
+        t_first = submit(core, [tok.bos_id] + text_ids(tok, length - 1, 2), 1).wait().times[0]
+        core.cancel([s.seq_id for s in streams])
+        for s in streams:
+            s.done.wait(60)
     finally:
         core.shutdown()
-    out = {"first": runs[0], "second": runs[1], "ratio": runs[0]["wall_s"] / runs[1]["wall_s"]}
-    for name, r in (("first", runs[0]), ("second", runs[1])):
-        print(f"  {name} burst: {r['wall_s']:.1f} s, longest gap {r['longest_gap_s']:.2f} s, TTFT "
-              f"{min(r['ttft_s']):.2f}-{max(r['ttft_s']):.2f} s", file=sys.stderr)
+    base, during = [], []
+    for s in streams:
+        t = np.asarray(s.times[4:])  # past the start-up
+        gaps = np.diff(t)
+        base += list(gaps[t[1:] < t_arrive])
+        during += list(gaps[(t[1:] > t_arrive) & (t[:-1] < t_first)])
+    if not during:
+        raise RuntimeError("no gap fell in the admission: raise --long-prompt")
+    med, p99 = float(np.median(base)), float(np.percentile(during, 99))
+    return {"baseline_median_itl_s": med, "admission_p99_itl_s": p99, "admission_gaps": len(during),
+            "admission_max_itl_s": float(np.max(during)), "admission_s": t_first - t_arrive,
+            "prompt_tokens": length, "ratio": p99 / med}
+
+
+def decode_inputs(runner, rows: int = 8, context: int = 256):
+    """The step inputs of `rows` decodes at position `context` as the scheduler plans them
+    (their prompts of `context` tokens computed first, untimed)."""
+    from serving import PagedScheduler, SamplingParams, Sequence, step_inputs
+
+    sched = PagedScheduler(runner.info)
+    bos, params = runner.tokenizer.bos_id, SamplingParams(max_tokens=1, temperature=0.0)
+    sched.add([Sequence(id=i, prompt=[bos] * context, params=params, seed=i) for i in range(rows)])
+    while True:
+        plan = sched.schedule()
+        inputs = step_inputs(plan, sched.kv, runner.info)
+        if len(plan.pieces) == rows and all(p.end - p.start == 1 for p in plan.pieces):
+            return inputs
+        out = runner.run_step(inputs)
+        for row, p in enumerate(plan.pieces):
+            if p.sample:
+                p.seq.generated.append(int(out.tokens[row]))
+
+
+def median_ms(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1000)
+
+
+def step(runner, n: int) -> dict:
+    """See `step` in the module docstring: medians of n, ms."""
+    import jax
+
+    from models.gemma3.ragged import RaggedBatch
+
+    context = min(256, runner.info.max_seq_len // 2)
+    inputs = decode_inputs(runner, 8, context)
+    t0 = time.perf_counter()
+    runner.run_step(inputs)
+    out = {"rows": 8, "context": context, "first_step_s": time.perf_counter() - t0,
+           "step_ms": median_ms(lambda: runner.run_step(inputs), n),
+           "dispatch_ms": median_ms(lambda: runner.dispatch_step(inputs), n)}
+    jax.block_until_ready(runner.pages)
+    if not runner.info.deterministic:  # (there a step runs as two programs)
+        model = runner.model
+        batch = RaggedBatch(**{k: jax.device_put(np.asarray(v), model.programs.replicated)
+                               for k, v in inputs.batch.items()})
+
+        def model_only():
+            logits, runner.pages = model.ragged_step(runner.pages, batch)
+            jax.block_until_ready(logits)
+
+        model_only()
+        out["model_program_ms"] = median_ms(model_only, n)
     return out
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="throughput,prefix,itl,burst",
-                   help="comma-separated: throughput, prefix, itl, burst")
-    p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--allreduce", default="bf16")
-    p.add_argument("--max-seq-len", type=int, default=2560)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the most prompt "
-                   "tokens a step computes for one sequence beside others (a multiple of --page-size; 0: "
-                   "each mode's default, 16 or deterministic 64)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences running at once")
-    p.add_argument("--tokens", type=int, default=64, help="throughput: mean tokens per request")
-    p.add_argument("--requests", type=int, default=4, help="throughput: requests per stream")
-    p.add_argument("--repeats", type=int, default=3, help="throughput: runs per mode, alternating (median)")
-    p.add_argument("--prefix-tokens", type=int, default=1500)
-    p.add_argument("--long-tokens", type=int, default=2000)
-    p.add_argument("--itl-tokens", type=int, default=400, help="itl: tokens per running stream")
-    p.add_argument("--baseline-s", type=float, default=3.0, help="itl: seconds of gaps without the long prompt")
-    p.add_argument("--itl-modes", type=int, default=1, choices=(1, 2),
-                   help="itl: the default mode only, or both")
-    p.add_argument("--burst-tokens", type=int, default=300, help="burst: the longest prompt")
-    p.add_argument("--compile-cache-dir", default=None)
-    p.add_argument("--no-background-compile", dest="background_compile", action="store_false",
-                   help="measure a server started with --no-background-compile: the step shapes "
-                        "the warm-up leaves compile on first use, inside the timed runs")
-    p.add_argument("--out", help="write the results as JSON here")
+def hlo_census(text: str) -> dict:
+    """The compiled module's ENTRY: its kernels (every instruction but parameters, tuples,
+    constants and bitcasts), parameters and while loops, and the opcodes' counts."""
+    entry, ops = False, collections.Counter()
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            entry = line.startswith("ENTRY")
+        elif entry and (m := re.search(r"=\s*[^=]*?\s([a-z][\w\-]*)\(", line)):
+            ops[m.group(1)] += 1
+    free = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast"}
+    return {"entry_kernels": sum(v for k, v in ops.items() if k not in free),
+            "parameters": ops["parameter"], "while_loops": ops["while"],
+            "ops": dict(ops.most_common(12))}
+
+
+def trace_events(trace_dir: str, steps: int) -> dict:
+    """Per step, from a profiler trace: the programs dispatched (outermost PjitFunction events)
+    and arrays put on a device (host); the device's kernels, their busy time and the largest."""
+    import jax
+
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    data = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
+    programs, puts, kernels = collections.Counter(), 0, collections.defaultdict(float)
+    for plane in data.planes:
+        device = "GPU" in plane.name or "TPU" in plane.name
+        for line in plane.lines:
+            until = 0.0
+            for ev in sorted(line.events, key=lambda e: e.start_ns):
+                if device and ("Stream" in line.name or "XLA Ops" in line.name):
+                    kernels[ev.name[:90]] += ev.duration_ns / 1e6
+                elif plane.name.startswith("/host") and ev.name.startswith("PjitFunction("):
+                    if ev.start_ns >= until:
+                        programs[ev.name[len("PjitFunction("):-1]] += 1
+                        until = ev.start_ns + ev.duration_ns
+                elif plane.name.startswith("/host") and ev.name.startswith("DevicePut"):
+                    puts += 1
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    return {"programs": sum(programs.values()) / steps,
+            "by_name": {k: v / steps for k, v in sorted(programs.items())},
+            "device_puts": puts / steps, "device_busy_ms": sum(kernels.values()) / steps,
+            "device_kernel_names": len(kernels), "largest_kernels_ms": top}
+
+
+def census(runner, steps: int = 8) -> dict:
+    import jax
+
+    inputs = decode_inputs(runner, 8, min(256, runner.info.max_seq_len // 2))
+    model, layers = runner.model, runner.model.config.num_layers
+    key = model.ragged_key(inputs.buckets, runner.pages)
+    out = {"program": key.describe(), **hlo_census(model.lower_ragged(key).compile().as_text()),
+           "layers": layers}
+    out["entry_kernels_per_layer"] = out["entry_kernels"] / layers
+    out["parameters_per_layer"] = out["parameters"] / layers
+    runner.run_step(inputs)
+    trace = tempfile.mkdtemp(prefix="bench-engine-trace-")
+    try:
+        with jax.profiler.trace(trace):
+            for _ in range(steps):
+                runner.run_step(inputs)
+        out["per_step"] = trace_events(trace, steps)
+    except Exception as e:  # a backend whose trace cannot be read back
+        out["per_step"] = {"error": repr(e)[:300]}
+    finally:
+        shutil.rmtree(trace, ignore_errors=True)
+    return out
+
+
+def kv_bytes(model) -> int:
+    """Bytes of one position's keys and values in one layer, as the pools hold them."""
+    c = model.config
+    return 2 * c.num_kv_heads * c.head_dim * np.dtype(
+        model.pages_shapes(2, 2, 1).layers[0].kv.dtype).itemsize
+
+
+def dense_cache_bytes(model, rows: int, seq_len: int) -> int:
+    """KV bytes of a dense cache of `rows` x `seq_len` tokens (the global layers every position,
+    the local ones their window): the layout that reserves a whole context per sequence."""
+    c = model.config
+    return rows * kv_bytes(model) * (c.num_global_layers * seq_len
+                                     + c.num_local_layers * min(c.sliding_window, seq_len))
+
+
+def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
+    """See `capacity` in the module docstring. A sequence's bytes are the pages the allocator
+    gave it (its prompt and 16 tokens); the pools as the engine sizes them for N sequences."""
+    from serving import PagedScheduler, SamplingParams, Sequence, paged_runner_info
+
+    c, page = model.config, args.page_size
+    budget, per_token = dense_cache_bytes(model, 8, row_len), kv_bytes(model)
+
+    def info(n: int):
+        return paged_runner_info(model, n, row_len, page, max(row_len, n * (args.prompt_tokens + 32)),
+                                 None, None, False, False, "bench")
+
+    def run(info, n: int) -> tuple:
+        sched = PagedScheduler(info)
+        sched.add([Sequence(id=i, prompt=[2] * args.prompt_tokens, params=SamplingParams(
+            max_tokens=16, temperature=0.0, ignore_eos=True), seed=0) for i in range(n)])
+        most = steps = 0
+        held = None
+        while sched.num_running or sched.num_waiting:
+            plan, steps = sched.schedule(), steps + 1
+            most = max(most, sched.num_running)
+            for p in plan.pieces:
+                if p.sample:
+                    p.seq.generated.append(7)
+                    if len(p.seq.generated) == 16:
+                        kv = sched.kv.seqs[p.seq.id]
+                        held = held or (len(kv.global_pages), len(kv.local_pages))
+                        sched.finish(p.seq)
+        return most, sched.num_preemptions, steps, held
+
+    g, loc = run(info(1), 1)[3]
+    per_seq = (g * c.num_global_layers + loc * c.num_local_layers) * page * per_token
+
+    def pool_bytes(i):
+        return ((i.num_global_pages - 1) * c.num_global_layers
+                + (i.num_local_pages - 1) * c.num_local_layers) * page * per_token
+
+    fits = int(budget // per_seq) + 1
+    while pool_bytes(info(fits)) > budget:
+        fits -= 1
+    most, preempted, steps, _ = run(info(fits), seqs)
+    return {"dense_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
+            "global_pages": g, "local_pages": loc, "sequences_that_fit": fits,
+            "pool_bytes": int(pool_bytes(info(fits))), "most_running": most,
+            "preemptions": preempted, "steps": steps, "sequences": seqs,
+            "bytes_for_all_over_dense": per_seq * seqs / budget}
+
+
+def image_request(model, text: list[int], seed: int):
+    """A prompt with one image after `text` (start, soft tokens, end, then text) and its
+    SeqImage of random pixels (a new content key per seed)."""
+    from serving import SeqImage
+
+    t, vc = model.vision.tokens, model.vision.config
+    a = len(text) + 1
+    ids = text + [t.start] + [t.soft] * vc.tokens_per_image + [t.end] + text[1:9]
+    pixels = np.random.default_rng(seed).uniform(-1, 1, (1, vc.image_size, vc.image_size, 3))
+    return ids, (SeqImage(spans=((a, a + vc.tokens_per_image),), pixels=pixels.astype(np.float32),
+                          key=f"bench-{seed}"),)
+
+
+def stall(core, model, kind: str, seed: int) -> dict:
+    """A running stream's gaps while another request (`kind`: an image prompt, or a text
+    prompt as long) is admitted, to that request's first token; split at the moment the
+    image's features were ready (the encoder's stages, then its soft tokens)."""
+    tok, runner = model.tokenizer, core.runner
+    text = [tok.bos_id] + text_ids(tok, 11, seed)
+    ids, images = image_request(model, text, seed)
+    if kind == "text":
+        ids, images = [tok.bos_id] + text_ids(tok, len(ids) - 1, seed + 1), ()
+    encoded = []  # images encoded when each of the stream's tokens arrived
+    stream = Stream(lambda n: encoded.extend([runner.images_encoded] * n))
+    submit(core, [tok.bos_id] + text_ids(tok, 7, seed + 2), core.runner.info.max_seq_len - 16,
+           stream=stream)
+    while len(stream.times) < 4:
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    first = submit(core, ids, 1, images).wait().times[0]
+    while stream.times[-1] <= first and not stream.done.is_set():
+        time.sleep(0.001)
+    core.cancel([stream.seq_id])
+    stream.done.wait(60)
+    times, enc = np.array(stream.times), np.array(encoded)
+    lo = int(np.searchsorted(times, t0)) - 1
+    hi = min(int(np.searchsorted(times, first, side="right")), len(times) - 1)
+    gaps, after = np.diff(times[lo:hi + 1]), enc[lo + 1:hi + 1] > enc[lo]
+    return {"max_itl_s": float(gaps.max()), "other_ttft_s": float(first - t0),
+            "max_itl_while_encoding_s": float(gaps[~after].max()) if (~after).any() else None,
+            "max_itl_after_features_s": float(gaps[after].max()) if after.any() else None,
+            "median_itl_before_s": float(np.median(np.diff(times[:lo + 1])))}
+
+
+def images(model, args) -> dict:
+    if model.vision is None:
+        raise SystemExit("--only images needs a model with a tower, e.g. random:tiny?vision=tiny")
+    core = common.build_engine(args, model, max_num_seqs=4, prefix_caching=True)
+    out: dict = {"encoder_stages": len(core.runner.encoder.stages), "stall": {}, "ttft": {"runs": []}}
+    seed = 100
+    try:
+        for r in range(args.repeats + 1):  # the first round compiles what each kind meets
+            for kind in ("text", "image"):
+                seed += 10
+                res = stall(core, model, kind, seed)
+                if r:
+                    out["stall"].setdefault(kind, {"runs": []})["runs"].append(res)
+        for r in range(args.repeats + 1):
+            ids, ims = image_request(model, [model.tokenizer.bos_id] + text_ids(model.tokenizer, 11, r), r)
+            t = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                t.append(submit(core, ids, 1, ims).wait().times[0] - t0)
+            if r:
+                out["ttft"]["runs"].append({"first_s": t[0], "again_s": t[1], "ratio": t[1] / t[0]})
+    finally:
+        core.shutdown()
+    for part in (*out["stall"].values(), out["ttft"]):  # the largest gaps, the median TTFTs
+        for k, v in part["runs"][0].items():
+            vs = [x[k] for x in part["runs"] if x[k] is not None]
+            part[k] = (max if "max" in k else np.median)(vs) if vs else None
+    pixels = image_request(model, [1], 0)[1][0].pixels
+    import jax
+
+    jax.block_until_ready(model.image_features(pixels))
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        jax.block_until_ready(model.image_features(pixels))
+    out["encoder_images_per_s"] = args.repeats / (time.perf_counter() - t0)
+    return out
+
+
+def ready(argv: list[str], args) -> dict:
+    """`ready-child` in a fresh process, cold then over the cache the first filled; process_s:
+    the child's whole life (interpreter, imports, exit too)."""
+    out = {}
+    cache = tempfile.mkdtemp(prefix="bench-engine-cache-")
+    try:
+        for phase in ("cold", "cached"):
+            cmd = [sys.executable, "-m", "eval.bench_engine", *argv, "--only", "ready-child",
+                   "--compile-cache-dir", cache]
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, cwd=ROOT, env=jax_platform.child_environment(),
+                               capture_output=True, text=True, timeout=3600)
+            if r.returncode:
+                raise SystemExit(f"ready ({phase}): the child failed\n{r.stderr[-3000:]}")
+            out[phase] = {**json.loads(r.stdout.strip().splitlines()[-1]),
+                          "process_s": time.perf_counter() - t0}
+            log(f"ready ({phase}) in {out[phase]['ready_s']:.1f}s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return out
+
+
+def ready_child(args) -> dict:
+    from eval.compile_events import record_compiles
+    from serving import load_runner
+
+    durations, hits = [], []
+    record_compiles(durations, hits)
+    t0 = time.perf_counter()
+    load_runner(common.server_config(args), lambda msg: None)
+    return {"ready_s": time.perf_counter() - t0, "compiles": len(durations),
+            "compile_s": float(sum(durations)), "cache_reads": len(hits),
+            "cache_read_s": float(sum(hits))}
+
+
+def compiles(model, args) -> dict:
+    """See `compiles` in the module docstring (the engine just built as --precompile says)."""
+    from eval.compile_events import record_compiles
+
+    core = common.build_engine(args, model)
+    durations, hits = [], []
+    record_compiles(durations, hits)
+    rng = np.random.default_rng(7)
+    counts = sorted({min(n, args.max_num_seqs) for n in (1, 8, 32, 64)})
+    longest = args.max_seq_len[0] - args.tokens
+    try:
+        for n in counts:
+            run_round(core, [[model.tokenizer.bos_id] + text_ids(model.tokenizer, int(k) - 1, i)
+                             for i, k in enumerate(rng.integers(2, longest + 1, n))], args.tokens)
+    finally:
+        core.shutdown()
+    return {"streams": counts, "longest_prompt": longest, "compiles": len(durations),
+            "compile_s": float(sum(durations)), "cache_reads": len(hits),
+            "cache_read_s": float(sum(hits))}
+
+
+def summary(tree: dict, path: str = "") -> list[str]:
+    """A line of scalar figures for every dict in the report (the runs left out)."""
+    scalars = ", ".join(f"{k} {v:.4g}" for k, v in tree.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool))
+    lines = [f"{path}: {scalars}"] if scalars and path else []
+    for k, v in tree.items():
+        if isinstance(v, dict) and k != "runs":
+            lines += summary(v, f"{path} {k}".strip())
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = common.parser(__doc__, MODES + ("ready-child",), only="lone,batch", lists=("max_seq_len",),
+                      repeats=2, max_seq_len=2048)
+    p.add_argument("--engines", default="default", help="comma-separated: default, deterministic")
+    p.add_argument("--streams", default="1,8", help="streams: stream counts")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=64, help="output tokens a stream")
+    p.add_argument("--long-prompt", type=int, default=2000, help="ttft, prefix, itl: prompt tokens")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    jax_platform.request_cpu_devices(args.tp)
+    only = common.names(args.only)
+    unknown = set(only) - set(MODES) - {"ready-child"} or set(common.names(args.engines)) - {
+        "default", "deterministic"}
+    if unknown:
+        p.error(f"unknown {sorted(unknown)}")
+    jax_platform.request_cpu_devices(common.devices(args))
+    if only == ["ready-child"]:
+        print(json.dumps(ready_child(args)))
+        return {}
+    report: dict = {"ready": ready(argv, args)} if "ready" in only else {}
+    import jax
 
-    from eval.reports import write_json
-    from serving import ServerConfig, configure_jax, load_configured_model
+    from models.gemma3.byte_tokenizer import ByteTokenizer
 
-    config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
-                          max_seq_len=args.max_seq_len,
-                          long_prefill_token_threshold=args.long_prefill_token_threshold,
-                          page_size=args.page_size, compile_cache_dir=args.compile_cache_dir)
-    configure_jax(config)
-    model = load_configured_model(config)
-    report = {"model": args.model, "dtype": args.dtype, "tp": args.tp, "allreduce": args.allreduce,
-              "max_seq_len": args.max_seq_len,
-              "long_prefill_token_threshold": args.long_prefill_token_threshold, "page_size": args.page_size,
-              "command": "python -m eval.bench_engine " + " ".join(argv if argv is not None else sys.argv[1:])}
-    for part in args.only.split(","):
-        print(f"{part}:", file=sys.stderr)
-        report[part] = {"throughput": bench_throughput, "prefix": bench_prefix, "itl": bench_itl,
-                        "burst": bench_burst}[part](model, args)
+    t0 = time.perf_counter()
+    model = common.load(args, max_seq_len=max(args.max_seq_len + [8192] * ("capacity" in only)))
+    c = model.config
+    report = {"model": args.model, "dtype": args.dtype, "tp": common.devices(args),
+              "allreduce": args.allreduce, "backend": jax.default_backend(),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "layers": c.num_layers, "vocab_size": c.vocab_size, "max_num_seqs": args.max_num_seqs,
+              "tokenizer": "byte" if isinstance(model.tokenizer, ByteTokenizer) else "real",
+              "load_s": time.perf_counter() - t0, "command": "python -m eval.bench_engine " + " ".join(argv),
+              **report}
+    engines = common.names(args.engines)
+    for length in args.max_seq_len:
+        if {"lone", "batch", "streams", "ttft"} & set(only):
+            per_engine(model, args, only, length, report)
+        for name in engines * ("step" in only):
+            core = common.build_engine(args, model, start=False, max_seq_len=length, max_num_seqs=8,
+                                       prefix_caching=False, deterministic=name == "deterministic")
+            report.setdefault("step", {})[f"{name}@{length}"] = step(core.runner, 10 * args.repeats)
+            del core
+    for name in engines * ("itl" in only):
+        report.setdefault("itl", {})[name] = itl(model, args, name == "deterministic")
+    single = {"prefix": prefix, "capacity": capacity, "images": images, "compiles": compiles,
+              "census": lambda m, a: census(common.build_engine(
+                  a, m, start=False, max_num_seqs=8, prefix_caching=False).runner)}
+    for mode in only:
+        if mode in single:
+            report[mode] = single[mode](model, args)
+            log(f"{mode} done")
+    log("\n".join(summary({m: report[m] for m in ("engines",) + MODES if m in report})))
     write_json(args.out, report)
-    if "throughput" in report:
-        cost = report["throughput"]["deterministic_cost"]
-        print(f"deterministic mode's cost at 8 streams: {100 * cost:.1f}% of tok/s")
-    if "prefix" in report:
-        print(f"TTFT with a {args.prefix_tokens}-token prefix hit: {report['prefix']['ratio']:.3f}x the miss")
-    for name, r in report.get("itl", {}).items():
-        print(f"p99 ITL of 4 streams while a {args.long_tokens}-token prompt is admitted ({name}): "
-              f"{r['ratio']:.2f}x their median")
-    if "burst" in report:
-        print(f"a first burst of 8 requests on a just-warmed engine: {report['burst']['ratio']:.2f}x "
-              f"the time of the next")
+    print(json.dumps(report, indent=1, default=str))
+    return report
 
 
 if __name__ == "__main__":

@@ -1,38 +1,35 @@
-"""Serving benchmark: streams requests through the OpenAI-compatible server at several
-concurrency levels and reports time to first token (TTFT), inter-token latency (ITL), time per
-output token (TPOT), end-to-end latency (E2E) as mean / median / p99, and throughput.
+"""The OpenAI-compatible server over HTTP: a `gemma3-serve` this command starts (the shared
+flags, plus --server-arg) or a running one (--url). Modes (--only):
 
-Definitions (vLLM's benchmark_serving):
-  TTFT  request sent -> first generated token received (includes queueing and prefill);
-  ITL   gap between consecutive tokens of a stream (every gap of every request);
-  TPOT  per request (E2E - TTFT) / (output tokens - 1): the first token is excluded;
-  E2E   request sent -> last token received;
-  throughput  generated tokens / wall time of the whole level (all streams together).
-Each stream sends its requests one after another (closed loop), so a level with 8 streams keeps
-8 requests in flight. Requests use greedy decoding with `ignore_eos`; request i generates a number
-of tokens drawn uniformly from [L(1 - r), L(1 + r)] (L = --max-tokens, r = --range-ratio, seeded,
-the same draws at every level; vLLM's random-dataset convention). With r = 0 every request has the
-same length, the streams finish together and all arrive again at once, so every request of a level
-meets 7 others in the same prefill burst; r > 0 lets them drift apart as in real traffic.
+  serving     streams of greedy requests at each --concurrency level, each stream sending
+              --requests-per-stream requests one after another: TTFT (sent -> first token), ITL
+              (every gap between tokens), TPOT ((E2E - TTFT) / (tokens - 1)), E2E, as mean /
+              median / p99 / max, and output tok/s (vLLM's benchmark_serving definitions).
+              Request i generates a length drawn from [L(1 - r), L(1 + r)] (L = --max-tokens,
+              r = --range-ratio), the same draws at every level.
+  soak        (starts the server with --deterministic) each prompt alone, then --streams
+              concurrent streams that must equal those answers bit for bit, then --seconds of
+              --clients looping over whole requests, streams closed after a few chunks, dropped
+              connections and bad requests (each a 4xx); afterwards nothing runs or waits, KV usage
+              is 0, the prefix cache is within its capacity, the answers are the same, and the
+              second half's peak RSS is within --rss-growth-mib of the first half's.
+  structured  --requests json_schema requests (half streamed) and --tool-requests tool calls
+              through the `openai` client, each validated with `jsonschema`.
 
-    python -m eval.bench_serving                       # starts gemma3-serve (270M, bf16) itself
+    python -m eval.bench_serving                                  # real 270M, concurrency 1,8
     python -m eval.bench_serving --url http://127.0.0.1:8000 --concurrency 1,8
-
---engine-ratio R: the server's 8-stream output tokens/s against the engine's batch-8 decode
-tokens/s measured in this process (the same paged engine the server builds, `load_runner`,
-driven directly: ragged steps of one token for each of max-num-seqs rows, each step's tokens fed to
-the next, no scheduler, no HTTP), R times each, alternating (engine, server, engine, ...), and
-their median ratio:
-
-    python -m eval.bench_serving --engine-ratio 3 --max-tokens 256 --requests-per-stream 2
+    python -m eval.bench_serving --only soak --model gemma3-270m --seconds 120 --out soak.json
+    python -m eval.bench_serving --only structured --url http://127.0.0.1:8000 --requests 50
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import collections
+import concurrent.futures
 import json
-import os
-import signal
+import random
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -42,53 +39,57 @@ import httpx
 import numpy as np
 
 import jax_platform
+from eval import common
+from eval.reports import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-
 TOPICS = ["the sea", "a lighthouse keeper", "the first snow of winter", "a lost key", "a robot learning to paint",
           "an old library", "the night train", "a garden on the moon", "two rival bakers", "a forgotten song",
           "the last bookshop", "a storm at harvest", "a clock that runs backwards", "a letter never sent",
           "the mountain village", "a city of bridges"]
 
 
-def prompt_for(i: int) -> str:
-    return (f"Write a short story about {TOPICS[i % len(TOPICS)]}. Describe the place, the people and "
-            f"what changes for them by the end.\n\nStory:")
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`gemma3-serve` with the shared flags, once /health answers 200 (malloc tunables as the
+    container image runs it)."""
+    cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port)]
+    for flag in ("model", "dtype", "tp", "tp_mesh", "allreduce", "max_seq_len", "max_num_seqs",
+                 "page_size", "long_prefill_token_threshold", "precompile", "compile_cache_dir"):
+        if getattr(args, flag) is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    log_file = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd + [*extra, *args.server_arg], cwd=ROOT, stdout=log_file,
+                            stderr=subprocess.STDOUT, env=jax_platform.child_environment())
+    url, t0 = f"http://127.0.0.1:{args.port}", time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode} (see --server-log)")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                log(f"server ready in {time.perf_counter() - t0:.0f}s")
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - t0 > args.startup_timeout:
+            proc.kill()
+            raise SystemExit("the server did not become ready in time")
+        time.sleep(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# serving
 
 
 def summarize(xs) -> dict:
     a = np.asarray(xs, dtype=np.float64)
     if a.size == 0:
         return {"mean": None, "median": None, "p99": None, "max": None, "n": 0}
-    # max: one stall (a compile between two tokens) is under the p99 of a few hundred gaps.
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99)),
-            "max": float(a.max()), "n": int(a.size)}
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "logprobs": 0}
-    t0 = time.perf_counter()
-    times = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            lp = chunk["choices"][0]["logprobs"]
-            now = time.perf_counter()
-            times += [now] * (len(lp["tokens"]) if lp else 0)  # one chunk per token when logprobs are on
-    if not times:
-        raise RuntimeError("no tokens received")
-    ttft = times[0] - t0
-    e2e = times[-1] - t0
-    n = len(times)
-    return {"ttft": ttft, "e2e": e2e, "itl": list(np.diff(times)), "tokens": n,
-            "tpot": (e2e - ttft) / (n - 1) if n > 1 else None}
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": int(a.size)}
 
 
 def output_len(i: int, max_tokens: int, range_ratio: float) -> int:
@@ -97,228 +98,376 @@ def output_len(i: int, max_tokens: int, range_ratio: float) -> int:
     return int(np.random.default_rng(i).integers(lo, hi + 1))
 
 
-async def run_level(url: str, model: str, concurrency: int, requests_per_stream: int, max_tokens: int,
-                    range_ratio: float = 0.0) -> dict:
+async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "logprobs": 0}
+    t0, times = time.perf_counter(), []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"])
+                lp = chunk["choices"][0]["logprobs"]  # a token each with logprobs on
+                times += [time.perf_counter()] * (len(lp["tokens"]) if lp else 0)
+    if not times:
+        raise RuntimeError("no tokens received")
+    n, ttft, e2e = len(times), times[0] - t0, times[-1] - t0
+    return {"ttft": ttft, "e2e": e2e, "itl": list(np.diff(times)), "tokens": n,
+            "tpot": (e2e - ttft) / (n - 1) if n > 1 else None}
+
+
+async def run_level(url: str, model: str, concurrency: int, requests_per_stream: int,
+                    max_tokens: int, range_ratio: float = 0.0) -> dict:
     results = []
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         async def stream(k: int):
             for j in range(requests_per_stream):
                 i = k * requests_per_stream + j
-                results.append(await one_request(client, model, prompt_for(i),
+                prompt = (f"Write a short story about {TOPICS[i % len(TOPICS)]}. Describe the "
+                          f"place, the people and what changes for them by the end.\n\nStory:")
+                results.append(await one_request(client, model, prompt,
                                                  output_len(i, max_tokens, range_ratio)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(stream(k) for k in range(concurrency)))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
-    return {
-        "concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
-        "output_tokens_per_s": tokens / wall, "requests_per_s": len(results) / wall,
-        "ttft_s": summarize([r["ttft"] for r in results]),
-        "tpot_s": summarize([r["tpot"] for r in results if r["tpot"] is not None]),
-        "itl_s": summarize([x for r in results for x in r["itl"]]),
-        "e2e_s": summarize([r["e2e"] for r in results]),
-    }
+    return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
+            "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "ttft_s": summarize([r["ttft"] for r in results]),
+            "tpot_s": summarize([r["tpot"] for r in results if r["tpot"] is not None]),
+            "itl_s": summarize([x for r in results for x in r["itl"]]),
+            "e2e_s": summarize([r["e2e"] for r in results])}
 
 
-def engine_decode_rate(engine, steps: int, start: int = 40, overlapped: bool = False) -> float:
-    """Tokens/s of `steps` back-to-back decode steps of a PagedRunner, one token for each of
-    its max_num_seqs rows (greedy, each step fed the previous step's tokens, positions from
-    `start`): the engine alone. With `overlapped`, each step is dispatched fed from the previous
-    one on the device before that one's tokens are read back (`dispatch_step`), as the engine
-    core's overlapped loop does."""
-    from eval.paged_decode import decode_batch
-
-    batch = decode_batch(engine.info, engine.info.max_num_seqs, start, engine.tokenizer.bos_id)
-
-    def run(n: int) -> None:
-        pending = None
-        for _ in range(n):
-            if not overlapped:
-                batch.accept(engine.run_step(batch.inputs()).tokens)
-                continue
-            step = engine.dispatch_step(batch.inputs(fed=pending is not None), pending)
-            if pending is not None:
-                batch.accept(pending.result().tokens)
-            pending = step
-        if pending is not None:
-            batch.accept(pending.result().tokens)
-
-    run(2)  # warm: the step's programs and, overlapped, the token feed's
-    t0 = time.perf_counter()
-    run(steps)
-    return engine.info.max_num_seqs * steps / (time.perf_counter() - t0)
+def serving(url: str, args) -> dict:
+    info = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+    if args.warmup_requests:
+        asyncio.run(run_level(url, info["id"], 1, args.warmup_requests, 8))
+    levels = []
+    for c in common.ints(args.concurrency):
+        levels.append(asyncio.run(run_level(url, info["id"], c, args.requests_per_stream,
+                                            args.max_tokens or 64, args.range_ratio)))
+    ms = lambda lv, s, ks=("mean", "median", "p99"): " / ".join(  # noqa: E731
+        f"{1000 * lv[s][k]:.0f}" for k in ks)
+    print("| streams | requests | output tok/s | TTFT ms mean / median / p99 | TPOT ms mean / "
+          "median / p99 | ITL ms mean / median / p99 / max | E2E ms mean / median / p99 |")
+    print("|---|---|---|---|---|---|---|")
+    for lv in levels:
+        print(f"| {lv['concurrency']} | {lv['requests']} | {lv['output_tokens_per_s']:.1f} | "
+              f"{ms(lv, 'ttft_s')} | {ms(lv, 'tpot_s')} | "
+              f"{ms(lv, 'itl_s', ('mean', 'median', 'p99', 'max'))} | {ms(lv, 'e2e_s')} |")
+    return {"server": {k: info.get(k) for k in ("id", "tp", "dtype", "allreduce_label", "max_model_len")},
+            "max_tokens": args.max_tokens or 64, "range_ratio": args.range_ratio,
+            "requests_per_stream": args.requests_per_stream, "levels": levels}
 
 
-def load_local_engine(args):
-    """The engine the started server builds (same flags), in this process."""
-    from serving import ServerConfig, load_runner
+# ---------------------------------------------------------------------------------------------
+# soak
 
-    if args.server_arg:
-        raise SystemExit("--engine-ratio does not pass --server-arg to the local engine: drop them")
-    config = ServerConfig(model=args.model, dtype=args.dtype, tp=args.tp, allreduce=args.allreduce,
-                          max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len)
-    jax_platform.request_cpu_devices(args.tp)
-    return load_runner(config, lambda msg: None)
+PROMPTS = ["The capital of France is",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+           "def fibonacci(n):", "Rings, tori and meshes: a short history of interconnects. Chapter one.",
+           "1, 2, 3, 5, 8, 13,", "The quick brown fox",
+           "In 1969 the first humans landed on the Moon. The mission was called", "Water boils at"]
+MAX_TOKENS = [12, 24, 8, 32, 16, 20, 6, 28]
+BAD_REQUESTS = [("malformed JSON", b'{"prompt": "x", "max_tokens": ', {}),
+                ("negative max_tokens", None, {"prompt": "x", "max_tokens": -1}),
+                ("temperature out of range", None, {"prompt": "x", "max_tokens": 4, "temperature": -3}),
+                ("prompt longer than the context", None, {"prompt": "word " * 5000, "max_tokens": 4}),
+                ("wrong type", None, {"prompt": 12, "max_tokens": "many"})]
 
 
-def engine_ratio(args, url: str, model: str, engine) -> dict:
-    """Alternating engine and max-num-seqs-stream server runs; medians and their ratio. The engine
-    runs its decode steps one by one (`run_step`) and overlapped (`dispatch_step`)."""
-    modes = ["sync", "overlapped"]
-    eng: dict[str, list[float]] = {m: [] for m in modes}
-    srv = []
-    n = engine.info.max_num_seqs
-    for _ in range(args.engine_ratio):
-        for m in modes:
-            eng[m].append(engine_decode_rate(engine, args.engine_steps, overlapped=m == "overlapped"))
-        level = asyncio.run(run_level(url, model, n, args.requests_per_stream, args.max_tokens, args.range_ratio))
-        srv.append(level["output_tokens_per_s"])
-        print(f"  engine batch-{n} decode " + ", ".join(f"{m} {eng[m][-1]:.1f}" for m in modes) +
-              f" tok/s; server {n} streams {srv[-1]:.1f} tok/s: {srv[-1] / eng['sync'][-1]:.3f} of sync",
-              file=sys.stderr)
-    s = float(np.median(srv))
-    out = {"server_tok_s": srv, "server_median": s}
-    for m in modes:
-        e = float(np.median(eng[m]))
-        out[m] = {"engine_tok_s": eng[m], "engine_median": e, "ratio": s / e,
-                  "ratios": [b / a for a, b in zip(eng[m], srv)]}
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+
+def gauges(url: str) -> dict:
+    """The server's gauges that say whether anything is still held."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_blocks", "prefix_cache_capacity_blocks"):
+        m = re.search(rf"^gemma3:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.M)
+        out[name] = float(m.group(1)) if m else None
     return out
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    # Malloc tunables as the container image runs it; the server asks for its own --tp devices.
-    env = jax_platform.child_environment()
-    cmd = [sys.executable, "-m", "serving.cli", "--port", str(args.port), "--model", args.model,
-           "--dtype", args.dtype, "--tp", str(args.tp), "--allreduce", args.allreduce,
-           "--max-num-seqs", str(args.max_num_seqs), "--max-seq-len", str(args.max_seq_len),
-           *args.server_arg]
-    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{args.port}"
-    t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} (see --server-log)")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.perf_counter() - t0 > args.startup_timeout:
-            proc.kill()
-            raise SystemExit("the server did not become ready in time")
-        time.sleep(1)
-    print(f"server ready in {time.perf_counter() - t0:.0f}s (load, compile, warm-up)", file=sys.stderr)
-    return proc, url
+def body(i: int, model: str, stream: bool, **kw) -> dict:
+    return {"model": model, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS[i], "temperature": 0,
+            "stream": stream, "ignore_eos": True, "logprobs": 0, **kw}
 
 
-def fmt_row(level: dict) -> str:
-    ms = lambda s, k: f"{1000 * level[s][k]:.0f}"  # noqa: E731
-    return (f"| {level['concurrency']} | {level['requests']} | {level['output_tokens_per_s']:.1f} | "
-            f"{ms('ttft_s', 'mean')} / {ms('ttft_s', 'median')} / {ms('ttft_s', 'p99')} | "
-            f"{ms('tpot_s', 'mean')} / {ms('tpot_s', 'median')} / {ms('tpot_s', 'p99')} | "
-            f"{ms('itl_s', 'mean')} / {ms('itl_s', 'median')} / {ms('itl_s', 'p99')} / "
-            f"{ms('itl_s', 'max')} | "
-            f"{ms('e2e_s', 'mean')} / {ms('e2e_s', 'median')} / {ms('e2e_s', 'p99')} |")
+async def complete(client, i: int, model: str, stream: bool) -> list:
+    """Prompt i's greedy answer as [text, tokens, token logprobs] (compared bit for bit)."""
+    if not stream:
+        r = await client.post("/v1/completions", json=body(i, model, False))
+        r.raise_for_status()
+        c = r.json()["choices"][0]
+        return [c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]]
+    out = ["", [], []]
+    async with client.stream("POST", "/v1/completions", json=body(i, model, True)) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"])
+                c = chunk["choices"][0]
+                out[0] += c["text"]
+                if c.get("logprobs"):
+                    out[1] += c["logprobs"]["tokens"]
+                    out[2] += c["logprobs"]["token_logprobs"]
+    return out
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="benchmark a running server instead of starting one")
-    p.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
-    p.add_argument("--requests-per-stream", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (mean)")
-    p.add_argument("--range-ratio", type=float, default=None,
-                   help="output lengths uniform in [L(1-r), L(1+r)]; 0 = all equal (default 0.5; "
-                        "with --engine-ratio 0, so that the server stays at max-num-seqs streams "
-                        "until the end, as the engine's batch does)")
-    p.add_argument("--warmup-requests", type=int, default=1)
-    p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--engine-ratio", type=int, default=0, metavar="R",
-                   help="instead of the levels: R alternating runs of the engine's batch decode "
-                        "(in this process) and the server at max-num-seqs streams, and their ratio")
-    p.add_argument("--engine-steps", type=int, default=128, help="--engine-ratio: decode steps per engine run")
-    g = p.add_argument_group("server started by the benchmark (ignored with --url)")
-    g.add_argument("--model", default="gemma3-270m")
-    g.add_argument("--dtype", default="bfloat16")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--allreduce", default="bf16",
-                   help="the server's AllReduce label (e.g. int8-semi+hadamard), passed on as is")
-    g.add_argument("--max-num-seqs", type=int, default=8)
-    g.add_argument("--max-seq-len", type=int, default=512)
-    g.add_argument("--port", type=int, default=8011)
-    g.add_argument("--server-log")
-    g.add_argument("--server-arg", action="append", default=[], help="extra gemma3-serve flag (repeatable)")
-    g.add_argument("--startup-timeout", type=float, default=1800)
-    args = p.parse_args(argv)
-    if args.range_ratio is None:
-        args.range_ratio = 0.0 if args.engine_ratio else 0.5
+async def references(url: str, model: str) -> list:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        return [await complete(client, i, model, False) for i in range(len(PROMPTS))]
 
-    if args.engine_ratio and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-        # The engine measured here runs under the server's malloc tunables too.
-        os.execve(sys.executable, [sys.executable, "-m", "eval.bench_serving", *sys.argv[1:]],
-                  jax_platform.child_environment())
-    proc = None
-    url = args.url
-    if args.engine_ratio and url is not None:
-        raise SystemExit("--engine-ratio starts its own server (the same flags as its engine)")
-    if url is None:
-        proc, url = start_server(args)
+
+async def soak_phase(url: str, model: str, refs: list, args, pid: int) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    counts = {"whole": 0, "cancelled": 0, "dropped": 0, "bad": 0}
+    wrong, server_errors, rss = [], [], []
+    start = time.monotonic()
+
+    async def client_loop(c: int):
+        rng = random.Random(c)
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            while time.monotonic() < start + args.seconds:
+                kind = rng.choices(list(counts), [6, 2, 1, 2])[0]
+                i = rng.randrange(len(PROMPTS))
+                if kind == "whole":
+                    stream = rng.random() < 0.5
+                    if (got := await complete(client, i, model, stream)) != refs[i]:
+                        wrong.append({"prompt": i, "stream": stream, "got": got})
+                elif kind == "cancelled":  # leaving the block closes the stream
+                    async with client.stream("POST", "/v1/completions",
+                                             json=body(i, model, True, max_tokens=64)) as r:
+                        seen, chunks = 0, rng.randint(1, 4)
+                        async for line in r.aiter_lines():
+                            seen += line.startswith("data: {")
+                            if seen >= chunks:
+                                break
+                elif kind == "dropped":  # a whole request sent, the socket closed at once
+                    payload = json.dumps(body(i, model, True, max_tokens=48)).encode()
+                    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                            f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+                    with socket.create_connection((host, int(port)), timeout=10) as s:
+                        s.sendall(head + payload)
+                else:
+                    name, raw, fields = BAD_REQUESTS[rng.randrange(len(BAD_REQUESTS))]
+                    r = await (client.post("/v1/completions", content=raw, headers={
+                        "Content-Type": "application/json"}) if raw is not None else
+                        client.post("/v1/completions", json=dict(fields, model=model)))
+                    if not 400 <= r.status_code < 500:
+                        server_errors.append({"request": name, "status": r.status_code})
+                counts[kind] += 1
+
+    async def sampler():
+        while time.monotonic() < start + args.seconds:
+            rss.append((time.monotonic() >= start + args.seconds / 2, rss_mib(pid)))
+            await asyncio.sleep(0.5)
+
+    await asyncio.gather(sampler(), *(client_loop(c) for c in range(args.clients)))
+    return {"requests": counts, "wrong": wrong, "bad_request_5xx": server_errors,
+            "rss_mib_first_half_max": max(v for late, v in rss if not late),
+            "rss_mib_second_half_max": max(v for late, v in rss if late)}
+
+
+def soak(args) -> dict:
+    """The server started here with --deterministic; see `soak` in the module docstring."""
+    from equarx import AllReduceConfig
+
+    proc, url = start_server(args, ["--deterministic"])
     try:
-        if args.engine_ratio:
-            engine = load_local_engine(args)
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            asyncio.run(run_level(url, model, 1, max(1, args.warmup_requests), 8))
-            r = engine_ratio(args, url, model, engine)
-            for m in ("sync", "overlapped"):
-                if m in r:
-                    e = r[m]
-                    print(f"server {r['server_median']:.1f} tok/s at {args.max_num_seqs} streams / "
-                          f"engine ({m}) {e['engine_median']:.1f} tok/s batch-{args.max_num_seqs} "
-                          f"decode = {e['ratio']:.3f} "
-                          f"(medians of {args.engine_ratio}; per run {', '.join(f'{x:.3f}' for x in e['ratios'])})")
-            if args.out:
-                Path(args.out).write_text(json.dumps(r, indent=2))
-            return
-        info = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
-        model = info["id"]
-        if args.warmup_requests:
-            asyncio.run(run_level(url, model, 1, args.warmup_requests, 8))
-        levels = []
-        for c in (int(x) for x in args.concurrency.split(",")):
-            level = asyncio.run(run_level(url, model, c, args.requests_per_stream, args.max_tokens,
-                                          args.range_ratio))
-            levels.append(level)
-            print(f"concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, median TTFT "
-                  f"{1000 * level['ttft_s']['median']:.0f} ms, median TPOT {1000 * level['tpot_s']['median']:.0f} ms",
-                  file=sys.stderr)
+        card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        refs = asyncio.run(references(url, card["id"]))
+
+        async def load():
+            async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(
+                    max_connections=args.streams + 4)) as client:
+                return await asyncio.gather(*(complete(client, s % len(PROMPTS), card["id"], True)
+                                              for s in range(args.streams)))
+
+        t0 = time.perf_counter()
+        loaded = [s for s, got in enumerate(asyncio.run(load())) if got != refs[s % len(PROMPTS)]]
+        load_s = time.perf_counter() - t0
+        log(f"load: {args.streams} streams in {load_s:.1f}s, {len(loaded)} wrong")
+        soaked = asyncio.run(soak_phase(url, card["id"], refs, args, proc.pid))
+        log(f"soak: {soaked['requests']}, {len(soaked['wrong'])} wrong")
+        for _ in range(150):  # a dropped connection is noticed a step later
+            after = gauges(url)
+            if after["num_requests_running"] == 0 and after["num_requests_waiting"] == 0:
+                break
+            time.sleep(0.2)
+        again = asyncio.run(references(url, card["id"]))
+        health = httpx.get(url + "/health", timeout=10).status_code
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    checks = {
+        "load_all_correct": not loaded, "soak_all_correct": not soaked["wrong"],
+        "bad_requests_all_4xx": not soaked["bad_request_5xx"],
+        "slots_free": after["num_requests_running"] == after["num_requests_waiting"] == 0
+        and after["kv_cache_usage_perc"] == 0,
+        "prefix_cache_within_capacity": after["prefix_cache_blocks"] is None
+        or after["prefix_cache_blocks"] <= after["prefix_cache_capacity_blocks"],
+        "still_serving_the_references": health == 200 and again == refs,
+        "serving_the_allreduce_asked": card["allreduce_label"]
+        == AllReduceConfig.from_label(args.allreduce).label,
+        "rss_flat": soaked["rss_mib_second_half_max"]
+        <= soaked["rss_mib_first_half_max"] + args.rss_growth_mib}
+    for name, held in checks.items():
+        log(f"{'ok ' if held else 'FAIL'} {name}")
+    return {"references": refs, "load": {"streams": args.streams, "wrong": loaded, "seconds": load_s},
+            "soak": soaked, "after": after, "checks": checks, "ok": all(checks.values())}
+
+
+# ---------------------------------------------------------------------------------------------
+# structured
+
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "height_m": {"type": "number"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+     "required": ["name", "age", "height_m", "role", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
+        "customer": {"type": "object", "properties": {
+            "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+            "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                        "required": ["city", "zip"], "additionalProperties": False}},
+            "required": ["email", "address"], "additionalProperties": False},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}, "price": {"type": "number"}},
+            "required": ["sku", "qty", "price"], "additionalProperties": False}},
+        "status": {"enum": ["new", "paid", "shipped"]}},
+     "required": ["order_id", "customer", "items", "status"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer"},
+        "rating": {"type": "number", "minimum": 0, "maximum": 10},
+        "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "action", "sci-fi"]}, "maxItems": 3},
+        "sequel": {"type": ["boolean", "null"]}},
+     "required": ["title", "year", "rating", "genres", "sequel"]},
+]
+SCHEMA_PROMPTS = ["Give a person record as JSON.", "Give an order as JSON.", "Describe a film as JSON."]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "book_table", "description": "Book a restaurant table",
+                                      "parameters": {"type": "object", "properties": {
+                                          "restaurant": {"type": "string"}, "people": {"type": "integer", "minimum": 1},
+                                          "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}},
+                                          "required": ["restaurant", "people", "time"]}}},
+]
+
+
+def structured(url: str, args) -> dict:
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model, max_tokens = client.models.list().data[0].id, args.max_tokens or 256
+
+    def schema_request(i: int) -> dict:
+        k, stream = i % len(SCHEMAS), i % 2 == 1
+        kwargs = dict(model=model, messages=[{"role": "user", "content": SCHEMA_PROMPTS[k]}],
+                      max_tokens=max_tokens, temperature=[0.0, 0.7, 1.0][i % 3], seed=i,
+                      response_format={"type": "json_schema", "json_schema": {
+                          "name": f"s{k}", "schema": SCHEMAS[k], "strict": True}})
+        if stream:
+            text, reason = "", None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for c in chunk.choices:
+                    text, reason = text + (c.delta.content or ""), c.finish_reason or reason
+        else:
+            c = client.chat.completions.create(**kwargs).choices[0]
+            text, reason = c.message.content, c.finish_reason
+        try:
+            jsonschema.validate(json.loads(text), SCHEMAS[k])
+            return {"ok": True, "stream": stream, "finish_reason": reason}
+        except Exception as e:  # noqa: BLE001 - report any failure
+            log(f"request {i} (schema {k}) invalid: {e!s:.200}\n  {text!r:.300}")
+            return {"ok": False, "stream": stream, "finish_reason": reason}
+
+    def tool_request(i: int) -> bool:
+        choice = "required" if i % 2 == 0 else {"type": "function", "function": {"name": "book_table"}}
+        c = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Book a table for two at Luigi's at 19:30."}],
+            tools=TOOLS, tool_choice=choice, max_tokens=max_tokens, temperature=[0.0, 1.0][i % 2],
+            seed=i).choices[0]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        try:
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls
+            for call in c.message.tool_calls:
+                assert isinstance(choice, str) or call.function.name == "book_table"
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            return True
+        except Exception as e:  # noqa: BLE001
+            log(f"tool request {i} invalid: {e!s:.200} {c}")
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(schema_request, range(args.requests)))
+        tools_ok = list(pool.map(tool_request, range(args.tool_requests)))
+    streamed = [r for r in results if r["stream"]]
+    return {"results": results, "json_schema_valid": sum(r["ok"] for r in results), "requests": len(results),
+            "streamed_valid": sum(r["ok"] for r in streamed), "streamed": len(streamed),
+            "finish_reasons": dict(collections.Counter(r["finish_reason"] for r in results)),
+            "tool_calls_valid": sum(tools_ok), "tool_requests": len(tools_ok)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = common.parser(__doc__, ("serving", "soak", "structured"), only="serving", max_seq_len=512)
+    p.add_argument("--url", help="a running server (serving, structured) instead of starting one")
+    p.add_argument("--concurrency", default="1,8", help="serving: stream counts")
+    p.add_argument("--requests-per-stream", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, help="tokens a request (serving: 64, mean; structured: 256)")
+    p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--streams", type=int, default=64, help="soak: concurrent streams")
+    p.add_argument("--seconds", type=float, default=60.0, help="soak: its length")
+    p.add_argument("--clients", type=int, default=12, help="soak: clients looping")
+    p.add_argument("--rss-growth-mib", type=float, default=64.0)
+    p.add_argument("--requests", type=int, default=50, help="structured: json_schema requests")
+    p.add_argument("--tool-requests", type=int, default=10)
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--server-log")
+    p.add_argument("--server-arg", action="append", default=[], help="a gemma3-serve flag (repeatable)")
+    p.add_argument("--startup-timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+    report: dict = {"command": "python -m eval.bench_serving " + " ".join(
+        sys.argv[1:] if argv is None else argv)}
+    only = common.names(args.only)
+    if "soak" in only:
+        report["soak"] = soak(args)
+    proc, url = (None, args.url) if args.url or only == ["soak"] else start_server(args)
+    try:
+        for mode, run in (("serving", serving), ("structured", structured)):
+            if mode in only:
+                report[mode] = run(url, args)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    result = {"server": {k: info.get(k) for k in ("id", "tp", "dtype", "allreduce_label", "max_model_len")},
-              "max_tokens": args.max_tokens, "range_ratio": args.range_ratio,
-              "requests_per_stream": args.requests_per_stream, "levels": levels}
-    if len(levels) >= 2 and levels[0]["concurrency"] == 1:
-        lone = levels[0]["ttft_s"]["median"]
-        result["ttft_median_ratio_vs_lone"] = {lv["concurrency"]: lv["ttft_s"]["median"] / lone for lv in levels[1:]}
-    print("| streams | requests | output tok/s | TTFT ms mean / median / p99 | TPOT ms mean / median / p99 "
-          "| ITL ms mean / median / p99 / max | E2E ms mean / median / p99 |")
-    print("|---|---|---|---|---|---|---|")
-    for level in levels:
-        print(fmt_row(level))
-    if "ttft_median_ratio_vs_lone" in result:
-        print("median TTFT / lone request's median TTFT: " +
-              ", ".join(f"{c} streams {r:.2f}x" for c, r in result["ttft_median_ratio_vs_lone"].items()))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+            proc.terminate()
+            proc.wait(60)
+    if "structured" in report:
+        print(json.dumps(report["structured"], indent=1))
+    write_json(args.out, report)
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main().get("soak", {}).get("ok", True) else 1)

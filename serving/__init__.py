@@ -9,13 +9,14 @@ events, per-request `metrics`), `endpoints` / `api` (FastAPI app, validation, Op
 and `cli` (`gemma3-serve`, `gemma3-generate`) configured by `config`. `fake_runner` is a
 deterministic stand-in for the model used to test the layers above the runner.
 
-The public API is the names below, for programs that drive the engine without HTTP (the benchmarks
-in eval/ use nothing else): build it from a `ServerConfig` (`load_runner`, or `configure_jax` +
-`load_configured_model` + `PagedRunner`), run it step by step (the `PagedScheduler` plans a
-`StepPlan` of `Piece`s over `KVPages`, `step_inputs` makes its arrays, `SamplingMetadata` its
-sampling rows) or through an `EngineCore` (submit requests with `SamplingParams`);
-`build_grammar`, `StructuredOutputs`, `Sequence` and `step_extras` are the pieces of a
-constrained step. They load on first use, so importing `serving` imports no jax.
+The public API is the names below, for programs that run the engine without HTTP: build it
+from a `ServerConfig` (`load_runner`, or `configure_jax` + `load_configured_model` + a
+`PagedRunner`), run requests through an `EngineCore` (token ids, `SamplingParams`, images as
+`SeqImage`s) or `LLM` (offline generation); `StructuredOutputs` and `build_grammar` are
+constrained decoding's. Planning without running a model: `paged_runner_info` (an engine's
+pools and budget for some settings), `PagedScheduler` (plain data in, a plan per step out) over
+`Sequence`s, `step_inputs` (a plan's step arrays; `IDLE` a row that samples nothing). They load
+on first use, so importing `serving` imports no jax.
 """
 from __future__ import annotations
 
@@ -27,23 +28,17 @@ _PUBLIC = {
     "load_configured_model": "serving.runtime",
     "load_runner": "serving.runtime",
     "PagedRunner": "serving.paged_runner",
-    "paged_runner_info": "serving.paged_runner",
-    "local_pages_for": "serving.paged_steps",
-    "step_inputs": "serving.paged_steps",
-    "PagedScheduler": "serving.paged_scheduler",
-    "Piece": "serving.paged_scheduler",
-    "StepPlan": "serving.paged_scheduler",
-    "KVPages": "serving.kv_pages",
-    "IDLE": "serving.sampling",
-    "SeqImage": "serving.sequence",
     "EngineCore": "serving.engine_core",
     "LLM": "serving.llm",
     "SamplingParams": "serving.sampling",
-    "SamplingMetadata": "serving.sampling",
-    "Sequence": "serving.sequence",
+    "SeqImage": "serving.sequence",
     "StructuredOutputs": "serving.structured_output",
     "build_grammar": "serving.structured_output",
-    "step_extras": "serving.logits_processing",
+    "paged_runner_info": "serving.paged_runner",
+    "PagedScheduler": "serving.paged_scheduler",
+    "Sequence": "serving.sequence",
+    "step_inputs": "serving.paged_steps",
+    "IDLE": "serving.sampling",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -1,40 +1,78 @@
-"""eval.bench_engine end to end on random:tiny: every part runs and the report has its figures
-(the figures themselves are the 270M's, docs/engine.md)."""
+"""eval.bench_engine end to end on random:tiny, each run in a fresh process as the command runs:
+every mode reports its figures, and the figures say what the engine does (whole pages of a
+shared prefix cached, nothing compiled after a ready with every shape precompiled, the cache
+read back on a restart, a sequence's pages within what the dense cache holds)."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model", "random:tiny", "--dtype", "float32", "--max-seq-len", "128", "--repeats", "1",
+        "--tokens", "4", "--prompt-tokens", "16", "--long-prompt", "100", "--compile-cache-dir", "",
+        "--max-num-seqs", "2"]
 
 
-def test_bench_engine_runs_on_a_tiny_model(tmp_path):
+def run(tmp_path, *args) -> dict:
     out = tmp_path / "engine.json"
-    # A context of 128 in pages of 16: one page bucket, so few step shapes to compile before
-    # the timed runs; the long prompt still runs as 7 pieces beside the streams. The step shapes
-    # the warm-up leaves compile when first met (a server without its background compile).
-    cmd = [sys.executable, "-m", "eval.bench_engine", "--model", "random:tiny", "--dtype", "float32",
-           "--max-seq-len", "128", "--long-prefill-token-threshold", "16", "--page-size", "16",
-           "--prefix-tokens", "60",
-           "--long-tokens", "100", "--itl-tokens", "100", "--baseline-s", "0.1", "--tokens", "8", "--burst-tokens", "100",
-           "--requests", "1", "--repeats", "1", "--compile-cache-dir", "", "--no-background-compile",
-           "--out", str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "eval.bench_engine", *TINY, *args, "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["page_size"] == 16
-    tp = report["throughput"]
-    assert tp["default"]["tok_s"] > 0 and tp["deterministic"]["tok_s"] > 0
-    assert tp["deterministic_cost"] == 1 - tp["deterministic"]["tok_s"] / tp["default"]["tok_s"]
-    assert 0 < report["prefix"]["second_ttft_s"] and report["prefix"]["prefix_tokens"] == 60
-    # The second request found the shared prefix's whole pages cached.
-    assert report["prefix"]["hit_tokens"] >= 60 // 16 * 16
+    assert json.loads(r.stdout) == report
+    return report
+
+
+def test_engines_compared_step_and_census(tmp_path):
+    report = run(tmp_path, "--only", "lone,batch,streams,ttft,step,census", "--streams", "1,2",
+                 "--engines", "default,deterministic")
+    assert report["tokenizer"] == "byte" and report["layers"] == 3
+    names = ["default@128", "deterministic@128"]
+    for name in names:
+        assert report["engines"][name]["kv_bytes"] > 0
+        assert report["lone"][name]["itl_s_median"] > 0
+        batch = report["batch"][name]
+        assert len(batch["runs"]) == 1 and batch["tok_s_median"] > 0 and batch["ttft_s_median"] > 0
+        assert set(report["streams"][name]) == {"1", "2"}
+        assert report["ttft"][name]["runs"][0]["prompt_tokens"] == 100
+        step = report["step"][name]
+        assert step["rows"] == 8 and step["context"] == 64 and step["step_ms"] > 0
+    # The model program alone is part of the engine's step (deterministic mode splits it).
+    assert 0 < report["step"]["default@128"]["model_program_ms"]
+    assert "model_program_ms" not in report["step"]["deterministic@128"]
+    census = report["census"]
+    assert census["program"].startswith("ragged step T=8 S=8 Q=1")
+    assert census["entry_kernels"] > 0 and census["parameters"] > 0 and census["layers"] == 3
+    # A plain step dispatches the model's program and the sampler's, and puts its inputs.
+    step = census["per_step"]
+    assert step["programs"] >= 2 and step["device_puts"] >= 1, step
+
+
+def test_prefix_itl_capacity_compiles_and_ready(tmp_path):
+    report = run(tmp_path, "--only", "prefix,itl,capacity,compiles,ready")
+    prefix = report["prefix"]
+    # The second request found the shared prefix's whole pages of 16 cached.
+    assert prefix["prefix_tokens"] == 65 and prefix["hit_tokens"] == 64
     itl = report["itl"]["default"]
-    assert itl["admission_gaps"] > 0 and itl["ratio"] > 0
-    assert "TTFT with a 60-token prefix hit" in r.stdout
-    burst = report["burst"]
-    for run in (burst["first"], burst["second"]):
-        assert len(run["ttft_s"]) == 8 and 0 < max(run["ttft_s"]) <= run["wall_s"]
-        assert 0 < run["longest_gap_s"] < run["wall_s"]
-    assert burst["ratio"] == burst["first"]["wall_s"] / burst["second"]["wall_s"]
-    assert "a first burst of 8 requests" in r.stdout
+    assert itl["admission_gaps"] > 0 and itl["ratio"] > 0 and itl["prompt_tokens"] == 100
+    cap = report["capacity"]
+    assert cap["sequences_that_fit"] * cap["bytes_per_sequence"] <= cap["dense_cache_bytes"]
+    assert cap["pool_bytes"] <= cap["dense_cache_bytes"]
+    assert 0 < cap["most_running"] <= cap["sequences_that_fit"] and cap["preemptions"] == 0
+    # --precompile all: every step shape compiled before ready, nothing after.
+    assert report["compiles"]["streams"] == [1, 2] and report["compiles"]["compiles"] == 0
+    cold, cached = report["ready"]["cold"], report["ready"]["cached"]
+    assert cold["compiles"] > 0 and cached["compiles"] == 0
+    assert cached["cache_reads"] >= cold["compiles"]
+
+
+def test_images(tmp_path):
+    report = run(tmp_path, "--only", "images", "--model", "random:tiny?vision=tiny",
+                 "--max-seq-len", "512")
+    im = report["images"]
+    text, image = im["stall"]["text"], im["stall"]["image"]
+    assert text["max_itl_s"] > 0 and text["max_itl_after_features_s"] is None
+    # The image request's gaps split where its features became ready.
+    assert image["max_itl_while_encoding_s"] > 0 and image["max_itl_after_features_s"] > 0
+    assert im["ttft"]["first_s"] > 0 and im["ttft"]["again_s"] > 0
+    assert im["encoder_stages"] > 0 and im["encoder_images_per_s"] > 0

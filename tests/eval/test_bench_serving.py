@@ -1,16 +1,21 @@
-"""The serving benchmark's measurement code against a server with a known pace (the paged
-engine over the fake model, which sleeps a fixed time per step), so its TTFT / TPOT / throughput
-arithmetic is checked."""
+"""eval.bench_serving's three modes: `serving`'s measurement code against a server with a known
+pace (the paged engine over the fake model, which sleeps a fixed time per step), so its TTFT /
+TPOT / throughput arithmetic is checked; `soak` through a real `gemma3-serve` process (64
+concurrent streams each equal to the request alone; a soak of whole, cancelled, dropped and bad
+requests leaves every slot free, the resident memory flat and the answers as before); and
+`structured` against the real app over a tiny random model."""
 import asyncio
 import statistics
 import time
+import types
 
 import pytest
 
+from eval import bench_serving
 from eval.bench_serving import run_level, summarize
 from serving.config import ServerConfig
 from serving.fake_runner import fake_paged_runner
-from testkit import ServerThread
+from testkit import ServerThread, free_port
 
 # The fake engine's pace: each step sleeps this long. The asserts below take their upper bounds
 # from the steps the engine really made (and when), so a slow, shared machine stretches both sides.
@@ -97,3 +102,50 @@ def test_levels_measure_the_engine_pace(paced_server):
     assert sum(rows) / len(rows) > 2
     assert four["tpot_s"]["median"] < 1.5 * engine_gap
     assert four["output_tokens_per_s"] == pytest.approx(80 / four["wall_s"])
+
+
+def test_64_streams_and_a_soak_leave_nothing_behind(tmp_path):
+    report = bench_serving.main([
+        "--only", "soak", "--model", "random:tiny", "--dtype", "float32", "--max-seq-len", "256",
+        "--seconds", "12", "--port", str(free_port()), "--compile-cache-dir", "",
+        "--server-log", str(tmp_path / "server.log")])["soak"]
+    assert report["load"]["streams"] == 64 and report["load"]["wrong"] == []
+    counts = report["soak"]["requests"]
+    assert all(counts[k] > 0 for k in ("whole", "cancelled", "dropped", "bad")), counts
+    assert report["soak"]["wrong"] == [] and report["soak"]["bad_request_5xx"] == []
+    assert report["after"]["num_requests_running"] == 0
+    assert report["after"]["num_requests_waiting"] == 0
+    assert report["after"]["kv_cache_usage_perc"] == 0
+    # Every reference ran its whole length (ignore_eos), so the comparisons compared something.
+    assert [len(r[1]) for r in report["references"]] == bench_serving.MAX_TOKENS
+    assert report["checks"] == {k: True for k in report["checks"]}, report["checks"]
+
+
+def test_structured_outputs_that_finish_validate():
+    """A random model's JSON may run out of tokens (finish "length"); every one that finished
+    by itself validates against its schema, and required tool calls are valid calls."""
+    from models.gemma3 import load_model
+    from serving import PagedRunner
+
+    runner = PagedRunner(load_model("random:tiny", dtype="float32", max_seq_len=4096),
+                         max_num_seqs=4, max_seq_len=4096)
+    server = ServerThread(ServerConfig(model="random:tiny", served_model_name="tiny", max_num_seqs=4,
+                                       max_seq_len=4096, compile_cache_dir=""), runner)
+    try:
+        out = bench_serving.structured(server.url, types.SimpleNamespace(
+            max_tokens=64, requests=4, tool_requests=2))
+    finally:
+        server.stop()
+    assert out["requests"] == 4 and out["streamed"] == 2 and out["tool_requests"] == 2
+    assert {r["finish_reason"] for r in out["results"]} <= {"stop", "length"}
+    assert any(r["finish_reason"] == "stop" for r in out["results"])
+    assert all(r["ok"] for r in out["results"] if r["finish_reason"] == "stop"), out
+    assert out["tool_calls_valid"] == 2, out
+
+
+def test_serving_mode_reports_every_level(paced_server, capsys):
+    out = bench_serving.serving(paced_server.url, types.SimpleNamespace(
+        warmup_requests=1, concurrency="1,2", requests_per_stream=1, max_tokens=4, range_ratio=0.0))
+    assert [lv["concurrency"] for lv in out["levels"]] == [1, 2]
+    assert [lv["output_tokens"] for lv in out["levels"]] == [4, 8]
+    assert out["server"]["id"] == "fake" and "| 2 | 2 |" in capsys.readouterr().out
