@@ -10,6 +10,8 @@ untimed before it is timed. Modes (--only, comma-separated):
             cache hit) against the earlier one's
   itl       4 streams' p99 gap while a --long-prompt-token prompt is admitted beside them,
             against their median gap before it arrived
+  grammar   --max-num-seqs sampled streams constrained by a JSON schema against the same
+            without: ITL (a step with a grammar row waits for the step in flight), tok/s
   step      one decode step of 8 rows at a 256-token context, as the scheduler plans it:
             `run_step` (inputs up, step, sampler, tokens back), its dispatch alone, and the model
             program alone (inputs on the device)
@@ -53,8 +55,8 @@ import jax_platform
 from eval import common
 from eval.reports import write_json
 
-MODES = ("lone", "batch", "streams", "ttft", "prefix", "itl", "step", "census", "capacity",
-         "images", "ready", "compiles")
+MODES = ("lone", "batch", "streams", "ttft", "prefix", "itl", "grammar", "step", "census",
+         "capacity", "images", "ready", "compiles")
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the sea lighthouse keeper winter snow lost key robot paint library night train garden "
          "moon rival bakers forgotten song bookshop storm harvest clock letter mountain village "
@@ -97,21 +99,22 @@ class Stream:
         return self
 
 
-def submit(core, ids, tokens: int, images=(), stream: Stream | None = None) -> Stream:
-    """A greedy request of `tokens` tokens (EOS ignored); returns its Stream (`.seq_id` set)."""
+def submit(core, ids, tokens: int, images=(), stream: Stream | None = None, **params) -> Stream:
+    """A request of `tokens` tokens (greedy, EOS ignored, unless `params` say otherwise);
+    returns its Stream (`.seq_id` set)."""
     from serving import SamplingParams
 
     s = stream or Stream()
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(**{"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, **params})
     [s.seq_id] = core.submit([(ids, params, s, images)])
     return s
 
 
-def run_round(core, prompts, tokens: int) -> dict:
+def run_round(core, prompts, tokens: int, **params) -> dict:
     """All `prompts` at once, `tokens` each: output tok/s, ITL (per stream the median gap,
-    then the median over streams) and the median TTFT."""
+    then the median over streams) and the median TTFT. Stream i's seed: i."""
     t0 = time.perf_counter()
-    streams = [submit(core, p, tokens) for p in prompts]
+    streams = [submit(core, p, tokens, seed=i, **params) for i, p in enumerate(prompts)]
     for s in streams:
         s.wait()
     gaps = [np.median(np.diff(s.times)) for s in streams if len(s.times) > 1]
@@ -228,6 +231,32 @@ def itl(model, args, deterministic: bool) -> dict:
             "prompt_tokens": length, "ratio": p99 / med}
 
 
+def grammar(model, args) -> dict:
+    """--max-num-seqs sampled streams with a JSON schema's grammar (eval.bench_serving's order)
+    against the same without one, alternating: ITL and tok/s of each, the grammar's cost."""
+    from eval.bench_serving import SCHEMAS
+    from serving import build_grammar
+
+    core = common.build_engine(args, model, prefix_caching=False)
+    tok = model.tokenizer
+    kinds = {"plain": None, "grammar": build_grammar("json_schema", SCHEMAS[1], "bench", tok,
+                                                     core.runner.info.eos_ids)}
+    prompt = [tok.bos_id] + tok.encode("An order as JSON: ")
+    runs: dict = {k: [] for k in kinds}
+    try:
+        for r in range(args.repeats + 1):  # the first round untimed
+            for k in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
+                res = run_round(core, [prompt] * args.max_num_seqs, args.tokens, temperature=1.0,
+                                grammar=kinds[k])
+                if r:
+                    runs[k].append(res)
+    finally:
+        core.shutdown()
+    out = {k: {f"{f}_median": float(np.median([x[f] for x in v])) for f in v[0]} for k, v in runs.items()}
+    out["grammar_itl_cost"] = out["grammar"]["itl_s_median"] / out["plain"]["itl_s_median"] - 1
+    return out
+
+
 def decode_inputs(runner, rows: int = 8, context: int = 256):
     """The step inputs of `rows` decodes at position `context` as the scheduler plans them
     (their prompts of `context` tokens computed first, untimed)."""
@@ -306,7 +335,7 @@ def trace_events(trace_dir: str, steps: int) -> dict:
 
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
-    programs, puts, kernels = collections.Counter(), 0, collections.defaultdict(float)
+    programs, puts, count, kernels = collections.Counter(), 0, 0, collections.defaultdict(float)
     for plane in data.planes:
         device = "GPU" in plane.name or "TPU" in plane.name
         for line in plane.lines:
@@ -314,6 +343,7 @@ def trace_events(trace_dir: str, steps: int) -> dict:
             for ev in sorted(line.events, key=lambda e: e.start_ns):
                 if device and ("Stream" in line.name or "XLA Ops" in line.name):
                     kernels[ev.name[:90]] += ev.duration_ns / 1e6
+                    count += 1
                 elif plane.name.startswith("/host") and ev.name.startswith("PjitFunction("):
                     if ev.start_ns >= until:
                         programs[ev.name[len("PjitFunction("):-1]] += 1
@@ -323,8 +353,8 @@ def trace_events(trace_dir: str, steps: int) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     return {"programs": sum(programs.values()) / steps,
             "by_name": {k: v / steps for k, v in sorted(programs.items())},
-            "device_puts": puts / steps, "device_busy_ms": sum(kernels.values()) / steps,
-            "device_kernel_names": len(kernels), "largest_kernels_ms": top}
+            "device_puts": puts / steps, "device_kernels": count / steps,
+            "device_busy_ms": sum(kernels.values()) / steps, "largest_kernels_ms": top}
 
 
 def census(runner, steps: int = 8) -> dict:
@@ -608,7 +638,8 @@ def main(argv: list[str] | None = None) -> dict:
             del core
     for name in engines * ("itl" in only):
         report.setdefault("itl", {})[name] = itl(model, args, name == "deterministic")
-    single = {"prefix": prefix, "capacity": capacity, "images": images, "compiles": compiles,
+    single = {"prefix": prefix, "grammar": grammar, "capacity": capacity, "images": images,
+              "compiles": compiles,
               "census": lambda m, a: census(common.build_engine(
                   a, m, start=False, max_num_seqs=8, prefix_caching=False).runner)}
     for mode in only:

@@ -48,13 +48,17 @@ def test_engines_compared_step_and_census(tmp_path):
     assert step["programs"] >= 2 and step["device_puts"] >= 1, step
 
 
-def test_prefix_itl_capacity_compiles_and_ready(tmp_path):
-    report = run(tmp_path, "--only", "prefix,itl,capacity,compiles,ready")
+def test_prefix_itl_grammar_capacity_compiles_and_ready(tmp_path):
+    report = run(tmp_path, "--only", "prefix,itl,grammar,capacity,compiles,ready")
     prefix = report["prefix"]
     # The second request found the shared prefix's whole pages of 16 cached.
     assert prefix["prefix_tokens"] == 65 and prefix["hit_tokens"] == 64
     itl = report["itl"]["default"]
     assert itl["admission_gaps"] > 0 and itl["ratio"] > 0 and itl["prompt_tokens"] == 100
+    grammar = report["grammar"]
+    assert grammar["plain"]["tok_s_median"] > 0 and grammar["grammar"]["tok_s_median"] > 0
+    assert grammar["grammar_itl_cost"] == (grammar["grammar"]["itl_s_median"]
+                                           / grammar["plain"]["itl_s_median"] - 1)
     cap = report["capacity"]
     assert cap["sequences_that_fit"] * cap["bytes_per_sequence"] <= cap["dense_cache_bytes"]
     assert cap["pool_bytes"] <= cap["dense_cache_bytes"]
