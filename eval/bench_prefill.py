@@ -1,13 +1,16 @@
 """Prefill latency of Gemma 3 with each AllReduce method, side by side, with the cost model.
 
-What is timed is the model's own engine program (`Gemma3Model.lower_prefill(...).compile()`,
-the program `model.prefill` runs): ahead-of-time compiled, warmed up, then the methods are
-run interleaved (A B C, B C A, ...) with block_until_ready; each row gives the median and p90
-and the median of the per-iteration ratios against bf16. Each method runs as `load_model`
-serves it: the default int8's rotation folded into the weights; `int8:unfolded` rotates at run
-time, to measure what the fold gains. wire_bytes is what each device sends
-in one prefill, read from the compiled program (the layers are unrolled, so the program lists
-every layer's collectives).
+What is timed is the server's prompt path: a lone prompt of each length in a `PagedRunner` at
+the server's settings (`ServerConfig`'s max_num_seqs and max_seq_len; --page-size and the step
+budget --max-num-batched-tokens, which a lone prompt takes whole), the `PagedScheduler` cutting
+it into ragged steps, from its admission to its first token on the host: its time to first
+token alone in the engine (the engine core's thread and detokenizer aside). Each method's step
+programs are compiled ahead and the prompt runs `--warmup` times untimed; then the methods run
+interleaved (A B C, B C A, ...); each row gives the median and p90, the median of the
+per-iteration ratios against bf16, the steps and each step's padded tokens (what its
+AllReduces carry). Each method runs as `load_model` serves it: the default int8's rotation
+folded into the weights; `int8:unfolded` rotates at run time. wire_bytes is what each device
+sends over the prompt's steps, read from the compiled step programs.
 
 Modes:
   one process, --tp virtual CPU devices (default): collectives are memcpys; this measures the
@@ -16,7 +19,8 @@ Modes:
     127.0.0.1), --link-gbit X inside a network namespace whose loopback is shaped to X Gbit/s
     (needs root). Then the one-process run is made first (or read from --baseline) and the cost
     model, calibrated by collective-only runs at --calibrate-gbit rates (or read from
-    --calibration), predicts each row: T = T_one_process + 2 x layers x t_comm(link).
+    --calibration), predicts each row: T = T_one_process + per step 2 x layers x t_comm(link)
+    (two AllReduces fewer in the steps that sample nothing: eval.cost_model.predict_prefill_s).
 
   python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
       --allreduce bf16,bf16_ring,int8 --iters 5 --out single.json
@@ -27,6 +31,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -39,12 +44,15 @@ import numpy as np
 from equarx import AllReduceConfig
 from eval import cost_model, prefill_report
 from eval.quality import UNFOLDED, mode_config
+from eval.reports import write_json
 import jax_platform
 from jax_platform import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
 DEFAULT_METHODS = "bf16,bf16_ring,int8"
+
+_seq_ids = itertools.count()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,14 +80,6 @@ def model_source(model: str, layers: int | None) -> tuple[str, int | None]:
 
 # ---------------------------------------------------------------------------------------------
 # Measurement (runs the same way in one process or in every process of a distributed run)
-
-
-def _replicated(mesh, array: np.ndarray):
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, P()),
-                                        lambda idx: array[idx])
 
 
 def _p90(samples: list[float]) -> float:
@@ -111,11 +111,33 @@ def _switch_link(gbit: float, tag: str) -> None:
     multihost_utils.sync_global_devices(f"after {tag}")
 
 
-def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[str],
-            iters: int, warmup: int = 1, minishards: int = 4, pipelined: bool = True,
+def prompt_steps(runner, sched, prompt: list[int], run: bool = True) -> list:
+    """A lone `prompt` through `sched` (a PagedScheduler of `runner`'s info) and `runner`, step
+    by step as the engine core runs it, up to the step that samples its first token (on the host
+    when this returns); its pages are then freed. Returns each step's (tokens computed, StepShape).
+    run=False plans the steps without running them."""
+    from serving import IDLE, Sequence, step_inputs
+
+    seq = Sequence(id=next(_seq_ids), prompt=list(prompt), params=IDLE, seed=0)
+    sched.add([seq])
+    steps = []
+    while True:
+        plan = sched.schedule()
+        inputs = step_inputs(plan, sched.kv, runner.info)
+        steps.append((plan.num_tokens, inputs.buckets))
+        if run:
+            runner.run_step(inputs)  # the last step's: its token on the host
+        if any(p.sample for p in plan.pieces):
+            break
+    sched.finish(seq)
+    return steps
+
+
+def measure(source: str, tp: int, lengths: list[int], methods: list[str], iters: int,
+            warmup: int = 1, minishards: int = 4, pipelined: bool = True,
             dtype: str = "bfloat16", seed: int = 0, links: list[float] | None = None,
             tp_mesh: str | None = None, device_order: list[int] | None = None,
-            log=print) -> dict:
+            max_num_batched_tokens: int = 256, page_size: int = 16, log=print) -> dict:
     """Time every method at every length on the first `tp` devices; returns rows + facts.
 
     links: in a shaped namespace, the link rates (Gbit/s) to alternate between within every
@@ -130,50 +152,46 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
     from eval.bench_collective import process_barrier
     from equarx import bytes_sent_per_device
     from models.gemma3 import load_model
+    from serving import PagedRunner, PagedScheduler, ServerConfig
 
-    if iters < 1 or warmup < 0 or batch < 1:
-        raise ValueError(f"need iters >= 1, warmup >= 0, batch >= 1; got {iters}, {warmup}, "
-                         f"{batch}")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1, warmup >= 0; got {iters}, {warmup}")
     configs = {m: AllReduceConfig.from_label(m.removesuffix(UNFOLDED), minishards=minishards,
                                              pipelined=pipelined) for m in methods}
     link_list = list(links) if links else [None]
+    server = ServerConfig()
+    max_seq_len = max(server.max_seq_len, max(lengths) + 1)
     t0 = time.perf_counter()
     devices = ([jax.devices()[i] for i in device_order] if device_order
                else jax.devices()[:tp])
     base = load_model(source, tp=tp, tp_mesh=tp_mesh, allreduce=configs[methods[0]],
-                      dtype=dtype, max_seq_len=max(lengths), devices=devices, seed=seed,
+                      dtype=dtype, max_seq_len=max_seq_len, devices=devices, seed=seed,
                       fold_rotation=False)
     load_s = time.perf_counter() - t0
     # Each method runs as load_model serves it (its rotation folded into the weights where it
-    # has one); "int8:unfolded" runs the same codec rotating at run time.
-    models = {m: base.with_allreduce(configs[m], fold_rotation=not m.endswith(UNFOLDED))
-              for m in methods}
+    # has one); "int8:unfolded" runs the same codec rotating at run time. No prefix cache: every
+    # prompt is computed whole.
+    runners = {m: PagedRunner(base.with_allreduce(configs[m], fold_rotation=not m.endswith(UNFOLDED)),
+                              max_num_seqs=server.max_num_seqs, max_seq_len=max_seq_len,
+                              page_size=page_size, max_num_batched_tokens=max_num_batched_tokens,
+                              prefix_caching=False, model_name="bench") for m in methods}
+    scheds = {m: PagedScheduler(r.info) for m, r in runners.items()}
+    barrier = process_barrier(base.mesh)  # see there: each prefill's traffic is its own
     rng = np.random.default_rng(seed)
     rows = []
     for length in lengths:
-        bucket = base.bucket_for(length)
-        ids = np.zeros((batch, bucket), np.int32)
-        ids[:, :length] = rng.integers(4, base.config.vocab_size, (batch, length))
-        tokens = _replicated(base.mesh, ids)
-        lens = _replicated(base.mesh, np.full((batch,), length, np.int32))
-        slots = _replicated(base.mesh, np.arange(batch, dtype=np.int32))
-        compiled, wire, compile_s, caches = {}, {}, {}, {}
-        for m in methods:
+        prompt = rng.integers(4, base.config.vocab_size, length).tolist()
+        steps = prompt_steps(runners[methods[0]], scheds[methods[0]], prompt, run=False)
+        wire, compile_s = {}, {}
+        for m, r in runners.items():
+            keys = [r.model.ragged_key(b, r.pages) for _, b in steps]
             t0 = time.perf_counter()
-            compiled[m] = models[m].lower_prefill(batch, bucket, batch, bucket).compile()
+            r.model.compile_ragged(keys)
             compile_s[m] = time.perf_counter() - t0
-            wire[m] = bytes_sent_per_device(compiled[m])
-            caches[m] = models[m].init_cache(batch, bucket)
-
-        def call(m):
-            logits, caches[m] = compiled[m](models[m].weights, caches[m], tokens, lens, slots)
-            jax.block_until_ready((logits, caches[m]))
-
-        for m in methods:
+            wire[m] = sum(bytes_sent_per_device(r.model.programs.runnable(k)) for k in keys)
             for _ in range(warmup):
-                call(m)
+                prompt_steps(r, scheds[m], prompt)
         times = {(lk, m): [] for lk in link_list for m in methods}
-        barrier = process_barrier(base.mesh)  # see there: each prefill's traffic is its own
         for i in range(iters):
             for lk in link_list:
                 if lk is not None and len(link_list) > 1:
@@ -181,7 +199,7 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
                 for m in methods[i % len(methods):] + methods[:i % len(methods)]:
                     barrier()
                     t0 = time.perf_counter()
-                    call(m)
+                    prompt_steps(runners[m], scheds[m], prompt)
                     barrier()
                     times[lk, m].append(time.perf_counter() - t0)
         for lk in link_list:
@@ -189,23 +207,26 @@ def measure(source: str, tp: int, lengths: list[int], batch: int, methods: list[
                 f"{m} {1e3 * statistics.median(times[lk, m]):.1f} ms" for m in methods))
             for m in methods:
                 t = times[lk, m]
-                row = {"length": length, "bucket": bucket, "batch": batch, "tp": tp, "method": m,
-                       "label": configs[m].label, "median_ms": 1e3 * statistics.median(t),
-                       "p90_ms": 1e3 * _p90(t), "times_ms": [1e3 * v for v in t],
-                       "wire_bytes": wire[m], "compile_s": compile_s[m]}
+                row = {"length": length, "tp": tp, "method": m, "label": configs[m].label,
+                       "steps": len(steps), "pieces": [n for n, _ in steps],
+                       "step_tokens": [b.tokens for _, b in steps],
+                       "median_ms": 1e3 * statistics.median(t), "p90_ms": 1e3 * _p90(t),
+                       "times_ms": [1e3 * v for v in t], "wire_bytes": wire[m],
+                       "compile_s": compile_s[m]}
                 if lk is not None:
                     row["link_gbit"] = lk
                 for ref in ("bf16", "bf16_ring"):
                     row[f"speedup_vs_{ref}"] = (statistics.median(
                         a / b for a, b in zip(times[lk, ref], t)) if ref in methods else None)
                 rows.append(row)
-        compiled.clear()  # this length's executables and caches, before the next length's
-        caches.clear()
-    c = base.config
+    c, info = base.config, runners[methods[0]].info
     return {"config": {"name": c.name, "num_layers": c.num_layers, "d_model": c.d_model,
                        "ffn_hidden": c.ffn_hidden, "num_heads": c.num_heads,
                        "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
                        "vocab_size": c.vocab_size},
+            "engine": {"max_num_batched_tokens": info.max_num_batched_tokens,
+                       "page_size": info.page_size, "max_num_seqs": info.max_num_seqs,
+                       "max_seq_len": info.max_seq_len},
             "load_s": load_s, "rows": rows}
 
 
@@ -269,7 +290,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="use fewer layers (random weights)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--lengths", default="256,512,1024", help="comma list of prompt lengths")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="the step budget, which a lone prompt takes whole (the server's default)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (the server's)")
     p.add_argument("--allreduce", default=DEFAULT_METHODS,
                    help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
     p.add_argument("--iters", type=int, default=5)
@@ -364,9 +387,10 @@ def main(argv: list[str] | None = None) -> dict:
     if group.enabled:
         jax_platform.join_process_group(group)  # before any jax computation
     source, full_layers = model_source(args.model, args.layers)
-    params = dict(source=source, tp=args.tp, lengths=lengths, batch=args.batch, methods=methods,
+    params = dict(source=source, tp=args.tp, lengths=lengths, methods=methods,
                   iters=args.iters, warmup=args.warmup, minishards=args.minishards,
-                  pipelined=not args.one_message_per_hop, dtype=args.dtype)
+                  pipelined=not args.one_message_per_hop, dtype=args.dtype,
+                  max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size)
     if args.tp_mesh:
         params["tp_mesh"] = args.tp_mesh
     if torus and not args.tp_mesh:
@@ -388,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
         baseline = _baseline_for(args, params, torus)
         fit = _calibrate_for_run(args, params, source, lengths, methods, baseline, report)
         if args.calibrate_only:
-            _write_json(report, args.out)
+            write_json(args.out, report)
             return report
         result, mode = _run_processes(args, params, torus)
     else:
@@ -400,11 +424,12 @@ def main(argv: list[str] | None = None) -> dict:
         rows = _predict(rows, baseline, fit, cfg, args)
     if args.processes > 0 and args.base_link_gbit is not None and args.link_gbit:
         rows = prefill_report.add_comm_share(rows, args.base_link_gbit, args.link_gbit)
-    report.update(mode=mode, model=source, config=cfg, full_layers=full_layers, rows=rows)
+    report.update(mode=mode, model=source, config=cfg, engine=result["engine"],
+                  full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
     _print_report(report, rows, args.link_gbit)
-    _write_json(report, args.out)
+    write_json(args.out, report)
     if args.plot:
         prefill_report.plot(report, args.plot)
     return report
@@ -443,10 +468,10 @@ def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], meth
         with open(args.calibration) as f:
             calibration = json.load(f)["cost_model"]["calibration"]
     elif args.calibrate_gbit:
-        # The messages the prefill's AllReduces carry: batch x padded bucket x d_model.
-        d_model, buckets = _message_shape(source, lengths)
+        # The messages the prompt's AllReduces carry: a step's padded tokens x d_model.
+        d_model, tokens = _message_shape(source, lengths, args.max_num_batched_tokens)
         calibration = calibrate(args.tp, [float(g) for g in args.calibrate_gbit.split(",")],
-                                [args.batch * b * d_model for b in buckets], methods,
+                                [t * d_model for t in tokens], methods,
                                 args.minishards, args.calibration_repeats,
                                 pipelined=not args.one_message_per_hop,
                                 malloc_tunables=not args.plain_malloc)
@@ -515,12 +540,6 @@ def _print_report(report: dict, rows: list[dict], link_gbit) -> None:
         print(cost_model.format_tpu_predictions(report["tpu_predictions"]))
 
 
-def _write_json(report: dict, path: str | None) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-
-
 def _predict(rows: list[dict], baseline: dict | None, fit: cost_model.Fit, cfg: dict,
              args) -> list[dict]:
     """Predictions for the rows at the target link, from the fast-link rows of the same run
@@ -529,7 +548,7 @@ def _predict(rows: list[dict], baseline: dict | None, fit: cost_model.Fit, cfg: 
         base_rows = [r for r in rows if r.get("link_gbit") == args.base_link_gbit]
     else:
         base_rows = baseline["rows"]
-    base_ms = {(r["length"], r["batch"], r["method"]): r["median_ms"] for r in base_rows}
+    base_ms = {(r["length"], r["method"]): r["median_ms"] for r in base_rows}
     target = [r for r in rows if r.get("link_gbit", args.link_gbit) == args.link_gbit]
     predicted = cost_model.predict_rows(
         target, base_ms, fit, args.link_gbit, d_model=cfg["d_model"],
@@ -539,10 +558,11 @@ def _predict(rows: list[dict], baseline: dict | None, fit: cost_model.Fit, cfg: 
     return [by_id.get(id(r), r) for r in rows]
 
 
-def _message_shape(source: str, lengths: list[int]) -> tuple[int, list[int]]:
-    """(d_model, padded bucket of each length) without loading the model."""
+def _message_shape(source: str, lengths: list[int], budget: int) -> tuple[int, list[int]]:
+    """(d_model, the padded tokens of each length's longest step: the budget or the whole
+    prompt, to a power of two) without loading the model."""
     from models.gemma3 import get_config
-    from models.gemma3 import prefill_buckets
+    from models.shapes import pow2
 
     if source.startswith("random:"):
         d_model = get_config(source.removeprefix("random:")).d_model
@@ -551,8 +571,7 @@ def _message_shape(source: str, lengths: list[int]) -> tuple[int, list[int]]:
 
         path = default_gguf_path() if source == "gemma3-270m" else source
         d_model = read_gguf_config(path)["d_model"]
-    buckets = prefill_buckets(max(lengths))
-    return d_model, sorted({next(b for b in buckets if b >= n) for n in lengths})
+    return d_model, sorted({pow2(min(n, budget)) for n in lengths})
 
 
 def _link_for_third(baseline: dict, fit: cost_model.Fit, cfg: dict, args) -> dict | None:
@@ -563,7 +582,7 @@ def _link_for_third(baseline: dict, fit: cost_model.Fit, cfg: dict, args) -> dic
         return None
     r = max(rows, key=lambda r: (r["length"], r["method"] == "bf16"))
     gbit = cost_model.link_for_comm_share(
-        1 / 3, r["median_ms"] / 1e3, r["method"], tokens=r["bucket"] * r["batch"],
+        1 / 3, r["median_ms"] / 1e3, r["method"], tokens=r["step_tokens"],
         d_model=cfg["d_model"], num_layers=cfg["num_layers"], n_devices=r["tp"], fit=fit,
         minishards=args.minishards, pipelined=not args.one_message_per_hop)
     return {"method": r["method"], "length": r["length"], "gbit": gbit}

@@ -8,10 +8,12 @@ def header(report: dict) -> str:
     cfg = report["config"]
     layers = (f"layers: {cfg['num_layers']} of {report['full_layers']}"
               if report.get("full_layers") else f"layers: {cfg['num_layers']} (all)")
-    s = report["settings"]
+    s, e = report["settings"], report["engine"]
     return (f"# {report['model']} ({cfg['name']}): d_model {cfg['d_model']}, {layers}; "
-            f"{s['dtype']}; batch {s['batch']}; {s['iters']} interleaved iterations after "
-            f"{s['warmup']} warm-up\n# {report['mode']}; {report['machine']}, "
+            f"{s['dtype']}; a lone prompt in the paged engine (steps of at most "
+            f"{e['max_num_batched_tokens']} tokens, pages of {e['page_size']}) to its first "
+            f"token; {s['iters']} interleaved iterations after {s['warmup']} warm-up"
+            f"\n# {report['mode']}; {report['machine']}, "
             f"{report['cpus']} CPUs, jax {report['jax']}"
             + (f"; malloc: {s['malloc']}" if s.get("malloc") else ""))
 
@@ -24,11 +26,11 @@ def add_comm_share(rows: list[dict], base_gbit: float, link_gbit: float) -> list
     """Paired runs: give every row at the target link its measured communication share, (its
     time minus the same method's time at the base link) / its time. This is the measured side
     of "communication is a third of prefill", next to the cost model's estimate."""
-    base = {(r["length"], r["batch"], r["method"]): r["median_ms"]
+    base = {(r["length"], r["method"]): r["median_ms"]
             for r in rows if r.get("link_gbit") == base_gbit}
     out = []
     for r in rows:
-        b = base.get((r["length"], r["batch"], r["method"]))
+        b = base.get((r["length"], r["method"]))
         if r.get("link_gbit") == link_gbit and b is not None and r["median_ms"] > 0:
             r = {**r, "comm_share": (r["median_ms"] - b) / r["median_ms"]}
         out.append(r)
@@ -54,7 +56,7 @@ def comm_share_line(rows: list[dict], method: str = "bf16") -> str | None:
 
 def format_table(rows: list[dict]) -> str:
     links = any("link_gbit" in r for r in rows)
-    head = (f"{'length':>6} {'tp':>3} " + (f"{'Gbit/s':>6} " if links else "")
+    head = (f"{'length':>6} {'steps':>5} {'tp':>3} " + (f"{'Gbit/s':>6} " if links else "")
             + f"{'method':<14} {'median ms':>10} {'p90 ms':>9} "
             f"{'x bf16':>7} {'predicted':>9} {'x ring':>7} {'wire MB':>8}"
             + (f" {'comm %':>6}" if any("comm_share" in r for r in rows) else ""))
@@ -66,7 +68,7 @@ def format_table(rows: list[dict]) -> str:
             lines.append("")
         last = group
         link = f"{r['link_gbit']:>6g} " if links else ""
-        lines.append(f"{r['length']:>6} {r['tp']:>3} {link}{r['method']:<14} "
+        lines.append(f"{r['length']:>6} {r['steps']:>5} {r['tp']:>3} {link}{r['method']:<14} "
                      f"{r['median_ms']:>10.1f} "
                      f"{r['p90_ms']:>9.1f} {_x(r.get('speedup_vs_bf16')):>7} "
                      f"{_x(r.get('predicted_speedup_vs_bf16')):>9} "

@@ -1,7 +1,7 @@
 """Prefill time on a link: the one-process time plus every AllReduce's fitted link time."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from eval.cost_model.link import Fit, LinkModel
 from eval.cost_model.schedule import allreduce_schedule
@@ -12,32 +12,42 @@ def allreduces_per_prefill(num_layers: int) -> int:
     return 2 * num_layers
 
 
-def predict_prefill_s(nolink_s: float, label: str, *, tokens: int, d_model: int, num_layers: int,
-                      n_devices: int, link: LinkModel, minishards: int = 4,
+def predict_prefill_s(nolink_s: float, label: str, *, tokens: int | Sequence[int], d_model: int,
+                      num_layers: int, n_devices: int, link: LinkModel, minishards: int = 4,
                       embed_psum: bool = True, pipelined: bool = True,
                       base_link: LinkModel | None = None) -> float:
     """Prefill seconds on `link`: measured no-link time plus the modelled communication.
 
+    tokens: the prefill's (padded) tokens, or each step's where the prompt runs as several
+    steps (the server's pieces): every step has its own AllReduces of [its tokens, d_model],
+    and the steps before the last, which sample nothing, two fewer: their last layer's
+    attention output and MLP feed nothing (only its keys and values are kept), and XLA drops
+    them with their AllReduces.
     embed_psum: the model's vocabulary-parallel embedding lookup ends with one exact XLA psum
     of the same [tokens, d_model] shape, in every method's program.
     base_link: `nolink_s` was measured on this link rather than without one; its modelled
     communication is taken out.
     """
-    s = allreduce_schedule(label, tokens * d_model, n_devices, minishards, pipelined=pipelined)
-    embed = allreduce_schedule("bf16", tokens * d_model, n_devices)
+    steps = [tokens] if isinstance(tokens, int) else list(tokens)
+    schedules = [(allreduce_schedule(label, n * d_model, n_devices, minishards,
+                                     pipelined=pipelined),
+                  allreduce_schedule("bf16", n * d_model, n_devices)) for n in steps]
 
     def comm(lk: LinkModel) -> float:
-        t = allreduces_per_prefill(num_layers) * lk.comm_time(s, n_devices)
-        if embed_psum and n_devices > 1:
-            t += lk.comm_time(embed, n_devices)
+        t = 0.0
+        for i, (s, embed) in enumerate(schedules):
+            layers = num_layers if i == len(schedules) - 1 else num_layers - 1
+            t += allreduces_per_prefill(layers) * lk.comm_time(s, n_devices)
+            if embed_psum and n_devices > 1:
+                t += lk.comm_time(embed, n_devices)
         return t
 
     return nolink_s + comm(link) - (comm(base_link) if base_link is not None else 0.0)
 
 
-def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: int, d_model: int,
-                        num_layers: int, n_devices: int, fit: "Fit", minishards: int = 4,
-                        pipelined: bool = True) -> float:
+def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: int | Sequence[int],
+                        d_model: int, num_layers: int, n_devices: int, fit: "Fit",
+                        minishards: int = 4, pipelined: bool = True) -> float:
     """The link rate (Gbit/s, shared loopback) at which communication is `share` of the
     predicted prefill time of `label`: solves comm / (nolink + comm) = share for the rate."""
     if not 0 < share < 1:
@@ -59,9 +69,9 @@ def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: flo
                  base_gbit: float | None = None) -> list[dict]:
     """Add predicted_ms and predicted_speedup_vs_bf16 to benchmark rows.
 
-    nolink_ms maps (length, batch, method) to the one-process median of the same program, or
-    with base_gbit to the median of the same program on a link of that rate.
-    An AllReduce carries batch x bucket (the padded length) x d_model values.
+    nolink_ms maps (length, method) to the one-process median of the same prompt, or with
+    base_gbit to its median on a link of that rate. An AllReduce carries a step's padded tokens
+    (the row's `step_tokens`, else its length) x d_model values.
     """
     link = fit.link(link_gbit, shared=True)
     base_link = fit.link(base_gbit, shared=True) if base_gbit is not None else None
@@ -69,17 +79,17 @@ def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: flo
     pred_ms = {}
     rows = list(rows)
     for r in rows:
-        key = (r["length"], r["batch"], r["method"])
+        key = (r["length"], r["method"])
         if key in nolink_ms:
-            tokens = r.get("bucket", r["length"]) * r["batch"]
+            tokens = r.get("step_tokens", r["length"])
             pred_ms[key] = 1e3 * predict_prefill_s(
                 nolink_ms[key] / 1e3, r["method"], tokens=tokens, d_model=d_model,
                 num_layers=num_layers, n_devices=r["tp"], link=link, minishards=minishards,
                 pipelined=pipelined, base_link=base_link)
     for r in rows:
         r = dict(r)
-        key = (r["length"], r["batch"], r["method"])
-        base = pred_ms.get((r["length"], r["batch"], baseline))
+        key = (r["length"], r["method"])
+        base = pred_ms.get((r["length"], baseline))
         r["predicted_ms"] = pred_ms.get(key)
         r["predicted_speedup_vs_bf16"] = (base / pred_ms[key]) if key in pred_ms and base else None
         out.append(r)

@@ -1,4 +1,5 @@
-"""bench_prefill in one process on a tiny model: the report's schema, its byte counts, the plot."""
+"""bench_prefill in one process on a tiny model: the prompt's steps as the scheduler cuts it, the
+report's schema, its byte counts, the plot."""
 import json
 
 import pytest
@@ -18,26 +19,34 @@ def test_model_source_says_how_many_layers_are_used():
 
 
 def test_one_process_run_writes_rows_table_and_plot(tmp_path, capsys):
+    """A lone prompt runs as the scheduler cuts it: pieces of the step budget (32 here), the
+    last one the rest, each step padded to a power of two."""
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     report = bench_prefill.main([
-        "--model", "random:tiny", "--tp", "2", "--lengths", "256", "--allreduce", "bf16,int8-full",
-        "--iters", "2", "--out", str(out), "--plot", str(png)])
+        "--model", "random:tiny", "--tp", "2", "--lengths", "40,100", "--allreduce",
+        "bf16,int8-full", "--max-num-batched-tokens", "32", "--iters", "2", "--out", str(out),
+        "--plot", str(png)])
     assert json.loads(out.read_text())["rows"] == report["rows"]
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"bf16", "int8-full"}
-    for r in rows.values():
-        for key in ("length", "batch", "tp", "method", "median_ms", "p90_ms", "wire_bytes",
-                    "speedup_vs_bf16"):
-            assert key in r, key
-        assert r["length"] == 256 and r["batch"] == 1 and r["tp"] == 2
+    assert report["engine"]["max_num_batched_tokens"] == 32 and report["engine"]["page_size"] == 16
+    rows = {(r["length"], r["method"]): r for r in report["rows"]}
+    assert set(rows) == {(n, m) for n in (40, 100) for m in ("bf16", "int8-full")}
+    for (length, method), r in rows.items():
+        assert r["pieces"] == {40: [32, 8], 100: [32, 32, 32, 4]}[length]
+        assert r["steps"] == len(r["pieces"]) and r["step_tokens"] == {40: [32, 8],
+                                                                       100: [32, 32, 32, 8]}[length]
+        assert r["tp"] == 2 and r["speedup_vs_bf16"] > 0 and r["compile_s"] >= 0
         assert 0 < r["median_ms"] <= r["p90_ms"] and len(r["times_ms"]) == 2
-    assert rows["bf16"]["speedup_vs_bf16"] == 1.0
-    # 3 layers x 2 AllReduces of 256 x 64 values: int8 sends less than even an ideal bf16 ring.
-    ideal_bf16 = 6 * ideal_ring_bytes(256 * 64, 2, 2)
-    assert rows["int8-full"]["wire_bytes"] < min(ideal_bf16, rows["bf16"]["wire_bytes"])
+        if method == "bf16":
+            assert r["speedup_vs_bf16"] == 1.0
+        else:
+            # 3 layers x 2 AllReduces of T x 64 values a step: int8 sends less than even an
+            # ideal bf16 ring.
+            ideal_bf16 = sum(6 * ideal_ring_bytes(t * 64, 2, 2) for t in r["step_tokens"])
+            assert r["wire_bytes"] < min(ideal_bf16, rows[length, "bf16"]["wire_bytes"])
     text = capsys.readouterr().out
     assert "layers: 3 (all)" in text and "PREDICTIONS" in text and "int8-full" in text
+    assert "steps of at most 32 tokens" in text
 
 
 def test_bad_arguments_are_refused():
@@ -53,7 +62,7 @@ def test_measured_communication_share_of_paired_runs():
     from eval import prefill_report
 
     def row(length, method, link, ms):
-        return {"length": length, "batch": 1, "tp": 2, "method": method, "link_gbit": link,
+        return {"length": length, "steps": 1, "tp": 2, "method": method, "link_gbit": link,
                 "median_ms": ms, "p90_ms": ms, "wire_bytes": 1e6}
 
     rows = [row(512, "bf16", 0, 300.0), row(512, "bf16", 1.5, 450.0),

@@ -107,10 +107,15 @@ def test_prefill_prediction_adds_two_allreduces_per_layer():
     assert cm.predict_prefill_s(0.5, "int8-full", tokens=512, d_model=1152, num_layers=4,
                                 n_devices=2, link=link, embed_psum=False) == pytest.approx(
         0.5 + 8 * link.comm_time(s, 2))
+    # A prompt run as steps: each step's AllReduces carry its own tokens; the first step samples
+    # nothing, and its last layer's two AllReduces are dropped with the work they feed.
+    assert cm.predict_prefill_s(0.5, "int8-full", tokens=[512, 512], d_model=1152, num_layers=4,
+                                n_devices=2, link=link) == pytest.approx(
+        0.5 + 2 * (t - 0.5) - 2 * link.comm_time(s, 2))
     fit = cm.Fit(0.0, 1.0, 1.0, 1.0, 3, 0.0)  # no latency: bytes alone decide
-    rows = [{"length": 512, "batch": 1, "tp": 2, "method": m, "median_ms": 0.0}
+    rows = [{"length": 512, "step_tokens": [256, 256], "tp": 2, "method": m, "median_ms": 0.0}
             for m in ("bf16", "int8-full")]
-    out = cm.predict_rows(rows, {(512, 1, "bf16"): 500.0, (512, 1, "int8-full"): 500.0}, fit,
+    out = cm.predict_rows(rows, {(512, "bf16"): 500.0, (512, "int8-full"): 500.0}, fit,
                           8.0, d_model=1152, num_layers=4)
     assert out[0]["predicted_speedup_vs_bf16"] == pytest.approx(1.0)
     assert out[1]["predicted_speedup_vs_bf16"] > 1.0  # same compute, fewer bytes

@@ -602,14 +602,16 @@ def test_paged_engine_in_a_group_gives_one_process_answers(tmp_path_factory):
 
 @pytest.mark.slow
 def test_bench_prefill_as_two_processes(tmp_path):
-    """eval.bench_prefill joined into a group by the same flags: both processes measure the tp=2
-    program spread over them; process 0 writes the report."""
+    """eval.bench_prefill joined into a group by the same flags: both processes run the lone
+    prompt's steps through their paged runners, the tp=2 programs spread over them; process 0
+    writes the report."""
     coord = free_port()
     env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"), malloc_tunables=False)
     procs = []
     for pid in range(2):
         cmd = [sys.executable, "-m", "eval.bench_prefill", "--model", "random:tiny", "--tp", "2",
-               "--lengths", "16", "--allreduce", "int8-full", "--iters", "1", "--no-tpu-prediction",
+               "--lengths", "40", "--max-num-batched-tokens", "32", "--allreduce", "int8-full",
+               "--iters", "1", "--no-tpu-prediction",
                "--out", str(tmp_path / f"report{pid}.json"), "--coordinator-address", f"127.0.0.1:{coord}",
                "--num-processes", "2", "--process-id", str(pid)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -629,3 +631,4 @@ def test_bench_prefill_as_two_processes(tmp_path):
     assert report["mode"].startswith("2 processes (jax.distributed, 2 devices)")
     [row] = report["rows"]
     assert row["method"] == "int8-full" and row["tp"] == 2 and row["median_ms"] > 0
+    assert row["pieces"] == [32, 8] and row["steps"] == 2 and row["wire_bytes"] > 0
