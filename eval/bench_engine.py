@@ -124,8 +124,8 @@ def run_round(core, prompts, tokens: int, **params) -> dict:
 
 
 def alternate(cores: dict, fn, repeats: int) -> dict:
-    """fn(core, r) -> figures: once untimed per engine (r = 0), then `repeats` times, the
-    engines' order reversed every other round. Per engine: the runs and each figure's median."""
+    """fn(cores[k], r) -> figures: once untimed for each k (r = 0), then `repeats` times, the
+    order reversed every other round. Per k: the runs and each figure's median."""
     for core in cores.values():
         fn(core, 0)
     runs: dict = {k: [] for k in cores}
@@ -239,20 +239,13 @@ def grammar(model, args) -> dict:
 
     core = common.build_engine(args, model, prefix_caching=False)
     tok = model.tokenizer
-    kinds = {"plain": None, "grammar": build_grammar("json_schema", SCHEMAS[1], "bench", tok,
-                                                     core.runner.info.eos_ids)}
+    grammar = build_grammar("json_schema", SCHEMAS[1], "bench", tok, core.runner.info.eos_ids)
     prompt = [tok.bos_id] + tok.encode("An order as JSON: ")
-    runs: dict = {k: [] for k in kinds}
     try:
-        for r in range(args.repeats + 1):  # the first round untimed
-            for k in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
-                res = run_round(core, [prompt] * args.max_num_seqs, args.tokens, temperature=1.0,
-                                grammar=kinds[k])
-                if r:
-                    runs[k].append(res)
+        out = alternate({"plain": None, "grammar": grammar}, lambda g, r: run_round(
+            core, [prompt] * args.max_num_seqs, args.tokens, temperature=1.0, grammar=g), args.repeats)
     finally:
         core.shutdown()
-    out = {k: {f"{f}_median": float(np.median([x[f] for x in v])) for f in v[0]} for k, v in runs.items()}
     out["grammar_itl_cost"] = out["grammar"]["itl_s_median"] / out["plain"]["itl_s_median"] - 1
     return out
 
