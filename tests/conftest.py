@@ -117,7 +117,8 @@ def vision_golden():
 # listed, so the files left for the end are short (the paged engine's and model's, unlisted,
 # used to run near the end: ~75 and ~55 s).
 LONG_FILES_FIRST = (
-    "equarx/test_pallas.py", "serving/test_multihost.py", "serving/test_paged_runner.py",
+    "equarx/test_pallas.py", "serving/test_multihost.py", "serving/test_precompile.py",
+    "serving/test_paged_runner.py",
     "models/test_parity.py", "equarx/test_codec_conformance.py", "equarx/test_collective.py",
     "serving/test_group_formation.py", "serving/test_batch_invariance.py", "models/test_model.py",
     "equarx/test_triton_codecs.py", "models/test_hf_checkpoint.py",
@@ -125,15 +126,14 @@ LONG_FILES_FIRST = (
     "serving/test_structured_e2e.py", "models/test_paged.py", "serving/test_cli_generate.py",
     "serving/test_overlap.py", "eval/test_bench_engine.py", "serving/test_watchdog.py",
     "equarx/test_multi_axis.py", "serving/test_image_encoder.py", "eval/test_quality.py",
-    "eval/test_bench_codec.py", "serving/test_soak.py", "models/test_program_cache.py",
+    "eval/test_bench_codec.py", "models/test_program_cache.py",
     "equarx/test_token_local.py", "models/test_paged_images.py", "models/test_tp_mesh.py",
-    "models/test_gguf.py", "eval/test_quality_scaling.py", "equarx/test_native_cpu.py",
+    "models/test_gguf.py", "equarx/test_native_cpu.py",
     "serving/test_chat_images.py", "models/test_weights_cache.py",
     "serving/test_structured_output.py", "serving/test_paged_runner_images.py",
-    "equarx/test_hlo.py", "models/test_model_checkpoint.py", "eval/test_quality_sensitivity.py",
-    "eval/test_quality_images.py", "equarx/test_mse.py", "serving/test_image_spans.py",
+    "equarx/test_hlo.py", "models/test_model_checkpoint.py", "equarx/test_mse.py", "serving/test_image_spans.py",
     "serving/test_tools.py", "serving/test_serving_units.py", "models/test_model_hlo.py",
-    "models/test_vision.py", "eval/test_bench_dispatch_window.py",
+    "models/test_vision.py",
 )
 
 

@@ -108,7 +108,7 @@ _IMPORTS = """
 import json, os, sys
 before = dict(os.environ)
 import serving.cli, serving.config, jax_platform, serving.distributed
-import eval.bench_speed, eval.bench_serving, eval.multiproc
+import eval.bench_engine, eval.bench_serving, eval.multiproc
 imported_jax = "jax" in sys.modules
 os.environ.pop("XDG_CACHE_HOME", None)
 os.environ["HOME"] = sys.argv[1]

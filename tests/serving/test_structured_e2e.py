@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from eval.structured_check import SCHEMAS, TOOLS
+from eval.bench_serving import SCHEMAS, TOOLS
 from serving.config import ServerConfig
 from testkit import ServerThread
 
