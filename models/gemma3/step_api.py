@@ -45,28 +45,20 @@ class Gemma3StepAPI:
         self._image_features = None
 
     # -- images --------------------------------------------------------------------------------
-    def attach_vision(self, vision, replicated: bool = False) -> None:
+    def attach_vision(self, vision) -> None:
         """Serve images with `vision` (a `vision_checkpoint.VisionModel`, host arrays): its
         tower and projector are placed, in the model's dtype, on one device of the mesh (this
         process's first), and `image_features` runs them there; the features then go to every
-        device with the step that reads them (256 x D values an image). replicated=True runs
-        the whole tower on every device of the mesh instead: free on an accelerator with its
-        own compute per chip, but on a CPU the virtual devices share the cores
-        (docs/vision.md)."""
+        device with the step that reads them (256 x D values an image). On a CPU the virtual
+        devices share the cores, so a tower on every device ran slower (docs/vision.md); on an
+        accelerator a tower split over the mesh (`vision_sharding.encode_sharded`) is the
+        alternative to measure."""
         from models.gemma3.projector import image_features
-        from models.gemma3.vision_sharding import place_vision
 
         cast = lambda x: np.asarray(x, self.dtype)  # noqa: E731
-        if replicated:
-            tower = place_vision(jax.tree.map(cast, vision.vision), vision.config, self.mesh,
-                                 split=False)
-            projector = jax.device_put(jax.tree.map(cast, vision.projector),
-                                       self.programs.replicated)
-        else:
-            device = next(d for d in self.mesh.devices.flat
-                          if d.process_index == jax.process_index())
-            tower, projector = (jax.device_put(jax.tree.map(cast, w), device)
-                                for w in (vision.vision, vision.projector))
+        device = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        tower, projector = (jax.device_put(jax.tree.map(cast, w), device)
+                            for w in (vision.vision, vision.projector))
         placed = dataclasses.replace(vision, vision=tower, projector=projector)
         c = vision.config
         self._image_features = jax.jit(lambda v, p, x: image_features(v, p, x, c))
