@@ -3,14 +3,17 @@ every mode reports its figures, and the figures say what the engine does (whole 
 shared prefix cached, nothing compiled after a ready with every shape precompiled, the cache
 read back on a restart, a sequence's pages within what the dense cache holds)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The suite's compilation cache (tests/conftest.py), so that the engines these runs build read
+# back the programs an earlier one compiled; `ready` makes its own empty one.
 TINY = ["--model", "random:tiny", "--dtype", "float32", "--max-seq-len", "128", "--repeats", "1",
-        "--tokens", "4", "--prompt-tokens", "16", "--long-prompt", "100", "--compile-cache-dir", "",
-        "--max-num-seqs", "2"]
+        "--tokens", "4", "--prompt-tokens", "16", "--long-prompt", "100", "--compile-cache-dir",
+        os.environ.get("GEMMA3_TEST_COMPILATION_CACHE", ""), "--max-num-seqs", "2"]
 
 
 def run(tmp_path, *args) -> dict:
