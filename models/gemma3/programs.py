@@ -62,6 +62,17 @@ RAGGED_PROGRAMS = (Program.RAGGED, Program.RAGGED_KV, Program.RAGGED_IMAGES,
                    Program.RAGGED_IMAGES_KV, Program.RAGGED_ALL_LOGITS)
 
 
+def step_program(s: StepShape) -> Program:
+    """The program variant a step of shape `s` runs."""
+    if s.every_token:
+        if s.features or not s.logits:
+            raise ValueError("every-token logits are for text steps that sample")
+        return Program.RAGGED_ALL_LOGITS
+    if s.features:
+        return Program.RAGGED_IMAGES if s.logits else Program.RAGGED_IMAGES_KV
+    return Program.RAGGED if s.logits else Program.RAGGED_KV
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
     """One ragged step program at one set of shapes, what a kept executable was compiled for:
@@ -79,14 +90,7 @@ class ProgramKey:
 
     @property
     def program(self) -> Program:
-        s = self.shape
-        if s.every_token:
-            if s.features or not s.logits:
-                raise ValueError("every-token logits are for text steps that sample")
-            return Program.RAGGED_ALL_LOGITS
-        if s.features:
-            return Program.RAGGED_IMAGES if s.logits else Program.RAGGED_IMAGES_KV
-        return Program.RAGGED if s.logits else Program.RAGGED_KV
+        return step_program(self.shape)
 
     def describe(self) -> str:
         """For logs: "ragged step " and the shape's `describe`."""
@@ -207,8 +211,7 @@ class ModelPrograms:
         in_specs += (ImageRows(features=ids, index=ids),) if shape.features else ()
         out_specs = ((vocab_last, vocab_last, pages) if every else
                      (vocab_last, pages) if logits else pages)
-        program = ProgramKey(shape, (0, 0, 0)).program
-        return self._jit(program, ragged_step_packed, in_specs, out_specs, donate=(1,),
+        return self._jit(step_program(shape), ragged_step_packed, in_specs, out_specs, donate=(1,),
                          salt=f" shape={shape}")
 
     def span_program(self, part: str, kind: str) -> Callable:
