@@ -17,7 +17,7 @@ Modes:
     compute, including the int8 methods' quantization work;
   --processes N: one process per device on JAX's distributed runtime (gloo over TCP on
     127.0.0.1), --link-gbit X inside a network namespace whose loopback is shaped to X Gbit/s
-    (needs root). Then the one-process run is made first (or read from --baseline) and the cost
+    (needs root). Then the one-process run is made first and the cost
     model, calibrated by collective-only runs at --calibrate-gbit rates (or read from
     --calibration), predicts each row: T = T_one_process + per step 2 x layers x t_comm(link)
     (two AllReduces fewer in the steps that sample nothing: eval.cost_model.predict_prefill_s).
@@ -26,7 +26,7 @@ Modes:
       --allreduce bf16,bf16_ring,int8 --iters 5 --out single.json
   python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
       --allreduce bf16,bf16_ring,int8 --processes 2 --link-gbit 0.1 \
-      --calibrate-gbit 0.1,0.2,0.4 --baseline single.json --out p2.json --plot p2.png
+      --calibrate-gbit 0.1,0.2,0.4 --out p2.json
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ import time
 import numpy as np
 
 from equarx import AllReduceConfig
-from eval import cost_model, prefill_report
+
+from eval import cost_model
 from eval.quality import UNFOLDED, mode_config
 from eval.reports import write_json
 import jax_platform
@@ -275,6 +276,83 @@ def fit_from(calibration: dict) -> cost_model.Fit:
 
 
 # ---------------------------------------------------------------------------------------------
+# The report
+
+
+def header(report: dict) -> str:
+    cfg = report["config"]
+    layers = (f"layers: {cfg['num_layers']} of {report['full_layers']}"
+              if report.get("full_layers") else f"layers: {cfg['num_layers']} (all)")
+    s, e = report["settings"], report["engine"]
+    return (f"# {report['model']} ({cfg['name']}): d_model {cfg['d_model']}, {layers}; "
+            f"{s['dtype']}; a lone prompt in the paged engine (steps of at most "
+            f"{e['max_num_batched_tokens']} tokens, pages of {e['page_size']}) to its first "
+            f"token; {s['iters']} interleaved iterations after {s['warmup']} warm-up"
+            f"\n# {report['mode']}; {report['machine']}, "
+            f"{report['cpus']} CPUs, jax {report['jax']}"
+            + (f"; malloc: {s['malloc']}" if s.get("malloc") else ""))
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def add_comm_share(rows: list[dict], base_gbit: float, link_gbit: float) -> list[dict]:
+    """Paired runs: give every row at the target link its measured communication share, (its
+    time minus the same method's time at the base link) / its time. This is the measured side
+    of "communication is a third of prefill", next to the cost model's estimate."""
+    base = {(r["length"], r["method"]): r["median_ms"]
+            for r in rows if r.get("link_gbit") == base_gbit}
+    out = []
+    for r in rows:
+        b = base.get((r["length"], r["method"]))
+        if r.get("link_gbit") == link_gbit and b is not None and r["median_ms"] > 0:
+            r = {**r, "comm_share": (r["median_ms"] - b) / r["median_ms"]}
+        out.append(r)
+    return out
+
+
+def comm_share_line(rows: list[dict], method: str = "bf16") -> str | None:
+    """'# measured: ...' for the method's row at the longest length, when it has a share."""
+    have = [r for r in rows if r["method"] == method and "comm_share" in r]
+    if not have:
+        return None
+    r = max(have, key=lambda r: r["length"])
+    line = (f"# measured: {method} communication (time at {r['link_gbit']:g} Gbit/s minus time "
+            f"on the base link) is {100 * r['comm_share']:.0f}% of its prefill at length "
+            f"{r['length']}")
+    share = r["comm_share"]
+    if 0 < share < 1:
+        # Communication time ~ 1 / rate; a third of the total is half the base-link time.
+        third = r["link_gbit"] * (share / (1 - share)) / 0.5
+        line += f"; a third would take about {third:.2g} Gbit/s"
+    return line
+
+
+def format_table(rows: list[dict]) -> str:
+    links = any("link_gbit" in r for r in rows)
+    head = (f"{'length':>6} {'steps':>5} {'tp':>3} " + (f"{'Gbit/s':>6} " if links else "")
+            + f"{'method':<14} {'median ms':>10} {'p90 ms':>9} "
+            f"{'x bf16':>7} {'predicted':>9} {'x ring':>7} {'wire MB':>8}"
+            + (f" {'comm %':>6}" if any("comm_share" in r for r in rows) else ""))
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in rows:
+        group = (r["length"], r.get("link_gbit"))
+        if last is not None and group != last:
+            lines.append("")
+        last = group
+        link = f"{r['link_gbit']:>6g} " if links else ""
+        lines.append(f"{r['length']:>6} {r['steps']:>5} {r['tp']:>3} {link}{r['method']:<14} "
+                     f"{r['median_ms']:>10.1f} "
+                     f"{r['p90_ms']:>9.1f} {_x(r.get('speedup_vs_bf16')):>7} "
+                     f"{_x(r.get('predicted_speedup_vs_bf16')):>9} "
+                     f"{_x(r.get('speedup_vs_bf16_ring')):>7} {r['wire_bytes'] / 1e6:>8.2f}"
+                     + (f" {100 * r['comm_share']:>6.0f}" if "comm_share" in r else ""))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -302,10 +380,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="pipelined=False: a ring direction's minishards share one ppermute")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
-    p.add_argument("--link-gbit", default=None,
-                   help="shape the loopback to this many Gbit/s (root), or 'third': the rate at "
-                        "which the calibrated model puts bf16 communication at 1/3 of prefill "
-                        "at the longest length")
+    p.add_argument("--link-gbit", type=float, default=None,
+                   help="shape the loopback to this many Gbit/s (root)")
     p.add_argument("--torus", default=None, metavar="DIMS",
                    help="e.g. 2x2: one process per node of an emulated torus (eval.torus: a "
                         "namespace per process, a veth per neighbour, each shaped to "
@@ -318,14 +394,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --link-gbit X: alternate every iteration between this rate (0: the "
                         "unshaped loopback) and X, and predict the X rows from the base rows of "
                         "the same run")
-    p.add_argument("--baseline", default=None, help="one-process JSON of the same settings")
     p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
     p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
     p.add_argument("--calibration-repeats", type=int, default=5)
-    p.add_argument("--calibrate-only", action="store_true",
-                   help="stop after the calibration (report the fit and the rate for 1/3)")
     p.add_argument("--out", default=None, help="write the report as JSON")
-    p.add_argument("--plot", default=None, help="write a PNG of speedup against prompt length")
     p.add_argument("--no-tpu-prediction", action="store_true")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
@@ -337,7 +409,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked_args(p: argparse.ArgumentParser, argv: list[str] | None):
     """Parsed arguments with the flag combinations checked: (args, methods, lengths, torus);
-    --torus sets --processes and --link-gbit becomes a float (or stays 'third')."""
+    --torus sets --processes."""
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.allreduce.split(",") if m.strip()]
     for m in methods:
@@ -353,8 +425,8 @@ def _checked_args(p: argparse.ArgumentParser, argv: list[str] | None):
 
         torus = parse_dims(args.torus)
         args.processes = int(np.prod(torus))
-        if args.link_gbit in (None, "third"):
-            p.error("--torus needs a numeric --link-gbit (the rate of every link)")
+        if args.link_gbit is None:
+            p.error("--torus needs --link-gbit (the rate of every link)")
         if args.calibrate_gbit or args.calibration or args.base_link_gbit is not None:
             p.error("--torus measures only: the calibration and the paired base link model a "
                     "shared loopback")
@@ -362,16 +434,8 @@ def _checked_args(p: argparse.ArgumentParser, argv: list[str] | None):
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
     if args.processes and args.processes != args.tp:
         p.error("--processes must equal --tp (one device per process)")
-    if args.link_gbit not in (None, "third"):
-        try:
-            args.link_gbit = float(args.link_gbit)
-        except ValueError:
-            p.error(f"--link-gbit must be a number or 'third', got {args.link_gbit!r}")
-        if args.link_gbit <= 0:
-            p.error("--link-gbit must be positive")
-    if (args.link_gbit == "third" or args.calibrate_only) and not (
-            args.calibrate_gbit or args.calibration):
-        p.error("--link-gbit third and --calibrate-only need --calibrate-gbit or --calibration")
+    if args.link_gbit is not None and args.link_gbit <= 0:
+        p.error("--link-gbit must be positive")
     return args, methods, lengths, torus
 
 
@@ -411,9 +475,6 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.processes > 0:
         baseline = _baseline_for(args, params, torus)
         fit = _calibrate_for_run(args, params, source, lengths, methods, baseline, report)
-        if args.calibrate_only:
-            write_json(args.out, report)
-            return report
         result, mode = _run_processes(args, params, torus)
     else:
         result = _one_process(params)
@@ -423,15 +484,13 @@ def main(argv: list[str] | None = None) -> dict:
     if fit is not None and args.link_gbit:
         rows = _predict(rows, baseline, fit, cfg, args)
     if args.processes > 0 and args.base_link_gbit is not None and args.link_gbit:
-        rows = prefill_report.add_comm_share(rows, args.base_link_gbit, args.link_gbit)
+        rows = add_comm_share(rows, args.base_link_gbit, args.link_gbit)
     report.update(mode=mode, model=source, config=cfg, engine=result["engine"],
                   full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
     _print_report(report, rows, args.link_gbit)
     write_json(args.out, report)
-    if args.plot:
-        prefill_report.plot(report, args.plot)
     return report
 
 
@@ -447,14 +506,11 @@ def _run_group(params: dict) -> tuple[dict, str | None]:
 
 
 def _baseline_for(args, params: dict, torus) -> dict | None:
-    """Mode --processes: the one-process run the link predictions start from (read from
-    --baseline, or measured first when a shaped link is predicted rather than paired)."""
+    """Mode --processes: the one-process run the link predictions start from (measured first
+    when a shaped link is predicted rather than paired)."""
     jax_platform.ensure_cpu_devices(args.tp)  # the one-process runs use tp virtual devices
     paired = args.base_link_gbit is not None and args.link_gbit is not None
-    if args.baseline:
-        with open(args.baseline) as f:
-            return json.load(f)
-    if args.link_gbit == "third" or (args.link_gbit is not None and not paired and not torus):
+    if args.link_gbit is not None and not paired and not torus:
         print("# one-process run first (compute + quantization, no link) ...")
         return _one_process(params)
     return None
@@ -463,7 +519,7 @@ def _baseline_for(args, params: dict, torus) -> dict | None:
 def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], methods: list[str],
                        baseline: dict | None, report: dict) -> cost_model.Fit | None:
     """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report;
-    resolves --link-gbit third to the fitted rate."""
+    """
     if args.calibration:
         with open(args.calibration) as f:
             calibration = json.load(f)["cost_model"]["calibration"]
@@ -483,15 +539,8 @@ def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], meth
         raise SystemExit(f"cannot fit the link model: {e}; calibration samples: "
                          f"{json.dumps(calibration['samples'])}")
     print(f"# cost model fit: {fit.describe()}")
-    third = _link_for_third(baseline, fit, baseline["config"], args) if baseline else None
-    if third:
-        print(f"# link at which {third['method']} communication is 1/3 of prefill at "
-              f"length {third['length']}: {third['gbit']:.3g} Gbit/s")
-    if args.link_gbit == "third":
-        args.link_gbit = round(third["gbit"], 3)
-        report["settings"]["link_gbit"] = args.link_gbit
     report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
-                            "calibration": calibration, "link_gbit_for_third": third}
+                            "calibration": calibration}
     return fit
 
 
@@ -525,17 +574,13 @@ def _run_processes(args, params: dict, torus) -> tuple[dict, str]:
 
 
 def _print_report(report: dict, rows: list[dict], link_gbit) -> None:
-    print(prefill_report.header(report))
-    print(prefill_report.format_table(rows))
-    share = prefill_report.comm_share_line(rows)
+    print(header(report))
+    print(format_table(rows))
+    share = comm_share_line(rows)
     if share:
         print(share)
     if "cost_model" in report:
         print("# cost model fit: " + report["cost_model"]["describe"])
-        third = report["cost_model"]["link_gbit_for_third"]
-        if third:
-            print(f"# link at which {third['method']} communication is 1/3 of prefill at length "
-                  f"{third['length']}: {third['gbit']:.3g} Gbit/s (this run: {link_gbit})")
     if "tpu_predictions" in report:
         print(cost_model.format_tpu_predictions(report["tpu_predictions"]))
 
@@ -572,20 +617,6 @@ def _message_shape(source: str, lengths: list[int], budget: int) -> tuple[int, l
         path = default_gguf_path() if source == "gemma3-270m" else source
         d_model = read_gguf_config(path)["d_model"]
     return d_model, sorted({pow2(min(n, budget)) for n in lengths})
-
-
-def _link_for_third(baseline: dict, fit: cost_model.Fit, cfg: dict, args) -> dict | None:
-    """The rate at which the baseline method's communication is a third of its prefill at the
-    longest length, by the fitted model (how the target run's --link-gbit is chosen)."""
-    rows = [r for r in baseline["rows"] if r["method"] in ("bf16", "bf16_ring")]
-    if not rows:
-        return None
-    r = max(rows, key=lambda r: (r["length"], r["method"] == "bf16"))
-    gbit = cost_model.link_for_comm_share(
-        1 / 3, r["median_ms"] / 1e3, r["method"], tokens=r["step_tokens"],
-        d_model=cfg["d_model"], num_layers=cfg["num_layers"], n_devices=r["tp"], fit=fit,
-        minishards=args.minishards, pipelined=not args.one_message_per_hop)
-    return {"method": r["method"], "length": r["length"], "gbit": gbit}
 
 
 if __name__ == "__main__":
