@@ -1,12 +1,9 @@
 """The token-local group codec (blocks="group") in XLA ops: what TPU programs and every fallback
-run. The codec is specified in equarx.codec_spec; this module applies the rotation to messages
-and dispatches each operation to the backend equarx.backends picks.
+run.
 
-NaN: a run holding a NaN or Inf decodes as NaN, and every backend gives the pure-JAX form's
-values bit for bit but a NaN's own payload and sign, which XLA:CPU does not fix either: the
-scale's NaN 0x7FC00000 becomes 0x7FC0 or 0x7FC1 in bfloat16 depending on fusion and processor
-(YNNPACK), sign | 0x7FC0 in XLA's own loops; with fp8 codes the order of the sums decides.
-"""
+The codec itself is specified in equarx.codec_spec; this module applies the rotation to messages and
+sends each operation to the backend equarx.backends picks. Every backend gives these values bit for
+bit, a NaN's own payload and sign aside (docs/algorithm.md, "Version 2")."""
 from __future__ import annotations
 
 import jax
