@@ -3,7 +3,8 @@
 
 Each reads a block of rows once, in registers, and gives the CPU programs' bits: the rounding is
 kept apart from the product, and 1 / scale comes from integer arithmetic on the scale's bits. Every
-row is encoded from its own values (token-local). See docs/algorithm.md, "GPU kernels"."""
+row is encoded from its own values (token-local). See docs/algorithm.md, "Version 2", and
+docs/results.md, "The codec on a GPU"."""
 from __future__ import annotations
 
 import functools
