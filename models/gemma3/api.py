@@ -329,8 +329,8 @@ def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int
         try:
             return load_hf_vision(source)
         except hf_checkpoint.HFCheckpointError as e:
-            # The text still serves, as it did before towers were read: say why there are no
-            # images rather than refuse the whole checkpoint.
+            # The text still serves: say why there are no images rather than refuse the whole
+            # checkpoint.
             log.warning("serving text only: %s", e)
             return None
     return None
