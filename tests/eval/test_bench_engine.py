@@ -27,8 +27,10 @@ def run(tmp_path, *args) -> dict:
 
 
 def test_engines_compared_step_and_census(tmp_path):
+    # Shapes compile on first use (untimed runs come first): precompiling every shape is
+    # what `compiles` and `ready` check, below.
     report = run(tmp_path, "--only", "lone,batch,streams,ttft,step,census", "--streams", "1,2",
-                 "--engines", "default,deterministic")
+                 "--engines", "default,deterministic", "--precompile", "warmup")
     assert report["tokenizer"] == "byte" and report["layers"] == 3
     names = ["default@128", "deterministic@128"]
     for name in names:
@@ -52,7 +54,8 @@ def test_engines_compared_step_and_census(tmp_path):
 
 
 def test_prefix_itl_grammar_capacity_compiles_and_ready(tmp_path):
-    report = run(tmp_path, "--only", "prefix,itl,grammar,capacity,compiles,ready")
+    report = run(tmp_path, "--only", "prefix,itl,grammar,capacity,compiles,ready",
+                 "--precompile", "all")
     prefix = report["prefix"]
     # The second request found the shared prefix's whole pages of 16 cached.
     assert prefix["prefix_tokens"] == 65 and prefix["hit_tokens"] == 64
@@ -75,7 +78,7 @@ def test_prefix_itl_grammar_capacity_compiles_and_ready(tmp_path):
 
 def test_images(tmp_path):
     report = run(tmp_path, "--only", "images", "--model", "random:tiny?vision=tiny",
-                 "--max-seq-len", "512")
+                 "--max-seq-len", "512", "--precompile", "warmup")
     im = report["images"]
     text, image = im["stall"]["text"], im["stall"]["image"]
     assert text["max_itl_s"] > 0 and text["max_itl_after_features_s"] is None
