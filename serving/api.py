@@ -89,7 +89,8 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, _):
-        log.info("%s %s: the client left before its request body was whole", request.method, request.url.path)
+        log.info("%s %s: its body never came whole (the client left, or a timeout or the shutdown ended it)",
+                 request.method, request.url.path)
         return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)

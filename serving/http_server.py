@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class HttpLimits:
-    timeout_headers: float = 10.0
-    timeout_body: float = 30.0
-    limit_concurrency: int | None = None  # open connections
+    timeout_headers: float  # seconds
+    timeout_body: float
+    limit_concurrency: int | None  # open connections
 
 
 def error_bytes(status: int, reason: str, message: str, type_: str = "invalid_request_error",
@@ -92,9 +92,9 @@ class GuardedH11Protocol(H11Protocol):
         state = self.conn.their_state
         if state is h11.SEND_BODY:
             self._expect("body", restart=True)
-        elif state is h11.IDLE and not after_response and self.timeout_keep_alive_task is None:
-            self._expect("headers")  # a request has begun (keep-alive's timer was cancelled)
-        elif state is not h11.IDLE or after_response:
+        elif state is h11.IDLE and not after_response:
+            self._expect("headers")  # bytes of a request came (uvicorn's keep-alive timer stopped)
+        else:
             self._expect(None)
 
     def _expect(self, what: str | None, restart: bool = False) -> None:
@@ -139,11 +139,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         # h11 refused the request (bad request line, headers, Content-Length or chunk framing).
-        self._write_and_close(error_bytes(400, "Bad Request", "invalid HTTP request: a malformed request line, header or body framing",
-                                          code="invalid_http_request"))
+        self._write_and_close(error_bytes(400, "Bad Request", "invalid HTTP request: a malformed request "
+                                          "line, header or body framing", code="invalid_http_request"))
 
     def shutdown(self) -> None:
-        if self.conn.their_state is h11.SEND_BODY and self.cycle is not None and not self.cycle.response_started:
+        cycle = self.cycle
+        if self.conn.their_state is h11.SEND_BODY and cycle is not None and not cycle.response_started:
             # Its body is still arriving: it will not be served. Say so rather than wait for it.
             self._write_and_close(error_bytes(503, "Service Unavailable", "the server is shutting down",
                                               "service_unavailable", headers=(("retry-after", "5"),)))

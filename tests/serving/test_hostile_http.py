@@ -42,8 +42,8 @@ class GuardedServer:
 
         self.runtime = Runtime(config, runner_factory=lambda c, p: runner)
         self.port, self.url = config.port, f"http://127.0.0.1:{config.port}"
-        self.server = uvicorn.Server(uvicorn_config(create_app(self.runtime), config, log_config=None,
-                                                    log_level="info"))
+        self.app = create_app(self.runtime)
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, log_config=None, log_level="info"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -164,6 +164,22 @@ def test_hostile_bodies_get_400_on_a_connection_that_stays_open(server, caplog):
         assert conn.sock is not None and conn.sock.getsockname() == local, f"{name}: the connection was closed"
     conn.close()
     _no_errors_logged(caplog)
+
+
+def test_an_internal_error_is_one_logged_500_and_the_connection_stays(server, caplog):
+    @server.app.get("/test-internal-error")
+    async def fail():  # a bug, as the server's own code could have one
+        raise RuntimeError("a bug")
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/test-internal-error")
+    r = conn.getresponse()
+    assert r.status == 500 and json.loads(r.read())["error"]["type"] == "server_error"
+    local = conn.sock.getsockname()
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200 and conn.sock.getsockname() == local
+    conn.close()
+    assert len([r for r in caplog.records if r.exc_info]) == 1
 
 
 def test_a_body_within_the_limits_is_served(server):
