@@ -131,6 +131,11 @@ HOSTILE = [  # (name, path, body, param the error names)
     ("a property's schema 5", "/v1/chat/completions",
      json.dumps({"messages": USER, "tools": _tool({"type": "object", "properties": {"a": 5}}), "tool_choice": "required"}),
      "tools.0.function.parameters"),
+    ("tool_choice naming a list", "/v1/chat/completions",
+     json.dumps({"messages": USER, "tools": _tool(_with_required(["a"])),
+                 "tool_choice": {"type": "function", "function": {"name": ["f"]}}}), "tool_choice"),
+    ("tool_choice 5", "/v1/chat/completions",
+     json.dumps({"messages": USER, "tools": _tool(_with_required(["a"])), "tool_choice": 5}), "tool_choice"),
     ("$defs 5", "/v1/chat/completions",
      json.dumps({"messages": USER, "tools": _tool({"type": "object", "$defs": 5}), "tool_choice": NAMED}),
      "tools.0.function.parameters"),
@@ -324,7 +329,7 @@ def test_sigterm_is_not_held_by_half_sent_requests_or_idle_connections(serve_pro
 
 
 def test_sigterm_with_a_stream_open_past_the_grace_period_logs_no_traceback(serve_process):
-    proc, port, log = serve_process("--shutdown-timeout", "0.5")
+    proc, port, log = serve_process("--shutdown-timeout", "0.5", "--max-seq-len", "128", "--max-num-seqs", "2")
     url, body = f"http://127.0.0.1:{port}/v1/completions", {"prompt": "x", "max_tokens": 60, "ignore_eos": True}
     # Once whole first: the fake engine's programs for every step shape compile (a compile under
     # the shutdown would hold up the engine thread's exit).
