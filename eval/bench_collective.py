@@ -1,22 +1,6 @@
-"""equarx.all_reduce methods side by side: time, bytes each device sends, compiled size, MSE.
-
-In one process over --devices virtual CPU devices (a "collective" is a memcpy: what quantizing
-costs in compute), or with --processes N one process per device on JAX's distributed runtime
-(gloo over TCP on 127.0.0.1, eval.multiproc), optionally with the loopback shaped to
---link-gbit (root), or with --torus DIMS one process per node of an emulated torus (eval.torus:
-a shaped veth per neighbour). The methods run interleaved (rotated every repeat) after a
-warm-up, each timed from a barrier to a barrier. Per method and size: median time and spread,
-the median per-repeat speed-up over bf16 and bf16_ring, the bytes each device sends (from the
-compiled program) against an ideal bf16 ring's, the AllReduce's fused kernels and HLO
-instructions (what a server's compile grows with: it inlines two a layer), and the MSE of the
-bf16 output against the float32 sum of the same inputs. A method is an AllReduce label with
-optional suffixes: ':snake' / ':torus' (the mesh of --mesh), ':folded' (the input given as
-rotated partials, as a model with the rotation in its weights hands it over).
-
-  python -m eval.bench_collective --sizes 64K,1M,16M --repeats 7 --out single.json
-  python -m eval.bench_collective --processes 4 --link-gbit 2 --one-message-per-hop --out p4.json
-  python -m eval.bench_collective --torus 2x2 --link-gbit 1 --one-message-per-hop --sizes 4M,16M
-"""
+"""equarx.all_reduce methods side by side: time, bytes each device sends, compiled size, MSE;
+in one process over virtual CPU devices, one process per device on shaped links, or on an
+emulated torus. What each column means and example commands: docs/benchmarks.md."""
 from __future__ import annotations
 
 import os

@@ -1,33 +1,7 @@
-"""Prefill latency of Gemma 3 with each AllReduce method, side by side, with the cost model.
-
-What is timed is the server's prompt path: a lone prompt of each length in a `PagedRunner` at
-the server's settings (`ServerConfig`'s max_num_seqs and max_seq_len; --page-size and the step
-budget --max-num-batched-tokens, which a lone prompt takes whole), the `PagedScheduler` cutting
-it into ragged steps, from its admission to its first token on the host: its time to first
-token alone in the engine (the engine core's thread and detokenizer aside). Each method's step
-programs are compiled ahead and the prompt runs `--warmup` times untimed; then the methods run
-interleaved (A B C, B C A, ...); each row gives the median and p90, the median of the
-per-iteration ratios against bf16, the steps and each step's padded tokens (what its
-AllReduces carry). Each method runs as `load_model` serves it: the default int8's rotation
-folded into the weights; `int8:unfolded` rotates at run time. wire_bytes is what each device
-sends over the prompt's steps, read from the compiled step programs.
-
-Modes:
-  one process, --tp virtual CPU devices (default): collectives are memcpys; this measures the
-    compute, including the int8 methods' quantization work;
-  --processes N: one process per device on JAX's distributed runtime (gloo over TCP on
-    127.0.0.1), --link-gbit X inside a network namespace whose loopback is shaped to X Gbit/s
-    (needs root). Then the one-process run is made first and the cost
-    model, calibrated by collective-only runs at --calibrate-gbit rates (or read from
-    --calibration), predicts each row: T = T_one_process + per step 2 x layers x t_comm(link)
-    (two AllReduces fewer in the steps that sample nothing: eval.cost_model.predict_prefill_s).
-
-  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8 --iters 5 --out single.json
-  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8 --processes 2 --link-gbit 0.1 \
-      --calibrate-gbit 0.1,0.2,0.4 --out p2.json
-"""
+"""Prefill latency of Gemma 3 with each AllReduce method side by side: a lone prompt through the
+server's prompt path (a `PagedRunner` and the `PagedScheduler`'s ragged steps) to its first
+token, in one process or one per device on shaped links, with the cost model's predictions.
+Modes and example commands: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -362,7 +336,7 @@ def _one_process(params: dict) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="random:1b",
                    help="gemma3-270m, a .gguf path, or random:<size>[?k=v] (270m/1b/4b/12b/27b)")
     p.add_argument("--layers", type=int, default=None, help="use fewer layers (random weights)")

@@ -6,27 +6,14 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
+from eval import torus
 from eval.cost_model.prefill import allreduces_per_prefill
 from eval.cost_model.tpu import (INT8_EXTRA_HBM_BYTES_PER_ELEMENT_HOP, PAPER, TPU_V5E, Accelerator,
                                  prefill_flops)
 
 
-# Topologies: a link-level model of one AllReduce on a TPU slice (or an emulated torus)
-#
-# Published figures (Google Cloud TPU documentation, the "System architecture" tables of
-# cloud.google.com/tpu/docs/v5e, /v6e and /v5p, read 2026-11-25):
-#   v5e: 197 TFLOP/s bf16, 819 GB/s HBM, 400 GB/s bidirectional ICI per chip, 4 ICI ports,
-#        2D torus (a 256-chip pod);
-#   v6e: 918 TFLOP/s bf16, 1638 GB/s HBM, 800 GB/s bidirectional ICI per chip, 4 ICI ports,
-#        2D torus (a 256-chip pod);
-#   v5p: 459 TFLOP/s bf16, 2765 GB/s HBM, 1200 GB/s bidirectional ICI per chip, 3D torus;
-#        "all 4x4x4 and larger slices (one cube) have full 3D torus" connectivity.
-# Derived (an assumption: the per-chip figure is spread evenly over the ports and the two
-# directions): v6e 800 / 4 / 2 = 100 GB/s per link and direction, v5p 1200 / 6 / 2 = 100 GB/s.
-# For v5e the even split would give 50 GB/s; the model takes the JAX scaling book's per-link
-# 45 GB/s instead, the one figure equarx.schedule uses too. Assumed, not published: wraparound links on v5e/v6e only on a full
-# 16-chip axis, so the 2x2, 2x4 and 4x4 slices are meshes (an axis of 4 is a line); the v5p cube
-# is a torus. An axis of 2 has one link between its two chips (as eval.torus builds it).
+# Link rates, peak figures and the assumptions (which slices wrap, 2 us a step, 50% MFU), with
+# their sources: docs/native_kernel.md#cost-model-per-topology-predictions-not-measurements.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,41 +32,9 @@ class Topology:
     def size(self) -> int:
         return math.prod(self.dims)
 
-    def coords(self, i: int) -> tuple[int, ...]:
-        out = []
-        for d in reversed(self.dims):
-            out.append(i % d)
-            i //= d
-        return tuple(reversed(out))
-
-    def index(self, c: Sequence[int]) -> int:
-        i = 0
-        for v, d in zip(c, self.dims):
-            i = i * d + v
-        return i
-
     def route(self, src: int, dst: int) -> list[tuple[int, int]]:
-        """Directed links (u, v) a message from src to dst crosses: dimension order, the
-        shorter way round where the axis wraps (ties: +1), straight along a line otherwise."""
-        cur, goal = list(self.coords(src)), self.coords(dst)
-        links = []
-        for a, d in enumerate(self.dims):
-            while cur[a] != goal[a]:
-                fwd = (goal[a] - cur[a]) % d
-                if self.wrap or d == 2:
-                    step = 1 if fwd <= d - fwd else -1
-                else:
-                    step = 1 if goal[a] > cur[a] else -1
-                nxt = list(cur)
-                nxt[a] = (cur[a] + step) % d
-                links.append((self.index(cur), self.index(nxt)))
-                cur = nxt
-        return links
-
-    def neighbour(self, i: int, axis: int, step: int) -> int:
-        c = list(self.coords(i))
-        c[axis] = (c[axis] + step) % self.dims[axis]
-        return self.index(c)
+        """Directed links (u, v) a message from src to dst crosses (dimension order)."""
+        return torus.route(src, dst, self.dims, self.wrap)
 
 
 Transfer = tuple  # (source chip, destination chip, bytes)
@@ -102,29 +57,17 @@ def steps_time_s(topo: Topology, steps: Sequence[Sequence[Transfer]]) -> float:
 
 def ring_order(topo: Topology) -> list[int]:
     """A cycle through every chip, consecutive chips (and the last and the first) grid
-    neighbours where the grid allows: boustrophedon over the axes on a torus; on a 2D mesh
-    with an even number of rows, rows snake over columns 1.. and column 0 is the way back."""
-    dims = [d for d in topo.dims]
-    if len(dims) == 1 or topo.size <= 2:
-        return list(range(topo.size))
-    if not topo.wrap and len(dims) == 2 and dims[0] % 2 == 0 and dims[1] > 1:
+    neighbours where the grid allows: the snake order on a torus; on a 2D mesh with an even
+    number of rows, rows snake over columns 1.. and column 0 is the way back."""
+    dims = topo.dims
+    if not topo.wrap and len(dims) == 2 and dims[0] % 2 == 0 and dims[1] > 1 and topo.size > 2:
         rows, cols = dims
         order = []
         for r in range(rows):
             cs = range(1, cols) if r % 2 == 0 else reversed(range(1, cols))
-            order += [topo.index((r, c)) for c in cs]
-        return order + [topo.index((r, 0)) for r in reversed(range(rows))]
-
-    def snake(shape: list[int]) -> list[tuple[int, ...]]:
-        if len(shape) == 1:
-            return [(v,) for v in range(shape[0])]
-        inner = snake(shape[1:])
-        out = []
-        for v in range(shape[0]):
-            out += [(v,) + c for c in (inner if v % 2 == 0 else inner[::-1])]
-        return out
-
-    return [topo.index(c) for c in snake(dims)]
+            order += [torus.index((r, c), dims) for c in cs]
+        return order + [torus.index((r, 0), dims) for r in reversed(range(rows))]
+    return torus.snake_order(dims)
 
 
 def ring_steps(topo: Topology, order: Sequence[int], n_elements: float, width: float,
@@ -171,7 +114,8 @@ def multi_axis_steps(topo: Topology, n_elements: float, width: float
                 dirs = (+1, -1) if n > 2 else (+1,)
                 for i in range(topo.size):
                     for s in dirs:
-                        step.append((i, topo.neighbour(i, a, s), buf / n * width / len(dirs)))
+                        step.append((i, torus.neighbour(i, topo.dims, a, s),
+                                     buf / n * width / len(dirs)))
             rs.append(step)
     return rs + rs[::-1]
 
