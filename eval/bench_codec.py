@@ -156,8 +156,7 @@ def main(argv=None) -> dict:
     p.add_argument("--forms", action="store_true", help="add the chunked GPU kernels")
     p.add_argument("--no-check", action="store_true", help="skip the checks of the results")
     args = p.parse_args(argv)
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(args.values[-1:].upper(), 1)
-    report = run(int(float(args.values.rstrip("KkMm")) * mult), args.group, args.code, args.repeats,
+    report = run(common.parse_size(args.values), args.group, args.code, args.repeats,
                  args.inner, common.names(args.kernels or ""), args.forms, not args.no_check, args.width)
     print(f"# {report['device']} ({report['platform']}), {report['values']} values in rows of "
           f"{report['width']}, {report['code']} groups of {report['group']}")

@@ -66,6 +66,28 @@ def parser(doc: str, modes: dict[str, str] | None = None, *, only: str | None = 
     return p
 
 
+def environment() -> dict:
+    """Where and when a report was made."""
+    import os
+    import platform
+    import time
+
+    import jax
+
+    return {"jax": jax.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '4M' -> 4 Mi, '4MiB' -> 4 Mi, '1000' -> 1000."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    value = float(text[:-1] if mult > 1 else text)
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * mult)
+
+
 def devices(args) -> int:
     """The devices the engine's mesh needs (the largest --tp where it is a list)."""
     if args.tp_mesh:

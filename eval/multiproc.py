@@ -42,7 +42,7 @@ def run(entry: str, n_processes: int, *, args: Sequence[Any] = (),
             net = stack.enter_context(links.emulated_torus(tuple(torus), link_gbit, burst=burst))
         elif link_gbit is not None:
             ns = stack.enter_context(links.shaped_loopback(link_gbit, burst))
-        host = "127.0.0.1" if net is None else net.address(0)
+        host = "127.0.0.1" if net is None else links.address(0)
         port = 23456 if ns or net else _free_port()  # a fresh namespace has every port free
         env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"),
                                              malloc_tunables=malloc_tunables)

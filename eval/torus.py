@@ -118,9 +118,6 @@ class Torus:
         """The command prefix that runs a program as node i."""
         return ["ip", "netns", "exec", self.namespaces[i]]
 
-    def address(self, i: int) -> str:
-        return address(i)
-
 
 def _sh(*cmd: str, ns: str | None = None) -> None:
     subprocess.run((["ip", "netns", "exec", ns] if ns else []) + list(cmd), check=True,

@@ -7,6 +7,7 @@ import math
 from typing import Iterable, Sequence
 
 from eval import torus
+from eval.reports import format_columns
 from eval.cost_model.prefill import allreduces_per_prefill
 from eval.cost_model.tpu import (INT8_EXTRA_HBM_BYTES_PER_ELEMENT_HOP, PAPER, TPU_V5E, Accelerator,
                                  prefill_flops)
@@ -257,31 +258,24 @@ def topology_predictions(tokens: Sequence[int] = (2048, 4096, 8192),
 
 def format_topology_predictions(rows: list[dict]) -> str:
     methods = list(TOPOLOGY_METHODS)
-    lines = ["# PREDICTIONS from the link-level cost model (not measurements). Link rates: "
-             "v5e the JAX scaling book's 45 GB/s a link and direction, v6e/v5p Google Cloud TPU "
-             "docs (bidirectional ICI per chip / ports / 2); assumed: 2 us a "
-             "step, 50% MFU, v5e/v6e slices under 16x16 without wraparound (meshes), the v5p "
-             "cube a torus; XLA's bf16 all-reduce = the better of the multi-axis schedule "
-             "(every axis, both directions) and the 1D bidirectional ring, in bf16. Speedup: XLA bf16 prefill / method's prefill (in "
-             "brackets: int8's extra HBM traffic not hidden).",
-             "# one AllReduce of tokens x d_model bf16 values, microseconds:"]
-    head = f"{'model':<11} {'topology':<10} {'tp':>3} {'tokens':>6} " + " ".join(
-        f"{m:>15}" for m in methods)
-    lines += [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['model']:<11} {r['topology']:<10} {r['tp']:>3} {r['tokens']:>6} "
-                     + " ".join(f"{r[m]['allreduce_us']:>15.1f}" for m in methods))
-    lines += ["", "# prefill: XLA bf16 ms (comm share), then each method's predicted speedup:"]
-    head = (f"{'model':<11} {'topology':<10} {'tp':>3} {'tokens':>6} {'bf16 ms':>8} "
-            f"{'comm':>5} " + " ".join(f"{m:>15}" for m in methods[1:]) + f" {'paper':>6}")
-    lines += [head, "-" * len(head)]
-    for r in rows:
-        base = r["xla-bf16"]
-        cells = " ".join(f"{r[m]['speedup']:>6.3f}x" + (
-            f" [{r[m]['speedup_quant_exposed']:.2f}]" if m.startswith("int8") else " " * 7)
-            for m in methods[1:])
-        paper = f"{r['paper_speedup']:.2f}x" if r["paper_speedup"] else "-"
-        lines.append(f"{r['model']:<11} {r['topology']:<10} {r['tp']:>3} {r['tokens']:>6} "
-                     f"{base['total_ms']:>8.1f} {100 * base['comm_ms'] / base['total_ms']:>4.0f}% "
-                     f"{cells} {paper:>6}")
-    return "\n".join(lines)
+    key = [("model", "<11", lambda r: r["model"]), ("topology", "<10", lambda r: r["topology"]),
+           ("tp", ">3", lambda r: r["tp"]), ("tokens", ">6", lambda r: r["tokens"])]
+    base = lambda r: r["xla-bf16"]  # noqa: E731
+    return "\n".join([
+        "# PREDICTIONS from the link-level cost model (not measurements). Link rates: v5e the JAX "
+        "scaling book's 45 GB/s a link and direction, v6e/v5p Google Cloud TPU docs (bidirectional "
+        "ICI per chip / ports / 2); assumed: 2 us a step, 50% MFU, v5e/v6e slices under 16x16 "
+        "without wraparound (meshes), the v5p cube a torus; XLA's bf16 all-reduce = the better of "
+        "the multi-axis schedule (every axis, both directions) and the 1D bidirectional ring, in "
+        "bf16. Speedup: XLA bf16 prefill / method's prefill (in brackets: int8's extra HBM "
+        "traffic not hidden).", "# one AllReduce of tokens x d_model bf16 values, microseconds:",
+        format_columns(rows, key + [(m, ">15", lambda r, m=m: f"{r[m]['allreduce_us']:.1f}")
+                                    for m in methods]),
+        "", "# prefill: XLA bf16 ms (comm share), then each method's predicted speedup:",
+        format_columns(rows, key + [
+            ("bf16 ms", ">8", lambda r: f"{base(r)['total_ms']:.1f}"),
+            ("comm", ">5", lambda r: f"{100 * base(r)['comm_ms'] / base(r)['total_ms']:.0f}%")] + [
+            (m, ">15", lambda r, m=m: f"{r[m]['speedup']:.3f}x" + (
+                f" [{r[m]['speedup_quant_exposed']:.2f}]" if m.startswith("int8") else ""))
+            for m in methods[1:]] + [
+            ("paper", ">6", lambda r: f"{r['paper_speedup']:.2f}x" if r["paper_speedup"] else "-")])])
