@@ -183,10 +183,8 @@ def measure(source: str, tp: int, lengths: list[int], methods: list[str], iters:
                         a / b for a, b in zip(times[lk, ref], t)) if ref in methods else None)
                 rows.append(row)
     c, info = base.config, runners[methods[0]].info
-    return {"config": {"name": c.name, "num_layers": c.num_layers, "d_model": c.d_model,
-                       "ffn_hidden": c.ffn_hidden, "num_heads": c.num_heads,
-                       "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                       "vocab_size": c.vocab_size},
+    return {"config": {k: getattr(c, k) for k in ("name", "num_layers", "d_model", "ffn_hidden",
+                       "num_heads", "num_kv_heads", "head_dim", "vocab_size")},
             "engine": {"max_num_batched_tokens": info.max_num_batched_tokens,
                        "page_size": info.page_size, "max_num_seqs": info.max_num_seqs,
                        "max_seq_len": info.max_seq_len},
@@ -200,10 +198,6 @@ def worker(params: dict) -> dict:
     result = measure(**params, log=lambda *_: None)
     result["process"] = jax.process_index()
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# Calibration of the link (collective-only runs)
 
 
 def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: list[str],
@@ -231,10 +225,6 @@ def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: 
                 pipelined=pipelined))
     return {"samples": [s.__dict__ for s in samples], "one_process_s": {
         f"{size}:{m}": t for (size, m), t in one.items()}}
-
-
-# ---------------------------------------------------------------------------------------------
-# The report
 
 
 def header(report: dict) -> str:
@@ -298,10 +288,6 @@ def format_table(rows: list[dict]) -> str:
     if any("comm_share" in r for r in rows):
         cols.append(("comm %", ">6", lambda r: f"{100 * r['comm_share']:.0f}" if "comm_share" in r else ""))
     return format_columns(rows, cols)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
 
 
 def _one_process(params: dict) -> dict:
