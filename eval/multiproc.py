@@ -56,7 +56,7 @@ def run(entry: str, n_processes: int, *, args: Sequence[Any] = (),
                     json.dump({"entry": entry, "args": list(args), "process_id": pid,
                                "num_processes": n_processes, "coordinator": f"{host}:{port}",
                                "result": os.path.join(tmp, f"result{pid}.json")}, f)
-                prefix = net.prefix(pid) if net else ["ip", "netns", "exec", ns] if ns else []
+                prefix = links.netns(net[pid] if net else ns)
                 log = open(os.path.join(tmp, f"log{pid}.txt"), "w")  # gloo chats on stdout
                 procs.append((subprocess.Popen(prefix + [sys.executable, "-m", "eval.multiproc",
                                                          "--worker", spec], env=env, stdout=log,

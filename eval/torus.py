@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -104,24 +103,13 @@ def address(i: int) -> str:
     return f"10.99.{(i + 1) // 256}.{(i + 1) % 256}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Torus:
-    dims: tuple[int, ...]
-    link_gbit: float | None  # None: unshaped veths
-    namespaces: tuple[str, ...]
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.dims)
-
-    def prefix(self, i: int) -> list[str]:
-        """The command prefix that runs a program as node i."""
-        return ["ip", "netns", "exec", self.namespaces[i]]
+def netns(ns: str | None) -> list[str]:
+    """The command prefix that runs a program in namespace `ns` (None: where we are)."""
+    return ["ip", "netns", "exec", ns] if ns else []
 
 
 def _sh(*cmd: str, ns: str | None = None) -> None:
-    subprocess.run((["ip", "netns", "exec", ns] if ns else []) + list(cmd), check=True,
-                   capture_output=True, text=True)
+    subprocess.run(netns(ns) + list(cmd), check=True, capture_output=True, text=True)
 
 
 def _shape(dev: str, ns: str, gbit: float, burst: str) -> None:
@@ -165,8 +153,8 @@ def shaped_loopback(link_gbit: float, burst: str = "256kb") -> Iterator[str]:
 
 @contextlib.contextmanager
 def emulated_torus(dims: tuple[int, ...], link_gbit: float | None, *, burst: str = "256kb"
-                   ) -> Iterator[Torus]:
-    """A namespace per node (node i at 10.99.0.(i+1), its /etc/hosts naming that address, which
+                   ) -> Iterator[tuple[str, ...]]:
+    """Node i's namespace for each node: a namespace per node (node i at 10.99.0.(i+1), its /etc/hosts naming that address, which
     gloo binds), a veth pair per neighbour with each end shaped to `link_gbit` (None: unshaped,
     the same routes and per-message costs without the rate), dimension-order routes through
     neighbours, which forward (a two-hop message loads two links)."""
@@ -197,7 +185,7 @@ def emulated_torus(dims: tuple[int, ...], link_gbit: float | None, *, burst: str
                 via = [] if hop == dst else ["via", address(hop)]
                 _sh("ip", "route", "add", f"{address(dst)}/32", *via, "dev", f"t{tag}{i}-{hop}",
                     *(["onlink"] if via else []), "src", address(i), ns=names[i])
-        yield Torus(tuple(dims), link_gbit, names)
+        yield names
 
 
 _RECEIVER = """
@@ -220,20 +208,20 @@ c.shutdown(socket.SHUT_WR); c.recv(1); print(time.perf_counter() - t0)
 """
 
 
-def check(torus: Torus, mib: int = 8) -> list[dict]:
-    """`mib` MiB from node 0 to every other node in turn, timed: about the link rate to a
-    neighbour, and to a node two hops away (two links in series)."""
-    recv = [subprocess.Popen(torus.prefix(j) + [sys.executable, "-c", _RECEIVER, address(j)],
-                             stdout=subprocess.PIPE, text=True) for j in range(torus.size)]
+def check(names: tuple[str, ...], dims: tuple[int, ...], mib: int = 8) -> list[dict]:
+    """`mib` MiB from node 0 to every other node of the torus `emulated_torus` made, in turn,
+    timed: about the link rate to a neighbour, and to a node two hops away (two in series)."""
+    recv = [subprocess.Popen(netns(ns) + [sys.executable, "-c", _RECEIVER, address(j)],
+                             stdout=subprocess.PIPE, text=True) for j, ns in enumerate(names)]
     try:
         for r in recv:
             r.stdout.readline()
         out = []
-        for j in range(1, torus.size):
-            res = subprocess.run(torus.prefix(0) + [sys.executable, "-c", _SENDER, address(j),
+        for j in range(1, len(names)):
+            res = subprocess.run(netns(names[0]) + [sys.executable, "-c", _SENDER, address(j),
                                                     str(mib)], capture_output=True, text=True, check=True)
             secs = float(res.stdout.strip())
-            out.append({"to": j, "hops": hops(0, j, torus.dims), "seconds": secs,
+            out.append({"to": j, "hops": hops(0, j, dims), "seconds": secs,
                         "gbit_s": mib * 8 * 2 ** 20 / secs / 1e9})
         return out
     finally:
@@ -251,8 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     dims = parse_dims(args.dims)
     print(f"torus {args.dims}: {math.prod(dims)} nodes, {len(links(dims))} links")
-    with emulated_torus(dims, None if args.unshaped else args.link_gbit) as torus:
-        for r in check(torus, args.mib):
+    with emulated_torus(dims, None if args.unshaped else args.link_gbit) as names:
+        for r in check(names, dims, args.mib):
             print(f"0 -> {r['to']} ({r['hops']} hops): {args.mib} MiB in {r['seconds']:.3f} s "
                   f"= {r['gbit_s']:.2f} Gbit/s")
 
