@@ -496,7 +496,7 @@ def images(model, args) -> dict:
     return out
 
 
-def ready(argv: list[str], args) -> dict:
+def ready(argv: list[str]) -> dict:
     """`ready-child` in a fresh process, cold then over the cache the first filled; process_s:
     the child's whole life (interpreter, imports, exit too)."""
     out = {}
@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
     if only == ["ready-child"]:
         print(json.dumps(ready_child(args)))
         return {}
-    report: dict = {"ready": ready(argv, args)} if "ready" in only else {}
+    report: dict = {"ready": ready(argv)} if "ready" in only else {}
     import jax
 
     from models.gemma3.byte_tokenizer import ByteTokenizer

@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
             return result
     elif args.processes > 0:
         baseline = _baseline_for(args, params, torus)
-        fit = _calibrate_for_run(args, params, source, lengths, methods, baseline, report)
+        fit = _calibrate_for_run(args, source, lengths, methods, report)
         result, mode = _run_processes(args, params, torus)
     else:
         result = _one_process(params)
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
                   full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
-    _print_report(report, rows, args.link_gbit)
+    _print_report(report)
     write_json(args.out, report)
     return report
 
@@ -446,10 +446,9 @@ def _baseline_for(args, params: dict, torus) -> dict | None:
     return None
 
 
-def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], methods: list[str],
-                       baseline: dict | None, report: dict) -> cost_model.Fit | None:
-    """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report;
-    """
+def _calibrate_for_run(args, source: str, lengths: list[int], methods: list[str],
+                       report: dict) -> cost_model.Fit | None:
+    """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report."""
     if args.calibration:
         with open(args.calibration) as f:
             calibration = json.load(f)["cost_model"]["calibration"]
@@ -503,10 +502,10 @@ def _run_processes(args, params: dict, torus) -> tuple[dict, str]:
     return result, mode
 
 
-def _print_report(report: dict, rows: list[dict], link_gbit) -> None:
+def _print_report(report: dict) -> None:
     print(header(report))
-    print(format_table(rows))
-    share = comm_share_line(rows)
+    print(format_table(report["rows"]))
+    share = comm_share_line(report["rows"])
     if share:
         print(share)
     if "cost_model" in report:
