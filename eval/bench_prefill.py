@@ -1,40 +1,12 @@
-"""Prefill latency of Gemma 3 with each AllReduce method, side by side, with the cost model.
-
-What is timed is the server's prompt path: a lone prompt of each length in a `PagedRunner` at
-the server's settings (`ServerConfig`'s max_num_seqs and max_seq_len; --page-size and the step
-budget --max-num-batched-tokens, which a lone prompt takes whole), the `PagedScheduler` cutting
-it into ragged steps, from its admission to its first token on the host: its time to first
-token alone in the engine (the engine core's thread and detokenizer aside). Each method's step
-programs are compiled ahead and the prompt runs `--warmup` times untimed; then the methods run
-interleaved (A B C, B C A, ...); each row gives the median and p90, the median of the
-per-iteration ratios against bf16, the steps and each step's padded tokens (what its
-AllReduces carry). Each method runs as `load_model` serves it: the default int8's rotation
-folded into the weights; `int8:unfolded` rotates at run time. wire_bytes is what each device
-sends over the prompt's steps, read from the compiled step programs.
-
-Modes:
-  one process, --tp virtual CPU devices (default): collectives are memcpys; this measures the
-    compute, including the int8 methods' quantization work;
-  --processes N: one process per device on JAX's distributed runtime (gloo over TCP on
-    127.0.0.1), --link-gbit X inside a network namespace whose loopback is shaped to X Gbit/s
-    (needs root). Then the one-process run is made first and the cost
-    model, calibrated by collective-only runs at --calibrate-gbit rates (or read from
-    --calibration), predicts each row: T = T_one_process + per step 2 x layers x t_comm(link)
-    (two AllReduces fewer in the steps that sample nothing: eval.cost_model.predict_prefill_s).
-
-  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8 --iters 5 --out single.json
-  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8 --processes 2 --link-gbit 0.1 \
-      --calibrate-gbit 0.1,0.2,0.4 --out p2.json
-"""
+"""Prefill latency of Gemma 3 with each AllReduce method side by side: a lone prompt through the
+server's prompt path (a `PagedRunner` and the `PagedScheduler`'s ragged steps) to its first
+token, in one process or one per device on shaped links, with the cost model's predictions.
+Modes and example commands: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import os
-import platform
 import statistics
 import subprocess
 import time
@@ -43,21 +15,15 @@ import numpy as np
 
 from equarx import AllReduceConfig
 
-from eval import cost_model
+from eval import common, cost_model
 from eval.quality import UNFOLDED, mode_config
-from eval.reports import write_json
+from eval.reports import format_columns, write_json
 import jax_platform
 from jax_platform import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
-DEFAULT_METHODS = "bf16,bf16_ring,int8"
-
 _seq_ids = itertools.count()
-
-
-# ---------------------------------------------------------------------------------------------
-# Model spec
 
 
 def model_source(model: str, layers: int | None) -> tuple[str, int | None]:
@@ -81,10 +47,6 @@ def model_source(model: str, layers: int | None) -> tuple[str, int | None]:
 
 # ---------------------------------------------------------------------------------------------
 # Measurement (runs the same way in one process or in every process of a distributed run)
-
-
-def _p90(samples: list[float]) -> float:
-    return float(np.percentile(samples, 90))
 
 
 def set_link(gbit: float) -> None:
@@ -211,7 +173,7 @@ def measure(source: str, tp: int, lengths: list[int], methods: list[str], iters:
                 row = {"length": length, "tp": tp, "method": m, "label": configs[m].label,
                        "steps": len(steps), "pieces": [n for n, _ in steps],
                        "step_tokens": [b.tokens for _, b in steps],
-                       "median_ms": 1e3 * statistics.median(t), "p90_ms": 1e3 * _p90(t),
+                       "median_ms": 1e3 * statistics.median(t), "p90_ms": 1e3 * float(np.percentile(t, 90)),
                        "times_ms": [1e3 * v for v in t], "wire_bytes": wire[m],
                        "compile_s": compile_s[m]}
                 if lk is not None:
@@ -221,10 +183,8 @@ def measure(source: str, tp: int, lengths: list[int], methods: list[str], iters:
                         a / b for a, b in zip(times[lk, ref], t)) if ref in methods else None)
                 rows.append(row)
     c, info = base.config, runners[methods[0]].info
-    return {"config": {"name": c.name, "num_layers": c.num_layers, "d_model": c.d_model,
-                       "ffn_hidden": c.ffn_hidden, "num_heads": c.num_heads,
-                       "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                       "vocab_size": c.vocab_size},
+    return {"config": {k: getattr(c, k) for k in ("name", "num_layers", "d_model", "ffn_hidden",
+                       "num_heads", "num_kv_heads", "head_dim", "vocab_size")},
             "engine": {"max_num_batched_tokens": info.max_num_batched_tokens,
                        "page_size": info.page_size, "max_num_seqs": info.max_num_seqs,
                        "max_seq_len": info.max_seq_len},
@@ -238,10 +198,6 @@ def worker(params: dict) -> dict:
     result = measure(**params, log=lambda *_: None)
     result["process"] = jax.process_index()
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# Calibration of the link (collective-only runs)
 
 
 def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: list[str],
@@ -271,14 +227,6 @@ def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: 
         f"{size}:{m}": t for (size, m), t in one.items()}}
 
 
-def fit_from(calibration: dict) -> cost_model.Fit:
-    return cost_model.fit_link([cost_model.CommSample(**s) for s in calibration["samples"]])
-
-
-# ---------------------------------------------------------------------------------------------
-# The report
-
-
 def header(report: dict) -> str:
     cfg = report["config"]
     layers = (f"layers: {cfg['num_layers']} of {report['full_layers']}"
@@ -291,10 +239,6 @@ def header(report: dict) -> str:
             f"\n# {report['mode']}; {report['machine']}, "
             f"{report['cpus']} CPUs, jax {report['jax']}"
             + (f"; malloc: {s['malloc']}" if s.get("malloc") else ""))
-
-
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
 
 
 def add_comm_share(rows: list[dict], base_gbit: float, link_gbit: float) -> list[dict]:
@@ -330,30 +274,20 @@ def comm_share_line(rows: list[dict], method: str = "bf16") -> str | None:
 
 
 def format_table(rows: list[dict]) -> str:
-    links = any("link_gbit" in r for r in rows)
-    head = (f"{'length':>6} {'steps':>5} {'tp':>3} " + (f"{'Gbit/s':>6} " if links else "")
-            + f"{'method':<14} {'median ms':>10} {'p90 ms':>9} "
-            f"{'x bf16':>7} {'predicted':>9} {'x ring':>7} {'wire MB':>8}"
-            + (f" {'comm %':>6}" if any("comm_share" in r for r in rows) else ""))
-    lines = [head, "-" * len(head)]
-    last = None
-    for r in rows:
-        group = (r["length"], r.get("link_gbit"))
-        if last is not None and group != last:
-            lines.append("")
-        last = group
-        link = f"{r['link_gbit']:>6g} " if links else ""
-        lines.append(f"{r['length']:>6} {r['steps']:>5} {r['tp']:>3} {link}{r['method']:<14} "
-                     f"{r['median_ms']:>10.1f} "
-                     f"{r['p90_ms']:>9.1f} {_x(r.get('speedup_vs_bf16')):>7} "
-                     f"{_x(r.get('predicted_speedup_vs_bf16')):>9} "
-                     f"{_x(r.get('speedup_vs_bf16_ring')):>7} {r['wire_bytes'] / 1e6:>8.2f}"
-                     + (f" {100 * r['comm_share']:>6.0f}" if "comm_share" in r else ""))
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
+    x = lambda k: lambda r: "-" if r.get(k) is None else f"{r[k]:.2f}x"  # noqa: E731
+    cols = [("length", ">6", lambda r: r["length"]), ("steps", ">5", lambda r: r["steps"]),
+            ("tp", ">3", lambda r: r["tp"])]
+    if any("link_gbit" in r for r in rows):
+        cols.append(("Gbit/s", ">6", lambda r: f"{r['link_gbit']:g}"))
+    cols += [("method", "<14", lambda r: r["method"]),
+             ("median ms", ">10", lambda r: f"{r['median_ms']:.1f}"),
+             ("p90 ms", ">9", lambda r: f"{r['p90_ms']:.1f}"), ("x bf16", ">7", x("speedup_vs_bf16")),
+             ("predicted", ">9", x("predicted_speedup_vs_bf16")),
+             ("x ring", ">7", x("speedup_vs_bf16_ring")),
+             ("wire MB", ">8", lambda r: f"{r['wire_bytes'] / 1e6:.2f}")]
+    if any("comm_share" in r for r in rows):
+        cols.append(("comm %", ">6", lambda r: f"{100 * r['comm_share']:.0f}" if "comm_share" in r else ""))
+    return format_columns(rows, cols)
 
 
 def _one_process(params: dict) -> dict:
@@ -362,7 +296,7 @@ def _one_process(params: dict) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="random:1b",
                    help="gemma3-270m, a .gguf path, or random:<size>[?k=v] (270m/1b/4b/12b/27b)")
     p.add_argument("--layers", type=int, default=None, help="use fewer layers (random weights)")
@@ -371,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="the step budget, which a lone prompt takes whole (the server's default)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (the server's)")
-    p.add_argument("--allreduce", default=DEFAULT_METHODS,
+    p.add_argument("--allreduce", default="bf16,bf16_ring,int8",
                    help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -383,10 +317,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gbit", type=float, default=None,
                    help="shape the loopback to this many Gbit/s (root)")
     p.add_argument("--torus", default=None, metavar="DIMS",
-                   help="e.g. 2x2: one process per node of an emulated torus (eval.torus: a "
-                        "namespace per process, a veth per neighbour, each shaped to "
-                        "--link-gbit; root); sets --processes. A 1-D model mesh runs through "
-                        "the devices in snake order (ring neighbours are torus neighbours)")
+                   help="e.g. 2x2: one process per node of an emulated torus, each link shaped "
+                        "to --link-gbit (root); sets --processes; a 1-D mesh in snake order")
     p.add_argument("--tp-mesh", default=None, metavar="AxB",
                    help="the model's TP mesh (load_model's tp_mesh): AllReduces over every "
                         "axis (equarx's multi-axis schedule)")
@@ -411,14 +343,13 @@ def _checked_args(p: argparse.ArgumentParser, argv: list[str] | None):
     """Parsed arguments with the flag combinations checked: (args, methods, lengths, torus);
     --torus sets --processes."""
     args = p.parse_args(argv)
-    methods = [m.strip() for m in args.allreduce.split(",") if m.strip()]
-    for m in methods:
+    methods = common.names(args.allreduce)
+    for m in methods:  # fail early on a typo
         try:
-            # Fail early on a typo.
             AllReduceConfig.from_label(m.removesuffix(UNFOLDED), minishards=args.minishards)
         except ValueError as e:
             p.error(str(e))
-    lengths = sorted({int(v) for v in args.lengths.split(",")})
+    lengths = sorted(set(common.ints(args.lengths)))
     torus = None
     if args.torus:
         from eval.torus import parse_dims
@@ -465,8 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
         keep_freed_memory()
     report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit,
                            "malloc": malloc_label(args.plain_malloc, args.processes > 0)},
-              "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
-              "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+              **common.environment()}
     baseline, fit = None, None
     if group.enabled:
         result, mode = _run_group(params)
@@ -474,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
             return result
     elif args.processes > 0:
         baseline = _baseline_for(args, params, torus)
-        fit = _calibrate_for_run(args, params, source, lengths, methods, baseline, report)
+        fit = _calibrate_for_run(args, source, lengths, methods, report)
         result, mode = _run_processes(args, params, torus)
     else:
         result = _one_process(params)
@@ -489,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
                   full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
-    _print_report(report, rows, args.link_gbit)
+    _print_report(report)
     write_json(args.out, report)
     return report
 
@@ -516,10 +446,9 @@ def _baseline_for(args, params: dict, torus) -> dict | None:
     return None
 
 
-def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], methods: list[str],
-                       baseline: dict | None, report: dict) -> cost_model.Fit | None:
-    """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report;
-    """
+def _calibrate_for_run(args, source: str, lengths: list[int], methods: list[str],
+                       report: dict) -> cost_model.Fit | None:
+    """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report."""
     if args.calibration:
         with open(args.calibration) as f:
             calibration = json.load(f)["cost_model"]["calibration"]
@@ -534,7 +463,7 @@ def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], meth
     else:
         return None
     try:
-        fit = fit_from(calibration)
+        fit = cost_model.fit_link([cost_model.CommSample(**s) for s in calibration["samples"]])
     except ValueError as e:  # e.g. messages inside the token bucket's burst
         raise SystemExit(f"cannot fit the link model: {e}; calibration samples: "
                          f"{json.dumps(calibration['samples'])}")
@@ -573,10 +502,10 @@ def _run_processes(args, params: dict, torus) -> tuple[dict, str]:
     return result, mode
 
 
-def _print_report(report: dict, rows: list[dict], link_gbit) -> None:
+def _print_report(report: dict) -> None:
     print(header(report))
-    print(format_table(rows))
-    share = comm_share_line(rows)
+    print(format_table(report["rows"]))
+    share = comm_share_line(report["rows"])
     if share:
         print(share)
     if "cost_model" in report:
