@@ -25,7 +25,8 @@ from eval.reports import write_json
 
 MODES = {"serving": "streams at each --concurrency: TTFT, ITL, TPOT, E2E percentiles, tok/s",
          "soak": "a --deterministic server under load and abuse: answers, slots, RSS checked",
-         "structured": "json_schema requests and tool calls, each validated with jsonschema"}
+         "structured": "json_schema requests and tool calls, each validated with jsonschema",
+         "bodies": "/health latency idle and while --bodies token-id prompts of --body-mb arrive"}
 TOPICS = ["the sea", "a lighthouse keeper", "the first snow of winter", "a lost key", "a robot learning to paint",
           "an old library", "the night train", "a garden on the moon", "two rival bakers", "a forgotten song",
           "the last bookshop", "a storm at harvest", "a clock that runs backwards", "a letter never sent",
@@ -57,10 +58,6 @@ def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
             proc.kill()
             raise SystemExit("the server did not become ready in time")
         time.sleep(1)
-
-
-# ---------------------------------------------------------------------------------------------
-# serving
 
 
 def summarize(xs) -> dict:
@@ -150,9 +147,6 @@ def serving(url: str, args) -> dict:
             "max_tokens": args.max_tokens or 64, "range_ratio": args.range_ratio,
             "requests_per_stream": args.requests_per_stream, "levels": levels}
 
-
-# ---------------------------------------------------------------------------------------------
-# soak
 
 PROMPTS = ["The capital of France is",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who",
@@ -313,9 +307,6 @@ def soak(args) -> dict:
             "soak": soaked, "after": after, "checks": checks, "ok": all(checks.values())}
 
 
-# ---------------------------------------------------------------------------------------------
-# structured
-
 SCHEMAS = [
     {"type": "object", "properties": {
         "name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
@@ -413,6 +404,37 @@ def structured(url: str, args) -> dict:
             "tool_calls_valid": sum(tools_ok), "tool_requests": len(tools_ok)}
 
 
+def bodies(url: str, args) -> dict:
+    """/health polled idle, then while --bodies POSTs of a token-id prompt of --body-mb MB each
+    arrive at once (over the context: each is read, parsed, checked and refused with a 400)."""
+    rng = random.Random(0)
+    ids = [rng.randrange(256_000) for _ in range(int(args.body_mb * 125_000))]  # ~8 bytes each
+    body = json.dumps({"prompt": ids, "max_tokens": 1}).encode()
+
+    async def run() -> dict:
+        limits = httpx.Limits(max_connections=args.bodies + 1)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
+            async def health(times: list, until) -> None:
+                while not until():
+                    t = time.perf_counter()
+                    await c.get("/health")
+                    times.append(time.perf_counter() - t)
+                    await asyncio.sleep(0.02)
+
+            idle, loaded = [], []
+            await health(idle, lambda: len(idle) >= 20)
+            t0 = time.perf_counter()
+            posts = [asyncio.ensure_future(c.post("/v1/completions", content=body,
+                                                  headers={"content-type": "application/json"}))
+                     for _ in range(args.bodies)]
+            await health(loaded, lambda: all(p.done() for p in posts))
+            return {"body_bytes": len(body), "bodies": args.bodies, "seconds": time.perf_counter() - t0,
+                    "statuses": sorted({p.result().status_code for p in posts}),
+                    "health_idle": summarize(idle), "health_loaded": summarize(loaded)}
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = common.parser(__doc__, MODES, only="serving", max_seq_len=512)
     p.add_argument("--url", help="a running server (serving, structured) instead of starting one")
@@ -427,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rss-growth-mib", type=float, default=64.0)
     p.add_argument("--requests", type=int, default=50, help="structured: json_schema requests")
     p.add_argument("--tool-requests", type=int, default=10)
+    p.add_argument("--bodies", type=int, default=8, help="bodies: concurrent large requests")
+    p.add_argument("--body-mb", type=float, default=2.0, help="bodies: each one's size in MB")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--server-log")
     p.add_argument("--server-arg", action="append", default=[], help="a gemma3-serve flag (repeatable)")
@@ -439,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["soak"] = soak(args)
     proc, url = (None, args.url) if args.url or only == ["soak"] else start_server(args)
     try:
-        for mode, run in (("serving", serving), ("structured", structured)):
+        for mode, run in (("serving", serving), ("structured", structured), ("bodies", bodies)):
             if mode in only:
                 report[mode] = run(url, args)
     finally:
