@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 import weakref
@@ -213,13 +214,18 @@ def admission_error(matcher, preference: list[int], eos_ids, words: int,
     return None
 
 
+_LIMIT_WORDS = re.compile(r"too many|too complex|too large|limit|max is", re.IGNORECASE)
+
+
 def matcher_error(matcher) -> str:
     """A matcher's error in a line or two (llguidance's first line, bounded)."""
     text = str(matcher.get_error()).replace("<non-verbose/>", "").strip()
     first = text.splitlines()[0] if text else "unknown error"
     if first.startswith("NoExtension"):
         return "no string satisfies it"
-    if matcher.stop_reason() in ("ParserTooComplex", "LexerTooComplex"):
+    # A limit reached (lexer states or expressions, Earley items, a row's alternatives) reads so
+    # in the message only: the stop reason after a failed token is "InternalError" either way.
+    if matcher.stop_reason() in ("ParserTooComplex", "LexerTooComplex") or _LIMIT_WORDS.search(first):
         return f"it exceeds the grammar engine's limits ({_short(first, 300)})"
     return _short(first)
 
