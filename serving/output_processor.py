@@ -115,7 +115,7 @@ class OutputProcessor:
                 event = None if s.id not in self._live else self._end(s, Event(
                     text="", tokens=(), finish_reason="error", num_prompt_tokens=len(s.prompt),
                     num_generated=len(s.generated),
-                    error=f"output processing failed: {type(e).__name__}: {e}"), now)
+                    error=f"output processing failed: {type(e).__name__}: {str(e)[:400]}"), now)
             if event is not None:
                 events.append(event)
             first += p.end - p.start
@@ -180,17 +180,21 @@ class OutputProcessor:
         info = (_token_info(out, row, tok, s.params.logprobs),)
         p = s.params
         reason = error = None
-        if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        # Every token a grammar row samples, EOS too, goes through its matcher first: a token the
+        # grammar refuses (or a grammar that failed) ends the sequence with an error, and its
+        # text is never sent.
+        grammar_end = p.grammar is not None and self.structured.accept(s.id, tok)
+        if grammar_end == "error":
+            text, info = "", ()
+            reason, error = "error", self.structured.error(s.id)
+        elif (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
             # The stop token counts as generated but is part of neither the text nor the logprobs.
             text, info = o.stream.finish(), ()
             reason = "stop"
         else:
             text, stopped = o.stream.add(tok)
             # A grammar that can take nothing more ends the sequence (no step spent on EOS).
-            grammar_end = p.grammar is not None and self.structured.accept(s.id, tok)
-            if grammar_end == "error":
-                reason, error = "error", f"the grammar rejected token {tok}: {self.structured.error(s.id)}"
-            elif stopped:
+            if stopped:
                 reason = "stop"
             elif grammar_end == "stop":
                 text += o.stream.finish()

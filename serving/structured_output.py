@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 import weakref
@@ -41,6 +42,19 @@ def _llg():
     import llguidance
 
     return llguidance
+
+
+_PARSER_LIMITS = None
+
+
+def parser_limits():
+    """llguidance's default resource limits, with errors that carry no parser state: its verbose
+    errors dump the grammar and the parser's rows (tens of KB to MB) into a message a client
+    and the log would see."""
+    global _PARSER_LIMITS
+    if _PARSER_LIMITS is None:
+        _PARSER_LIMITS = _llg().LLParserLimits(verbose_errors=False)
+    return _PARSER_LIMITS
 
 
 # ---- the tokenizer as llguidance sees it ----
@@ -142,32 +156,78 @@ def grammar_source(kind: str, spec, param: str) -> str:
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
             raise InvalidParameter(param, "choices must be a non-empty list of non-empty strings")
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        # One terminal (a lexeme), not a rule of alternatives: the lexer takes tens of thousands
+        # of values, where the parser's rows stop at 2,000 (llguidance's max_items_in_row).
+        values = dict.fromkeys(spec)
+        return llg.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in values))
     if kind in ("grammar", "lark"):
         if not isinstance(spec, str) or not spec.strip():
             raise InvalidParameter(param, "a grammar must be a non-empty string")
         try:
             return llg.grammar_from("grammar", spec)
         except ValueError as e:
-            raise InvalidParameter(param, f"invalid grammar: {e}") from None
+            raise InvalidParameter(param, f"invalid grammar: {_short(str(e))}") from None
     raise InvalidParameter(param, f"unknown grammar kind {kind!r}")
 
 
 def compile_grammar(kind: str, source: str, tok, eos_ids: tuple[int, ...], param: str) -> Grammar:
     """Validates `source` against the tokenizer and returns its Grammar (InvalidParameter(param)
-    when the grammar or schema is not valid). Can take a while for a large grammar: call it off
-    the event loop."""
+    when the grammar or schema is not valid, matches no string, or exceeds llguidance's limits:
+    `admission_error`). Can take a while for a large grammar: call it off the event loop."""
+    what = kind.removesuffix("_lenient").replace("_", " ")
     if len(source) > _MAX_GRAMMAR_BYTES:
         raise InvalidParameter(param, f"the grammar is too large (over {_MAX_GRAMMAR_BYTES} bytes compiled)")
     llg = _llg()
     lt = grammar_tokenizer(tok, eos_ids)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source, lt)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source, lt, limits=parser_limits())
     if is_error:
-        raise InvalidParameter(param, f"invalid {kind.removesuffix('_lenient').replace('_', ' ')}: {_short(messages[0])}")
-    matcher = llg.LLMatcher(lt, source, log_level=0)
+        raise InvalidParameter(param, f"invalid {what}: {_short(messages[0])}")
+    matcher = llg.LLMatcher(lt, source, log_level=0, limits=parser_limits())
     if matcher.is_error():
-        raise InvalidParameter(param, f"invalid {kind.removesuffix('_lenient').replace('_', ' ')}: {_short(matcher.get_error())}")
+        raise InvalidParameter(param, f"invalid {what}: {matcher_error(matcher)}")
+    problem = admission_error(matcher, _closing_preference(tok, tuple(eos_ids)), eos_ids, (tok.vocab_size + 31) // 32)
+    if problem is not None:
+        raise InvalidParameter(param, f"the {what} cannot be served: {problem}")
     return Grammar(kind, source, matcher)
+
+
+# Tokens the admission check walks from the start state (`admission_error`).
+ADMISSION_TOKENS = 32
+
+
+def admission_error(matcher, preference: list[int], eos_ids, words: int,
+                    limit: int = ADMISSION_TOKENS) -> str | None:
+    """Why a grammar cannot be served, or None. It can not when no string satisfies it (its
+    first mask allows nothing: `start: start`, `{"$ref": "#"}`, an empty character class) or
+    when llguidance gives up on it within the first tokens (a lexer or parser limit: a{99999999},
+    a choice among 50,000 values, a required recursive $ref). The check walks the closing paths
+    (`closing_path`) from the start state, at most `limit` tokens each: a path that ends proves
+    some string satisfies the grammar. One that does not end within it proves nothing either
+    way; generation then runs, and a grammar that cannot finish within max_tokens leaves a valid
+    prefix with finish_reason "length"."""
+    for fresh in (False, True):
+        path, error = _closing_walk(matcher, preference, eos_ids, words, limit, fresh)
+        if error is not None:
+            return error
+        if path is not None:
+            return None
+    return None
+
+
+_LIMIT_WORDS = re.compile(r"too many|too complex|too large|limit|max is", re.IGNORECASE)
+
+
+def matcher_error(matcher) -> str:
+    """A matcher's error in a line or two (llguidance's first line, bounded)."""
+    text = str(matcher.get_error()).replace("<non-verbose/>", "").strip()
+    first = text.splitlines()[0] if text else "unknown error"
+    if first.startswith("NoExtension"):
+        return "no string satisfies it"
+    # A limit reached (lexer states or expressions, Earley items, a row's alternatives) reads so
+    # in the message only: the stop reason after a failed token is "InternalError" either way.
+    if matcher.stop_reason() in ("ParserTooComplex", "LexerTooComplex") or _LIMIT_WORDS.search(first):
+        return f"it exceeds the grammar engine's limits ({_short(first, 300)})"
+    return _short(first)
 
 
 def _short(message: str, limit: int = 400) -> str:
@@ -213,6 +273,13 @@ def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int
     allowed token of `preference` (with `fresh`, the first not yet in the path, if any), else the
     lowest allowed id. None when none is found within `limit` tokens. Works on a copy of the
     matcher."""
+    return _closing_walk(matcher, preference, eos_ids, words, limit, fresh)[0]
+
+
+def _closing_walk(matcher, preference: list[int], eos_ids, words: int, limit: int,
+                  fresh: bool = False) -> tuple[list[int] | None, str | None]:
+    """(`closing_path`, the error the matcher met on the way: it allowed no token, or llguidance
+    gave up on the grammar)."""
     from llguidance.numpy import fill_next_token_bitmask
 
     m = matcher.deep_copy()
@@ -221,8 +288,10 @@ def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int
     path: list[int] = []
     while len(path) < limit:
         if m.is_stopped():
-            return path  # the sequence ends here, no EOS needed
+            return (None, matcher_error(m)) if m.is_error() else (path, None)
         fill_next_token_bitmask(m, mask)
+        if m.is_error():
+            return None, matcher_error(m)
         bits = mask[0].view(np.uint32)
         allowed = (t for t in preference if bits[t // 32] >> (t % 32) & 1)
         tok = next(allowed, None)
@@ -231,15 +300,15 @@ def closing_path(matcher, preference: list[int], eos_ids, words: int, limit: int
         if tok is None:
             nz = np.flatnonzero(bits)
             if not len(nz):
-                return None
+                return None, "no string satisfies it" if not path else "its mask allows no token"
             w = int(nz[0])
             tok = w * 32 + (int(bits[w]) & -int(bits[w])).bit_length() - 1
         path.append(tok)
         if tok in eos:
-            return path
+            return path, None
         if not m.consume_token(tok):
-            return None
-    return None
+            return None, matcher_error(m)
+    return None, None
 
 
 # ---- per-sequence matchers and masks ----
@@ -266,33 +335,44 @@ class _Row:
     closing_len: int = -1
     closing: list[int] | None = None  # that path while the sequence follows it
     dirty: bool = True  # the matcher advanced (or is new) since its mask was computed
+    # Why the grammar can no longer constrain this sequence (its mask failed, llguidance gave
+    # up, a token was rejected): the sequence then ends with an error, never with free text.
+    failure: str | None = None
 
 
 class _MaskJob:
     """The masks of several sequences, computed in one pass on the worker thread (the grammar's
     width: its tokenizer's vocabulary)."""
 
-    def __init__(self, n: int, words: int):
-        self.masks = np.zeros((n, words), np.int32)
+    def __init__(self, rows: list[_Row], words: int):
+        self.rows = rows
+        self.masks = np.zeros((len(rows), words), np.int32)
         self.future: concurrent.futures.Future | None = None
 
     def wait(self) -> None:
-        self.future.result()
+        """Waits for the job; a job that failed as a whole fails its rows, not the step."""
+        try:
+            self.future.result()
+        except Exception as e:
+            log.exception("a grammar mask job failed")
+            for r in self.rows:
+                r.failure = r.failure or f"the grammar's mask failed: {type(e).__name__}: {_short(str(e), 200)}"
 
 
 class PendingMask:
     """The mask rows of one step; `result()` waits for their jobs and gathers them ([B, words]:
     the logits' width; a grammar row allows nothing past its tokenizer's vocabulary)."""
 
-    def __init__(self, rows: list[tuple[int, _Row]], n: int, keep: np.ndarray):
-        self._rows, self._n, self._keep = rows, n, keep
+    def __init__(self, rows: list[tuple[int, _Row]], n: int, keep: np.ndarray, failed: np.ndarray):
+        self._rows, self._n, self._keep, self._failed = rows, n, keep, failed
         self.words = len(keep)
 
     def result(self) -> np.ndarray:
         out = np.full((self._n, self.words), -1, np.int32)
         for i, row in self._rows:
             row.job.wait()
-            mask = row.job.masks[row.job_index]
+            # A failed row's token is discarded (the sequence ends with its error): EOS only.
+            mask = self._failed if row.failure is not None else row.job.masks[row.job_index]
             w = min(len(mask), self.words)
             out[i, :w] = mask[:w] & self._keep[:w]
             out[i, w:] = 0
@@ -319,6 +399,10 @@ class StructuredOutputs:
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = max_seq_len
         self._closers = _closing_preference(tokenizer, self.eos_ids) if tokenizer is not None else list(self.eos_ids)
+        self._eos_only = np.zeros(self.grammar_words, np.uint32)
+        for t in self.eos_ids:
+            self._eos_only[t // 32] |= np.uint32(1 << (t % 32))
+        self._eos_only = self._eos_only.view(np.int32)
         self._rows: dict[int, _Row] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor = None
@@ -342,41 +426,46 @@ class StructuredOutputs:
         return seq_id in self._rows
 
     def accept(self, seq_id: int, token: int) -> str | None:
-        """Advances a sequence's matcher by its sampled token. Returns None while the grammar goes
-        on, "stop" when it can take nothing more (complete), "error" when the token broke it."""
+        """Advances a sequence's matcher by its sampled token (EOS included: it is valid only
+        where the grammar accepts). Returns None while the grammar goes on, "stop" when it can
+        take nothing more (complete), "error" when the grammar failed (`error` says why): the
+        token broke it, llguidance gave up on it, or its mask could not be computed."""
         row = self._rows.get(seq_id)
         if row is None:
             return None
         if row.job is not None:
             row.job.wait()  # never advance a matcher while its mask is being computed
-        ok = row.matcher.consume_token(int(token))
         row.dirty = True
         row.budget -= 1
         # The closing path stays valid while the sequence follows it (no new search).
         row.closing = row.closing[1:] if row.closing and row.closing[0] == token else None
-        if not ok or row.matcher.is_error():
-            log.warning("sequence %d: token %d rejected by its grammar: %s", seq_id, token,
-                        row.matcher.get_error())
+        if row.failure is None:
+            if row.matcher.is_error():  # llguidance gave up while computing the mask
+                row.failure = f"the grammar could not be enforced: {matcher_error(row.matcher)}"
+            elif not row.matcher.consume_token(int(token)) or row.matcher.is_error():
+                row.failure = f"the grammar rejected token {int(token)}: {matcher_error(row.matcher)}"
+        if row.failure is not None:
+            log.warning("sequence %d: %s", seq_id, row.failure)
             return "error"
         if row.matcher.is_stopped():
             return "stop"
         return None
 
     def error(self, seq_id: int) -> str:
+        """Why a sequence's grammar failed (short: no parser state), "" if it did not."""
         row = self._rows.get(seq_id)
-        return "" if row is None else row.matcher.get_error()
+        return "" if row is None else row.failure or ""
 
     def prefetch(self) -> None:
         """Starts the masks of every sequence whose matcher moved (one job, worker thread)."""
         dirty = [r for r in list(self._rows.values()) if r.dirty]  # list(): one atomic snapshot
         if not dirty:
             return
-        job = _MaskJob(len(dirty), self.grammar_words)
+        job = _MaskJob(dirty, self.grammar_words)
         for i, r in enumerate(dirty):
             r.job, r.job_index, r.dirty = job, i, False
-        matchers = [(r.matcher, i) for i, r in enumerate(dirty)]
         closing = [(i, r) for i, r in enumerate(dirty) if r.closing_len < 0 or r.budget <= r.closing_len + CLOSING_WINDOW]
-        job.future = self._worker().submit(self._compute, matchers, job.masks, closing)
+        job.future = self._worker().submit(self._compute, dirty, job.masks, closing)
 
     def masks(self, seq_ids: list[int | None]) -> PendingMask | None:
         """The pending mask of a step's rows (a row without a grammar allows everything), or None
@@ -387,15 +476,29 @@ class StructuredOutputs:
             return None
         if any(r.dirty for _, r in rows):
             self.prefetch()
-        return PendingMask(rows, len(seq_ids), self._keep)
+        return PendingMask(rows, len(seq_ids), self._keep, self._eos_only)
 
-    def _compute(self, matchers, out: np.ndarray, closing) -> None:
-        from llguidance.numpy import fill_next_token_bitmask_par
+    def _compute(self, rows: list[_Row], out: np.ndarray, closing) -> None:
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         t0 = time.perf_counter()
-        fill_next_token_bitmask_par(self._executor, matchers, out)
+        live = [(i, r) for i, r in enumerate(rows) if r.failure is None]
+        try:
+            fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in live], out)
+        except Exception:
+            # One matcher made llguidance raise (the call names none): row by row, so that
+            # only the sequences whose masks fail end, with their error.
+            for i, r in live:
+                try:
+                    fill_next_token_bitmask(r.matcher, out, i)
+                except Exception as e:
+                    r.failure = f"the grammar's mask failed: {type(e).__name__}: {_short(str(e), 200)}"
         for i, row in closing:
-            self._close_in_time(row, out[i])
+            if row.failure is None:
+                try:
+                    self._close_in_time(row, out[i])
+                except Exception as e:
+                    row.failure = f"the grammar's mask failed: {type(e).__name__}: {_short(str(e), 200)}"
         if self._mask_timer is not None:
             self._mask_timer(time.perf_counter() - t0)
 

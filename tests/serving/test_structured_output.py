@@ -337,3 +337,73 @@ def test_an_embedding_padded_past_its_tokenizer():
             assert c.post("/detokenize", json={"tokens": [530]}).status_code == 400
     finally:
         s.stop()
+
+
+class _RaisingMatcher:
+    """A real matcher whose mask llguidance refuses to compute: the batched call takes only
+    llguidance's own matchers (TypeError), and alone it asks for a mask one word short
+    (llguidance's ValueError on a wrong mask size). Everything else is the real matcher's."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def deep_copy(self):
+        return _RaisingMatcher(self._real.deep_copy())
+
+    def unsafe_compute_mask_ptr(self, pointer, size):
+        self._real.unsafe_compute_mask_ptr(pointer, size - 4)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_a_grammar_that_raises_in_the_mask_job_ends_its_request_alone(server):
+    """llguidance raising inside the step's mask job ends that request with a short error; a
+    constrained and a free request in the same steps go on, and the engine serves after."""
+    from serving import structured_output as so
+    from testkit import Collector
+
+    tok = server.runner.tokenizer
+    eos = server.runner.info.eos_ids
+    good = so.build_grammar("regex", r"\d{3}-\d{4}", "guided_regex", tok, eos)
+    bad = so.build_grammar("regex", "[a-z]{5}", "guided_regex", tok, eos)
+    bad = so.Grammar(bad.kind, bad.source, _RaisingMatcher(bad.matcher))
+    prompt = [2] + tok.encode("x")
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=1, grammar=good),
+              SamplingParams(max_tokens=20, temperature=1.0, seed=2, grammar=bad),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)]
+    sinks = [Collector() for _ in params]
+    server.runtime.core.submit([(prompt, p, s) for p, s in zip(params, sinks)])  # one step, one mask job
+    constrained, raising, free = (s.wait(60) for s in sinks)
+    assert re.fullmatch(r"\d{3}-\d{4}", constrained.text) and constrained.finish == "stop"
+    assert free.finish == "length" and len(free.tokens) == 12
+    assert raising.finish == "error" and raising.text == ""
+    assert "mask failed" in raising.error and len(raising.error) < 500, raising.error
+    after = Collector()
+    server.runtime.core.submit([(prompt, SamplingParams(max_tokens=20, seed=4, grammar=good), after)])
+    assert re.fullmatch(r"\d{3}-\d{4}", after.wait(60).text)
+
+
+def test_a_rejected_token_is_a_short_error():
+    """A token the grammar refuses (here one its mask did not allow) ends the sequence with a
+    short error: the matcher's first line, without llguidance's parser state."""
+    from models.gemma3 import load_model
+    from serving import Sequence
+    from serving import structured_output as so
+
+    tok = load_model("random:tiny", tp=1, dtype="float32").tokenizer
+    grammar = so.build_grammar("choice", ["yes", "no"], "guided_choice", tok, (1,))
+    outputs = so.StructuredOutputs(tok.vocab_size, (1,), max_seq_len=256, tokenizer=tok)
+    try:
+        outputs.add(Sequence(0, [2], SamplingParams(max_tokens=30, grammar=grammar), seed=0))
+        outputs.masks([0]).result()
+        assert outputs.accept(0, tok.encode("z")[0]) == "error"
+        error = outputs.error(0)
+        assert error.startswith("the grammar rejected token") and len(error) < 500, error
+        assert "<state>" not in error and "Parser:" not in error
+        # EOS goes through the matcher too: where the grammar does not accept, it is an error.
+        outputs.add(Sequence(1, [2], SamplingParams(max_tokens=30, grammar=grammar), seed=0))
+        outputs.masks([1]).result()
+        assert outputs.accept(1, 1) == "error"
+    finally:
+        outputs.close()
