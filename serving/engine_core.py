@@ -1,33 +1,9 @@
 """The engine core: the thread that owns the engine and runs its steps, and the thread-safe face
-that consumers (the HTTP layer, the CLI) submit sequences to and cancel them through.
-
-Each step: the scheduler (`paged_scheduler.py`) plans it as pieces (a sequence's decode token or
-a piece of its prompt), this module runs the plan as one ragged step on the runner
-(`paged_runner.py`'s `run_step` / `dispatch_step` over plain numpy inputs), and the output
-processor (`output_processor.py`) turns the step's outputs into `Event`s, which reach each
-consumer through the callback it submitted, called on the engine thread (it must not block).
-Cancellations are applied between steps, so a cancelled sequence's pages are free for the next one.
-
-Overlap (`overlap=True`, the default; SGLang's overlap scheduler, vLLM's async scheduling): step
-N+1 is planned counting the tokens in flight (`Piece.fed`) and dispatched before step N's tokens
-are read back; its rows that continue a sequence of step N take their input token from step N's
-sampled tokens on the device. Only then does the engine thread wait for step N's outputs and
-process them (detokenize, stop checks, events), while the device runs step N+1. So a stop is
-seen one step late: a sequence that ended in step N also ran in step N+1, whose token for it is
-discarded. A step with a piece that needs logits processing (penalties, bias, grammar: those
-need the last token on the host) first drains the step in flight and drops the pieces of
-sequences it ended. Greedy and seeded outputs are the same either way. In a multi-process group
-process 0's engine (`distributed.LeaderRunner`) dispatches so too, and the other processes feed
-the same rows from their own devices (`distributed.Follower`).
-
-The step watchdog (`step_timeout`, `serving/watchdog.py`): every engine call, and every wait for a
-step in flight, runs armed. One that outlasts its limit (`compile_timeout` the first time a call
-of its kind and shapes runs, since it may compile) is stuck, typically inside the runtime where
-nothing reaches it: the watchdog's thread logs it, fails every sequence (running and waiting) with
-an error event, refuses new work (`EngineStuck`) and tells `on_stuck`. The engine thread is never
-trusted again: if its step returns after all, the thread leaves (`StepStuck`) without touching
-the cache, the scheduler or the outputs.
-"""
+consumers (HTTP, CLI, `LLM`) submit sequences to and cancel them through. Each step: the
+scheduler plans it, the runner runs it as one ragged step, the output processor turns its outputs
+into `Event`s delivered on the engine thread. Steps are overlapped (step N+1 dispatched before
+step N's tokens are read), and every engine call runs under the step watchdog. See
+docs/engine.md, "Overlapped steps", and docs/deployment.md, "Stuck steps"."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,16 +1,7 @@
-"""The HTTP server under the app: uvicorn with its h11 protocol, plus what that protocol lacks
-against slow or hostile clients:
-
-- a deadline for a request's headers (from the connection, or from the first byte of a request
-  on a kept-alive one) and a limit on any pause within a request body: 408, then close;
-- a cap on open connections: one beyond it gets 503 to its first request and is closed;
-- protocol errors (a garbage request line, `Content-Length: abc`) answered with an OpenAI error
-  body instead of uvicorn's plain text;
-- on shutdown, a request still being received is answered 503 and closed at once (uvicorn
-  would wait for the rest of it for the whole grace period); idle connections close as before.
-
-Idle keep-alive connections close after `timeout_keep_alive` (uvicorn's own timer).
-"""
+"""The HTTP server under the app: uvicorn's h11 protocol plus what it lacks against slow or
+hostile clients: a header deadline and a body-pause limit (408), a cap on open connections
+(503), protocol errors as OpenAI error bodies, and a shutdown that closes half-received
+requests at once. See docs/deployment.md, "Slow and hostile clients"."""
 from __future__ import annotations
 
 import asyncio

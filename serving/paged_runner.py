@@ -1,18 +1,7 @@
 """The paged engine's model runner: one ragged model step over a paged KV cache, plus on-device
-sampling.
-
-Every step runs one program (`models.gemma3.ragged`) over a flat batch of tokens mixing decode
-tokens and prompt pieces of any number of sequences, each token with its sequence, position and
-cache slots; attention reads each sequence's pages through its block tables. So a step's cost
-follows the tokens and pages it touches, not `--max-seq-len` x slots, and a lone request runs a
-small program (docs/engine.md, "The paged engine"). In deterministic mode a step's decode rows
-and its prompt piece run as two programs of fixed shapes (`paged_steps.deterministic_parts`).
-
-The scheduler (`paged_scheduler.py`) plans a step as pieces (sequence, positions);
-`paged_steps.step_inputs` turns a plan and the page tables (`kv_pages.py`) into plain numpy arrays
-padded to a few shapes (`models.shapes.StepShape`), which bound the number of compiled programs; `PagedRunner.run_step` runs them and
-returns the sampled tokens of the rows that sample. It knows nothing about requests or HTTP.
-"""
+sampling. `paged_steps.step_inputs` turns a scheduler plan into numpy arrays padded to a few
+`StepShape`s (bounding the compiled programs); `run_step` runs them and returns the sampled
+tokens. It knows nothing of requests or HTTP. See docs/engine.md, "The paged engine"."""
 from __future__ import annotations
 
 import dataclasses

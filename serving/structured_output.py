@@ -1,20 +1,8 @@
-"""Structured output: grammars compiled with llguidance, and the per-sequence matchers whose
-allowed-token masks the sampler applies on device (`serving.sampling.process_logits`).
-
-Why llguidance (docs/structured_output.md has the comparison): it has no run-time dependencies
-(xgrammar needs torch and transformers), takes JSON schema, regular expressions and Lark
-context-free grammars (outlines-core has no CFG), computes a 262k-token mask in microseconds to a
-fraction of a millisecond, and writes masks for a whole batch into one numpy array from its own
-threads with the GIL released.
-
-Flow: the HTTP layer compiles a request's `Grammar` (errors are 400s) off the event loop. The
-engine core's output processor gives each sequence its own matcher (`StructuredOutputs.add`),
-feeds it every sampled token (`accept`) and, after each step, starts the masks of the next step
-for all sequences at once on a worker thread (`prefetch`). The next step's sampling inputs carry a
-pending mask (`masks`), which the engine waits for only after it has dispatched the model's step,
-so the grammar's host work overlaps the device's. EOS is allowed only where the grammar accepts;
-once the grammar can take nothing more the sequence ends ("stop") without spending a step on EOS.
-"""
+"""Structured output: grammars compiled with llguidance (checked when a request arrives), and the
+per-sequence matchers whose allowed-token masks the sampler applies on device. Masks for the
+next step are computed on a worker thread while the device runs the current one; a grammar
+that fails ends its own request only. See docs/structured_output.md for why llguidance and the
+flow of a constrained step."""
 from __future__ import annotations
 
 import concurrent.futures

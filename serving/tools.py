@@ -1,20 +1,8 @@
-"""Tool (function) calling on chat completions, in Gemma 3's prompt convention.
-
-Gemma 3 has no tool tokens. Following Google's function-calling guide for Gemma and vLLM's Gemma 3
-"pythonic" chat template, the tools are described as JSON in the first user turn with an
-instruction to answer with a Python list of calls, and the model answers
-
-    [get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]
-
-(argument values are JSON literals; Python's True/False/None and single-quoted strings are read
-too). A model turn that called tools is rendered back the same way, and a tool's result becomes a
-user turn wrapped in <tool_response>...</tool_response>.
-
-tool_choice: "none" leaves the tools out of the prompt; "auto" describes them and parses calls out
-of the free text (the whole answer must be a list of calls to known tools, possibly inside a
-``` fence); "required" or a named function constrains generation with a grammar built from the
-functions' parameter schemas (`call_grammar`), so even a base model returns valid calls.
-"""
+"""Tool (function) calling on chat completions in Gemma 3's prompt convention (Google's guide and
+vLLM's "pythonic" template): tools described as JSON in the first user turn, calls answered as
+a Python list `[f(a=1), g(b="x")]`. "auto" parses calls from free text; "required" or a named
+function constrains generation with a grammar built from the parameter schemas. See
+docs/structured_output.md, "Tool calls"."""
 from __future__ import annotations
 
 import ast

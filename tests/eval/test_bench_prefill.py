@@ -57,7 +57,6 @@ def test_bad_arguments_are_refused():
 def test_measured_communication_share_of_paired_runs():
     """Each row at the target link gets (its time - the same method's base-link time) / its
     time; rows without a base partner are left alone, and the table shows the column."""
-    from eval import bench_prefill as prefill_report
 
     def row(length, method, link, ms):
         return {"length": length, "steps": 1, "tp": 2, "method": method, "link_gbit": link,
@@ -66,15 +65,15 @@ def test_measured_communication_share_of_paired_runs():
     rows = [row(512, "bf16", 0, 300.0), row(512, "bf16", 1.5, 450.0),
             row(1024, "bf16", 0, 400.0), row(1024, "bf16", 1.5, 600.0),
             row(1024, "int8-full", 1.5, 480.0)]
-    out = prefill_report.add_comm_share(rows, 0, 1.5)
+    out = bench_prefill.add_comm_share(rows, 0, 1.5)
     shares = {(r["length"], r["method"], r["link_gbit"]): r.get("comm_share") for r in out}
     assert shares[(512, "bf16", 1.5)] == pytest.approx(1 / 3)
     assert shares[(1024, "bf16", 1.5)] == pytest.approx(1 / 3)
     assert shares[(1024, "bf16", 0)] is None and shares[(1024, "int8-full", 1.5)] is None
-    line = prefill_report.comm_share_line(out)
+    line = bench_prefill.comm_share_line(out)
     assert "33% of its prefill at length 1024" in line and "about 1.5 Gbit/s" in line
     # 75% communication at 1.5 Gbit/s: a third needs 6x less communication time, a 6x faster link.
-    slow = prefill_report.add_comm_share(
+    slow = bench_prefill.add_comm_share(
         [row(1024, "bf16", 0, 400.0), row(1024, "bf16", 1.5, 1600.0)], 0, 1.5)
-    assert "about 9 Gbit/s" in prefill_report.comm_share_line(slow)
-    assert "comm %" in prefill_report.format_table(out).splitlines()[0]
+    assert "about 9 Gbit/s" in bench_prefill.comm_share_line(slow)
+    assert "comm %" in bench_prefill.format_table(out).splitlines()[0]
