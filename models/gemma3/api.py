@@ -326,13 +326,8 @@ def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int
             and hf_checkpoint.is_hf_checkpoint(source):
         from models.gemma3.vision_checkpoint import load_hf_vision
 
-        try:
-            return load_hf_vision(source)
-        except hf_checkpoint.HFCheckpointError as e:
-            # The text still serves, as it did before towers were read: say why there are no
-            # images rather than refuse the whole checkpoint.
-            log.warning("serving text only: %s", e)
-            return None
+        # A checkpoint that declares a tower never serves without it: errors propagate.
+        return load_hf_vision(source)
     return None
 
 

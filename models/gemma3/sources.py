@@ -67,8 +67,9 @@ def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: in
                                                        c, dtype, mesh, tp),
                 Tokenizer.from_gguf(path))
     if os.path.isdir(source) and hf_checkpoint.is_hf_checkpoint(source):
-        return (hf_checkpoint.read_config(source),
-                lambda c, mesh: hf_checkpoint.place_hf(source, c, dtype, mesh, tp),
+        layout = hf_checkpoint.hf_layout(source)  # every tensor accounted for, before any loads
+        return (layout.config,
+                lambda c, mesh: hf_checkpoint.place_hf(source, c, dtype, mesh, tp, layout),
                 hf_tokenizer.read_tokenizer(source))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
         return (loading.read_checkpoint_config(source),
