@@ -612,7 +612,8 @@ def save_hf_weights(path: str | os.PathLike, weights: Weights, c: Gemma3Config, 
     """Write config.json and the weights as safetensors (one file, or several of at most
     `max_shard_bytes` each with model.safetensors.index.json, as `save_pretrained` does),
     gathering one tensor at a time to the host, into a directory that holds no other checkpoint
-    (`Gemma3Model.save` clears it: `sources.replace_checkpoint`). Returns the files written."""
+    (`Gemma3Model.save` writes into a new one: `sources.replacing_checkpoint`). Returns the
+    files written."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(dtype if dtype is not None else weights.embed.dtype)
