@@ -1,10 +1,9 @@
 """Codecs: how float32 pieces f32[g, *piece] travel on the wire as one array (one ppermute).
 
-A schedule encodes a partial sum before each send and decodes what it receives; the codec
-decides the wire type and where scales go. Choosing one from an AllReduceConfig is `for_phases`.
-Every encode of a schedule is `encode_sum`: a piece of the layout's buffer plus the arrivals for
-it, decoded and added in order, encoded (the group codec runs that as one kernel on the CPU).
-"""
+A schedule encodes a partial sum before each send and decodes what it receives; the codec picks the
+wire type and where the scales go (`for_phases` chooses one from an AllReduceConfig). Every encode
+is `encode_sum`: a piece plus its arrivals, decoded and added in order, then encoded. See
+docs/algorithm.md, "Version 2"."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,12 +1,9 @@
 """The token-local group codec (blocks="group") in XLA ops: what TPU programs and every fallback
-run. The codec is specified in equarx.codec_spec; this module applies the rotation to messages
-and dispatches each operation to the backend equarx.backends picks.
+run.
 
-NaN: a run holding a NaN or Inf decodes as NaN, and every backend gives the pure-JAX form's
-values bit for bit but a NaN's own payload and sign, which XLA:CPU does not fix either: the
-scale's NaN 0x7FC00000 becomes 0x7FC0 or 0x7FC1 in bfloat16 depending on fusion and processor
-(YNNPACK), sign | 0x7FC0 in XLA's own loops; with fp8 codes the order of the sums decides.
-"""
+The codec itself is specified in equarx.codec_spec; this module applies the rotation to messages and
+sends each operation to the backend equarx.backends picks. Every backend gives these values bit for
+bit, a NaN's own payload and sign aside (docs/algorithm.md, "Version 2")."""
 from __future__ import annotations
 
 import jax
@@ -28,7 +25,7 @@ def _times(v: jax.Array, m: np.ndarray, fence_out: bool = True,
     On the CPU a broadcast product summed over a fixed axis, not a dot: XLA:CPU picks its dot
     kernel, and so its summation order, by the row count, which would make a row's result
     depend on the message's length. The barriers keep XLA from fusing it into the layout's
-    slices and copies around it (a guard now). `fence_out=False` leaves the output open to its
+    slices and copies around it. `fence_out=False` leaves the output open to its
     consumer (after the all-gather a slice and a cast, which then need no pass of their own).
     `own_matrix=True` passes the matrix through the barrier with the values, so that XLA's CSE
     does not merge several rotations' broadcasts of it into one array written out on every
@@ -141,7 +138,7 @@ def unrotate_codes(codes: jax.Array, steps: jax.Array, exponents: jax.Array, g: 
     `wire_parts` gives them -> out_dtype[..., W]), by the backend equarx.backends picks (none
     with `native=False`): the rotation runs on the codes themselves and the scale is applied
     once on the way out, so no float32 message is decoded, copied into place and read back for
-    the rotation (after the all-gather that was most of the default codec's compute). The XLA
+    the rotation (a pass that would be most of the default codec's compute). The XLA
     form sums in `_times`' fixed order (the specification's dot, exact in any order for integer
     codes and e4m3 runs of up to 64)."""
     def pure(codes, steps, exponents):

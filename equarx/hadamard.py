@@ -1,12 +1,10 @@
 """A randomized Hadamard rotation of 128-element groups (H D: Walsh-Hadamard times fixed random
-signs), which spreads an outlier's energy over its group so that block scales fit the bulk of
-the data (QuaRot, THC; docs/algorithm.md).
+signs), which spreads an outlier's energy over its group so that block scales fit the bulk of the
+data (QuaRot, THC).
 
-It is linear, so each device rotates its partial once before the reduce-scatter and un-rotates
-once after the all-gather. H is the Kronecker product H8 (x) H16: two small matmuls over a
-[groups, 8, 16] view, at HIGHEST precision so that TPUs do not round the operands to bfloat16.
-Unnormalized (H H = 128 I): `unrotate` divides by 128. A NaN or Inf spreads to its whole group.
-"""
+Linear, so a device rotates its partial once before the reduce-scatter and un-rotates once after the
+all-gather. H = H8 (x) H16 as two small matmuls at HIGHEST precision; unnormalized, so `unrotate`
+divides by 128. See docs/algorithm.md, "The Hadamard rotation"."""
 from __future__ import annotations
 
 import jax

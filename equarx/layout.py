@@ -1,12 +1,9 @@
-"""How a message is cut into shards and pieces, behind one view for the schedules (equarx.ring,
-equarx.two_shot): N shards of `pieces` pieces of `piece_shape`, read with `piece(buf, shard, j0,
-j1)` and put back in order with `assemble`; `split` and `join` go to the buffer and back.
+"""How a message is cut into N shards of `pieces` pieces, behind one view for the schedules
+(`piece`, `assemble`, `split`, `join`).
 
-`Layout` (blocks "tile", "hadamard"): the paper's flat layout, a value's shard following its flat
-index. `TokenLayout` (blocks "group", unquantized rings): every row split by columns across the
-shards, so a value's shard, and the order its partial sums are added in, depend on its column
-alone (token-local). No piece is cut below MIN_PIECE_ELEMENTS values.
-"""
+`Layout` (blocks "tile", "hadamard") is the paper's flat layout. `TokenLayout` (blocks "group",
+unquantized rings) splits every row by columns, so a value's shard and the order of its sums depend
+on its column alone (token-local). See docs/algorithm.md, "Layout" and "Version 2"."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,9 @@
 """Multi-axis AllReduce: reduce-scatter along each mesh axis in turn, all-gather back in reverse,
-the message cut into one part per axis so that every axis' links are busy at once (a TPU torus
-gives a chip two links per axis; a ring over one axis drives two).
+the message cut into one part per axis so that every axis' links are busy at once.
 
-Part p visits the axes in the rotated order a_p, a_{p+1}, ... (`axis_orders`), each stage a
-single-axis schedule over one axis. The all-gather forwards each owner's encoded bytes verbatim,
-so replicas are bitwise identical. The layout is the single-axis one planned for N x k shards
-(shard p N + s is shard s of part p): token-local exactly when the single-axis one is.
-docs/native_kernel.md describes it.
-"""
+Part p visits the axes in a rotated order (`axis_orders`), each stage a single-axis schedule. The
+all-gather forwards encoded bytes verbatim, so replicas are bitwise identical; token-local exactly
+when the single-axis layout is. See docs/native_kernel.md, "The multi-axis schedule"."""
 from __future__ import annotations
 
 import dataclasses

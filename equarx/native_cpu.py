@@ -1,13 +1,9 @@
-"""Native CPU kernels of the group codec, as XLA FFI handlers built on first use: the all-gather's
-un-rotation of the codes (equarx/csrc/unrotate_cpu.cc, `groups.unrotate_codes`, also straight
-into the layout's buffer: `codecs.GroupCodec.unrotate_gathered`) and the encode fused with the
-sum before it (equarx/csrc/encode_cpu.cc, `codecs.encode_sum`). They give the pure-JAX forms'
-bits (a NaN's own bits aside: equarx.groups) and change speed only, on the CPU backend only.
+"""Native CPU kernels of the group codec as XLA FFI handlers, built on first use: the all-gather's
+un-rotation (csrc/unrotate_cpu.cc) and the encode fused with the sum before it (csrc/encode_cpu.cc).
 
-Built with `$CXX` (else `c++`), `-march=native`, into a cache keyed by the sources, jaxlib and the
-processor's flags (`$EQUARX_CACHE_DIR`, else `$XDG_CACHE_HOME/equarx` or `~/.cache/equarx`);
-without a compiler, or with `EQUARX_NATIVE_CPU=0`, the pure-JAX forms run, with one warning.
-"""
+They give the pure-JAX forms' bits and change speed only. Built with `$CXX` and `-march=native` into
+a cache keyed by sources, jaxlib and processor; without a compiler, or with `EQUARX_NATIVE_CPU=0`,
+the JAX forms run. See docs/deployment.md, "CPU-only machines"."""
 from __future__ import annotations
 
 import ctypes

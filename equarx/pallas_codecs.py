@@ -1,12 +1,9 @@
-"""The codecs and layouts of the Pallas ring kernel (equarx.pallas_ring): a minishard in VMEM and
-on the wire, written with the operations Mosaic lowers.
+"""The codecs and layouts of the Pallas ring kernel (equarx.pallas_ring): a minishard in VMEM and on
+the wire, written with the operations Mosaic lowers.
 
-The kernel's buffer is [N shards, 2 directions, mh minishards, R, L] (rows on sublanes, columns on
-lanes). Each codec fixes R and L so that every array is whole native TPU tiles (f32 8x128, bf16
-16x128, int8 32x128) and uses only tile-aligned reshapes, elementwise arithmetic, equal-width
-bit casts and reductions over the major axis; each computes what equarx.codecs computes,
-operation for operation, so equarx.ring on the same layout is its bitwise reference.
-"""
+Each codec sizes its arrays as whole native TPU tiles and uses only tile-aligned reshapes,
+elementwise arithmetic, equal-width bit casts and major-axis reductions. Each computes what
+equarx.codecs computes, operation for operation, so equarx.ring is its bitwise reference."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,10 @@
-"""EQuARX's full-loop ring as one Pallas TPU kernel (AllReduceConfig(impl="pallas")): the
-reduce-scatter and all-gather of a bidirectional ring, the message in HBM, minishards streamed
-through VMEM and sent by remote DMA. Variant "full" (and "auto"), both phases quantized: int8
-with blocks "tile" or "group", and bf16_ring. The schedule is `PartRing`'s, the flow control
-`_PartsKernel`'s.
+"""EQuARX's full-loop ring as one Pallas TPU kernel (AllReduceConfig(impl="pallas")): a
+bidirectional ring's reduce-scatter and all-gather, minishards streamed from HBM through VMEM and
+sent by remote DMA, both phases quantized.
 
-Per minishard it is equarx.ring's full-loop schedule with equarx.codecs' arithmetic, so the ring
-functions on the same layout are its bitwise reference (`reference_all_reduce`). Off TPU it runs
-in Pallas' interpret mode: slow, it checks the schedule, flow control and arithmetic only.
-"""
+Per minishard it is equarx.ring's schedule with equarx.codecs' arithmetic, so the ring functions are
+its bitwise reference (`reference_all_reduce`). Off TPU it runs in interpret mode, which checks
+correctness only. See docs/native_kernel.md."""
 from __future__ import annotations
 
 import dataclasses

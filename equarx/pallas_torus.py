@@ -1,13 +1,9 @@
-"""The multi-axis AllReduce (equarx.multi_axis' schedule) through Pallas TPU kernels:
-`all_reduce(x, ("x", "y"), AllReduceConfig(impl="pallas"))` on a torus' axes.
+"""The multi-axis AllReduce (equarx.multi_axis' schedule) through Pallas TPU kernels: `all_reduce(x,
+("x", "y"), AllReduceConfig(impl="pallas"))` on a torus' axes.
 
-The single-axis kernel's buffer is planned for k N shards and cut into k parts that visit the
-axes in rotated orders, so one kernel per stage drives every axis' links, both directions.
-Reduce-scatter: k stages of `pallas_ring.parts_kernel_call`, each part its own ring; all-gather:
-each owner encodes once, then k stages of `gather_kernel_call` forward the bytes verbatim, HBM to
-HBM. `reference_all_reduce` runs the same stages through ppermutes, bitwise the same
-(docs/native_kernel.md).
-"""
+The buffer is cut into k parts that visit the axes in rotated orders, so one kernel per stage drives
+every axis' links. `reference_all_reduce` runs the same stages through ppermutes, bitwise the same.
+See docs/native_kernel.md, "Through the kernels"."""
 from __future__ import annotations
 
 import math

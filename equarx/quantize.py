@@ -1,11 +1,9 @@
 """Dynamic block-wise symmetric int8 quantization with 8x128 scale tiles (the paper's tile codec).
 
-A minishard is K tiles of 8x128 (one TPU vector register each) with one 8x128 scale tile:
-scale[s, l] covers {x[k, s, l] : k < K}, an elementwise max over tiles. Qp1 (`absmax`) and Qp2
-(`scale_round_cast`) are separate, as in the paper, so that Qp1 can start on a partial sum while
-the next minishard is on the wire. Leading dimensions are a batch of minishards. A NaN or Inf
-travels in the block's float32 scale (q stays finite): the whole block dequantizes non-finite.
-"""
+A minishard is K tiles of 8x128 with one 8x128 scale tile, an elementwise max over tiles. Qp1
+(`absmax`) and Qp2 (`scale_round_cast`) stay separate, as in the paper, so Qp1 can start while the
+next minishard is on the wire. A NaN or Inf travels in the float32 scale. See docs/algorithm.md,
+"Codecs"."""
 from __future__ import annotations
 
 import jax

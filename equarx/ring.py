@@ -1,12 +1,9 @@
 """Unrolled ring schedules: reduce-scatter and all-gather as chains of ppermutes.
 
-Shards are addressed relative to this device d (relative row r is device (d + r) % N's), so the
-schedule is the same Python loops on every device, one `ppermute` per piece per hop, which XLA
-may overlap with other pieces' (de)quantization. A `Chain` moves minishards one ring direction
-for some hops, as pieces (one per minishard, or one per chain for runtimes whose collectives
-block, as XLA:CPU with gloo). Full-loop: two chains of N-1 hops, one per direction; semi-loop:
-every minishard reduced by two chains of about N/2 hops (fewer re-quantizations).
-"""
+Shards are addressed relative to this device, so every device runs the same Python loops, one
+`ppermute` per piece per hop. A `Chain` moves minishards one ring direction for some hops.
+Full-loop: two chains of N-1 hops; semi-loop: two chains of about N/2 hops (fewer re-quantizations).
+See docs/algorithm.md, "Schedules"."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,11 +1,9 @@
-"""variant="auto": which schedule a message takes, from the axis size, its bytes and the topology
-(eval/cost_model/'s alpha-beta reasoning reduced to a comparison).
+"""variant="auto": which schedule a message takes, from the axis size, its bytes and the topology.
 
-Two devices: two-shot (every schedule makes the same sends). Switched (every pair one hop):
-two-shot, which sends the ring's bytes in 2 steps instead of 2 (N-1) and quantizes each value
-twice instead of N times. Ring-connected (a TPU torus axis): from N = 4 on two-shot loads the
-busiest link more than the ring (`two_shot_link_load`), so it only pays for small messages.
-"""
+Two devices or a switched topology: two-shot (2 steps instead of 2 (N-1), each value quantized
+twice). Ring-connected (a TPU torus axis): from N = 4 on two-shot loads the busiest link more than
+the ring (`two_shot_link_load`), so it takes only small messages. See docs/algorithm.md, "Version
+2"."""
 from __future__ import annotations
 
 # One TPU v5e ICI link, one direction: 4.5e10 bytes/s, the figure of the JAX scaling book

@@ -1,13 +1,10 @@
-"""The group codec's encode, reduce-scatter hop (`codecs.encode_sum`) and un-rotation as GPU
-kernels (Pallas, Triton lowering), which `groups` and `codecs` choose on a CUDA backend.
+"""The group codec's encode, reduce-scatter hop (`codecs.encode_sum`) and un-rotation as GPU kernels
+(Pallas, Triton lowering), chosen on a CUDA backend.
 
-Each reads a block of rows once, in registers, and writes its result in place (XLA's encode
-reads its input three times). They give the CPU programs' bits: the codes' rounding is fenced
-from the product by a max that changes no value (Triton has no round instruction), and 1 / scale
-comes from integer arithmetic on the scale's bits (`_reciprocal`). A row of any width is one
-block padded to a power of two, or (`chunked=True`) power-of-two pieces; every row is encoded
-from its own values (token-local). Figures: docs/results.md, "An H100, with GPU kernels".
-"""
+Each reads a block of rows once, in registers, and gives the CPU programs' bits: the rounding is
+kept apart from the product, and 1 / scale comes from integer arithmetic on the scale's bits. Every
+row is encoded from its own values (token-local). See docs/algorithm.md, "Version 2", and
+docs/results.md, "The codec on a GPU"."""
 from __future__ import annotations
 
 import functools

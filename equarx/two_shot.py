@@ -1,9 +1,8 @@
-"""The two-shot schedule (QuickReduce, FlashInfer, Flash Communication use it on GPUs): each device
-encodes its partial of every other shard once and sends it straight to the owner, which adds the
-N-1 decoded arrivals in float32 in the order k = 1..N-1, then encodes its reduced shard once and
-sends the same bytes to every device. Each value is quantized exactly twice whatever N; on a
-ring-connected topology the send to d + k crosses min(k, N-k) links (equarx.schedule weighs it).
-"""
+"""The two-shot schedule (as in QuickReduce, FlashInfer, Flash Communication): each device encodes
+its partial of every other shard once and sends it to the owner, which adds the N-1 arrivals in
+float32 in a fixed order, then sends its encoded shard to every device.
+
+Each value is quantized exactly twice whatever N. See docs/algorithm.md, "Version 2"."""
 from __future__ import annotations
 
 import jax

@@ -1,25 +1,6 @@
-"""The group codec's kernels against the memory bandwidth of the default JAX device: each
-kernel's bytes moved / time as GB/s and as a share of a copy's (they are memory-bound). Bytes a
-value, w the wire's (1 + 1/32 + 1/width for int8 in runs of 32):
-
-  copy          y = x + 1, float32 (8): the achievable bandwidth
-  rotate        runs of 32 times the 32x32 rotation (8)
-  encode        rotated f32 -> wire (4 + w); on a CUDA GPU one Triton kernel
-  decode_add    wire + local f32 -> f32 sum (w + 8)
-  hop           decode_add then encode, unfused (2w + 4)
-  encode_sum    a reduce-scatter hop as a schedule runs it (`codecs.encode_sum`: a bfloat16 piece
-                read in place, 2 + 2w); on a CPU a native kernel, on a CUDA GPU a Triton one
-  unrotate      the all-gather's end: codes -> bfloat16 values, rotation undone (w + 2)
-  unrotate_jax  the same in pure JAX
-On an accelerator each timing is of `inner` calls dispatched back to back. Then the round
-trip's error and, off the CPU, the device's codes against the CPU's and the real all_reduce
-over 4 emulated devices against the CPU's, bit for bit. --forms adds, on a CUDA GPU, the
-Triton kernels that load a row whose width is not a power of two as power-of-two pieces
-(`chunked=True`) and whether they give the default kernels' bits.
-
-  python -m eval.bench_codec --values 64M --repeats 10
-  python -m eval.bench_codec --forms --width 640
-"""
+"""The group codec's kernels against the memory bandwidth of the default JAX device (GB/s and
+the share of a copy's: they are memory-bound), then the round trip's error and, off the CPU,
+the device's bits against the CPU's. Kernels, their byte counts, examples: docs/benchmarks.md."""
 from __future__ import annotations
 
 import functools
@@ -170,12 +151,12 @@ def main(argv=None) -> dict:
     p.add_argument("--width", type=int, default=1024, help="values a row (a multiple of --group)")
     p.add_argument("--code", default="int8", choices=sorted(codec_spec.CODES))
     p.add_argument("--inner", type=int, help="calls per timing (default: 1 on a CPU, 10 elsewhere)")
-    p.add_argument("--kernels", help="comma-separated kernels to time, in this order (default: all)")
+    p.add_argument("--kernels", help="comma-separated kernels to time, in this order (default: "
+                   "all): copy, rotate, encode, decode_add, hop, encode_sum, unrotate, unrotate_jax")
     p.add_argument("--forms", action="store_true", help="add the chunked GPU kernels")
     p.add_argument("--no-check", action="store_true", help="skip the checks of the results")
     args = p.parse_args(argv)
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(args.values[-1:].upper(), 1)
-    report = run(int(float(args.values.rstrip("KkMm")) * mult), args.group, args.code, args.repeats,
+    report = run(common.parse_size(args.values), args.group, args.code, args.repeats,
                  args.inner, common.names(args.kernels or ""), args.forms, not args.no_check, args.width)
     print(f"# {report['device']} ({report['platform']}), {report['values']} values in rows of "
           f"{report['width']}, {report['code']} groups of {report['group']}")

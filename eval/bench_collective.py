@@ -1,26 +1,8 @@
-"""equarx.all_reduce methods side by side: time, bytes each device sends, compiled size, MSE.
-
-In one process over --devices virtual CPU devices (a "collective" is a memcpy: what quantizing
-costs in compute), or with --processes N one process per device on JAX's distributed runtime
-(gloo over TCP on 127.0.0.1, eval.multiproc), optionally with the loopback shaped to
---link-gbit (root), or with --torus DIMS one process per node of an emulated torus (eval.torus:
-a shaped veth per neighbour). The methods run interleaved (rotated every repeat) after a
-warm-up, each timed from a barrier to a barrier. Per method and size: median time and spread,
-the median per-repeat speed-up over bf16 and bf16_ring, the bytes each device sends (from the
-compiled program) against an ideal bf16 ring's, the AllReduce's fused kernels and HLO
-instructions (what a server's compile grows with: it inlines two a layer), and the MSE of the
-bf16 output against the float32 sum of the same inputs. A method is an AllReduce label with
-optional suffixes: ':snake' / ':torus' (the mesh of --mesh), ':folded' (the input given as
-rotated partials, as a model with the rotation in its weights hands it over).
-
-  python -m eval.bench_collective --sizes 64K,1M,16M --repeats 7 --out single.json
-  python -m eval.bench_collective --processes 4 --link-gbit 2 --one-message-per-hop --out p4.json
-  python -m eval.bench_collective --torus 2x2 --link-gbit 1 --one-message-per-hop --sizes 4M,16M
-"""
+"""equarx.all_reduce methods side by side: time, bytes each device sends, compiled size, MSE;
+in one process over virtual CPU devices, one process per device on shaped links, or on an
+emulated torus. What each column means and example commands: docs/benchmarks.md."""
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
 
@@ -34,21 +16,12 @@ from equarx import (AllReduceConfig, all_reduce, bytes_sent_per_device, folds_ro
                     ideal_ring_bytes)
 from equarx.accounting import program_size
 from eval import common
+from eval.common import parse_size
 from eval.reports import format_columns, write_json
 from eval.torus import parse_dims, snake_order
 from jax_platform import ensure_cpu_devices, keep_freed_memory, malloc_label
 
 MESH_KINDS = ("ring", "snake", "torus")
-
-
-def parse_size(text: str) -> int:
-    """'64K' -> 65536, '4M' -> 4 MiB, '1000' -> 1000 bytes."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    value = float(text[:-1] if mult > 1 else text)
-    if value <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return int(value * mult)
 
 
 def format_size(nbytes: int) -> str:
@@ -94,6 +67,13 @@ def _meshes(kinds: list[str], dims: tuple[int, ...] | None) -> dict[str, tuple[M
             order = devices[snake_order(tuple(dims))] if kind == "snake" else devices
             out[kind] = (Mesh(order, ("tp",)), ("tp",))
     return out
+
+
+def allreduce_program(mesh: Mesh, axes: tuple, cfg: AllReduceConfig, rotated: bool = False):
+    """`cfg`'s all_reduce over every axis of `mesh`, jitted, on rows sharded over `axes`."""
+    over = axes[0] if len(axes) == 1 else axes
+    return jax.jit(jax.shard_map(lambda a: all_reduce(a, over, cfg, rotated=rotated), mesh=mesh,
+                                 in_specs=P(axes), out_specs=P(axes)))
 
 
 def _folded_input(x: jax.Array, cfg: AllReduceConfig) -> jax.Array:
@@ -155,11 +135,8 @@ def bench_on_mesh(sizes: list[int], methods: list[str], repeats: int, minishards
         for m, (_, kind, folded) in opts.items():
             mesh, axes = meshes[kind]
             inputs[m] = _folded_input(xs[kind], configs[m]) if folded else xs[kind]
-            over = axes[0] if len(axes) == 1 else axes
-            f = jax.jit(jax.shard_map(lambda a, c=configs[m], r=over, rot=folded: all_reduce(
-                a, r, c, rotated=rot), mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
             t0 = time.perf_counter()
-            compiled[m] = f.lower(inputs[m]).compile()
+            compiled[m] = allreduce_program(mesh, axes, configs[m], folded).lower(inputs[m]).compile()
             fusions, instructions = program_size(compiled[m])
             facts[m] = {"compile_s": time.perf_counter() - t0, "fusions": fusions,
                         "instructions": instructions,
@@ -265,9 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         mode = f"1 process, {rows[0]['devices']} virtual CPU devices"
     report = {"mode": mode, "processes": processes, "link_gbit": args.link_gbit,
               "torus": list(torus) if torus else None, "settings": params,
-              "malloc": malloc_label(False, processes > 0), "jax": jax.__version__,
-              "cpus": os.cpu_count(), "machine": platform.machine(),
-              "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+              "malloc": malloc_label(False, processes > 0), **common.environment(), "rows": rows}
     print(f"# {mode}; minishards={args.minishards}; pipelined={params['pipelined']}; "
           f"repeats={args.repeats}; malloc: {report['malloc']}")
     print(format_table(rows))

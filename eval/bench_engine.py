@@ -1,39 +1,7 @@
-"""The engine in-process: greedy requests through an `EngineCore` over a `PagedRunner` (no HTTP),
-built as the server builds it (`eval.common.build_engine`), each kind of request run once
-untimed before it is timed. Modes (--only, comma-separated):
-
-  lone      one stream: its inter-token latency (ITL: the median gap between its tokens)
-  batch     --max-num-seqs streams at once: output tok/s, ITL (median over streams), TTFT
-  streams   the same at each --streams count (the engine's max_num_seqs: the largest)
-  ttft      a lone prompt of --long-prompt tokens: its time to first token
-  prefix    TTFT of a prompt whose first --long-prompt tokens an earlier one computed (a prefix
-            cache hit) against the earlier one's
-  itl       4 streams' p99 gap while a --long-prompt-token prompt is admitted beside them,
-            against their median gap before it arrived
-  grammar   --max-num-seqs sampled streams constrained by a JSON schema against the same
-            without: ITL (a step with a grammar row waits for the step in flight), tok/s
-  step      one decode step of 8 rows at a 256-token context, as the scheduler plans it:
-            `run_step` (inputs up, step, sampler, tokens back), its dispatch alone, and the model
-            program alone (inputs on the device)
-  census    that step's compiled program (kernels of its entry computation, parameters, per
-            layer); from a profiler trace of 8 steps: the programs and arrays put on a device per
-            step (host) and the device's kernels (accelerators)
-  capacity  how many sequences of --prompt-tokens the scheduler and page allocator run at once
-            in the KV bytes of a dense cache of 8 x 8,192 tokens (no model steps)
-  images    (a model with a tower) a running stream's largest gap while an image request is
-            admitted, against a text request of the same length; the image request's TTFT, and
-            again with its features and pages cached; the encoder's images/s
-  ready     time to ready (`serving.load_runner`) in a fresh process over an empty compilation
-            cache, then in another over the cache the first filled
-  compiles  compiles and cache reads after ready: prompts of mixed lengths at 1, 8, 32, 64 streams
-
-lone, batch, streams, ttft, itl and step run on every engine of --engines (default,
-deterministic) at every --max-seq-len, the engines alternating between runs.
-
-    python -m eval.bench_engine --only lone,batch --engines deterministic,default --max-seq-len 2048,32768
-    python -m eval.bench_engine --model "random:1b?vocab=262000" --only streams,ttft,step,census,ready
-    python -m eval.bench_engine --only images --model "random:tiny?vision=tiny" --dtype float32
-"""
+"""The engine in-process, as the server builds it (`eval.common.build_engine`: an `EngineCore`
+over a `PagedRunner`, no HTTP): latency and throughput of greedy requests, a step's cost and
+program, KV capacity, images, time to ready, compiles. The modes (--only) are listed below;
+what each measures, and example commands: docs/benchmarks.md."""
 from __future__ import annotations
 
 import collections
@@ -47,24 +15,31 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
 import jax_platform
 from eval import common
+from eval.common import log
 from eval.reports import write_json
 
-MODES = ("lone", "batch", "streams", "ttft", "prefix", "itl", "grammar", "step", "census",
-         "capacity", "images", "ready", "compiles")
-ROOT = Path(__file__).resolve().parents[1]
+MODES = {
+    "lone": "one stream's inter-token latency (ITL: the median gap)",
+    "batch": "--max-num-seqs streams at once: output tok/s, ITL, TTFT",
+    "streams": "the same at each --streams count",
+    "ttft": "a lone --long-prompt-token prompt's time to first token",
+    "prefix": "TTFT of a prompt whose prefix an earlier one cached, against the earlier one's",
+    "itl": "4 streams' p99 gap while a --long-prompt is admitted, against their median before",
+    "grammar": "sampled streams under a JSON schema against the same without: ITL, tok/s",
+    "step": "one decode step of 8 rows: run_step, its dispatch, the model program alone",
+    "census": "that step's compiled program; per step, programs, device puts and kernels",
+    "capacity": "sequences the scheduler runs in a dense 8 x 8,192 cache's KV bytes",
+    "images": "a stream's gap while an image is admitted; image TTFT; encoder images/s",
+    "ready": "time to ready in a fresh process, cold then over the cache it filled",
+    "compiles": "compiles and cache reads after ready, prompts of mixed lengths"}
 WORDS = ("the sea lighthouse keeper winter snow lost key robot paint library night train garden "
          "moon rival bakers forgotten song bookshop storm harvest clock letter mountain village "
          "city bridges river market children evening quiet light road").split()
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def text_ids(tok, n: int, seed: int) -> list[int]:
@@ -279,7 +254,8 @@ def median_ms(fn, n: int) -> float:
 
 
 def step(runner, n: int) -> dict:
-    """See `step` in the module docstring: medians of n, ms."""
+    """One decode step of 8 rows at a 256-token context: `run_step` (inputs up, step, sampler,
+    tokens back), its dispatch alone and the model program alone; medians of n, ms."""
     import jax
 
     from models.gemma3.ragged import RaggedBatch
@@ -390,8 +366,9 @@ def dense_cache_bytes(model, rows: int, seq_len: int) -> int:
 
 
 def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
-    """See `capacity` in the module docstring. A sequence's bytes are the pages the allocator
-    gave it (its prompt and 16 tokens); the pools as the engine sizes them for N sequences."""
+    """How many sequences of --prompt-tokens run at once in a dense 8 x `row_len` cache's KV
+    bytes. A sequence's bytes are the pages the allocator gave it (its prompt and 16 tokens);
+    the pools as the engine sizes them for N sequences."""
     from serving import PagedScheduler, SamplingParams, Sequence, paged_runner_info
 
     c, page = model.config, args.page_size
@@ -519,7 +496,7 @@ def images(model, args) -> dict:
     return out
 
 
-def ready(argv: list[str], args) -> dict:
+def ready(argv: list[str]) -> dict:
     """`ready-child` in a fresh process, cold then over the cache the first filled; process_s:
     the child's whole life (interpreter, imports, exit too)."""
     out = {}
@@ -529,7 +506,7 @@ def ready(argv: list[str], args) -> dict:
             cmd = [sys.executable, "-m", "eval.bench_engine", *argv, "--only", "ready-child",
                    "--compile-cache-dir", cache]
             t0 = time.perf_counter()
-            r = subprocess.run(cmd, cwd=ROOT, env=jax_platform.child_environment(),
+            r = subprocess.run(cmd, cwd=common.ROOT, env=jax_platform.child_environment(),
                                capture_output=True, text=True, timeout=3600)
             if r.returncode:
                 raise SystemExit(f"ready ({phase}): the child failed\n{r.stderr[-3000:]}")
@@ -542,25 +519,22 @@ def ready(argv: list[str], args) -> dict:
 
 
 def ready_child(args) -> dict:
-    from eval.compile_events import record_compiles
+    from eval.compile_events import counted_compiles
     from serving import load_runner
 
-    durations, hits = [], []
-    record_compiles(durations, hits)
+    counts = counted_compiles()
     t0 = time.perf_counter()
     load_runner(common.server_config(args), lambda msg: None)
-    return {"ready_s": time.perf_counter() - t0, "compiles": len(durations),
-            "compile_s": float(sum(durations)), "cache_reads": len(hits),
-            "cache_read_s": float(sum(hits))}
+    return {"ready_s": time.perf_counter() - t0, **counts()}
 
 
 def compiles(model, args) -> dict:
-    """See `compiles` in the module docstring (the engine just built as --precompile says)."""
-    from eval.compile_events import record_compiles
+    """Compiles and cache reads after ready (the engine built as --precompile says): prompts of
+    mixed lengths at 1, 8, 32 and 64 streams."""
+    from eval.compile_events import counted_compiles
 
     core = common.build_engine(args, model)
-    durations, hits = [], []
-    record_compiles(durations, hits)
+    figures = counted_compiles()
     rng = np.random.default_rng(7)
     counts = sorted({min(n, args.max_num_seqs) for n in (1, 8, 32, 64)})
     longest = args.max_seq_len[0] - args.tokens
@@ -570,9 +544,7 @@ def compiles(model, args) -> dict:
                              for i, k in enumerate(rng.integers(2, longest + 1, n))], args.tokens)
     finally:
         core.shutdown()
-    return {"streams": counts, "longest_prompt": longest, "compiles": len(durations),
-            "compile_s": float(sum(durations)), "cache_reads": len(hits),
-            "cache_read_s": float(sum(hits))}
+    return {"streams": counts, "longest_prompt": longest, **figures()}
 
 
 def summary(tree: dict, path: str = "") -> list[str]:
@@ -587,8 +559,8 @@ def summary(tree: dict, path: str = "") -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = common.parser(__doc__, MODES + ("ready-child",), only="lone,batch", lists=("max_seq_len",),
-                      repeats=2, max_seq_len=2048)
+    p = common.parser(__doc__, {**MODES, "ready-child": "(internal) one process of ready"},
+                      only="lone,batch", lists=("max_seq_len",), repeats=2, max_seq_len=2048)
     p.add_argument("--engines", default="default", help="comma-separated: default, deterministic")
     p.add_argument("--streams", default="1,8", help="streams: stream counts")
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -605,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
     if only == ["ready-child"]:
         print(json.dumps(ready_child(args)))
         return {}
-    report: dict = {"ready": ready(argv, args)} if "ready" in only else {}
+    report: dict = {"ready": ready(argv)} if "ready" in only else {}
     import jax
 
     from models.gemma3.byte_tokenizer import ByteTokenizer
@@ -639,7 +611,7 @@ def main(argv: list[str] | None = None) -> dict:
         if mode in single:
             report[mode] = single[mode](model, args)
             log(f"{mode} done")
-    log("\n".join(summary({m: report[m] for m in ("engines",) + MODES if m in report})))
+    log("\n".join(summary({m: report[m] for m in ("engines", *MODES) if m in report})))
     write_json(args.out, report)
     print(json.dumps(report, indent=1, default=str))
     return report

@@ -1,40 +1,12 @@
-"""Prefill latency of Gemma 3 with each AllReduce method, side by side, with the cost model.
-
-What is timed is the server's prompt path: a lone prompt of each length in a `PagedRunner` at
-the server's settings (`ServerConfig`'s max_num_seqs and max_seq_len; --page-size and the step
-budget --max-num-batched-tokens, which a lone prompt takes whole), the `PagedScheduler` cutting
-it into ragged steps, from its admission to its first token on the host: its time to first
-token alone in the engine (the engine core's thread and detokenizer aside). Each method's step
-programs are compiled ahead and the prompt runs `--warmup` times untimed; then the methods run
-interleaved (A B C, B C A, ...); each row gives the median and p90, the median of the
-per-iteration ratios against bf16, the steps and each step's padded tokens (what its
-AllReduces carry). Each method runs as `load_model` serves it: the default int8's rotation
-folded into the weights; `int8:unfolded` rotates at run time. wire_bytes is what each device
-sends over the prompt's steps, read from the compiled step programs.
-
-Modes:
-  one process, --tp virtual CPU devices (default): collectives are memcpys; this measures the
-    compute, including the int8 methods' quantization work;
-  --processes N: one process per device on JAX's distributed runtime (gloo over TCP on
-    127.0.0.1), --link-gbit X inside a network namespace whose loopback is shaped to X Gbit/s
-    (needs root). Then the one-process run is made first (or read from --baseline) and the cost
-    model, calibrated by collective-only runs at --calibrate-gbit rates (or read from
-    --calibration), predicts each row: T = T_one_process + per step 2 x layers x t_comm(link)
-    (two AllReduces fewer in the steps that sample nothing: eval.cost_model.predict_prefill_s).
-
-  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8 --iters 5 --out single.json
-  python -m eval.bench_prefill --model random:1b --layers 4 --tp 2 --lengths 256,512,1024 \
-      --allreduce bf16,bf16_ring,int8 --processes 2 --link-gbit 0.1 \
-      --calibrate-gbit 0.1,0.2,0.4 --baseline single.json --out p2.json --plot p2.png
-"""
+"""Prefill latency of Gemma 3 with each AllReduce method side by side: a lone prompt through the
+server's prompt path (a `PagedRunner` and the `PagedScheduler`'s ragged steps) to its first
+token, in one process or one per device on shaped links, with the cost model's predictions.
+Modes and example commands: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import os
-import platform
 import statistics
 import subprocess
 import time
@@ -42,21 +14,16 @@ import time
 import numpy as np
 
 from equarx import AllReduceConfig
-from eval import cost_model, prefill_report
+
+from eval import common, cost_model
 from eval.quality import UNFOLDED, mode_config
-from eval.reports import write_json
+from eval.reports import format_columns, write_json
 import jax_platform
 from jax_platform import keep_freed_memory, malloc_label
 
 GROUP_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed", "heartbeat_timeout")
 
-DEFAULT_METHODS = "bf16,bf16_ring,int8"
-
 _seq_ids = itertools.count()
-
-
-# ---------------------------------------------------------------------------------------------
-# Model spec
 
 
 def model_source(model: str, layers: int | None) -> tuple[str, int | None]:
@@ -80,10 +47,6 @@ def model_source(model: str, layers: int | None) -> tuple[str, int | None]:
 
 # ---------------------------------------------------------------------------------------------
 # Measurement (runs the same way in one process or in every process of a distributed run)
-
-
-def _p90(samples: list[float]) -> float:
-    return float(np.percentile(samples, 90))
 
 
 def set_link(gbit: float) -> None:
@@ -210,7 +173,7 @@ def measure(source: str, tp: int, lengths: list[int], methods: list[str], iters:
                 row = {"length": length, "tp": tp, "method": m, "label": configs[m].label,
                        "steps": len(steps), "pieces": [n for n, _ in steps],
                        "step_tokens": [b.tokens for _, b in steps],
-                       "median_ms": 1e3 * statistics.median(t), "p90_ms": 1e3 * _p90(t),
+                       "median_ms": 1e3 * statistics.median(t), "p90_ms": 1e3 * float(np.percentile(t, 90)),
                        "times_ms": [1e3 * v for v in t], "wire_bytes": wire[m],
                        "compile_s": compile_s[m]}
                 if lk is not None:
@@ -220,10 +183,8 @@ def measure(source: str, tp: int, lengths: list[int], methods: list[str], iters:
                         a / b for a, b in zip(times[lk, ref], t)) if ref in methods else None)
                 rows.append(row)
     c, info = base.config, runners[methods[0]].info
-    return {"config": {"name": c.name, "num_layers": c.num_layers, "d_model": c.d_model,
-                       "ffn_hidden": c.ffn_hidden, "num_heads": c.num_heads,
-                       "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                       "vocab_size": c.vocab_size},
+    return {"config": {k: getattr(c, k) for k in ("name", "num_layers", "d_model", "ffn_hidden",
+                       "num_heads", "num_kv_heads", "head_dim", "vocab_size")},
             "engine": {"max_num_batched_tokens": info.max_num_batched_tokens,
                        "page_size": info.page_size, "max_num_seqs": info.max_num_seqs,
                        "max_seq_len": info.max_seq_len},
@@ -237,10 +198,6 @@ def worker(params: dict) -> dict:
     result = measure(**params, log=lambda *_: None)
     result["process"] = jax.process_index()
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# Calibration of the link (collective-only runs)
 
 
 def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: list[str],
@@ -270,12 +227,67 @@ def calibrate(n: int, gbits: list[float], message_elements: list[int], methods: 
         f"{size}:{m}": t for (size, m), t in one.items()}}
 
 
-def fit_from(calibration: dict) -> cost_model.Fit:
-    return cost_model.fit_link([cost_model.CommSample(**s) for s in calibration["samples"]])
+def header(report: dict) -> str:
+    cfg = report["config"]
+    layers = (f"layers: {cfg['num_layers']} of {report['full_layers']}"
+              if report.get("full_layers") else f"layers: {cfg['num_layers']} (all)")
+    s, e = report["settings"], report["engine"]
+    return (f"# {report['model']} ({cfg['name']}): d_model {cfg['d_model']}, {layers}; "
+            f"{s['dtype']}; a lone prompt in the paged engine (steps of at most "
+            f"{e['max_num_batched_tokens']} tokens, pages of {e['page_size']}) to its first "
+            f"token; {s['iters']} interleaved iterations after {s['warmup']} warm-up"
+            f"\n# {report['mode']}; {report['machine']}, "
+            f"{report['cpus']} CPUs, jax {report['jax']}"
+            + (f"; malloc: {s['malloc']}" if s.get("malloc") else ""))
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI
+def add_comm_share(rows: list[dict], base_gbit: float, link_gbit: float) -> list[dict]:
+    """Paired runs: give every row at the target link its measured communication share, (its
+    time minus the same method's time at the base link) / its time. This is the measured side
+    of "communication is a third of prefill", next to the cost model's estimate."""
+    base = {(r["length"], r["method"]): r["median_ms"]
+            for r in rows if r.get("link_gbit") == base_gbit}
+    out = []
+    for r in rows:
+        b = base.get((r["length"], r["method"]))
+        if r.get("link_gbit") == link_gbit and b is not None and r["median_ms"] > 0:
+            r = {**r, "comm_share": (r["median_ms"] - b) / r["median_ms"]}
+        out.append(r)
+    return out
+
+
+def comm_share_line(rows: list[dict], method: str = "bf16") -> str | None:
+    """'# measured: ...' for the method's row at the longest length, when it has a share."""
+    have = [r for r in rows if r["method"] == method and "comm_share" in r]
+    if not have:
+        return None
+    r = max(have, key=lambda r: r["length"])
+    line = (f"# measured: {method} communication (time at {r['link_gbit']:g} Gbit/s minus time "
+            f"on the base link) is {100 * r['comm_share']:.0f}% of its prefill at length "
+            f"{r['length']}")
+    share = r["comm_share"]
+    if 0 < share < 1:
+        # Communication time ~ 1 / rate; a third of the total is half the base-link time.
+        third = r["link_gbit"] * (share / (1 - share)) / 0.5
+        line += f"; a third would take about {third:.2g} Gbit/s"
+    return line
+
+
+def format_table(rows: list[dict]) -> str:
+    x = lambda k: lambda r: "-" if r.get(k) is None else f"{r[k]:.2f}x"  # noqa: E731
+    cols = [("length", ">6", lambda r: r["length"]), ("steps", ">5", lambda r: r["steps"]),
+            ("tp", ">3", lambda r: r["tp"])]
+    if any("link_gbit" in r for r in rows):
+        cols.append(("Gbit/s", ">6", lambda r: f"{r['link_gbit']:g}"))
+    cols += [("method", "<14", lambda r: r["method"]),
+             ("median ms", ">10", lambda r: f"{r['median_ms']:.1f}"),
+             ("p90 ms", ">9", lambda r: f"{r['p90_ms']:.1f}"), ("x bf16", ">7", x("speedup_vs_bf16")),
+             ("predicted", ">9", x("predicted_speedup_vs_bf16")),
+             ("x ring", ">7", x("speedup_vs_bf16_ring")),
+             ("wire MB", ">8", lambda r: f"{r['wire_bytes'] / 1e6:.2f}")]
+    if any("comm_share" in r for r in rows):
+        cols.append(("comm %", ">6", lambda r: f"{100 * r['comm_share']:.0f}" if "comm_share" in r else ""))
+    return format_columns(rows, cols)
 
 
 def _one_process(params: dict) -> dict:
@@ -284,7 +296,7 @@ def _one_process(params: dict) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="random:1b",
                    help="gemma3-270m, a .gguf path, or random:<size>[?k=v] (270m/1b/4b/12b/27b)")
     p.add_argument("--layers", type=int, default=None, help="use fewer layers (random weights)")
@@ -293,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="the step budget, which a lone prompt takes whole (the server's default)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (the server's)")
-    p.add_argument("--allreduce", default=DEFAULT_METHODS,
+    p.add_argument("--allreduce", default="bf16,bf16_ring,int8",
                    help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -302,15 +314,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="pipelined=False: a ring direction's minishards share one ppermute")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
-    p.add_argument("--link-gbit", default=None,
-                   help="shape the loopback to this many Gbit/s (root), or 'third': the rate at "
-                        "which the calibrated model puts bf16 communication at 1/3 of prefill "
-                        "at the longest length")
+    p.add_argument("--link-gbit", type=float, default=None,
+                   help="shape the loopback to this many Gbit/s (root)")
     p.add_argument("--torus", default=None, metavar="DIMS",
-                   help="e.g. 2x2: one process per node of an emulated torus (eval.torus: a "
-                        "namespace per process, a veth per neighbour, each shaped to "
-                        "--link-gbit; root); sets --processes. A 1-D model mesh runs through "
-                        "the devices in snake order (ring neighbours are torus neighbours)")
+                   help="e.g. 2x2: one process per node of an emulated torus, each link shaped "
+                        "to --link-gbit (root); sets --processes; a 1-D mesh in snake order")
     p.add_argument("--tp-mesh", default=None, metavar="AxB",
                    help="the model's TP mesh (load_model's tp_mesh): AllReduces over every "
                         "axis (equarx's multi-axis schedule)")
@@ -318,14 +326,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --link-gbit X: alternate every iteration between this rate (0: the "
                         "unshaped loopback) and X, and predict the X rows from the base rows of "
                         "the same run")
-    p.add_argument("--baseline", default=None, help="one-process JSON of the same settings")
     p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
     p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
     p.add_argument("--calibration-repeats", type=int, default=5)
-    p.add_argument("--calibrate-only", action="store_true",
-                   help="stop after the calibration (report the fit and the rate for 1/3)")
     p.add_argument("--out", default=None, help="write the report as JSON")
-    p.add_argument("--plot", default=None, help="write a PNG of speedup against prompt length")
     p.add_argument("--no-tpu-prediction", action="store_true")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
@@ -337,24 +341,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked_args(p: argparse.ArgumentParser, argv: list[str] | None):
     """Parsed arguments with the flag combinations checked: (args, methods, lengths, torus);
-    --torus sets --processes and --link-gbit becomes a float (or stays 'third')."""
+    --torus sets --processes."""
     args = p.parse_args(argv)
-    methods = [m.strip() for m in args.allreduce.split(",") if m.strip()]
-    for m in methods:
+    methods = common.names(args.allreduce)
+    for m in methods:  # fail early on a typo
         try:
-            # Fail early on a typo.
             AllReduceConfig.from_label(m.removesuffix(UNFOLDED), minishards=args.minishards)
         except ValueError as e:
             p.error(str(e))
-    lengths = sorted({int(v) for v in args.lengths.split(",")})
+    lengths = sorted(set(common.ints(args.lengths)))
     torus = None
     if args.torus:
         from eval.torus import parse_dims
 
         torus = parse_dims(args.torus)
         args.processes = int(np.prod(torus))
-        if args.link_gbit in (None, "third"):
-            p.error("--torus needs a numeric --link-gbit (the rate of every link)")
+        if args.link_gbit is None:
+            p.error("--torus needs --link-gbit (the rate of every link)")
         if args.calibrate_gbit or args.calibration or args.base_link_gbit is not None:
             p.error("--torus measures only: the calibration and the paired base link model a "
                     "shared loopback")
@@ -362,16 +365,8 @@ def _checked_args(p: argparse.ArgumentParser, argv: list[str] | None):
         p.error("--link-gbit needs --processes (a shaped link only matters between processes)")
     if args.processes and args.processes != args.tp:
         p.error("--processes must equal --tp (one device per process)")
-    if args.link_gbit not in (None, "third"):
-        try:
-            args.link_gbit = float(args.link_gbit)
-        except ValueError:
-            p.error(f"--link-gbit must be a number or 'third', got {args.link_gbit!r}")
-        if args.link_gbit <= 0:
-            p.error("--link-gbit must be positive")
-    if (args.link_gbit == "third" or args.calibrate_only) and not (
-            args.calibrate_gbit or args.calibration):
-        p.error("--link-gbit third and --calibrate-only need --calibrate-gbit or --calibration")
+    if args.link_gbit is not None and args.link_gbit <= 0:
+        p.error("--link-gbit must be positive")
     return args, methods, lengths, torus
 
 
@@ -401,8 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
         keep_freed_memory()
     report = {"settings": {**params, "processes": args.processes, "link_gbit": args.link_gbit,
                            "malloc": malloc_label(args.plain_malloc, args.processes > 0)},
-              "jax": __import__("jax").__version__, "cpus": os.cpu_count(),
-              "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+              **common.environment()}
     baseline, fit = None, None
     if group.enabled:
         result, mode = _run_group(params)
@@ -410,10 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
             return result
     elif args.processes > 0:
         baseline = _baseline_for(args, params, torus)
-        fit = _calibrate_for_run(args, params, source, lengths, methods, baseline, report)
-        if args.calibrate_only:
-            write_json(args.out, report)
-            return report
+        fit = _calibrate_for_run(args, source, lengths, methods, report)
         result, mode = _run_processes(args, params, torus)
     else:
         result = _one_process(params)
@@ -423,15 +414,13 @@ def main(argv: list[str] | None = None) -> dict:
     if fit is not None and args.link_gbit:
         rows = _predict(rows, baseline, fit, cfg, args)
     if args.processes > 0 and args.base_link_gbit is not None and args.link_gbit:
-        rows = prefill_report.add_comm_share(rows, args.base_link_gbit, args.link_gbit)
+        rows = add_comm_share(rows, args.base_link_gbit, args.link_gbit)
     report.update(mode=mode, model=source, config=cfg, engine=result["engine"],
                   full_layers=full_layers, rows=rows)
     if not args.no_tpu_prediction:
         report["tpu_predictions"] = cost_model.tpu_predictions()
-    _print_report(report, rows, args.link_gbit)
+    _print_report(report)
     write_json(args.out, report)
-    if args.plot:
-        prefill_report.plot(report, args.plot)
     return report
 
 
@@ -447,23 +436,19 @@ def _run_group(params: dict) -> tuple[dict, str | None]:
 
 
 def _baseline_for(args, params: dict, torus) -> dict | None:
-    """Mode --processes: the one-process run the link predictions start from (read from
-    --baseline, or measured first when a shaped link is predicted rather than paired)."""
+    """Mode --processes: the one-process run the link predictions start from (measured first
+    when a shaped link is predicted rather than paired)."""
     jax_platform.ensure_cpu_devices(args.tp)  # the one-process runs use tp virtual devices
     paired = args.base_link_gbit is not None and args.link_gbit is not None
-    if args.baseline:
-        with open(args.baseline) as f:
-            return json.load(f)
-    if args.link_gbit == "third" or (args.link_gbit is not None and not paired and not torus):
+    if args.link_gbit is not None and not paired and not torus:
         print("# one-process run first (compute + quantization, no link) ...")
         return _one_process(params)
     return None
 
 
-def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], methods: list[str],
-                       baseline: dict | None, report: dict) -> cost_model.Fit | None:
-    """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report;
-    resolves --link-gbit third to the fitted rate."""
+def _calibrate_for_run(args, source: str, lengths: list[int], methods: list[str],
+                       report: dict) -> cost_model.Fit | None:
+    """Mode --processes with --calibrate-gbit/--calibration: the link fit, recorded in the report."""
     if args.calibration:
         with open(args.calibration) as f:
             calibration = json.load(f)["cost_model"]["calibration"]
@@ -478,20 +463,13 @@ def _calibrate_for_run(args, params: dict, source: str, lengths: list[int], meth
     else:
         return None
     try:
-        fit = fit_from(calibration)
+        fit = cost_model.fit_link([cost_model.CommSample(**s) for s in calibration["samples"]])
     except ValueError as e:  # e.g. messages inside the token bucket's burst
         raise SystemExit(f"cannot fit the link model: {e}; calibration samples: "
                          f"{json.dumps(calibration['samples'])}")
     print(f"# cost model fit: {fit.describe()}")
-    third = _link_for_third(baseline, fit, baseline["config"], args) if baseline else None
-    if third:
-        print(f"# link at which {third['method']} communication is 1/3 of prefill at "
-              f"length {third['length']}: {third['gbit']:.3g} Gbit/s")
-    if args.link_gbit == "third":
-        args.link_gbit = round(third["gbit"], 3)
-        report["settings"]["link_gbit"] = args.link_gbit
     report["cost_model"] = {"fit": fit.__dict__, "describe": fit.describe(),
-                            "calibration": calibration, "link_gbit_for_third": third}
+                            "calibration": calibration}
     return fit
 
 
@@ -524,18 +502,14 @@ def _run_processes(args, params: dict, torus) -> tuple[dict, str]:
     return result, mode
 
 
-def _print_report(report: dict, rows: list[dict], link_gbit) -> None:
-    print(prefill_report.header(report))
-    print(prefill_report.format_table(rows))
-    share = prefill_report.comm_share_line(rows)
+def _print_report(report: dict) -> None:
+    print(header(report))
+    print(format_table(report["rows"]))
+    share = comm_share_line(report["rows"])
     if share:
         print(share)
     if "cost_model" in report:
         print("# cost model fit: " + report["cost_model"]["describe"])
-        third = report["cost_model"]["link_gbit_for_third"]
-        if third:
-            print(f"# link at which {third['method']} communication is 1/3 of prefill at length "
-                  f"{third['length']}: {third['gbit']:.3g} Gbit/s (this run: {link_gbit})")
     if "tpu_predictions" in report:
         print(cost_model.format_tpu_predictions(report["tpu_predictions"]))
 
@@ -572,20 +546,6 @@ def _message_shape(source: str, lengths: list[int], budget: int) -> tuple[int, l
         path = default_gguf_path() if source == "gemma3-270m" else source
         d_model = read_gguf_config(path)["d_model"]
     return d_model, sorted({pow2(min(n, budget)) for n in lengths})
-
-
-def _link_for_third(baseline: dict, fit: cost_model.Fit, cfg: dict, args) -> dict | None:
-    """The rate at which the baseline method's communication is a third of its prefill at the
-    longest length, by the fitted model (how the target run's --link-gbit is chosen)."""
-    rows = [r for r in baseline["rows"] if r["method"] in ("bf16", "bf16_ring")]
-    if not rows:
-        return None
-    r = max(rows, key=lambda r: (r["length"], r["method"] == "bf16"))
-    gbit = cost_model.link_for_comm_share(
-        1 / 3, r["median_ms"] / 1e3, r["method"], tokens=r["step_tokens"],
-        d_model=cfg["d_model"], num_layers=cfg["num_layers"], n_devices=r["tp"], fit=fit,
-        minishards=args.minishards, pipelined=not args.one_message_per_hop)
-    return {"method": r["method"], "length": r["length"], "gbit": gbit}
 
 
 if __name__ == "__main__":

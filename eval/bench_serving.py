@@ -1,26 +1,7 @@
-"""The OpenAI-compatible server over HTTP: a `gemma3-serve` this command starts (the shared
-flags, plus --server-arg) or a running one (--url). Modes (--only):
-
-  serving     streams of greedy requests at each --concurrency level, each stream sending
-              --requests-per-stream requests one after another: TTFT (sent -> first token), ITL
-              (every gap between tokens), TPOT ((E2E - TTFT) / (tokens - 1)), E2E, as mean /
-              median / p99 / max, and output tok/s (vLLM's benchmark_serving definitions).
-              Request i generates a length drawn from [L(1 - r), L(1 + r)] (L = --max-tokens,
-              r = --range-ratio), the same draws at every level.
-  soak        (starts the server with --deterministic) each prompt alone, then --streams
-              concurrent streams that must equal those answers bit for bit, then --seconds of
-              --clients looping over whole requests, streams closed after a few chunks, dropped
-              connections and bad requests (each a 4xx); afterwards nothing runs or waits, KV usage
-              is 0, the prefix cache is within its capacity, the answers are the same, and the
-              second half's peak RSS is within --rss-growth-mib of the first half's.
-  structured  --requests json_schema requests (half streamed) and --tool-requests tool calls
-              through the `openai` client, each validated with `jsonschema`.
-
-    python -m eval.bench_serving                                  # real 270M, concurrency 1,8
-    python -m eval.bench_serving --url http://127.0.0.1:8000 --concurrency 1,8
-    python -m eval.bench_serving --only soak --model gemma3-270m --seconds 120 --out soak.json
-    python -m eval.bench_serving --only structured --url http://127.0.0.1:8000 --requests 50
-"""
+"""The OpenAI-compatible server over HTTP, a `gemma3-serve` this command starts (the shared
+flags, plus --server-arg) or a running one (--url): latency percentiles and throughput
+(vLLM's benchmark_serving definitions), a soak with bit-for-bit checks, structured output.
+The modes (--only) are listed below; what each checks, and examples: docs/benchmarks.md."""
 from __future__ import annotations
 
 import asyncio
@@ -33,24 +14,23 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 
 import jax_platform
 from eval import common
+from eval.common import log
 from eval.reports import write_json
 
-ROOT = Path(__file__).resolve().parents[1]
+MODES = {"serving": "streams at each --concurrency: TTFT, ITL, TPOT, E2E percentiles, tok/s",
+         "soak": "a --deterministic server under load and abuse: answers, slots, RSS checked",
+         "structured": "json_schema requests and tool calls, each validated with jsonschema",
+         "bodies": "/health latency idle and while --bodies token-id prompts of --body-mb arrive"}
 TOPICS = ["the sea", "a lighthouse keeper", "the first snow of winter", "a lost key", "a robot learning to paint",
           "an old library", "the night train", "a garden on the moon", "two rival bakers", "a forgotten song",
           "the last bookshop", "a storm at harvest", "a clock that runs backwards", "a letter never sent",
           "the mountain village", "a city of bridges"]
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
@@ -62,7 +42,7 @@ def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     log_file = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd + [*extra, *args.server_arg], cwd=ROOT, stdout=log_file,
+    proc = subprocess.Popen(cmd + [*extra, *args.server_arg], cwd=common.ROOT, stdout=log_file,
                             stderr=subprocess.STDOUT, env=jax_platform.child_environment())
     url, t0 = f"http://127.0.0.1:{args.port}", time.perf_counter()
     while True:
@@ -80,10 +60,6 @@ def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
         time.sleep(1)
 
 
-# ---------------------------------------------------------------------------------------------
-# serving
-
-
 def summarize(xs) -> dict:
     a = np.asarray(xs, dtype=np.float64)
     if a.size == 0:
@@ -98,6 +74,16 @@ def output_len(i: int, max_tokens: int, range_ratio: float) -> int:
     return int(np.random.default_rng(i).integers(lo, hi + 1))
 
 
+async def sse_chunks(r):
+    """A streamed response's JSON chunks; an error chunk raises."""
+    async for line in r.aiter_lines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            yield chunk
+
+
 async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "logprobs": 0}
@@ -105,13 +91,9 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
-                lp = chunk["choices"][0]["logprobs"]  # a token each with logprobs on
-                times += [time.perf_counter()] * (len(lp["tokens"]) if lp else 0)
+        async for chunk in sse_chunks(r):
+            lp = chunk["choices"][0]["logprobs"]  # a token each with logprobs on
+            times += [time.perf_counter()] * (len(lp["tokens"]) if lp else 0)
     if not times:
         raise RuntimeError("no tokens received")
     n, ttft, e2e = len(times), times[0] - t0, times[-1] - t0
@@ -166,9 +148,6 @@ def serving(url: str, args) -> dict:
             "requests_per_stream": args.requests_per_stream, "levels": levels}
 
 
-# ---------------------------------------------------------------------------------------------
-# soak
-
 PROMPTS = ["The capital of France is",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who",
            "def fibonacci(n):", "Rings, tori and meshes: a short history of interconnects. Chapter one.",
@@ -213,16 +192,12 @@ async def complete(client, i: int, model: str, stream: bool) -> list:
     out = ["", [], []]
     async with client.stream("POST", "/v1/completions", json=body(i, model, True)) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
-                c = chunk["choices"][0]
-                out[0] += c["text"]
-                if c.get("logprobs"):
-                    out[1] += c["logprobs"]["tokens"]
-                    out[2] += c["logprobs"]["token_logprobs"]
+        async for chunk in sse_chunks(r):
+            c = chunk["choices"][0]
+            out[0] += c["text"]
+            if c.get("logprobs"):
+                out[1] += c["logprobs"]["tokens"]
+                out[2] += c["logprobs"]["token_logprobs"]
     return out
 
 
@@ -282,7 +257,9 @@ async def soak_phase(url: str, model: str, refs: list, args, pid: int) -> dict:
 
 
 def soak(args) -> dict:
-    """The server started here with --deterministic; see `soak` in the module docstring."""
+    """The server started here with --deterministic: each prompt alone, then --streams at once
+    (the same answers, bit for bit), then --seconds of clients mixing whole, cancelled, dropped
+    and bad requests; afterwards nothing held, the same answers, RSS flat."""
     from equarx import AllReduceConfig
 
     proc, url = start_server(args, ["--deterministic"])
@@ -329,9 +306,6 @@ def soak(args) -> dict:
     return {"references": refs, "load": {"streams": args.streams, "wrong": loaded, "seconds": load_s},
             "soak": soaked, "after": after, "checks": checks, "ok": all(checks.values())}
 
-
-# ---------------------------------------------------------------------------------------------
-# structured
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -430,8 +404,39 @@ def structured(url: str, args) -> dict:
             "tool_calls_valid": sum(tools_ok), "tool_requests": len(tools_ok)}
 
 
+def bodies(url: str, args) -> dict:
+    """/health polled idle, then while --bodies POSTs of a token-id prompt of --body-mb MB each
+    arrive at once (over the context: each is read, parsed, checked and refused with a 400)."""
+    rng = random.Random(0)
+    ids = [rng.randrange(256_000) for _ in range(int(args.body_mb * 125_000))]  # ~8 bytes each
+    body = json.dumps({"prompt": ids, "max_tokens": 1}).encode()
+
+    async def run() -> dict:
+        limits = httpx.Limits(max_connections=args.bodies + 1)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
+            async def health(times: list, until) -> None:
+                while not until():
+                    t = time.perf_counter()
+                    await c.get("/health")
+                    times.append(time.perf_counter() - t)
+                    await asyncio.sleep(0.02)
+
+            idle, loaded = [], []
+            await health(idle, lambda: len(idle) >= 20)
+            t0 = time.perf_counter()
+            posts = [asyncio.ensure_future(c.post("/v1/completions", content=body,
+                                                  headers={"content-type": "application/json"}))
+                     for _ in range(args.bodies)]
+            await health(loaded, lambda: all(p.done() for p in posts))
+            return {"body_bytes": len(body), "bodies": args.bodies, "seconds": time.perf_counter() - t0,
+                    "statuses": sorted({p.result().status_code for p in posts}),
+                    "health_idle": summarize(idle), "health_loaded": summarize(loaded)}
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> dict:
-    p = common.parser(__doc__, ("serving", "soak", "structured"), only="serving", max_seq_len=512)
+    p = common.parser(__doc__, MODES, only="serving", max_seq_len=512)
     p.add_argument("--url", help="a running server (serving, structured) instead of starting one")
     p.add_argument("--concurrency", default="1,8", help="serving: stream counts")
     p.add_argument("--requests-per-stream", type=int, default=4)
@@ -444,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rss-growth-mib", type=float, default=64.0)
     p.add_argument("--requests", type=int, default=50, help="structured: json_schema requests")
     p.add_argument("--tool-requests", type=int, default=10)
+    p.add_argument("--bodies", type=int, default=8, help="bodies: concurrent large requests")
+    p.add_argument("--body-mb", type=float, default=2.0, help="bodies: each one's size in MB")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--server-log")
     p.add_argument("--server-arg", action="append", default=[], help="a gemma3-serve flag (repeatable)")
@@ -456,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["soak"] = soak(args)
     proc, url = (None, args.url) if args.url or only == ["soak"] else start_server(args)
     try:
-        for mode, run in (("serving", serving), ("structured", structured)):
+        for mode, run in (("serving", serving), ("structured", structured), ("bodies", bodies)):
             if mode in only:
                 report[mode] = run(url, args)
     finally:

@@ -5,6 +5,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    """Progress on stderr (stdout carries the report)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def ints(text: str) -> list[int]:
@@ -17,14 +26,16 @@ def names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def parser(doc: str, modes: tuple[str, ...] = (), *, only: str | None = None,
+def parser(doc: str, modes: dict[str, str] | None = None, *, only: str | None = None,
            engine: bool = True, lists: tuple[str, ...] = (), **defaults) -> argparse.ArgumentParser:
-    """The shared flags: --only (a comma list of `modes`, default `only` or all), --repeats and
-    --out; with `engine`, the engine's (--model, --dtype, --tp, --tp-mesh, --allreduce,
-    --max-seq-len, --max-num-seqs, --page-size, --long-prefill-token-threshold, --precompile,
-    --compile-cache-dir). `lists`: flags among --tp and --max-seq-len that take comma lists;
-    `defaults`: defaults by destination name."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The shared flags: --only (a comma list of `modes`, each with its line in --help's epilog;
+    default `only` or all), --repeats and --out; with `engine`, the server's flags the engine
+    needs. `lists`: flags among --tp and --max-seq-len that take comma lists; `defaults`:
+    defaults by destination name."""
+    epilog = "modes (--only):\n" + "\n".join(f"  {k:<12}{v}" for k, v in modes.items()) \
+        if modes else None
+    p = argparse.ArgumentParser(description=doc, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def add(flag, default, help_text="", **kw):
         dest = flag[2:].replace("-", "_")
@@ -35,7 +46,7 @@ def parser(doc: str, modes: tuple[str, ...] = (), *, only: str | None = None,
         p.add_argument(flag, default=default, help=help_text, **kw)
 
     if modes:
-        add("--only", only or ",".join(modes), "comma-separated: " + ", ".join(modes))
+        add("--only", only or ",".join(modes), "comma-separated modes (below)")
     add("--repeats", 3, "timed runs (medians)", type=int)
     add("--out", None, "write the report as JSON here")
     if not engine:
@@ -53,6 +64,28 @@ def parser(doc: str, modes: tuple[str, ...] = (), *, only: str | None = None,
         choices=("all", "warmup"))
     add("--compile-cache-dir", None, "'' for none (default: the server's)")
     return p
+
+
+def environment() -> dict:
+    """Where and when a report was made."""
+    import os
+    import platform
+    import time
+
+    import jax
+
+    return {"jax": jax.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '4M' -> 4 Mi, '4MiB' -> 4 Mi, '1000' -> 1000."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    value = float(text[:-1] if mult > 1 else text)
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * mult)
 
 
 def devices(args) -> int:

@@ -1,10 +1,6 @@
-"""XLA compiles as the eval tools count them, from `jax.monitoring`'s events: one per program
-compiled, with its seconds; a program read back from the persistent compilation cache is a hit,
-not a compile.
-
-JAX times a persistent-cache read as a backend compile too (the same duration event, its seconds
-those of the read), after a `cache_hits` event on the same thread: a thread's hit event marks
-its next compile event as a read."""
+"""XLA compiles counted from `jax.monitoring`'s events, with their seconds; a program read back
+from the persistent compilation cache is a read, not a compile (JAX times a read as a compile
+too, after a `cache_hits` event on the same thread: that event marks the thread's next one)."""
 from __future__ import annotations
 
 import threading
@@ -36,3 +32,12 @@ def record_compiles(durations: list[float], hits: list[float] | None = None) -> 
 
     jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+
+def counted_compiles():
+    """Starts recording; returns a function that gives the figures so far (compiles, compile_s,
+    cache_reads, cache_read_s)."""
+    durations, hits = [], []
+    record_compiles(durations, hits)
+    return lambda: {"compiles": len(durations), "compile_s": float(sum(durations)),
+                    "cache_reads": len(hits), "cache_read_s": float(sum(hits))}

@@ -1,11 +1,6 @@
-"""Real English text for the quality evaluation, from the Python standard library.
-
-`pydoc_data/topics.py` ships with CPython: it holds the prose of the Python Language Reference
-(the sections `help("assert")`, `help("if")`, ... show). It was written by the Python
-documentation authors, not by this project, and every Python installation has it, so the
-evaluation needs no download. We keep prose paragraphs only: indented blocks (grammar rules,
-code examples) and section underlines are dropped, and the lines of a paragraph are joined.
-"""
+"""Real English text for the quality evaluation with no download: the prose paragraphs of the
+Python Language Reference, which ships with CPython (`pydoc_data/topics.py`, the text
+`help("if")` shows); indented blocks (grammar, code) and headings are dropped."""
 from __future__ import annotations
 
 import re

@@ -1,16 +1,6 @@
 """A Python function run as N processes on JAX's distributed runtime (CPU, gloo over TCP), one
-CPU device each, so that a collective's bytes cross a socket (in one process, virtual devices
-share memory: a collective is a memcpy). With `link_gbit` all processes run in a namespace whose
-loopback is shaped to that rate; with `torus` each runs as a node of an emulated torus
-(eval.torus; both need root).
-
-    from eval import multiproc
-    results = multiproc.run("mypkg.mymod:entry", 4, args=(16,), link_gbit=2.0)
-
-`entry(*args)` runs in every process once the runtime is up (it sees all N devices) and returns
-something JSON-serialisable; `run` returns the values by process id, or raises RuntimeError with
-the failing process's output. Workers still alive on a failure are killed.
-"""
+CPU device each, so that a collective's bytes cross a socket; optionally on a shaped loopback
+or an emulated torus (eval.torus). Usage: docs/benchmarks.md#multiproc-one-process-per-device."""
 from __future__ import annotations
 
 import argparse
@@ -31,9 +21,12 @@ import jax_platform
 def run(entry: str, n_processes: int, *, args: Sequence[Any] = (),
         link_gbit: float | None = None, timeout_s: float = 1800.0, malloc_tunables: bool = True,
         torus: Sequence[int] | None = None, burst: str = "256kb") -> list[Any]:
-    """See the module docstring. malloc_tunables: glibc keeps freed blocks and uses huge pages
-    in the workers (XLA:CPU's per-run buffers stop paying page faults); burst: the shaped
-    links' token bucket."""
+    """`entry` ('module:function') called as entry(*args) in each of n_processes once the runtime
+    is up (it sees all N devices); returns its JSON-serialisable values by process id, or raises
+    RuntimeError with the failing process's output (workers still alive are killed).
+    link_gbit: a shaped loopback (root); torus: the emulated torus of these dims; burst: the
+    shaped links' token bucket; malloc_tunables: glibc keeps freed blocks and uses huge pages in
+    the workers (XLA:CPU's per-run buffers stop paying page faults)."""
     if ":" not in entry:
         raise ValueError(f"entry must be 'module:function', got {entry!r}")
     if n_processes < 1:
@@ -49,7 +42,7 @@ def run(entry: str, n_processes: int, *, args: Sequence[Any] = (),
             net = stack.enter_context(links.emulated_torus(tuple(torus), link_gbit, burst=burst))
         elif link_gbit is not None:
             ns = stack.enter_context(links.shaped_loopback(link_gbit, burst))
-        host = "127.0.0.1" if net is None else net.address(0)
+        host = "127.0.0.1" if net is None else links.address(0)
         port = 23456 if ns or net else _free_port()  # a fresh namespace has every port free
         env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"),
                                              malloc_tunables=malloc_tunables)
@@ -63,7 +56,7 @@ def run(entry: str, n_processes: int, *, args: Sequence[Any] = (),
                     json.dump({"entry": entry, "args": list(args), "process_id": pid,
                                "num_processes": n_processes, "coordinator": f"{host}:{port}",
                                "result": os.path.join(tmp, f"result{pid}.json")}, f)
-                prefix = net.prefix(pid) if net else ["ip", "netns", "exec", ns] if ns else []
+                prefix = links.netns(net[pid] if net else ns)
                 log = open(os.path.join(tmp, f"log{pid}.txt"), "w")  # gloo chats on stdout
                 procs.append((subprocess.Popen(prefix + [sys.executable, "-m", "eval.multiproc",
                                                          "--worker", spec], env=env, stdout=log,

@@ -1,26 +1,6 @@
 """What an AllReduce costs in quality: the model with it against the same model with an exact
-float32 AllReduce (the reference), on real English text (eval.corpus: the Python Language
-Reference's prose, shipped with Python). Modes (--only):
-
-  quality      every --modes label (or "naive", a per-tensor int8 strawman) at every --tp:
-               perplexity, mean KL(p_f32 || p_mode) per position, top-1 agreement, and greedy
-               continuations of --prompts prompts equal to the reference's (through `serving.LLM`)
-  images       the tiny multimodal model (`random:tiny?vision=tiny`, float32): KL and top-1 over
-               every position of prompts with 0, 1 and 2 images (soft tokens left out)
-  scaling      the model at tp=4 with each reduction's 4 real partials split into N/4 random
-               parts each and reduced by `equarx.all_reduce` over an axis of N emulated devices
-               (`jax.vmap`): the error's growth with N (--devices)
-  sensitivity  beside the modes, the exact sum plus Gaussian noise of --noise x each row's rms
-               (drawn from the sum's own bits: token-local): each variant's relative rms error
-               against the exact sum as the reference delivers it, and its KL (docs/quality.md)
-
-Every mode's defaults are the figures' in docs/quality.md (--tokens, --tp, --dtype, --modes).
-
-    python -m eval.quality --out quality.json                 # real 270M, tp 2 and 4
-    python -m eval.quality --model random:tiny --tokens 256 --window 64
-    python -m eval.quality --only scaling --devices 4,16 --modes int8,int8-full --tokens 511
-    python -m eval.quality --only sensitivity --dtype float32 --modes bf16_ring-full,int8
-"""
+float32 AllReduce (the reference), on real English text (eval.corpus). The modes (--only) are
+listed below; what each measures, and example commands: docs/benchmarks.md."""
 from __future__ import annotations
 
 import math
@@ -38,6 +18,11 @@ from eval.reports import format_columns, write_json
 NAIVE, REFERENCE, UNFOLDED, NOISE = "naive", "f32", ":unfolded", "noise:"
 MODES = ("f32", "bf16", "bf16_ring", "bf16_ring-full", "int8", "int8-full", "int8-full+tile",
          "int4", "fp8", NAIVE)
+MODE_HELP = {
+    "quality": "every --modes label at every --tp: perplexity, KL, top-1, greedy continuations",
+    "images": "the tiny multimodal model: KL and top-1 of prompts with 0, 1 and 2 images",
+    "scaling": "real tp=4 partials split over N emulated devices: the error's growth with N",
+    "sensitivity": "beside the modes, the exact sum plus --noise: rms error and KL"}
 DEFAULTS = {  # per mode: --tokens, --tp, --dtype, --modes
     "quality": (4096, "2,4", "bfloat16", ",".join(MODES)),
     "images": (24, "4", "float32", "int8"),
@@ -113,7 +98,8 @@ def load_reference(model: str, tp: int, dtype: str, n_tokens: int, window: int):
 
 
 def quality(args) -> list[dict]:
-    """See `quality` in the module docstring; f32 is scored against itself too (a check)."""
+    """Every --modes label (or the naive strawman) at every --tp against the f32 reference:
+    perplexity, KL, top-1 agreement and greedy continuations (f32 against itself: a check)."""
     from serving import LLM, SamplingParams
 
     modes = [REFERENCE] + [m for m in common.names(args.modes) if m != REFERENCE]
@@ -175,7 +161,8 @@ def image_logits(model, ids, images) -> np.ndarray:
 
 
 def images(args) -> list[dict]:
-    """See `images` in the module docstring."""
+    """KL and top-1 of the tiny multimodal model (float32) over every position of prompts with
+    0, 1 and 2 images (soft tokens left out)."""
     from models.gemma3 import load_model
     from serving import SeqImage
 
@@ -381,7 +368,7 @@ def cell(v) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = common.parser(__doc__, tuple(DEFAULTS), only="quality", engine=False)
+    p = common.parser(__doc__, MODE_HELP, only="quality", engine=False)
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--dtype", choices=("bfloat16", "float32"))
     p.add_argument("--tp", help="comma list (quality); one degree (images, sensitivity)")

@@ -1,5 +1,5 @@
-"""A benchmark's or an evaluation's report: the JSON file (when a path was given), the plain-text
-table and the command's ending that prints both."""
+"""A benchmark's or an evaluation's report: the JSON file (when a path was given) and the
+plain-text table."""
 from __future__ import annotations
 
 import json
@@ -20,10 +20,3 @@ def format_columns(rows: list[dict], columns: list[tuple[str, str, object]]) -> 
     lines += [" ".join(f"{cell(r):{spec}}" for _, spec, cell in columns) for r in rows]
     return "\n".join(lines)
 
-
-def show_and_write(report: dict, title: str, table: str, path: str | None) -> dict:
-    """A command's ending: the title line and the table on stdout, the report to `path`."""
-    print(title)
-    print(table)
-    write_json(path, report)
-    return report

@@ -1,21 +1,11 @@
-"""Emulated links between CPU processes (root, `ip` and `tc`), removed afterwards:
-
-- `shaped_loopback`: one network namespace whose loopback is shaped (`tc tbf`) to a rate; the
-  processes in it share one token bucket: a bus.
-- `emulated_torus`: one namespace per process (node i at 10.99.0.(i+1)), a veth pair per torus
-  neighbour with each end shaped to the link rate (a full-duplex link per neighbour, as a TPU
-  chip's ICI), and dimension-order routes through the neighbours (which forward), so a two-hop
-  message loads two links. A ring is a torus of one axis; an axis of size 2 has one link.
-  gloo binds the address its host name resolves to, so each namespace gets an /etc/hosts
-  (/etc/netns/NAME/hosts) naming the node's address.
-
-    python -m eval.torus --dims 2x2 --link-gbit 1     # build one, time 0 -> every node, remove it
-"""
+"""Emulated links between CPU processes (root, `ip` and `tc`), removed afterwards: a namespace
+whose loopback is shaped (`shaped_loopback`), or a torus of namespaces, a shaped veth pair per
+neighbour and dimension-order routes (`emulated_torus`); and the grid arithmetic both the
+emulation and the cost model's topologies route with. More: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -25,7 +15,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from typing import Iterator
+from typing import Iterator, Sequence
 
 
 def parse_dims(text: str) -> tuple[int, ...]:
@@ -36,7 +26,8 @@ def parse_dims(text: str) -> tuple[int, ...]:
     return dims
 
 
-def coords(i: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+def coords(i: int, dims: Sequence[int]) -> tuple[int, ...]:
+    """Node i's grid coordinates, row-major."""
     out = []
     for d in reversed(dims):
         out.append(i % d)
@@ -44,19 +35,25 @@ def coords(i: int, dims: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def index(c: tuple[int, ...], dims: tuple[int, ...]) -> int:
+def index(c: Sequence[int], dims: Sequence[int]) -> int:
     i = 0
     for v, d in zip(c, dims):
         i = i * d + v
     return i
 
 
-def neighbours(i: int, dims: tuple[int, ...]) -> list[int]:
+def neighbour(i: int, dims: Sequence[int], axis: int, step: int) -> int:
+    """Node i moved `step` along `axis`, round the end."""
+    c = list(coords(i, dims))
+    c[axis] = (c[axis] + step) % dims[axis]
+    return index(c, dims)
+
+
+def neighbours(i: int, dims: Sequence[int]) -> list[int]:
     """Node i's torus neighbours (each once), axis by axis, +1 before -1."""
-    c, out = coords(i, dims), []
-    for a, d in enumerate(dims):
-        for step in (1, -1):
-            j = index(c[:a] + ((c[a] + step) % d,) + c[a + 1:], dims)
+    out = []
+    for a in range(len(dims)):
+        for j in (neighbour(i, dims, a, 1), neighbour(i, dims, a, -1)):
             if j != i and j not in out:
                 out.append(j)
     return out
@@ -66,60 +63,53 @@ def links(dims: tuple[int, ...]) -> list[tuple[int, int]]:
     return sorted({(min(i, j), max(i, j)) for i in range(math.prod(dims)) for j in neighbours(i, dims)})
 
 
-def next_hop(i: int, dst: int, dims: tuple[int, ...]) -> int:
-    """Dimension-order routing: along the first differing axis, the shorter way round."""
+def next_hop(i: int, dst: int, dims: Sequence[int], wrap: bool = True) -> int:
+    """Dimension-order routing: along the first differing axis, the shorter way round (ties:
+    +1) where the axis wraps (an axis of 2 has one link), straight along a line otherwise."""
     a_c, b_c = coords(i, dims), coords(dst, dims)
     for a, d in enumerate(dims):
         if a_c[a] != b_c[a]:
             fwd = (b_c[a] - a_c[a]) % d
-            return index(a_c[:a] + ((a_c[a] + (1 if fwd <= d - fwd else -1)) % d,) + a_c[a + 1:], dims)
+            if wrap or d == 2:
+                return neighbour(i, dims, a, 1 if fwd <= d - fwd else -1)
+            return neighbour(i, dims, a, 1 if b_c[a] > a_c[a] else -1)
     raise ValueError("no hop to oneself")
 
 
+def route(src: int, dst: int, dims: Sequence[int], wrap: bool = True) -> list[tuple[int, int]]:
+    """The directed links (u, v) a message from src to dst crosses (`next_hop`'s)."""
+    out = []
+    while src != dst:
+        out.append((src, next_hop(src, dst, dims, wrap)))
+        src = out[-1][1]
+    return out
+
+
 def hops(i: int, dst: int, dims: tuple[int, ...]) -> int:
-    n = 0
-    while i != dst:
-        i, n = next_hop(i, dst, dims), n + 1
-    return n
+    return len(route(i, dst, dims))
 
 
-def snake_order(dims: tuple[int, ...]) -> list[int]:
-    """A ring through a 2-D torus whose consecutive nodes are neighbours: rows left to right
-    and right to left in turn (for an even number of rows the last node neighbours the first)."""
+def snake_order(dims: Sequence[int]) -> list[int]:
+    """A ring through a torus whose consecutive nodes are neighbours: the first axis' slices in
+    turn, each in snake order, forwards and backwards in turn (for an even number of slices the
+    last node neighbours the first)."""
     if len(dims) == 1:
         return list(range(dims[0]))
-    if len(dims) != 2:
-        raise ValueError("snake order is defined here for 1 or 2 axes")
-    rows, cols = dims
-    return [index((r, c), dims) for r in range(rows)
-            for c in (range(cols) if r % 2 == 0 else reversed(range(cols)))]
+    inner, n = snake_order(dims[1:]), math.prod(dims[1:])
+    return [v * n + j for v in range(dims[0]) for j in (inner if v % 2 == 0 else inner[::-1])]
 
 
 def address(i: int) -> str:
     return f"10.99.{(i + 1) // 256}.{(i + 1) % 256}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Torus:
-    dims: tuple[int, ...]
-    link_gbit: float | None  # None: unshaped veths
-    namespaces: tuple[str, ...]
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.dims)
-
-    def prefix(self, i: int) -> list[str]:
-        """The command prefix that runs a program as node i."""
-        return ["ip", "netns", "exec", self.namespaces[i]]
-
-    def address(self, i: int) -> str:
-        return address(i)
+def netns(ns: str | None) -> list[str]:
+    """The command prefix that runs a program in namespace `ns` (None: where we are)."""
+    return ["ip", "netns", "exec", ns] if ns else []
 
 
 def _sh(*cmd: str, ns: str | None = None) -> None:
-    subprocess.run((["ip", "netns", "exec", ns] if ns else []) + list(cmd), check=True,
-                   capture_output=True, text=True)
+    subprocess.run(netns(ns) + list(cmd), check=True, capture_output=True, text=True)
 
 
 def _shape(dev: str, ns: str, gbit: float, burst: str) -> None:
@@ -163,9 +153,11 @@ def shaped_loopback(link_gbit: float, burst: str = "256kb") -> Iterator[str]:
 
 @contextlib.contextmanager
 def emulated_torus(dims: tuple[int, ...], link_gbit: float | None, *, burst: str = "256kb"
-                   ) -> Iterator[Torus]:
-    """The torus (module docstring); link_gbit None leaves the veths unshaped (the same
-    processes, routes and per-message costs without the link rate)."""
+                   ) -> Iterator[tuple[str, ...]]:
+    """Node i's namespace for each node: a namespace per node (node i at 10.99.0.(i+1), its /etc/hosts naming that address, which
+    gloo binds), a veth pair per neighbour with each end shaped to `link_gbit` (None: unshaped,
+    the same routes and per-message costs without the rate), dimension-order routes through
+    neighbours, which forward (a two-hop message loads two links)."""
     if link_gbit is not None and link_gbit <= 0:
         raise ValueError(f"link_gbit must be positive, got {link_gbit}")
     n, host = math.prod(dims), socket.gethostname()
@@ -193,7 +185,7 @@ def emulated_torus(dims: tuple[int, ...], link_gbit: float | None, *, burst: str
                 via = [] if hop == dst else ["via", address(hop)]
                 _sh("ip", "route", "add", f"{address(dst)}/32", *via, "dev", f"t{tag}{i}-{hop}",
                     *(["onlink"] if via else []), "src", address(i), ns=names[i])
-        yield Torus(tuple(dims), link_gbit, names)
+        yield names
 
 
 _RECEIVER = """
@@ -216,20 +208,20 @@ c.shutdown(socket.SHUT_WR); c.recv(1); print(time.perf_counter() - t0)
 """
 
 
-def check(torus: Torus, mib: int = 8) -> list[dict]:
-    """`mib` MiB from node 0 to every other node in turn, timed: about the link rate to a
-    neighbour, and to a node two hops away (two links in series)."""
-    recv = [subprocess.Popen(torus.prefix(j) + [sys.executable, "-c", _RECEIVER, address(j)],
-                             stdout=subprocess.PIPE, text=True) for j in range(torus.size)]
+def check(names: tuple[str, ...], dims: tuple[int, ...], mib: int = 8) -> list[dict]:
+    """`mib` MiB from node 0 to every other node of the torus `emulated_torus` made, in turn,
+    timed: about the link rate to a neighbour, and to a node two hops away (two in series)."""
+    recv = [subprocess.Popen(netns(ns) + [sys.executable, "-c", _RECEIVER, address(j)],
+                             stdout=subprocess.PIPE, text=True) for j, ns in enumerate(names)]
     try:
         for r in recv:
             r.stdout.readline()
         out = []
-        for j in range(1, torus.size):
-            res = subprocess.run(torus.prefix(0) + [sys.executable, "-c", _SENDER, address(j),
+        for j in range(1, len(names)):
+            res = subprocess.run(netns(names[0]) + [sys.executable, "-c", _SENDER, address(j),
                                                     str(mib)], capture_output=True, text=True, check=True)
             secs = float(res.stdout.strip())
-            out.append({"to": j, "hops": hops(0, j, torus.dims), "seconds": secs,
+            out.append({"to": j, "hops": hops(0, j, dims), "seconds": secs,
                         "gbit_s": mib * 8 * 2 ** 20 / secs / 1e9})
         return out
     finally:
@@ -247,8 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     dims = parse_dims(args.dims)
     print(f"torus {args.dims}: {math.prod(dims)} nodes, {len(links(dims))} links")
-    with emulated_torus(dims, None if args.unshaped else args.link_gbit) as torus:
-        for r in check(torus, args.mib):
+    with emulated_torus(dims, None if args.unshaped else args.link_gbit) as names:
+        for r in check(names, dims, args.mib):
             print(f"0 -> {r['to']} ({r['hops']} hops): {args.mib} MiB in {r['seconds']:.3f} s "
                   f"= {r['gbit_s']:.2f} Gbit/s")
 

@@ -1,31 +1,11 @@
 """Setting up a process to run JAX: virtual CPU devices, XLA flags, the persistent compilation
-cache, glibc malloc, and joining a multi-process group. The one copy of this set-up, used by the
-command-line tools (`serving.cli`), the benchmarks and quality runs (`eval/`) and the test
-session (`tests/conftest.py`).
+cache, glibc malloc, and joining a multi-process group; the one copy of it, for the command-line
+tools, eval/ and the tests.
 
-Why a small top-level package, below every other one: `serving`, `eval`, the tests and the
-collective's own benchmarks all start JAX processes, and each needs this set-up before JAX's
-backend starts. It cannot live in `serving`: then every benchmark of the collective would depend on
-the server package. Nor in `equarx`: that is a collective library a reader should be able to take
-alone, with no opinion about a process's allocator, caches or a server's multi-host flags, and
-importing `equarx` imports jax, which a command-line tool must not pay for before it has parsed
-its arguments. So this package imports nothing from the project and no jax at module level
-(importing it pulls in no web stack, no model, no jax), and every package may import it.
-
-Nothing happens at import. Each function changes the process (os.environ, jax.config, glibc's
-malloc) only when called. Order: `request_cpu_devices` and `join_process_group` must run before
-JAX starts its backend (the first `jax.devices()` or computation); importing jax before them is
-fine, since XLA reads its flags when the backend starts.
-
-Malloc: glibc serves every allocation above its mmap threshold (128 KiB at start, raised only
-after a large block is freed) with a fresh mmap, returns it to the kernel on free, and the kernel
-zero-fills it again page by page on the next first touch. XLA:CPU allocates its buffers per
-execution and numpy its temporaries per operation, so every run of a program over tens of MiB
-pays thousands of 4 KiB page faults. Two plain glibc remedies, neither changes results:
-`keep_freed_memory()` raises the thresholds in a running process (`mallopt`), and
-`with_malloc_tunables(env)` sets them, plus transparent huge pages, for a process about to start
-(glibc reads `GLIBC_TUNABLES` at start only). Other C libraries: no-ops.
-"""
+A top-level package below every other, importing nothing from the project and no jax at module
+level, so any package may use it. Nothing happens at import; `request_cpu_devices` and
+`join_process_group` must run before JAX starts its backend. See docs/deployment.md, "Process
+set-up"."""
 from __future__ import annotations
 
 import ctypes

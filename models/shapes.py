@@ -1,11 +1,8 @@
-"""A ragged step's shape, the one type that names a compiled step program: the engine pads each
-step to one (serving/paged_steps.py), the model keys its programs and lowers their abstract
-arguments by it (programs.ProgramKey), a multi-process group sends it with each step, and the
-watchdog names a stuck step by it. `pow2` is the one bucketing rule: dynamic sizes round up to
-powers of two, so that few programs serve every size.
+"""A ragged step's shape, the one type that names a compiled step program: the engine pads each step
+to one, the model keys its programs by it, a multi-process group sends it with each step.
 
-No jax import: the processes of a group read it before jax starts its backends.
-"""
+`pow2` is the one bucketing rule (sizes round up to powers of two, so few programs serve every
+size). No jax import: a group's processes read it before jax starts."""
 from __future__ import annotations
 
 import dataclasses

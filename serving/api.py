@@ -4,18 +4,22 @@ OpenAI-style errors. The generation endpoints themselves are in `endpoints.py`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import re
 import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from serving import endpoints
 from serving.endpoints import ApiError
 from serving.metrics import CONTENT_TYPE_LATEST
+from serving import openai_schema
 from serving.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     GenerateRequest, TokenizeRequest, error_body)
 from serving.runtime import Runtime
@@ -31,8 +35,47 @@ def _error_response(e: ApiError) -> JSONResponse:
 MAX_BODY_BYTES = 16 << 20
 
 
+class _App(FastAPI):
+    """FastAPI, but a request whose error response went out whole (a 500, logged by its handler)
+    keeps its connection, without uvicorn's second traceback; and a request cut short by the
+    end of shutdown's grace period is ended as well as can be: 503 when nothing was sent yet,
+    else its stream ends where it was."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        sent = {"start": False, "end": False}
+
+        async def tracked(message):
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, tracked)
+        except asyncio.CancelledError:
+            log.warning("%s %s: cut short by the shutdown", scope["method"], scope["path"])
+            await _end_cut_short(scope, send, sent)
+        except Exception:
+            if not sent["end"]:
+                raise
+
+
+async def _end_cut_short(scope, send, sent: dict) -> None:
+    try:
+        if not sent["start"]:
+            await _error_response(ApiError(503, "the server shut down before the request finished",
+                                           "service_unavailable"))(scope, None, send)
+        elif not sent["end"]:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except Exception:  # the connection is gone already
+        pass
+
+
 def create_app(runtime: Runtime) -> FastAPI:
-    app = FastAPI(title="gemma3-equarx", docs_url=None, redoc_url=None, openapi_url=None)
+    app = _App(title="gemma3-equarx", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = runtime
 
     @app.exception_handler(ApiError)
@@ -43,6 +86,12 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def _http_error(_, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind, None, e.status_code), status_code=e.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, _):
+        log.info("%s %s: its body never came whole (the client left, or a timeout or the shutdown ended it)",
+                 request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):
@@ -152,29 +201,55 @@ async def _read_body(request: Request) -> bytes:
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
     return b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client left (or the server gave up on it) before its request body was whole."""
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+# Bodies larger than this are decoded and validated on a worker thread: a body of megabytes
+# takes tens of milliseconds, which every other request and stream would wait for on the loop.
+# One thread for them all: several would take the GIL from the event loop in turn.
+PARSE_ON_LOOP_BYTES = 64 << 10
+_PARSER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-parser")
 
 
 async def _parse(request: Request, model: type[BaseModel]):
     body = await _read_body(request)
+    if len(body) > PARSE_ON_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(_PARSER, _validate, body, model)
+    return _validate(body, model)
+
+
+def _validate(body: bytes, model: type[BaseModel]):
+    """The body as a `model`, or ApiError(400) saying what is wrong with it."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, ValueError) as e:
+        data = openai_schema.loads(text)
+    except openai_schema.JsonLimitError as e:
+        raise ApiError(400, str(e), code="json_limit_exceeded") from None
+    except ValueError as e:  # json.JSONDecodeError, NaN
         raise ApiError(400, f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         # JSON escapes can smuggle lone surrogates (\ud800) that are not Unicode text.
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(400, "the request contains invalid Unicode (a lone surrogate escape)") from None
     try:
@@ -183,11 +258,8 @@ async def _parse(request: Request, model: type[BaseModel]):
         err = e.errors()[0]
         loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
         param = ".".join(loc) or None
-        raise ApiError(400, f"{param or 'body'}: {err['msg']}", param=param) from None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a valid JSON number")
+        message = err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param or 'body'}: {message}", param=param) from None
 
 
 def _is_type_tag(p) -> bool:

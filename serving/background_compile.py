@@ -1,16 +1,9 @@
 """Compiling the engine's remaining step programs on a low-priority thread once it serves.
 
-The warm-up compiles what every server meets first; the other step shapes (pieces beside other
-work, longer prompts' pieces, other row counts: about 120 for the defaults)
-would each compile when a step first needs one, and every running stream waits for it (~3 s
-for the 270M on a CPU; the persistent compilation cache spares a restart, not a first start).
-This thread compiles them one at a time after /health turns ready, while the engine is idle
-(no request running or waiting) and at the lowest CPU priority (Linux: nice 19 for the thread),
-so serving comes first: on a 2-core host a compile beside running streams slowed every step
-(its tracing holds the GIL), and under steady traffic the programs compile on first use as
-they would without it. A step that needs a program the thread is compiling waits for that
-compile rather than starting a second one (`ModelPrograms.compile`).
-"""
+The warm-up compiles what every server meets first; the other step shapes would each stall every
+running stream when first needed. This thread compiles them one at a time while the engine is idle,
+at the lowest CPU priority, so serving comes first; a step that needs a program being compiled waits
+for that compile. See docs/engine.md, "Background compile"."""
 from __future__ import annotations
 
 import logging

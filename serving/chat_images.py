@@ -1,21 +1,9 @@
-"""Images in chat requests: which content parts are images, their checks and preprocessing (run
-on a thread, off the event loop), and the prompt ids with each image's soft tokens laid out.
+"""Images in chat requests: which content parts are images, their checks and preprocessing (on a
+thread, off the event loop), and the prompt ids with each image's soft tokens laid out.
 
-A message whose content holds an image is rendered as transformers' Gemma 3 template renders it:
-its parts concatenated in order, text parts trimmed, each image part in its place as one image
-(`multimodal.image_sequence`: "\\n\\n", start of image, the soft tokens, end of image, "\\n\\n",
-the newlines merging with the neighbouring text as the reference processor's textual expansion
-does). The image is marked in the message text by a sentinel unique to the request, so that
-text a user types (even "<start_of_image>") never becomes an image: only the sentinel is
-replaced, at the id level, by the model's own image token ids.
-
-Pan-and-scan (off by default, as in the reference processor) is asked for as vLLM users ask
-for it: `mm_processor_kwargs` with `do_pan_and_scan` (and transformers' `pan_and_scan_*`
-settings), server-wide (`--mm-processor-kwargs '{"do_pan_and_scan": true}'`, vLLM's flag) or
-per request (the `mm_processor_kwargs` field of vLLM's chat request, over the server's). An
-image with crops is laid out as the reference processor writes it: "Here is the original
-image", the image, "and here are some crops to help you see better", the crops (`with_crops`).
-"""
+A message with images renders as transformers' Gemma 3 template renders it. Each image is marked by
+a sentinel unique to the request and replaced at the id level, so typed text never becomes an image.
+Pan-and-scan is vLLM's `mm_processor_kwargs`. See docs/vision.md, "Serving images"."""
 from __future__ import annotations
 
 import dataclasses

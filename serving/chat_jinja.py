@@ -1,17 +1,9 @@
 """A checkpoint's own Jinja chat template, rendered and tokenized as transformers'
 `apply_chat_template(..., tokenize=True, sanitize_control_tokens=True)` does.
 
-Rendering: a sandboxed Jinja environment with trim_blocks and lstrip_blocks, the loopcontrols
-extension, `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML, and the
-special-token variables (bos_token, ...) of the checkpoint's tokenizer_config.json. Tokenizing:
-the control tokens the template writes (`<bos>`, `<start_of_turn>`, ...) become their ids, the
-text between them is encoded as plain text, and no BOS is added (the template writes it).
-
-Control tokens inside the messages themselves stay text: before rendering they are wrapped in
-private-use markers (the same code points transformers uses), and a marked token is encoded as
-text after rendering. So a user message containing "<start_of_turn>" cannot forge a turn, as in
-the built-in format (serving.chat_template).
-"""
+The control tokens the template writes become their ids and no BOS is added; control tokens inside
+the messages are marked before rendering and encoded as text, so a message cannot forge a turn. See
+docs/usage.md, "Chat templates and streamed text"."""
 from __future__ import annotations
 
 import functools

@@ -1,14 +1,9 @@
-"""Gemma's chat format, built as token ids.
+"""Gemma's built-in chat format, built as token ids:
+`<bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n...`.
 
-    <bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n{text}<end_of_turn>\n...
-    <start_of_turn>model\n
-
-Roles: "user" stays user, "assistant" becomes model. Gemma has no system role: system (and
-"developer") messages are joined and prepended to the first user turn, separated by a blank line
-(what Gemma 3's own template does). The turn markers are inserted as their token ids, never
-parsed from text, so a message that contains the literal text "<start_of_turn>" cannot forge a turn.
-A checkpoint's own Jinja template, when the tokenizer carries one, replaces this format.
-"""
+"assistant" becomes "model"; system and developer messages are prepended to the first user turn
+(Gemma has no system role). Turn markers are inserted as ids, never parsed from text, so a message
+cannot forge a turn. A checkpoint's own Jinja template replaces this format (serving.chat_jinja)."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence

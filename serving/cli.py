@@ -73,6 +73,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from serving.api import create_app
+    from serving.http_server import uvicorn_config
     from serving.runtime import Runtime
 
     runtime = Runtime(config, runner_factory=leader)
@@ -91,7 +92,7 @@ def serve_main(argv: list[str] | None = None) -> None:
             else:
                 self.should_exit = True
 
-    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+    server = Server(uvicorn_config(app, config, log_level=config.log_level,
                                    timeout_graceful_shutdown=config.shutdown_timeout,
                                    access_log=config.log_level == "debug"))
     failed: list[str] = []

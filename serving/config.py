@@ -151,6 +151,13 @@ class ServerConfig:
                                            "them; unset: $XDG_CACHE_HOME/gemma3-equarx/jax-compile-cache, "
                                            "with ~/.cache when XDG_CACHE_HOME is not set)")
     shutdown_timeout: float = _field(30.0, "seconds given to in-flight requests on SIGTERM")
+    timeout_keep_alive: float = _field(5.0, "seconds an idle connection is kept open between requests")
+    timeout_headers: float = _field(10.0, "seconds a client may take to send a request's headers "
+                                    "(counted from its first byte, or from the connection): then 408")
+    timeout_body: float = _field(30.0, "the longest pause, in seconds, within a request body being "
+                                 "received: then 408")
+    limit_concurrency: int = _field(1024, "open connections served at once; one beyond gets 503 "
+                                    "to its first request and is closed")
     step_timeout: float = _field(30.0, "step watchdog: seconds an engine step may run before the "
                                  "server counts as stuck (its requests fail with 500, /health and "
                                  "new requests get 503 until a restart; a multi-host group exits)")
@@ -175,6 +182,10 @@ class ServerConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not 0 <= self.admission_wait_ms <= 1000:
             raise ValueError(f"admission_wait_ms must be in [0, 1000], got {self.admission_wait_ms}")
+        if not min(self.timeout_keep_alive, self.timeout_headers, self.timeout_body) > 0:
+            raise ValueError("timeout_keep_alive, timeout_headers and timeout_body must be > 0")
+        if self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
         if not (self.step_timeout > 0 and self.compile_timeout > 0):
             raise ValueError("step_timeout and compile_timeout must be > 0")
         if self.allreduce_min_bytes < 0:

@@ -1,15 +1,9 @@
 """Incremental detokenization and stop strings, on the host.
 
-Gemma's tokenizer falls back to single bytes for rare characters, so one character can span
-several tokens; decoding such a partial sequence yields U+FFFD. `IncrementalDetokenizer` therefore
-only releases text once it no longer ends in U+FFFD (the prefix/read offsets of vLLM's and TGI's
-streaming decoders), and decodes a short window of tokens, not the whole sequence, at each step.
-
-`TextStream` adds stop strings on top: a tail of the text that could still be the start of a stop
-string is held back while streaming, and a match cuts the output before the stop string (OpenAI semantics).
-As in vLLM, stop strings are not looked for until min_tokens tokens are out, and then only matches
-that end in text new since the last look count.
-"""
+`IncrementalDetokenizer` releases text only once it no longer ends in U+FFFD (a character split over
+byte tokens), decoding a short window of tokens each step. `TextStream` holds back a tail that may
+start a stop string and cuts the output before a match (OpenAI semantics). See docs/usage.md, "Chat
+templates and streamed text"."""
 from __future__ import annotations
 
 import os

@@ -1,36 +1,9 @@
 """How far the engine's dispatches may run ahead of the devices: the one place that bounds it.
 
-JAX dispatches a program and returns before it has run, so an engine thread that feeds a long
-prompt's chunks (two programs each, no result read back until the last) can queue dozens of
-programs. XLA:CPU (the PjRt CPU client, jaxlib 0.10) cannot take that with several devices in one
-process: it admits at most 32 unfinished computations per device (a semaphore,
-`CpuClientOptions::max_inflight_computations_per_device`, which JAX does not expose), and a
-multi-device program takes that semaphore on a thread of the client's pool, whose size is
-max(cores, devices), the very threads that run the devices' programs. Once a device has 32
-computations queued, the pool threads that dispatch the next program block on the semaphore,
-while the device's queued collective needs a pool thread for its other participant: the collective
-never completes and XLA reports "Expected 2 threads to join the rendezvous, but not all of them
-arrived", then aborts the process. docs/engine.md ("Why a tp >= 2 server wedged on long prompts")
-has the thread stacks and a standalone reproduction.
-
-So the engine counts every program it dispatches and, once `limit` of them are not known to have
-finished, waits until all have (`DispatchWindow.dispatched`). A program is known to have finished
-after a wait, or once the host read back an output that depends on it (`retired`: a decode
-step's sampled tokens, read one step late by the overlapped loop, which so never waits here).
-At most `limit` programs (plus the few of one engine call) are ever unfinished on any device, far
-below the runtime's 32, whatever the engine dispatches and however slow the devices are. The cost
-is one short pipeline bubble (the host's dispatch time of a program) every `limit` programs of a
-stretch that reads nothing back, such as a long prompt's chunks.
-
-Only XLA:CPU with several devices in one process needs it (`needed`): with one device the
-runtime takes the semaphore on the dispatching thread, and a TPU or GPU runtime blocks the
-dispatching thread (not a device's) when its queue is full. Elsewhere the window only counts.
-
-Why a full drain and not a sliding window: the engine's programs donate the KV cache to the next
-one, so most programs leave no output that can be waited on later; the newest cache (which every
-earlier cache program precedes, by data dependence) and the outputs that are never donated
-(sampled tokens, logits, a chunk's keys and values) together cover every program dispatched.
-"""
+XLA:CPU with several devices in one process deadlocks once a device holds 32 unfinished
+computations. So the engine counts the programs it dispatches and, once `limit` are not known to
+have finished, waits for all (a full drain: the donated KV cache leaves little to wait on later).
+See docs/engine.md, "Why a tp >= 2 server wedged on long prompts"."""
 from __future__ import annotations
 
 from typing import Callable

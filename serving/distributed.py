@@ -1,33 +1,9 @@
 """Multi-host serving on JAX's distributed runtime: one process per host, one mesh over all of them.
 
-JAX runs a multi-host slice as one program per host, and every process must call the same jitted
-programs in the same order (each program's collectives pair up across processes). So only process
-0 serves HTTP and schedules; before every engine step it broadcasts the step's inputs (a few small
-numpy arrays) to the others, which loop: receive a step, run it, repeat, until a shutdown step.
-The engine's ragged steps (its scheduler and page allocator live on process 0 alone) run
-overlapped as in one process: step N+1 dispatched before step N's tokens reach the host
-(`LeaderRunner.dispatch_step`, `Follower`). The broadcast itself is a device collective, so it
-waits for the step in flight: the overlap hides the host's work between steps, not the
-broadcast (docs/engine.md measures both).
-
-A step travels as one fixed-size int32 array (`serving/group_steps.py`), so the broadcast is a
-single compiled program whatever the step. Its inputs' fields are written as their types' `WIRE`
-tables say (`serving/wire.py`), and its size is the largest step of text the engine's info
-allows; a larger step (a piece run on past the budget to an image's end, a span's layout) goes
-on in as many more broadcasts of that size as it needs, which its header tells the others.
-Images: process 0 encodes, each image's features go to the others once in a broadcast of their
-own, image spans are replayed stage for stage (serving/group_images.py says why). When
-process 0 is idle it broadcasts a heartbeat step every `heartbeat_s` seconds, so a worker that
-hears nothing for `step_timeout_s` knows that process 0 is gone or stuck. Any failure of a step
-(a peer died mid-collective, or the watchdog fired) ends the process with a clear error: the
-processes can no longer be kept in step, so serving on is not an option. The watchdog is
-`serving.watchdog`'s, the single-process server's: a step gets `step_timeout_s`, or
-`compile_timeout_s` the first time its kind and shapes run (it may compile); a wait for the other
-processes may last as long as the step they may still be running.
-
-No jax import at module level (the process joins its group, `jax_platform.join_process_group`,
-before jax creates its backends).
-"""
+Every process must run the same programs in the same order, so process 0 alone serves HTTP and
+schedules, and broadcasts each step's inputs (one fixed-size int32 array, serving/wire.py) to the
+others, which replay it. Idle, it sends heartbeats; any failed or stuck step ends the process. See
+docs/engine.md, "In a multi-process group"."""
 from __future__ import annotations
 
 import logging

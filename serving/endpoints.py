@@ -93,7 +93,10 @@ def _logit_bias(bias: dict | None, vocab_size: int | None) -> tuple[tuple[int, f
         digits = key.strip().removeprefix("-")
         # ASCII digits only: str.isdigit() also holds for "²" and "٣", which int() refuses or reads.
         if not (digits.isascii() and digits.isdigit()):
-            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key[:40]!r}")
+        if len(digits) > 18:  # (no vocabulary comes near; int() refuses 4,300 digits and more)
+            raise InvalidParameter("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), "
+                                   f"got one of {len(digits)} digits")
         t = int(key)
         if t < 0 or (vocab_size is not None and t >= vocab_size):
             raise InvalidParameter("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), got {t}")
@@ -153,7 +156,10 @@ class _Run:
 
     def _sink(self, loop, index):
         def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            except RuntimeError:  # the event loop has closed (the server has shut down)
+                pass
         return sink
 
     async def events(self, request: Request, streaming: bool) -> AsyncIterator[tuple[int, Event] | None]:
@@ -284,7 +290,7 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
     tok = runtime.runner.tokenizer
     # Tokenizing (and rendering a chat) off the event loop: a prompt of megabytes takes seconds,
     # every other stream's chunks would wait for it (the tokenizer releases the GIL).
-    prompts, texts, added_bos = await asyncio.to_thread(_completion_prompts, runtime, req.prompt)
+    prompts, texts, added_bos = await asyncio.to_thread(_completion_prompts, runtime, req.prompt, req.echo)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     if max_tokens < 0 or (max_tokens == 0 and not req.echo):
         raise ApiError(400, f"max_tokens must be >= 1 (0 only with echo), got {max_tokens}", param="max_tokens")
@@ -314,8 +320,9 @@ async def completions(runtime: Runtime, request: Request, req: CompletionRequest
     return await _openai_reply(run, request, req, choices, usage, chat=False, apply=apply)
 
 
-def _completion_prompts(runtime: Runtime, prompt) -> tuple[list[list[int]], list[str], list[bool]]:
-    """-> (token ids per prompt, prompt text per prompt, whether we added BOS)."""
+def _completion_prompts(runtime: Runtime, prompt, echo: bool = True) -> tuple[list[list[int]], list[str], list[bool]]:
+    """-> (token ids per prompt, prompt text per prompt, whether we added BOS). The text of a
+    token-id prompt is decoded only for `echo` (megabytes of ids take a while)."""
     tok = runtime.runner.tokenizer
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -336,7 +343,7 @@ def _completion_prompts(runtime: Runtime, prompt) -> tuple[list[list[int]], list
                 raise ApiError(400, "prompt must not be empty", param="prompt")
             _check_ids(runtime, p, "prompt")
             ids.append(list(p))
-            texts.append(tok.decode(p))
+            texts.append(tok.decode(p) if echo else "")
             bos.append(False)
     return ids, texts, bos
 

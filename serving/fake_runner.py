@@ -1,14 +1,9 @@
-"""A small deterministic model under the real engine, for testing the engine core and the HTTP
-layer without a model (JetStream's fake engine idea): `fake_paged_runner` is the real
-`PagedRunner` (scheduler, pages, step arrays, sampler) over `FakePagedModel`.
+"""A small deterministic model under the real engine, for testing the engine core and the HTTP layer
+without a model: `fake_paged_runner` is the real `PagedRunner` over `FakePagedModel`.
 
-Its "model" repeats the prompt: the greedy next token continues the context's shortest period,
-which for a prompt whose tokens after BOS have no border (most text) is prompt[1 + (p - 1) %
-(n - 1)] at position p (position 0 holds BOS), so a test knows the exact expected text,
-including multi-byte characters split over byte tokens, stop strings and stop tokens placed in
-a prompt of token ids. Its pages hold token ids, and every step checks that each row reads back
-exactly the context it should, so a scheduler or allocator bug raises instead of passing.
-"""
+Its greedy next token continues the context's shortest period (it repeats the prompt), so a test
+knows the exact text. Its pages hold token ids and every step checks that each row reads back
+exactly its context, so a scheduler or allocator bug raises."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,41 +1,9 @@
-"""Images in a multi-process group (serving/distributed.py): which process computes what, and
-what travels between them.
+"""Images in a multi-process group (serving/distributed.py): which process computes what, and what
+travels between them.
 
-Process 0 alone encodes. Its `ImageEncoder` runs the staged encoder between steps exactly as a
-single process does; the tower sits on one device of each process (`attach_vision`), so its
-programs hold no collective and nothing makes the other processes run them too. Each image's
-features, once stored, go to the others in a broadcast of their own (a FEATURES step: its key,
-dtype and shape on the step broadcast, then the rows' bytes in fixed-size pieces of one crop's
-features, one compiled program whatever the image). Features rather than pixels, because:
-- every process then holds process 0's bits: nothing rests on one program giving the same
-  bits on every host (XLA:CPU, for one, picks its code by the CPU it runs on);
-- the cost is once per distinct image and about an image's pixels in bytes (a crop's 256 x
-  5,376 bfloat16 values for the 27B are 2.8 MB, its 896 x 896 x 3 pixels 2.4 MB as bytes; a
-  smaller model's features are fewer), and no other process spends its device on the tower;
-- the encoder's stages stay process 0's own work: the others wait through them (an ENCODE step
-  tells them how long they may take, so that the first, which compiles, gets the compile
-  limit as in one process) instead of replaying every stage with its pixels.
-The step broadcast, sent for every decode and heartbeat, does not grow: features never ride on
-it.
-
-The other processes keep the features they were sent by key (`SharedFeatures`; the engine reads
-them through `PagedRunner.features_from`), and a ragged step's images travel as keys and spans
-(`StepInputs.images`). Process 0 keeps a copy of that store's keys, changed only by what it
-broadcasts, in broadcast order (a key added by a FEATURES step; the keys a RAGGED or SPANS step
-names moved to the back, the oldest others dropped beyond `SHARED`), so both sides agree on
-what is held without asking. Before a step that names an image the others do not hold (they
-dropped it, or process 0 encoded it again after its own cache had dropped it), process 0 sends
-it again.
-
-Image spans (serving/image_spans.py) run programs over the whole mesh (a text layer's stages,
-its AllReduce included), so every process runs them: each `advance_spans` of process 0 is
-broadcast as a SPANS step (the listed spans, each with a number, and with its first listing its
-`SpanLayout`: the others hold no page tables) and every process runs `SpanWriter.advance` on
-the same list. The writer's choices follow from those calls and the model's config alone, so
-the stages, and the running streams' steps between them, are the same on every process.
-
-No jax import at module level (serving/distributed.py's rule).
-"""
+Process 0 alone encodes; each image's features (not pixels) go to the others once, in broadcasts of
+their own, and later steps name images by key. Image spans run over the whole mesh, so every process
+replays each `advance_spans` as a SPANS step. See docs/vision.md, "Images in a multi-process group"."""
 from __future__ import annotations
 
 import dataclasses

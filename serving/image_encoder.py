@@ -1,12 +1,9 @@
-"""The paged engine's image encoder: features cached by content hash, computed a bounded piece
-per engine step, so that one image's encode does not hold up every running stream.
+"""The paged engine's image encoder: features cached by content hash, computed a bounded piece per
+engine step, so that one image's encode does not hold up every running stream.
 
-After each step the engine core calls `advance` with the images the scheduler waits for
-(`StepPlan.encode`); it runs encoder stages (`models.gemma3.vision_stages`), oldest image first
-and batched across images at the same stage, worth at most `budget_flops` (by default one prompt
-piece's matmul FLOPs). A step that ran nothing else runs up to `WHOLE_CALL_FLOPS` instead. In
-deterministic mode each image runs alone, so its features do not depend on what else is encoded.
-"""
+After each step the engine core calls `advance`, which runs encoder stages worth at most
+`budget_flops`, oldest image first. In deterministic mode each image runs alone. See docs/vision.md,
+"The encoder between steps"."""
 from __future__ import annotations
 
 import dataclasses

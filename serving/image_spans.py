@@ -1,34 +1,9 @@
 """An image's soft tokens written into the paged cache a layer at a time, between engine steps.
 
-The 256 soft tokens of an image attend to each other both ways. Computed in one ragged step, as
-one piece, they cost ~16 prompt pieces of 16 tokens (and the step pads them to 512 tokens and
-every row of the step to 256 queries): that step held up every running stream ~3x as long as a
-step with a prompt piece (docs/vision.md). The span cannot simply be cut into query pieces
-across steps: a span token's query needs the keys of the span tokens after it, and a layer's
-keys depend on the layer before's attention over the whole span. So the span moves through the
-text layers together, a layer at a time:
-
-    for each layer:  kv (every row's keys and values stored) | rows block 0..nb-1
-
-`kv` stores the layer's keys and values of all the span's rows; `rows` moves 1/nb of the rows
-through the rest of the layer (attention over the stored keys, MLP), so the next layer's keys
-can follow. The last layer needs only its keys. nb is the fewest power of two that keeps a
-rows stage within `budget_flops` (by default one prompt piece through the whole text model,
-as the image encoder's: `image_encoder.chunk_flops`). After each step the engine core calls
-`advance` with the plan's spans (`StepPlan.spans`), which runs stages worth at most the
-budget (at least one); the scheduler lets the sequence go on past the span once `written`.
-
-The stages are the ragged step's own functions (`models.gemma3.ragged.span_kv`, `span_rows`)
-on fewer rows, so the keys equal the one-step piece's to float32 rounding
-(tests/serving/test_image_spans.py). Spans are written so while other sequences run, and
-always in deterministic mode (`PagedScheduler._stages_span`); outside it a lone sequence runs
-its span inside one step, which is faster and stalls no one.
-
-Where a span's rows live in the pages (`SpanLayout`) is read from the page tables once, when
-its writing begins: the tables do not change while it is written (its sequence waits for it).
-In a multi-process group the other processes hold no page tables: process 0 sends each span's
-layout with its first listing and they replay the same `advance` calls (serving/group_images.py).
-"""
+The 256 soft tokens attend to each other both ways, so they cannot be cut into query pieces; in one
+step they hold up every running stream. So the span moves through the text layers together, stages
+worth at most `budget_flops` after each step, with the ragged step's own functions. See
+docs/vision.md, "The soft tokens between steps"."""
 from __future__ import annotations
 
 import dataclasses

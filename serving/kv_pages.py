@@ -1,25 +1,9 @@
 """Which KV-cache pages each sequence holds: the paged cache's bookkeeping, plain data only.
 
-The device holds two page pools (`models.gemma3.paged_kv`): one for the global layers, one for
-the sliding-window (local) layers, `page_size` tokens a page, page 0 of each a scratch page that
-is never handed out. A sequence holds a block table per pool: logical page j (positions
-j*P .. j*P+P-1) lives in some physical page.
-
-- Global layers keep every page as the sequence grows.
-- Local layers only ever attend to the last W positions, so a sequence keeps just the pages that
-  a query of this step or a later one can still see (positions > first query - W): at most
-  ceil((W - 1 + Q) / P) + 1 pages for Q query tokens a step, the older ones go back to the pool
-  as the window moves (vLLM's hybrid allocator for Gemma 3's two KV groups). So a long context
-  costs global pages only, 1 layer in 6 for Gemma 3.
-
-Prefix caching on pages: a full page of a prompt is named by the hash of its parent page's hash
-and its own tokens (`block_hashes`), so one hash names the whole prefix up to the page's end, and
-the page is registered under it in its pool. Pages are shared by reference (refcounts), never
-copied: a new prompt starting with the same tokens takes the same physical pages. A page whose
-last holder lets go stays cached (least recently used first out) until a fresh page is needed.
-A prefix hit of n pages needs the global pages 0..n-1 and the local pages of the window before
-position n*P, all still cached (a local page may have been recycled while its global twin stayed).
-"""
+Two pools (global, sliding-window), page 0 of each a scratch page. Global layers keep every page;
+local layers keep only the pages their window can still see (vLLM's hybrid allocator). Prefix
+caching names a full page by its parent's hash and its tokens; pages are shared by reference, cached
+least recently used first out. See docs/engine.md, "The paged engine"."""
 from __future__ import annotations
 
 import collections

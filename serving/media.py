@@ -1,29 +1,10 @@
-"""Image input for Gemma 3: decoding, preprocessing and OpenAI `image_url` parts.
+"""Image input for Gemma 3: decoding, preprocessing and OpenAI `image_url` parts, in the HTTP
+process.
 
-Intended flow of an image chat request (the API and engine wire it; this module holds the
-pieces that run in the HTTP process, off the engine thread):
-
-1. The API meets a content part {"type": "image_url", "image_url": {"url": "data:..."}} and
-   calls `image_from_content_part(part)`: the data: URL is parsed, the bytes decoded by Pillow
-   (png, jpeg, webp, gif's first frame), converted to RGB, resized and normalized as
-   transformers' Gemma3ImageProcessor does; any bad input raises a `MediaError` subclass,
-   which the API answers with a 400 carrying its message.
-2. The chat template renders the part as "<start_of_image>"; `models.gemma3.multimodal`
-   expands it (256 soft tokens between start/end-of-image, "\\n\\n" around) and tokenizes,
-   giving the ids and each image's soft-token span.
-3. The engine runs the vision encoder on `PreparedImage.pixels` (keyed by `content_hash`, so a
-   repeated image is encoded once), merges the features at the soft tokens and attends
-   bidirectionally within each span.
-
-Remote http(s) URLs are refused here (`RemoteImageError`): fetching them is a server-side
-request forgery risk the operator must opt into, with limits, at the API layer.
-
-Preprocessing numerics (the reference: transformers' Gemma3ImageProcessor, PIL backend):
-transparency composited onto white, then RGB; Pillow's bilinear resize of the uint8 image to
-size x size (the published checkpoints' `resample` is 2, bilinear), then x/255 in float64,
-(x - 0.5) / 0.5, float32. Pan-and-scan (off by default) crops wide or tall images into 2-4
-tiles taken from the original image, each resized like the image itself.
-"""
+`image_from_content_part` decodes a data: URL with Pillow and preprocesses as transformers'
+Gemma3ImageProcessor does; bad input raises a `MediaError` (a 400). Remote URLs are refused here
+(`RemoteImageError`): fetching them is the API layer's choice. See docs/vision.md, "The flow the
+engine and API follow"."""
 from __future__ import annotations
 
 import base64

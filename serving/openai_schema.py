@@ -5,9 +5,73 @@ non-default value rather than silently ignored.
 """
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Limits of the JSON a request carries, in its body or in strings holding JSON (guided_json,
+# tool call arguments): far above any real request, well below what the parsers and the code
+# walking a schema recurse through.
+MAX_JSON_DEPTH = 128
+MAX_INT_DIGITS = 100
+
+
+class JsonLimitError(ValueError):
+    """JSON nested deeper than MAX_JSON_DEPTH, or an integer of more than MAX_INT_DIGITS digits."""
+
+
+def loads(text: str | bytes, what: str = "the request body"):
+    """json.loads within the limits above (JsonLimitError naming the limit, json.JSONDecodeError
+    for malformed JSON); NaN and Infinity are not JSON and are refused too."""
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise _too_deep(what) from None
+    except (json.JSONDecodeError, _NotJson):
+        raise
+    except ValueError:  # int() refused the digits (Python's own limit is far above ours)
+        raise _too_long() from None
+    _check_depth_and_integers(data, what)
+    return data
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _reject_constant(name: str):
+    raise _NotJson(f"{name} is not a valid JSON number")
+
+
+def _too_deep(what: str) -> JsonLimitError:
+    return JsonLimitError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _too_long() -> JsonLimitError:
+    return JsonLimitError(f"an integer has more than {MAX_INT_DIGITS} digits")
+
+
+_INT_BOUND = 10 ** MAX_INT_DIGITS
+
+
+def _check_depth_and_integers(data, what: str) -> None:
+    """One pass over the containers, level by level: iterative (a recursive walk would itself
+    hit Python's recursion limit) and in bytecode (a large body checked on a worker thread
+    leaves the event loop its turns)."""
+    level = [data] if isinstance(data, (dict, list)) else []
+    if type(data) is int and not -_INT_BOUND < data < _INT_BOUND:
+        raise _too_long()
+    depth = 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(what)
+        values = [v for c in level for v in (c.values() if type(c) is dict else c)]
+        ints = [v for v in values if type(v) is int]
+        if ints and (max(ints) >= _INT_BOUND or min(ints) <= -_INT_BOUND):
+            raise _too_long()
+        level = [v for v in values if type(v) is dict or type(v) is list]
 
 
 class _Strict(BaseModel):
@@ -44,9 +108,23 @@ class _SamplingFields(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_json_within_limits(cls, value):
+        if isinstance(value, str):
+            try:
+                loads(value, "its JSON")
+            except JsonLimitError:
+                raise
+            except ValueError:
+                pass  # malformed: structured_output says how
+        return value
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids first: pydantic's union tries its members in order, and a long list of ids
+    # validates ~50x faster against list[int] first.
+    prompt: list[int] | list[list[int]] | str | list[str]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -1,42 +1,9 @@
 """The token-budget policy of the paged engine: which sequences compute which tokens in the next
 ragged step. Plain data in, a `StepPlan` out; it runs nothing (vLLM v1's scheduler).
 
-Every step is one flat batch of at most `max_num_batched_tokens` tokens:
-1. Running sequences first: one token each for those decoding (oldest first), then the next
-   piece of the prompt (at most `long_prefill_token_threshold` tokens) for those still
-   prefilling.
-2. Then waiting sequences, oldest first, while the budget, `max_num_seqs` and free pages last: a
-   prefix-cache lookup, then their first piece.
-A sequence computes tokens `computed .. computed+n-1` of `prompt + generated`; when that reaches
-its last token the step samples its next one. So a decode is a piece of one token, and a
-sequence that was preempted simply recomputes its whole text in pieces.
-
-A piece stops before the soft tokens of an image whose features are not ready yet
-(`image_ready`), and the plan lists the images its sequences wait for (`StepPlan.encode`): the
-engine encodes them a bounded piece per step (`serving/image_encoder.py`). With `stage_spans`
-(set by the engine core for an engine that can) a running sequence's piece also stops before
-an image's soft tokens while other sequences run (in deterministic mode always): the span is
-then written a layer at a time between steps (`StepPlan.spans`, `serving/image_spans.py`),
-since in one step its 256 bidirectional tokens cost ~16 prompt pieces; the sequence's pieces go
-on once the engine says the span is written (`span_written`).
-
-Pages (`serving/kv_pages.py`) are taken as a piece needs them. A running sequence that finds none
-free takes them from the newest running sequence, which is preempted: its pages go back (full
-prompt pages stay cached), it returns to the head of the waiting queue and recomputes later,
-losing no token it produced (vLLM's recompute preemption). Admission never preempts: a waiting
-sequence waits for pages.
-
-A prompt piece takes what is left of the budget, up to `long_prefill_token_threshold` tokens (a
-lone sequence: the whole budget, see `_piece_len`); full pages are named in the prefix cache as
-soon as they are planned (a later step's reader runs after the writer: the device runs steps in
-order). In deterministic mode every piece is exactly `long_prefill_token_threshold` tokens at
-multiples of it (the last one shorter), whatever else runs in the step, so a request's pieces
-are a function of the request alone; a step then holds one piece of more than one token beside
-its decodes (the runner runs the two in programs of their own, one of a single row:
-`paged_steps.deterministic_parts`).
-
-Not thread-safe: the engine core serialises every call.
-"""
+Running sequences first (decodes, then prompt pieces), then waiting ones while budget, rows and
+pages last; out of pages, the newest running sequence is preempted and recomputes later. Not
+thread-safe: the engine core serialises calls. See docs/engine.md, "The paged engine"."""
 from __future__ import annotations
 
 import dataclasses

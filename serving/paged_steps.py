@@ -51,8 +51,8 @@ def max_page_bucket(info: RunnerInfo) -> int:
 def global_pages_for(info: RunnerInfo, pages: int) -> int:
     """Pg of a step whose rows hold up to `pages` global pages. In the XLA form a step reads
     the pages its rows hold whatever the table's width (`ragged._xla_blocked_attention`): one
-    width, max_seq_len's, so one program where there were a page bucket's each, and no compile
-    when a stream's context crosses one. The TPU kernel holds the whole table in its scalar
+    width, max_seq_len's, so one program for every context, and no compile when a stream's
+    context grows. The TPU kernel holds the whole table in its scalar
     memory: powers of two from MIN_PAGES there."""
     if info.attention != "pallas":
         return max_page_bucket(info)

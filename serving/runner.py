@@ -1,21 +1,10 @@
-"""What every layer above the model runner shares about it: the runner protocol the engine
-core drives (`Runner`), what the scheduler and the HTTP layer know of an engine (`RunnerInfo`), a
-step's outputs on the host (`StepOutputs`), a dispatched step (`PendingStep`) and how a step takes
-its input tokens from the step before it while those are still on the device (`feed_tokens`). A
-runner knows nothing about requests, queues or HTTP (`paged_scheduler.py` plans its steps,
-`engine_core.py` runs them).
+"""What every layer above the model runner shares about it: the protocol the engine core drives
+(`Runner`), what the scheduler and HTTP layer know of an engine (`RunnerInfo`), a step's host
+outputs (`StepOutputs`), a dispatched step (`PendingStep`).
 
-The layers, by name: the HTTP layer (`api.py`, `endpoints.py`) -> the engine core
-(`engine_core.EngineCore`: scheduler, output processor, the step loop) -> a model runner
-(`paged_runner.PagedRunner`, or `distributed.LeaderRunner` in a group: device inputs from a
-plan, the KV cache, outputs to the host) -> the model's step API
-(`models.gemma3.step_api.Gemma3StepAPI`: compiled programs over the weights).
-
-Every step takes one small plain structure of numpy arrays (`paged_steps.StepInputs`) and
-returns numpy arrays (`StepOutputs`): the chosen tokens and their logprobs, never full logits. A
-step is a pure function of its inputs and the KV cache, so several processes that receive the
-same inputs in the same order run the same programs (process 0 broadcasts them).
-"""
+A step takes numpy arrays and returns tokens and logprobs, never full logits; it is a pure function
+of its inputs and the KV cache, so a group's processes can replay it. See docs/engine.md, "Layers,
+by name"."""
 from __future__ import annotations
 
 import dataclasses

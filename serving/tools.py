@@ -23,6 +23,7 @@ import json
 import re
 import uuid
 
+from serving import openai_schema
 from serving.sampling import InvalidParameter
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -70,13 +71,29 @@ def parse_tools(tools) -> list[Tool]:
         params = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise InvalidParameter(f"tools.{i}.function.parameters", "parameters must be a JSON schema of an object")
-        if not isinstance(params.get("properties", {}), dict):
-            raise InvalidParameter(f"tools.{i}.function.parameters", "parameters.properties must be an object")
+        _check_parameters(params, f"tools.{i}.function.parameters")
         desc = f.get("description", "")
         if not isinstance(desc, str):
             raise InvalidParameter(f"tools.{i}.function.description", "description must be a string")
         out.append(Tool(name, desc, params))
     return out
+
+
+def _check_parameters(params: dict, param: str) -> None:
+    """What `call_grammar` and the prompt read of a parameters schema: properties (an object of
+    schemas), required (a list of names) and $defs / definitions (objects)."""
+    props = params.get("properties", {})
+    if not isinstance(props, dict):
+        raise InvalidParameter(param, "parameters.properties must be an object")
+    for k, schema in props.items():
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidParameter(param, f"parameters.properties.{k} must be a JSON schema (an object)")
+    required = params.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise InvalidParameter(param, "parameters.required must be a list of property names")
+    for key in ("$defs", "definitions"):
+        if not isinstance(params.get(key, {}), dict):
+            raise InvalidParameter(param, f"parameters.{key} must be an object")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +146,10 @@ def assistant_calls_text(tool_calls, index: int) -> str:
             raise InvalidParameter(f"messages.{index}.tool_calls.{j}", "a tool call needs function.name")
         args = f.get("arguments", "{}")
         try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
+            args = openai_schema.loads(args, "the arguments' JSON") if isinstance(args, str) else args
+        except openai_schema.JsonLimitError as e:
+            raise InvalidParameter(f"messages.{index}.tool_calls.{j}.function.arguments", str(e)) from None
+        except ValueError:  # json.JSONDecodeError, NaN
             raise InvalidParameter(f"messages.{index}.tool_calls.{j}.function.arguments",
                                    "arguments must be a JSON object (as a string)") from None
         if not isinstance(args, dict):

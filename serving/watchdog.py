@@ -1,16 +1,9 @@
 """The step watchdog, one implementation for the single-process server and multi-process groups.
 
-A step that never returns (a collective whose participant never arrives, a wedged runtime) blocks
-its thread inside native code, where no Python exception or timeout reaches it. A `Watchdog`
-thread watches one armed wait at a time and calls `on_stuck` once when it outlasts its limit.
-What happens then is the caller's choice: the engine core fails its requests and the server
-reports itself unhealthy until it is restarted (`engine_core.py`); a process of a multi-host
-group ends itself, since the group can no longer be kept in step (`distributed.py`).
-
-`StepLimits` gives a step its limit: a step whose programs run for the first time may compile
-(minutes for a large model on a slow host), so it gets `compile_s`; a step whose kind and shapes
-(`step_key`) have completed before gets `step_s`.
-"""
+A step that never returns blocks its thread in native code, where no timeout reaches it, so a
+`Watchdog` thread calls `on_stuck` once an armed wait outlasts its limit; the caller decides what
+follows. `StepLimits` gives a step `compile_s` until its kind and shapes have run once, then
+`step_s`. See docs/deployment.md, "Stuck steps"."""
 from __future__ import annotations
 
 import logging

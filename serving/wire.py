@@ -1,16 +1,9 @@
-"""Engine step inputs as int32 words: how a multi-process group's process 0 sends each step to
-the others (`serving.distributed` broadcasts the words as one fixed-size array).
+"""Engine step inputs as int32 words: how a multi-process group's process 0 sends each step to the
+others.
 
-Each step input type says how its fields travel once, beside the fields themselves: a class
-attribute `WIRE`, a dict from every field's name to its form (`Array`, `Int`, `Bool`, `Ints`,
-`Text`, `Optional`, `Tuple`, `Record`, `ArrayDict`, or `Stays` for what process 0 alone needs). `encode` and
-`decode` walk those tables, so the broadcast code knows no field: adding a field to a step is
-one entry in its type's table (a type whose table misses a field, or names one it lacks, is
-refused at its first use). Arrays carry their shape in the words, so a step's shapes (its
-buckets) need no header of their own; floats and seeds travel bit for bit.
-
-No jax import: the group's processes join it before jax creates its backends.
-"""
+Each step input type lists its fields' forms once, in a class attribute `WIRE`; `encode` and
+`decode` walk those tables, so adding a field is one table entry. Arrays carry their shape; floats
+and seeds travel bit for bit. No jax import: a group's processes read it before jax starts."""
 from __future__ import annotations
 
 import dataclasses

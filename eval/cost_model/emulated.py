@@ -29,8 +29,7 @@ def emulated_link_terms(methods: Sequence[str], sizes: Sequence[int], dims: tupl
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from equarx import all_reduce
-    from eval.bench_collective import _meshes, parse_method, split_method
+    from eval.bench_collective import _meshes, allreduce_program, parse_method, split_method
 
     topo = Topology("emulated", tuple(dims), wrap=True, link_bytes_s=1.0)
     kinds = {m: split_method(m)[1] for m in methods}
@@ -41,13 +40,10 @@ def emulated_link_terms(methods: Sequence[str], sizes: Sequence[int], dims: tupl
         width = row_width if n_el % row_width == 0 else n_el
         for m in methods:
             mesh, axes = meshes[kinds[m]]
-            cfg = parse_method(m, minishards, pipelined)
-            reduce_over = axes[0] if len(axes) == 1 else axes
-            f = jax.jit(jax.shard_map(lambda a, c=cfg, r=reduce_over: all_reduce(a, r, c),
-                                      mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
             x = jax.ShapeDtypeStruct((jax.device_count() * (n_el // width), width),
                                      jnp.bfloat16, sharding=NamedSharding(mesh, P(axes)))
-            program = f.lower(x).compile()
+            program = allreduce_program(mesh, axes, parse_method(m, minishards, pipelined)
+                                        ).lower(x).compile()
             nodes = [d.id for d in mesh.devices.flat]
             steps = program_transfers(program, nodes)
             out[(size, m)] = {"steps": len(steps),
@@ -57,16 +53,11 @@ def emulated_link_terms(methods: Sequence[str], sizes: Sequence[int], dims: tupl
 
 def predict_emulated(run: dict, base: dict, terms: dict, alpha_s: float = 0.0,
                      efficiency: float = 1.0) -> list[dict]:
-    """Predicted seconds of each row of an eval.bench_collective --torus run: a base term plus,
-    for every collective-permute in turn (XLA:CPU runs them one at a time), alpha plus its
-    busiest link's bytes at the link rate. The base term is the median of the same method and
-    size in `base`, either
-      - a one-process run on as many virtual devices (codec compute only: its collectives are
-        memcpys; it leaves out gloo's per-message costs and four processes sharing the cores), or
-      - the same torus with unshaped veths (`--torus DIMS --unshaped`): compute, per-message
-        costs and process skew as the shaped run has them, so only the link rate is modelled
-        (the unshaped veths' own transfer time is counted twice, a few percent).
-    XLA's psum rows get no prediction (gloo's own algorithm)."""
+    """Predicted seconds of each row of an eval.bench_collective --torus run: the same method and
+    size's median in `base` (one process: codec compute only; the unshaped torus: compute,
+    per-message costs and process skew, its own transfer time counted twice, a few percent)
+    plus, for every collective-permute in turn (XLA:CPU runs them one at a time), alpha and its
+    busiest link's bytes at the link rate. XLA's psum rows get none (gloo's own algorithm)."""
     rate = gbit_to_bytes_s(run["link_gbit"]) * efficiency
     one = {(r["size_bytes"], r["method"]): r["median"] for r in base["rows"]}
     out = []

@@ -9,10 +9,9 @@ from eval.cost_model.schedule import Schedule, allreduce_schedule
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
-    """alpha-beta model of one medium. rate_bytes_s: nominal rate; see the module docstring.
-
-    per_step: charge alpha per sequential step (asynchronous collectives whose concurrent
-    chains overlap, as on TPU) instead of per message (gloo runs them one by one)."""
+    """alpha-beta model of one medium (docs/benchmarks.md#cost_model-predictions). shared: every
+    device's bytes pass one medium (a shaped loopback); per_step: alpha per sequential step
+    (concurrent chains overlap, as on TPU) instead of per message (gloo runs them one by one)."""
 
     alpha_s: float
     rate_bytes_s: float

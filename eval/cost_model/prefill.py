@@ -45,24 +45,6 @@ def predict_prefill_s(nolink_s: float, label: str, *, tokens: int | Sequence[int
     return nolink_s + comm(link) - (comm(base_link) if base_link is not None else 0.0)
 
 
-def link_for_comm_share(share: float, nolink_s: float, label: str, *, tokens: int | Sequence[int],
-                        d_model: int, num_layers: int, n_devices: int, fit: "Fit",
-                        minishards: int = 4, pipelined: bool = True) -> float:
-    """The link rate (Gbit/s, shared loopback) at which communication is `share` of the
-    predicted prefill time of `label`: solves comm / (nolink + comm) = share for the rate."""
-    if not 0 < share < 1:
-        raise ValueError(f"share must be in (0, 1), got {share}")
-    want = share / (1 - share) * nolink_s  # seconds of communication
-    fast, slow = fit.link(1e6), fit.link(1.0)  # latency only / latency + 1 Gbit/s of bytes
-    kw = dict(tokens=tokens, d_model=d_model, num_layers=num_layers, n_devices=n_devices,
-              minishards=minishards, pipelined=pipelined)
-    latency = predict_prefill_s(0.0, label, link=fast, **kw)
-    per_gbit = predict_prefill_s(0.0, label, link=slow, **kw) - latency  # seconds x Gbit/s
-    if want <= latency:
-        raise ValueError("latency alone exceeds that share: no link rate gives it")
-    return per_gbit / (want - latency)
-
-
 def predict_rows(rows: Iterable[dict], nolink_ms: dict, fit: Fit, link_gbit: float, *,
                  d_model: int, num_layers: int, minishards: int = 4,
                  pipelined: bool = True, baseline: str = "bf16",

@@ -6,27 +6,15 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
+from eval import torus
+from eval.reports import format_columns
 from eval.cost_model.prefill import allreduces_per_prefill
 from eval.cost_model.tpu import (INT8_EXTRA_HBM_BYTES_PER_ELEMENT_HOP, PAPER, TPU_V5E, Accelerator,
                                  prefill_flops)
 
 
-# Topologies: a link-level model of one AllReduce on a TPU slice (or an emulated torus)
-#
-# Published figures (Google Cloud TPU documentation, the "System architecture" tables of
-# cloud.google.com/tpu/docs/v5e, /v6e and /v5p, read 2026-11-25):
-#   v5e: 197 TFLOP/s bf16, 819 GB/s HBM, 400 GB/s bidirectional ICI per chip, 4 ICI ports,
-#        2D torus (a 256-chip pod);
-#   v6e: 918 TFLOP/s bf16, 1638 GB/s HBM, 800 GB/s bidirectional ICI per chip, 4 ICI ports,
-#        2D torus (a 256-chip pod);
-#   v5p: 459 TFLOP/s bf16, 2765 GB/s HBM, 1200 GB/s bidirectional ICI per chip, 3D torus;
-#        "all 4x4x4 and larger slices (one cube) have full 3D torus" connectivity.
-# Derived (an assumption: the per-chip figure is spread evenly over the ports and the two
-# directions): v6e 800 / 4 / 2 = 100 GB/s per link and direction, v5p 1200 / 6 / 2 = 100 GB/s.
-# For v5e the even split would give 50 GB/s; the model takes the JAX scaling book's per-link
-# 45 GB/s instead, the one figure equarx.schedule uses too. Assumed, not published: wraparound links on v5e/v6e only on a full
-# 16-chip axis, so the 2x2, 2x4 and 4x4 slices are meshes (an axis of 4 is a line); the v5p cube
-# is a torus. An axis of 2 has one link between its two chips (as eval.torus builds it).
+# Link rates, peak figures and the assumptions (which slices wrap, 2 us a step, 50% MFU), with
+# their sources: docs/native_kernel.md#cost-model-per-topology-predictions-not-measurements.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,41 +33,9 @@ class Topology:
     def size(self) -> int:
         return math.prod(self.dims)
 
-    def coords(self, i: int) -> tuple[int, ...]:
-        out = []
-        for d in reversed(self.dims):
-            out.append(i % d)
-            i //= d
-        return tuple(reversed(out))
-
-    def index(self, c: Sequence[int]) -> int:
-        i = 0
-        for v, d in zip(c, self.dims):
-            i = i * d + v
-        return i
-
     def route(self, src: int, dst: int) -> list[tuple[int, int]]:
-        """Directed links (u, v) a message from src to dst crosses: dimension order, the
-        shorter way round where the axis wraps (ties: +1), straight along a line otherwise."""
-        cur, goal = list(self.coords(src)), self.coords(dst)
-        links = []
-        for a, d in enumerate(self.dims):
-            while cur[a] != goal[a]:
-                fwd = (goal[a] - cur[a]) % d
-                if self.wrap or d == 2:
-                    step = 1 if fwd <= d - fwd else -1
-                else:
-                    step = 1 if goal[a] > cur[a] else -1
-                nxt = list(cur)
-                nxt[a] = (cur[a] + step) % d
-                links.append((self.index(cur), self.index(nxt)))
-                cur = nxt
-        return links
-
-    def neighbour(self, i: int, axis: int, step: int) -> int:
-        c = list(self.coords(i))
-        c[axis] = (c[axis] + step) % self.dims[axis]
-        return self.index(c)
+        """Directed links (u, v) a message from src to dst crosses (dimension order)."""
+        return torus.route(src, dst, self.dims, self.wrap)
 
 
 Transfer = tuple  # (source chip, destination chip, bytes)
@@ -102,29 +58,17 @@ def steps_time_s(topo: Topology, steps: Sequence[Sequence[Transfer]]) -> float:
 
 def ring_order(topo: Topology) -> list[int]:
     """A cycle through every chip, consecutive chips (and the last and the first) grid
-    neighbours where the grid allows: boustrophedon over the axes on a torus; on a 2D mesh
-    with an even number of rows, rows snake over columns 1.. and column 0 is the way back."""
-    dims = [d for d in topo.dims]
-    if len(dims) == 1 or topo.size <= 2:
-        return list(range(topo.size))
-    if not topo.wrap and len(dims) == 2 and dims[0] % 2 == 0 and dims[1] > 1:
+    neighbours where the grid allows: the snake order on a torus; on a 2D mesh with an even
+    number of rows, rows snake over columns 1.. and column 0 is the way back."""
+    dims = topo.dims
+    if not topo.wrap and len(dims) == 2 and dims[0] % 2 == 0 and dims[1] > 1 and topo.size > 2:
         rows, cols = dims
         order = []
         for r in range(rows):
             cs = range(1, cols) if r % 2 == 0 else reversed(range(1, cols))
-            order += [topo.index((r, c)) for c in cs]
-        return order + [topo.index((r, 0)) for r in reversed(range(rows))]
-
-    def snake(shape: list[int]) -> list[tuple[int, ...]]:
-        if len(shape) == 1:
-            return [(v,) for v in range(shape[0])]
-        inner = snake(shape[1:])
-        out = []
-        for v in range(shape[0]):
-            out += [(v,) + c for c in (inner if v % 2 == 0 else inner[::-1])]
-        return out
-
-    return [topo.index(c) for c in snake(dims)]
+            order += [torus.index((r, c), dims) for c in cs]
+        return order + [torus.index((r, 0), dims) for r in reversed(range(rows))]
+    return torus.snake_order(dims)
 
 
 def ring_steps(topo: Topology, order: Sequence[int], n_elements: float, width: float,
@@ -171,7 +115,8 @@ def multi_axis_steps(topo: Topology, n_elements: float, width: float
                 dirs = (+1, -1) if n > 2 else (+1,)
                 for i in range(topo.size):
                     for s in dirs:
-                        step.append((i, topo.neighbour(i, a, s), buf / n * width / len(dirs)))
+                        step.append((i, torus.neighbour(i, topo.dims, a, s),
+                                     buf / n * width / len(dirs)))
             rs.append(step)
     return rs + rs[::-1]
 
@@ -313,31 +258,24 @@ def topology_predictions(tokens: Sequence[int] = (2048, 4096, 8192),
 
 def format_topology_predictions(rows: list[dict]) -> str:
     methods = list(TOPOLOGY_METHODS)
-    lines = ["# PREDICTIONS from the link-level cost model (not measurements). Link rates: "
-             "v5e the JAX scaling book's 45 GB/s a link and direction, v6e/v5p Google Cloud TPU "
-             "docs (bidirectional ICI per chip / ports / 2); assumed: 2 us a "
-             "step, 50% MFU, v5e/v6e slices under 16x16 without wraparound (meshes), the v5p "
-             "cube a torus; XLA's bf16 all-reduce = the better of the multi-axis schedule "
-             "(every axis, both directions) and the 1D bidirectional ring, in bf16. Speedup: XLA bf16 prefill / method's prefill (in "
-             "brackets: int8's extra HBM traffic not hidden).",
-             "# one AllReduce of tokens x d_model bf16 values, microseconds:"]
-    head = f"{'model':<11} {'topology':<10} {'tp':>3} {'tokens':>6} " + " ".join(
-        f"{m:>15}" for m in methods)
-    lines += [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['model']:<11} {r['topology']:<10} {r['tp']:>3} {r['tokens']:>6} "
-                     + " ".join(f"{r[m]['allreduce_us']:>15.1f}" for m in methods))
-    lines += ["", "# prefill: XLA bf16 ms (comm share), then each method's predicted speedup:"]
-    head = (f"{'model':<11} {'topology':<10} {'tp':>3} {'tokens':>6} {'bf16 ms':>8} "
-            f"{'comm':>5} " + " ".join(f"{m:>15}" for m in methods[1:]) + f" {'paper':>6}")
-    lines += [head, "-" * len(head)]
-    for r in rows:
-        base = r["xla-bf16"]
-        cells = " ".join(f"{r[m]['speedup']:>6.3f}x" + (
-            f" [{r[m]['speedup_quant_exposed']:.2f}]" if m.startswith("int8") else " " * 7)
-            for m in methods[1:])
-        paper = f"{r['paper_speedup']:.2f}x" if r["paper_speedup"] else "-"
-        lines.append(f"{r['model']:<11} {r['topology']:<10} {r['tp']:>3} {r['tokens']:>6} "
-                     f"{base['total_ms']:>8.1f} {100 * base['comm_ms'] / base['total_ms']:>4.0f}% "
-                     f"{cells} {paper:>6}")
-    return "\n".join(lines)
+    key = [("model", "<11", lambda r: r["model"]), ("topology", "<10", lambda r: r["topology"]),
+           ("tp", ">3", lambda r: r["tp"]), ("tokens", ">6", lambda r: r["tokens"])]
+    base = lambda r: r["xla-bf16"]  # noqa: E731
+    return "\n".join([
+        "# PREDICTIONS from the link-level cost model (not measurements). Link rates: v5e the JAX "
+        "scaling book's 45 GB/s a link and direction, v6e/v5p Google Cloud TPU docs (bidirectional "
+        "ICI per chip / ports / 2); assumed: 2 us a step, 50% MFU, v5e/v6e slices under 16x16 "
+        "without wraparound (meshes), the v5p cube a torus; XLA's bf16 all-reduce = the better of "
+        "the multi-axis schedule (every axis, both directions) and the 1D bidirectional ring, in "
+        "bf16. Speedup: XLA bf16 prefill / method's prefill (in brackets: int8's extra HBM "
+        "traffic not hidden).", "# one AllReduce of tokens x d_model bf16 values, microseconds:",
+        format_columns(rows, key + [(m, ">15", lambda r, m=m: f"{r[m]['allreduce_us']:.1f}")
+                                    for m in methods]),
+        "", "# prefill: XLA bf16 ms (comm share), then each method's predicted speedup:",
+        format_columns(rows, key + [
+            ("bf16 ms", ">8", lambda r: f"{base(r)['total_ms']:.1f}"),
+            ("comm", ">5", lambda r: f"{100 * base(r)['comm_ms'] / base(r)['total_ms']:.0f}%")] + [
+            (m, ">15", lambda r, m=m: f"{r[m]['speedup']:.3f}x" + (
+                f" [{r[m]['speedup_quant_exposed']:.2f}]" if m.startswith("int8") else ""))
+            for m in methods[1:]] + [
+            ("paper", ">6", lambda r: f"{r['paper_speedup']:.2f}x" if r["paper_speedup"] else "-")])])

@@ -11,6 +11,7 @@ from eval.cost_model.link import LinkModel
 from eval.cost_model.prefill import allreduces_per_prefill
 from eval.cost_model.schedule import allreduce_schedule
 from eval.quality import mode_config
+from eval.reports import format_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,15 +114,15 @@ def tpu_predictions(acc: Accelerator = TPU_V5E) -> list[dict]:
 
 
 def format_tpu_predictions(rows: list[dict], acc: Accelerator = TPU_V5E) -> str:
-    head = (f"{'model':<11} {'tp':>3} {'tokens':>6} {'method':<10} {'bf16 ms':>8} "
-            f"{'int8 ms':>8} {'comm %':>7} {'predicted':>10} {'(quant exposed)':>16} "
-            f"{'paper':>6}")
-    lines = [f"# PREDICTIONS for {acc.name} from the cost model (not measurements).",
-             f"# {acc.source}", head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['model']:<11} {r['tp']:>3} {r['tokens']:>6} {r['method']:<10} "
-                     f"{r['bf16_ms']:>8.1f} {r['int8_ms']:>8.1f} "
-                     f"{100 * r['comm_share_bf16']:>6.0f}% {r['predicted_speedup']:>9.2f}x "
-                     f"{r['predicted_speedup_quant_exposed']:>15.2f}x "
-                     f"{r['paper_speedup']:>5.2f}x")
-    return "\n".join(lines)
+    x = lambda k: lambda r: f"{r[k]:.2f}x"  # noqa: E731
+    return "\n".join([
+        f"# PREDICTIONS for {acc.name} from the cost model (not measurements).", f"# {acc.source}",
+        format_columns(rows, [
+            ("model", "<11", lambda r: r["model"]), ("tp", ">3", lambda r: r["tp"]),
+            ("tokens", ">6", lambda r: r["tokens"]), ("method", "<14", lambda r: r["method"]),
+            ("bf16 ms", ">8", lambda r: f"{r['bf16_ms']:.1f}"),
+            ("int8 ms", ">8", lambda r: f"{r['int8_ms']:.1f}"),
+            ("comm %", ">7", lambda r: f"{100 * r['comm_share_bf16']:.0f}%"),
+            ("predicted", ">10", x("predicted_speedup")),
+            ("(quant exposed)", ">16", x("predicted_speedup_quant_exposed")),
+            ("paper", ">6", x("paper_speedup"))])])

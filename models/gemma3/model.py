@@ -1,14 +1,9 @@
 """Gemma 3 forward pass as pure functions over this device's shards (run inside `jax.shard_map`).
 
-Every function here sees local shapes: Nl = N / tp query heads, Kl local KV heads, Fl = F / tp
-FFN units and Vl = V / tp vocabulary rows. The attention output projection and the MLP down
-projection therefore yield partial sums; each goes through `equarx.all_reduce` (2 per layer).
-The only other collective is the exact reduction of the vocab-parallel embedding lookup.
-
-Numerics follow the official implementation (gemma/gm/nn/_modules.py), cast for cast: matmuls
-(float32 accumulation), norms, softmax and residuals round to the activation dtype; RoPE's sin/cos
-run in float32. The attention over pages is `ragged.py`'s.
-"""
+Every function sees local shapes (heads, FFN units and vocabulary rows divided by tp), so the
+attention output and MLP down projections yield partial sums, each reduced by `equarx.all_reduce`.
+Numerics follow the official implementation (gemma/gm/nn/_modules.py), cast for cast. The attention
+over pages is ragged.py's."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,20 +1,9 @@
 """The paged KV cache: two page pools (global layers, sliding-window layers), shared page ids.
 
-Each layer holds its pool as one array `kv` [num_pages, page_size, 2 * Kc, H]: cached KV head
-i's keys at index 2i of the third axis, its values at 2i + 1. That is the page layout of the
-Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`, "combined" KV
-heads), so on TPU the kernel reads the pool as it is stored; separate key and value pools
-would have to be interleaved into a copy of the whole pool for every layer and step. On CPU
-the XLA form gathers keys and values apart through strided views of the pool, which fuse
-into the gathers (`gather`), so the layout costs it nothing. Splitting the third
-axis over tp gives each device the (key, value) pairs of its own Kc / tp heads (Kc:
-num_kv_heads, or tp when KV heads are replicated).
-
-All layers of one kind share page ids: page p of the global pool is page p in every global
-layer, so a sequence has one block table per kind. Page 0 of each pool is scratch (`SCRATCH`):
-never given to a sequence; padding tokens write there and unused table entries point there,
-always masked. A layer's keys are stored after QK-norm and RoPE.
-"""
+A layer's pool is one array [num_pages, page_size, 2 * Kc, H], KV head i's keys at 2i and values at
+2i + 1: the layout the Pallas TPU ragged paged attention kernel reads in place. All layers of a kind
+share page ids, so a sequence has one block table per kind; page 0 is scratch (`SCRATCH`). See
+docs/engine.md, "The paged engine"."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,12 +1,9 @@
 """Traced programs kept on disk (`jax.export`), so that a restart skips Python tracing and lowering;
-the executables themselves come from JAX's persistent compilation cache.
+the executables come from JAX's persistent compilation cache.
 
-A stored program is reused only under the same key: the `models` and `equarx` sources, the
-jax/jaxlib versions, the backend, the program's static settings, whether the native CPU codec
-kernels are in use, and its arguments' abstract signature; anything else that changes tracing
-must go in `salt`. Single-process only. Each file is a pickle, i.e. code: the directory must be
-writable by its user only.
-"""
+A program is reused only under the same key (sources, jax versions, backend, static settings, native
+kernels, argument signature); anything else that changes tracing goes in `salt`. Single-process
+only. Files are pickles, i.e. code: the directory must be writable by its user only."""
 from __future__ import annotations
 
 import collections

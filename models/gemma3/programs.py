@@ -1,12 +1,9 @@
 """The model's device programs and the executables compiled ahead of time, by `ProgramKey`.
 
-`ModelPrograms` owns everything about one model setup that is not its weights: the config, the
-mesh, the AllReduce (or a plugged-in reduction), the dtypes. It builds the ragged step's jitted
-`shard_map` program once per step shape, lowers it for a `ProgramKey` from abstract shapes
-alone (so compilation can run while the weights load), and keeps the executables it compiles:
-`runnable(key)` hands back the kept executable for a key, or the jitted program, which traces
-on its first call.
-"""
+`ModelPrograms` owns all of one model setup but its weights (config, mesh, AllReduce, dtypes). It
+builds the ragged step's `shard_map` program once per step shape, lowers it from abstract shapes
+alone (so compiling can overlap weight loading), and `runnable(key)` hands back the compiled
+executable or the jitted program."""
 from __future__ import annotations
 
 import concurrent.futures

@@ -1,25 +1,9 @@
 """One ragged forward step over the paged KV cache: the model's one forward pass.
 
-A step is a flat batch of T tokens from S sequence rows, each row's tokens contiguous: decode
-tokens (one per sequence) and prompt pieces (several) side by side, each token with its
-position, the last key position it may see, and the pool slots its keys/values go to
-(`RaggedBatch`, built on the host as numpy). The matmuls (QKV, output projection, MLP, logits)
-run over the flat T tokens. Per layer, the step first stores every token's keys/values in its
-pool (a scatter), then each row gathers its pages through its block table and attends with its
-queries gathered into a padded [S, Q] view, whose outputs go back to the flat layout. Storing
-first means a piece sees its own keys through the same pages as the earlier ones: one
-attention, one mask rule (`visible_keys`), whatever mix of work the step holds. Reading the
-pool only after the scatter also keeps the donated pool updated in place (XLA:CPU copies a
-buffer that one program reads *before* updating it).
-
-The numerics are the official model's, cast for cast (model.py's building blocks; attention in
-float32-accumulating dots rounded to the activation dtype, masked logits `K_MASK`). On a CPU the
-global layers read each row's pages a block at a time with a running softmax
-(`_xla_blocked_attention`), so that a step's cost follows the context its rows hold rather than
-the width of their tables (a row's bits do not depend on the other rows or the table's width),
-and one table width serves every step; on a GPU every layer gathers its tables whole
-(`attention_impl`); on a TPU the Pallas kernel reads the pages in place.
-"""
+A step is a flat batch of tokens from several sequences (`RaggedBatch`): matmuls run over the flat
+tokens; per layer every token's keys and values are stored in the pool first, then each sequence
+gathers its pages and attends with one mask rule (`visible_keys`). Numerics are the official
+model's. See docs/engine.md, "The paged engine"."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,18 +1,9 @@
 """Tensor-parallel layout, declared once: logical axes -> the mesh axis "tp".
 
-"tp" is the logical tensor-parallel axis. A 1-D mesh has a mesh axis of that name; a TP mesh
-of several axes (`--tp-mesh 2x2`: axes ("x", "y"), a TPU torus' shape) realizes it as the tuple
-of its axes: `named` and `resolve` put the mesh's `tp_axes` where a spec says "tp", so weights
-are split over the product of the axes (P(None, ("x", "y"))), and the forward pass reduces
-over the tuple (equarx's multi-axis schedule). Shard i of a tuple-of-axes spec lives on the
-device whose row-major index over the axes is i, the same order `lax.axis_index` of the tuple
-gives, so every shard holds what it holds on a 1-D mesh of the same size.
-
-Sharded over tp: query heads, the FFN hidden dimension, the vocabulary (embedding and logits),
-and KV heads when tp divides their number. Replicated: norms' scales, and the KV projection when
-there are fewer KV heads than devices (Gemma 3 270M and 1B have a single KV head); each device
-then computes only the KV head its query heads use, so the KV *cache* is still split over tp.
-"""
+A multi-axis TP mesh (`--tp-mesh 2x2`) realizes "tp" as the tuple of its axes, in row-major order,
+so every device holds the shard it holds on a 1-D mesh. Query heads, FFN, vocabulary and KV heads
+(when tp divides them) are split; with fewer KV heads than devices the KV projection is replicated.
+See docs/algorithm.md, "Where the model calls it"."""
 from __future__ import annotations
 
 import math

@@ -1,17 +1,17 @@
 """The Pallas ring kernel (equarx.pallas_ring) and the multi-axis schedule through kernels
 (equarx.pallas_torus): the config spelling, what they cover, their VMEM bound, and, in child
-processes (a device count each, see eval.check_pallas), TPU interpret mode on rings of 2 and 4
+processes (a device count each, see tests/equarx/pallas_sweep.py), TPU interpret mode on rings of 2 and 4
 devices and the 2x2, 2x4 and 2x2x2 tori against the same schedule through equarx.ring
 (bitwise, race detector, semaphores at exit, both DMA modes) and the lowering for TPU for the
 models' messages (tp 2-16, and the 2x4 and 2x2x4 tori).
 
-The interpret cases are small (interpret mode costs seconds per call); `python -m
-eval.check_pallas` runs every codec x dtype x DMA mode x device count and every model message.
+The interpret cases are small (interpret mode costs seconds per call); `python
+tests/equarx/pallas_sweep.py` runs every codec x dtype x DMA mode x device count and every model message.
 """
 import pytest
 
 from equarx import AllReduceConfig
-from eval import check_pallas as check
+import pallas_sweep as check
 
 
 @pytest.mark.parametrize("label", ["int8@pallas", "int8-full+tile@pallas", "bf16_ring@pallas",
@@ -84,14 +84,14 @@ def test_vmem_stays_bounded_for_every_model_message():
 # costs seconds per hop and device. The 1-D ring on 2 devices (the kernel's degenerate ring:
 # both neighbours are one device, and no hop forwards) and on 4 (every branch of the schedule:
 # reduce-scatter hops, the own shard's last partial, all-gather forwards, the last decode); a
-# ring of 8 runs the same code for more hops (its cases ran here until the cut; `python -m
-# eval.check_pallas` keeps them). Each codec in each dtype and each DMA mode across the two
+# ring of 8 runs the same code for more hops (its cases ran here until the cut; `python
+# tests/equarx/pallas_sweep.py` keeps them). Each codec in each dtype and each DMA mode across the two
 # rings; messages with padded rows and columns, 3-D; on 2 devices also two windows of
 # minishards (the last one short) and the public equarx.all_reduce dispatch. The multi-axis
 # schedule once on each torus shape: 2x2 (equal axes), 2x4 (a shorter and a longer ring in
 # one kernel) and 2x2x2 (three parts, each visiting the axes in a rotated order); int8 on the
 # first and last with the race detector, bf16_ring through the public dispatch on 2x4 (every
-# codec on every mesh in `python -m eval.check_pallas`); and a small model's logits with the
+# codec on every mesh in `python tests/equarx/pallas_sweep.py`); and a small model's logits with the
 # default int8 through the kernels on 2x2, against the model with the reference plugged in.
 INTERPRET_CASES = {
     2: [check.interpret_case("int8-full+tile@pallas", (64, 512), "bfloat16", "on_wait"),
@@ -132,7 +132,7 @@ def test_kernel_lowers_for_tpu_for_model_messages():
     chunk or bucket; every codec, in both dtypes, on a torus of two axes of different sizes
     (2x4) and on one of three (2x2x4, with two equal axes): between them what the 2x2 and 4x4
     tori have (k parts in rotated axis orders, rings of 2 and of 4 in one kernel), and each
-    torus lowering costs 0.5-2 s. eval.check_pallas lowers the whole product, every mesh, with
+    torus lowering costs 0.5-2 s. tests/equarx/pallas_sweep.py lowers the whole product, every mesh, with
     decode to 8k tokens."""
     models = list(check.MODEL_D.values())
     cases = []

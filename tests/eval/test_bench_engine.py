@@ -1,7 +1,7 @@
 """eval.bench_engine end to end on random:tiny, each run in a fresh process as the command runs:
 every mode reports its figures, and the figures say what the engine does (whole pages of a
-shared prefix cached, nothing compiled after a ready with every shape precompiled, the cache
-read back on a restart, a sequence's pages within what the dense cache holds)."""
+shared prefix cached, compiles after ready counted, the cache read back on a restart, a
+sequence's pages within what the dense cache holds)."""
 import json
 import os
 import subprocess
@@ -27,8 +27,10 @@ def run(tmp_path, *args) -> dict:
 
 
 def test_engines_compared_step_and_census(tmp_path):
+    # Shapes compile on first use (untimed runs come first); tests/serving/test_precompile.py
+    # checks that with --precompile all nothing compiles after ready.
     report = run(tmp_path, "--only", "lone,batch,streams,ttft,step,census", "--streams", "1,2",
-                 "--engines", "default,deterministic")
+                 "--engines", "default,deterministic", "--precompile", "warmup")
     assert report["tokenizer"] == "byte" and report["layers"] == 3
     names = ["default@128", "deterministic@128"]
     for name in names:
@@ -52,7 +54,8 @@ def test_engines_compared_step_and_census(tmp_path):
 
 
 def test_prefix_itl_grammar_capacity_compiles_and_ready(tmp_path):
-    report = run(tmp_path, "--only", "prefix,itl,grammar,capacity,compiles,ready")
+    report = run(tmp_path, "--only", "prefix,itl,grammar,capacity,compiles,ready",
+                 "--precompile", "warmup")
     prefix = report["prefix"]
     # The second request found the shared prefix's whole pages of 16 cached.
     assert prefix["prefix_tokens"] == 65 and prefix["hit_tokens"] == 64
@@ -66,8 +69,10 @@ def test_prefix_itl_grammar_capacity_compiles_and_ready(tmp_path):
     assert cap["sequences_that_fit"] * cap["bytes_per_sequence"] <= cap["dense_cache_bytes"]
     assert cap["pool_bytes"] <= cap["dense_cache_bytes"]
     assert 0 < cap["most_running"] <= cap["sequences_that_fit"] and cap["preemptions"] == 0
-    # --precompile all: every step shape compiled before ready, nothing after.
-    assert report["compiles"]["streams"] == [1, 2] and report["compiles"]["compiles"] == 0
+    # --precompile warmup: the rounds' other step shapes are compiled (or read from the suite's
+    # cache) after ready, and counted.
+    compiled = report["compiles"]
+    assert compiled["streams"] == [1, 2] and compiled["compiles"] + compiled["cache_reads"] > 0
     cold, cached = report["ready"]["cold"], report["ready"]["cached"]
     assert cold["compiles"] > 0 and cached["compiles"] == 0
     assert cached["cache_reads"] >= cold["compiles"]
@@ -75,7 +80,7 @@ def test_prefix_itl_grammar_capacity_compiles_and_ready(tmp_path):
 
 def test_images(tmp_path):
     report = run(tmp_path, "--only", "images", "--model", "random:tiny?vision=tiny",
-                 "--max-seq-len", "512")
+                 "--max-seq-len", "512", "--precompile", "warmup")
     im = report["images"]
     text, image = im["stall"]["text"], im["stall"]["image"]
     assert text["max_itl_s"] > 0 and text["max_itl_after_features_s"] is None

@@ -121,16 +121,6 @@ def test_prefill_prediction_adds_two_allreduces_per_layer():
     assert out[1]["predicted_speedup_vs_bf16"] > 1.0  # same compute, fewer bytes
 
 
-def test_link_for_comm_share_inverts_the_prediction():
-    fit = cm.Fit(2e-4, 0.7, 2.0, 1.0, 3, 0.0)
-    kw = dict(tokens=1024, d_model=1152, num_layers=2, n_devices=2)
-    gbit = cm.link_for_comm_share(1 / 3, 6.0, "bf16", fit=fit, **kw)
-    total = cm.predict_prefill_s(6.0, "bf16", link=fit.link(gbit), **kw)
-    assert (total - 6.0) / total == pytest.approx(1 / 3, rel=1e-4)
-    with pytest.raises(ValueError):
-        cm.link_for_comm_share(0.999999, 1e-9, "bf16", fit=fit, **kw)  # latency alone is more
-
-
 def test_flops_and_tpu_predictions():
     cfg = get_config("27b")
     per_token = cm.prefill_flops(cfg, 1) - 2 * cfg.d_model * cfg.vocab_size

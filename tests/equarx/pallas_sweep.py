@@ -1,4 +1,4 @@
-"""Checks of the Pallas ring kernel (equarx.pallas_ring) and of the multi-axis schedule
+"""The full sweep of checks of the Pallas ring kernel (equarx.pallas_ring) and of the multi-axis schedule
 through kernels (equarx.pallas_torus) that need no TPU.
 
 - interpret: the kernels in Pallas' TPU interpret mode on 2, 4 and 8 virtual CPU devices (one
@@ -20,8 +20,8 @@ Each device count needs its own process (XLA reads the device count, and the CPU
 thread count, PJRT_NPROC, when JAX starts), so every group of cases runs in a child process
 (`--child`) and reports one JSON line per case.
 
-  python -m eval.check_pallas                  # everything (several minutes)
-  python -m eval.check_pallas --only lower --json report.json
+  python tests/equarx/pallas_sweep.py                  # everything (several minutes)
+  python tests/equarx/pallas_sweep.py --only lower --json report.json
 """
 from __future__ import annotations
 
@@ -285,8 +285,9 @@ def run_child(n_devices: int, cases: list[dict], timeout: float = 1800) -> list[
     # a thread pool sized to the cores; with fewer threads than devices, buffers over ~100 KiB
     # deadlock (see the project's Pallas notes). 4 N + 4 threads were enough.
     env["PJRT_NPROC"] = str(4 * n_devices + 4)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "eval.check_pallas", "--child", str(n_devices),
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(n_devices),
                            "--cases", json.dumps(cases)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=timeout)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
