@@ -128,7 +128,7 @@ LONG_FILES_FIRST = (
     "equarx/test_multi_axis.py", "serving/test_image_encoder.py", "eval/test_quality.py",
     "eval/test_bench_codec.py", "models/test_program_cache.py",
     "equarx/test_token_local.py", "models/test_paged_images.py", "models/test_tp_mesh.py",
-    "models/test_gguf.py", "equarx/test_native_cpu.py",
+    "models/test_gguf.py", "models/test_hf_layouts.py", "equarx/test_native_cpu.py",
     "serving/test_chat_images.py", "models/test_weights_cache.py",
     "serving/test_structured_output.py", "serving/test_paged_runner_images.py",
     "equarx/test_hlo.py", "models/test_model_checkpoint.py", "equarx/test_mse.py", "serving/test_image_spans.py",

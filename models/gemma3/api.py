@@ -24,7 +24,7 @@ from models.gemma3.programs import ModelPrograms
 from models.gemma3.ragged import BLOCK_PAGES, RaggedBatch
 from models.shapes import pow2
 from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
-from models.gemma3.sources import replace_checkpoint, resolve_source
+from models.gemma3.sources import replacing_checkpoint, resolve_source
 from models.gemma3.weights import Weights
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,9 @@ class Gemma3Model(Gemma3StepAPI):
         transformers loads too; `dtype` (default: the model's) is the stored one. With a vision
         tower, "hf" writes a Gemma3ForConditionalGeneration directory (one safetensors file).
         "official": the official `gemma` library's parameter tree (orbax), tower included.
-        A checkpoint already in `path`, of any format, is replaced (`sources.replace_checkpoint`:
-        its files are removed first; other files stay).
+        The checkpoint is written beside `path` and then replaces the one `path` holds, of any
+        format (`sources.replacing_checkpoint`: other files stay), so a save that fails or is
+        killed leaves the old checkpoint (or no checkpoint), never part of the new one.
         A model whose weights carry the AllReduce's rotation (`load_model`'s fold_rotation)
         cannot save: they would no longer be the checkpoint's.
         """
@@ -128,7 +129,10 @@ class Gemma3Model(Gemma3StepAPI):
                 f"fold_rotation=False, tp=1 or another AllReduce to save it")
         if format not in ("orbax", "hf", "official"):
             raise ValueError(f"format must be 'orbax', 'hf' or 'official', got {format!r}")
-        replace_checkpoint(path, format)
+        with replacing_checkpoint(path, format) as partial:
+            self._save(partial, format, dtype, max_shard_bytes)
+
+    def _save(self, path, format: str, dtype, max_shard_bytes: int | None) -> None:
         if format == "official":
             loading.save_official_checkpoint(path, self._official_tree(dtype or self.dtype))
             return
@@ -326,13 +330,8 @@ def load_vision(source, config: Gemma3Config, vision_name: str | None, seed: int
             and hf_checkpoint.is_hf_checkpoint(source):
         from models.gemma3.vision_checkpoint import load_hf_vision
 
-        try:
-            return load_hf_vision(source)
-        except hf_checkpoint.HFCheckpointError as e:
-            # The text still serves: say why there are no images rather than refuse the whole
-            # checkpoint.
-            log.warning("serving text only: %s", e)
-            return None
+        # A checkpoint that declares a tower never serves without it: errors propagate.
+        return load_hf_vision(source)
     return None
 
 

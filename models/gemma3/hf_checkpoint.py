@@ -9,9 +9,12 @@ stored as PyTorch's (out_features, in_features), heads major; the output project
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Callable
@@ -29,21 +32,28 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
+# PyTorch pickles, which transformers writes with safe_serialization=False: not read here.
+PICKLE_FILE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+_PICKLE_SHARD = re.compile(r"pytorch_model-\d+-of-\d+\.bin")
 
 # Safetensors dtype names <-> numpy dtypes (only float types: a Gemma checkpoint holds nothing else).
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64)}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
-# Prefixes of the text model's tensors: Gemma3ForCausalLM, then Gemma3ForConditionalGeneration
-# as transformers 4.50 (and the published 4B-27B checkpoints) and >= 4.52 write it.
-TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
-
-# Our per-layer fields <- the Hugging Face names below `layers.{i}.`.
+# Our per-layer fields <- the Hugging Face names below `layers.{i}.` (each name + ".weight").
 _HF_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
              "pre_attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
              "pre_ffw_norm": "pre_feedforward_layernorm",
              "post_ffw_norm": "post_feedforward_layernorm"}
+_HF_LAYER = {"q": ("self_attn.q_proj",), "kv": ("self_attn.k_proj", "self_attn.v_proj"),
+             "o": ("self_attn.o_proj",), "gating": ("mlp.gate_proj", "mlp.up_proj"),
+             "linear": ("mlp.down_proj",), **{k: (v,) for k, v in _HF_NORMS.items()}}
+# The text model's prefix in the layout transformers 4.50-5.x all load (the published
+# Gemma3ForConditionalGeneration checkpoints'); Gemma3ForCausalLM's is "model.".
+MULTIMODAL_TEXT_PREFIX = "language_model.model."
+
+log = logging.getLogger(__name__)
 
 # Gemma3TextConfig's defaults: the published multimodal configs' text_config leaves most fields out.
 _TEXT_DEFAULTS = {
@@ -210,9 +220,18 @@ class SafetensorsDir:
 
 
 def is_hf_checkpoint(path: str | os.PathLike) -> bool:
+    """config.json beside weights: safetensors, or PyTorch pickles (which `hf_layout` refuses
+    with the command that converts them)."""
     p = Path(path)
     return (p / CONFIG_FILE).is_file() and (
-        (p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")))
+        (p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")) or bool(pickle_files(p)))
+
+
+def pickle_files(path: str | os.PathLike) -> list[str]:
+    """The PyTorch pickle weight files (and their index) of a directory, sorted."""
+    with os.scandir(path) as it:
+        return sorted(e.name for e in it if e.name in (PICKLE_FILE, PICKLE_INDEX)
+                      or _PICKLE_SHARD.fullmatch(e.name))
 
 
 def text_config(raw: dict) -> dict:
@@ -334,6 +353,141 @@ def read_config(path: str | os.PathLike) -> Gemma3Config:
 
 
 # ---------------------------------------------------------------------------------------------
+# Which stored tensors are which part of the model
+
+
+def text_tensor_names(c: Gemma3Config) -> list[str]:
+    """The text model's tensor names below its prefix, as transformers names them."""
+    names = ["embed_tokens.weight", "norm.weight"]
+    for i in range(c.num_layers):
+        names += [f"layers.{i}.{n}.weight" for group in _HF_LAYER.values() for n in group]
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class HFLayout:
+    """Where a checkpoint directory stores each part of the model its config.json declares: the
+    prefix of the text model's tensor names, and of the vision tower's and the projector's
+    (None where config.json declares no tower)."""
+
+    files: SafetensorsDir
+    raw: dict  # config.json
+    config: Gemma3Config
+    text: str
+    tower: str | None = None
+    projector: str | None = None
+
+
+def hf_layout(path: str | os.PathLike) -> HFLayout:
+    """The layout of a checkpoint directory, found from its tensor names, not from a list of
+    known prefixes: each part's prefix is the one under which its names (transformers' names
+    below that module) are stored. So every layout transformers 4.50-5.x writes or holds in
+    memory loads: `model.` (Gemma3ForCausalLM); `language_model.model.`,
+    `vision_tower.vision_model.`, `multi_modal_projector.` (the published checkpoints, 4.5x
+    saves); `model.language_model.`, `model.vision_tower.[vision_model.]`,
+    `model.multi_modal_projector.` (their state dicts); `vision_tower.` (5.x saves).
+
+    Refused, with what is wrong named, before any tensor is read: PyTorch pickles only (with the
+    command that converts them); a declared part with tensors missing (a vision_config whose
+    tower is not stored, or only in part, included: such a checkpoint never loads text-only);
+    stored tensors that no declared part uses (another architecture, extra layers, adapters:
+    the model would run without them). A tied `lm_head.weight` is ignored, as transformers
+    ties it; a tower and projector stored under a text-only config.json are ignored, with a
+    warning (the model loads as its config.json declares it)."""
+    from models.gemma3.vision_checkpoint import (PROJECTOR_TENSOR_NAMES, tower_tensor_names,
+                                                 vision_config_from_hf)
+
+    path = Path(path)
+    raw = json.loads((path / CONFIG_FILE).read_text())
+    pickles = pickle_files(path)
+    if pickles and not (path / INDEX_FILE).is_file() and not any(path.glob("*.safetensors")):
+        arch = (raw.get("architectures") or ["Gemma3ForCausalLM"])[0]
+        raise HFCheckpointError(
+            f"{path}: the weights are PyTorch pickles ({', '.join(pickles)}), which are not read "
+            "here (loading a pickle can run code); convert them to safetensors once, in place, "
+            f"with transformers:\n  python -c \"import transformers as t; t.{arch}.from_pretrained("
+            f"{str(path)!r}, torch_dtype='auto').save_pretrained({str(path)!r})\"")
+    c = config_from_hf(raw)
+    vc = vision_config_from_hf(raw)
+    files = SafetensorsDir(path)
+    stored = set(files.where)
+    known = {"text model": text_tensor_names(c),
+             # without a vision_config: enough layers to recognise any tower stored anyway
+             "vision tower": tower_tensor_names(vc.num_layers if vc else _layer_bound(stored)),
+             "multimodal projector": list(PROJECTOR_TENSOR_NAMES)}
+    prefixes = {part: _stored_prefix(path, stored, names, [n for other, ns in known.items()
+                                                           if other != part for n in ns], part)
+                for part, names in known.items()}
+    declared = ("text model", "vision tower", "multimodal projector") if vc else ("text model",)
+    for part in set(known) - set(declared):
+        if prefixes[part] is not None:
+            stored -= {prefixes[part] + n for n in known[part]}
+            log.warning("%s: config.json declares no vision tower (vision_config): the %s "
+                        "stored under %r is not loaded", path, part, prefixes[part])
+    default = {"text model": MULTIMODAL_TEXT_PREFIX if vc else "model.",
+               "vision tower": "vision_tower.vision_model.",
+               "multimodal projector": "multi_modal_projector."}
+    where = {part: prefixes[part] if prefixes[part] is not None else default[part]
+             for part in declared}
+    wanted, problems = set(), []
+    for part in declared:
+        full = [where[part] + n for n in known[part]]
+        wanted.update(full)
+        missing = [n for n in full if n not in stored]
+        if missing:
+            why = (f"config.json's {c.num_layers} layers" if part == "text model"
+                   else "config.json declares a vision tower (vision_config)")
+            problems.append(f"{len(missing)} of the {part}'s {len(full)} tensors are missing "
+                            f"({why}): {_few(missing)}")
+    head = {n for n in stored if n.endswith("lm_head.weight")
+            and where["text model"].startswith(n.removesuffix("lm_head.weight"))}  # tied
+    unexpected = sorted(stored - wanted - head)
+    if unexpected:
+        problems.append(f"{len(unexpected)} stored tensors belong to no part config.json "
+                        f"declares: {_few(unexpected)}")
+    if problems:
+        raise HFCheckpointError(f"{path}: " + "; ".join(problems))
+    return HFLayout(files, raw, c, where["text model"], where.get("vision tower"),
+                    where.get("multimodal projector"))
+
+
+def _layer_bound(names) -> int:
+    """1 + the largest `layers.{i}` index among `names` (0 without any)."""
+    found = (re.search(r"(?:^|\.)layers\.(\d+)\.", n) for n in names)
+    return 1 + max((int(m.group(1)) for m in found if m), default=-1)
+
+
+def _few(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _stored_prefix(path: Path, stored: set[str], names: list[str], others: list[str],
+                   part: str) -> str | None:
+    """The prefix under which most of `names` are stored (each name at a "." boundary), None if
+    none is. Only names that are not the tail of another part's names count (the text
+    model's `layers.0.self_attn.q_proj.weight` ends the tower's `encoder.layers.0...`)."""
+    tails = {o[i + 1:] for o in others for i, ch in enumerate(o) if ch == "."}
+    anchors = set(names) - tails - set(others)
+    counts: dict[str, int] = {}
+    for full in stored:
+        at = 0
+        while True:
+            if full[at:] in anchors:
+                counts[full[:at]] = counts.get(full[:at], 0) + 1
+            at = full.find(".", at) + 1
+            if at == 0:
+                break
+    if not counts:
+        return None
+    best = max(counts.values())
+    top = sorted(p for p, k in counts.items() if k == best)
+    if len(top) > 1:
+        raise HFCheckpointError(f"{path}: the {part}'s tensors are stored under each of "
+                                f"{', '.join(map(repr, top))}: which one is the model's?")
+    return top[0]
+
+
+# ---------------------------------------------------------------------------------------------
 # Our tensors as views of the Hugging Face ones
 
 
@@ -362,13 +516,9 @@ def _heads(x: np.ndarray, n: int, h: int) -> np.ndarray:
 class HFWeights:
     """The text model's tensors of a checkpoint directory, checked against a config."""
 
-    def __init__(self, path: str | os.PathLike, c: Gemma3Config):
-        self.files = SafetensorsDir(path)
-        self.prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in self.files),
-                           None)
-        if self.prefix is None:
-            raise HFCheckpointError(f"{path}: no embed_tokens.weight under any of {TEXT_PREFIXES}")
-        self.c = c
+    def __init__(self, path: str | os.PathLike, c: Gemma3Config, layout: HFLayout | None = None):
+        layout = layout or hf_layout(path)
+        self.files, self.prefix, self.c = layout.files, layout.text, c
 
         def check(layer, name, shape):  # every tensor, before any is read
             try:
@@ -393,28 +543,28 @@ class HFWeights:
         c = self.c
         if layer is None:
             return _View([self._t("embed_tokens.weight" if name == "embed" else "norm.weight")])
-        t = lambda n: self._t(f"layers.{layer}.{n}.weight")  # noqa: E731
+        parts = [self._t(f"layers.{layer}.{n}.weight") for n in _HF_LAYER[name]]
         if name == "q":
-            return _View([_heads(t("self_attn.q_proj"), c.num_heads, c.head_dim)])
+            return _View([_heads(parts[0], c.num_heads, c.head_dim)])
         if name == "kv":
-            return _View([_heads(t(f"self_attn.{x}_proj"), c.num_kv_heads, c.head_dim)
-                          for x in "kv"], axis=1)
+            return _View([_heads(x, c.num_kv_heads, c.head_dim) for x in parts], axis=1)
         if name == "o":  # [D, N*H] -> [N, H, D]
-            return _View([t("self_attn.o_proj").reshape(c.d_model, c.num_heads, c.head_dim)
+            return _View([parts[0].reshape(c.d_model, c.num_heads, c.head_dim)
                           .transpose(1, 2, 0)])
         if name == "gating":
-            return _View([t(f"mlp.{x}_proj").T for x in ("gate", "up")], axis=1)
+            return _View([x.T for x in parts], axis=1)
         if name == "linear":
-            return _View([t("mlp.down_proj").T])
-        return _View([t(_HF_NORMS[name])])
+            return _View([parts[0].T])
+        return _View(parts)
 
 
-def place_hf(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Mesh, tp: int) -> Weights:
+def place_hf(path: str | os.PathLike, c: Gemma3Config, dtype, mesh: Mesh, tp: int,
+             layout: HFLayout | None = None) -> Weights:
     """Sharded Weights from a checkpoint directory: each device's shard read from the mapped
     files (and converted to `dtype`) by its own callback."""
     from models.gemma3.loading import _sharding
 
-    hf = HFWeights(path, c)
+    hf = HFWeights(path, c, layout)
     shardings = named(mesh, weight_specs(c, tp))
     np_dtype = np.dtype(dtype)
 
@@ -462,7 +612,8 @@ def save_hf_weights(path: str | os.PathLike, weights: Weights, c: Gemma3Config, 
     """Write config.json and the weights as safetensors (one file, or several of at most
     `max_shard_bytes` each with model.safetensors.index.json, as `save_pretrained` does),
     gathering one tensor at a time to the host, into a directory that holds no other checkpoint
-    (`Gemma3Model.save` clears it: `sources.replace_checkpoint`). Returns the files written."""
+    (`Gemma3Model.save` writes into a new one: `sources.replacing_checkpoint`). Returns the
+    files written."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(dtype if dtype is not None else weights.embed.dtype)

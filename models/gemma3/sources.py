@@ -4,16 +4,18 @@ official tree in memory.
 
 `resolve_source` only reads what a source says about shapes (config, vocabulary) up front;
 placing the weights is the returned function, so that programs can compile meanwhile.
-`replace_checkpoint` clears a directory of the checkpoint files this reads, before a save.
+`replacing_checkpoint` is where a save writes: beside its target, replacing it whole at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 from jax.sharding import Mesh
@@ -67,8 +69,9 @@ def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: in
                                                        c, dtype, mesh, tp),
                 Tokenizer.from_gguf(path))
     if os.path.isdir(source) and hf_checkpoint.is_hf_checkpoint(source):
-        return (hf_checkpoint.read_config(source),
-                lambda c, mesh: hf_checkpoint.place_hf(source, c, dtype, mesh, tp),
+        layout = hf_checkpoint.hf_layout(source)  # every tensor accounted for, before any loads
+        return (layout.config,
+                lambda c, mesh: hf_checkpoint.place_hf(source, c, dtype, mesh, tp, layout),
                 hf_tokenizer.read_tokenizer(source))
     if os.path.isdir(source) and loading.is_converted_checkpoint(source):
         return (loading.read_checkpoint_config(source),
@@ -115,22 +118,57 @@ _ORBAX_NAMES = _ORBAX_METADATA | {"_sharding", "manifest.ocdbt", "commit_success
 _ORBAX_PROCESS = re.compile(r"ocdbt\.process_\d+")
 
 
-def replace_checkpoint(path: str | os.PathLike, format: str) -> None:
-    """Clear `path` for a save in `format` ("orbax", "hf" or "official"): remove the checkpoint
-    it holds, whatever its format.
+# What makes a directory load as a checkpoint of each format: moved in last and removed first
+# when a save replaces one, so that a save cut short anywhere leaves the old checkpoint, or a
+# directory that loads as none, never a mix of the two or a part of either.
+_MARKERS = {hf_checkpoint.CONFIG_FILE, loading.CONFIG_FILE} | _ORBAX_METADATA
+_PARTIAL = ".partial-"
+
+
+@contextlib.contextmanager
+def replacing_checkpoint(path: str | os.PathLike, format: str) -> Iterator[Path]:
+    """A new, empty directory beside `path` to write a checkpoint in `format` ("orbax", "hf" or
+    "official") into; when the block ends without an exception, that checkpoint replaces
+    whatever checkpoint `path` holds, of any format (`path` itself is renamed into place when
+    it does not exist). An exception, or a crash, before then leaves `path` as it was; the
+    partial directory goes with the exception, or with the next save to `path` after a crash.
 
     A save must replace, not add to, what is there: `resolve_source` reads a Hugging Face
     directory before ours, every shard its index lists (or every *.safetensors file) and a
     chat_template.jinja before the template in tokenizer_config.json, so any old file left
     there would load instead of, or along with, the new checkpoint. As transformers'
     `save_pretrained` removes its previous shards, only names these formats use are removed,
-    at the top level; a symlink among them is unlinked, never followed. Refused (ValueError,
-    nothing removed) where replacing would lose a file that is not a checkpoint's: another
-    *.safetensors file (the loader reads it with ours), or for "official", any file (orbax
-    replaces that directory whole)."""
-    path = Path(path)
+    at the top level; a symlink among them is unlinked, never followed. Refused (ValueError)
+    before anything is written where replacing would lose a file that is not a checkpoint's:
+    another *.safetensors file (the loader reads it with ours), or for "official", any file
+    (orbax replaces that directory whole)."""
+    path = Path(path).absolute()
+    old = _checkpoint_entries(path, format)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}{_PARTIAL}*"):  # saves that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{path.name}{_PARTIAL}", dir=path.parent))
+    try:
+        yield partial
+        if not path.exists():
+            os.rename(partial, path)
+            return
+        for e in sorted(old, key=lambda e: e.name not in _MARKERS):  # markers first
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+        for name in sorted(os.listdir(partial), key=lambda n: n in _MARKERS):  # markers last
+            os.rename(partial / name, path / name)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _checkpoint_entries(path: Path, format: str) -> list[os.DirEntry]:
+    """The entries of `path` that a save in `format` replaces (`replacing_checkpoint`);
+    ValueError where that would lose a file that is not a checkpoint's."""
     if not path.is_dir():
-        return
+        return []
     with os.scandir(path) as it:
         entries = list(it)
     orbax = any(e.name in _ORBAX_METADATA for e in entries)
@@ -149,8 +187,4 @@ def replace_checkpoint(path: str | os.PathLike, format: str) -> None:
         raise ValueError(f"{path} holds {', '.join(sorted(theirs))}: an official checkpoint is "
                          "an orbax directory, which orbax replaces whole; save into an empty "
                          "directory or move them away first")
-    for e in ours:
-        if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path)
-        else:
-            os.unlink(e.path)
+    return ours

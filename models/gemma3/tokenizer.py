@@ -1,8 +1,9 @@
 """Gemma 3's SentencePiece tokenizer, from a `tokenizer.model` or rebuilt from GGUF metadata.
 
 The SentencePiece model proto is rebuilt from the GGUF's vocabulary arrays (`build_model_proto`
-says how llama.cpp's conventions are undone) and cached on disk, named by the vocabulary's hash
-and its own checksum so that a damaged file is rebuilt rather than trusted.
+says how llama.cpp's conventions are undone) and cached on disk, named by the GGUF file's and
+the vocabulary's hashes and its own checksum so that a damaged file is rebuilt rather than
+trusted and a file's new entry replaces its stale ones.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import functools
 import hashlib
 import logging
 import os
+import re
+import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -187,7 +190,10 @@ def _gguf_model_proto_cached(path: str, stamp: tuple[int, int, int, int]) -> byt
     digest.update(pieces.raw)
     digest.update(np.ascontiguousarray(scores, np.float32).tobytes())
     digest.update(np.ascontiguousarray(types, np.int32).tobytes())
-    key = digest.hexdigest()[:32]
+    # Entries are named <file>-<vocabulary>-<checksum>.model, <file> the GGUF path's hash: a
+    # new entry of a file replaces the file's older ones (an earlier vocabulary, or one built
+    # by an earlier _PROTO_VERSION).
+    key = f"{hashlib.sha256(path.encode()).hexdigest()[:16]}-{digest.hexdigest()[:32]}"
     proto = _read_cached(key, path)
     if proto is not None:
         return proto
@@ -201,10 +207,29 @@ def _gguf_model_proto_cached(path: str, stamp: tuple[int, int, int, int]) -> byt
             f.flush()
             os.fsync(f.fileno())  # on disk before the name: a crash leaves no short file
         os.replace(tmp, cached)  # atomic: concurrent builders never expose a partial file
+        _remove_stale(cached)
     except OSError:  # a read-only or full cache only costs the rebuild next time
         with contextlib.suppress(OSError):
             tmp.unlink()
     return proto
+
+
+_LEGACY_ENTRY = re.compile(r"[0-9a-f]{32}-[0-9a-f]{16}\.model")  # <vocabulary>-<checksum>
+_STALE_TMP_SECONDS = 3600
+
+
+def _remove_stale(kept: Path) -> None:
+    """Cache files `kept` (an entry just written) makes stale: the same GGUF file's other
+    entries, entries named as before entries carried their file's hash (never read now), and
+    temporary files of writers that died over an hour ago."""
+    file = kept.name.split("-", 1)[0]
+    now = time.time()
+    for f in kept.parent.iterdir():
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+            if (f != kept and f.name.endswith(".model")
+                    and (f.name.startswith(f"{file}-") or _LEGACY_ENTRY.fullmatch(f.name))
+                    or f.name.endswith(".tmp") and now - f.stat().st_mtime > _STALE_TMP_SECONDS):
+                f.unlink()
 
 
 def _checksum(proto: bytes) -> str:

@@ -11,17 +11,41 @@ from pathlib import Path
 
 import numpy as np
 
-from models.gemma3.hf_checkpoint import (CONFIG_FILE, HFCheckpointError, SafetensorsDir,
-                                         config_to_hf, hf_tensors, write_safetensors)
+from models.gemma3.hf_checkpoint import (CONFIG_FILE, MULTIMODAL_TEXT_PREFIX, HFCheckpointError,
+                                         HFLayout, config_to_hf, hf_layout, hf_tensors,
+                                         write_safetensors)
 from models.gemma3.multimodal import END_OF_IMAGE_ID, IMAGE_SOFT_TOKEN_ID, START_OF_IMAGE_ID
 from models.gemma3.projector import ProjectorWeights
 from models.gemma3.vision import VisionConfig, VisionLayerWeights, VisionWeights, map_vision_weights
 from models.gemma3.weights import lookup
 
-# Published checkpoints and transformers 4.50 / 4.52-4.x / 5.x, in that order.
-VISION_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
-                   "model.vision_tower.")
-PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+# The tower's and the projector's tensor names below their modules (SiglipVisionTransformer,
+# Gemma3MultiModalProjector), and their prefixes in the layout the published checkpoints have,
+# which transformers 4.50-5.x all load (`hf_checkpoint.hf_layout` finds any other).
+_TOWER_NAMES = {"patch_embed": ("embeddings.patch_embedding.weight",),
+                "patch_bias": ("embeddings.patch_embedding.bias",),
+                "pos_embed": ("embeddings.position_embedding.weight",),
+                "final_norm_scale": ("post_layernorm.weight",),
+                "final_norm_bias": ("post_layernorm.bias",)}
+_TOWER_LAYER_NAMES = {
+    "ln1_scale": ("layer_norm1.weight",), "ln1_bias": ("layer_norm1.bias",),
+    "ln2_scale": ("layer_norm2.weight",), "ln2_bias": ("layer_norm2.bias",),
+    "qkv": tuple(f"self_attn.{x}_proj.weight" for x in "qkv"),
+    "qkv_bias": tuple(f"self_attn.{x}_proj.bias" for x in "qkv"),
+    "o": ("self_attn.out_proj.weight",), "o_bias": ("self_attn.out_proj.bias",),
+    "fc1": ("mlp.fc1.weight",), "fc1_bias": ("mlp.fc1.bias",),
+    "fc2": ("mlp.fc2.weight",), "fc2_bias": ("mlp.fc2.bias",)}
+PROJECTOR_TENSOR_NAMES = ("mm_input_projection_weight", "mm_soft_emb_norm.weight")
+TOWER_PREFIX, PROJECTOR_PREFIX = "vision_tower.vision_model.", "multi_modal_projector."
+
+
+def tower_tensor_names(num_layers: int) -> list[str]:
+    """The tower's tensor names below its prefix, as transformers names them."""
+    names = [n for group in _TOWER_NAMES.values() for n in group]
+    for i in range(num_layers):
+        names += [f"encoder.layers.{i}.{n}" for group in _TOWER_LAYER_NAMES.values()
+                  for n in group]
+    return names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,61 +113,41 @@ def vision_config_to_hf(c: VisionConfig) -> dict:
 # Hugging Face
 
 
-def _find_prefix(files: SafetensorsDir, prefixes, probe: str) -> str | None:
-    return next((p for p in prefixes if p + probe in files), None)
-
-
 def has_hf_vision(path: str | os.PathLike) -> bool:
     raw = json.loads((Path(path) / CONFIG_FILE).read_text())
     return vision_config_from_hf(raw) is not None
 
 
-def load_hf_vision(path: str | os.PathLike, dtype=np.float32) -> VisionModel | None:
+def load_hf_vision(path: str | os.PathLike, dtype=np.float32,
+                   layout: HFLayout | None = None) -> VisionModel | None:
     """The vision tower and projector of a checkpoint directory, or None when it is text-only
-    (no vision_config). Raises HFCheckpointError for missing or misshapen tensors."""
-    raw = json.loads((Path(path) / CONFIG_FILE).read_text())
-    c = vision_config_from_hf(raw)
+    (no vision_config). Raises HFCheckpointError for missing or misshapen tensors
+    (`hf_checkpoint.hf_layout` finds them, under whatever prefix they are stored)."""
+    if layout is None and not has_hf_vision(path):
+        return None
+    layout = layout or hf_layout(path)
+    c = vision_config_from_hf(layout.raw)
     if c is None:
         return None
-    files = SafetensorsDir(path)
-    vp = _find_prefix(files, VISION_PREFIXES, "embeddings.patch_embedding.weight")
-    pp = _find_prefix(files, PROJECTOR_PREFIXES, "mm_input_projection_weight")
-    if vp is None or pp is None:
-        raise HFCheckpointError(f"{path}: config.json has a vision_config but the "
-                                f"{'vision tower' if vp is None else 'projector'} is not stored")
-    dt = np.dtype(dtype)
+    files, dt = layout.files, np.dtype(dtype)
 
-    def t(name: str, prefix: str = vp) -> np.ndarray:
-        if prefix + name not in files:
-            raise HFCheckpointError(f"{path}: tensor {prefix + name} is missing")
-        return np.asarray(files.tensor(prefix + name), dt)
+    def t(name: str) -> np.ndarray:
+        return np.asarray(files.tensor(name), dt)
 
     W, N, H = c.width, c.num_heads, c.head_dim
 
     def make(layer, name, shape):
         if layer is None:
-            x = {"patch_embed": lambda: t("embeddings.patch_embedding.weight")
-                 .transpose(2, 3, 1, 0).reshape(c.patch_dim, W),
-                 "patch_bias": lambda: t("embeddings.patch_embedding.bias"),
-                 "pos_embed": lambda: t("embeddings.position_embedding.weight"),
-                 "final_norm_scale": lambda: t("post_layernorm.weight"),
-                 "final_norm_bias": lambda: t("post_layernorm.bias")}[name]()
+            (x,) = (t(layout.tower + n) for n in _TOWER_NAMES[name])
+            if name == "patch_embed":  # torch Conv2d [W, C, P, P] -> [P*P*C, W]
+                x = x.transpose(2, 3, 1, 0).reshape(c.patch_dim, W)
         else:
-            p = f"encoder.layers.{layer}."
-            attn = p + "self_attn."
-            x = {"ln1_scale": lambda: t(p + "layer_norm1.weight"),
-                 "ln1_bias": lambda: t(p + "layer_norm1.bias"),
-                 "ln2_scale": lambda: t(p + "layer_norm2.weight"),
-                 "ln2_bias": lambda: t(p + "layer_norm2.bias"),
-                 "qkv": lambda: np.stack([t(f"{attn}{x}_proj.weight").T.reshape(W, N, H)
-                                          for x in "qkv"], axis=1),
-                 "qkv_bias": lambda: np.stack([t(f"{attn}{x}_proj.bias").reshape(N, H)
-                                               for x in "qkv"]),
-                 "o": lambda: t(attn + "out_proj.weight").T.reshape(N, H, W),
-                 "o_bias": lambda: t(attn + "out_proj.bias"),
-                 "fc1": lambda: t(p + "mlp.fc1.weight").T, "fc1_bias": lambda: t(p + "mlp.fc1.bias"),
-                 "fc2": lambda: t(p + "mlp.fc2.weight").T,
-                 "fc2_bias": lambda: t(p + "mlp.fc2.bias")}[name]()
+            parts = [t(f"{layout.tower}encoder.layers.{layer}.{n}")
+                     for n in _TOWER_LAYER_NAMES[name]]
+            x = {"qkv": lambda: np.stack([p.T.reshape(W, N, H) for p in parts], axis=1),
+                 "qkv_bias": lambda: np.stack([p.reshape(N, H) for p in parts]),
+                 "o": lambda: parts[0].T.reshape(N, H, W),
+                 "fc1": lambda: parts[0].T, "fc2": lambda: parts[0].T}.get(name, lambda: parts[0])()
         if x.shape != tuple(shape):
             raise HFCheckpointError(f"{path}: vision {name} (layer {layer}) has shape {x.shape}, "
                                     f"vision_config implies {tuple(shape)}")
@@ -155,21 +159,21 @@ def load_hf_vision(path: str | os.PathLike, dtype=np.float32) -> VisionModel | N
         if isinstance(e, HFCheckpointError):
             raise
         raise HFCheckpointError(f"{path}: vision tower tensors do not fit vision_config: {e}") from None
-    proj = t("mm_input_projection_weight", pp)
-    norm = t("mm_soft_emb_norm.weight", pp)
+    proj, norm = (t(layout.projector + n) for n in PROJECTOR_TENSOR_NAMES)
     if proj.shape[0] != c.width or norm.shape != (c.width,):
         raise HFCheckpointError(f"{path}: projector shapes {proj.shape}, {norm.shape} do not match "
                                 f"vision width {c.width}")
-    return VisionModel(c, vision, ProjectorWeights(norm=norm, proj=proj), token_ids_from_hf(raw))
+    return VisionModel(c, vision, ProjectorWeights(norm=norm, proj=proj),
+                       token_ids_from_hf(layout.raw))
 
 
-def hf_vision_tensors(vm: VisionModel, prefix: str = "model.") -> dict[str, np.ndarray]:
-    """Hugging Face name -> tensor (torch layouts) of the tower and projector, named as
-    transformers 4.52+ loads them (`model.vision_tower.vision_model.`: 5.x reads it too)."""
+def hf_vision_tensors(vm: VisionModel) -> dict[str, np.ndarray]:
+    """Hugging Face name -> tensor (torch layouts) of the tower and projector, named as the
+    published checkpoints name them (`vision_tower.vision_model.`, `multi_modal_projector.`)."""
     c, v = vm.config, vm.vision
     W, P = c.width, c.patch_size
     host = lambda x: np.asarray(x)  # noqa: E731
-    vp = prefix + "vision_tower.vision_model."
+    vp = TOWER_PREFIX
     out = {vp + "embeddings.patch_embedding.weight":
            host(v.patch_embed).reshape(P, P, c.channels, W).transpose(3, 2, 0, 1),
            vp + "embeddings.patch_embedding.bias": host(v.patch_bias),
@@ -187,20 +191,24 @@ def hf_vision_tensors(vm: VisionModel, prefix: str = "model.") -> dict[str, np.n
         out[p + "mlp.fc2.weight"], out[p + "mlp.fc2.bias"] = host(lw.fc2).T, host(lw.fc2_bias)
     out[vp + "post_layernorm.weight"] = host(v.final_norm_scale)
     out[vp + "post_layernorm.bias"] = host(v.final_norm_bias)
-    out[prefix + "multi_modal_projector.mm_input_projection_weight"] = host(vm.projector.proj)
-    out[prefix + "multi_modal_projector.mm_soft_emb_norm.weight"] = host(vm.projector.norm)
+    proj, norm = PROJECTOR_TENSOR_NAMES
+    out[PROJECTOR_PREFIX + proj] = host(vm.projector.proj)
+    out[PROJECTOR_PREFIX + norm] = host(vm.projector.norm)
     return out
 
 
 def save_hf_multimodal(path: str | os.PathLike, weights, text_config, vm: VisionModel,
                        dtype=np.float32) -> None:
     """A Gemma3ForConditionalGeneration directory (one safetensors file, config.json) from our
-    text Weights and a VisionModel. The text embedding keeps the rows it has (a text-only
-    262,144-row table stays so; transformers then needs `image_token_index` inside it)."""
+    text Weights and a VisionModel, in the published checkpoints' layout
+    (`language_model.model.`, `vision_tower.vision_model.`, `multi_modal_projector.`), which
+    transformers 4.50 holds as it is and 4.52-5.x map to their modules when they load it. The
+    text embedding keeps the rows it has (a text-only 262,144-row table stays so;
+    transformers then needs `image_token_index` inside it)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dt = np.dtype(dtype)
-    text = hf_tensors(weights, text_config, prefix="model.language_model.")
+    text = hf_tensors(weights, text_config, prefix=MULTIMODAL_TEXT_PREFIX)
     vis = hf_vision_tensors(vm)
     shapes = {k: (s, dt) for k, (s, _) in text.items()}
     shapes.update({k: (x.shape, dt) for k, x in vis.items()})
@@ -357,6 +365,6 @@ def vision_to_official(vm: VisionModel) -> dict:
 
 
 __all__ = ["ImageTokenIds", "VisionModel", "VisionLayerWeights", "has_hf_vision",
-           "load_hf_vision", "save_hf_multimodal", "hf_vision_tensors", "vision_config_from_hf",
+           "load_hf_vision", "tower_tensor_names", "PROJECTOR_TENSOR_NAMES", "save_hf_multimodal", "hf_vision_tensors", "vision_config_from_hf",
            "vision_config_to_hf", "token_ids_from_hf", "vision_from_official", "vision_to_official",
            "vision_config_from_official", "official_token_ids", "load_official_vision"]

@@ -4,11 +4,13 @@ the quantized blocks again (docs/deployment.md).
 An entry, `<cache_dir>/<key>/{weights.bin,index.json}`, is the official parameter tree in the
 model's dtype: raw arrays at 4096-byte boundaries and a JSON index. The key (`entry_key`) covers
 the GGUF file's identity and content, the dtype, the decoder's source and library versions, so a
-changed file or decoder never reuses an entry. Entries are renamed into place whole; models over
+changed file or decoder never reuses an entry. Entries are written beside their place and renamed
+into it whole (a crash leaves no entry; the next store removes what it left); models over
 `max_bytes` decoded are not cached. Any failure here only costs the speed-up.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -17,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -31,6 +34,8 @@ _ALIGN = 4096
 # Blocks of the tensor data hashed into the key, spread evenly over it.
 _SAMPLES, _SAMPLE_BYTES = 64, 4096
 DEFAULT_MAX_BYTES = 4 << 30
+# A temporary entry untouched this long belongs to a writer that died (a store takes seconds).
+_DEAD_WRITER_SECONDS = 3600
 WEIGHTS_FILE, INDEX_FILE = "weights.bin", "index.json"
 
 
@@ -154,6 +159,10 @@ def store(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype,
         for old in root.glob(f"{source}-*"):  # earlier versions of the same file
             if old.name != key:
                 shutil.rmtree(old, ignore_errors=True)
+        for dead in root.glob(f".{source}-*"):  # what writers killed mid-store left
+            with contextlib.suppress(OSError):
+                if time.time() - dead.stat().st_mtime > _DEAD_WRITER_SECONDS:
+                    shutil.rmtree(dead, ignore_errors=True)
         return True
     except OSError as e:
         log.warning("weights cache: cannot write %s: %s", root, e)

@@ -130,7 +130,7 @@ def tiny():
 
 def test_multimodal_layout_bfloat16_and_configs(tiny, tmp_path):
     """The text of a Gemma3ForConditionalGeneration (language_model.model.* names, a text_config
-    with transformers' defaults left out, a vision tower to skip), stored in bfloat16."""
+    with transformers' defaults left out), stored in bfloat16."""
     tiny.save(tmp_path / "causal", format="hf", dtype="bfloat16")
     causal = SafetensorsDir(tmp_path / "causal")
     text = {k: v for k, v in config_to_hf(tiny.config, "bfloat16").items()
@@ -139,11 +139,10 @@ def test_multimodal_layout_bfloat16_and_configs(tiny, tmp_path):
     mm = tmp_path / "multimodal"
     mm.mkdir()
     tensors = {"language_model." + k: causal.tensor(k) for k in causal.where}
-    tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
     write_safetensors(mm / "model.safetensors", tensors)
     (mm / "config.json").write_text(json.dumps({
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}))
+        "text_config": text}))
     m = load_model(mm, tp=2, dtype="bfloat16", allreduce=F32)
     assert m.config == tiny.config
     for a, b in zip(jax.tree.leaves(tiny.weights), jax.tree.leaves(m.weights)):
@@ -165,7 +164,9 @@ def test_checkpoint_that_does_not_fit_its_config(tiny, tmp_path):
     (tmp_path / "model.safetensors").unlink()
     files = {"model.embed_tokens.weight": np.zeros((512, 64), np.float32)}
     write_safetensors(tmp_path / "model.safetensors", files)
-    with pytest.raises(HFCheckpointError, match="layers.0.self_attn.q_proj.weight is missing"):
+    with pytest.raises(HFCheckpointError, match=r"40 of the text model's 41 tensors are missing "
+                       r"\(config.json's 3 layers\): model.norm.weight, "
+                       r"model.layers.0.self_attn.q_proj.weight"):
         load_model(tmp_path, dtype="float32")
 
 

@@ -275,3 +275,76 @@ def test_a_save_replaces_the_checkpoint_in_its_directory(tmp_path):
                                   embed(new))
     new.save(d, format="hf")  # over an official checkpoint
     assert names(d) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("format", ["hf", "orbax", "official"])
+def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatch, format):
+    """A save raising once it wrote part of the new checkpoint (its first safetensors shard,
+    orbax's params, the official tree): the directory still holds the old checkpoint, file for
+    file, and loads as it; where there was none, there is still none; nothing stays beside."""
+    from models.gemma3 import hf_checkpoint, loading
+
+    old = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32, seed=5)
+    new = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32, seed=6)
+    d = tmp_path / "ckpt"
+    old.save(d, format="hf", max_shard_bytes=200_000)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    module, name = {"hf": (hf_checkpoint, "write_safetensors"),
+                    "orbax": (loading, "save_checkpoint"),
+                    "official": (loading, "save_official_checkpoint")}[format]
+    write = getattr(module, name)
+
+    def write_then_fail(*args, **kwargs):
+        write(*args, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(module, name, write_then_fail)
+    for target in (d, tmp_path / "fresh"):
+        with pytest.raises(OSError, match="disk full"):
+            new.save(target, format=format, max_shard_bytes=200_000)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    back = load_model(d, tp=1, dtype="float32", allreduce=F32)
+    np.testing.assert_array_equal(np.asarray(back.weights.embed), np.asarray(old.weights.embed))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_save_killed_midway_leaves_the_old_checkpoint(tmp_path):
+    """A process killed (SIGKILL) while it writes the new checkpoint's second shard: the
+    directory still loads as the old checkpoint; the next save clears what the killed one
+    left beside it and replaces the checkpoint."""
+    import signal
+    import subprocess
+    import sys
+
+    old = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32, seed=5)
+    d = tmp_path / "ckpt"
+    old.save(d, format="hf", max_shard_bytes=200_000)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    script = f"""
+import os, signal
+from equarx import AllReduceConfig
+from models.gemma3 import hf_checkpoint, load_model
+write, calls = hf_checkpoint.write_safetensors, []
+def killed_on_the_second(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(*args, **kwargs)
+hf_checkpoint.write_safetensors = killed_on_the_second
+m = load_model("random:tiny", dtype="float32", allreduce=AllReduceConfig(method="f32"), seed=6)
+m.save({str(d)!r}, format="hf", max_shard_bytes=200_000)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    left = [p.name for p in tmp_path.iterdir() if p.name != "ckpt"]
+    assert len(left) == 1 and left[0].startswith(".ckpt.partial-")
+    back = load_model(d, tp=1, dtype="float32", allreduce=F32)
+    np.testing.assert_array_equal(np.asarray(back.weights.embed), np.asarray(old.weights.embed))
+
+    new = load_model("random:tiny", tp=1, dtype="float32", allreduce=F32, seed=6)
+    new.save(d, format="hf", max_shard_bytes=200_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    back = load_model(d, tp=1, dtype="float32", allreduce=F32)
+    np.testing.assert_array_equal(np.asarray(back.weights.embed), np.asarray(new.weights.embed))

@@ -190,3 +190,64 @@ def test_a_damaged_cache_file_is_rebuilt_and_said(tmp_path, monkeypatch, caplog,
     assert again.encode("hello hell") == fresh.encode("hello hell")
     assert any(str(cached) in r.getMessage() for r in caplog.records), caplog.text
     assert [p.read_bytes() for p in (tmp_path / "cache").rglob("*.model")] == [proto]
+
+
+def _write_vocab_gguf(path, extra: str) -> None:
+    """A small Gemma-shaped SentencePiece vocabulary as a GGUF file; `extra` is its last piece."""
+    import gguf
+
+    pieces = [T.SPECIAL_PIECES.get(i, f"<unused{i}>") for i in range(107)]
+    pieces += [f"<0x{b:02X}>" for b in range(256)] + list("abcdefghijklmnopqrstuvwxyz")
+    pieces += ["\u2581", "he", "ll", "hell", extra]
+    types = [3 if i in T.SPECIAL_PIECES else 5 for i in range(107)] + [6] * 256
+    types += [1] * (len(pieces) - len(types))
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 363 + [-float(i) for i in range(len(pieces) - 363)])
+    w.add_token_types(types)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_stale_cache_files_are_removed(tmp_path, monkeypatch):
+    """A GGUF file's new cache entry (its vocabulary edited, or built by another proto version)
+    replaces its older ones; files named as entries were before they carried their GGUF file's
+    hash go too, and so do temporary files of writers that died long ago. Another file's entry,
+    a writer's fresh temporary file and files that are not the cache's stay."""
+    import os
+    import time
+
+    cache = tmp_path / "cache" / "gemma3-equarx" / "tokenizers"
+    cache.mkdir(parents=True)
+    legacy = cache / f"{'a' * 32}-{'b' * 16}.model"
+    other = cache / f"{'c' * 16}-{'d' * 32}-{'e' * 16}.model"
+    dead, live, notes = cache / "x.model.123.tmp", cache / "y.model.456.tmp", cache / "notes.txt"
+    for f in (legacy, other, dead, live, notes):
+        f.write_bytes(b"old")
+    hours_ago = time.time() - 7200
+    os.utime(dead, (hours_ago, hours_ago))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "vocab.gguf"
+
+    def build(extra):
+        _write_vocab_gguf(path, extra)
+        T._gguf_model_proto_cached.cache_clear()  # a new process
+        return Tokenizer.from_gguf(path).serialized_model()
+
+    def entries():
+        return sorted(p for p in cache.glob("*.model") if p != other)
+
+    first = build("hello")
+    assert [p.read_bytes() for p in entries()] == [first]
+    assert sorted(p.name for p in cache.iterdir() if p not in entries()) == sorted(
+        f.name for f in (other, live, notes))
+    edited = build("world")
+    assert edited != first and [p.read_bytes() for p in entries()] == [edited]
+    monkeypatch.setattr(T, "_PROTO_VERSION", T._PROTO_VERSION + b" (next)")
+    before = entries()
+    assert build("world") == edited
+    assert len(entries()) == 1 and entries() != before
+    assert other.read_bytes() == live.read_bytes() == notes.read_bytes() == b"old"

@@ -131,6 +131,36 @@ def test_limits_and_unwritable_places_only_cost_the_speed_up(tmp_path, source):
     assert wc.load(blocker, source, np.float32) is None
 
 
+def test_a_store_cut_short_leaves_no_entry_and_its_leftovers_go(tmp_path, source):
+    """A store failing after it wrote part of an entry leaves none (the entry is written beside
+    its place and renamed); what a writer killed mid-store left beside is removed by a later
+    store of the same file, once old enough that no live writer can own it."""
+    import time
+
+    class FailsMidway:  # the second array: the disk fills up while it is written
+        nbytes, shape, dtype = 4, (1,), np.dtype(np.float32)
+
+        def __array__(self, dtype=None, copy=None):
+            raise OSError("disk full")
+
+    cache = tmp_path / "cache"
+    tree = _tree(np.random.default_rng(4), np.float32)
+    items = wc.tree_items(tree)
+    assert not wc.store(cache, source, np.float32, [items[0], (("x",), FailsMidway())])
+    assert list(cache.iterdir()) == [] and wc.load(cache, source, np.float32) is None
+
+    _, tag = wc.entry_key(source, np.float32)
+    dead, live = cache / f".{tag}-dead.1", cache / f".{tag}-live.2"
+    for d in (dead, live):
+        d.mkdir()
+        (d / wc.WEIGHTS_FILE).write_bytes(b"partial")
+    hours_ago = time.time() - 7200
+    os.utime(dead, (hours_ago, hours_ago))
+    assert wc.store(cache, source, np.float32, items)
+    assert not dead.exists() and live.exists()
+    assert wc.load(cache, source, np.float32) is not None
+
+
 @pytest.mark.slow
 def test_restart_maps_the_decoded_weights_instead_of_decoding(tmp_path, monkeypatch):
     """The real 270M GGUF: the first load decodes and fills the cache, the second never calls
