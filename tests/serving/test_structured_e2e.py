@@ -1,7 +1,7 @@
 """Structured output and tool calls on the real Gemma 3 270M (the base model, in bfloat16, the
 server's default dtype) through the real HTTP app: nested json_schema outputs validate, streamed
-and not, and "required" / named tool calls are valid calls (eval/structured_check.py runs the
-larger count); a grammar that cannot be served is a 400 before anything streams; and a seeded
+and not, and "required" / named tool calls are valid calls (`python -m eval.bench_serving --only
+structured` runs more); a grammar that cannot be served is a 400 before anything streams; and a seeded
 fuzz of mutated requests (schemas, regexes, choices, grammars, tools, malformed bodies) gets no
 5xx, no hang, an OpenAI error body for every 4xx and only outputs that satisfy their constraint
 (or, cut by max_tokens, are a valid prefix of one), with the server exact after."""
@@ -264,13 +264,18 @@ def _constraint(rng: random.Random) -> tuple[dict, tuple | None]:
 
 
 _MALFORMED = [b"", b"{", b"null", b"[]", b'{"prompt": "x", "max_tokens": 4', b"\xff\xfe{}", b'"just a string"',
-              b'{"prompt": "x", "max_tokens": 4}}']
+              b'{"prompt": "x", "max_tokens": 4}}',
+              # Nesting past the parser's depth limit, integers past its digit limit.
+              b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b', "max_tokens": 2}',
+              b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"' + b"9" * 5000 + b'": 1}}',
+              b'{"prompt": "x", "max_tokens": 2, "seed": ' + b"9" * 5000 + b"}"]
 _BAD_FIELDS = [{"max_tokens": "8"}, {"max_tokens": -1}, {"max_tokens": 100_000}, {"temperature": -1},
                {"temperature": "hot"}, {"n": 0}, {"top_p": 2}, {"stream": "yes"}, {"stop": 5},
                {"logit_bias": {"a": 1}}, {"seed": "x"}, {"response_format": "json"},
                {"response_format": {"type": 5}}, {"response_format": {"type": "json_schema", "json_schema": 5}},
                {"guided_regex": 5}, {"guided_regex": ""}, {"guided_choice": "abc"}, {"guided_json": "{not json"},
-               {"guided_regex": "a", "guided_choice": ["a"]}, {"unknown_field": 1}]
+               {"guided_regex": "a", "guided_choice": ["a"]}, {"unknown_field": 1},
+               {"guided_json": "[" * 1000 + "]" * 1000}, {"guided_json": "9" * 5000}]
 
 
 def _case(rng: random.Random) -> Case:
@@ -292,6 +297,8 @@ def _case(rng: random.Random) -> Case:
         params = tool["function"]["parameters"]
         if rng.random() < 0.5:
             params["properties"] = _mutate_schema(rng, params["properties"])
+        if rng.random() < 0.2:
+            params["required"] = rng.choice([5, [["city"]], [{}], "city", [None]])
         body.update(tools=[tool], tool_choice=rng.choice(["required", {"type": "function", "function": {"name": "get_weather"}}]),
                     max_tokens=20)
         return Case(path, body, ("tools", params, None))
