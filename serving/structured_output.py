@@ -98,11 +98,23 @@ def grammar_tokenizer(tok, eos_ids: tuple[int, ...]):
             special_token_ids = special
 
             def __call__(self, s):
-                return tok.encode(s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s)
+                return _encode_avoiding(tok, s.decode("utf-8", errors="replace")
+                                        if isinstance(s, bytes) else s, never)
 
         built = llg.LLTokenizer(llg.TokenizerWrapper(_Wrapped()), n_vocab=tok.vocab_size, eos_token=list(eos_ids))
         _TOKENIZERS[tok] = built
         return built
+
+
+def _encode_avoiding(tok, text: str, never: set[int]) -> list[int]:
+    """`tok.encode(text)`, or where that takes an id of `never` (text such as
+    "<start_of_image>"), the encodings of its halves: the same text in allowed tokens, which is
+    what llguidance asks for when a grammar forces text."""
+    ids = tok.encode(text)
+    if len(text) < 2 or not never.intersection(ids):
+        return ids
+    half = len(text) // 2
+    return _encode_avoiding(tok, text[:half], never) + _encode_avoiding(tok, text[half:], never)
 
 
 # ---- grammars ----
