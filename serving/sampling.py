@@ -436,19 +436,20 @@ def process_logits(logits: jax.Array, ex: LogitsExtras) -> jax.Array:
     return logits
 
 
-# More banned ids than this are masked in the logits whole (one more pass over them) rather than
-# stepped over among the candidates.
-_MAX_SKIPPED_BANS = 256
+# More banned ids than this (a checkpoint's padded rows: 4B-27B's 63) are masked in the logits
+# whole, one more pass over them, rather than stepped over among the candidates: the greedy
+# step's top-k of 1 + n stays within XLA:GPU's top-k kernels (k <= 16; larger is a sort).
+_MAX_SKIPPED_BANS = 15
 
 
 @dataclasses.dataclass(frozen=True)
 class Bans:
-    """The ids a model must never emit, left out at no cost to a step: never by a pass that
-    writes masked [B, V] logits (XLA:CPU runs its reductions apart from their producers, so a
-    select before them is a pass of its own, as costly as the greedy step's top-k), but by
-    taking n more candidates than needed and dropping the banned among them (`top_k`) and by
-    taking the banned ids' share out of the normaliser (`logsumexp`). `ids` sorted; `allowed`
-    bool [V]."""
+    """The ids a model must never emit. A few (the image tokens) are left out at no cost to a
+    step: not by a pass that writes masked [B, V] logits (XLA:CPU runs its reductions apart
+    from their producers, so a select before them is a pass of its own, as costly as the greedy
+    step's top-k), but by taking n more candidates than needed and dropping the banned among
+    them (`top_k`) and by taking their share out of the normaliser (`logsumexp`); more than
+    `_MAX_SKIPPED_BANS` are masked whole (`mask_all`). `ids` sorted; `allowed` bool [V]."""
 
     ids: np.ndarray
     allowed: np.ndarray | None
@@ -474,10 +475,8 @@ class Bans:
         share (gathered: n values a row); where that share is over half (the rounding of the
         difference would show), the masked row's, a pass only such a step pays."""
         full = jax.nn.logsumexp(x, axis=-1)
-        if self.allowed is None:
+        if self.allowed is None or len(self.ids) > _MAX_SKIPPED_BANS:  # none, or masked whole
             return full
-        if len(self.ids) > _MAX_SKIPPED_BANS:  # masked whole already (`mask_all`)
-            return jax.nn.logsumexp(self.mask(x), axis=-1)
         share = jnp.sum(jnp.exp(x[:, self.ids] - full[:, None]), axis=-1)
         share = jnp.where(full > -jnp.inf, share, 0.0)
         return jax.lax.cond(jnp.any(share > 0.5),
