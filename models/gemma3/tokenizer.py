@@ -14,11 +14,9 @@ import functools
 import hashlib
 import logging
 import os
-from pathlib import Path
-from typing import Iterable, Sequence
-
 import re
-from typing import NamedTuple
+from pathlib import Path
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import sentencepiece as spm
