@@ -466,16 +466,24 @@ class Bans:
         allowed[sorted(ids)] = False
         return Bans(np.array(sorted(ids), np.int32), allowed)
 
+    @property
+    def whole(self) -> bool:
+        return len(self.ids) > _MAX_SKIPPED_BANS
+
     def mask(self, x: jax.Array) -> jax.Array:
-        """x [B, V] with the banned ids at -inf, for a reduction or a rarely taken branch."""
-        return x if self.allowed is None else jnp.where(self.allowed, x, -jnp.inf)
+        """x [B, V] (derived from logits past `mask_all`) with the banned ids at -inf, in a
+        rarely taken branch: a scatter of the n of them (a select over the row there cost a
+        step as much as if the branch were taken)."""
+        if self.allowed is None or self.whole:  # none, or masked whole already
+            return x
+        return x.at[:, self.ids].set(-jnp.inf)
 
     def logsumexp(self, x: jax.Array) -> jax.Array:
         """logsumexp over the allowed ids of x [B, V]: the whole row's, less the banned ids'
         share (gathered: n values a row); where that share is over half (the rounding of the
         difference would show), the masked row's, a pass only such a step pays."""
         full = jax.nn.logsumexp(x, axis=-1)
-        if self.allowed is None or len(self.ids) > _MAX_SKIPPED_BANS:  # none, or masked whole
+        if self.allowed is None or self.whole:  # none, or masked whole already
             return full
         share = jnp.sum(jnp.exp(x[:, self.ids] - full[:, None]), axis=-1)
         share = jnp.where(full > -jnp.inf, share, 0.0)
@@ -485,13 +493,13 @@ class Bans:
 
     def mask_all(self, logits: jax.Array) -> jax.Array:
         """The logits masked whole when the bans are too many to step over (`top_k`)."""
-        return self.mask(logits) if len(self.ids) > _MAX_SKIPPED_BANS else logits
+        return jnp.where(self.allowed, logits, -jnp.inf) if self.whole else logits
 
     def top_k(self, logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         """`_top_k` of the allowed ids: k + n candidates, the banned among them set to -inf and
         dropped (a second top-k over k + n values; the order of ties is kept)."""
         n, v = len(self.ids), logits.shape[-1]
-        if self.allowed is None or n > _MAX_SKIPPED_BANS:
+        if self.allowed is None or self.whole:
             return _top_k(logits, k)
         vals, ids = _top_k(logits, min(k + n, v))
         vals = jnp.where(jnp.asarray(self.allowed)[ids], vals, -jnp.inf)
