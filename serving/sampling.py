@@ -487,9 +487,11 @@ class Bans:
             return full
         share = jnp.sum(jnp.exp(x[:, self.ids] - full[:, None]), axis=-1)
         share = jnp.where(full > -jnp.inf, share, 0.0)
-        return jax.lax.cond(jnp.any(share > 0.5),
-                            lambda: jax.nn.logsumexp(self.mask(x), axis=-1),
-                            lambda: full + jnp.log1p(-share))
+        less = full + jnp.log1p(-share)
+        heavy = share > 0.5  # per row: a row's value never depends on the others'
+        return jax.lax.cond(jnp.any(heavy),
+                            lambda: jnp.where(heavy, jax.nn.logsumexp(self.mask(x), axis=-1), less),
+                            lambda: less)
 
     def mask_all(self, logits: jax.Array) -> jax.Array:
         """The logits masked whole when the bans are too many to step over (`top_k`)."""

@@ -217,6 +217,15 @@ def test_ids_never_to_generate_are_never_drawn_nor_counted(vocab):
             np.testing.assert_array_equal(got.top_ids, want.top_ids, err_msg=name)
             np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-6)
     assert first.tokens[1] != 77 and first.tokens[4] == 9  # the tie goes to the allowed id
+    # A row's logprobs are its own, bit for bit: alone as beside row 2, whose bans hold most of
+    # its mass (batch invariance, --deterministic).
+    params = cases["greedy with alternatives"]
+    for i in (0, 2):
+        alone = jax.device_get(run(jnp.asarray(logits[i:i + 1]), SamplingMetadata(
+            *(None if f is None else f[i:i + 1] for f in params)), pos[:1]))
+        batched = jax.device_get(run(jnp.asarray(logits), params, pos))
+        assert alone.logprobs[0].tobytes() == batched.logprobs[i].tobytes()
+        assert alone.top_logprobs[0].tobytes() == batched.top_logprobs[i].tobytes()
 
 
 def test_a_tiny_temperature_is_greedy():
