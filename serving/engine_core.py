@@ -20,7 +20,7 @@ from serving.logits_processing import step_extras
 from serving.metrics import NullMetrics
 from serving.output_processor import Emitted, OutputProcessor, Sink
 from serving.paged_scheduler import PagedScheduler, StepPlan
-from serving.sampling import LogitsExtras, SamplingParams
+from serving.sampling import LogitsExtras, SamplingParams, check_generable
 from serving.sequence import Sequence
 from serving.watchdog import StepLimits, StepStuck, Watchdog, describe, step_key
 
@@ -91,7 +91,11 @@ class EngineCore:
                prompt_logprobs: bool = False) -> list[int]:
         """Queues sequences (all or none) and returns their ids. A request may carry a fourth
         item, its images (sequence.SeqImage). Raises QueueFull, ShuttingDown or
-        InvalidParameter (prompt too long for the context)."""
+        InvalidParameter (prompt too long for the context, a bias towards a token the model
+        never generates)."""
+        never = self.runner.info.never_generate
+        for _, params, *_ in requests:
+            check_generable(params, never)
         now = time.perf_counter()
         seqs = [(Sequence(id=next(self._ids), prompt=list(prompt), params=params,
                           seed=params.seed32(random.getrandbits(32)),

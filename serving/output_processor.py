@@ -81,7 +81,8 @@ class OutputProcessor:
         self._eos = set(info.eos_ids)
         self._live: dict[int, _Output] = {}
         # Grammar matchers of the live sequences that have one (structured output, tool calls).
-        self.structured = StructuredOutputs(info.vocab_size, info.eos_ids, info.max_seq_len, tokenizer)
+        self.structured = StructuredOutputs(info.vocab_size, info.eos_ids, info.max_seq_len, tokenizer,
+                                            never_generate=info.never_generate)
 
     def add(self, seq: Sequence, sink: Sink, arrival: float) -> None:
         self._live[seq.id] = _Output(sink, TextStream(self.tokenizer, seq.params.stop, seq.params.min_tokens),

@@ -19,6 +19,7 @@ from serving.kv_pages import KVPages
 from serving.paged_steps import (MIN_TOKENS, STEP_BUDGET, Split, StepInputs,
                                  decode_buckets, deterministic_parts, later_buckets,
                                  local_pages_for, step_inputs)
+from models.gemma3.tokenizer import never_generate_ids
 from models.shapes import StepShape, pow2
 from serving.sampling import IDLE
 
@@ -71,7 +72,8 @@ class PagedRunner:
         self._sample_device = next(d for d in model.mesh.devices.flat
                                    if d.process_index == jax.process_index())
         self._sample = sampling.make_sampler(
-            self.info.token_ids if self.info.token_ids < self.info.vocab_size else None)
+            self.info.token_ids if self.info.token_ids < self.info.vocab_size else None,
+            self.info.never_generate)
         self._token_logprobs = jax.jit(sampling.token_logprobs)
         self._feed = jax.jit(feed_tokens)
         # Deterministic mode: the rows of a step's programs' outputs in the step's order.
@@ -403,12 +405,17 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     local_pages = max(max_num_seqs * per_seq_local * 5 // 4,
                       local_pages_for(pow2(budget) + image, window, page_size))
     tokenizer = model.tokenizer
+    never = set(never_generate_ids(tokenizer))
+    if vision is not None:  # the ids the checkpoint's config gives its image tokens
+        never.update((vision.tokens.start, vision.tokens.end, vision.tokens.soft))
+    token_ids = min(c.vocab_size, tokenizer.vocab_size)
     return RunnerInfo(
         model_name=model_name,
         max_num_seqs=max_num_seqs,
         max_seq_len=max_seq_len,
         vocab_size=c.vocab_size,
         tokenizer_vocab_size=tokenizer.vocab_size,
+        never_generate=tuple(sorted(i for i in never if 0 <= i < token_ids)),
         eos_ids=tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id, tokenizer.end_of_turn_id))),
         tp=int(model.tp),
         dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,

@@ -56,6 +56,10 @@ class RunnerInfo:
     # The ids the tokenizer has: a checkpoint's embedding may be padded past them (Gemma 3
     # 4B-27B: 262,208 rows for 262,144 pieces); None: every row is a token.
     tokenizer_vocab_size: int | None = None
+    # Ids below `token_ids` the model is not meant to emit (image tokens, ids the checkpoint
+    # suppresses: `models.gemma3.tokenizer.never_generate_ids`): the sampler never draws them,
+    # grammars never allow them and a request may not raise their odds (400).
+    never_generate: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> int:

@@ -145,6 +145,16 @@ class SamplingParams:
                     or self.grammar is not None)
 
 
+def check_generable(params: SamplingParams, never_generate: tuple[int, ...]) -> None:
+    """InvalidParameter when `params` raise the odds of an id the model never generates (a
+    positive logit_bias on one of `never_generate`): the sampler would silently ignore it."""
+    never = set(never_generate)
+    bad = sorted(t for t, b in params.logit_bias if b > 0 and t in never)
+    if bad:
+        raise InvalidParameter("logit_bias", "logit_bias raises token ids this model never "
+                               f"generates (image tokens, tokens its checkpoint suppresses): {bad[:5]}")
+
+
 def checked_defaults(values: dict, source: str) -> dict:
     """Sampling defaults (SamplingParams fields by name) checked as a request's values are, so
     that a bad one fails at start-up, naming `source`, rather than every request."""
@@ -312,21 +322,22 @@ _K_OFF = np.iinfo(np.int32).max
 
 
 def sample(logits: jax.Array, params: SamplingMetadata, positions: jax.Array,
-           vocab: int | None = None) -> SampleOutput:
+           vocab: int | None = None, never_generate: tuple[int, ...] = ()) -> SampleOutput:
     """Draws one token per row. logits float32 [B, V]; positions int32 [B]: the position the drawn
     token will occupy (with the seed it selects the random stream). With `params.extras`, the
     logits are processed first (`process_logits`); reported logprobs are those of the processed
-    distribution before temperature. `vocab` < V: ids at or past it are never drawn nor counted
-    (a checkpoint's embedding padded past its tokenizer's vocabulary)."""
+    distribution before temperature. Ids the model must not emit are never drawn nor counted:
+    `vocab` < V, those at or past it (a checkpoint's embedding padded past its tokenizer's
+    vocabulary), and `never_generate` (`Bans`)."""
     logits = logits.astype(jnp.float32)
-    if vocab is not None and vocab < logits.shape[-1]:
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
     ex = params.extras
     if ex is not None:
         logits = process_logits(logits, ex)
     b, v = logits.shape
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    cand_vals, cand_ids = _top_k(logits, min(NUM_CANDIDATES, v))
+    bans = Bans.of(v, vocab, never_generate)
+    logits = bans.mask_all(logits)
+    lse = bans.logsumexp(logits)
+    cand_vals, cand_ids = bans.top_k(logits, min(NUM_CANDIDATES, v))
     greedy_tok = cand_ids[:, 0]
     do_sample = params.temperature > 0
 
@@ -341,12 +352,13 @@ def sample(logits: jax.Array, params: SamplingMetadata, positions: jax.Array,
             floor = zc[:, :1] + jnp.log(ex.min_p)[:, None]
             z = jnp.where(z >= floor, z, -jnp.inf)
             zc = jnp.where(zc >= floor, zc, -jnp.inf)
-        lse_z = jax.nn.logsumexp(z, axis=-1)
+        lse_z = bans.logsumexp(z)
         fast_ok, fast_tok = _sample_candidates(zc, cand_ids, lse_z, top_k, params.top_p, u)
         full = do_sample & ~fast_ok
         full_tok = jax.lax.cond(
             jnp.any(full),
-            lambda: _sample_full(z, lse_z, jnp.where(full, top_k, _K_OFF), jnp.where(full, params.top_p, 1.0), u),
+            lambda: _sample_full(bans.mask(z), lse_z, jnp.where(full, top_k, _K_OFF),
+                                 jnp.where(full, params.top_p, 1.0), u),
             lambda: jnp.zeros((b,), jnp.int32),
         )
         return jnp.where(fast_ok, fast_tok, full_tok)
@@ -358,15 +370,17 @@ def sample(logits: jax.Array, params: SamplingMetadata, positions: jax.Array,
     return SampleOutput(tokens, chosen, cand_ids[:, :k].astype(jnp.int32), cand_vals[:, :k] - lse[:, None])
 
 
-def make_sampler(vocab: int | None = None):
-    """`sample` as the engine runs it (over `vocab` ids, see there): the logits processing, when
-    a step has any, as a program of its own before the sampler's (fused into one program, XLA CPU
-    made a sampled step of 8 rows ~10 ms slower; apart, the processing costs ~1-2 ms). A step
-    whose rows are all greedy and report no alternatives runs `greedy`, which finds no
-    candidates (their top-k is a sort of the vocabulary on a GPU, the step's largest kernel)."""
+def make_sampler(vocab: int | None = None, never_generate: tuple[int, ...] = ()):
+    """`sample` as the engine runs it (never drawing the ids `vocab` and `never_generate` rule
+    out, see there): the logits processing, when a step has any, as a program of its own before
+    the sampler's (fused into one program, XLA CPU made a sampled step of 8 rows ~10 ms slower;
+    apart, the processing costs ~1-2 ms). A step whose rows are all greedy and report no
+    alternatives runs `greedy`, which finds no candidates (their top-k is a sort of the
+    vocabulary on a GPU, the step's largest kernel)."""
+    bans = dict(vocab=vocab, never_generate=tuple(sorted({int(i) for i in never_generate})))
     process = jax.jit(process_logits)
-    draw = jax.jit(sample if vocab is None else functools.partial(sample, vocab=vocab))
-    argmax = jax.jit(functools.partial(greedy, vocab=vocab))
+    draw = jax.jit(functools.partial(sample, **bans))
+    argmax = jax.jit(functools.partial(greedy, **bans))
 
     def run(logits, params: SamplingMetadata, positions) -> SampleOutput:
         if params.extras is not None:
@@ -380,17 +394,18 @@ def make_sampler(vocab: int | None = None):
     return run
 
 
-def greedy(logits: jax.Array, vocab: int | None = None) -> SampleOutput:
+def greedy(logits: jax.Array, vocab: int | None = None,
+           never_generate: tuple[int, ...] = ()) -> SampleOutput:
     """`sample` of rows that are all greedy, without their top alternatives (zeros): the same
     tokens (the first of equal largest logits, as `lax.top_k` orders them) and logprobs."""
     logits = logits.astype(jnp.float32)
-    if vocab is not None and vocab < logits.shape[-1]:
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
+    bans = Bans.of(logits.shape[-1], vocab, never_generate)
+    logits = bans.mask_all(logits)
     # (A one-candidate top-k, not argmax: XLA:CPU's argmax over a row is ~4x slower.)
-    chosen, tokens = _top_k(logits, 1)
+    chosen, tokens = bans.top_k(logits, 1)
     k = min(MAX_TOP_LOGPROBS, logits.shape[1])
     return SampleOutput(tokens[:, 0].astype(jnp.int32),
-                        chosen[:, 0] - jax.nn.logsumexp(logits, axis=-1),
+                        chosen[:, 0] - bans.logsumexp(logits),
                         jnp.zeros((logits.shape[0], k), jnp.int32),
                         jnp.zeros((logits.shape[0], k), jnp.float32))
 
@@ -419,6 +434,79 @@ def process_logits(logits: jax.Array, ex: LogitsExtras) -> jax.Array:
         some = jnp.any(allowed & (logits > -jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(allowed | ~some, logits, -jnp.inf)
     return logits
+
+
+# More banned ids than this (a checkpoint's padded rows: 4B-27B's 63) are masked in the logits
+# whole, one more pass over them, rather than stepped over among the candidates: the greedy
+# step's top-k of 1 + n stays within XLA:GPU's top-k kernels (k <= 16; larger is a sort).
+_MAX_SKIPPED_BANS = 15
+
+
+@dataclasses.dataclass(frozen=True)
+class Bans:
+    """The ids a model must never emit. A few (the image tokens) are left out at no cost to a
+    step: not by a pass that writes masked [B, V] logits (XLA:CPU runs its reductions apart
+    from their producers, so a select before them is a pass of its own, as costly as the greedy
+    step's top-k), but by taking n more candidates than needed and dropping the banned among
+    them (`top_k`) and by taking their share out of the normaliser (`logsumexp`); more than
+    `_MAX_SKIPPED_BANS` are masked whole (`mask_all`). `ids` sorted; `allowed` bool [V]."""
+
+    ids: np.ndarray
+    allowed: np.ndarray | None
+
+    @staticmethod
+    def of(v: int, vocab: int | None, never_generate: tuple[int, ...]) -> "Bans":
+        """Ids at or past `vocab` (rows padding the embedding) and the `never_generate` ones."""
+        ids = {int(i) for i in never_generate if 0 <= int(i) < v}
+        if vocab is not None and vocab < v:
+            ids.update(range(vocab, v))
+        if not ids:
+            return Bans(np.zeros(0, np.int32), None)
+        allowed = np.ones(v, bool)
+        allowed[sorted(ids)] = False
+        return Bans(np.array(sorted(ids), np.int32), allowed)
+
+    @property
+    def whole(self) -> bool:
+        return len(self.ids) > _MAX_SKIPPED_BANS
+
+    def mask(self, x: jax.Array) -> jax.Array:
+        """x [B, V] (derived from logits past `mask_all`) with the banned ids at -inf, in a
+        rarely taken branch: a scatter of the n of them (a select over the row there cost a
+        step as much as if the branch were taken)."""
+        if self.allowed is None or self.whole:  # none, or masked whole already
+            return x
+        return x.at[:, self.ids].set(-jnp.inf)
+
+    def logsumexp(self, x: jax.Array) -> jax.Array:
+        """logsumexp over the allowed ids of x [B, V]: the whole row's, less the banned ids'
+        share (gathered: n values a row); where that share is over half (the rounding of the
+        difference would show), the masked row's, a pass only such a step pays."""
+        full = jax.nn.logsumexp(x, axis=-1)
+        if self.allowed is None or self.whole:  # none, or masked whole already
+            return full
+        share = jnp.sum(jnp.exp(x[:, self.ids] - full[:, None]), axis=-1)
+        share = jnp.where(full > -jnp.inf, share, 0.0)
+        less = full + jnp.log1p(-share)
+        heavy = share > 0.5  # per row: a row's value never depends on the others'
+        return jax.lax.cond(jnp.any(heavy),
+                            lambda: jnp.where(heavy, jax.nn.logsumexp(self.mask(x), axis=-1), less),
+                            lambda: less)
+
+    def mask_all(self, logits: jax.Array) -> jax.Array:
+        """The logits masked whole when the bans are too many to step over (`top_k`)."""
+        return jnp.where(self.allowed, logits, -jnp.inf) if self.whole else logits
+
+    def top_k(self, logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """`_top_k` of the allowed ids: k + n candidates, the banned among them set to -inf and
+        dropped (a second top-k over k + n values; the order of ties is kept)."""
+        n, v = len(self.ids), logits.shape[-1]
+        if self.allowed is None or self.whole:
+            return _top_k(logits, k)
+        vals, ids = _top_k(logits, min(k + n, v))
+        vals = jnp.where(jnp.asarray(self.allowed)[ids], vals, -jnp.inf)
+        vals, order = _top_k(vals, k)
+        return vals, jnp.take_along_axis(ids, order, axis=-1)
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -57,10 +57,12 @@ def token_bytes_table(tok) -> tuple[list[bytes], list[int]]:
     special (never text). Works for `models.gemma3.tokenizer.Tokenizer` and for any tokenizer with
     `id_to_piece` and `vocab_size` whose special pieces look like '<name>'."""
     sp = getattr(tok, "_sp", None)
+    # Ids the SentencePiece model has as they are (not a token added past it or renamed).
+    in_sp = (lambda i: i < sp.GetPieceSize() and i not in tok._added) if sp is not None else None
     out, special = [], []
     for i in range(tok.vocab_size):
         piece = tok.id_to_piece(i)
-        if sp is not None:
+        if in_sp is not None and in_sp(i):
             is_byte, is_special = sp.IsByte(i), sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i)
         else:
             is_byte = len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
@@ -77,13 +79,19 @@ def token_bytes_table(tok) -> tuple[list[bytes], list[int]]:
 
 def grammar_tokenizer(tok, eos_ids: tuple[int, ...]):
     """The llguidance tokenizer of `tok` (built once per tokenizer object: about a second for
-    262k tokens)."""
+    262k tokens). The tokens a model must not emit (`never_generate_ids`) are left out (no
+    bytes): text never takes them and a grammar cannot name them."""
+    from models.gemma3.tokenizer import never_generate_ids
+
     with _TOKENIZERS_LOCK:
         cached = _TOKENIZERS.get(tok)
         if cached is not None:
             return cached
         llg = _llg()
         table, special = token_bytes_table(tok)
+        never = set(never_generate_ids(tok))
+        table = [b"" if i in never else t for i, t in enumerate(table)]
+        special = [i for i in special if i not in never]
 
         class _Wrapped:
             eos_token_id = eos_ids[0]
@@ -92,11 +100,23 @@ def grammar_tokenizer(tok, eos_ids: tuple[int, ...]):
             special_token_ids = special
 
             def __call__(self, s):
-                return tok.encode(s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s)
+                return _encode_avoiding(tok, s.decode("utf-8", errors="replace")
+                                        if isinstance(s, bytes) else s, never)
 
         built = llg.LLTokenizer(llg.TokenizerWrapper(_Wrapped()), n_vocab=tok.vocab_size, eos_token=list(eos_ids))
         _TOKENIZERS[tok] = built
         return built
+
+
+def _encode_avoiding(tok, text: str, never: set[int]) -> list[int]:
+    """`tok.encode(text)`, or where that takes an id of `never` (text such as
+    "<start_of_image>"), the encodings of its halves: the same text in allowed tokens, which is
+    what llguidance asks for when a grammar forces text."""
+    ids = tok.encode(text)
+    if len(text) < 2 or not never.intersection(ids):
+        return ids
+    half = len(text) // 2
+    return _encode_avoiding(tok, text[:half], never) + _encode_avoiding(tok, text[half:], never)
 
 
 # ---- grammars ----
@@ -374,16 +394,22 @@ class StructuredOutputs:
     thread (llguidance's executor releases the GIL and may use more threads for a large batch)."""
 
     def __init__(self, vocab_size: int, eos_ids: tuple[int, ...], max_seq_len: int | None = None,
-                 tokenizer=None, mask_timer: Callable[[float], None] | None = None):
+                 tokenizer=None, mask_timer: Callable[[float], None] | None = None,
+                 never_generate: tuple[int, ...] = ()):
         """mask_timer: called with the seconds of each mask job, on the worker thread where it
-        runs (a benchmark's view of the host work a constrained step adds)."""
+        runs (a benchmark's view of the host work a constrained step adds). never_generate:
+        ids no mask allows (the model's, `RunnerInfo.never_generate`)."""
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         # The grammar's masks cover its tokenizer's ids (llguidance takes exactly that width),
         # which a checkpoint's padded embedding may outnumber; ids the logits lack are cleared.
         text = vocab_size if tokenizer is None else tokenizer.vocab_size
         self.grammar_words = (text + 31) // 32
-        self._keep = id_bits(min(text, vocab_size), self.words)
+        keep = id_bits(min(text, vocab_size), self.words).view(np.uint32)
+        for i in never_generate:
+            if 0 <= i < vocab_size:
+                keep[i // 32] &= ~np.uint32(1 << (i % 32))
+        self._keep = keep.view(np.int32)
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = max_seq_len
         self._closers = _closing_preference(tokenizer, self.eos_ids) if tokenizer is not None else list(self.eos_ids)

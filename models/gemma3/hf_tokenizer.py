@@ -1,21 +1,25 @@
 """The tokenizer side of a Hugging Face checkpoint: tokenizer.model or tokenizer.json, the EOS ids
 and sampling defaults of generation_config.json and the chat template, read and written.
 
-`tokenizer.model` (SentencePiece) is preferred when a directory has both; both give the same ids
-on Gemma's vocabulary (tests/models/test_hf_checkpoint.py). The chat template is only carried
-here (`ChatTemplate`); serving renders it.
+`tokenizer.model` (SentencePiece) is preferred when a directory has both, with tokenizer.json's
+added tokens (the multimodal checkpoints' `<image_soft_token>` is only there); both give the same
+ids on Gemma's vocabulary (tests/models/test_hf_checkpoint.py). The chat template is only carried
+here (`ChatTemplate`); serving renders it. Tokens the checkpoint marks as not for generation
+(generation_config.json's `suppress_tokens`, tokenizer_config.json's image token names) are
+attached for `tokenizer.never_generate_ids`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-from models.gemma3.tokenizer import SPECIAL_PIECES, Tokenizer, TokenizerError
+from models.gemma3.tokenizer import SPECIAL_PIECES, AddedToken, Tokenizer, TokenizerError
 
 TOKENIZER_MODEL = "tokenizer.model"
 TOKENIZER_JSON = "tokenizer.json"
@@ -119,8 +123,10 @@ def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     return [(m[3], m[4]) for m in merges]
 
 
-def tokenizer_json_from_sentencepiece(model_proto: bytes) -> str:
-    """tokenizer.json (the `tokenizers` library's format) of a Gemma SentencePiece model."""
+def tokenizer_json_from_sentencepiece(model_proto: bytes,
+                                      added: tuple[AddedToken, ...] = ()) -> str:
+    """tokenizer.json (the `tokenizers` library's format) of a Gemma SentencePiece model and
+    the tokens added past it (`added`, ids in order from the model's size)."""
     from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
 
@@ -144,6 +150,10 @@ def tokenizer_json_from_sentencepiece(model_proto: bytes) -> str:
     # would match it where SentencePiece does not.
     tk.add_tokens([AddedToken(p.piece, normalized=True, special=False)
                    for p in m.pieces if p.type == _USER_DEFINED and " " not in p.piece])
+    for t in sorted(added):  # new ids are given in order from the vocabulary's size
+        if t.id >= len(m.pieces):
+            token = AddedToken(t.content, normalized=False, special=t.special)
+            (tk.add_special_tokens if t.special else tk.add_tokens)([token])
     return tk.to_str()
 
 
@@ -199,12 +209,59 @@ def read_sampling_defaults(path: str | os.PathLike) -> dict:
     return {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None}
 
 
+_ADDED_TOKENS_KEY = re.compile(r'"added_tokens"\s*:\s*\[')
+
+
+def read_added_tokens(path: str | os.PathLike) -> tuple[AddedToken, ...]:
+    """tokenizer.json's added tokens ((), without the file). The `tokenizers` library writes
+    them before the vocabulary: only that array is parsed (Gemma's file is 33 MB)."""
+    file = Path(path) / TOKENIZER_JSON
+    if not file.is_file():
+        return ()
+    text = file.read_text(encoding="utf-8")
+    key = _ADDED_TOKENS_KEY.search(text, 0, 4096)
+    try:
+        added = json.JSONDecoder().raw_decode(text, key.end() - 1)[0] if key else None
+    except ValueError:
+        added = None
+    if added is None:
+        added = json.loads(text).get("added_tokens") or []
+    try:
+        return tuple(AddedToken(int(t["id"]), str(t["content"]), bool(t.get("special", False)))
+                     for t in added)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TokenizerError(f"{path}: tokenizer.json has a malformed added token: {e!r}") from None
+
+
+def read_suppressed_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """The ids generation_config.json says never to generate: `suppress_tokens` and the
+    one-token entries of `bad_words_ids` (transformers' meaning)."""
+    config = _json(Path(path) / GENERATION_CONFIG)
+    ids = list(config.get("suppress_tokens") or [])
+    ids += [w[0] for w in config.get("bad_words_ids") or [] if isinstance(w, list) and len(w) == 1]
+    return tuple(sorted({int(i) for i in ids}))
+
+
+def read_image_pieces(path: str | os.PathLike) -> tuple[str, ...]:
+    """The names tokenizer_config.json gives the image tokens (boi_token, eoi_token,
+    image_token), as transformers' Gemma 3 processor reads them."""
+    config = _json(Path(path) / TOKENIZER_CONFIG)
+    names = []
+    for key in ("boi_token", "eoi_token", "image_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            names.append(value)
+    return tuple(names)
+
+
 def read_tokenizer(path: str | os.PathLike):
-    """The tokenizer of a checkpoint directory (tokenizer.model, else tokenizer.json; None when
-    it has neither) with its EOS ids, chat template and sampling defaults attached."""
+    """The tokenizer of a checkpoint directory (tokenizer.model with tokenizer.json's added
+    tokens, else tokenizer.json; None when it has neither) with its EOS ids, chat template,
+    sampling defaults and the tokens it marks as not for generation attached."""
     path = Path(path)
     if (path / TOKENIZER_MODEL).is_file():
-        tok = Tokenizer.from_file(path / TOKENIZER_MODEL)
+        tok = Tokenizer.from_file(path / TOKENIZER_MODEL, read_added_tokens(path))
     elif (path / TOKENIZER_JSON).is_file():
         tok = JsonTokenizer.from_file(path / TOKENIZER_JSON)
     else:
@@ -214,6 +271,8 @@ def read_tokenizer(path: str | os.PathLike):
         tok.eos_ids = eos
     tok.chat_template = read_chat_template(path)
     tok.sampling_defaults = read_sampling_defaults(path)
+    tok.suppress_ids = read_suppressed_ids(path)
+    tok.image_pieces = read_image_pieces(path)
     return tok
 
 
@@ -230,7 +289,7 @@ def save_tokenizer(path: str | os.PathLike, tok, eos_ids: tuple[int, ...] | None
         (path / TOKENIZER_MODEL).write_bytes(proto)
     if TOKENIZER_JSON in files:
         text = (tok.serialized_json() if isinstance(tok, JsonTokenizer)
-                else tokenizer_json_from_sentencepiece(proto))
+                else tokenizer_json_from_sentencepiece(proto, tok.added_tokens()))
         (path / TOKENIZER_JSON).write_text(text, encoding="utf-8")
     template: ChatTemplate | None = getattr(tok, "chat_template", None)
     config = {"tokenizer_class": "GemmaTokenizer", **(template.variables if template
@@ -244,5 +303,7 @@ def save_tokenizer(path: str | os.PathLike, tok, eos_ids: tuple[int, ...] | None
     eos = tuple(eos_ids or getattr(tok, "eos_ids", None) or (tok.eos_id, tok.end_of_turn_id))
     (path / GENERATION_CONFIG).write_text(json.dumps(
         {"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id, "eos_token_id": list(eos),
-         **getattr(tok, "sampling_defaults", {})},
+         **getattr(tok, "sampling_defaults", {}),
+         **({"suppress_tokens": list(tok.suppress_ids)} if getattr(tok, "suppress_ids", ())
+            else {})},
         indent=2))

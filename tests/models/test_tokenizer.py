@@ -136,6 +136,50 @@ def test_errors(tok, tmp_path):
         tok.encode(b"bytes")
 
 
+def test_tokens_added_beside_a_tokenizer_model_are_single_ids(tok, tmp_path):
+    """A checkpoint with tokenizer.model and tokenizer.json (the official 4B-27B ones): the
+    tokens tokenizer.json adds are the tokenizer's too, one id each. `<image_soft_token>`
+    (262,144, special) is what a chat template writes it as, never what text encodes to, and
+    decodes to nothing; a plain added token is what text encodes to; Gemma's own pieces keep
+    their ids. The image tokens and the ids generation_config.json suppresses are the ids the
+    model never generates."""
+    import json
+
+    from models.gemma3.hf_tokenizer import read_tokenizer
+    from serving.chat_jinja import render_template
+
+    (tmp_path / "tokenizer.model").write_bytes(tok.serialized_model())
+    added = [(106, "<end_of_turn>", True), (255999, "<start_of_image>", True),
+             (262144, "<image_soft_token>", True), (262145, "<tool_call>", False)]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": special}
+                         for i, c, special in added],
+        "model": {"type": "BPE", "vocab": {}, "merges": []}}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"suppress_tokens": [4]}))
+    t = read_tokenizer(tmp_path)
+    assert t.vocab_size == 262146
+    assert t.encode("call <tool_call> now") == tok.encode("call ") + [262145] + tok.encode(" now")
+    assert 262144 not in t.encode("a <image_soft_token>")  # special: text stays text
+    assert t.encode("a <start_of_image>") == tok.encode("a <start_of_image>")
+    assert (t.piece_to_id("<image_soft_token>"), t.id_to_piece(262145)) == (262144, "<tool_call>")
+    assert t.control_tokens()["<image_soft_token>"] == 262144
+    assert t.control_tokens()["<end_of_turn>"] == 106
+    ids = tok.encode("a") + [262144] * 3 + [262145, 106] + tok.encode("b")
+    assert t.decode(ids) == "a<tool_call>b"
+    rendered = render_template("{{ messages[0]['content'] }}<image_soft_token>", {},
+                               [{"role": "user", "content": "hi <image_soft_token>"}], t,
+                               add_generation_prompt=False)
+    # The template's soft token is its id; the user's is text.
+    assert rendered.count(262144) == 1 and rendered[-1] == 262144
+    assert t.decode(rendered[:-1]) == "hi <image_soft_token>"
+    assert T.never_generate_ids(t) == (4, 255999, 256000, 262144)
+    assert T.never_generate_ids(tok) == (255999, 256000)
+    with pytest.raises(TokenizerError, match="without a gap"):
+        Tokenizer(tok.serialized_model(), [T.AddedToken(262150, "<far>")])
+
+
 def test_a_padded_gemma_vocabulary_gets_the_gemma_tokenizer(tok):
     """4B-27B embed 262,208 rows for Gemma's 262,144 pieces: such a model from a source with no
     tokenizer files (an official tree, a download of config.json and safetensors only) is

@@ -178,6 +178,56 @@ def test_the_greedy_fast_path_gives_the_samplers_tokens_and_logprobs():
     np.testing.assert_array_equal(top.top_ids, want.top_ids)
 
 
+@pytest.mark.parametrize("vocab", [None, 2950])  # 2 bans stepped over; 52 masked whole
+def test_ids_never_to_generate_are_never_drawn_nor_counted(vocab):
+    """The sampler's bans (`never_generate`, and the rows past `vocab`) give what sampling the
+    logits without those ids gives: the same tokens (greedy on the fast path and the full one,
+    seeded draws among the candidates and over the whole vocabulary), alternatives and
+    logprobs, whether the banned ids hold a sliver of the mass, the largest logit, or nearly
+    all of it."""
+    v, never = 3000, (5, 77)
+    rng = np.random.default_rng(6)
+    logits = (rng.normal(size=(6, v)) * 2).astype(np.float32)
+    logits[1, 77] = logits[1].max() + 1.0  # the largest logit, a small share of the mass
+    logits[2, [5, 77]] = 40.0  # nearly all of the mass
+    logits[3, 2960] = 50.0  # a row padding the embedding
+    logits[4, 5] = logits[4, 9] = logits[4].max() + 0.5  # tied with an allowed id
+    removed = logits.copy()
+    removed[:, list(never)] = -np.inf
+    removed[:, vocab or v:] = -np.inf
+    run = make_sampler(vocab=vocab, never_generate=never)
+    reference = jax.jit(sample)
+    pos = jnp.arange(6, dtype=jnp.int32)
+    greedy = SamplingMetadata.greedy(6)
+    sampled = greedy._replace(temperature=np.full(6, 1.5, np.float32), seed=np.arange(6, dtype=np.uint32))
+    cases = {"greedy, fast path": greedy, "greedy with alternatives": greedy._replace(
+                 top_logprobs=np.full(6, 5, np.int32)),
+             "top-k 40": sampled._replace(top_k=np.full(6, 40, np.int32)),
+             "top-p 0.9": sampled._replace(top_p=np.full(6, 0.9, np.float32)),
+             "whole vocabulary": sampled}
+    first = None
+    for name, params in cases.items():
+        got = jax.device_get(run(jnp.asarray(logits), params, pos))
+        first = got if first is None else first
+        want = jax.device_get(reference(jnp.asarray(removed), params, pos))
+        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=name)
+        assert not np.isin(got.tokens, never).any() and np.all(got.tokens < (vocab or v)), name
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6, err_msg=name)
+        if name != "greedy, fast path":
+            np.testing.assert_array_equal(got.top_ids, want.top_ids, err_msg=name)
+            np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-6)
+    assert first.tokens[1] != 77 and first.tokens[4] == 9  # the tie goes to the allowed id
+    # A row's logprobs are its own, bit for bit: alone as beside row 2, whose bans hold most of
+    # its mass (batch invariance, --deterministic).
+    params = cases["greedy with alternatives"]
+    for i in (0, 2):
+        alone = jax.device_get(run(jnp.asarray(logits[i:i + 1]), SamplingMetadata(
+            *(None if f is None else f[i:i + 1] for f in params)), pos[:1]))
+        batched = jax.device_get(run(jnp.asarray(logits), params, pos))
+        assert alone.logprobs[0].tobytes() == batched.logprobs[i].tobytes()
+        assert alone.top_logprobs[0].tobytes() == batched.top_logprobs[i].tobytes()
+
+
 def test_a_tiny_temperature_is_greedy():
     """A temperature below 1e-5 is greedy (vLLM's rule): at 1e-9 the scaled logits (~1e10) round
     every candidate's probability to 0 in float32, and top-k / top-p would pick the 256th."""
