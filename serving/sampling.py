@@ -88,9 +88,8 @@ class SamplingParams:
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, low=1, high=_MAX_INT32)
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not np.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidParameter("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
+        # Any temperature a float32 row can divide by (1e308 would overflow to inf there).
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if self.temperature < GREEDY_BELOW:  # here, so that every reader sees the greedy row
             object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
@@ -165,6 +164,9 @@ def checked_defaults(values: dict, source: str) -> dict:
     except TypeError as e:
         raise ValueError(f"{source}: not sampling parameters: {e}") from None
     return dict(values)
+
+
+MAX_TEMPERATURE = 1e4
 
 
 def _check_float(name: str, value, low: float, high: float, low_open: bool = False) -> None:

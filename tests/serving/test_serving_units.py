@@ -255,9 +255,11 @@ def test_sampler_seed_determinism():
 
 
 def test_sampling_params_validation():
-    with pytest.raises(InvalidParameter) as e:
-        SamplingParams(temperature=-0.1)
-    assert e.value.param == "temperature"
+    for bad in (-0.1, 1e308, float("inf")):  # 1e308 would be inf as a float32 row's divisor
+        with pytest.raises(InvalidParameter) as e:
+            SamplingParams(temperature=bad)
+        assert e.value.param == "temperature"
+    assert SamplingParams(temperature=100.0).temperature == 100.0
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(InvalidParameter, match="top_p"):
             SamplingParams(top_p=bad)
