@@ -1,22 +1,8 @@
-"""Per-request sampling: host-side parameters and the on-device sampler, the project's one
-sampler (the server's, and offline generation's through `serving.LLM`).
-
-The sampler runs inside one jitted function over every slot of a step at once, each slot with its
-own temperature, top-k, top-p and seed, so that a batch can mix greedy and sampled requests without
-recompiling. Only tokens and a few logprobs leave the device, never the [slots, vocab] logits.
-
-Randomness: the token that will occupy position p of a sequence is drawn with
-`fold_in(key(seed), p)`. It depends on the request's seed and the position only, not on the slot,
-the batch or the step, so the same seed gives the same text however requests are batched.
-
-Cost on a 2-core CPU for [8, 262144] logits (why the algorithm looks like this): a full sort takes
-~600 ms and Gumbel noise over the vocabulary ~40 ms, while `lax.top_k(., 256)` takes ~4 ms and a
-pass of exp/sum ~2 ms. So the sampler takes the 256 largest logits of every row and samples among
-them whenever the truncated distribution (top-k, then top-p) lies inside them, which is the usual
-case. Otherwise (top-k above 256, a nucleus wider than 256 tokens, or no truncation at all) it finds
-the exact cut-off by bisection and samples by inverse CDF over the full vocabulary, in two levels
-(blocks of 512, then within the block); that branch only runs when a slot needs it (`lax.cond`).
-"""
+"""Per-request sampling: host-side parameters (`SamplingParams`, validated) and the project's one
+on-device sampler, for the server and offline generation (`serving.LLM`). One jitted function
+samples every row of a step, each with its own temperature, top-k, top-p and seed; a token is
+drawn with `fold_in(key(seed), position)`, so batching never changes a seeded answer. See
+docs/engine.md, "The sampler", for why it samples among each row's top 256 logits."""
 from __future__ import annotations
 
 import dataclasses
