@@ -193,10 +193,29 @@ def compile_grammar(kind: str, source: str, tok, eos_ids: tuple[int, ...], param
     matcher = llg.LLMatcher(lt, source, log_level=0, limits=parser_limits())
     if matcher.is_error():
         raise InvalidParameter(param, f"invalid {what}: {matcher_error(matcher)}")
+    if kind in ("grammar", "lark"):
+        _refuse_never_generated(source, tok, param)
     problem = admission_error(matcher, _closing_preference(tok, tuple(eos_ids)), eos_ids, (tok.vocab_size + 31) // 32)
     if problem is not None:
         raise InvalidParameter(param, f"the {what} cannot be served: {problem}")
     return Grammar(kind, source, matcher)
+
+
+_TOKEN_REFS = re.compile(r"<\[([0-9,\-\s]+)\]>")  # Lark's token-id sets: <[5]>, <[5-9,12]>
+
+
+def _refuse_never_generated(source: str, tok, param: str) -> None:
+    """InvalidParameter when a grammar's token-id set (`<[...]>`) holds only ids the model never
+    generates (image tokens, padding rows): that part of the grammar could never match."""
+    from models.gemma3.tokenizer import never_generate_ids
+
+    never = set(never_generate_ids(tok))
+    for m in _TOKEN_REFS.finditer(source):
+        ranges = [(int(a), int(b or a)) for a, _, b in
+                  (part.strip().partition("-") for part in m.group(1).split(",") if part.strip())]
+        if ranges and all(b - a < len(never) and all(i in never for i in range(a, b + 1)) for a, b in ranges):
+            raise InvalidParameter(param, f"the grammar names token ids the model never generates: "
+                                          f"<[{m.group(1).strip()}]>")
 
 
 # Tokens the admission check walks from the start state (`admission_error`).

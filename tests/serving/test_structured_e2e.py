@@ -98,6 +98,8 @@ UNSERVABLE = {
     "regex_count_1e8": ({"guided_regex": "a{99999999}"}, "limits"),
     "regex_count_nested": ({"guided_regex": "a{1000}{1000}"}, "limits"),
     "regex_1mb": ({"guided_regex": "a" * 1_000_000}, "limits"),
+    # An image token by id (<start_of_image>): the model never generates it.
+    "lark_image_token": ({"guided_grammar": 'start: "a" | <[255999]>'}, "never generates"),
 }
 
 
