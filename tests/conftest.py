@@ -109,31 +109,31 @@ def vision_golden():
     return dict(np.load(VISION_GOLDEN_NPZ))
 
 
-# Files that take longest run first, longest first (the costs measured file by file with
-# `python -m pytest -p eval.suite_profile`: CPU seconds with children, on 2 cores; files that
-# mostly wait on other processes, such as the group-formation and multi-host files, ranked by
-# their wall time): with two xdist workers taking a whole file at a time, a long file started
-# last leaves one worker idle while the other finishes it. Every file of more than ~10 s is
-# listed, so the files left for the end are short (the paged engine's and model's, unlisted,
-# used to run near the end: ~75 and ~55 s).
+# Files that take longest run first, longest first (`rank s` of `python -m pytest -p
+# tests.suite_profile` then `python -m tests.suite_profile`: each file's CPU seconds with its
+# children, or 0.7 x its wall time where it mostly waits; a whole-suite run, 2026-12-04): with
+# two xdist workers taking a whole file at a time, a long file started last leaves one worker
+# idle while the other finishes it. Every file of more than ~8 s is listed, so the files left
+# for the end are short.
 LONG_FILES_FIRST = (
     "equarx/test_pallas.py", "serving/test_multihost.py", "serving/test_precompile.py",
-    "serving/test_paged_runner.py",
-    "models/test_parity.py", "equarx/test_codec_conformance.py", "equarx/test_collective.py",
-    "serving/test_group_formation.py", "serving/test_batch_invariance.py", "models/test_model.py",
-    "equarx/test_triton_codecs.py", "models/test_hf_checkpoint.py",
-    "serving/test_long_prompts.py", "serving/test_server_e2e.py",
-    "serving/test_structured_e2e.py", "models/test_paged.py", "serving/test_cli_generate.py",
-    "serving/test_overlap.py", "eval/test_bench_engine.py", "serving/test_watchdog.py",
-    "equarx/test_multi_axis.py", "serving/test_image_encoder.py", "eval/test_quality.py",
-    "eval/test_bench_codec.py", "models/test_program_cache.py",
-    "equarx/test_token_local.py", "models/test_paged_images.py", "models/test_tp_mesh.py",
-    "models/test_gguf.py", "models/test_hf_layouts.py", "equarx/test_native_cpu.py",
-    "serving/test_chat_images.py", "models/test_weights_cache.py",
-    "serving/test_structured_output.py", "serving/test_paged_runner_images.py",
-    "equarx/test_hlo.py", "models/test_model_checkpoint.py", "equarx/test_mse.py", "serving/test_image_spans.py",
-    "serving/test_tools.py", "serving/test_serving_units.py", "models/test_model_hlo.py",
-    "models/test_vision.py",
+    "models/test_hf_checkpoint.py", "models/test_parity.py", "serving/test_paged_runner.py",
+    "serving/test_structured_e2e.py", "eval/test_bench_engine.py", "serving/test_server_e2e.py",
+    "eval/test_quality.py", "equarx/test_codec_conformance.py", "models/test_paged.py",
+    "equarx/test_collective.py", "serving/test_cli_generate.py", "serving/test_group_formation.py",
+    "serving/test_background_compile.py", "equarx/test_triton_codecs.py",
+    "eval/test_bench_serving.py", "serving/test_watchdog.py", "serving/test_long_prompts.py",
+    "models/test_model.py", "serving/test_batch_invariance.py", "models/test_paged_images.py",
+    "models/test_tp_mesh.py", "models/test_model_checkpoint.py",
+    "serving/test_structured_output.py", "equarx/test_mse.py", "serving/test_image_encoder.py",
+    "models/test_gguf.py", "equarx/test_multi_axis.py", "models/test_program_cache.py",
+    "serving/test_llm.py", "serving/test_overlap.py", "equarx/test_token_local.py",
+    "models/test_weights_cache.py", "equarx/test_native_cpu.py", "eval/test_bench_codec.py",
+    "serving/test_chat_images.py", "equarx/test_hlo.py", "serving/test_hostile_http.py",
+    "serving/test_never_generate.py", "test_docker.py", "serving/test_serving_units.py",
+    "serving/test_tools.py", "equarx/test_multiproc.py", "models/test_hf_layouts.py",
+    "serving/test_image_spans.py", "serving/test_paged_runner_images.py",
+    "models/test_model_hlo.py", "eval/test_bench_prefill.py",
 )
 
 
