@@ -296,7 +296,10 @@ def _one_process(params: dict) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__)
+    # The shared parser's --repeats (5 here; --iters is its older name) and --out.
+    p = common.parser(__doc__, engine=False, repeats=5)
+    p.add_argument("--iters", dest="repeats", type=int, default=argparse.SUPPRESS,
+                   help="the same as --repeats")
     p.add_argument("--model", default="random:1b",
                    help="gemma3-270m, a .gguf path, or random:<size>[?k=v] (270m/1b/4b/12b/27b)")
     p.add_argument("--layers", type=int, default=None, help="use fewer layers (random weights)")
@@ -307,7 +310,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (the server's)")
     p.add_argument("--allreduce", default="bf16,bf16_ring,int8",
                    help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
-    p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--minishards", type=int, default=4)
     p.add_argument("--one-message-per-hop", action="store_true",
@@ -329,7 +331,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
     p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
     p.add_argument("--calibration-repeats", type=int, default=5)
-    p.add_argument("--out", default=None, help="write the report as JSON")
     p.add_argument("--no-tpu-prediction", action="store_true")
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         jax_platform.join_process_group(group)  # before any jax computation
     source, full_layers = model_source(args.model, args.layers)
     params = dict(source=source, tp=args.tp, lengths=lengths, methods=methods,
-                  iters=args.iters, warmup=args.warmup, minishards=args.minishards,
+                  iters=args.repeats, warmup=args.warmup, minishards=args.minishards,
                   pipelined=not args.one_message_per_hop, dtype=args.dtype,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size)
     if args.tp_mesh:

@@ -23,24 +23,30 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """The real HTTP app on a real uvicorn server in a thread (loopback port) over `runner`."""
+    """The real HTTP app on the server `gemma3-serve` builds (serving.http_server: its protocol,
+    timeouts and connection cap from `config`) in a thread, on a free loopback port, over
+    `runner`. uvicorn_kwargs: e.g. log_config=None to send its records to pytest's caplog."""
 
-    def __init__(self, config, runner, load: bool = True, background_compile: bool = False):
+    def __init__(self, config, runner, load: bool = True, background_compile: bool = False,
+                 **uvicorn_kwargs):
         import dataclasses
 
         import uvicorn
 
         from serving.api import create_app
+        from serving.http_server import uvicorn_config
         from serving.runtime import Runtime
 
         # Off unless asked for: the other step programs would compile beside every test.
-        config = dataclasses.replace(config, background_compile=background_compile)
+        config = dataclasses.replace(config, background_compile=background_compile,
+                                     host="127.0.0.1", port=free_port())
         self.runtime = Runtime(config, runner_factory=lambda c, p: runner)
         self.runner = runner
-        self.port = free_port()
+        self.port = config.port
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.runtime), host="127.0.0.1",
-                                                    port=self.port, log_level="warning"))
+        self.app = create_app(self.runtime)
+        self.server = uvicorn.Server(uvicorn_config(self.app, config,
+                                                    **{"log_level": "warning", **uvicorn_kwargs}))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10

@@ -22,40 +22,11 @@ import pytest
 import jax_platform
 from serving.config import ServerConfig
 from serving.fake_runner import fake_paged_runner
-from testkit import free_port, stop_processes, wait_group_ready
+from testkit import ServerThread, free_port, stop_processes, wait_group_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 1.0  # the test server's header, body and keep-alive timeouts
 LIMIT = 6  # its connection cap
-
-
-class GuardedServer:
-    """The app in a thread on the server `gemma3-serve` builds (serving.http_server), its log
-    records going to the root logger (pytest's caplog)."""
-
-    def __init__(self, config, runner):
-        import uvicorn
-
-        from serving.api import create_app
-        from serving.http_server import uvicorn_config
-        from serving.runtime import Runtime
-
-        self.runtime = Runtime(config, runner_factory=lambda c, p: runner)
-        self.port, self.url = config.port, f"http://127.0.0.1:{config.port}"
-        self.app = create_app(self.runtime)
-        self.server = uvicorn.Server(uvicorn_config(self.app, config, log_config=None, log_level="info"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        self.runtime.load()
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.runtime.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +35,9 @@ def server():
                           compile_cache_dir="", background_compile=False, port=free_port(),
                           timeout_headers=TIMEOUT, timeout_body=TIMEOUT, timeout_keep_alive=TIMEOUT,
                           limit_concurrency=LIMIT)
-    s = GuardedServer(config, fake_paged_runner(max_num_seqs=2, max_seq_len=4096))
+    # The server gemma3-serve builds, its log records going to pytest's caplog.
+    s = ServerThread(config, fake_paged_runner(max_num_seqs=2, max_seq_len=4096),
+                     log_config=None, log_level="info")
     yield s
     s.stop()
 

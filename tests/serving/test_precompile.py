@@ -31,7 +31,7 @@ class Request:
 def test_requests_at_any_stream_count_and_prompt_length_compile_nothing_after_ready():
     m = load_model(TINY, dtype="float32", allreduce=AllReduceConfig("f32"))
     runner = PagedRunner(m, max_num_seqs=64, max_seq_len=128, page_size=16,
-                         max_num_batched_tokens=96)
+                         max_num_batched_tokens=64)
     runner.compile_warmup(lambda msg: None, everything=True)
     runner.warmup(lambda msg: None)
     compiles, hits = [], []
