@@ -31,10 +31,32 @@ DEFAULTS = {  # per mode: --tokens, --tp, --dtype, --modes
 NOISE_SIZES = "0,1e-4,3e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2"
 
 
+# A mode's suffixes beside its AllReduce label: int8 / fp8 weights (`--quantization`) and KV
+# cache (`--kv-cache-dtype`), e.g. "bf16:w-int8", "int8:w-int8:kv-int8".
+STORAGE = {"w-int8": ("quantization", "int8"), "w-fp8": ("quantization", "fp8"),
+           "kv-int8": ("kv_cache_dtype", "int8"), "kv-fp8": ("kv_cache_dtype", "fp8")}
+
+
+def mode_parts(name: str) -> tuple[str, bool, dict]:
+    """A mode -> (its AllReduce label, whether the rotation is folded into the weights, the
+    storage settings its suffixes name); ValueError on an unknown suffix."""
+    label, *suffixes = name.split(":")
+    storage = {}
+    for s in suffixes:
+        if s != UNFOLDED[1:] and s not in STORAGE:
+            raise ValueError(f"unknown mode suffix {s!r} in {name!r}: 'unfolded' or one of "
+                             f"{', '.join(STORAGE)}")
+        if s in STORAGE:
+            setting, value = STORAGE[s]
+            storage[setting] = value
+    return label, UNFOLDED[1:] not in suffixes, storage
+
+
 def mode_config(name: str) -> AllReduceConfig | None:
     """A mode's AllReduceConfig (None for the naive strawman); ValueError on an unknown label.
     "<label>:unfolded" runs the codec's rotation at run time instead of in the weights."""
-    return None if name == NAIVE else AllReduceConfig.from_label(name.removesuffix(UNFOLDED))
+    label = mode_parts(name)[0]
+    return None if label == NAIVE else AllReduceConfig.from_label(label)
 
 
 def naive_all_reduce(x, axis_name: str):
@@ -108,8 +130,9 @@ def quality(args) -> list[dict]:
         base, windows = load_reference(args.model, tp, args.dtype, args.tokens,
                                        max(args.window, args.prompt_tokens + args.new_tokens + 1))
         models = {m: base.with_allreduce(  # the naive strawman as the model's reduction
-            mode_config(m) or AllReduceConfig("bf16"), reduction=naive_all_reduce if m == NAIVE
-            else None, fold_rotation=not m.endswith(UNFOLDED)) for m in modes}
+            mode_config(m) or AllReduceConfig("bf16"), reduction=naive_all_reduce
+            if mode_parts(m)[0] == NAIVE else None, fold_rotation=mode_parts(m)[1],
+            **mode_parts(m)[2]) for m in modes}
         sums = score_windows(models[REFERENCE], models, windows)
         prompts = [[base.tokenizer.bos_id] + p for p in corpus.prompt_set(
             base.tokenizer.encode, args.prompts, args.prompt_tokens)]
@@ -122,7 +145,8 @@ def quality(args) -> list[dict]:
         for m in modes:
             pairs = list(zip(greedy[m], greedy[REFERENCE]))
             rows.append({"tp": tp, "mode": m, **metrics(sums[m]),
-                         "allreduce": mode_config(m).to_dict() if m != NAIVE else {"method": NAIVE},
+                         "allreduce": mode_config(m).to_dict() if mode_config(m)
+                         else {"method": NAIVE}, **mode_parts(m)[2],
                          "greedy_exact_match": sum(g == r for g, r in pairs) / len(pairs),
                          "greedy_prefix": sum(len(os.path.commonprefix([g, r])) for g, r in pairs)
                          / len(pairs)})
@@ -373,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", choices=("bfloat16", "float32"))
     p.add_argument("--tp", help="comma list (quality); one degree (images, sensitivity)")
     p.add_argument("--modes", help="comma list of AllReduce labels (quality: or naive; "
-                   "'int8:unfolded' rotates at run time instead of in the weights)")
+                   "'int8:unfolded' rotates at run time instead of in the weights; ':w-int8', "
+                   "':w-fp8', ':kv-int8', ':kv-fp8' add int8 / fp8 weights or KV cache)")
     p.add_argument("--tokens", type=int, help="next-token predictions scored (images: text "
                    "tokens around each image)")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window (with BOS)")

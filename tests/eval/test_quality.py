@@ -179,3 +179,13 @@ def test_bad_arguments_are_refused_and_the_meter_loses_nothing():
     for t in threads:
         t.join()
     assert (meter.err2, meter.ref2) == (8000, 16000) and meter.relative == math.sqrt(0.5)
+
+
+def test_mode_suffixes_name_the_allreduce_the_rotation_and_the_storage():
+    assert quality.mode_parts("int8") == ("int8", True, {})
+    assert quality.mode_parts("int8:unfolded:kv-int8") == ("int8", False, {"kv_cache_dtype": "int8"})
+    assert quality.mode_parts("bf16:w-fp8:kv-int8") == (
+        "bf16", True, {"quantization": "fp8", "kv_cache_dtype": "int8"})
+    assert quality.mode_config("naive:w-int8") is None
+    with pytest.raises(ValueError, match="w-int4"):
+        quality.mode_parts("bf16:w-int4")
