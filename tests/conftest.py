@@ -111,19 +111,21 @@ def vision_golden():
 
 # Files that take longest run first, longest first (`rank s` of `python -m pytest -p
 # tests.suite_profile` then `python -m tests.suite_profile`: each file's CPU seconds with its
-# children, or 0.7 x its wall time where it mostly waits; a whole-suite run, 2026-12-04): with
+# children, or 0.7 x its wall time where it mostly waits; a whole-suite run, 2026-12-04, with
+# test_precompile.py placed by a run of its own, 2026-12-05): with
 # two xdist workers taking a whole file at a time, a long file started last leaves one worker
 # idle while the other finishes it. Every file of more than ~8 s is listed, so the files left
 # for the end are short.
 LONG_FILES_FIRST = (
-    "equarx/test_pallas.py", "serving/test_multihost.py", "serving/test_precompile.py",
-    "models/test_hf_checkpoint.py", "models/test_parity.py", "serving/test_paged_runner.py",
+    "equarx/test_pallas.py", "serving/test_multihost.py", "models/test_hf_checkpoint.py",
+    "models/test_parity.py", "serving/test_paged_runner.py",
     "serving/test_structured_e2e.py", "eval/test_bench_engine.py", "serving/test_server_e2e.py",
     "eval/test_quality.py", "equarx/test_codec_conformance.py", "models/test_paged.py",
     "equarx/test_collective.py", "serving/test_cli_generate.py", "serving/test_group_formation.py",
     "serving/test_background_compile.py", "equarx/test_triton_codecs.py",
     "eval/test_bench_serving.py", "serving/test_watchdog.py", "serving/test_long_prompts.py",
-    "models/test_model.py", "serving/test_batch_invariance.py", "models/test_paged_images.py",
+    "models/test_model.py", "serving/test_batch_invariance.py", "serving/test_precompile.py",
+    "models/test_paged_images.py",
     "models/test_tp_mesh.py", "models/test_model_checkpoint.py",
     "serving/test_structured_output.py", "equarx/test_mse.py", "serving/test_image_encoder.py",
     "models/test_gguf.py", "equarx/test_multi_axis.py", "models/test_program_cache.py",

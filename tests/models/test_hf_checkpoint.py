@@ -357,8 +357,10 @@ def test_serve_hf_checkpoint(hf_dir, golden, tmp_path):
     save_tokenizer(tmp_path / "written", tok)
     assert read_sampling_defaults(tmp_path / "written") == defaults
 
+    # precompile="warmup", the suite's setting for the servers it starts (tests/conftest.py):
+    # the warm-up's programs, not every step shape (test_precompile.py checks "all").
     config = ServerConfig(model=str(model_dir), dtype="float32", allreduce="f32", max_num_seqs=1,
-                          max_seq_len=32, compile_cache_dir="")
+                          max_seq_len=32, compile_cache_dir="", precompile="warmup")
     server = ServerThread(config, load_runner(config, lambda _: None))
     try:
         health = httpx.get(f"{server.url}/health", timeout=10).json()
