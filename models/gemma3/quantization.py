@@ -4,11 +4,12 @@ stored as 8-bit codes with one scale per output channel, dequantized inside the 
 A `QuantizedArray` holds codes (int8, or float8_e4m3fn) in the weight's own shape and layout and
 a scale in the weight's dtype, of the weight's shape with its contracted dims set to 1
 ("keepdims" form): q [D, N, H] -> [1, N, H], kv [D, 2, K, H] -> [1, 2, K, H], o [N, H, D] ->
-[1, 1, D], gating [D, 2, F] -> [1, 2, F], linear [F, D] -> [1, D], embed [V, D] -> [V, 1] (a
-row's scale serves the lookup and, vocabulary rows being the logits' output channels, the tied
-output projection). So a product reads 8-bit codes, converts them to the activations' dtype
+[1, 1, D], gating [D, 2, F] -> [1, 2, F], linear [F, D] -> [1, D]; an embedding [V, D] would
+take [V, 1] (a row's scale serves the lookup and, vocabulary rows being the logits' output
+channels, the tied output projection). So a product reads 8-bit codes, converts them to the activations' dtype
 (exact: int8 and e4m3 values are bfloat16 values), accumulates in float32 and multiplies by the
-output channel's scale once (`model.matmul`). Norms and the vision tower stay unquantized.
+output channel's scale once (`model.matmul`). Norms, the embedding and the vision tower stay
+unquantized (`QUANTIZED_FIELDS`).
 
 Symmetric scales: absmax / 127 with the codec's round-half-even (`equarx.codec_spec`) for int8,
 absmax / 448 and e4m3's own rounding for fp8. The scale is rounded to the weight's dtype first
@@ -35,9 +36,11 @@ CODE_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 # Each quantized tensor's contracted dims (its scale has size 1 there).
 CONTRACTED: dict[str, tuple[int, ...]] = {
     "q": (0,), "kv": (0,), "o": (0, 1), "gating": (0,), "linear": (0,), "embed": (1,)}
-# The tensors quantized: every linear layer and the tied embedding / logits matrix
-# (docs/results.md, "Quantized weights", for its figures).
-QUANTIZED_FIELDS = ("q", "kv", "o", "gating", "linear", "embed")
+# The tensors quantized: every linear layer. The tied embedding / logits matrix can be (its
+# QuantizedArray serves the lookup and the logits), but stays unquantized, as vLLM's fp8 keeps
+# its embedding and lm_head: on the 270M it doubled the KL to the unquantized model and XLA:CPU
+# would convert the whole table every step (docs/deployment.md, "Quantized weights").
+QUANTIZED_FIELDS = ("q", "kv", "o", "gating", "linear")
 
 
 def check_quantization(quantization: str) -> str:
