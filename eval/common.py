@@ -101,12 +101,10 @@ def server_config(args, **overrides):
     from serving import ServerConfig
 
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
-    fields = dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                  tp=devices(args), tp_mesh=args.tp_mesh,
-                  allreduce=args.allreduce, max_seq_len=first(args.max_seq_len),
-                  max_num_seqs=args.max_num_seqs, page_size=args.page_size,
-                  long_prefill_token_threshold=args.long_prefill_token_threshold,
-                  precompile=args.precompile, compile_cache_dir=args.compile_cache_dir)
+    fields = {k: first(getattr(args, k)) for k in (
+        "model", "dtype", "quantization", "tp_mesh", "allreduce", "max_seq_len", "max_num_seqs",
+        "page_size", "long_prefill_token_threshold", "precompile", "compile_cache_dir")}
+    fields["tp"] = devices(args)
     return ServerConfig(**{**fields, **overrides})
 
 
