@@ -158,16 +158,18 @@ def test_compiled_step_reads_int8_weights(tiny):
     key = ProgramKey(StepShape(8, 2, 4, 8, 8, logits=True), (9, 9, 4))
     lowered = m.programs.lower(key)
     weights = jax.tree.leaves(lowered.args_info[0][0])  # the first argument's leaves
-    dtypes = {str(a.dtype) for a in weights}
-    assert "int8" in dtypes, dtypes
-    compiled = lowered.compile()
-    hlo = compiled.as_text()
-    params = [line for line in hlo.splitlines() if "parameter(" in line and "ENTRY" not in line]
-    assert any("s8[" in p for p in params)
-    assert re.search(r"= s32\[[^\]]*\]\S* dot\(", hlo), "no int8 x int8 dot"
-    assert not re.search(r"= (bf16|f32)\[[^\]]*\]\S* convert\(s8\[", hlo), "codes converted"
     n_linear = len(m.weights.layers) * 5
     assert sum(str(a.dtype) == "int8" for a in weights) == n_linear
+    text = lowered.as_text()
+    to_float = r"stablehlo.convert[^\n]*\(tensor<[0-9x]+x{}>\) -> tensor<[0-9x]+x(bf16|f32)>"
+    int8_dots = re.findall(r"stablehlo.dot_general[^\n]*xi8>[^\n]*-> tensor<[0-9x]+xi32>", text)
+    assert len(int8_dots) == 2 * n_linear and not re.search(to_float.format("i8"), text)
+    assert re.search(r"s32\[[^\]]*\]\S* dot\(", lowered.compile().as_text())
+    # fp8 codes (and int8 off a CPU) are converted inside the program, next to their dots.
+    fp8 = tiny["none"].with_allreduce(F32, quantization="fp8").programs.lower(key)
+    assert sum(str(a.dtype) == "float8_e4m3fn"
+               for a in jax.tree.leaves(fp8.args_info[0][0])) == n_linear
+    assert len(re.findall(to_float.format("f8E4M3FN"), fp8.as_text())) == n_linear
 
 
 def test_restart_reads_the_quantized_weights_from_the_cache(tmp_path, monkeypatch):
