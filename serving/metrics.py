@@ -42,7 +42,8 @@ class NullMetrics:
 
 
 class Metrics(NullMetrics):
-    def __init__(self, model_name: str, allreduce: str, tp: int = 1, dtype: str = ""):
+    def __init__(self, model_name: str, allreduce: str, tp: int = 1, dtype: str = "",
+                 weights: dict | None = None):
         self.registry = r = CollectorRegistry()
         labels = ("model_name", "allreduce")
         self._values = (model_name, allreduce)
@@ -93,6 +94,11 @@ class Metrics(NullMetrics):
                                       "KV-cache pages that prefix reuse may hold (0: no prefix cache).")
         info = series(Gauge, "engine_info", "Engine configuration (value 1).", ("tp", "dtype"))
         info.labels(*self._values, str(tp), dtype).set(1)
+        if weights:
+            series(Gauge, "weights_bytes", "Bytes of the model's weights on the devices (one copy), "
+                   "by the linear layers' dtype and the quantization.", ("dtype", "quantization")
+                   ).labels(*self._values, weights["dtype"], weights["quantization"]
+                            ).set(weights["bytes"])
 
     def on_scheduled(self, queue_time: float) -> None:
         self.queue_time.observe(queue_time)

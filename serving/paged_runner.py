@@ -421,6 +421,7 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         dtype=str(np.dtype(model.dtype).name) if not isinstance(model.dtype, str) else model.dtype,
         allreduce=model.allreduce.to_dict(),
         allreduce_label=model.allreduce.label,
+        weights=model.weights_summary() if hasattr(model, "weights_summary") else {},
         long_prefill_token_threshold=threshold,
         deterministic=bool(deterministic),
         prefix_caching=bool(prefix_caching),

@@ -74,7 +74,8 @@ class Runtime:
         """Starts serving with an engine (loaded and warmed up)."""
         info = runner.info
         self.runner = runner
-        self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype)
+        self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype,
+                               weights=info.weights)
         c = self.config
         # A multi-host group's leader watches its steps itself (a stuck step ends the group).
         watched = not getattr(runner, "watches_steps", False)
@@ -136,6 +137,7 @@ class Runtime:
             info = self.runner.info
             d.update(tp=info.tp, dtype=info.dtype, allreduce=info.allreduce,
                      allreduce_label=info.allreduce_label, max_model_len=info.max_seq_len,
+                     weights=info.weights,
                      max_num_seqs=info.max_num_seqs, deterministic=info.deterministic,
                      long_prefill_token_threshold=info.long_prefill_token_threshold,
                      prefix_caching=info.prefix_caching, engine="paged", page_size=info.page_size,
@@ -189,6 +191,7 @@ def load_configured_model(config: ServerConfig):
     return load_model(config.model, tp=config.tp, tp_mesh=config.tp_mesh,
                       allreduce=config.allreduce_config(),
                       dtype=config.dtype, max_seq_len=config.max_seq_len,
+                      quantization=config.quantization,
                       program_cache_dir=os.path.join(cache, "programs") if cache else None,
                       weights_cache_dir=os.path.join(cache, "weights") if cache else None)
 

@@ -21,6 +21,7 @@ from models.gemma3.step_api import Gemma3StepAPI, check_token_range
 from models.gemma3.model import Reduction
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import ModelPrograms
+from models.gemma3.quantization import check_quantization, weights_summary
 from models.gemma3.ragged import BLOCK_PAGES, RaggedBatch
 from models.shapes import pow2
 from models.gemma3.sharding import check_tp, make_mesh, parse_tp_mesh
@@ -44,13 +45,17 @@ class Gemma3Model(Gemma3StepAPI):
       `equarx.all_reduce` with `allreduce` (e.g. `eval.naive_allreduce.naive_all_reduce`);
       `allreduce` then only labels the model.
     program_cache: keep the traced programs on disk (see `load_model`'s program_cache_dir).
+    quantization: what `weights` are ("none", or "int8" / "fp8": already quantized, see
+      `ModelPrograms.quantize_weights`).
     """
 
     def __init__(self, config: Gemma3Config, weights: Weights, *, mesh,
                  allreduce: AllReduceConfig, dtype, tokenizer=None,
-                 reduction: Reduction | None = None, program_cache: ProgramCache | None = None):
+                 reduction: Reduction | None = None, program_cache: ProgramCache | None = None,
+                 quantization: str = "none"):
         programs = ModelPrograms(config, mesh=mesh, allreduce=allreduce, dtype=dtype,
-                                 reduction=reduction, program_cache=program_cache)
+                                 reduction=reduction, program_cache=program_cache,
+                                 quantization=quantization)
         super().__init__(programs, weights, tokenizer)
 
     @classmethod
@@ -63,19 +68,38 @@ class Gemma3Model(Gemma3StepAPI):
         return model
 
     def with_allreduce(self, allreduce: AllReduceConfig, *, reduction: Reduction | None = None,
-                       fold_rotation: bool = True) -> Gemma3Model:
+                       fold_rotation: bool = True,
+                       quantization: str | None = None) -> Gemma3Model:
         """This model (config, mesh, dtype, tokenizer, weights) with another AllReduce or a
-        plugged-in reduction, for side-by-side comparisons. Weights are shared, except the o and
-        linear weights of an AllReduce that folds its rotation (see `load_model`), which get
-        folded copies. Needs a model whose own weights carry no rotation."""
+        plugged-in reduction, and `quantization` of its weights (None: this model's own), for
+        side-by-side comparisons. Weights are shared, except the o and linear weights of an
+        AllReduce that folds its rotation (see `load_model`), which get folded copies, and
+        quantized weights, which are quantized copies. Needs a model whose own weights carry no
+        rotation, and unquantized ones to fold or quantize."""
         if self.programs.rotation_folded:
             raise ValueError("this model's weights carry its AllReduce's rotation; derive "
                              "models from one loaded with fold_rotation=False")
+        own = self.programs.quantization
+        quantization = own if quantization is None else quantization
         programs = ModelPrograms(self.config, mesh=self.mesh, allreduce=allreduce,
                                  dtype=self.dtype, reduction=reduction,
-                                 fold_rotation=fold_rotation)
-        return Gemma3Model.from_programs(programs, programs.fold_weights(self.weights),
-                                         self.tokenizer)
+                                 fold_rotation=fold_rotation, quantization=quantization)
+        if own != "none" and (quantization != own or programs.rotation_folded):
+            raise ValueError(f"this model's weights are quantized ({own}); derive models from "
+                             "one loaded with quantization='none'")
+        weights = self.weights
+        if own == "none":
+            weights = programs.quantize_weights(programs.fold_weights(weights))
+        return Gemma3Model.from_programs(programs, weights, self.tokenizer)
+
+    @property
+    def quantization(self) -> str:
+        """"none", "int8" or "fp8": what the linear layers' weights are stored as."""
+        return self.programs.quantization
+
+    def weights_summary(self) -> dict:
+        """The weights' bytes on the devices (one copy), dtype and quantization (/health)."""
+        return weights_summary(self.weights, self.programs.quantization)
 
     def score(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [B, T, V] at every position (T = longest sequence; positions past a
@@ -122,6 +146,9 @@ class Gemma3Model(Gemma3StepAPI):
         A model whose weights carry the AllReduce's rotation (`load_model`'s fold_rotation)
         cannot save: they would no longer be the checkpoint's.
         """
+        if self.programs.quantization != "none":
+            raise ValueError(f"this model's weights are quantized ({self.programs.quantization}) "
+                             f"at load; load it with quantization='none' to save it")
         if self.programs.rotation_folded:
             raise ValueError(
                 f"this model's o and linear weights carry the {self.allreduce.label} "
@@ -189,8 +216,10 @@ class Gemma3Model(Gemma3StepAPI):
         allreduce = (self.allreduce.label if self.reduction is None
                      else getattr(self.reduction, "__name__", repr(self.reduction)))
         mesh = f", tp_mesh={self.programs.tp_mesh}" if self.programs.tp_mesh else ""
+        quant = (f", quantization={self.programs.quantization}"
+                 if self.programs.quantization != "none" else "")
         return (f"Gemma3Model({self.config.name}, tp={self.tp}{mesh}, dtype={self.dtype.name}, "
-                f"allreduce={allreduce})")
+                f"allreduce={allreduce}{quant})")
 
 
 def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
@@ -200,7 +229,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
                warm_up: Callable[[Gemma3Model], None] | None = None,
                program_cache_dir: str | os.PathLike | None = None,
                weights_cache_dir: str | os.PathLike | None = None,
-               fold_rotation: bool = True) -> Gemma3Model:
+               fold_rotation: bool = True, quantization: str = "none") -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     Images: a Hugging Face `Gemma3ForConditionalGeneration` directory's vision tower and
@@ -236,9 +265,15 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
       load, so that every AllReduce skips it (`ModelPrograms.fold_weights`). Such a model's
       weights are no longer the checkpoint's: `save` refuses; load with fold_rotation=False
       (or tp=1, or another AllReduce) to save.
+    quantization: "none" (the default: weights as the checkpoint's, in `dtype`), "int8" or
+      "fp8" (vLLM's --quantization): every linear layer's weight and the embedding stored as
+      8-bit codes with a scale per output channel (`models.gemma3.quantization`), quantized on
+      the devices after the rotation folding; with weights_cache_dir, a GGUF source's
+      quantized weights are kept there too, so a restart maps them instead.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
+    check_quantization(quantization)
     parse_tp_mesh(tp_mesh, tp)  # a bad mesh fails before anything loads
     if isinstance(config, str):
         config = get_config(config)
@@ -263,13 +298,14 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
             f"{device.device_kind} x64={jax.config.jax_enable_x64} "
             f"precision={jax.config.jax_default_matmul_precision}", native_kernels=native_kernels)
     programs = ModelPrograms(cfg, mesh=mesh, allreduce=allreduce, dtype=dtype,
-                             program_cache=program_cache, fold_rotation=fold_rotation)
+                             program_cache=program_cache, fold_rotation=fold_rotation,
+                             quantization=quantization)
     compiling = None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         if warm_up is not None:
             shape_only = Gemma3Model.from_programs(programs, programs.abstract_weights, tokenizer)
             compiling = pool.submit(warm_up, shape_only)
-        weights = programs.fold_weights(place(cfg, mesh), donate=True)
+        weights = _place_weights(programs, place, source, weights_cache_dir)
         if compiling is not None:
             compiling.result()
     model = Gemma3Model.from_programs(programs, weights, tokenizer)
@@ -277,6 +313,50 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
     if vision is not None:
         model.attach_vision(vision)
     return model
+
+
+def _place_weights(programs: ModelPrograms, place, source, weights_cache_dir) -> Weights:
+    """The programs' weights: placed, rotation folded, quantized. A GGUF source's quantized
+    weights come from, or go to, the weights cache when there is one."""
+    from models.gemma3 import weights_cache
+
+    cfg, mesh = programs.config, programs.mesh
+    gguf = _gguf_path(source) if programs.quantization != "none" else None
+    cached = gguf is not None and weights_cache_dir is not None
+    variant = _quantized_variant(programs)
+    if cached:
+        tree = weights_cache.load(weights_cache_dir, gguf, programs.dtype, variant)
+        if tree is not None:
+            try:
+                return loading.place_tree(tree, programs.abstract_weights)
+            except ValueError as e:
+                log.warning("weights cache: an entry that does not fit (%s); quantizing again", e)
+    weights = programs.quantize_weights(programs.fold_weights(place(cfg, mesh), donate=True),
+                                        donate=True)
+    if cached and jax.process_count() == 1:  # the whole arrays are addressable here
+        weights_cache.store(weights_cache_dir, gguf, programs.dtype,
+                            loading.tree_items_of(weights), variant=variant)
+    return weights
+
+
+def _quantized_variant(programs: ModelPrograms) -> str:
+    """What, besides the GGUF file and dtype, a cached entry of quantized weights depends on."""
+    rotation = programs.allreduce.group_size if programs.rotation_folded else "none"
+    return f"{programs.quantization} rotation={rotation}"
+
+
+def _gguf_path(source) -> str | None:
+    """The GGUF file a source names (as `sources.resolve_source` reads it), or None."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    source = os.fspath(source)
+    if source == "gemma3-270m":
+        from models.gemma3.gguf import default_gguf_path
+
+        return default_gguf_path()
+    if source.startswith("random:") or not (source.endswith(".gguf") or os.path.isfile(source)):
+        return None
+    return source
 
 
 def split_vision_option(source):

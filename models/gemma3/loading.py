@@ -89,6 +89,37 @@ def place_official(tree: dict, c: Gemma3Config, dtype, mesh: Mesh, tp: int) -> W
     return map_weights(c, make)
 
 
+def _path_names(path) -> tuple[str, ...]:
+    """A pytree key path as names: ("layers", "0", "q", "codes")."""
+    return tuple(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def tree_items_of(weights: Weights) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    """(path, whole host array) for every leaf of placed weights (quantized ones included), for
+    `place_tree` to put back; gathers each array to the host (one process)."""
+    return [(_path_names(path), np.asarray(leaf))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]]
+
+
+def place_tree(tree: dict, abstract: Weights) -> Weights:
+    """Weights shaped as `abstract` (ShapeDtypeStructs with shardings) from a nested dict of
+    host arrays keyed as `tree_items_of` names them, one device shard at a time; ValueError
+    when a leaf is missing or of another shape or dtype."""
+    def make(path, s):
+        node = tree
+        for name in _path_names(path):
+            if not isinstance(node, dict) or name not in node:
+                raise ValueError(f"no {'/'.join(_path_names(path))} among the arrays")
+            node = node[name]
+        if tuple(node.shape) != tuple(s.shape) or np.dtype(node.dtype) != np.dtype(s.dtype):
+            raise ValueError(f"{'/'.join(_path_names(path))} is {node.dtype} {node.shape}, "
+                             f"expected {s.dtype} {s.shape}")
+        return jax.make_array_from_callback(s.shape, s.sharding,
+                                            lambda index: np.asarray(node[index]))
+
+    return jax.tree_util.tree_map_with_path(make, abstract)
+
+
 def random_weights(c: Gemma3Config, dtype, mesh: Mesh, tp: int, seed: int = 0) -> Weights:
     """Random weights (unit-variance activations), drawn on the host one shard at a time.
 

@@ -16,6 +16,7 @@ from jax import lax
 
 from equarx import AllReduceConfig, all_reduce
 from models.gemma3.config import Gemma3Config
+from models.gemma3.quantization import QuantizedArray
 from models.gemma3.sharding import AXIS, kv_sharded
 from models.gemma3.weights import LayerWeights, Weights
 
@@ -79,11 +80,11 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, ctx: Ctx) -> jax.Array:
     """
     rows = table.shape[0]
     if ctx.tp == 1:
-        x = jnp.take(table, tokens, axis=0)
+        x = _take_rows(table, tokens)
     else:
         local = tokens - lax.axis_index(ctx.axes) * rows
         inside = (local >= 0) & (local < rows)
-        x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+        x = _take_rows(table, jnp.where(inside, local, 0))
         x = jnp.where(inside[..., None], x, jnp.zeros((), x.dtype))
         bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
         x = lax.bitcast_convert_type(
@@ -100,8 +101,9 @@ def output_logits(x: jax.Array, table: jax.Array) -> jax.Array:
     return matmul("...d,vd->...v", x, table).astype(jnp.float32)
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """einsum of activations x [rows, ...] with a weight, float32 accumulation, x's dtype out.
+def matmul(spec: str, x: jax.Array, w) -> jax.Array:
+    """einsum of activations x [rows, ...] with a weight (an array, or a `QuantizedArray`),
+    float32 accumulation, x's dtype out.
 
     Why not a plain einsum: XLA:CPU runs bfloat16 matrix-vector products (decode at batch 1)
     through a slow path, ~10x slower than the same product with 2 rows, and a bfloat16-output
@@ -111,8 +113,75 @@ def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     single = x.shape[0] == 1 and int(np.prod(x.shape[1:-1])) == 1
     if single:
         x = jnp.concatenate([x, x], axis=0)
-    out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    if isinstance(w, QuantizedArray):
+        # Each output channel's scale applied once to the float32 product of the codes.
+        if w.codes.dtype == jnp.int8 and jax.default_backend() == "cpu" and _leading(spec):
+            out = _int8_product(spec, x, w.codes)
+        else:  # the codes converted inside the program (exact in x's dtype)
+            out = jnp.einsum(spec, x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
+        out = out * _output_scale(spec, w.scale)
+    else:
+        out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     return (out[:1] if single else out).astype(x.dtype)
+
+
+def _leading(spec: str) -> bool:
+    """Whether `spec` contracts x's last dims with the weight's first ones, in order."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x_dims, w_dims = inputs.split(",")
+    shared = "".join(d for d in w_dims if d in x_dims and d not in out)
+    return bool(shared) and w_dims.startswith(shared) and x_dims.endswith(shared)
+
+
+# x's rows as integers of 15 bits, two int8 halves: q = 128 * hi + lo, |q| <= 127 * 128.
+_ROW_CODE_MAX = 127.0 * 128.0
+
+
+def _int8_product(spec: str, x: jax.Array, codes: jax.Array) -> jax.Array:
+    """The float32 product of x with int8 codes as two int8 x int8 -> int32 dots (XLA:CPU
+    converts a whole int8 weight to bfloat16 before a dot, every step, which made a decode
+    step ~2x slower than with bfloat16 weights; its integer dots are about as fast as bfloat16
+    ones). Each row of x (one token's values: no other token changes them) is scaled to 15-bit
+    integers split into high and low int8 halves, exactly; the rounding to that grid, at most
+    absmax / 32512 a value, is far below the weights' own quantization error."""
+    inputs, out_dims = spec.replace(" ", "").split("->")
+    x_dims, w_dims = inputs.split(",")
+    k = sum(1 for d in w_dims if d in x_dims and d not in out_dims)
+    c = int(np.prod(codes.shape[:k]))
+    x2 = x.reshape(-1, c).astype(jnp.float32)
+    step = jnp.max(jnp.abs(x2), axis=-1, keepdims=True) / _ROW_CODE_MAX
+    q = jnp.round(x2 / jnp.where(step > 0, step, 1.0))
+    hi = jnp.round(q / 128.0)
+    lo = q - 128.0 * hi  # |lo| <= 64
+    w2 = codes.reshape(c, -1)
+    dims = (((1,), (0,)), ((), ()))
+
+    def dot(part):
+        return lax.dot_general(part.astype(jnp.int8), w2, dims,
+                               preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    out = (dot(hi) * 128.0 + dot(lo)) * step
+    return out.reshape(*x.shape[:x.ndim - k], *codes.shape[k:])
+
+
+def _output_scale(spec: str, scale: jax.Array) -> jax.Array:
+    """A quantized weight's keepdims scale as float32 over the product's trailing dims: in
+    every spec used, the weight's dims that are not contracted end the output, in order."""
+    inputs, out = spec.replace(" ", "").split("->")
+    w_dims = inputs.split(",")[1]
+    kept = "".join(d for d in w_dims if d in out)
+    if not out.endswith(kept):
+        raise ValueError(f"{spec}: the weight's output dims must end the result")
+    shape = [n for d, n in zip(w_dims, scale.shape) if d in out]
+    return scale.reshape(shape).astype(jnp.float32)
+
+
+def _take_rows(table, ids: jax.Array) -> jax.Array:
+    """table[ids] (rows of an embedding table, quantized or not) in the table's dtype."""
+    if isinstance(table, QuantizedArray):
+        codes = jnp.take(table.codes, ids, axis=0).astype(jnp.float32)
+        return (codes * jnp.take(table.scale, ids, axis=0).astype(jnp.float32)).astype(table.dtype)
+    return jnp.take(table, ids, axis=0)
 
 
 def _reduce(x: jax.Array, ctx: Ctx) -> jax.Array:
@@ -133,7 +202,11 @@ def _local_kv_weight(kv: jax.Array, ctx: Ctx) -> jax.Array:
     if kv_sharded(ctx.config, ctx.tp):
         return kv
     per_head = ctx.tp // ctx.config.num_kv_heads
-    return lax.dynamic_slice_in_dim(kv, lax.axis_index(ctx.axes) // per_head, 1, axis=2)
+    head = lax.axis_index(ctx.axes) // per_head
+    if isinstance(kv, QuantizedArray):  # the scale [1, 2, K, H] is per KV head too
+        return QuantizedArray(codes=lax.dynamic_slice_in_dim(kv.codes, head, 1, axis=2),
+                              scale=lax.dynamic_slice_in_dim(kv.scale, head, 1, axis=2))
+    return lax.dynamic_slice_in_dim(kv, head, 1, axis=2)
 
 
 def _rope_params(ctx: Ctx, kind: str) -> tuple[float, float]:
@@ -159,7 +232,12 @@ def output_projection(enc: jax.Array, w_o: jax.Array) -> jax.Array:
     """[B, T, Nl, H] x [Nl, H, D] -> partial sums [B, T, D], as one 2-D matmul (heads and
     head_dim flattened together: a two-dim contraction made XLA copy w_o into another order)."""
     b, t, n, h = enc.shape
-    return matmul("btk,kd->btd", enc.reshape(b, t, n * h), w_o.reshape(n * h, w_o.shape[-1]))
+    d = w_o.shape[-1]
+    if isinstance(w_o, QuantizedArray):  # scale [1, 1, D] -> [1, D]
+        w_o = QuantizedArray(codes=w_o.codes.reshape(n * h, d), scale=w_o.scale.reshape(1, d))
+    else:
+        w_o = w_o.reshape(n * h, d)
+    return matmul("btk,kd->btd", enc.reshape(b, t, n * h), w_o)
 
 
 def mlp(x: jax.Array, w: LayerWeights) -> jax.Array:

@@ -24,6 +24,8 @@ from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
+from models.gemma3.quantization import (CONTRACTED, QUANTIZED_FIELDS, check_quantization,
+                                        quantize, quantized_shapes, quantized_specs)
 from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, ragged_step,
                                   span_kv, span_rows, unpack)
 from models.shapes import StepShape
@@ -107,12 +109,16 @@ class ModelPrograms:
       at tp > 1), run the programs on weights with that rotation folded into the attention
       output and MLP down projections (`fold_weights`), so the AllReduce skips its forward
       rotation (`rotation_folded` says whether it applies).
+    quantization: "none" (the weights as loaded), "int8" or "fp8": the programs take weights
+      whose linear layers are `quantization.QuantizedArray`s (`quantize_weights` makes them).
     """
 
     def __init__(self, config: Gemma3Config, *, mesh, allreduce: AllReduceConfig, dtype,
                  reduction: forward.Reduction | None = None,
-                 program_cache: ProgramCache | None = None, fold_rotation: bool = False):
+                 program_cache: ProgramCache | None = None, fold_rotation: bool = False,
+                 quantization: str = "none"):
         self.config = config
+        self.quantization = check_quantization(quantization)
         self.mesh = mesh
         self.tp = mesh.devices.size
         self.allreduce = allreduce
@@ -127,13 +133,14 @@ class ModelPrograms:
         self._ctx = forward.Ctx(config=config, tp=self.tp, allreduce=allreduce,
                                 reduction=reduction, axes=tp_axes(mesh),
                                 rotated_partials=self.rotation_folded)
-        self._weight_specs = weight_specs(config, self.tp)
+        self._weight_specs = quantized_specs(weight_specs(config, self.tp), quantization)
         self._pages_specs = paged_specs(config)
         self.attention = attention_impl(mesh.devices.flat[0].platform)
         # Lowering needs only the weights' shapes and shardings, so it can run while they load.
-        self.abstract_weights: Weights = jax.tree.map(
+        self.abstract_weights: Weights = quantized_shapes(jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
-            weight_shapes(config, self.dtype), named(mesh, self._weight_specs))
+            weight_shapes(config, self.dtype), named(mesh, weight_specs(config, self.tp))),
+            quantization)
         self._ragged_programs: dict[StepShape, Callable] = {}
         self._span_programs: dict[tuple[str, str], Callable] = {}
         self._zeros_pages = jax.jit(
@@ -165,6 +172,28 @@ class ModelPrograms:
         layers = tuple(dataclasses.replace(lw, o=fold(lw.o), linear=fold(lw.linear))
                        for lw in weights.layers)
         return dataclasses.replace(weights, layers=layers)
+
+    def quantize_weights(self, weights: Weights, donate: bool = False) -> Weights:
+        """The weights these programs run on from unquantized (and already `fold_weights`ed)
+        ones: with a quantization, each linear layer's weight as a `QuantizedArray`, computed
+        on the devices, shard by shard, in the programs' shardings (the originals' buffers
+        donated with `donate`: `weights` is consumed); else `weights` unchanged."""
+        if self.quantization == "none":
+            return weights
+        shardings = named(self.mesh, self._weight_specs)
+
+        def one(name, w, out):
+            body = functools.partial(quantize, quantization=self.quantization,
+                                     contracted=CONTRACTED[name])
+            return jax.jit(body, out_shardings=out, donate_argnums=(0,) if donate else ())(w)
+
+        layers = tuple(
+            dataclasses.replace(lw, **{f: one(f, getattr(lw, f), getattr(sh, f))
+                                       for f in QUANTIZED_FIELDS if f != "embed"})
+            for lw, sh in zip(weights.layers, shardings.layers))
+        embed = (one("embed", weights.embed, shardings.embed) if "embed" in QUANTIZED_FIELDS
+                 else weights.embed)
+        return dataclasses.replace(weights, embed=embed, layers=layers)
 
     # -- shapes --------------------------------------------------------------------------------
     def pages_shapes(self, num_global_pages: int, num_local_pages: int,
@@ -258,6 +287,7 @@ class ModelPrograms:
         static = (f"{self.config!r} tp={self.tp} {self.allreduce!r} "
                   f"dtype={self.dtype}"
                   f" rotated_partials={self.rotation_folded}"
+                  + (f" quantization={self.quantization}" if self.quantization != "none" else "")
                   + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else "") + salt)
         return self.program_cache.wrap(program.value, fn, donate, static, self.replicated)
 

@@ -4,9 +4,10 @@ the quantized blocks again (docs/deployment.md).
 An entry, `<cache_dir>/<key>/{weights.bin,index.json}`, is the official parameter tree in the
 model's dtype: raw arrays at 4096-byte boundaries and a JSON index. The key (`entry_key`) covers
 the GGUF file's identity and content, the dtype, the decoder's source and library versions, so a
-changed file or decoder never reuses an entry. Entries are written beside their place and renamed
-into it whole (a crash leaves no entry; the next store removes what it left); models over
-`max_bytes` decoded are not cached. Any failure here only costs the speed-up.
+changed file or decoder never reuses an entry. A `variant` entry holds another form of the same
+file's weights (`load_model`'s quantized ones, in our layout), keyed by it too. Entries are
+written beside their place and renamed into it whole (a crash leaves no entry; the next store
+removes what it left); models over `max_bytes` decoded are not cached. Any failure here only costs the speed-up.
 """
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ def _decoder_fingerprint() -> str:
     return h.hexdigest()
 
 
+def _variant_fingerprint() -> str:
+    """The source of what makes the other forms (quantization, the rotation folded in)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in (here / "quantization.py", here.parent.parent / "equarx" / "codec_spec.py",
+                 here.parent.parent / "equarx" / "groups.py"):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 @functools.cache
 def _library_versions() -> str:
     """The gguf package's block decoders give the values, numpy and ml_dtypes round them: a
@@ -72,33 +83,39 @@ def _hash_content(h, f: GGUFFile) -> None:
         h.update(data[at:at + _SAMPLE_BYTES])
 
 
-def entry_key(gguf_path: str | os.PathLike, dtype) -> tuple[str, str]:
-    """(key, source tag): the entry's directory name, and what identifies its GGUF file and
-    dtype (one entry is kept per source tag).
+def entry_key(gguf_path: str | os.PathLike, dtype, variant: str = "") -> tuple[str, str]:
+    """(key, source tag): the entry's directory name, and what identifies its GGUF file,
+    dtype and variant (one entry is kept per source tag). `variant` names another form of the
+    weights than the decoded tree, e.g. "int8 rotation=32" for the quantized weights
+    `load_model` places (in our layout), kept beside the decoded tree.
 
     Size and mtime alone would serve a file replaced by another of the same size with its mtime
     kept (cp -p, rsync -t, images that pin mtimes) the old weights: the key also takes its
     inode and ctime (`gguf.file_stamp`) and its content (`_hash_content`)."""
     path = os.path.realpath(os.fspath(gguf_path))
     stamp = " ".join(map(str, file_stamp(path)))
-    source = hashlib.sha256(f"{path} {np.dtype(dtype).name}".encode()).hexdigest()[:16]
-    h = hashlib.sha256(f"format{_FORMAT} {path} {stamp} {np.dtype(dtype).name} "
+    tag = f"{path} {np.dtype(dtype).name}" + (f" {variant}" if variant else "")
+    source = hashlib.sha256(tag.encode()).hexdigest()[:16]
+    h = hashlib.sha256(f"format{_FORMAT} {tag} {stamp} "
                        f"{_decoder_fingerprint()} {_library_versions()}".encode())
+    if variant:
+        h.update(_variant_fingerprint().encode())
     _hash_content(h, open_gguf(path))
     return f"{source}-{h.hexdigest()[:32]}", source
 
 
 def _dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
+    import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+    if hasattr(ml_dtypes, name):  # bfloat16, float8_e4m3fn
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 
 
-def load(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype) -> dict | None:
+def load(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype,
+         variant: str = "") -> dict | None:
     """The cached parameter tree (nested dicts of read-only memory-mapped arrays), or None."""
-    key, _ = entry_key(gguf_path, dtype)
+    key, _ = entry_key(gguf_path, dtype, variant)
     entry = Path(cache_dir) / key
     try:
         index = json.loads((entry / INDEX_FILE).read_text())
@@ -124,15 +141,15 @@ def load(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype) -> d
 
 def store(cache_dir: str | os.PathLike, gguf_path: str | os.PathLike, dtype,
           items: Iterable[tuple[tuple[str, ...], np.ndarray]],
-          max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
-    """Write (official path, array) items as this GGUF file's entry; True if written."""
+          max_bytes: int = DEFAULT_MAX_BYTES, variant: str = "") -> bool:
+    """Write (path, array) items as this GGUF file's entry (of `variant`); True if written."""
     items = list(items)
     total = sum(-(-a.nbytes // _ALIGN) * _ALIGN for _, a in items)
     if total > max_bytes:
         log.info("weights cache: %.1f GB decoded is over the %.1f GB limit; not cached "
                  "(gemma3-convert makes a checkpoint that restores fast)", total / 1e9, max_bytes / 1e9)
         return False
-    key, source = entry_key(gguf_path, dtype)
+    key, source = entry_key(gguf_path, dtype, variant)
     root = Path(cache_dir)
     tmp = None
     try:
