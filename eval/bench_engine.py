@@ -350,25 +350,35 @@ def census(runner, steps: int = 8) -> dict:
     return out
 
 
-def kv_bytes(model) -> int:
-    """Bytes of one position's keys and values in one layer, as the pools hold them."""
-    c = model.config
-    return 2 * c.num_kv_heads * c.head_dim * np.dtype(
-        model.pages_shapes(2, 2, 1).layers[0].kv.dtype).itemsize
+def kv_bytes(model, kv_cache_dtype: str | None = None) -> int:
+    """Bytes of one position's keys and values in one layer, as the pools hold them (codes and
+    scales) with `kv_cache_dtype` (default: the model's)."""
+    import jax
+
+    from models.gemma3.paged_kv import paged_shapes, pool_dtype
+
+    c, platform = model.config, model.programs.platform
+    layer = paged_shapes(c, 2, 2, 1, 1, pool_dtype(model.dtype, platform),
+                         kv_cache_dtype or model.kv_cache_dtype, platform).layers[0]
+    per_head = sum(int(np.prod(x.shape[3:])) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(layer))  # one position of one of 2 K cache heads
+    return 2 * c.num_kv_heads * per_head
 
 
 def dense_cache_bytes(model, rows: int, seq_len: int) -> int:
     """KV bytes of a dense cache of `rows` x `seq_len` tokens (the global layers every position,
-    the local ones their window): the layout that reserves a whole context per sequence."""
+    the local ones their window) in the activations' dtype ("auto"): the layout that reserves
+    a whole context per sequence, and the budget `capacity` fills."""
     c = model.config
-    return rows * kv_bytes(model) * (c.num_global_layers * seq_len
-                                     + c.num_local_layers * min(c.sliding_window, seq_len))
+    return rows * kv_bytes(model, "auto") * (c.num_global_layers * seq_len
+                                             + c.num_local_layers * min(c.sliding_window, seq_len))
 
 
 def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
     """How many sequences of --prompt-tokens run at once in a dense 8 x `row_len` cache's KV
-    bytes. A sequence's bytes are the pages the allocator gave it (its prompt and 16 tokens);
-    the pools as the engine sizes them for N sequences."""
+    bytes (in the activations' dtype), with the pools holding --kv-cache-dtype. A sequence's
+    bytes are the pages the allocator gave it (its prompt and 16 tokens); the pools as the
+    engine sizes them for N sequences."""
     from serving import PagedScheduler, SamplingParams, Sequence, paged_runner_info
 
     c, page = model.config, args.page_size
@@ -407,7 +417,8 @@ def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
     while pool_bytes(info(fits)) > budget:
         fits -= 1
     most, preempted, steps, _ = run(info(fits), seqs)
-    return {"dense_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
+    return {"kv_cache_dtype": model.kv_cache_dtype, "kv_bytes_per_token_layer": int(per_token),
+            "dense_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
             "global_pages": g, "local_pages": loc, "sequences_that_fit": fits,
             "pool_bytes": int(pool_bytes(info(fits))), "most_running": most,
             "preemptions": preempted, "steps": steps, "sequences": seqs,
@@ -586,7 +597,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = common.load(args, max_seq_len=max(args.max_seq_len + [8192] * ("capacity" in only)))
     c = model.config
     report = {"model": args.model, "dtype": args.dtype, "tp": common.devices(args),
-              "allreduce": args.allreduce, "backend": jax.default_backend(),
+              "allreduce": args.allreduce, "kv_cache_dtype": args.kv_cache_dtype, "backend": jax.default_backend(),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "layers": c.num_layers, "vocab_size": c.vocab_size, "max_num_seqs": args.max_num_seqs,
               "tokenizer": "byte" if isinstance(model.tokenizer, ByteTokenizer) else "real",

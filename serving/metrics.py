@@ -93,6 +93,12 @@ class Metrics(NullMetrics):
                                       "KV-cache pages that prefix reuse may hold (0: no prefix cache).")
         info = series(Gauge, "engine_info", "Engine configuration (value 1).", ("tp", "dtype"))
         info.labels(*self._values, str(tp), dtype).set(1)
+        self._kv_bytes = series(Gauge, "kv_cache_bytes", "Bytes of the KV cache's pools on all "
+                                "devices (codes and scales), by what they hold (--kv-cache-dtype).",
+                                ("kv_cache_dtype",))
+
+    def on_kv_cache(self, kv_cache_dtype: str, nbytes: int) -> None:
+        self._kv_bytes.labels(*self._values, kv_cache_dtype).set(nbytes)
 
     def on_scheduled(self, queue_time: float) -> None:
         self.queue_time.observe(queue_time)
