@@ -81,8 +81,10 @@ class Gemma3Model(Gemma3StepAPI):
                                  dtype=self.dtype, reduction=reduction,
                                  fold_rotation=fold_rotation,
                                  kv_cache_dtype=kv_cache_dtype or self.kv_cache_dtype)
-        return Gemma3Model.from_programs(programs, programs.fold_weights(self.weights),
-                                         self.tokenizer)
+        model = Gemma3Model.from_programs(programs, programs.fold_weights(self.weights),
+                                          self.tokenizer)
+        model.vision, model._image_features = self.vision, self._image_features  # shared
+        return model
 
     def score(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [B, T, V] at every position (T = longest sequence; positions past a
