@@ -253,14 +253,15 @@ def median_ms(fn, n: int) -> float:
     return float(np.median(times) * 1000)
 
 
-def step(runner, n: int) -> dict:
-    """One decode step of 8 rows at a 256-token context: `run_step` (inputs up, step, sampler,
-    tokens back), its dispatch alone and the model program alone; medians of n, ms."""
+def step(runner, n: int, context: int = 256) -> dict:
+    """One decode step of 8 rows at a `context`-token context (at most half --max-seq-len):
+    `run_step` (inputs up, step, sampler, tokens back), its dispatch alone and the model
+    program alone; medians of n, ms."""
     import jax
 
     from models.gemma3.ragged import RaggedBatch
 
-    context = min(256, runner.info.max_seq_len // 2)
+    context = min(context, runner.info.max_seq_len // 2)
     inputs = decode_inputs(runner, 8, context)
     t0 = time.perf_counter()
     runner.run_step(inputs)
@@ -577,6 +578,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="output tokens a stream")
     p.add_argument("--long-prompt", type=int, default=2000, help="ttft, prefix, itl: prompt tokens")
+    p.add_argument("--step-context", type=int, default=256,
+                   help="step: the rows' context in tokens (at most half --max-seq-len)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     only = common.names(args.only)
@@ -610,7 +613,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name in engines * ("step" in only):
             core = common.build_engine(args, model, start=False, max_seq_len=length, max_num_seqs=8,
                                        prefix_caching=False, deterministic=name == "deterministic")
-            report.setdefault("step", {})[f"{name}@{length}"] = step(core.runner, 10 * args.repeats)
+            report.setdefault("step", {})[f"{name}@{length}"] = step(core.runner, 10 * args.repeats,
+                                                                     args.step_context)
             del core
     for name in engines * ("itl" in only):
         report.setdefault("itl", {})[name] = itl(model, args, name == "deterministic")

@@ -62,7 +62,8 @@ class LayerPages:
     def _values(self, half: int) -> Array:
         if self.scale is None:
             return as_values(self.kv[:, :, half::2])
-        return dequantize(self.kv[:, :, half::2], self.scale[:, :, half::2], jnp.float32)
+        x = dequantize(self.kv[:, :, half::2], self.scale[:, :, half::2], jnp.float32)
+        return rotate_runs(x, inverse=True) if rotates(self.kv_cache_dtype) else x
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -190,6 +191,27 @@ def paged_specs(c: Gemma3Config, kv_cache_dtype: str = "auto") -> PagedKV:
     return PagedKV(layers=tuple(LayerPages(kv=spec, scale=scale) for _ in kinds), kinds=kinds)
 
 
+def rotates(kv_cache_dtype: str) -> bool:
+    """Whether a pool's runs are stored rotated (`rotate_runs`): int8's, as the AllReduce's int8
+    codec rotates them (a run's outliers spread over it: a third of the KL of unrotated runs
+    in the real 270M, docs/deployment.md); e4m3 codes, whose error follows each value, do
+    better unrotated."""
+    return kv_cache_dtype == "int8"
+
+
+def rotate_runs(x: jax.Array, inverse: bool = False, dtype=None) -> jax.Array:
+    """x [..., H] with each run of g = `kv_group(H)` values times the codec's rotation M
+    (equarx.codec_spec.rotation: M M^T = g I), or with inverse=True times M^T / g (which
+    undoes it); float32 products, in `dtype` (default x's)."""
+    h = x.shape[-1]
+    g = kv_group(h)
+    m = codec_spec.rotation(g)
+    m = m.T / g if inverse else m
+    runs = x.reshape(*x.shape[:-1], h // g, g).astype(jnp.float32)
+    out = jnp.dot(runs, jnp.asarray(m), precision=lax.Precision.HIGHEST)
+    return out.reshape(x.shape).astype(dtype or x.dtype)
+
+
 def quantize(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
     """Rows x [..., H] -> (codes [..., H] as the pool holds them, scales float32 [..., H / g],
     each a bfloat16 value): the group codec's grid and rounding (equarx.codec_spec.encode's),
@@ -208,13 +230,18 @@ def quantize(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
     return codes.reshape(x.shape), scale
 
 
+def code_values(codes: jax.Array, dtype) -> jax.Array:
+    """Stored codes as values of `dtype` (exact: int8 and e4m3 values are bfloat16 values)."""
+    if codes.dtype == CODE_DTYPES["fp8"]:
+        codes = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return codes.astype(dtype)
+
+
 def dequantize(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """`quantize`'s codes [..., H] and (stored) scales [..., H / g] -> values [..., H] in
     `dtype`. The product of a code and a scale is exact in float32; in bfloat16 it is rounded
     once, as the float32 product cast to bfloat16 would be."""
-    if codes.dtype == CODE_DTYPES["fp8"]:
-        codes = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
-    runs = codes.reshape(*scale.shape, -1).astype(dtype)
+    runs = code_values(codes.reshape(*scale.shape, -1), dtype)
     return (runs * as_values(scale).astype(dtype)[..., None]).reshape(codes.shape)
 
 
@@ -223,7 +250,8 @@ def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> La
     page_size + offset. A scatter into the pool viewed as [pages * page_size, 2 * Kl, H] (a
     reshape, no copy): in place when the pool is donated. Padding tokens all write the scratch
     page; which of them lands there does not matter (never read unmasked). A quantized pool
-    gets each row's codes and, in its scale pool, their scales (`quantize`: of that row alone)."""
+    gets each row's codes and, in its scale pool, their scales (`quantize`: of that row alone),
+    of its runs rotated where the pool `rotates` them."""
     n, size, heads, h = pages.kv.shape
     rows = jnp.stack([k, v], axis=2).reshape(k.shape[0], heads, h)
 
@@ -234,16 +262,19 @@ def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> La
 
     if pages.scale is None:
         return LayerPages(kv=put(pages.kv, as_stored(rows, pages.kv.dtype)))
-    codes, scale = quantize(rows, pages.kv_cache_dtype)
+    kind = pages.kv_cache_dtype
+    codes, scale = quantize(rotate_runs(rows, dtype=jnp.float32) if rotates(kind) else rows, kind)
     return LayerPages(kv=put(pages.kv, codes), scale=put(pages.scale,
                                                          as_stored(scale, pages.scale.dtype)))
 
 
-def gather(pages: LayerPages, table: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
+def gather(pages: LayerPages, table: jax.Array, dtype=None, dequantized: bool = True):
     """The pages of each row's block table table [S, Pn] as keys and values [S, Pn * page, Kl,
     H] (logical order: column j's page holds the row's j-th page of its table); a quantized
     pool's dequantized to `dtype` (the activations') after the gather, which then reads the
-    codes and scales alone.
+    codes and scales alone, or with dequantized=False each as (codes [S, L, Kl, H] as stored,
+    scales float32 [S, L, Kl, H / g]). Runs stored rotated (`rotates`) come out rotated: the
+    attention rotates its queries instead (`ragged.paged_attention`).
 
     Keys and values are each one gather of (position, head) pairs from the pool seen as
     [positions, 2 * Kl, H] (a free reshape): each comes out contiguous, in the layout the
@@ -261,6 +292,9 @@ def gather(pages: LayerPages, table: jax.Array, dtype=None) -> tuple[jax.Array, 
 
     if pages.scale is None:
         return as_values(take(pages.kv, 0)), as_values(take(pages.kv, 1))
+    if not dequantized:
+        return tuple((take(pages.kv, half), as_values(take(pages.scale, half)).astype(jnp.float32))
+                     for half in (0, 1))
     if dtype is None:
         raise ValueError("gathering a quantized pool needs the dtype to dequantize to")
     return tuple(dequantize(take(pages.kv, half), take(pages.scale, half), dtype)

@@ -13,7 +13,9 @@ import pytest
 
 from equarx import AllReduceConfig
 from models.gemma3 import ProgramKey, StepShape, get_config, load_model
-from models.gemma3.paged_kv import LayerPages, gather, kv_group, paged_shapes, store
+from equarx import codec_spec
+from models.gemma3.paged_kv import (LayerPages, gather, kv_group, paged_shapes, rotate_runs,
+                                    rotates, store)
 from models.gemma3.ragged import check_kv_cache_dtype
 from serving.paged_runner import PagedRunner
 from serving.sampling import SamplingParams
@@ -43,27 +45,31 @@ def rows(seed, t=5, kl=2, h=64):
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_stored_rows_read_back_within_the_codecs_bound(kv_cache_dtype):
+    """Each run's error within the codec's: int8 half a step of a scale rounded up to 5 mantissa
+    bits from the run's absmax / 127, of the run rotated (the inverse rotation averages the
+    errors: no larger than the largest); fp8 e4m3's half-ulp of each value (subnormal steps
+    2^-9 of the scale), unrotated. The gather reads what the `k` / `v` views show (rotated)."""
     k, v = rows(0)
     slots = jnp.asarray([5, 6, 9, 17, 22], jnp.int32)  # flat page * 4 + offset
     pages = store(pool(kv_cache_dtype), slots, k, v)
     table = jnp.asarray([[1, 2, 4, 5]], jnp.int32)  # logical positions 0..15 -> these pages
-    gk, gv = gather(pages, table, jnp.float32)
-    logical = {5: 1, 6: 2, 9: 5, 17: 9, 22: 14}  # flat slot -> logical position in the table
-    for x, got in ((k, gk), (v, gv)):
-        x = np.asarray(x).reshape(5, 2, 2, 32)
-        amax = np.abs(x).max(-1, keepdims=True)
-        got = np.asarray(got)[0, [logical[int(s)] for s in slots]].reshape(x.shape)
-        err = np.abs(got - x)
-        if kv_cache_dtype == "int8":
-            # half a step of a scale rounded up to 5 mantissa bits from amax / 127
-            bound = amax / 127 * (1 + 2.0 ** -5) / 2
-        else:  # e4m3: 3 mantissa bits; subnormal steps of 2^-9 of the scale
-            bound = np.abs(x) / 16 + amax / 448 * (1 + 2.0 ** -5) * 2.0 ** -10
-        assert np.all(err <= bound * (1 + 1e-6)), float((err / bound).max())
-        assert np.max(err / amax) > 0  # (it is quantized)
-    # The `k` / `v` views read the same values.
-    np.testing.assert_array_equal(np.asarray(pages.k).reshape(-1, 2, 64)[np.asarray(slots)],
-                                  np.asarray(gk)[0, [logical[int(s)] for s in slots]])
+    logical = [1, 2, 5, 9, 14]  # each slot's position in the table's pages
+    gathered = gather(pages, table, jnp.float32)
+    for x, view, got in ((k, pages.k, gathered[0]), (v, pages.v, gathered[1])):
+        runs = np.asarray(rotate_runs(x) if rotates(kv_cache_dtype) else x).reshape(5, 2, 2, 32)
+        amax = np.abs(runs).max(-1, keepdims=True)
+        back = np.asarray(view).reshape(-1, 2, 64)[np.asarray(slots)]
+        err = np.abs(back - np.asarray(x)).reshape(runs.shape)
+        scale = amax / codec_spec.CODES[kv_cache_dtype] * (1 + 2.0 ** -5)
+        if rotates(kv_cache_dtype):
+            bound = scale.max(-1, keepdims=True) / 2 + 1e-5 * amax  # + float32 rotations
+        else:
+            bound = np.abs(runs) / 16 + scale * 2.0 ** -10
+        assert np.all(err <= bound), float((err / bound).max())
+        assert np.max(err) > 0  # (it is quantized)
+        got = np.asarray(got)[0, logical]
+        want = rotate_runs(jnp.asarray(back)) if rotates(kv_cache_dtype) else back
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(amax.max()))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
@@ -83,6 +89,26 @@ def test_a_tokens_stored_bytes_depend_on_that_token_alone(kv_cache_dtype):
         return flat(p.kv)[slot_of_3].tobytes(), flat(p.scale)[slot_of_3].tobytes()
 
     assert stored(k, v, 13) == stored(k2, v2, 13) == stored(k2, v2, 21)
+
+
+@pytest.mark.parametrize("impl", ["xla", "gather"])  # a global layer's blocks; whole tables
+def test_scales_folded_into_the_dots_equal_dequantized_pages(impl, monkeypatch):
+    """Decode-sized steps fold the scales into the attention's dots (`ragged.FOLD_QUERIES`):
+    the attention of pages dequantized first, within float32 rounding."""
+    from models.gemma3 import ragged
+    from models.gemma3.paged_kv import as_stored, quantize
+    from test_paged import _attention_case  # (tests/models/test_paged.py)
+
+    q, auto, table, first, batch = _attention_case()
+    for kv in QUANTIZED:
+        codes, scale = quantize(auto.kv, kv)
+        pages = LayerPages(kv=codes, scale=as_stored(scale, jnp.uint16))
+        out = {}
+        for fold in (0, 10 ** 6):
+            monkeypatch.setattr(ragged, "FOLD_QUERIES", fold)
+            out[fold] = np.asarray(jax.jit(lambda p, b: ragged.paged_attention(
+                q, p, table, first, b, None, impl))(pages, batch))[:6]
+        np.testing.assert_allclose(out[10 ** 6], out[0], atol=1e-5)
 
 
 def test_bytes_per_token_are_053x_bfloat16():
