@@ -268,12 +268,11 @@ def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> La
                                                          as_stored(scale, pages.scale.dtype)))
 
 
-def gather(pages: LayerPages, table: jax.Array, dtype=None, dequantized: bool = True):
+def gather(pages: LayerPages, table: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
     """The pages of each row's block table table [S, Pn] as keys and values [S, Pn * page, Kl,
     H] (logical order: column j's page holds the row's j-th page of its table); a quantized
     pool's dequantized to `dtype` (the activations') after the gather, which then reads the
-    codes and scales alone, or with dequantized=False each as (codes [S, L, Kl, H] as stored,
-    scales float32 [S, L, Kl, H / g]). Runs stored rotated (`rotates`) come out rotated: the
+    codes and scales alone. Runs stored rotated (`rotates`) come out rotated: the
     attention rotates its queries instead (`ragged.paged_attention`).
 
     Keys and values are each one gather of (position, head) pairs from the pool seen as
@@ -292,9 +291,6 @@ def gather(pages: LayerPages, table: jax.Array, dtype=None, dequantized: bool = 
 
     if pages.scale is None:
         return as_values(take(pages.kv, 0)), as_values(take(pages.kv, 1))
-    if not dequantized:
-        return tuple((take(pages.kv, half), as_values(take(pages.scale, half)).astype(jnp.float32))
-                     for half in (0, 1))
     if dtype is None:
         raise ValueError("gathering a quantized pool needs the dtype to dequantize to")
     return tuple(dequantize(take(pages.kv, half), take(pages.scale, half), dtype)

@@ -15,8 +15,8 @@ import numpy as np
 from jax import lax
 
 from models.gemma3 import model as forward
-from models.gemma3.paged_kv import (LayerPages, PagedKV, checked_kv_cache_dtype, code_values,
-                                     gather, kv_group, rotate_runs, rotates, store)
+from models.gemma3.paged_kv import (LayerPages, PagedKV, checked_kv_cache_dtype, gather,
+                                     kv_group, rotate_runs, rotates, store)
 from models.gemma3.weights import Weights
 
 Array = Any
@@ -163,9 +163,8 @@ def _xla_attention(q, pages, table, first, batch, window):
     """Gather each row's pages whole and its queries into [S, Q], dense masked attention
     (`attend_gathered`), then back to the flat tokens. Unused table entries point at the
     scratch page, at logical positions the rule rejects (the engine's guarantee)."""
-    s, nq = batch.queries.shape
-    k, v = gather(pages, table, q.dtype, not _folds(pages, nq * q.shape[1] // _kv_heads(pages)))
-    length = (k[0] if isinstance(k, tuple) else k).shape[1]  # [S, L, Kl, H]
+    k, v = gather(pages, table, q.dtype)  # [S, L, Kl, H]
+    s, length = k.shape[:2]
     size = pages.page_size
     key_pos = first[:, None] * size + jnp.arange(length, dtype=first.dtype)[None, :]  # [S, L]
     qpos, qvis = batch.positions[batch.queries], batch.visible[batch.queries]  # [S, Q]
@@ -194,28 +193,25 @@ def _xla_blocked_attention(q, pages, table, batch):
     qpos, qvis = batch.positions[batch.queries], batch.visible[batch.queries]  # [S, Q]
     nq = batch.queries.shape[1]
     n, h = q.shape[1:]
-    kv_heads = _kv_heads(pages)
+    kv_heads = pages.kv.shape[2] // 2
     g = n // kv_heads
     qr = q[batch.queries].reshape(s, nq, kv_heads, g, h)
     blocks = jnp.minimum(jnp.max(qvis) // span + 1, pn // BLOCK_PAGES)
-    fold = _folds(pages, nq * g)
 
     def body(j, carry):
         top, total, acc = carry  # [S, Kl, G, Q], [S, Kl, G, Q], [S, Kl, G, Q, H]: float32
         k, v = gather(pages, lax.dynamic_slice_in_dim(table, j * BLOCK_PAGES, BLOCK_PAGES, 1),
-                      q.dtype, not fold)
+                      q.dtype)
         key_pos = j * span + jnp.arange(span, dtype=qvis.dtype)
-        logits = (_folded_scores(qr, k) if fold else
-                  jnp.einsum("sqkgh,slkh->skgql", qr, k, preferred_element_type=jnp.float32))
+        logits = jnp.einsum("sqkgh,slkh->skgql", qr, k, preferred_element_type=jnp.float32)
         mask = visible_keys(key_pos[None, None, :], qpos[..., None], qvis[..., None], None)
         logits = jnp.where(mask[:, None, None], logits.astype(q.dtype),
                            forward.K_MASK).astype(jnp.float32)  # [S, Kl, G, Q, L]
         new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
         weights = jnp.exp(logits - new_top[..., None])
         rescale = jnp.exp(top - new_top)
-        part = (_folded_mix(weights.astype(q.dtype), v, "skgqh") if fold else
-                jnp.einsum("skgql,slkh->skgqh", weights.astype(q.dtype), v,
-                           preferred_element_type=jnp.float32))
+        part = jnp.einsum("skgql,slkh->skgqh", weights.astype(q.dtype), v,
+                          preferred_element_type=jnp.float32)
         return (new_top, total * rescale + jnp.sum(weights, axis=-1),
                 acc * rescale[..., None] + part)
 
@@ -236,61 +232,13 @@ def attend_gathered(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     lie and leave the layout to XLA: transposing them first costs XLA:CPU extra copies of
     every row's pages."""
     s, t, n, h = q.shape
-    fold = isinstance(k, tuple)  # (codes, scales) of a quantized pool: `_folded_scores`
-    kv_heads = (k[0] if fold else k).shape[2]
+    kv_heads = k.shape[2]
     q = q.reshape(s, t, kv_heads, n // kv_heads, h)
-    logits = (_folded_scores(q, k, "stkgh") if fold else
-              jnp.einsum("stkgh,slkh->skgtl", q, k, preferred_element_type=jnp.float32))
+    logits = jnp.einsum("stkgh,slkh->skgtl", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None], logits.astype(q.dtype), forward.K_MASK)
     probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-    out = (_folded_mix(probs, v, "stkgh") if fold else
-           jnp.einsum("skgtl,slkh->stkgh", probs, v, preferred_element_type=jnp.float32))
+    out = jnp.einsum("skgtl,slkh->stkgh", probs, v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(s, t, n, h)
-
-
-# A quantized pool's attention folds the scales into its dots (`_folded_scores`, `_folded_mix`)
-# where a row's queries times the query heads of a KV head are at most this many (decode);
-# else it dequantizes the keys and values it gathered. On XLA:CPU scaling every gathered value
-# costs more than the dots themselves when few queries read them.
-FOLD_QUERIES = 8
-
-
-def _kv_heads(pages: LayerPages) -> int:
-    return pages.kv.shape[2] // 2
-
-
-def _folds(pages: LayerPages, queries: int) -> bool:
-    return pages.scale is not None and queries <= FOLD_QUERIES
-
-
-def _runs(x: jax.Array, r: int) -> jax.Array:
-    """[..., H] -> [..., r, H / r]."""
-    return x.reshape(*x.shape[:-1], r, x.shape[-1] // r)
-
-
-def _folded_scores(q: jax.Array, k: tuple, q_spec: str = "sqkgh") -> jax.Array:
-    """q [S, Q, Kl, G, H] (in `q_spec`'s order) against gathered (codes [S, L, Kl, H], scales
-    float32 [S, L, Kl, R]) -> float32 logits [S, Kl, G, Q, L]: each run's dot with the codes,
-    then the runs' sum weighted by their scales."""
-    codes, scale = k
-    r = scale.shape[-1]
-    qs = q_spec.replace("h", "rh")
-    part = jnp.einsum(f"{qs},slkrh->skg{q_spec[1]}lr", _runs(q, r),
-                      _runs(code_values(codes, q.dtype), r), preferred_element_type=jnp.float32)
-    return jnp.einsum(f"skg{q_spec[1]}lr,slkr->skg{q_spec[1]}l", part, scale)
-
-
-def _folded_mix(w: jax.Array, v: tuple, out_spec: str) -> jax.Array:
-    """Weights w [S, Kl, G, Q, L] of gathered (codes [S, L, Kl, H], scales float32 [S, L, Kl,
-    R]) -> float32 sums over L in `out_spec`'s order (of s, k, g, q or t, h): each weight
-    times its key's run scales (exact in float32), then the dot with the codes."""
-    codes, scale = v
-    r = scale.shape[-1]
-    ws = w.astype(jnp.float32)[..., None] * jnp.moveaxis(scale, 1, 2)[:, :, None, None]
-    t = out_spec[1] if out_spec[1] != "k" else out_spec[3]
-    out = jnp.einsum(f"skg{t}lr,slkrh->{out_spec.replace('h', 'rh')}", ws,
-                     _runs(code_values(codes, jnp.float32), r))
-    return out.reshape(*out.shape[:-2], -1)
 
 
 def kernel_metadata(batch: RaggedBatch, first: jax.Array, page_size: int):

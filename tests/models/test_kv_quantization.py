@@ -91,26 +91,6 @@ def test_a_tokens_stored_bytes_depend_on_that_token_alone(kv_cache_dtype):
     assert stored(k, v, 13) == stored(k2, v2, 13) == stored(k2, v2, 21)
 
 
-@pytest.mark.parametrize("impl", ["xla", "gather"])  # a global layer's blocks; whole tables
-def test_scales_folded_into_the_dots_equal_dequantized_pages(impl, monkeypatch):
-    """Decode-sized steps fold the scales into the attention's dots (`ragged.FOLD_QUERIES`):
-    the attention of pages dequantized first, within float32 rounding."""
-    from models.gemma3 import ragged
-    from models.gemma3.paged_kv import as_stored, quantize
-    from test_paged import _attention_case  # (tests/models/test_paged.py)
-
-    q, auto, table, first, batch = _attention_case()
-    for kv in QUANTIZED:
-        codes, scale = quantize(auto.kv, kv)
-        pages = LayerPages(kv=codes, scale=as_stored(scale, jnp.uint16))
-        out = {}
-        for fold in (0, 10 ** 6):
-            monkeypatch.setattr(ragged, "FOLD_QUERIES", fold)
-            out[fold] = np.asarray(jax.jit(lambda p, b: ragged.paged_attention(
-                q, p, table, first, b, None, impl))(pages, batch))[:6]
-        np.testing.assert_allclose(out[10 ** 6], out[0], atol=1e-5)
-
-
 def test_bytes_per_token_are_053x_bfloat16():
     c = get_config("gemma3-270m")
     auto = paged_shapes(c, 9, 9, 16, c.num_kv_heads, jnp.uint16)
