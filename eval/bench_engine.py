@@ -283,6 +283,37 @@ def step(runner, n: int, context: int = 256) -> dict:
     return out
 
 
+def step_side_by_side(runners: dict, n: int, context: int, repeats: int) -> dict:
+    """The model program of `step` for each runner (name -> runner, e.g. one per KV cache
+    dtype over the same weights), `repeats` rounds of n steps each, interleaved (the order
+    reversed every other round), so that a shared machine's drift falls on all alike."""
+    import jax
+
+    from models.gemma3.ragged import RaggedBatch
+
+    batches = {}
+    for name, r in runners.items():
+        inputs = decode_inputs(r, 8, min(context, r.info.max_seq_len // 2))
+        batches[name] = RaggedBatch(**{k: jax.device_put(np.asarray(v), r.model.programs.replicated)
+                                       for k, v in inputs.batch.items()})
+
+    def model_only(name, _):
+        r = runners[name]
+
+        def once():
+            logits, r.pages = r.model.ragged_step(r.pages, batches[name])
+            jax.block_until_ready(logits)
+
+        return {"model_program_ms": median_ms(once, n)}
+
+    out = alternate({k: k for k in runners}, model_only, repeats)
+    first = out[next(iter(runners))]["model_program_ms_median"]
+    for v in out.values():
+        v["over_first"] = v["model_program_ms_median"] / first
+    return {"rows": 8, "context": min(context, next(iter(runners.values())).info.max_seq_len // 2),
+            **out}
+
+
 def hlo_census(text: str) -> dict:
     """The compiled module's ENTRY: its kernels (every instruction but parameters, tuples,
     constants and bitcasts), parameters and while loops, and the opcodes' counts."""
@@ -580,6 +611,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--long-prompt", type=int, default=2000, help="ttft, prefix, itl: prompt tokens")
     p.add_argument("--step-context", type=int, default=256,
                    help="step: the rows' context in tokens (at most half --max-seq-len)")
+    p.add_argument("--step-kv-cache-dtypes", default="",
+                   help="step: the model program alone over each of these KV cache dtypes (e.g. "
+                        "auto,int8), the same weights, interleaved --repeats rounds")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     only = common.names(args.only)
@@ -611,11 +645,15 @@ def main(argv: list[str] | None = None) -> dict:
         if {"lone", "batch", "streams", "ttft"} & set(only):
             per_engine(model, args, only, length, report)
         for name in engines * ("step" in only):
-            core = common.build_engine(args, model, start=False, max_seq_len=length, max_num_seqs=8,
-                                       prefix_caching=False, deterministic=name == "deterministic")
-            report.setdefault("step", {})[f"{name}@{length}"] = step(core.runner, 10 * args.repeats,
-                                                                     args.step_context)
-            del core
+            kinds = common.names(args.step_kv_cache_dtypes)
+            runners = {kv: common.build_engine(
+                args, model.with_allreduce(kv_cache_dtype=kv) if kv else model, start=False,
+                max_seq_len=length, max_num_seqs=8, prefix_caching=False,
+                deterministic=name == "deterministic").runner for kv in kinds or [""]}
+            report.setdefault("step", {})[f"{name}@{length}"] = (
+                step_side_by_side(runners, 10, args.step_context, args.repeats) if kinds else
+                step(runners[""], 10 * args.repeats, args.step_context))
+            del runners
     for name in engines * ("itl" in only):
         report.setdefault("itl", {})[name] = itl(model, args, name == "deterministic")
     single = {"prefix": prefix, "grammar": grammar, "capacity": capacity, "images": images,

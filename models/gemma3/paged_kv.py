@@ -8,8 +8,9 @@ docs/engine.md, "The paged engine".
 `--kv-cache-dtype int8|fp8` (`KV_CACHE_DTYPES`): the pool holds codes of the EQuARX group codec
 (equarx.codec_spec) and a second array their scales: each token's key (or value) row of one head is
 cut into runs of `KV_GROUP`, each run scaled on the codec's grid (power-of-two-stepped scales of 5
-mantissa bits, all bfloat16 values) and rounded half to even (int8) or to e4m3 (fp8). A token's
-codes depend on that token alone, so batch invariance holds."""
+mantissa bits, all bfloat16 values) and rounded half to even (int8, of runs rotated by the codec's
+rotation: `rotates`) or to e4m3 (fp8). A token's codes depend on that token alone, so batch
+invariance holds. See docs/deployment.md, "KV cache dtype"."""
 from __future__ import annotations
 
 import dataclasses
