@@ -253,15 +253,14 @@ def median_ms(fn, n: int) -> float:
     return float(np.median(times) * 1000)
 
 
-def step(runner, n: int, context: int = 256) -> dict:
-    """One decode step of 8 rows at a `context`-token context (at most half --max-seq-len):
-    `run_step` (inputs up, step, sampler, tokens back), its dispatch alone and the model
-    program alone; medians of n, ms."""
+def step(runner, args) -> dict:
+    """One decode step of 8 rows at --step-context (at most half --max-seq-len): `run_step`
+    (inputs up, step, sampler, tokens back), its dispatch alone and the model program alone."""
     import jax
 
     from models.gemma3.ragged import RaggedBatch
 
-    context = min(context, runner.info.max_seq_len // 2)
+    n, context = 10 * args.repeats, min(args.step_context, runner.info.max_seq_len // 2)
     inputs = decode_inputs(runner, 8, context)
     t0 = time.perf_counter()
     runner.run_step(inputs)
@@ -281,37 +280,6 @@ def step(runner, n: int, context: int = 256) -> dict:
         model_only()
         out["model_program_ms"] = median_ms(model_only, n)
     return out
-
-
-def step_side_by_side(runners: dict, n: int, context: int, repeats: int) -> dict:
-    """The model program of `step` for each runner (name -> runner, e.g. one per KV cache
-    dtype over the same weights), `repeats` rounds of n steps each, interleaved (the order
-    reversed every other round), so that a shared machine's drift falls on all alike."""
-    import jax
-
-    from models.gemma3.ragged import RaggedBatch
-
-    batches = {}
-    for name, r in runners.items():
-        inputs = decode_inputs(r, 8, min(context, r.info.max_seq_len // 2))
-        batches[name] = RaggedBatch(**{k: jax.device_put(np.asarray(v), r.model.programs.replicated)
-                                       for k, v in inputs.batch.items()})
-
-    def model_only(name, _):
-        r = runners[name]
-
-        def once():
-            logits, r.pages = r.model.ragged_step(r.pages, batches[name])
-            jax.block_until_ready(logits)
-
-        return {"model_program_ms": median_ms(once, n)}
-
-    out = alternate({k: k for k in runners}, model_only, repeats)
-    first = out[next(iter(runners))]["model_program_ms_median"]
-    for v in out.values():
-        v["over_first"] = v["model_program_ms_median"] / first
-    return {"rows": 8, "context": min(context, next(iter(runners.values())).info.max_seq_len // 2),
-            **out}
 
 
 def hlo_census(text: str) -> dict:
@@ -382,35 +350,24 @@ def census(runner, steps: int = 8) -> dict:
     return out
 
 
-def kv_bytes(model, kv_cache_dtype: str | None = None) -> int:
-    """Bytes of one position's keys and values in one layer, as the pools hold them (codes and
-    scales) with `kv_cache_dtype` (default: the model's)."""
-    import jax
-
-    from models.gemma3.paged_kv import paged_shapes, pool_dtype
-
-    c, platform = model.config, model.programs.platform
-    layer = paged_shapes(c, 2, 2, 1, 1, pool_dtype(model.dtype, platform),
-                         kv_cache_dtype or model.kv_cache_dtype, platform).layers[0]
-    per_head = sum(int(np.prod(x.shape[3:])) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(layer))  # one position of one of 2 K cache heads
-    return 2 * c.num_kv_heads * per_head
+def kv_bytes(model) -> int:
+    """Bytes of one position's keys and values in one layer, as the pools hold them (codes, scales)."""
+    c, pages = model.config, model.pages_shapes(2, 2, 1)
+    return pages.nbytes * c.num_kv_heads // (c.num_layers * pages.layers[0].kv.shape[2])
 
 
 def dense_cache_bytes(model, rows: int, seq_len: int) -> int:
     """KV bytes of a dense cache of `rows` x `seq_len` tokens (the global layers every position,
-    the local ones their window) in the activations' dtype ("auto"): the layout that reserves
-    a whole context per sequence, and the budget `capacity` fills."""
+    the local ones their window) in the activations' dtype: a whole context reserved for each."""
     c = model.config
-    return rows * kv_bytes(model, "auto") * (c.num_global_layers * seq_len
-                                             + c.num_local_layers * min(c.sliding_window, seq_len))
+    return rows * 2 * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize * (
+        c.num_global_layers * seq_len + c.num_local_layers * min(c.sliding_window, seq_len))
 
 
 def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
     """How many sequences of --prompt-tokens run at once in a dense 8 x `row_len` cache's KV
-    bytes (in the activations' dtype), with the pools holding --kv-cache-dtype. A sequence's
-    bytes are the pages the allocator gave it (its prompt and 16 tokens); the pools as the
-    engine sizes them for N sequences."""
+    bytes, pools of --kv-cache-dtype. A sequence's bytes are the pages the allocator gave it (its
+    prompt and 16 tokens); the pools as the engine sizes them for N sequences."""
     from serving import PagedScheduler, SamplingParams, Sequence, paged_runner_info
 
     c, page = model.config, args.page_size
@@ -449,12 +406,11 @@ def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
     while pool_bytes(info(fits)) > budget:
         fits -= 1
     most, preempted, steps, _ = run(info(fits), seqs)
-    return {"kv_cache_dtype": model.kv_cache_dtype, "kv_bytes_per_token_layer": int(per_token),
-            "dense_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
+    return {"dense_cache_bytes": int(budget), "bytes_per_sequence": int(per_seq),
             "global_pages": g, "local_pages": loc, "sequences_that_fit": fits,
             "pool_bytes": int(pool_bytes(info(fits))), "most_running": most,
             "preemptions": preempted, "steps": steps, "sequences": seqs,
-            "bytes_for_all_over_dense": per_seq * seqs / budget}
+            "bytes_for_all_over_dense": per_seq * seqs / budget, "kv_bytes_per_token_layer": per_token}
 
 
 def image_request(model, text: list[int], seed: int):
@@ -609,11 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="output tokens a stream")
     p.add_argument("--long-prompt", type=int, default=2000, help="ttft, prefix, itl: prompt tokens")
-    p.add_argument("--step-context", type=int, default=256,
-                   help="step: the rows' context in tokens (at most half --max-seq-len)")
-    p.add_argument("--step-kv-cache-dtypes", default="",
-                   help="step: the model program alone over each of these KV cache dtypes (e.g. "
-                        "auto,int8), the same weights, interleaved --repeats rounds")
+    p.add_argument("--step-context", type=int, default=256, help="step: the rows' context")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     only = common.names(args.only)
@@ -634,7 +586,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = common.load(args, max_seq_len=max(args.max_seq_len + [8192] * ("capacity" in only)))
     c = model.config
     report = {"model": args.model, "dtype": args.dtype, "tp": common.devices(args),
-              "allreduce": args.allreduce, "kv_cache_dtype": args.kv_cache_dtype, "backend": jax.default_backend(),
+              "allreduce": args.allreduce, "backend": jax.default_backend(),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "layers": c.num_layers, "vocab_size": c.vocab_size, "max_num_seqs": args.max_num_seqs,
               "tokenizer": "byte" if isinstance(model.tokenizer, ByteTokenizer) else "real",
@@ -645,15 +597,10 @@ def main(argv: list[str] | None = None) -> dict:
         if {"lone", "batch", "streams", "ttft"} & set(only):
             per_engine(model, args, only, length, report)
         for name in engines * ("step" in only):
-            kinds = common.names(args.step_kv_cache_dtypes)
-            runners = {kv: common.build_engine(
-                args, model.with_allreduce(kv_cache_dtype=kv) if kv else model, start=False,
-                max_seq_len=length, max_num_seqs=8, prefix_caching=False,
-                deterministic=name == "deterministic").runner for kv in kinds or [""]}
-            report.setdefault("step", {})[f"{name}@{length}"] = (
-                step_side_by_side(runners, 10, args.step_context, args.repeats) if kinds else
-                step(runners[""], 10 * args.repeats, args.step_context))
-            del runners
+            core = common.build_engine(args, model, start=False, max_seq_len=length, max_num_seqs=8,
+                                       prefix_caching=False, deterministic=name == "deterministic")
+            report.setdefault("step", {})[f"{name}@{length}"] = step(core.runner, args)
+            del core
     for name in engines * ("itl" in only):
         report.setdefault("itl", {})[name] = itl(model, args, name == "deterministic")
     single = {"prefix": prefix, "grammar": grammar, "capacity": capacity, "images": images,

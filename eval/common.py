@@ -102,10 +102,9 @@ def server_config(args, **overrides):
 
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
     fields = dict(model=args.model, dtype=args.dtype, tp=devices(args), tp_mesh=args.tp_mesh,
-                  allreduce=args.allreduce, max_seq_len=first(args.max_seq_len),
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                  max_num_seqs=args.max_num_seqs, page_size=args.page_size,
-                  long_prefill_token_threshold=args.long_prefill_token_threshold,
+                  allreduce=args.allreduce, kv_cache_dtype=args.kv_cache_dtype,
+                  max_seq_len=first(args.max_seq_len), max_num_seqs=args.max_num_seqs,
+                  page_size=args.page_size, long_prefill_token_threshold=args.long_prefill_token_threshold,
                   precompile=args.precompile, compile_cache_dir=args.compile_cache_dir)
     return ServerConfig(**{**fields, **overrides})
 

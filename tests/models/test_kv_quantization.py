@@ -4,9 +4,6 @@ token's stored bytes depend on that token alone; the pools take ~0.53x the bytes
 the TPU kernel's path refuses clearly; and the quantized cache serves real steps: the real 270M's
 logits close to an unquantized cache's, tp=2 as tp=1, a prefix-cache hit as a fresh run, an
 image prompt, and a server started with the flag."""
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
