@@ -253,14 +253,14 @@ def median_ms(fn, n: int) -> float:
     return float(np.median(times) * 1000)
 
 
-def step(runner, n: int) -> dict:
-    """One decode step of 8 rows at a 256-token context: `run_step` (inputs up, step, sampler,
-    tokens back), its dispatch alone and the model program alone; medians of n, ms."""
+def step(runner, args) -> dict:
+    """One decode step of 8 rows at --step-context (at most half --max-seq-len): `run_step`
+    (inputs up, step, sampler, tokens back), its dispatch alone and the model program alone."""
     import jax
 
     from models.gemma3.ragged import RaggedBatch
 
-    context = min(256, runner.info.max_seq_len // 2)
+    n, context = 10 * args.repeats, min(args.step_context, runner.info.max_seq_len // 2)
     inputs = decode_inputs(runner, 8, context)
     t0 = time.perf_counter()
     runner.run_step(inputs)
@@ -351,24 +351,23 @@ def census(runner, steps: int = 8) -> dict:
 
 
 def kv_bytes(model) -> int:
-    """Bytes of one position's keys and values in one layer, as the pools hold them."""
-    c = model.config
-    return 2 * c.num_kv_heads * c.head_dim * np.dtype(
-        model.pages_shapes(2, 2, 1).layers[0].kv.dtype).itemsize
+    """Bytes of one position's keys and values in one layer, as the pools hold them (codes, scales)."""
+    c, pages = model.config, model.pages_shapes(2, 2, 1)
+    return pages.nbytes * c.num_kv_heads // (c.num_layers * pages.layers[0].kv.shape[2])
 
 
 def dense_cache_bytes(model, rows: int, seq_len: int) -> int:
     """KV bytes of a dense cache of `rows` x `seq_len` tokens (the global layers every position,
-    the local ones their window): the layout that reserves a whole context per sequence."""
+    the local ones their window) in the activations' dtype: a whole context reserved for each."""
     c = model.config
-    return rows * kv_bytes(model) * (c.num_global_layers * seq_len
-                                     + c.num_local_layers * min(c.sliding_window, seq_len))
+    return rows * 2 * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize * (
+        c.num_global_layers * seq_len + c.num_local_layers * min(c.sliding_window, seq_len))
 
 
 def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
     """How many sequences of --prompt-tokens run at once in a dense 8 x `row_len` cache's KV
-    bytes. A sequence's bytes are the pages the allocator gave it (its prompt and 16 tokens);
-    the pools as the engine sizes them for N sequences."""
+    bytes, pools of --kv-cache-dtype. A sequence's bytes are the pages the allocator gave it (its
+    prompt and 16 tokens); the pools as the engine sizes them for N sequences."""
     from serving import PagedScheduler, SamplingParams, Sequence, paged_runner_info
 
     c, page = model.config, args.page_size
@@ -411,7 +410,7 @@ def capacity(model, args, seqs: int = 48, row_len: int = 8192) -> dict:
             "global_pages": g, "local_pages": loc, "sequences_that_fit": fits,
             "pool_bytes": int(pool_bytes(info(fits))), "most_running": most,
             "preemptions": preempted, "steps": steps, "sequences": seqs,
-            "bytes_for_all_over_dense": per_seq * seqs / budget}
+            "bytes_for_all_over_dense": per_seq * seqs / budget, "kv_bytes_per_token_layer": per_token}
 
 
 def image_request(model, text: list[int], seed: int):
@@ -566,6 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="output tokens a stream")
     p.add_argument("--long-prompt", type=int, default=2000, help="ttft, prefix, itl: prompt tokens")
+    p.add_argument("--step-context", type=int, default=256, help="step: the rows' context")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     only = common.names(args.only)
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name in engines * ("step" in only):
             core = common.build_engine(args, model, start=False, max_seq_len=length, max_num_seqs=8,
                                        prefix_caching=False, deterministic=name == "deterministic")
-            report.setdefault("step", {})[f"{name}@{length}"] = step(core.runner, 10 * args.repeats)
+            report.setdefault("step", {})[f"{name}@{length}"] = step(core.runner, args)
             del core
     for name in engines * ("itl" in only):
         report.setdefault("itl", {})[name] = itl(model, args, name == "deterministic")

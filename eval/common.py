@@ -57,6 +57,7 @@ def parser(doc: str, modes: dict[str, str] | None = None, *, only: str | None = 
     add("--tp", 1, "tensor-parallel devices (on a CPU: virtual devices)", type=int)
     add("--tp-mesh", None, "the TP devices as a torus grid, e.g. 2x2")
     add("--allreduce", "bf16", "an AllReduce label: f32, bf16, bf16_ring, int8, int8-full+tile, ...")
+    add("--kv-cache-dtype", "auto", "what the KV cache holds", choices=("auto", "int8", "fp8"))
     add("--max-seq-len", 2048, type=int)
     add("--max-num-seqs", 8, type=int)
     add("--page-size", 16, type=int)
@@ -102,7 +103,7 @@ def server_config(args, **overrides):
 
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
     fields = {k: first(getattr(args, k)) for k in (
-        "model", "dtype", "quantization", "tp_mesh", "allreduce", "max_seq_len", "max_num_seqs",
+        "model", "dtype", "quantization", "kv_cache_dtype", "tp_mesh", "allreduce", "max_seq_len", "max_num_seqs",
         "page_size", "long_prefill_token_threshold", "precompile", "compile_cache_dir")}
     fields["tp"] = devices(args)
     return ServerConfig(**{**fields, **overrides})

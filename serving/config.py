@@ -100,6 +100,10 @@ class ServerConfig:
     kv_cache_tokens: int = _field(0, "tokens of KV cache for the global layers, "
                                   "shared by all sequences (0: max_num_seqs x max_seq_len); the "
                                   "sliding-window layers hold only each sequence's window")
+    kv_cache_dtype: str = _field("auto", "what the KV cache holds: auto (the activations' dtype), "
+                                 "int8 or fp8 (the EQuARX codec's codes with a scale per 32 "
+                                 "values: ~0.53x the bytes of bfloat16; not on TPU)",
+                                 choices=("auto", "int8", "fp8"))
     max_num_batched_tokens: int = _field(0, "the token budget of one step, which "
                                          "a lone prompt takes whole (0: 256, or max_num_seqs + "
                                          "long_prefill_token_threshold when deterministic)")

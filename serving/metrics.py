@@ -99,6 +99,12 @@ class Metrics(NullMetrics):
                    "by the linear layers' dtype and the quantization.", ("dtype", "quantization")
                    ).labels(*self._values, weights["dtype"], weights["quantization"]
                             ).set(weights["bytes"])
+        self._kv_bytes = series(Gauge, "kv_cache_bytes", "Bytes of the KV cache's pools on all "
+                                "devices (codes and scales), by what they hold (--kv-cache-dtype).",
+                                ("kv_cache_dtype",))
+
+    def on_kv_cache(self, kv_cache_dtype: str, nbytes: int) -> None:
+        self._kv_bytes.labels(*self._values, kv_cache_dtype).set(nbytes)
 
     def on_scheduled(self, queue_time: float) -> None:
         self.queue_time.observe(queue_time)

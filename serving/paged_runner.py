@@ -409,6 +409,11 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
     if vision is not None:  # the ids the checkpoint's config gives its image tokens
         never.update((vision.tokens.start, vision.tokens.end, vision.tokens.soft))
     token_ids = min(c.vocab_size, tokenizer.vocab_size)
+    num_global = math.ceil(tokens / page_size) + 1 if has_global else 2
+    num_local = local_pages + 1 if has_local else 2
+    # The pools' real bytes (codes and scales), from their shapes (the fake model has none).
+    shapes = getattr(model, "pages_shapes", None)
+    kv_bytes = shapes(num_global, num_local, page_size).nbytes if shapes else 0
     return RunnerInfo(
         model_name=model_name,
         max_num_seqs=max_num_seqs,
@@ -426,8 +431,10 @@ def paged_runner_info(model, max_num_seqs: int, max_seq_len: int, page_size: int
         deterministic=bool(deterministic),
         prefix_caching=bool(prefix_caching),
         page_size=page_size,
-        num_global_pages=math.ceil(tokens / page_size) + 1 if has_global else 2,
-        num_local_pages=local_pages + 1 if has_local else 2,
+        num_global_pages=num_global,
+        num_local_pages=num_local,
+        kv_cache_dtype=getattr(model, "kv_cache_dtype", "auto"),
+        kv_cache_bytes=kv_bytes,
         max_num_batched_tokens=budget,
         sliding_window=window,
         has_global_layers=has_global,

@@ -48,6 +48,8 @@ class RunnerInfo:
     page_size: int = 16
     num_global_pages: int = 2  # in each pool, the scratch page included
     num_local_pages: int = 2
+    kv_cache_dtype: str = "auto"  # what the pools hold (--kv-cache-dtype)
+    kv_cache_bytes: int = 0  # every pool's bytes on all devices, scales included
     max_num_batched_tokens: int = 256  # the token budget of one step
     sliding_window: int | None = None  # the local layers' window (None: no local layers)
     has_global_layers: bool = True

@@ -76,6 +76,7 @@ class Runtime:
         self.runner = runner
         self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype,
                                weights=info.weights)
+        self.metrics.on_kv_cache(info.kv_cache_dtype, info.kv_cache_bytes)
         c = self.config
         # A multi-host group's leader watches its steps itself (a stuck step ends the group).
         watched = not getattr(runner, "watches_steps", False)
@@ -144,6 +145,7 @@ class Runtime:
                      kv_cache_pages={"global": info.num_global_pages - 1,
                                      "local": info.num_local_pages - 1},
                      max_num_batched_tokens=info.max_num_batched_tokens,
+                     kv_cache={"dtype": info.kv_cache_dtype, "bytes": info.kv_cache_bytes},
                      sampling_defaults=self.sampling_defaults)
         return d
 
@@ -192,6 +194,7 @@ def load_configured_model(config: ServerConfig):
                       allreduce=config.allreduce_config(),
                       dtype=config.dtype, max_seq_len=config.max_seq_len,
                       quantization=config.quantization,
+                      kv_cache_dtype=config.kv_cache_dtype,
                       program_cache_dir=os.path.join(cache, "programs") if cache else None,
                       weights_cache_dir=os.path.join(cache, "weights") if cache else None)
 
@@ -233,7 +236,8 @@ def load_runner(config: ServerConfig, progress: Callable[[str], None]):
                          model_name=config.model_name)
     info = runner.info
     progress(f"paged KV cache: {info.num_global_pages - 1} global and {info.num_local_pages - 1} "
-             f"local pages of {info.page_size} tokens, step budget {info.max_num_batched_tokens} tokens")
+             f"local pages of {info.page_size} tokens ({info.kv_cache_dtype}, "
+             f"{info.kv_cache_bytes / 2**20:.1f} MiB), step budget {info.max_num_batched_tokens} tokens")
     # The step programs compiled first, several at a time (XLA compiles with the GIL released):
     # the warm-up then only runs them.
     runner.compile_warmup(progress, everything=config.precompile == "all")

@@ -19,6 +19,7 @@ from models.gemma3 import loading
 from models.gemma3.config import Gemma3Config, get_config
 from models.gemma3.step_api import Gemma3StepAPI, check_token_range
 from models.gemma3.model import Reduction
+from models.gemma3.paged_kv import checked_kv_cache_dtype
 from models.gemma3.program_cache import ProgramCache, source_fingerprint
 from models.gemma3.programs import ModelPrograms
 from models.gemma3.quantization import check_quantization, weights_summary
@@ -52,10 +53,10 @@ class Gemma3Model(Gemma3StepAPI):
     def __init__(self, config: Gemma3Config, weights: Weights, *, mesh,
                  allreduce: AllReduceConfig, dtype, tokenizer=None,
                  reduction: Reduction | None = None, program_cache: ProgramCache | None = None,
-                 quantization: str = "none"):
+                 quantization: str = "none", kv_cache_dtype: str = "auto"):
         programs = ModelPrograms(config, mesh=mesh, allreduce=allreduce, dtype=dtype,
                                  reduction=reduction, program_cache=program_cache,
-                                 quantization=quantization)
+                                 quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         super().__init__(programs, weights, tokenizer)
 
     @classmethod
@@ -67,30 +68,36 @@ class Gemma3Model(Gemma3StepAPI):
         Gemma3StepAPI.__init__(model, programs, weights, tokenizer)
         return model
 
-    def with_allreduce(self, allreduce: AllReduceConfig, *, reduction: Reduction | None = None,
-                       fold_rotation: bool = True,
-                       quantization: str | None = None) -> Gemma3Model:
-        """This model (config, mesh, dtype, tokenizer, weights) with another AllReduce or a
-        plugged-in reduction, and `quantization` of its weights (None: this model's own), for
-        side-by-side comparisons. Weights are shared, except the o and linear weights of an
-        AllReduce that folds its rotation (see `load_model`), which get folded copies, and
-        quantized weights, which are quantized copies. Needs a model whose own weights carry no
-        rotation, and unquantized ones to fold or quantize."""
+    def with_allreduce(self, allreduce: AllReduceConfig | None = None, *,
+                       reduction: Reduction | None = None, fold_rotation: bool = True,
+                       quantization: str | None = None,
+                       kv_cache_dtype: str | None = None) -> Gemma3Model:
+        """This model (config, mesh, dtype, tokenizer, weights, vision tower) with another
+        AllReduce (None: its own), a plugged-in reduction, another `quantization` of its weights
+        or another KV cache dtype (None: its own), for side-by-side comparisons. Weights are
+        shared, except the o and linear weights of an AllReduce that folds its rotation (see
+        `load_model`), which get folded copies, and quantized weights, which are quantized
+        copies. Needs a model whose own weights carry no rotation, and unquantized ones to fold
+        or quantize."""
         if self.programs.rotation_folded:
             raise ValueError("this model's weights carry its AllReduce's rotation; derive "
                              "models from one loaded with fold_rotation=False")
         own = self.programs.quantization
         quantization = own if quantization is None else quantization
-        programs = ModelPrograms(self.config, mesh=self.mesh, allreduce=allreduce,
+        programs = ModelPrograms(self.config, mesh=self.mesh,
+                                 allreduce=allreduce or self.allreduce,
                                  dtype=self.dtype, reduction=reduction,
-                                 fold_rotation=fold_rotation, quantization=quantization)
+                                 fold_rotation=fold_rotation, quantization=quantization,
+                                 kv_cache_dtype=kv_cache_dtype or self.kv_cache_dtype)
         if own != "none" and (quantization != own or programs.rotation_folded):
             raise ValueError(f"this model's weights are quantized ({own}); derive models from "
                              "one loaded with quantization='none'")
         weights = self.weights
         if own == "none":
             weights = programs.quantize_weights(programs.fold_weights(weights))
-        return Gemma3Model.from_programs(programs, weights, self.tokenizer)
+        model = Gemma3Model.from_programs(programs, weights, self.tokenizer)
+        model.vision, model._image_features = self.vision, self._image_features  # shared
+        return model
 
     @property
     def quantization(self) -> str:
@@ -218,8 +225,10 @@ class Gemma3Model(Gemma3StepAPI):
         mesh = f", tp_mesh={self.programs.tp_mesh}" if self.programs.tp_mesh else ""
         quant = (f", quantization={self.programs.quantization}"
                  if self.programs.quantization != "none" else "")
+        kv = (f", kv_cache_dtype={self.kv_cache_dtype}" if self.kv_cache_dtype != "auto"
+              else "")
         return (f"Gemma3Model({self.config.name}, tp={self.tp}{mesh}, dtype={self.dtype.name}, "
-                f"allreduce={allreduce}{quant})")
+                f"allreduce={allreduce}{quant}{kv})")
 
 
 def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
@@ -229,7 +238,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
                warm_up: Callable[[Gemma3Model], None] | None = None,
                program_cache_dir: str | os.PathLike | None = None,
                weights_cache_dir: str | os.PathLike | None = None,
-               fold_rotation: bool = True, quantization: str = "none") -> Gemma3Model:
+               fold_rotation: bool = True, quantization: str = "none",
+               kv_cache_dtype: str = "auto") -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     Images: a Hugging Face `Gemma3ForConditionalGeneration` directory's vision tower and
@@ -266,15 +276,19 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
       weights are no longer the checkpoint's: `save` refuses; load with fold_rotation=False
       (or tp=1, or another AllReduce) to save.
     quantization: "none" (the default: weights as the checkpoint's, in `dtype`), "int8" or
-      "fp8" (vLLM's --quantization): every linear layer's weight and the embedding stored as
+      "fp8" (vLLM's --quantization): every linear layer's weight stored as
       8-bit codes with a scale per output channel (`models.gemma3.quantization`), quantized on
       the devices after the rotation folding; with weights_cache_dir, a GGUF source's
       quantized weights are kept there too, so a restart maps them instead.
+    kv_cache_dtype: what the paged KV cache holds: "auto" (the activations' dtype), "int8" or
+      "fp8" (the EQuARX group codec's codes and scales, `paged_kv`: ~0.53x the bytes of
+      bfloat16); ValueError on TPU, whose attention kernel reads unquantized pages only.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
     check_quantization(quantization)
-    parse_tp_mesh(tp_mesh, tp)  # a bad mesh fails before anything loads
+    parse_tp_mesh(tp_mesh, tp)  # a bad mesh (or setting) fails before anything loads
+    checked_kv_cache_dtype(kv_cache_dtype)
     if isinstance(config, str):
         config = get_config(config)
     # Where the AllReduce may call the native CPU kernels, a first start builds them now.
@@ -299,7 +313,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
             f"precision={jax.config.jax_default_matmul_precision}", native_kernels=native_kernels)
     programs = ModelPrograms(cfg, mesh=mesh, allreduce=allreduce, dtype=dtype,
                              program_cache=program_cache, fold_rotation=fold_rotation,
-                             quantization=quantization)
+                             quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     compiling = None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         if warm_up is not None:

@@ -3,10 +3,18 @@
 A layer's pool is one array [num_pages, page_size, 2 * Kc, H], KV head i's keys at 2i and values at
 2i + 1: the layout the Pallas TPU ragged paged attention kernel reads in place. All layers of a kind
 share page ids, so a sequence has one block table per kind; page 0 is scratch (`SCRATCH`). See
-docs/engine.md, "The paged engine"."""
+docs/engine.md, "The paged engine".
+
+`--kv-cache-dtype int8|fp8` (`KV_CACHE_DTYPES`): the pool holds codes of the EQuARX group codec
+(equarx.codec_spec) and a second array their scales: each token's key (or value) row of one head is
+cut into runs of `KV_GROUP`, each run scaled on the codec's grid (power-of-two-stepped scales of 5
+mantissa bits, all bfloat16 values) and rounded half to even (int8, of runs rotated by the codec's
+rotation: `rotates`) or to e4m3 (fp8). A token's codes depend on that token alone, so batch
+invariance holds. See docs/deployment.md, "KV cache dtype"."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -15,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from equarx import codec_spec
 from models.gemma3.config import Gemma3Config
 from models.gemma3.sharding import AXIS
 
@@ -25,20 +34,44 @@ SCRATCH = 0
 # Logical axes of a layer's pool; only the combined heads are split (over tp).
 PAGES_AXES = ("pages", "page_offset", "cache_heads", "head_dim")
 
+# vLLM's --kv-cache-dtype values: "auto" holds the activations' dtype (`pool_dtype`); the others
+# hold codec codes: int8 as int8, fp8 as the bits of float8_e4m3fn codes in uint8 (a scatter of
+# plain bytes on every backend; the bitcast back is free).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+CODE_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.uint8)}
+KV_GROUP = 32  # values of one row under one scale
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerPages:
     kv: Array  # [num_pages, page_size, 2 * Kc, H]: head i's keys at 2i, its values at 2i + 1
+    # int8 / fp8 pools: [num_pages, page_size, 2 * Kc, H / kv_group(H)] the runs' scales
+    # (bfloat16 values, held as `pool_dtype` holds bfloat16); None for "auto".
+    scale: Array | None = None
 
     @property
     def k(self) -> Array:
-        """[num_pages, page_size, Kc, H] (a strided view: for inspection, not the hot path)."""
-        return as_values(self.kv[:, :, 0::2])
+        """[num_pages, page_size, Kc, H] (a strided view: for inspection, not the hot path;
+        quantized pools dequantized to float32, exactly)."""
+        return self._values(0)
 
     @property
     def v(self) -> Array:
-        return as_values(self.kv[:, :, 1::2])
+        return self._values(1)
+
+    def _values(self, half: int) -> Array:
+        if self.scale is None:
+            return as_values(self.kv[:, :, half::2])
+        x = dequantize(self.kv[:, :, half::2], self.scale[:, :, half::2], jnp.float32)
+        return rotate_runs(x, inverse=True) if rotates(self.kv_cache_dtype) else x
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """"auto", "int8" or "fp8" (`KV_CACHE_DTYPES`), from the arrays' dtypes."""
+        if self.scale is None:
+            return "auto"
+        return "int8" if jnp.dtype(self.kv.dtype) == CODE_DTYPES["int8"] else "fp8"
 
     @property
     def num_pages(self) -> int:
@@ -68,7 +101,12 @@ class PagedKV:
         return next((p.num_pages for p, k in zip(self.layers, self.kinds) if k == kind), 0)
 
     @property
+    def kv_cache_dtype(self) -> str:
+        return self.layers[0].kv_cache_dtype
+
+    @property
     def nbytes(self) -> int:
+        """Bytes of every pool (codes and scales), arrays or ShapeDtypeStructs alike."""
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                    for x in jax.tree.leaves(self))
 
@@ -103,9 +141,26 @@ def layer_kinds(c: Gemma3Config) -> tuple[str, ...]:
     return tuple("global" if c.is_global(i) else "local" for i in range(c.num_layers))
 
 
+def checked_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """`kv_cache_dtype` if it is one of KV_CACHE_DTYPES, else ValueError."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
+    return kv_cache_dtype
+
+
+def kv_group(head_dim: int) -> int:
+    """Values under one scale: KV_GROUP, or fewer for a head_dim it does not divide (tiny test
+    models; every Gemma 3 size has head_dim 128 or 256)."""
+    return math.gcd(head_dim, KV_GROUP)
+
+
 def paged_shapes(c: Gemma3Config, num_global_pages: int, num_local_pages: int, page_size: int,
-                 cache_heads: int, dtype) -> PagedKV:
-    """Abstract pools (ShapeDtypeStruct leaves, global shapes); each needs its scratch page."""
+                 cache_heads: int, dtype, kv_cache_dtype: str = "auto",
+                 platform: str = "cpu") -> PagedKV:
+    """Abstract pools (ShapeDtypeStruct leaves, global shapes); each needs its scratch page.
+    `dtype`: an "auto" pool's (`pool_dtype`); quantized pools hold codes and scales, the scales
+    as bfloat16 is held on `platform`."""
     kinds = layer_kinds(c)
     for kind, n in (("global", num_global_pages), ("local", num_local_pages)):
         if kind in kinds and n < 2:
@@ -113,34 +168,113 @@ def paged_shapes(c: Gemma3Config, num_global_pages: int, num_local_pages: int, p
                              f"got {n}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    layers = tuple(LayerPages(kv=jax.ShapeDtypeStruct(
-        (num_global_pages if kind == "global" else num_local_pages, page_size,
-         2 * cache_heads, c.head_dim), dtype)) for kind in kinds)
-    return PagedKV(layers=layers, kinds=kinds)
+    checked_kv_cache_dtype(kv_cache_dtype)
+
+    def pool(kind):
+        rows = (num_global_pages if kind == "global" else num_local_pages, page_size,
+                2 * cache_heads)
+        if kv_cache_dtype == "auto":
+            return LayerPages(kv=jax.ShapeDtypeStruct((*rows, c.head_dim), dtype))
+        return LayerPages(
+            kv=jax.ShapeDtypeStruct((*rows, c.head_dim), CODE_DTYPES[kv_cache_dtype]),
+            scale=jax.ShapeDtypeStruct((*rows, c.head_dim // kv_group(c.head_dim)),
+                                       pool_dtype(jnp.bfloat16, platform)))
+
+    return PagedKV(layers=tuple(pool(kind) for kind in kinds), kinds=kinds)
 
 
-def paged_specs(c: Gemma3Config) -> PagedKV:
+def paged_specs(c: Gemma3Config, kv_cache_dtype: str = "auto") -> PagedKV:
     """PartitionSpecs of the pools: the combined heads split over tp (whatever tp is: even
-    replicated KV heads are cached one per device)."""
+    replicated KV heads are cached one per device); scales as their codes."""
     spec = P(*(AXIS if a == "cache_heads" else None for a in PAGES_AXES))
+    scale = None if checked_kv_cache_dtype(kv_cache_dtype) == "auto" else spec
     kinds = layer_kinds(c)
-    return PagedKV(layers=tuple(LayerPages(kv=spec) for _ in kinds), kinds=kinds)
+    return PagedKV(layers=tuple(LayerPages(kv=spec, scale=scale) for _ in kinds), kinds=kinds)
+
+
+def rotates(kv_cache_dtype: str) -> bool:
+    """Whether a pool's runs are stored rotated (`rotate_runs`): int8's, as the AllReduce's int8
+    codec rotates them (a run's outliers spread over it: a third of the KL of unrotated runs
+    in the real 270M, docs/deployment.md); e4m3 codes, whose error follows each value, do
+    better unrotated."""
+    return kv_cache_dtype == "int8"
+
+
+def rotate_runs(x: jax.Array, inverse: bool = False, dtype=None) -> jax.Array:
+    """x [..., H] with each run of g = `kv_group(H)` values times the codec's rotation M
+    (equarx.codec_spec.rotation: M M^T = g I), or with inverse=True times M^T / g (which
+    undoes it); float32 products, in `dtype` (default x's)."""
+    h = x.shape[-1]
+    g = kv_group(h)
+    m = codec_spec.rotation(g)
+    m = m.T / g if inverse else m
+    runs = x.reshape(*x.shape[:-1], h // g, g).astype(jnp.float32)
+    out = jnp.dot(runs, jnp.asarray(m), precision=lax.Precision.HIGHEST)
+    return out.reshape(x.shape).astype(dtype or x.dtype)
+
+
+def quantize(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
+    """Rows x [..., H] -> (codes [..., H] as the pool holds them, scales float32 [..., H / g],
+    each a bfloat16 value): the group codec's grid and rounding (equarx.codec_spec.encode's),
+    a run of g = `kv_group(H)` values per scale, no rotation. A run holding a NaN or Inf: its
+    scale is NaN (it reads back as NaN), its codes 0."""
+    code_max = codec_spec.CODES[kv_cache_dtype]
+    g = kv_group(x.shape[-1])
+    runs = x.reshape(*x.shape[:-1], x.shape[-1] // g, g)
+    _, _, scale, inv = codec_spec.scale_parts(
+        codec_spec.absmax(runs, -1).astype(jnp.float32), code_max)
+    scaled = runs.astype(jnp.float32) * inv[..., None]
+    if kv_cache_dtype == "fp8":
+        codes = lax.bitcast_convert_type(scaled.astype(jnp.float8_e4m3fn), jnp.uint8)
+    else:
+        codes = codec_spec.round_int8(scaled)
+    return codes.reshape(x.shape), scale
+
+
+def code_values(codes: jax.Array, dtype) -> jax.Array:
+    """Stored codes as values of `dtype` (exact: int8 and e4m3 values are bfloat16 values)."""
+    if codes.dtype == CODE_DTYPES["fp8"]:
+        codes = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return codes.astype(dtype)
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """`quantize`'s codes [..., H] and (stored) scales [..., H / g] -> values [..., H] in
+    `dtype`. The product of a code and a scale is exact in float32; in bfloat16 it is rounded
+    once, as the float32 product cast to bfloat16 would be."""
+    runs = code_values(codes.reshape(*scale.shape, -1), dtype)
+    return (runs * as_values(scale).astype(dtype)[..., None]).reshape(codes.shape)
 
 
 def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> LayerPages:
     """The pool with token t's key and value [T, Kl, H] at flat slot slots[t] = page *
     page_size + offset. A scatter into the pool viewed as [pages * page_size, 2 * Kl, H] (a
     reshape, no copy): in place when the pool is donated. Padding tokens all write the scratch
-    page; which of them lands there does not matter (never read unmasked)."""
+    page; which of them lands there does not matter (never read unmasked). A quantized pool
+    gets each row's codes and, in its scale pool, their scales (`quantize`: of that row alone),
+    of its runs rotated where the pool `rotates` them."""
     n, size, heads, h = pages.kv.shape
-    new = as_stored(jnp.stack([k, v], axis=2).reshape(k.shape[0], heads, h), pages.kv.dtype)
-    flat = pages.kv.reshape(n * size, heads, h).at[slots].set(new, mode="promise_in_bounds")
-    return LayerPages(kv=flat.reshape(n, size, heads, h))
+    rows = jnp.stack([k, v], axis=2).reshape(k.shape[0], heads, h)
+
+    def put(pool, new):
+        width = pool.shape[-1]
+        flat = pool.reshape(n * size, heads, width).at[slots].set(new, mode="promise_in_bounds")
+        return flat.reshape(n, size, heads, width)
+
+    if pages.scale is None:
+        return LayerPages(kv=put(pages.kv, as_stored(rows, pages.kv.dtype)))
+    kind = pages.kv_cache_dtype
+    codes, scale = quantize(rotate_runs(rows, dtype=jnp.float32) if rotates(kind) else rows, kind)
+    return LayerPages(kv=put(pages.kv, codes), scale=put(pages.scale,
+                                                         as_stored(scale, pages.scale.dtype)))
 
 
-def gather(pages: LayerPages, table: jax.Array) -> tuple[jax.Array, jax.Array]:
+def gather(pages: LayerPages, table: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
     """The pages of each row's block table table [S, Pn] as keys and values [S, Pn * page, Kl,
-    H] (logical order: column j's page holds the row's j-th page of its table).
+    H] (logical order: column j's page holds the row's j-th page of its table); a quantized
+    pool's dequantized to `dtype` (the activations') after the gather, which then reads the
+    codes and scales alone. Runs stored rotated (`rotates`) come out rotated: the
+    attention rotates its queries instead (`ragged.paged_attention`).
 
     Keys and values are each one gather of (position, head) pairs from the pool seen as
     [positions, 2 * Kl, H] (a free reshape): each comes out contiguous, in the layout the
@@ -149,9 +283,16 @@ def gather(pages: LayerPages, table: jax.Array) -> tuple[jax.Array, jax.Array]:
     taken before the gather made it copy that view of the whole pool, every layer and step."""
     s, pn = table.shape
     n, size, heads, h = pages.kv.shape
-    flat = pages.kv.reshape(n * size, heads, h)
     rows = (table[:, :, None] * size + jnp.arange(size, dtype=table.dtype)).reshape(s, pn * size)
     key_heads = jnp.arange(0, heads, 2, dtype=table.dtype)
-    k = flat[rows[:, :, None], key_heads[None, None, :]]
-    v = flat[rows[:, :, None], key_heads[None, None, :] + 1]
-    return as_values(k), as_values(v)
+
+    def take(pool, half):
+        flat = pool.reshape(n * size, heads, pool.shape[-1])
+        return flat[rows[:, :, None], key_heads[None, None, :] + half]
+
+    if pages.scale is None:
+        return as_values(take(pages.kv, 0)), as_values(take(pages.kv, 1))
+    if dtype is None:
+        raise ValueError("gathering a quantized pool needs the dtype to dequantize to")
+    return tuple(dequantize(take(pages.kv, half), take(pages.scale, half), dtype)
+                 for half in (0, 1))

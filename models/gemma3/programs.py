@@ -26,8 +26,8 @@ from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtyp
 from models.gemma3.program_cache import ProgramCache
 from models.gemma3.quantization import (CONTRACTED, QUANTIZED_FIELDS, check_quantization,
                                         quantize, quantized_shapes, quantized_specs)
-from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl, ragged_step,
-                                  span_kv, span_rows, unpack)
+from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl,
+                                  check_kv_cache_dtype, ragged_step, span_kv, span_rows, unpack)
 from models.shapes import StepShape
 from models.gemma3.sharding import (AXIS, local_kv_heads, mesh_label, named, resolve_tree,
                                     tp_axes, weight_specs)
@@ -76,16 +76,18 @@ def step_program(s: StepShape) -> Program:
 class ProgramKey:
     """One ragged step program at one set of shapes, what a kept executable was compiled for:
     the step's shape and the paged cache's pools, (global pages, local pages, page size) as
-    `paged_shapes` takes them."""
+    `paged_shapes` takes them, and what they hold (`paged_kv.KV_CACHE_DTYPES`)."""
 
     shape: StepShape
     pools: tuple[int, int, int]
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def of(cls, shape: StepShape, pages: PagedKV) -> ProgramKey:
         """The program of a step of `shape` over `pages` (arrays or ShapeDtypeStructs: only the
-        pools' shapes are read)."""
-        return cls(shape, (pages.num_pages("global"), pages.num_pages("local"), pages.page_size))
+        pools' shapes and dtypes are read)."""
+        return cls(shape, (pages.num_pages("global"), pages.num_pages("local"), pages.page_size),
+                   pages.kv_cache_dtype)
 
     @property
     def program(self) -> Program:
@@ -111,12 +113,15 @@ class ModelPrograms:
       rotation (`rotation_folded` says whether it applies).
     quantization: "none" (the weights as loaded), "int8" or "fp8": the programs take weights
       whose linear layers are `quantization.QuantizedArray`s (`quantize_weights` makes them).
+    kv_cache_dtype: what the paged cache's pools hold: "auto" (the activations' dtype), "int8"
+      or "fp8" (codec codes and scales: `paged_kv`); ValueError where the platform's paged
+      attention cannot read them (`ragged.check_kv_cache_dtype`).
     """
 
     def __init__(self, config: Gemma3Config, *, mesh, allreduce: AllReduceConfig, dtype,
                  reduction: forward.Reduction | None = None,
                  program_cache: ProgramCache | None = None, fold_rotation: bool = False,
-                 quantization: str = "none"):
+                 quantization: str = "none", kv_cache_dtype: str = "auto"):
         self.config = config
         self.quantization = check_quantization(quantization)
         self.mesh = mesh
@@ -134,8 +139,11 @@ class ModelPrograms:
                                 reduction=reduction, axes=tp_axes(mesh),
                                 rotated_partials=self.rotation_folded)
         self._weight_specs = quantized_specs(weight_specs(config, self.tp), quantization)
-        self._pages_specs = paged_specs(config)
-        self.attention = attention_impl(mesh.devices.flat[0].platform)
+        self.platform = mesh.devices.flat[0].platform
+        check_kv_cache_dtype(kv_cache_dtype, self.platform)
+        self.kv_cache_dtype = kv_cache_dtype
+        self._pages_specs = paged_specs(config, kv_cache_dtype)
+        self.attention = attention_impl(self.platform)
         # Lowering needs only the weights' shapes and shardings, so it can run while they load.
         self.abstract_weights: Weights = quantized_shapes(jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
@@ -200,7 +208,8 @@ class ModelPrograms:
                      page_size: int) -> PagedKV:
         heads = local_kv_heads(self.config, self.tp) * self.tp
         return paged_shapes(self.config, num_global_pages, num_local_pages, page_size, heads,
-                            pool_dtype(self.dtype, self.mesh.devices.flat[0].platform))
+                            pool_dtype(self.dtype, self.platform), self.kv_cache_dtype,
+                            self.platform)
 
     def abstract_pages(self, num_global_pages: int, num_local_pages: int,
                        page_size: int) -> PagedKV:
@@ -288,6 +297,8 @@ class ModelPrograms:
                   f"dtype={self.dtype}"
                   f" rotated_partials={self.rotation_folded}"
                   + (f" quantization={self.quantization}" if self.quantization != "none" else "")
+                  + (f" kv_cache_dtype={self.kv_cache_dtype}"
+                     if self.kv_cache_dtype != "auto" else "")
                   + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else "") + salt)
         return self.program_cache.wrap(program.value, fn, donate, static, self.replicated)
 

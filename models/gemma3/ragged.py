@@ -15,7 +15,8 @@ import numpy as np
 from jax import lax
 
 from models.gemma3 import model as forward
-from models.gemma3.paged_kv import LayerPages, PagedKV, gather, store
+from models.gemma3.paged_kv import (LayerPages, PagedKV, checked_kv_cache_dtype, gather,
+                                     kv_group, rotate_runs, rotates, store)
 from models.gemma3.weights import Weights
 
 Array = Any
@@ -112,6 +113,17 @@ def attention_impl(platform: str) -> str:
     return {"tpu": "pallas", "gpu": "gather", "cuda": "gather", "rocm": "gather"}.get(platform, "xla")
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, platform: str) -> None:
+    """ValueError where the paged attention on `platform` cannot read pools of `kv_cache_dtype`:
+    the Pallas TPU kernel reads bfloat16 / float32 pages only, not codes and scales."""
+    checked_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "auto" and attention_impl(platform) == "pallas":
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype} is not served on {platform}: its paged attention "
+            f"(the Pallas ragged paged attention kernel) reads unquantized pages only; use "
+            f"--kv-cache-dtype auto there (int8 and fp8 KV run on CPU and GPU)")
+
+
 def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: jax.Array,
                     batch: RaggedBatch, window: int | None, impl: str = "xla") -> jax.Array:
     """Every token's attention over its row's pages: q [T, Nl, H] (flat, as projected) ->
@@ -122,6 +134,17 @@ def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: ja
     bidirectional span (`visible` beyond `positions` somewhere), which the kernel's mask cannot
     express: `lax.cond` picks one per step on the device.
     """
+    if pages.scale is not None and rotates(pages.kv_cache_dtype):
+        # Keys and values stored as runs times M (M M^T = g I): q.k = (q M / g).(k M), and the
+        # weighted sum of rotated values, times M^T / g, is the sum of the values. So the
+        # queries and outputs of this step are rotated, not the gathered pages.
+        qr = rotate_runs(q, dtype=jnp.float32) / kv_group(q.shape[-1])
+        out = _paged_attention(qr.astype(q.dtype), pages, table, first, batch, window, impl)
+        return rotate_runs(out, inverse=True)
+    return _paged_attention(q, pages, table, first, batch, window, impl)
+
+
+def _paged_attention(q, pages, table, first, batch, window, impl):
     if impl == "gather":
         return _xla_attention(q, pages, table, first, batch, window)
     if impl == "xla":
@@ -140,7 +163,7 @@ def _xla_attention(q, pages, table, first, batch, window):
     """Gather each row's pages whole and its queries into [S, Q], dense masked attention
     (`attend_gathered`), then back to the flat tokens. Unused table entries point at the
     scratch page, at logical positions the rule rejects (the engine's guarantee)."""
-    k, v = gather(pages, table)  # [S, L, Kl, H]
+    k, v = gather(pages, table, q.dtype)  # [S, L, Kl, H]
     s, length = k.shape[:2]
     size = pages.page_size
     key_pos = first[:, None] * size + jnp.arange(length, dtype=first.dtype)[None, :]  # [S, L]
@@ -177,7 +200,8 @@ def _xla_blocked_attention(q, pages, table, batch):
 
     def body(j, carry):
         top, total, acc = carry  # [S, Kl, G, Q], [S, Kl, G, Q], [S, Kl, G, Q, H]: float32
-        k, v = gather(pages, lax.dynamic_slice_in_dim(table, j * BLOCK_PAGES, BLOCK_PAGES, 1))
+        k, v = gather(pages, lax.dynamic_slice_in_dim(table, j * BLOCK_PAGES, BLOCK_PAGES, 1),
+                      q.dtype)
         key_pos = j * span + jnp.arange(span, dtype=qvis.dtype)
         logits = jnp.einsum("sqkgh,slkh->skgql", qr, k, preferred_element_type=jnp.float32)
         mask = visible_keys(key_pos[None, None, :], qpos[..., None], qvis[..., None], None)

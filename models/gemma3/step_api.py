@@ -40,6 +40,7 @@ class Gemma3StepAPI:
         self.allreduce = programs.allreduce
         self.reduction = programs.reduction
         self.dtype = programs.dtype
+        self.kv_cache_dtype = programs.kv_cache_dtype  # what the paged cache holds
         self._tokenizer = tokenizer
         self.vision = None  # a VisionModel with placed weights (`attach_vision`), or None
         self._image_features = None

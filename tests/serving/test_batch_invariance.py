@@ -1,7 +1,8 @@
 """Batch invariance on the real engine over tiny random models (window 8, so that prompts
 overflow the sliding window): in deterministic mode a greedy request alone and among concurrent
 different requests gives the same tokens and bit-identical logprobs, at tp=1 and tp=2 with the
-exact and the token-local AllReduces, float32 and bfloat16.
+exact and the token-local AllReduces, float32 and bfloat16, and with an int8 KV cache (a token's
+codes depend on that token alone).
 
 `reference` is the engine's independent answer: greedy tokens found one at a time by forward
 passes over the whole text so far (`Gemma3Model.score`, no KV cache carried between them).
@@ -21,10 +22,11 @@ TINY = "random:tiny"  # 3 layers (the middle one global), window 8, 2 KV heads, 
 _models: dict = {}
 
 
-def model(tp=1, dtype="float32", allreduce="f32"):
-    key = (tp, dtype, allreduce)
+def model(tp=1, dtype="float32", allreduce="f32", kv_cache_dtype="auto"):
+    key = (tp, dtype, allreduce, kv_cache_dtype)
     if key not in _models:
-        _models[key] = load_model(TINY, tp=tp, dtype=dtype, allreduce=AllReduceConfig.from_label(allreduce))
+        _models[key] = load_model(TINY, tp=tp, dtype=dtype, allreduce=AllReduceConfig.from_label(allreduce),
+                                  kv_cache_dtype=kv_cache_dtype)
     return _models[key]
 
 
@@ -70,14 +72,17 @@ def paged(m, **kw):
 
 # ---- deterministic (batch-invariant) mode ----
 
-# (tp, dtype, AllReduce): tp=1, and tp=2 with the exact psums and both token-local modes.
-CONFIGS = [(1, "bfloat16", "f32"), (2, "float32", "f32"), (2, "bfloat16", "bf16"),
-           (2, "bfloat16", "bf16_ring"), (2, "float32", "int8"), (2, "bfloat16", "int8")]
+# (tp, dtype, AllReduce, KV cache dtype): tp=1, and tp=2 with the exact psums and both
+# token-local modes; an int8 KV cache at tp=1 and beside the int8 AllReduce at tp=2.
+CONFIGS = [(1, "bfloat16", "f32", "auto"), (2, "float32", "f32", "auto"),
+           (2, "bfloat16", "bf16", "auto"), (2, "bfloat16", "bf16_ring", "auto"),
+           (2, "float32", "int8", "auto"), (2, "bfloat16", "int8", "auto"),
+           (1, "bfloat16", "f32", "int8"), (2, "bfloat16", "int8", "int8")]
 
 
-@pytest.mark.parametrize("tp,dtype,allreduce", CONFIGS)
-def test_a_request_alone_equals_it_among_others(tp, dtype, allreduce):
-    engine = paged(model(tp, dtype, allreduce), deterministic=True)
+@pytest.mark.parametrize("tp,dtype,allreduce,kv_cache_dtype", CONFIGS)
+def test_a_request_alone_equals_it_among_others(tp, dtype, allreduce, kv_cache_dtype):
+    engine = paged(model(tp, dtype, allreduce, kv_cache_dtype), deterministic=True)
     target = prompt(37, 7)
     others = [prompt(n, 10 + i) for i, n in enumerate((5, 60, 23, 14, 41))]
     alone = generate(engine, [target])[0]
