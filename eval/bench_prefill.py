@@ -103,12 +103,9 @@ def measure(source: str, tp: int, lengths: list[int], methods: list[str], iters:
             max_num_batched_tokens: int = 256, page_size: int = 16, log=print) -> dict:
     """Time every method at every length on the first `tp` devices; returns rows + facts.
 
-    links: in a shaped namespace, the link rates (Gbit/s) to alternate between within every
-    iteration (e.g. a fast base link and the target link), so that the rows at both rates are
-    measured in the same minutes of a shared machine. Rows then carry `link_gbit`.
-    tp_mesh: the model's TP mesh shape ("2x2": every AllReduce over both axes, the multi-axis
-    schedule); device_order: the devices in mesh order (on an emulated torus a 1-D mesh takes
-    eval.torus.snake_order, so that ring neighbours are torus neighbours).
+    links: in a shaped namespace, link rates (Gbit/s) alternated within every iteration, so
+    both rates' rows (`link_gbit`) share the same minutes of a shared machine. tp_mesh: the
+    model's TP mesh ("2x2"); device_order: the devices in mesh order (eval.torus.snake_order).
     """
     import jax
 
@@ -298,43 +295,31 @@ def _one_process(params: dict) -> dict:
 def _parser() -> argparse.ArgumentParser:
     # The shared parser's --repeats (5 here; --iters is its older name) and --out.
     p = common.parser(__doc__, engine=False, repeats=5)
-    p.add_argument("--iters", dest="repeats", type=int, default=argparse.SUPPRESS,
-                   help="the same as --repeats")
-    p.add_argument("--model", default="random:1b",
-                   help="gemma3-270m, a .gguf path, or random:<size>[?k=v] (270m/1b/4b/12b/27b)")
+    p.add_argument("--iters", dest="repeats", type=int, default=argparse.SUPPRESS, help="--repeats")
+    p.add_argument("--model", default="random:1b", help="gemma3-270m, a .gguf, random:<size>")
     p.add_argument("--layers", type=int, default=None, help="use fewer layers (random weights)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--lengths", default="256,512,1024", help="comma list of prompt lengths")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="the step budget, which a lone prompt takes whole (the server's default)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="the step budget")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (the server's)")
-    p.add_argument("--allreduce", default="bf16,bf16_ring,int8",
-                   help="comma list: bf16, f32, bf16_ring[-semi], int8-{full,semi}[-rs|-ag]")
+    p.add_argument("--allreduce", default="bf16,bf16_ring,int8", help="comma list of labels")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--minishards", type=int, default=4)
-    p.add_argument("--one-message-per-hop", action="store_true",
-                   help="pipelined=False: a ring direction's minishards share one ppermute")
+    p.add_argument("--one-message-per-hop", action="store_true", help="pipelined=False")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--processes", type=int, default=0, help="one process per device if > 0")
-    p.add_argument("--link-gbit", type=float, default=None,
-                   help="shape the loopback to this many Gbit/s (root)")
-    p.add_argument("--torus", default=None, metavar="DIMS",
-                   help="e.g. 2x2: one process per node of an emulated torus, each link shaped "
-                        "to --link-gbit (root); sets --processes; a 1-D mesh in snake order")
-    p.add_argument("--tp-mesh", default=None, metavar="AxB",
-                   help="the model's TP mesh (load_model's tp_mesh): AllReduces over every "
-                        "axis (equarx's multi-axis schedule)")
-    p.add_argument("--base-link-gbit", type=float, default=None,
-                   help="with --link-gbit X: alternate every iteration between this rate (0: the "
-                        "unshaped loopback) and X, and predict the X rows from the base rows of "
-                        "the same run")
+    p.add_argument("--link-gbit", type=float, help="shape the loopback to this many Gbit/s (root)")
+    p.add_argument("--torus", metavar="DIMS", help="e.g. 2x2: a process per node of an emulated "
+                   "torus, links at --link-gbit (root); sets --processes; a 1-D mesh in snake order")
+    p.add_argument("--tp-mesh", metavar="AxB", help="the model's TP mesh (AllReduces over every axis)")
+    p.add_argument("--base-link-gbit", type=float, help="with --link-gbit X: alternate with this "
+                   "rate (0: unshaped) and predict the X rows from these rows of the same run")
     p.add_argument("--calibrate-gbit", default=None, help="comma list of rates to fit the link at")
     p.add_argument("--calibration", default=None, help="reuse the calibration of a report JSON")
     p.add_argument("--calibration-repeats", type=int, default=5)
     p.add_argument("--no-tpu-prediction", action="store_true")
-    p.add_argument("--plain-malloc", action="store_true",
-                   help="leave glibc malloc as it starts (default: keep freed blocks, and huge "
-                        "pages for worker processes; see jax_platform)")
+    p.add_argument("--plain-malloc", action="store_true", help="leave glibc malloc as it starts "
+                   "(default: jax_platform's tunables for worker processes)")
     # One process of a multi-host group (e.g. each host of a TPU slice runs this command).
     jax_platform.add_group_arguments(p, only=GROUP_FLAGS)
     return p

@@ -103,8 +103,9 @@ def server_config(args, **overrides):
 
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
     fields = {k: first(getattr(args, k)) for k in (
-        "model", "dtype", "quantization", "kv_cache_dtype", "tp_mesh", "allreduce", "max_seq_len", "max_num_seqs",
-        "page_size", "long_prefill_token_threshold", "precompile", "compile_cache_dir")}
+        "model", "dtype", "quantization", "kv_cache_dtype", "tp_mesh", "allreduce", "max_seq_len",
+        "max_num_seqs", "page_size", "long_prefill_token_threshold", "precompile",
+        "compile_cache_dir")}
     fields["tp"] = devices(args)
     return ServerConfig(**{**fields, **overrides})
 

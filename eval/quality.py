@@ -33,23 +33,18 @@ NOISE_SIZES = "0,1e-4,3e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2"
 
 # A mode's suffixes beside its AllReduce label: int8 / fp8 weights (`--quantization`) and KV
 # cache (`--kv-cache-dtype`), e.g. "bf16:w-int8", "int8:w-int8:kv-int8".
-STORAGE = {"w-int8": ("quantization", "int8"), "w-fp8": ("quantization", "fp8"),
-           "kv-int8": ("kv_cache_dtype", "int8"), "kv-fp8": ("kv_cache_dtype", "fp8")}
+STORAGE = {f"{p}-{c}": (s, c) for p, s in (("w", "quantization"), ("kv", "kv_cache_dtype"))
+           for c in ("int8", "fp8")}
 
 
 def mode_parts(name: str) -> tuple[str, bool, dict]:
     """A mode -> (its AllReduce label, whether the rotation is folded into the weights, the
     storage settings its suffixes name); ValueError on an unknown suffix."""
     label, *suffixes = name.split(":")
-    storage = {}
-    for s in suffixes:
-        if s != UNFOLDED[1:] and s not in STORAGE:
-            raise ValueError(f"unknown mode suffix {s!r} in {name!r}: 'unfolded' or one of "
-                             f"{', '.join(STORAGE)}")
-        if s in STORAGE:
-            setting, value = STORAGE[s]
-            storage[setting] = value
-    return label, UNFOLDED[1:] not in suffixes, storage
+    if bad := [s for s in suffixes if s != UNFOLDED[1:] and s not in STORAGE]:
+        raise ValueError(f"unknown mode suffix {bad[0]!r} in {name!r}: 'unfolded' or one of "
+                         f"{', '.join(STORAGE)}")
+    return label, UNFOLDED[1:] not in suffixes, dict(STORAGE[s] for s in suffixes if s in STORAGE)
 
 
 def mode_config(name: str) -> AllReduceConfig | None:
@@ -286,10 +281,8 @@ class ErrorMeter:
         self._lock = threading.Lock()
 
     def add(self, err2, ref2) -> None:
-        err2, ref2 = float(err2), float(ref2)
         with self._lock:
-            self.err2 += err2
-            self.ref2 += ref2
+            self.err2, self.ref2 = self.err2 + float(err2), self.ref2 + float(ref2)
 
     @property
     def relative(self) -> float | None:

@@ -17,17 +17,11 @@ def predict_prefill_s(nolink_s: float, label: str, *, tokens: int | Sequence[int
                       embed_psum: bool = True, pipelined: bool = True,
                       base_link: LinkModel | None = None) -> float:
     """Prefill seconds on `link`: measured no-link time plus the modelled communication.
-
-    tokens: the prefill's (padded) tokens, or each step's where the prompt runs as several
-    steps (the server's pieces): every step has its own AllReduces of [its tokens, d_model],
-    and the steps before the last, which sample nothing, two fewer: their last layer's
-    attention output and MLP feed nothing (only its keys and values are kept), and XLA drops
-    them with their AllReduces.
-    embed_psum: the model's vocabulary-parallel embedding lookup ends with one exact XLA psum
-    of the same [tokens, d_model] shape, in every method's program.
-    base_link: `nolink_s` was measured on this link rather than without one; its modelled
-    communication is taken out.
-    """
+    tokens: the prefill's tokens, or each step's (the server's pieces): each step AllReduces
+    [its tokens, d_model] per layer, and a step that samples nothing two fewer (XLA drops its
+    last layer's unused attention output and MLP). embed_psum: the embedding lookup's one
+    exact psum of that shape. base_link: `nolink_s` was measured on this link (its modelled
+    communication is taken out)."""
     steps = [tokens] if isinstance(tokens, int) else list(tokens)
     schedules = [(allreduce_schedule(label, n * d_model, n_devices, minishards,
                                      pipelined=pipelined),
