@@ -1,6 +1,8 @@
 """Quantized weights (`--quantization int8|fp8`): the codec's error bound, models close to the
 unquantized one and identical across tp, `none` bit-identical, the bytes, int8 operands in the
-compiled program, the weights cache keeping them, and a server answering with them."""
+compiled program, the weights cache keeping them, and a server answering with them; and the
+real 270M's next-token distributions with int8 weights and an int8 KV cache, alone and
+together."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +20,8 @@ from models.gemma3.weights import weight_shapes
 
 F32 = AllReduceConfig(method="f32")
 TINY = "random:tiny"
+# The real 270M with int8 weights, one window (measured: KL 2.8e-3, top-1 95.7%; both 3.0e-3)
+FLOOR_KL, FLOOR_TOP1 = 3.5e-3, 0.94
 SEQS = [[2] + list(range(5, 40)), [2, 7, 9, 100, 200, 3, 11]]
 
 
@@ -242,3 +246,41 @@ def test_settings_take_quantization():
     args = common.parser("bench", {"step": "a step"}).parse_args(["--quantization", "int8"])
     assert common.server_config(args, compile_cache_dir="").quantization == "int8"
     assert dataclasses.replace(ServerConfig(), quantization="none").quantization == "none"
+
+
+@pytest.fixture(scope="module")
+def real_270m():
+    """compare_logits sums of the real 270M (float32 model: a bfloat16 model carries any change,
+    however small, to a KL floor of ~1.7e-3, docs/quality.md) over one window of real text,
+    each variant against the unquantized model; docs/results.md has them over more text."""
+    from eval import corpus
+    from eval.quality import compare_logits
+
+    m = load_model("gemma3-270m", dtype="float32", max_seq_len=256, fold_rotation=False)
+    [window] = corpus.token_windows(m.tokenizer.encode, 255, 256, m.tokenizer.bos_id)
+    ref, targets = m.score([window])[0], np.array(window[1:] + [-1])
+    out = {}
+    for name, kw in {"kv": dict(kv_cache_dtype="int8"), "w": dict(quantization="int8"),
+                     "both": dict(quantization="int8", kv_cache_dtype="int8")}.items():
+        s = compare_logits(ref, m.with_allreduce(**kw).score([window])[0], targets)
+        out[name] = (s["kl"] / s["count"], s["agree"] / s["count"])
+    return out
+
+
+def test_real_270m_int8_kv_cache_meets_its_quality_target(real_270m):
+    kl, top1 = real_270m["kv"]
+    assert kl <= 5e-4 and top1 >= 0.99, real_270m
+
+
+def test_real_270m_int8_weights_floor(real_270m):
+    """Per-channel int8 weights, as measured (the target is the strict xfail below)."""
+    kl, top1 = real_270m["w"]
+    assert kl <= FLOOR_KL and top1 >= FLOOR_TOP1, real_270m
+    assert real_270m["both"][0] <= FLOOR_KL, real_270m
+
+
+@pytest.mark.xfail(strict=True, reason="per-channel int8 weights cost the 270M KL ~3-5e-3 "
+                   "(docs/deployment.md, 'Quantized weights'); grouped scales are the way on")
+def test_real_270m_int8_weights_quality_target(real_270m):
+    kl, top1 = real_270m["w"]
+    assert kl <= 2e-3 and top1 >= 0.97, real_270m
