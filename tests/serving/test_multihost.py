@@ -370,13 +370,18 @@ def _start_group(allreduce: str, log_dir: Path, cache_dir: Path, *args: str, nam
 TEXT_MODEL = "random:tiny"
 
 
+# The deterministic group runs int8 weights and an int8 KV cache: every process quantizes its
+# own shards and pages, and must still agree bit for bit (the paged group below runs bf16 ones).
+STORAGE = {"quantization": "int8", "kv_cache_dtype": "int8"}
+
+
 def _reference_model(allreduce: str):
     """The single-process tp=2 model the group must agree with."""
     from equarx import AllReduceConfig
     from models.gemma3 import load_model
 
     return load_model(TEXT_MODEL, tp=2, allreduce=AllReduceConfig(method=allreduce), dtype="float32",
-                      max_seq_len=MAX_SEQ_LEN)
+                      max_seq_len=MAX_SEQ_LEN, **STORAGE)
 
 
 def _reference(model, prompts: list[list[int]]) -> list[list[int]]:
@@ -389,7 +394,8 @@ def _reference(model, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.slow
 def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factory):
     """The engine in deterministic mode (its decode rows and prompt pieces in programs of
-    their own on every process) with the default int8 across two processes gives the model's
+    their own on every process), int8 weights and KV cache (`STORAGE`) and the default int8
+    AllReduce across two processes gives the model's
     own tokens, a request's logprobs bit for bit alone and beside another; killing process 1
     ends process 0 with EXIT_PEER_LOST. (A graceful SIGTERM shutdown of a group:
     test_group_formation.py and the default mode's group test below.)"""
@@ -398,7 +404,8 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
     cache_dir = tmp_path_factory.getbasetemp() / "multihost-compile-cache"
     model = _reference_model(allreduce)
     url, procs = _start_group(allreduce, log_dir, cache_dir, "--model", TEXT_MODEL, "--served-model-name",
-                              "tiny", "--deterministic")
+                              "tiny", "--deterministic", *(f"--{k.replace('_', '-')}={v}"
+                                                           for k, v in STORAGE.items()))
     try:
         tok = model.tokenizer
         # (The tiny model's greedy text: the first prompt's changes token, the second's does not.)
@@ -406,6 +413,8 @@ def test_two_processes_match_one_process_then_notice_a_lost_peer(tmp_path_factor
         want = _reference(model, prompts)  # while the servers start
         del model
         wait_group_ready(url, procs, STARTUP_TIMEOUT)
+        health = httpx.get(url + "/health", timeout=5).json()
+        assert (health["weights"]["quantization"], health["kv_cache"]["dtype"]) == ("int8", "int8")
 
         def ask(ids):
             r = httpx.post(url + "/generate", json={"prompt_ids": ids, "max_tokens": NEW_TOKENS, "ignore_eos": True},
