@@ -178,15 +178,14 @@ def test_compiled_step_reads_int8_weights(tiny):
 
 def test_restart_reads_the_quantized_weights_from_the_cache(tmp_path, monkeypatch):
     """The real 270M: the first int8 load quantizes and keeps the result in the weights cache;
-    the second neither decodes the GGUF file nor quantizes, and gives the same logits."""
+    the second neither decodes the GGUF file nor quantizes, and maps the same bytes (so the
+    same programs give the same logits)."""
     from models.gemma3 import gguf, programs
 
     cache = tmp_path / "weights"
-    prompt = [[2, 818, 5279, 529, 7001, 563]]
     first = load_model("gemma3-270m", dtype="bfloat16", quantization="int8",
                        weights_cache_dir=cache)
     want = [np.asarray(a) for a in jax.tree.leaves(first.weights)]
-    want_logits = first.score(prompt)
     del first
     entries = sorted(p.name for p in cache.iterdir())
     assert len(entries) == 2  # the decoded tree and the quantized weights
@@ -202,7 +201,6 @@ def test_restart_reads_the_quantized_weights_from_the_cache(tmp_path, monkeypatc
     assert [a.dtype for a in got] == [a.dtype for a in want]
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-    np.testing.assert_array_equal(second.score(prompt), want_logits)
 
 
 @pytest.fixture(scope="module")
