@@ -89,9 +89,9 @@ class ServerConfig:
     allreduce_minishards: int = _field(4, "scale blocks per shard (int8)")
     allreduce_min_bytes: int = _field(0, "messages smaller than this use the bf16 psum")
     dtype: str = _field("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
-    quantization: str = _field("none", "the linear layers' and embedding's weights: 'none' (as "
-                               "--dtype), 'int8' or 'fp8' (8-bit codes, a scale per output "
-                               "channel, dequantized inside the matmuls)",
+    quantization: str = _field("none", "the linear layers' weights: 'none' (as --dtype), 'int8' "
+                               "or 'fp8' (8-bit codes, a scale per output channel, dequantized "
+                               "inside the matmuls)",
                                choices=("none", "int8", "fp8"))
     host: str = _field("127.0.0.1", "address to bind (loopback by default)")
     port: int = _field(8000, "port to bind")

@@ -43,7 +43,7 @@ class NullMetrics:
 
 class Metrics(NullMetrics):
     def __init__(self, model_name: str, allreduce: str, tp: int = 1, dtype: str = "",
-                 weights: dict | None = None):
+                 weights: dict | None = None, kv_cache: dict | None = None):
         self.registry = r = CollectorRegistry()
         labels = ("model_name", "allreduce")
         self._values = (model_name, allreduce)
@@ -99,12 +99,10 @@ class Metrics(NullMetrics):
                    "by the linear layers' dtype and the quantization.", ("dtype", "quantization")
                    ).labels(*self._values, weights["dtype"], weights["quantization"]
                             ).set(weights["bytes"])
-        self._kv_bytes = series(Gauge, "kv_cache_bytes", "Bytes of the KV cache's pools on all "
-                                "devices (codes and scales), by what they hold (--kv-cache-dtype).",
-                                ("kv_cache_dtype",))
-
-    def on_kv_cache(self, kv_cache_dtype: str, nbytes: int) -> None:
-        self._kv_bytes.labels(*self._values, kv_cache_dtype).set(nbytes)
+        if kv_cache:
+            series(Gauge, "kv_cache_bytes", "Bytes of the KV cache's pools on all devices (codes "
+                   "and scales), by what they hold (--kv-cache-dtype).", ("kv_cache_dtype",)
+                   ).labels(*self._values, kv_cache["dtype"]).set(kv_cache["bytes"])
 
     def on_scheduled(self, queue_time: float) -> None:
         self.queue_time.observe(queue_time)

@@ -66,6 +66,11 @@ class RunnerInfo:
     never_generate: tuple[int, ...] = ()
 
     @property
+    def kv_cache(self) -> dict:
+        """What /health and /metrics report of the pools: {"dtype", "bytes"}."""
+        return {"dtype": self.kv_cache_dtype, "bytes": self.kv_cache_bytes}
+
+    @property
     def token_ids(self) -> int:
         """The ids a request may name and the sampler may draw, [0, token_ids): what both the
         logits and the tokenizer hold. A padded row's token cannot be detokenized."""

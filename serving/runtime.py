@@ -75,8 +75,7 @@ class Runtime:
         info = runner.info
         self.runner = runner
         self.metrics = Metrics(self.config.model_name, info.allreduce_label, info.tp, info.dtype,
-                               weights=info.weights)
-        self.metrics.on_kv_cache(info.kv_cache_dtype, info.kv_cache_bytes)
+                               weights=info.weights, kv_cache=info.kv_cache)
         c = self.config
         # A multi-host group's leader watches its steps itself (a stuck step ends the group).
         watched = not getattr(runner, "watches_steps", False)
@@ -145,7 +144,7 @@ class Runtime:
                      kv_cache_pages={"global": info.num_global_pages - 1,
                                      "local": info.num_local_pages - 1},
                      max_num_batched_tokens=info.max_num_batched_tokens,
-                     kv_cache={"dtype": info.kv_cache_dtype, "bytes": info.kv_cache_bytes},
+                     kv_cache=info.kv_cache,
                      sampling_defaults=self.sampling_defaults)
         return d
 

@@ -24,8 +24,8 @@ from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
-from models.gemma3.quantization import (CONTRACTED, QUANTIZED_FIELDS, check_quantization,
-                                        quantize, quantized_shapes, quantized_specs)
+from models.gemma3.quantization import (CONTRACTED, check_quantization, map_quantized, quantize,
+                                        quantized_shapes, quantized_specs)
 from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl,
                                   check_kv_cache_dtype, ragged_step, span_kv, span_rows, unpack)
 from models.shapes import StepShape
@@ -190,18 +190,13 @@ class ModelPrograms:
             return weights
         shardings = named(self.mesh, self._weight_specs)
 
-        def one(name, w, out):
+        def one(name, w):  # every layer's field has the same sharding
+            out = shardings.embed if name == "embed" else getattr(shardings.layers[0], name)
             body = functools.partial(quantize, quantization=self.quantization,
                                      contracted=CONTRACTED[name])
             return jax.jit(body, out_shardings=out, donate_argnums=(0,) if donate else ())(w)
 
-        layers = tuple(
-            dataclasses.replace(lw, **{f: one(f, getattr(lw, f), getattr(sh, f))
-                                       for f in QUANTIZED_FIELDS if f != "embed"})
-            for lw, sh in zip(weights.layers, shardings.layers))
-        embed = (one("embed", weights.embed, shardings.embed) if "embed" in QUANTIZED_FIELDS
-                 else weights.embed)
-        return dataclasses.replace(weights, embed=embed, layers=layers)
+        return map_quantized(weights, one)
 
     # -- shapes --------------------------------------------------------------------------------
     def pages_shapes(self, num_global_pages: int, num_local_pages: int,
