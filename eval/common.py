@@ -54,6 +54,7 @@ def parser(doc: str, modes: dict[str, str] | None = None, *, only: str | None = 
     add("--model", "gemma3-270m", "gemma3-270m, a checkpoint path, or random:<size>[?...]")
     add("--dtype", "bfloat16", choices=("bfloat16", "float32"))
     add("--quantization", "none", "weights: none, int8 or fp8", choices=("none", "int8", "fp8"))
+    add("--quantization-group-size", 0, "a weight scale per G values (0: a channel)", type=int)
     add("--tp", 1, "tensor-parallel devices (on a CPU: virtual devices)", type=int)
     add("--tp-mesh", None, "the TP devices as a torus grid, e.g. 2x2")
     add("--allreduce", "bf16", "an AllReduce label: f32, bf16, bf16_ring, int8, int8-full+tile, ...")
@@ -103,9 +104,9 @@ def server_config(args, **overrides):
 
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
     fields = {k: first(getattr(args, k)) for k in (
-        "model", "dtype", "quantization", "kv_cache_dtype", "tp_mesh", "allreduce", "max_seq_len",
-        "max_num_seqs", "page_size", "long_prefill_token_threshold", "precompile",
-        "compile_cache_dir")}
+        "model", "dtype", "quantization", "quantization_group_size", "kv_cache_dtype", "tp_mesh",
+        "allreduce", "max_seq_len", "max_num_seqs", "page_size", "long_prefill_token_threshold",
+        "precompile", "compile_cache_dir")}
     fields["tp"] = devices(args)
     return ServerConfig(**{**fields, **overrides})
 

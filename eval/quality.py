@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -31,20 +32,22 @@ DEFAULTS = {  # per mode: --tokens, --tp, --dtype, --modes
 NOISE_SIZES = "0,1e-4,3e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2"
 
 
-# A mode's suffixes beside its AllReduce label: int8 / fp8 weights (`--quantization`) and KV
-# cache (`--kv-cache-dtype`), e.g. "bf16:w-int8", "int8:w-int8:kv-int8".
-STORAGE = {f"{p}-{c}": (s, c) for p, s in (("w", "quantization"), ("kv", "kv_cache_dtype"))
-           for c in ("int8", "fp8")}
+# A mode's suffixes beside its AllReduce label: int8 / fp8 weights (`--quantization`, "-gG" a
+# scale per G values: `--quantization-group-size`) and KV cache (`--kv-cache-dtype`), e.g.
+# "bf16:w-int8", "bf16:w-int8-g32", "int8:w-int8:kv-int8".
+STORAGE = re.compile(r"(?:w-(int8|fp8)(?:-g(\d+))?|kv-(int8|fp8))")
 
 
 def mode_parts(name: str) -> tuple[str, bool, dict]:
     """A mode -> (its AllReduce label, whether the rotation is folded into the weights, the
     storage settings its suffixes name); ValueError on an unknown suffix."""
     label, *suffixes = name.split(":")
-    if bad := [s for s in suffixes if s != UNFOLDED[1:] and s not in STORAGE]:
-        raise ValueError(f"unknown mode suffix {bad[0]!r} in {name!r}: 'unfolded' or one of "
-                         f"{', '.join(STORAGE)}")
-    return label, UNFOLDED[1:] not in suffixes, dict(STORAGE[s] for s in suffixes if s in STORAGE)
+    if bad := [s for s in suffixes if s != UNFOLDED[1:] and not STORAGE.fullmatch(s)]:
+        raise ValueError(f"unknown mode suffix {bad[0]!r} in {name!r}: 'unfolded', w-int8, "
+                         "w-fp8 (either with -g<group size>), kv-int8 or kv-fp8")
+    found = [STORAGE.fullmatch(s).groups() for s in suffixes if s != UNFOLDED[1:]]
+    return label, UNFOLDED[1:] not in suffixes, {k: v for w, g, kv in found for k, v in (
+        ("quantization", w), ("quantization_group_size", int(g or 0)), ("kv_cache_dtype", kv)) if v}
 
 
 def mode_config(name: str) -> AllReduceConfig | None:
@@ -365,7 +368,7 @@ def sensitivity(args) -> list[dict]:
 
 
 COLUMNS = {
-    "quality": [("tp", ">3", "tp"), ("mode", "<18", "mode"), ("perplexity", ">10", "perplexity"),
+    "quality": [("tp", ">3", "tp"), ("mode", "<24", "mode"), ("perplexity", ">10", "perplexity"),
                 ("vs bf16", ">8", "perplexity_vs_bf16"), ("KL to f32", ">10", "kl_to_f32"),
                 ("top-1 = f32", ">11", "top1_agree_f32"), ("greedy =", ">9", "greedy_exact_match"),
                 ("prefix", ">7", "greedy_prefix")],
@@ -379,9 +382,7 @@ COLUMNS = {
 
 
 def cell(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -391,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tp", help="comma list (quality); one degree (images, sensitivity)")
     p.add_argument("--modes", help="comma list of AllReduce labels (quality: or naive; "
                    "'int8:unfolded' rotates at run time instead of in the weights; ':w-int8', "
-                   "':w-fp8', ':kv-int8', ':kv-fp8' add int8 / fp8 weights or KV cache)")
+                   "':w-fp8', ':kv-int8', ':kv-fp8' add int8 / fp8 weights or KV cache, "
+                   "':w-int8-g32' weights with a scale per 32 values)")
     p.add_argument("--tokens", type=int, help="next-token predictions scored (images: text "
                    "tokens around each image)")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window (with BOS)")
@@ -407,7 +409,6 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {mode: {k: given[k] if given[k] is not None else v for k, v in zip(
         given, DEFAULTS[mode] + (4 if mode == "images" else 16,))} for mode in common.names(args.only)}
     from jax_platform import ensure_cpu_devices
-
     if "scaling" in settings:  # always the real tp=4
         settings["scaling"]["tp"] = "4"
     ensure_cpu_devices(max(max(common.ints(s["tp"])) for s in settings.values()))

@@ -140,8 +140,8 @@ def _exit_stuck(runtime) -> None:
 # ---- gemma3-generate ----
 
 _GENERATE_SETTINGS = ("model", "tp", "tp_mesh", "allreduce", "allreduce_minishards",
-                      "allreduce_min_bytes", "dtype", "quantization", "max_seq_len", "compile_cache_dir",
-                      "log_level")
+                      "allreduce_min_bytes", "dtype", "quantization", "quantization_group_size",
+                      "max_seq_len", "compile_cache_dir", "log_level")
 
 
 def generate_main(argv: list[str] | None = None) -> None:

@@ -93,6 +93,10 @@ class ServerConfig:
                                "or 'fp8' (8-bit codes, a scale per output channel, dequantized "
                                "inside the matmuls)",
                                choices=("none", "int8", "fp8"))
+    quantization_group_size: int = _field(0, "with --quantization: 0 (a scale per output "
+                                          "channel) or a power of two G, a scale per G values "
+                                          "along the contracted dim (e.g. 32: closer to the "
+                                          "unquantized model, slower on a CPU)")
     host: str = _field("127.0.0.1", "address to bind (loopback by default)")
     port: int = _field(8000, "port to bind")
     max_num_seqs: int = _field(8, "sequences running at once (generated together)")
@@ -198,6 +202,10 @@ class ServerConfig:
             raise ValueError("step_timeout and compile_timeout must be > 0")
         if self.allreduce_min_bytes < 0:
             raise ValueError("allreduce_min_bytes must be >= 0")
+        group = self.quantization_group_size
+        if group < 0 or group & (group - 1) or (group and self.quantization == "none"):
+            raise ValueError(f"quantization_group_size must be 0 or a power of two with "
+                             f"--quantization int8 or fp8, got {group} with {self.quantization}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for f in dataclasses.fields(self):

@@ -193,6 +193,7 @@ def load_configured_model(config: ServerConfig):
                       allreduce=config.allreduce_config(),
                       dtype=config.dtype, max_seq_len=config.max_seq_len,
                       quantization=config.quantization,
+                      quantization_group_size=config.quantization_group_size,
                       kv_cache_dtype=config.kv_cache_dtype,
                       program_cache_dir=os.path.join(cache, "programs") if cache else None,
                       weights_cache_dir=os.path.join(cache, "weights") if cache else None)

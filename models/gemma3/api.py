@@ -47,16 +47,18 @@ class Gemma3Model(Gemma3StepAPI):
       `allreduce` then only labels the model.
     program_cache: keep the traced programs on disk (see `load_model`'s program_cache_dir).
     quantization: what `weights` are ("none", or "int8" / "fp8": already quantized, see
-      `ModelPrograms.quantize_weights`).
+      `ModelPrograms.quantize_weights`), with quantization_group_size.
     """
 
     def __init__(self, config: Gemma3Config, weights: Weights, *, mesh,
                  allreduce: AllReduceConfig, dtype, tokenizer=None,
                  reduction: Reduction | None = None, program_cache: ProgramCache | None = None,
-                 quantization: str = "none", kv_cache_dtype: str = "auto"):
+                 quantization: str = "none", kv_cache_dtype: str = "auto",
+                 quantization_group_size: int = 0):
         programs = ModelPrograms(config, mesh=mesh, allreduce=allreduce, dtype=dtype,
                                  reduction=reduction, program_cache=program_cache,
-                                 quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                                 quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                 quantization_group_size=quantization_group_size)
         super().__init__(programs, weights, tokenizer)
 
     @classmethod
@@ -71,10 +73,12 @@ class Gemma3Model(Gemma3StepAPI):
     def with_allreduce(self, allreduce: AllReduceConfig | None = None, *,
                        reduction: Reduction | None = None, fold_rotation: bool = True,
                        quantization: str | None = None,
-                       kv_cache_dtype: str | None = None) -> Gemma3Model:
+                       kv_cache_dtype: str | None = None,
+                       quantization_group_size: int | None = None) -> Gemma3Model:
         """This model (config, mesh, dtype, tokenizer, weights, vision tower) with another
-        AllReduce (None: its own), a plugged-in reduction, another `quantization` of its weights
-        or another KV cache dtype (None: its own), for side-by-side comparisons. Weights are
+        AllReduce (None: its own), a plugged-in reduction, another `quantization` (and group
+        size) of its weights or another KV cache dtype (None: its own), for side-by-side
+        comparisons. Weights are
         shared, except the o and linear weights of an AllReduce that folds its rotation (see
         `load_model`), which get folded copies, and quantized weights, which are quantized
         copies. Needs a model whose own weights carry no rotation, and unquantized ones to fold
@@ -82,14 +86,17 @@ class Gemma3Model(Gemma3StepAPI):
         if self.programs.rotation_folded:
             raise ValueError("this model's weights carry its AllReduce's rotation; derive "
                              "models from one loaded with fold_rotation=False")
-        own = self.programs.quantization
+        own, own_group = self.programs.quantization, self.programs.quantization_group_size
         quantization = own if quantization is None else quantization
+        group = own_group if quantization_group_size is None else quantization_group_size
         programs = ModelPrograms(self.config, mesh=self.mesh,
                                  allreduce=allreduce or self.allreduce,
                                  dtype=self.dtype, reduction=reduction,
                                  fold_rotation=fold_rotation, quantization=quantization,
-                                 kv_cache_dtype=kv_cache_dtype or self.kv_cache_dtype)
-        if own != "none" and (quantization != own or programs.rotation_folded):
+                                 kv_cache_dtype=kv_cache_dtype or self.kv_cache_dtype,
+                                 quantization_group_size=group)
+        if own != "none" and (quantization != own or group != own_group
+                              or programs.rotation_folded):
             raise ValueError(f"this model's weights are quantized ({own}); derive models from "
                              "one loaded with quantization='none'")
         weights = self.weights
@@ -106,7 +113,8 @@ class Gemma3Model(Gemma3StepAPI):
 
     def weights_summary(self) -> dict:
         """The weights' bytes on the devices (one copy), dtype and quantization (/health)."""
-        return weights_summary(self.weights, self.programs.quantization)
+        return weights_summary(self.weights, self.programs.quantization,
+                               self.programs.quantization_group_size)
 
     def score(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [B, T, V] at every position (T = longest sequence; positions past a
@@ -225,6 +233,8 @@ class Gemma3Model(Gemma3StepAPI):
         mesh = f", tp_mesh={self.programs.tp_mesh}" if self.programs.tp_mesh else ""
         quant = (f", quantization={self.programs.quantization}"
                  if self.programs.quantization != "none" else "")
+        if self.programs.quantization_group_size:
+            quant += f", quantization_group_size={self.programs.quantization_group_size}"
         kv = (f", kv_cache_dtype={self.kv_cache_dtype}" if self.kv_cache_dtype != "auto"
               else "")
         return (f"Gemma3Model({self.config.name}, tp={self.tp}{mesh}, dtype={self.dtype.name}, "
@@ -239,7 +249,7 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
                program_cache_dir: str | os.PathLike | None = None,
                weights_cache_dir: str | os.PathLike | None = None,
                fold_rotation: bool = True, quantization: str = "none",
-               kv_cache_dtype: str = "auto") -> Gemma3Model:
+               kv_cache_dtype: str = "auto", quantization_group_size: int = 0) -> Gemma3Model:
     """Load Gemma 3, sharded over `tp` devices (each device receives only its shards).
 
     Images: a Hugging Face `Gemma3ForConditionalGeneration` directory's vision tower and
@@ -280,13 +290,16 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
       8-bit codes with a scale per output channel (`models.gemma3.quantization`), quantized on
       the devices after the rotation folding; with weights_cache_dir, a GGUF source's
       quantized weights are kept there too, so a restart maps them instead.
+    quantization_group_size: 0 (the default: a scale per output channel) or a power of two G:
+      a scale per G values along each weight's innermost contracted dim (closer to the
+      unquantized model; ValueError where G does not divide a shard's contracted dim).
     kv_cache_dtype: what the paged KV cache holds: "auto" (the activations' dtype), "int8" or
       "fp8" (the EQuARX group codec's codes and scales, `paged_kv`: ~0.53x the bytes of
       bfloat16); ValueError on TPU, whose attention kernel reads unquantized pages only.
     """
     allreduce = allreduce or AllReduceConfig()
     dtype = loading.as_dtype(dtype)
-    check_quantization(quantization)
+    check_quantization(quantization, quantization_group_size)
     parse_tp_mesh(tp_mesh, tp)  # a bad mesh (or setting) fails before anything loads
     checked_kv_cache_dtype(kv_cache_dtype)
     if isinstance(config, str):
@@ -313,7 +326,8 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
             f"precision={jax.config.jax_default_matmul_precision}", native_kernels=native_kernels)
     programs = ModelPrograms(cfg, mesh=mesh, allreduce=allreduce, dtype=dtype,
                              program_cache=program_cache, fold_rotation=fold_rotation,
-                             quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                             quantization_group_size=quantization_group_size)
     compiling = None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         if warm_up is not None:
@@ -356,7 +370,8 @@ def _place_weights(programs: ModelPrograms, place, source, weights_cache_dir) ->
 def _quantized_variant(programs: ModelPrograms) -> str:
     """What, besides the GGUF file and dtype, a cached entry of quantized weights depends on."""
     rotation = programs.allreduce.group_size if programs.rotation_folded else "none"
-    return f"{programs.quantization} rotation={rotation}"
+    group = programs.quantization_group_size
+    return f"{programs.quantization} rotation={rotation}" + (f" group={group}" if group else "")
 
 
 def _gguf_path(source) -> str | None:

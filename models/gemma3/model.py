@@ -113,7 +113,11 @@ def matmul(spec: str, x: jax.Array, w) -> jax.Array:
     single = x.shape[0] == 1 and int(np.prod(x.shape[1:-1])) == 1
     if single:
         x = jnp.concatenate([x, x], axis=0)
-    if isinstance(w, QuantizedArray):
+    if isinstance(w, QuantizedArray) and not _per_channel(spec, w.scale):
+        # Grouped scales: the weight dequantized in the program (XLA fuses it into the dot's
+        # operand off a CPU), then the plain product.
+        out = jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+    elif isinstance(w, QuantizedArray):
         # Each output channel's scale applied once to the float32 product of the codes.
         if w.codes.dtype == jnp.int8 and jax.default_backend() == "cpu" and _leading(spec):
             out = _int8_product(spec, x, w.codes)
@@ -123,6 +127,12 @@ def matmul(spec: str, x: jax.Array, w) -> jax.Array:
     else:
         out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     return (out[:1] if single else out).astype(x.dtype)
+
+
+def _per_channel(spec: str, scale: jax.Array) -> bool:
+    """Whether a quantized weight's scale has size 1 on every dim `spec` contracts."""
+    inputs, out = spec.replace(" ", "").split("->")
+    return all(n == 1 for d, n in zip(inputs.split(",")[1], scale.shape) if d not in out)
 
 
 def _leading(spec: str) -> bool:
@@ -203,7 +213,7 @@ def _local_kv_weight(kv: jax.Array, ctx: Ctx) -> jax.Array:
         return kv
     per_head = ctx.tp // ctx.config.num_kv_heads
     head = lax.axis_index(ctx.axes) // per_head
-    if isinstance(kv, QuantizedArray):  # the scale [1, 2, K, H] is per KV head too
+    if isinstance(kv, QuantizedArray):  # the scale [1 or D/G, 2, K, H] is per KV head too
         return QuantizedArray(codes=lax.dynamic_slice_in_dim(kv.codes, head, 1, axis=2),
                               scale=lax.dynamic_slice_in_dim(kv.scale, head, 1, axis=2))
     return lax.dynamic_slice_in_dim(kv, head, 1, axis=2)
@@ -233,8 +243,8 @@ def output_projection(enc: jax.Array, w_o: jax.Array) -> jax.Array:
     head_dim flattened together: a two-dim contraction made XLA copy w_o into another order)."""
     b, t, n, h = enc.shape
     d = w_o.shape[-1]
-    if isinstance(w_o, QuantizedArray):  # scale [1, 1, D] -> [1, D]
-        w_o = QuantizedArray(codes=w_o.codes.reshape(n * h, d), scale=w_o.scale.reshape(1, d))
+    if isinstance(w_o, QuantizedArray):  # scale [1, 1, D] or [Nl, H/G, D] -> [-1, D]
+        w_o = QuantizedArray(codes=w_o.codes.reshape(n * h, d), scale=w_o.scale.reshape(-1, d))
     else:
         w_o = w_o.reshape(n * h, d)
     return matmul("btk,kd->btd", enc.reshape(b, t, n * h), w_o)

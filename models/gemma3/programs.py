@@ -24,8 +24,9 @@ from models.gemma3 import model as forward
 from models.gemma3.config import Gemma3Config
 from models.gemma3.paged_kv import PagedKV, paged_shapes, paged_specs, pool_dtype
 from models.gemma3.program_cache import ProgramCache
-from models.gemma3.quantization import (CONTRACTED, check_quantization, map_quantized, quantize,
-                                        quantized_shapes, quantized_specs)
+from models.gemma3.quantization import (CONTRACTED, check_group_size, check_quantization,
+                                        map_quantized, quantize, quantized_shapes,
+                                        quantized_specs)
 from models.gemma3.ragged import (ImageRows, RaggedBatch, attention_impl,
                                   check_kv_cache_dtype, ragged_step, span_kv, span_rows, unpack)
 from models.shapes import StepShape
@@ -113,6 +114,8 @@ class ModelPrograms:
       rotation (`rotation_folded` says whether it applies).
     quantization: "none" (the weights as loaded), "int8" or "fp8": the programs take weights
       whose linear layers are `quantization.QuantizedArray`s (`quantize_weights` makes them).
+    quantization_group_size: 0 (a scale per output channel) or G, a scale per G values along
+      each weight's innermost contracted dim (ValueError where G does not divide a shard's).
     kv_cache_dtype: what the paged cache's pools hold: "auto" (the activations' dtype), "int8"
       or "fp8" (codec codes and scales: `paged_kv`); ValueError where the platform's paged
       attention cannot read them (`ragged.check_kv_cache_dtype`).
@@ -121,9 +124,11 @@ class ModelPrograms:
     def __init__(self, config: Gemma3Config, *, mesh, allreduce: AllReduceConfig, dtype,
                  reduction: forward.Reduction | None = None,
                  program_cache: ProgramCache | None = None, fold_rotation: bool = False,
-                 quantization: str = "none", kv_cache_dtype: str = "auto"):
+                 quantization: str = "none", kv_cache_dtype: str = "auto",
+                 quantization_group_size: int = 0):
         self.config = config
-        self.quantization = check_quantization(quantization)
+        self.quantization = check_quantization(quantization, quantization_group_size)
+        self.quantization_group_size = group = quantization_group_size
         self.mesh = mesh
         self.tp = mesh.devices.size
         self.allreduce = allreduce
@@ -138,7 +143,9 @@ class ModelPrograms:
         self._ctx = forward.Ctx(config=config, tp=self.tp, allreduce=allreduce,
                                 reduction=reduction, axes=tp_axes(mesh),
                                 rotated_partials=self.rotation_folded)
-        self._weight_specs = quantized_specs(weight_specs(config, self.tp), quantization)
+        check_group_size(weight_shapes(config, self.dtype), weight_specs(config, self.tp),
+                         self.tp, group)
+        self._weight_specs = quantized_specs(weight_specs(config, self.tp), quantization, group)
         self.platform = mesh.devices.flat[0].platform
         check_kv_cache_dtype(kv_cache_dtype, self.platform)
         self.kv_cache_dtype = kv_cache_dtype
@@ -148,7 +155,7 @@ class ModelPrograms:
         self.abstract_weights: Weights = quantized_shapes(jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=sh),
             weight_shapes(config, self.dtype), named(mesh, weight_specs(config, self.tp))),
-            quantization)
+            quantization, group)
         self._ragged_programs: dict[StepShape, Callable] = {}
         self._span_programs: dict[tuple[str, str], Callable] = {}
         self._zeros_pages = jax.jit(
@@ -193,7 +200,8 @@ class ModelPrograms:
         def one(name, w):  # every layer's field has the same sharding
             out = shardings.embed if name == "embed" else getattr(shardings.layers[0], name)
             body = functools.partial(quantize, quantization=self.quantization,
-                                     contracted=CONTRACTED[name])
+                                     contracted=CONTRACTED[name],
+                                     group_size=self.quantization_group_size)
             return jax.jit(body, out_shardings=out, donate_argnums=(0,) if donate else ())(w)
 
         return map_quantized(weights, one)
@@ -292,6 +300,8 @@ class ModelPrograms:
                   f"dtype={self.dtype}"
                   f" rotated_partials={self.rotation_folded}"
                   + (f" quantization={self.quantization}" if self.quantization != "none" else "")
+                  + (f" quantization_group_size={self.quantization_group_size}"
+                     if self.quantization_group_size else "")
                   + (f" kv_cache_dtype={self.kv_cache_dtype}"
                      if self.kv_cache_dtype != "auto" else "")
                   + (f" tp_mesh={self.tp_mesh}" if self.tp_mesh else "") + salt)

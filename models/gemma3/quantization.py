@@ -1,15 +1,19 @@
 """Weight-only quantization (`--quantization int8|fp8`, vLLM's flag): the linear layers' weights
-stored as 8-bit codes with one scale per output channel, dequantized inside the matmuls.
+stored as 8-bit codes with one scale per output channel, or per group of values along the
+contracted dim (`--quantization-group-size`), dequantized inside the matmuls.
 
 A `QuantizedArray` holds codes (int8, or float8_e4m3fn) in the weight's own shape and layout and
-a scale in the weight's dtype, of the weight's shape with its contracted dims set to 1
+a scale in the weight's dtype whose shape divides the codes' (each scale serves a block of
+codes). Per output channel (group size 0), the weight's shape with its contracted dims set to 1
 ("keepdims" form): q [D, N, H] -> [1, N, H], kv [D, 2, K, H] -> [1, 2, K, H], o [N, H, D] ->
 [1, 1, D], gating [D, 2, F] -> [1, 2, F], linear [F, D] -> [1, D]; an embedding [V, D] would
 take [V, 1] (a row's scale serves the lookup and, vocabulary rows being the logits' output
-channels, the tied output projection). So a product reads 8-bit codes, converts them to the activations' dtype
-(exact: int8 and e4m3 values are bfloat16 values), accumulates in float32 and multiplies by the
-output channel's scale once (`model.matmul`). Norms, the embedding and the vision tower stay
-unquantized (`QUANTIZED_FIELDS`).
+channels, the tied output projection). A product then reads 8-bit codes, converts them to the
+activations' dtype (exact: int8 and e4m3 values are bfloat16 values), accumulates in float32 and
+multiplies by the output channel's scale once (`model.matmul`). With a group size G, one scale
+per G values along the innermost contracted dim: q [D/G, N, H], kv [D/G, 2, K, H], o [N, H/G, D],
+gating [D/G, 2, F], linear [F/G, D]; the matmul dequantizes them in the program, then multiplies.
+Norms, the embedding and the vision tower stay unquantized (`QUANTIZED_FIELDS`).
 
 Symmetric scales: absmax / 127 with the codec's round-half-even (`equarx.codec_spec`) for int8,
 absmax / 448 and e4m3's own rounding for fp8. The scale is rounded to the weight's dtype first
@@ -43,18 +47,37 @@ CONTRACTED: dict[str, tuple[int, ...]] = {
 QUANTIZED_FIELDS = ("q", "kv", "o", "gating", "linear")
 
 
-def check_quantization(quantization: str) -> str:
+def check_quantization(quantization: str, group_size: int = 0) -> str:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                          f"{quantization!r}")
+    if group_size < 0 or group_size & (group_size - 1) or (group_size and quantization == "none"):
+        raise ValueError(f"quantization_group_size must be 0 (a scale per output channel) or a "
+                         f"power of two with int8 or fp8 weights, got {group_size} with "
+                         f"quantization={quantization}")
     return quantization
+
+
+def check_group_size(shapes: Weights, specs: Weights, tp: int, group_size: int) -> None:
+    """ValueError unless `group_size` divides each quantized weight's innermost contracted dim
+    on every shard (`shapes` global, `specs` their PartitionSpecs at `tp`)."""
+    if not group_size:
+        return
+    for name in QUANTIZED_FIELDS:
+        shape, spec = getattr(shapes.layers[0], name).shape, getattr(specs.layers[0], name)
+        g = max(CONTRACTED[name])
+        local = shape[g] // (tp if g < len(spec) and spec[g] is not None else 1)
+        if local % group_size:
+            raise ValueError(f"quantization_group_size {group_size} does not divide the {name} "
+                             f"weight's contracted dim {g} (shape {tuple(shape)}: {local} values "
+                             f"a shard at tp={tp})")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
     """codes * scale: codes int8 or float8_e4m3fn in the weight's shape, scale in the weight's
-    dtype with size 1 on the contracted dims (module docstring)."""
+    dtype, each dim of it 1, the codes' or a divisor of it (groups: module docstring)."""
 
     codes: Array
     scale: Array
@@ -76,26 +99,46 @@ class QuantizedArray:
     def nbytes(self) -> int:
         return _nbytes(self.codes) + _nbytes(self.scale)
 
-    def dequantize(self) -> jax.Array:
-        return (self.codes.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(self.dtype)
+    def dequantize(self, dtype=None) -> jax.Array:
+        """codes * scale in float32, rounded to `dtype` (default: the weight's)."""
+        scale = expand_scale(self.scale.astype(jnp.float32), self.codes.shape)
+        return (self.codes.astype(jnp.float32) * scale).astype(dtype or self.dtype)
+
+
+def expand_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A scale broadcastable to `shape`: each entry repeated over its group's values."""
+    for i, (s, n) in enumerate(zip(scale.shape, shape)):
+        if s not in (1, n):
+            scale = jnp.repeat(scale, n // s, axis=i)
+    return scale
 
 
 def _nbytes(x) -> int:
     return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
 
 
-def scale_shape(shape: tuple[int, ...], contracted: tuple[int, ...]) -> tuple[int, ...]:
+def scale_shape(shape: tuple[int, ...], contracted: tuple[int, ...],
+                group_size: int = 0) -> tuple[int, ...]:
+    if group_size:  # groups along the innermost contracted dim
+        return tuple(n // group_size if i == max(contracted) else n for i, n in enumerate(shape))
     return tuple(1 if i in contracted else n for i, n in enumerate(shape))
 
 
-def quantize(w: jax.Array, quantization: str, contracted: tuple[int, ...]) -> QuantizedArray:
+def quantize(w: jax.Array, quantization: str, contracted: tuple[int, ...],
+             group_size: int = 0) -> QuantizedArray:
     """w as codes of `quantization` ("int8" or "fp8") with one symmetric scale per output
-    channel (the absmax over the `contracted` dims)."""
+    channel (the absmax over the `contracted` dims), or with a group size, per `group_size`
+    consecutive values along the innermost contracted dim."""
     code_max = CODES[quantization]
     w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=contracted, keepdims=True)
+    if group_size:
+        g = max(contracted)
+        split = w32.reshape(*w.shape[:g], w.shape[g] // group_size, group_size, *w.shape[g + 1:])
+        amax = jnp.max(jnp.abs(split), axis=g + 1)
+    else:
+        amax = jnp.max(jnp.abs(w32), axis=contracted, keepdims=True)
     scale = (amax / code_max).astype(w.dtype)
-    s32 = scale.astype(jnp.float32)
+    s32 = expand_scale(scale.astype(jnp.float32), w.shape)
     # A rounded-down scale may put the absmax a fraction past the largest code: clipped.
     v = jnp.clip(w32 / jnp.where(s32 > 0, s32, 1.0), -code_max, code_max)
     codes = round_int8(v) if quantization == "int8" else v.astype(CODE_DTYPES["fp8"])
@@ -112,20 +155,23 @@ def map_quantized(weights: Weights, fn: Callable[[str, Any], Any],
     return dataclasses.replace(weights, embed=embed, layers=layers)
 
 
-def quantized_specs(specs: Weights, quantization: str) -> Weights:
+def _scale_spec(name: str, s: P, group_size: int) -> P:
+    """A scale's PartitionSpec: the weight's, but unsharded on per-channel size-1 dims."""
+    if group_size:
+        return s
+    return P(*(None if i in CONTRACTED[name] else a for i, a in enumerate(s)))
+
+
+def quantized_specs(specs: Weights, quantization: str, group_size: int = 0) -> Weights:
     """The PartitionSpecs of quantized weights from the unquantized ones: codes as the weight,
-    the scale as the weight but unsharded on its size-1 (contracted) dims."""
+    the scale too, but unsharded on its size-1 (contracted) dims when per channel."""
     if quantization == "none":
         return specs
-
-    def spec(name, s: P):
-        scale = P(*(None if i in CONTRACTED[name] else a for i, a in enumerate(s)))
-        return QuantizedArray(codes=s, scale=scale)
-
-    return map_quantized(specs, spec)
+    return map_quantized(specs, lambda name, s: QuantizedArray(
+        codes=s, scale=_scale_spec(name, s, group_size)))
 
 
-def quantized_shapes(shapes: Weights, quantization: str) -> Weights:
+def quantized_shapes(shapes: Weights, quantization: str, group_size: int = 0) -> Weights:
     """ShapeDtypeStructs (shardings kept where given, scales' as `quantized_specs`) of
     quantized weights from the unquantized ones'."""
     if quantization == "none":
@@ -136,20 +182,22 @@ def quantized_shapes(shapes: Weights, quantization: str) -> Weights:
         sharding = getattr(s, "sharding", None)
         scale_sharding = None
         if sharding is not None:
-            scale_sharding = NamedSharding(sharding.mesh, P(*(
-                None if i in CONTRACTED[name] else a for i, a in enumerate(sharding.spec))))
+            scale_sharding = NamedSharding(sharding.mesh,
+                                           _scale_spec(name, sharding.spec, group_size))
         return QuantizedArray(
             codes=jax.ShapeDtypeStruct(s.shape, code, sharding=sharding),
-            scale=jax.ShapeDtypeStruct(scale_shape(s.shape, CONTRACTED[name]), s.dtype,
-                                       sharding=scale_sharding))
+            scale=jax.ShapeDtypeStruct(scale_shape(s.shape, CONTRACTED[name], group_size),
+                                       s.dtype, sharding=scale_sharding))
 
     return map_quantized(shapes, shape)
 
 
-def weights_summary(weights: Weights, quantization: str) -> dict:
+def weights_summary(weights: Weights, quantization: str, group_size: int = 0) -> dict:
     """What /health reports of a model's weights: their bytes on the devices (all shards of
-    one copy), the dtype of the linear layers' values, and the quantization."""
+    one copy, scales included), the dtype of the linear layers' values, the quantization and
+    its group size (0: a scale per output channel)."""
     total = sum(_nbytes(x) for x in jax.tree.leaves(weights))
     dtype = (CODE_DTYPES[quantization] if quantization != "none"
              else jnp.dtype(weights.final_norm.dtype))
-    return {"bytes": int(total), "dtype": dtype.name, "quantization": quantization}
+    return {"bytes": int(total), "dtype": dtype.name, "quantization": quantization,
+            "group_size": group_size}
