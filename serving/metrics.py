@@ -95,7 +95,8 @@ class Metrics(NullMetrics):
         info = series(Gauge, "engine_info", "Engine configuration (value 1).", ("tp", "dtype"))
         info.labels(*self._values, str(tp), dtype).set(1)
         if weights:
-            series(Gauge, "weights_bytes", "Bytes of the model's weights on the devices (one copy), "
+            series(Gauge, "weights_bytes", "Bytes of the model's weights on the devices (one copy, "
+                   "quantization scales included), "
                    "by the linear layers' dtype and the quantization.", ("dtype", "quantization")
                    ).labels(*self._values, weights["dtype"], weights["quantization"]
                             ).set(weights["bytes"])

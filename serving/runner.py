@@ -39,7 +39,8 @@ class RunnerInfo:
     dtype: str = "bfloat16"
     allreduce: dict = dataclasses.field(default_factory=dict)
     allreduce_label: str = "bf16"
-    # The model's weights: {"bytes" (on the devices, one copy), "dtype", "quantization"}.
+    # The model's weights: {"bytes" (on the devices, one copy), "dtype", "quantization",
+    # "group_size"}.
     weights: dict = dataclasses.field(default_factory=dict)
     # The most prompt tokens a sequence computes in one step while others run or wait.
     long_prefill_token_threshold: int = 16

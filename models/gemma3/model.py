@@ -16,7 +16,7 @@ from jax import lax
 
 from equarx import AllReduceConfig, all_reduce
 from models.gemma3.config import Gemma3Config
-from models.gemma3.quantization import QuantizedArray
+from models.gemma3.quantization import QuantizedArray, expand_scale
 from models.gemma3.sharding import AXIS, kv_sharded
 from models.gemma3.weights import LayerWeights, Weights
 
@@ -190,7 +190,8 @@ def _take_rows(table, ids: jax.Array) -> jax.Array:
     """table[ids] (rows of an embedding table, quantized or not) in the table's dtype."""
     if isinstance(table, QuantizedArray):
         codes = jnp.take(table.codes, ids, axis=0).astype(jnp.float32)
-        return (codes * jnp.take(table.scale, ids, axis=0).astype(jnp.float32)).astype(table.dtype)
+        scale = jnp.take(table.scale, ids, axis=0).astype(jnp.float32)
+        return (codes * expand_scale(scale, codes.shape)).astype(table.dtype)
     return jnp.take(table, ids, axis=0)
 
 

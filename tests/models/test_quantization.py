@@ -219,15 +219,16 @@ def test_linear_layers_take_under_055x_of_bf16(size):
     assert nbytes(quantized) < 0.55 * nbytes(shapes)
 
 
-def test_quantized_embedding_serves_lookup_and_logits():
-    """The embedding's QuantizedArray (row scales [V, 1]) gives the rows and the tied logits
-    of its dequantized table."""
+@pytest.mark.parametrize("group_size", [0, 16])
+def test_quantized_embedding_serves_lookup_and_logits(group_size):
+    """The embedding's QuantizedArray (row scales [V, 1], or [V, D/G] grouped) gives the rows
+    and the tied logits of its dequantized table."""
     from models.gemma3 import model as forward
 
     rng = np.random.default_rng(1)
     table = jnp.asarray(rng.standard_normal((512, 64)), jnp.float32)
-    q = Q.quantize(table, "int8", Q.CONTRACTED["embed"])
-    assert q.scale.shape == (512, 1)
+    q = Q.quantize(table, "int8", Q.CONTRACTED["embed"], group_size=group_size)
+    assert q.scale.shape == (512, 64 // group_size if group_size else 1)
     ctx = forward.Ctx(config=get_config("tiny"), tp=1, allreduce=F32)
     tokens = jnp.asarray([[3, 511, 0, 77]])
     np.testing.assert_allclose(forward.embed_tokens(q, tokens, ctx),
