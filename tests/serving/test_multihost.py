@@ -3,9 +3,9 @@
 
 The engine in deterministic mode (a tiny random model, int8 weights and KV cache) must return
 exactly the tokens of the single-process tp=2 model with the int8 AllReduce (computed here, in
-the test process), and process 0 must exit with a clear error soon after process 1 is killed. The paged engine, on a tiny random
-model with a tiny vision tower, must answer text and image requests exactly as a single-process
-server does, then end cleanly on SIGTERM.
+the test process), and process 0 must exit with a clear error soon after process 1 is killed.
+In its default mode, on a tiny random model with a tiny vision tower, it must answer text and
+image requests exactly as a single-process server does, then end cleanly on SIGTERM.
 
 The wire format, settings and watchdog are checked without starting any process, and a
 group's image work with its two processes played in this one.
