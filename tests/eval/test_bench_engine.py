@@ -26,14 +26,15 @@ def run(tmp_path, *args) -> dict:
     return report
 
 
-def test_engines_compared_step_and_census(tmp_path):
-    # Shapes compile on first use (untimed runs come first); tests/serving/test_precompile.py
+def test_every_text_mode_in_one_run(tmp_path):
+    # One process for every mode on random:tiny (its start-up and the engine's programs paid
+    # once). Shapes compile on first use (untimed runs come first); tests/serving/test_precompile.py
     # checks that with --precompile all nothing compiles after ready. 8 slots, the step and
     # census modes' own: each engine kind is then one engine configuration, whose programs
     # compile once for all the modes.
-    report = run(tmp_path, "--only", "lone,batch,streams,ttft,step,census", "--streams", "1,2",
-                 "--engines", "default,deterministic", "--precompile", "warmup",
-                 "--max-num-seqs", "8")
+    report = run(tmp_path, "--only", "lone,batch,streams,ttft,step,census,prefix,itl,grammar,"
+                 "capacity,compiles,ready", "--streams", "1,2", "--engines",
+                 "default,deterministic", "--precompile", "warmup", "--max-num-seqs", "8")
     assert report["tokenizer"] == "byte" and report["layers"] == 3
     names = ["default@128", "deterministic@128"]
     for name in names:
@@ -54,11 +55,6 @@ def test_engines_compared_step_and_census(tmp_path):
     # A plain step dispatches the model's program and the sampler's, and puts its inputs.
     step = census["per_step"]
     assert step["programs"] >= 2 and step["device_puts"] >= 1, step
-
-
-def test_prefix_itl_grammar_capacity_compiles_and_ready(tmp_path):
-    report = run(tmp_path, "--only", "prefix,itl,grammar,capacity,compiles,ready",
-                 "--precompile", "warmup", "--max-num-seqs", "8")
     prefix = report["prefix"]
     # The second request found the shared prefix's whole pages of 16 cached.
     assert prefix["prefix_tokens"] == 65 and prefix["hit_tokens"] == 64

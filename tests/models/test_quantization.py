@@ -263,37 +263,6 @@ def test_compiled_step_reads_int8_weights(tiny):
     assert len(re.findall(to_float.format("f8E4M3FN"), fp8.as_text())) == n_linear
 
 
-def test_restart_reads_the_quantized_weights_from_the_cache(tmp_path, monkeypatch):
-    """The real 270M: the first int8 load quantizes and keeps the result in the weights cache;
-    the second neither decodes the GGUF file nor quantizes, and maps the same bytes (so the
-    same programs give the same logits)."""
-    from models.gemma3 import gguf, programs
-
-    cache = tmp_path / "weights"
-    first = load_model("gemma3-270m", dtype="bfloat16", quantization="int8",
-                       weights_cache_dir=cache)
-    want = [np.asarray(a) for a in jax.tree.leaves(first.weights)]
-    del first
-    entries = sorted(p.name for p in cache.iterdir())
-    assert len(entries) == 2  # the decoded tree and the quantized weights
-
-    def never(*args, **kwargs):
-        raise AssertionError("decoded or quantized again")
-
-    monkeypatch.setattr(gguf, "load_gguf_params", never)
-    monkeypatch.setattr(programs, "quantize", never)
-    second = load_model("gemma3-270m", dtype="bfloat16", quantization="int8",
-                        weights_cache_dir=cache)
-    got = [np.asarray(a) for a in jax.tree.leaves(second.weights)]
-    assert [a.dtype for a in got] == [a.dtype for a in want]
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-    # Another group size is another entry: it quantizes (from the cached decoded tree).
-    with pytest.raises(AssertionError, match="quantized again"):
-        load_model("gemma3-270m", dtype="bfloat16", quantization="int8",
-                   quantization_group_size=32, weights_cache_dir=cache)
-
-
 @pytest.fixture(scope="module")
 def server():
     """A server over a model loaded from its settings (--quantization int8, a scale per 8

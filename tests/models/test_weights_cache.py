@@ -162,27 +162,51 @@ def test_a_store_cut_short_leaves_no_entry_and_its_leftovers_go(tmp_path, source
 
 
 @pytest.mark.slow
-def test_restart_maps_the_decoded_weights_instead_of_decoding(tmp_path, monkeypatch):
-    """The real 270M GGUF: the first load decodes and fills the cache, the second never calls
-    the decoder and places bit-identical weights, which give bit-identical logits."""
-    from models.gemma3 import gguf, load_model
+def test_restart_maps_the_decoded_and_the_quantized_weights(tmp_path, monkeypatch):
+    """The real 270M GGUF: the first load decodes and fills the cache; an int8 load then
+    quantizes the cached decoded tree (no decoding) and keeps its result too. Restarts of both
+    neither decode nor quantize, and place bit-identical weights, which give bit-identical
+    logits."""
+    from models.gemma3 import gguf, load_model, programs
+    from models.gemma3.quantization import quantize
 
     cache = tmp_path / "weights"
     prompt = [[2, 818, 5279, 529, 7001, 563]]
-    first = load_model("gemma3-270m", tp=2, dtype="bfloat16", weights_cache_dir=cache)
-    want = [np.asarray(a) for a in jax.tree.leaves(first.weights)]
+
+    def load(**kw):
+        return load_model("gemma3-270m", tp=2, dtype="bfloat16", weights_cache_dir=cache, **kw)
+
+    def leaves(m):
+        return [np.asarray(a) for a in jax.tree.leaves(m.weights)]
+
+    def never(*args, **kwargs):
+        raise AssertionError("decoded or quantized again")
+
+    first = load()
     # One forward pass (one program, not generate's prefill and decode step), compared bit for
     # bit rather than by its greedy tokens.
-    want_logits = first.score(prompt)
+    want, want_logits = leaves(first), first.score(prompt)
     del first
-
-    def no_decoding(*args, **kwargs):
-        raise AssertionError("the GGUF file was decoded again")
-
-    monkeypatch.setattr(gguf, "load_gguf_params", no_decoding)
-    second = load_model("gemma3-270m", tp=2, dtype="bfloat16", weights_cache_dir=cache)
-    got = [np.asarray(a) for a in jax.tree.leaves(second.weights)]
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
-    np.testing.assert_array_equal(second.score(prompt), want_logits)
+    monkeypatch.setattr(gguf, "load_gguf_params", never)
+    quantized = load(quantization="int8")
+    want_q = leaves(quantized)
+    del quantized
+    assert len(list(cache.iterdir())) == 2  # the decoded tree and the quantized weights
+    monkeypatch.setattr(programs, "quantize", never)
+    for kw, expected in (({}, want), ({"quantization": "int8"}, want_q)):
+        second = load(**kw)
+        got = leaves(second)
+        assert [a.dtype for a in got] == [a.dtype for a in expected]
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        if not kw:
+            np.testing.assert_array_equal(second.score(prompt), want_logits)
+        del second
+    # Another group size is another entry, beside the per-channel one, restarted the same way.
+    monkeypatch.setattr(programs, "quantize", quantize)
+    grouped = dict(quantization="int8", quantization_group_size=32)
+    want_g = leaves(load(**grouped))
+    assert len(list(cache.iterdir())) == 3
+    monkeypatch.setattr(programs, "quantize", never)
+    for a, b in zip(leaves(load(**grouped)), want_g, strict=True):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -88,9 +88,8 @@ def _engine_text(model, prompt: str, params) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", [(), ("--temperature", "0.8", "--top-k", "40", "--seed", "5")])
 def test_generate_prints_the_engines_text(capsys, real_270m, sampling):
-    """What it prints for the real 270M: greedy, the model's own greedy text (its `generate`,
-    an independent path: a prefill and decode steps over a dense cache); sampled with a seed,
-    the engine's text for that seed (float32, where the paths differ in the last bits only)."""
+    """What it prints for the real 270M: the engine's text for the same prompt and sampling
+    settings (greedy, and sampled with a seed), built here in the test process."""
     from serving.sampling import SamplingParams
 
     prompt = "The capital of France is"

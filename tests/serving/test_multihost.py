@@ -1,11 +1,11 @@
 """Multi-host serving: `gemma3-serve` as 2 processes on JAX's distributed runtime (gloo over
 127.0.0.1), tp=2 with one device in each process, float32.
 
-The slot engine on the real Gemma 3 270M must return exactly the tokens of the single-process
-tp=2 model with the int8 AllReduce (computed here, in the test process), and process 0 must
-exit with a clear error soon after process 1 is killed. The paged engine, on a tiny random
-model with a tiny vision tower, must answer text and image requests exactly as a single-process
-server does, then end cleanly on SIGTERM.
+The engine in deterministic mode (a tiny random model, int8 weights and KV cache) must return
+exactly the tokens of the single-process tp=2 model with the int8 AllReduce (computed here, in
+the test process), and process 0 must exit with a clear error soon after process 1 is killed.
+In its default mode, on a tiny random model with a tiny vision tower, it must answer text and
+image requests exactly as a single-process server does, then end cleanly on SIGTERM.
 
 The wire format, settings and watchdog are checked without starting any process, and a
 group's image work with its two processes played in this one.

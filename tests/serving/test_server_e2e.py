@@ -3,11 +3,9 @@ short context to keep compiles short), driven by real clients (httpx and the off
 
 One server, shared by every test here: tp=2 on two virtual CPU devices with a float32 AllReduce,
 whose greedy outputs must be the golden greedy continuations made with the official `gemma`
-implementation, one prompt at a time (and its prompt logprobs the official logits). It used to run
-beside a tp=1 server and be compared with it, on the prompts that fit its shorter context; the
-golden is the stronger reference for every prompt, a served tp=1 270M is compared with a golden in
-test_hf_checkpoint.py, and `gemma3-serve` runs at tp=1 in test_soak.py and test_watchdog.py, so
-one compile of the 270M's programs is enough here (the file's set-up 38 -> 13 s).
+implementation, one prompt at a time (and its prompt logprobs the official logits). A served
+tp=1 270M is compared with a golden in test_hf_checkpoint.py, and `gemma3-serve` runs at tp=1 in
+tests/eval/test_bench_serving.py and test_watchdog.py.
 """
 import asyncio
 import functools
