@@ -16,6 +16,7 @@ def pytest_configure(config):
     import tempfile
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _no_numpy_huge_pages()
     # The servers the tests start (child processes read it) compile no step program in the
     # background beside the suite: tests/serving/test_background_compile.py turns it on.
     os.environ.setdefault("GEMMA3_BACKGROUND_COMPILE", "0")
@@ -35,6 +36,21 @@ def pytest_configure(config):
         config._native_build = threading.Thread(target=_build_native_cpu_kernels, daemon=True)
         config._native_build.start()
 
+
+
+def _no_numpy_huge_pages():
+    """numpy asks for transparent huge pages for its large arrays (madvise); where the kernel
+    compacts memory for them on a fault (defrag=madvise), a fresh gigabyte of arrays took
+    1-7 s of system time against 0.4 s without. Off for the suite's processes and the child
+    processes they start (numpy reads the variable at import)."""
+    import os
+    import sys
+
+    os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
+    if "numpy" in sys.modules and os.environ["NUMPY_MADVISE_HUGEPAGE"] == "0":
+        from numpy._core import multiarray
+
+        multiarray._set_madvise_hugepage(False)
 
 def _build_native_cpu_kernels():
     """Build equarx.native_cpu's kernels into the session's cache once, in the controller while

@@ -11,6 +11,7 @@ from equarx import AllReduceConfig
 from models.gemma3 import CONFIGS, get_config, load_model
 from models.gemma3.sharding import weight_specs
 from models.gemma3.weights import to_official_tree, weight_shapes
+from testkit import assert_same_bytes
 
 F32 = AllReduceConfig(method="f32")
 
@@ -187,7 +188,7 @@ def test_gemma3_convert_command_writes_a_checkpoint_of_the_real_weights(tmp_path
         Tokenizer.from_gguf(default_gguf_path()).serialized_model()
     direct = load_model("gemma3-270m")
     for a, b in zip(jax.tree.leaves(direct.weights), jax.tree.leaves(restored.weights)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_same_bytes(np.asarray(a), np.asarray(b))
 
     bad = subprocess.run(exe + [str(tmp_path / "missing.gguf"), str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=120)

@@ -331,7 +331,7 @@ def real_270m():
     ref, targets = m.score([window])[0], np.array(window[1:] + [-1])
     out, g32 = {}, dict(quantization="int8", quantization_group_size=32)
     for name, kw in {"kv": dict(kv_cache_dtype="int8"), "w": dict(quantization="int8"),
-                     "w-g32": g32, "w-g32+kv": dict(g32, kv_cache_dtype="int8")}.items():
+                     "w-g32+kv": dict(g32, kv_cache_dtype="int8")}.items():
         s = compare_logits(ref, m.with_allreduce(**kw).score([window])[0], targets)
         out[name] = (s["kl"] / s["count"], s["agree"] / s["count"])
     return out
@@ -348,11 +348,10 @@ def test_real_270m_int8_weights_floor(real_270m):
     assert kl <= FLOOR_KL and top1 >= FLOOR_TOP1, real_270m
 
 
-@pytest.mark.parametrize("variant", ["w-g32", "w-g32+kv"])
-def test_real_270m_grouped_int8_weights_meet_the_target(real_270m, variant):
-    """A scale per 32 values (measured: KL 5.9e-4, top-1 98.8%; with the int8 KV cache too
-    8.1e-4, 98.8%)."""
-    kl, top1 = real_270m[variant]
+def test_real_270m_grouped_int8_weights_meet_the_target(real_270m):
+    """A scale per 32 values, with the int8 KV cache beside them (measured: KL 8.1e-4, top-1
+    98.8%; the weights alone 5.9e-4, 98.8%)."""
+    kl, top1 = real_270m["w-g32+kv"]
     assert kl <= 2e-3 and top1 >= 0.97, real_270m
 
 

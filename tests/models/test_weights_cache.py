@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from models.gemma3 import weights_cache as wc
+from testkit import assert_same_bytes
 
 
 def _tree(rng, dtype):
@@ -55,7 +56,7 @@ def test_round_trip_is_exact_and_read_only(tmp_path, source, dtype):
     assert list(got) == list(want)
     for path, a in want.items():
         assert got[path].dtype == a.dtype and got[path].shape == a.shape
-        np.testing.assert_array_equal(got[path].view(np.uint8), a.view(np.uint8))
+        assert_same_bytes(got[path], a)
         assert not got[path].flags.writeable
     # Each array starts at a page boundary of the mapped file.
     assert all(a.ctypes.data % 4096 == got[("embedder", "input_embedding")].ctypes.data % 4096
@@ -198,7 +199,7 @@ def test_restart_maps_the_decoded_and_the_quantized_weights(tmp_path, monkeypatc
         got = leaves(second)
         assert [a.dtype for a in got] == [a.dtype for a in expected]
         for a, b in zip(got, expected):
-            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+            assert_same_bytes(a, b)
         if not kw:
             np.testing.assert_array_equal(second.score(prompt), want_logits)
         del second
@@ -209,4 +210,4 @@ def test_restart_maps_the_decoded_and_the_quantized_weights(tmp_path, monkeypatc
     assert len(list(cache.iterdir())) == 3
     monkeypatch.setattr(programs, "quantize", never)
     for a, b in zip(leaves(load(**grouped)), want_g, strict=True):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        assert_same_bytes(a, b)
