@@ -73,7 +73,8 @@ def test_naive_strawman_is_identical_on_devices_and_worse_than_equarx_with_an_ou
 
 
 def test_tiny_quality_run(tmp_path):
-    modes = ["f32", "int8", "int8-full+tile", "naive"]
+    # The tile codec's quality at real size: tests/models/test_parity.py (int8 at tp=4).
+    modes = ["f32", "int8", "naive"]
     out = tmp_path / "quality.json"
     report = quality.main(["--model", "random:tiny", "--tp", "2", "--modes", ",".join(modes),
                            "--tokens", "126", "--window", "64", "--prompts", "2",
@@ -86,9 +87,7 @@ def test_tiny_quality_run(tmp_path):
     assert report["reference"] == "f32" and rows["f32"]["allreduce"]["method"] == "f32"
     assert rows["f32"]["kl_to_f32"] == 0 and rows["f32"]["greedy_exact_match"] == 1
     assert rows["int8"]["allreduce"]["blocks"] == "group"
-    assert rows["int8"]["kl_to_f32"] > 0 and rows["int8-full+tile"]["kl_to_f32"] > 0
-    assert rows["naive"]["kl_to_f32"] > max(rows["int8"]["kl_to_f32"],
-                                            rows["int8-full+tile"]["kl_to_f32"])
+    assert 0 < rows["int8"]["kl_to_f32"] < rows["naive"]["kl_to_f32"]
 
 
 def test_images_f32_exact_int8_close():
