@@ -202,10 +202,6 @@ class ServerConfig:
             raise ValueError("step_timeout and compile_timeout must be > 0")
         if self.allreduce_min_bytes < 0:
             raise ValueError("allreduce_min_bytes must be >= 0")
-        group = self.quantization_group_size
-        if group < 0 or group & (group - 1) or (group and self.quantization == "none"):
-            raise ValueError(f"quantization_group_size must be 0 or a power of two with "
-                             f"--quantization int8 or fp8, got {group} with {self.quantization}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for f in dataclasses.fields(self):
@@ -217,6 +213,10 @@ class ServerConfig:
             from models.gemma3.sharding import parse_tp_mesh
 
             parse_tp_mesh(self.tp_mesh, self.tp)
+        if self.quantization_group_size:  # (the same: only then)
+            from models.gemma3.quantization import check_quantization
+
+            check_quantization(self.quantization, self.quantization_group_size)
         if self.compile_cache_dir is None:  # resolved per config, never at import
             object.__setattr__(self, "compile_cache_dir", default_compilation_cache_dir())
 
