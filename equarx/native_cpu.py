@@ -1,7 +1,8 @@
 """Native CPU kernels of the group codec as XLA FFI handlers, built on first use: the all-gather's
-un-rotation (csrc/unrotate_cpu.cc) and the encode fused with the sum before it (csrc/encode_cpu.cc).
+un-rotation (csrc/unrotate_cpu.cc), the encode fused with the sum before it (csrc/encode_cpu.cc),
+and the product with int8 weights in groups of the contracted dim (csrc/grouped_matmul_cpu.cc).
 
-They give the pure-JAX forms' bits and change speed only. Built with `$CXX` and `-march=native` into
+The codec kernels give the pure-JAX forms' bits and change speed only. Built with `$CXX` and `-march=native` into
 a cache keyed by sources, jaxlib and processor; without a compiler, or with `EQUARX_NATIVE_CPU=0`,
 the JAX forms run. See docs/deployment.md, "CPU-only machines"."""
 from __future__ import annotations
@@ -28,12 +29,13 @@ from equarx import codec_spec
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "unrotate_cpu.cc", CSRC / "encode_cpu.cc")
+SOURCES = (CSRC / "unrotate_cpu.cc", CSRC / "encode_cpu.cc", CSRC / "grouped_matmul_cpu.cc")
 HEADERS = (CSRC / "group_codec.h",)
 TARGET = "equarx_unrotate_cpu"
 ENCODE_TARGET = "equarx_encode_sum_cpu"
 GATHER_TARGET = "equarx_gather_unrotate_cpu"
-TARGETS = (TARGET, ENCODE_TARGET, GATHER_TARGET)
+MATMUL_TARGET = "equarx_grouped_matmul_cpu"
+TARGETS = (TARGET, ENCODE_TARGET, GATHER_TARGET, MATMUL_TARGET)
 CODE_IDS = codec_spec.CODE_IDS  # the kernel's `code` attribute
 _LOCK = threading.Lock()
 
@@ -116,7 +118,8 @@ def register(lib: Path, suffix: str = "") -> tuple[str, ...]:
     those names."""
     loaded = ctypes.cdll.LoadLibrary(str(lib))
     names = tuple(t + suffix for t in TARGETS)
-    handlers = (loaded.EquarxUnrotate, loaded.EquarxEncodeSum, loaded.EquarxGatherUnrotate)
+    handlers = (loaded.EquarxUnrotate, loaded.EquarxEncodeSum, loaded.EquarxGatherUnrotate,
+                loaded.EquarxGroupedMatmul)
     for name, handler in zip(names, handlers):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
     return names
@@ -216,9 +219,21 @@ def encode_sum(buf: jax.Array, shard: jax.Array, arrivals, geometry: dict, group
     return _varying_like(out, buf)
 
 
-def _varying_like(out: jax.Array, like: jax.Array) -> jax.Array:
-    """Inside shard_map the result varies over the mesh axes its input varies over, as the
+def grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
+                   target: str = MATMUL_TARGET) -> jax.Array:
+    """x float32[R, K] times int8 codes[K, N] with a scale (bfloat16 or float32) per group of
+    K / scale.shape[0] rows of the codes and column -> float32[R, N] (CPU only; call
+    `available()` first). Each group's products are summed in float32, then scaled."""
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), np.float32),
+                           vmap_method="sequential")(x, codes, scale)
+    return _varying_like(out, x, codes, scale)
+
+
+def _varying_like(out: jax.Array, *like: jax.Array) -> jax.Array:
+    """Inside shard_map the result varies over the mesh axes its inputs vary over, as the
     pure-JAX form's does (an FFI call's result carries no such type of its own)."""
-    manual = getattr(jax.typeof(like), "manual_axis_type", None)
-    varying = tuple(sorted(manual.varying)) if manual is not None else ()
-    return lax.pcast(out, varying, to="varying") if varying else out
+    varying = set()
+    for x in like:
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        varying |= set(manual.varying) if manual is not None else set()
+    return lax.pcast(out, tuple(sorted(varying)), to="varying") if varying else out

@@ -304,8 +304,10 @@ def load_model(source="gemma3-270m", *, tp: int = 1, tp_mesh=None,
     checked_kv_cache_dtype(kv_cache_dtype)
     if isinstance(config, str):
         config = get_config(config)
-    # Where the AllReduce may call the native CPU kernels, a first start builds them now.
-    native_kernels = tp > 1 and allreduce.group_codec
+    # Where the AllReduce or grouped int8 weights may call the native CPU kernels, a first
+    # start builds them now.
+    native_kernels = ((tp > 1 and allreduce.group_codec)
+                      or (quantization == "int8" and bool(quantization_group_size)))
     if native_kernels:
         native_cpu.build_in_background()
     source, vision_name = split_vision_option(source)

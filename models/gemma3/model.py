@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from equarx import AllReduceConfig, all_reduce
+from equarx import AllReduceConfig, all_reduce, native_cpu
 from models.gemma3.config import Gemma3Config
 from models.gemma3.quantization import QuantizedArray, expand_scale
 from models.gemma3.sharding import AXIS, kv_sharded
@@ -114,9 +114,10 @@ def matmul(spec: str, x: jax.Array, w) -> jax.Array:
     if single:
         x = jnp.concatenate([x, x], axis=0)
     if isinstance(w, QuantizedArray) and not _per_channel(spec, w.scale):
-        # Grouped scales: the weight dequantized in the program (XLA fuses it into the dot's
-        # operand off a CPU), then the plain product.
-        out = jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+        if _native_groups(spec, w):  # XLA:CPU would write a dequantized copy every step
+            out = _grouped_product(spec, x, w)
+        else:  # dequantized in the program (XLA fuses it into the dot's operand off a CPU)
+            out = jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
     elif isinstance(w, QuantizedArray):
         # Each output channel's scale applied once to the float32 product of the codes.
         if w.codes.dtype == jnp.int8 and jax.default_backend() == "cpu" and _leading(spec):
@@ -143,6 +144,32 @@ def _leading(spec: str) -> bool:
     return bool(shared) and w_dims.startswith(shared) and x_dims.endswith(shared)
 
 
+def _native_groups(spec: str, w: QuantizedArray) -> bool:
+    """Whether the native CPU kernel takes this grouped product: int8 codes whose contracted
+    dims lead and whose groups are runs of the flattened contracted dim."""
+    if w.codes.dtype != jnp.int8 or not _leading(spec) or not native_cpu.in_use():
+        return False
+    k = _contracted(spec)
+    s, c = w.scale.shape, w.codes.shape
+    return s[k:] == c[k:] and s[:k - 1] == c[:k - 1]
+
+
+def _contracted(spec: str) -> int:
+    inputs, out_dims = spec.replace(" ", "").split("->")
+    x_dims, w_dims = inputs.split(",")
+    return sum(1 for d in w_dims if d in x_dims and d not in out_dims)
+
+
+def _grouped_product(spec: str, x: jax.Array, w: QuantizedArray) -> jax.Array:
+    """The float32 product of x with grouped int8 weights through the native CPU kernel."""
+    k = _contracted(spec)
+    c = int(np.prod(w.codes.shape[:k]))
+    out = native_cpu.grouped_matmul(x.reshape(-1, c).astype(jnp.float32),
+                                    w.codes.reshape(c, -1),
+                                    w.scale.reshape(-1, w.codes.size // c))
+    return out.reshape(*x.shape[:x.ndim - k], *w.codes.shape[k:])
+
+
 # x's rows as integers of 15 bits, two int8 halves: q = 128 * hi + lo, |q| <= 127 * 128.
 _ROW_CODE_MAX = 127.0 * 128.0
 
@@ -154,9 +181,7 @@ def _int8_product(spec: str, x: jax.Array, codes: jax.Array) -> jax.Array:
     ones). Each row of x (one token's values: no other token changes them) is scaled to 15-bit
     integers split into high and low int8 halves, exactly; the rounding to that grid, at most
     absmax / 32512 a value, is far below the weights' own quantization error."""
-    inputs, out_dims = spec.replace(" ", "").split("->")
-    x_dims, w_dims = inputs.split(",")
-    k = sum(1 for d in w_dims if d in x_dims and d not in out_dims)
+    k = _contracted(spec)
     c = int(np.prod(codes.shape[:k]))
     x2 = x.reshape(-1, c).astype(jnp.float32)
     step = jnp.max(jnp.abs(x2), axis=-1, keepdims=True) / _ROW_CODE_MAX

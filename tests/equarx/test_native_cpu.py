@@ -4,7 +4,9 @@ runs. The un-rotation of int8, int4 and fp8 codes (groups.unrotate_codes): bfloa
 NaN / Inf / zero / tiny groups, vmap, inside the collective. The encode with its sum
 (codecs.encode_sum): a strided piece of a bfloat16 or float32 buffer read in place with 0-2
 arrivals, zero / tiny / huge groups, NaN and Inf groups decoded as NaN, bad geometry refused.
-The AVX-512, AVX2 and plain builds each against the pure-JAX form. Both fall back cleanly."""
+The product with grouped int8 weights: each group's sum then its scale, a row's bits whatever
+rows beside it. The AVX-512, AVX2 and plain builds each against the pure-JAX form (the product:
+the same bits in every build). Both fall back cleanly."""
 import dataclasses
 import logging
 
@@ -73,10 +75,38 @@ def test_leading_shapes_and_vmap():
 def test_each_instruction_set_build_puts_the_gathered_pieces_in_place(arch):
     """Each build's all-gather end against the pure-JAX form, every code, both dtypes (its
     un-rotation and encode with its sum: tests/equarx/test_codec_conformance.py)."""
-    _, _, gather_target = native_build_targets(arch, "_test_")
+    _, _, gather_target, matmul_target = native_build_targets(arch, "_test_")
     for code in CODES:
         for dtype in (jnp.bfloat16, jnp.float32):
             _check_gather(code, dtype, device=1, target=gather_target)
+    x, codes, scale = _grouped_operands(13, 128, 72, 32, jnp.bfloat16)
+    product = jax.jit(lambda *a: native_cpu.grouped_matmul(*a, target=matmul_target))
+    assert_same_bits(product(x, codes, scale), jax.jit(native_cpu.grouped_matmul)(x, codes, scale))
+
+
+def _grouped_operands(rows: int, k: int, n: int, group: int, scale_dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = rng.random((k // group, n)).astype(np.float32) * 1e-2
+    return jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale, scale_dtype)
+
+
+@pytest.mark.parametrize("rows,k,n,group,scale_dtype", [
+    (1, 64, 32, 32, jnp.float32), (3, 128, 40, 32, jnp.bfloat16),  # a short column block
+    (8, 640, 1024, 32, jnp.bfloat16), (17, 256, 100, 64, jnp.float32)])  # a short row tile
+def test_grouped_matmul_sums_each_group_then_scales(rows, k, n, group, scale_dtype):
+    """out[r, n] = sum_j scale[j, n] * sum_{k in group j} x[r, k] * codes[k, n], to float32
+    rounding, and each row's bits the same alone as beside the others (batch invariance)."""
+    x, codes, scale = _grouped_operands(rows, k, n, group, scale_dtype)
+    product = jax.jit(native_cpu.grouped_matmul)
+    got = np.asarray(product(x, codes, scale))
+    parts = np.einsum("rjg,jgn->rjn", np.asarray(x, np.float64).reshape(rows, -1, group),
+                      np.asarray(codes, np.float64).reshape(-1, group, n))
+    want = np.einsum("rjn,jn->rn", parts, np.asarray(scale.astype(jnp.float32), np.float64))
+    assert np.max(np.abs(got - want)) < 1e-6 * np.max(np.abs(want))
+    alone = np.concatenate([np.asarray(product(x[r:r + 1], codes, scale)) for r in range(rows)])
+    assert_same_bits(alone, got)
 
 
 def _check_gather(code: str, dtype, device: int, target: str = native_cpu.GATHER_TARGET):

@@ -88,17 +88,24 @@ def test_grouped_quantize_is_codes_times_the_repeated_scale(dtype):
         assert np.sort(s, axis=None)[-2] < s.max() / 5
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_grouped_model_runs_its_dequantized_weights(tp):
+@pytest.mark.parametrize("tp,native", [(1, True), (2, True), (4, True), (2, False)])
+def test_grouped_model_runs_its_dequantized_weights(tp, native, monkeypatch):
     """int8 weights with a scale per 8 values give the logits of the same model over their
     dequantized weights as plain arrays; the scales are sharded as the codes (o's heads,
-    linear's FFN rows too)."""
+    linear's FFN rows too). On a CPU the products are the native kernel's (each group's sum,
+    then its scale); without it, the weights dequantized inside the program."""
+    from equarx import native_cpu
+    from models.gemma3 import ProgramKey, StepShape
     from models.gemma3.api import Gemma3Model
     from models.gemma3.programs import ModelPrograms
     from models.gemma3.sharding import named, weight_specs
 
+    if not native:
+        monkeypatch.setattr(native_cpu, "in_use", lambda: False)
     m = load_model(TINY, tp=tp, dtype="float32", allreduce=F32, quantization="int8",
                    quantization_group_size=8)
+    text = m.programs.lower(ProgramKey(StepShape(8, 2, 4, 8, 8, logits=True), (9, 9, 4))).as_text()
+    assert (native_cpu.MATMUL_TARGET in text) == native
     lw = m.weights.layers[0]
     assert (lw.o.scale.shape, lw.linear.scale.shape, lw.kv.scale.shape) == (
         (4, 2, 64), (16, 64), (8, 2, 2, 16))
