@@ -17,10 +17,6 @@ def pytest_configure(config):
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _no_numpy_huge_pages()
-    # Freed blocks up to 32 MiB reused, not unmapped and faulted in again as zeroed pages: what
-    # the servers and benchmarks set for themselves (serving.runtime), so the suite's
-    # processes, which run the same models, run as they do.
-    jax_platform.keep_freed_memory()
     # The servers the tests start (child processes read it) compile no step program in the
     # background beside the suite: tests/serving/test_background_compile.py turns it on.
     os.environ.setdefault("GEMMA3_BACKGROUND_COMPILE", "0")

@@ -114,7 +114,7 @@ def matmul(spec: str, x: jax.Array, w) -> jax.Array:
     if single:
         x = jnp.concatenate([x, x], axis=0)
     if isinstance(w, QuantizedArray) and not _per_channel(spec, w.scale):
-        if _native_groups(spec, w):  # XLA:CPU would write a dequantized copy every step
+        if _native_groups(spec, x, w):  # XLA:CPU would write a dequantized copy every step
             out = _grouped_product(spec, x, w)
         else:  # dequantized in the program (XLA fuses it into the dot's operand off a CPU)
             out = jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
@@ -144,12 +144,19 @@ def _leading(spec: str) -> bool:
     return bool(shared) and w_dims.startswith(shared) and x_dims.endswith(shared)
 
 
-def _native_groups(spec: str, w: QuantizedArray) -> bool:
+# Products of more rows than this dequantize in the program even on a CPU: from ~32 rows (a
+# prefill piece) XLA's matrix product outruns the kernel by more than the dequantization costs.
+_NATIVE_MAX_ROWS = 16
+
+
+def _native_groups(spec: str, x: jax.Array, w: QuantizedArray) -> bool:
     """Whether the native CPU kernel takes this grouped product: int8 codes whose contracted
-    dims lead and whose groups are runs of the flattened contracted dim."""
-    if w.codes.dtype != jnp.int8 or not _leading(spec) or not native_cpu.in_use():
-        return False
+    dims lead and whose groups are runs of the flattened contracted dim, few rows."""
     k = _contracted(spec)
+    rows = int(np.prod(x.shape[:x.ndim - k]))
+    if (w.codes.dtype != jnp.int8 or not _leading(spec) or rows > _NATIVE_MAX_ROWS
+            or not native_cpu.in_use()):
+        return False
     s, c = w.scale.shape, w.codes.shape
     return s[k:] == c[k:] and s[:k - 1] == c[:k - 1]
 
