@@ -262,22 +262,21 @@ def _child(n: int, cases: list[dict]) -> None:
                               detects_semaphore_warning=_selfcheck_detects_semaphore_warning())),
               flush=True)
     for case in cases:
-        devices = case.get("devices") or n  # a case may run on the first few of the devices
         try:
             run = {"interpret": _run_interpret, "model": _run_model}.get(case["kind"])
-            result = run(case, devices) if run else _run_lower(case)
+            result = run(case, n) if run else _run_lower(case)
         except Exception as e:  # reported, and the interpreter's state reset for the next case
             pltpu.reset_tpu_interpret_mode_state()
             result = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
-        print(json.dumps({**case, "devices": devices, **result}), flush=True)
+        print(json.dumps({**case, "devices": n, **result}), flush=True)
 
 
 # ---- the parent: one child per device count ----
 
 def run_child(n_devices: int, cases: list[dict], timeout: float = 1800) -> list[dict]:
-    """Run `cases` in a child process with `n_devices` virtual CPU devices (a case with
-    "devices": k runs on the first k); one dict per case (plus a leading selfcheck row when
-    there are interpret cases). Raises on a crashed or hung child, with its output."""
+    """Run `cases` in a child process with `n_devices` virtual CPU devices; one dict per case
+    (plus a leading selfcheck row when there are interpret cases). Raises on a crashed or
+    hung child, with its output."""
     import jax_platform
 
     env = jax_platform.child_environment(malloc_tunables=False, cpu_devices=n_devices)
