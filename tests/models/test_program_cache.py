@@ -74,6 +74,26 @@ def test_stored_int8_programs_call_the_native_cpu_kernels(stored):
         assert sum(target in m for m in modules) == 2
 
 
+def test_grouped_int8_weights_programs_are_stored_with_their_kernel(tmp_path):
+    """int8 weights in groups call the native CPU product (at tp=1, no AllReduce kernel):
+    stored with that custom call, loaded by a second instance, the same bits."""
+    from equarx import native_cpu
+
+    def load():
+        return load_model(TINY, tp=1, dtype="float32", max_seq_len=32, quantization="int8",
+                          quantization_group_size=8, program_cache_dir=tmp_path)
+
+    first = load()
+    want = _score(first)
+    assert _stats(first) == {"exported": 1}
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    module = jax.export.deserialize(bytearray(pickle.loads(path.read_bytes())[2])).mlir_module()
+    assert native_cpu.MATMUL_TARGET in module
+    second = load()
+    np.testing.assert_array_equal(_score(second), want)
+    assert _stats(second) == {"loaded": 1}
+
+
 def test_other_settings_or_shapes_never_reuse_a_program(stored, tmp_path):
     directory = tmp_path / "copy"
     shutil.copytree(stored[0], directory)
