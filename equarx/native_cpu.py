@@ -2,9 +2,9 @@
 un-rotation (csrc/unrotate_cpu.cc), the encode fused with the sum before it (csrc/encode_cpu.cc),
 and the product with int8 weights in groups of the contracted dim (csrc/grouped_matmul_cpu.cc).
 
-The codec kernels give the pure-JAX forms' bits and change speed only. Built with `$CXX` and `-march=native` into
-a cache keyed by sources, jaxlib and processor; without a compiler, or with `EQUARX_NATIVE_CPU=0`,
-the JAX forms run. See docs/deployment.md, "CPU-only machines"."""
+The codec kernels give the pure-JAX forms' bits and change speed only. Built with `$CXX` and
+`-march=native` into a cache keyed by sources, jaxlib and processor; without a compiler, or with
+`EQUARX_NATIVE_CPU=0`, the JAX forms run. See docs/deployment.md, "CPU-only machines"."""
 from __future__ import annotations
 
 import ctypes

@@ -37,7 +37,6 @@ def pytest_configure(config):
         config._native_build.start()
 
 
-
 def _no_numpy_huge_pages():
     """numpy asks for transparent huge pages for its large arrays (madvise); where the kernel
     compacts memory for them on a fault (defrag=madvise), a fresh gigabyte of arrays took
@@ -51,6 +50,7 @@ def _no_numpy_huge_pages():
         from numpy._core import multiarray
 
         multiarray._set_madvise_hugepage(False)
+
 
 def _build_native_cpu_kernels():
     """Build equarx.native_cpu's kernels into the session's cache once, in the controller while

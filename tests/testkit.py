@@ -186,7 +186,6 @@ def assert_same_bits(got, want, wire: tuple | None = None, err_msg: str = "") ->
                                   err_msg=f"the bits of the values other than NaN {err_msg}")
 
 
-
 def assert_same_bytes(got, want, err_msg: str = "") -> None:
     """got and want (host arrays, or anything np.asarray takes) of one shape and dtype, byte for
     byte. One comparison of the raw bytes: np.testing.assert_array_equal builds several
@@ -200,6 +199,7 @@ def assert_same_bytes(got, want, err_msg: str = "") -> None:
     got, want = got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)
     if not np.array_equal(got, want):
         np.testing.assert_array_equal(got, want, err_msg=err_msg)
+
 
 # The native kernels' instruction-set builds on x86-64: each build's -march and the processor
 # features (/proc/cpuinfo's names) it needs. x86-64-v4 runs the AVX-512 butterflies (with the

@@ -110,14 +110,14 @@ def matmul(spec: str, x: jax.Array, w) -> jax.Array:
     dot is slower than a float32-output one. So one-row products get a duplicate row, and the
     dot accumulates and returns float32 before the cast (what XLA does inside a bf16 dot anyway).
     """
+    grouped = isinstance(w, QuantizedArray) and not _per_channel(spec, w.scale)
+    if grouped and _native_groups(spec, x, w):  # XLA:CPU would dequantize a copy every step
+        return _grouped_product(spec, x, w).astype(x.dtype)  # (no slow path for one row)
     single = x.shape[0] == 1 and int(np.prod(x.shape[1:-1])) == 1
     if single:
         x = jnp.concatenate([x, x], axis=0)
-    if isinstance(w, QuantizedArray) and not _per_channel(spec, w.scale):
-        if _native_groups(spec, x, w):  # XLA:CPU would write a dequantized copy every step
-            out = _grouped_product(spec, x, w)
-        else:  # dequantized in the program (XLA fuses it into the dot's operand off a CPU)
-            out = jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+    if grouped:  # dequantized in the program (XLA fuses it into the dot's operand off a CPU)
+        out = jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
     elif isinstance(w, QuantizedArray):
         # Each output channel's scale applied once to the float32 product of the codes.
         if w.codes.dtype == jnp.int8 and jax.default_backend() == "cpu" and _leading(spec):

@@ -169,8 +169,7 @@ class ProgramCache:
     def __init__(self, directory: str | os.PathLike, salt: str = "", native_kernels: bool = True):
         """`native_kernels`: whether the programs may call equarx's native CPU kernels (an
         AllReduce with the group codec may: `AllReduceConfig.group_codec`; so may int8 weights
-        with grouped scales); whether those are
-        in use is then part of every key."""
+        with grouped scales); whether those are in use is then part of every key."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._given_salt, self._native_kernels = salt, native_kernels
