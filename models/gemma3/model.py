@@ -111,7 +111,7 @@ def matmul(spec: str, x: jax.Array, w) -> jax.Array:
     dot accumulates and returns float32 before the cast (what XLA does inside a bf16 dot anyway).
     """
     grouped = isinstance(w, QuantizedArray) and not _per_channel(spec, w.scale)
-    if grouped and _native_groups(spec, x, w):  # XLA:CPU would dequantize a copy every step
+    if grouped and _native_groups(spec, w):  # XLA:CPU would dequantize a copy every step
         return _grouped_product(spec, x, w).astype(x.dtype)  # (no slow path for one row)
     single = x.shape[0] == 1 and int(np.prod(x.shape[1:-1])) == 1
     if single:
@@ -144,18 +144,13 @@ def _leading(spec: str) -> bool:
     return bool(shared) and w_dims.startswith(shared) and x_dims.endswith(shared)
 
 
-# Products of more rows than this dequantize in the program even on a CPU: from ~32 rows (a
-# prefill piece) XLA's matrix product outruns the kernel by more than the dequantization costs.
-_NATIVE_MAX_ROWS = 16
-
-
-def _native_groups(spec: str, x: jax.Array, w: QuantizedArray) -> bool:
+def _native_groups(spec: str, w: QuantizedArray) -> bool:
     """Whether the native CPU kernel takes this grouped product: int8 codes whose contracted
-    dims lead and whose groups are runs of the flattened contracted dim, few rows."""
+    dims lead and whose groups are runs of the flattened contracted dim. At every row count,
+    so that a token's product is the same in a decode step as in a prefill piece (a token's
+    answer alone equals its answer among others; XLA's product is faster from ~32 rows)."""
     k = _contracted(spec)
-    rows = int(np.prod(x.shape[:x.ndim - k]))
-    if (w.codes.dtype != jnp.int8 or not _leading(spec) or rows > _NATIVE_MAX_ROWS
-            or not native_cpu.in_use()):
+    if w.codes.dtype != jnp.int8 or not _leading(spec) or not native_cpu.in_use():
         return False
     s, c = w.scale.shape, w.codes.shape
     return s[k:] == c[k:] and s[:k - 1] == c[:k - 1]
