@@ -109,25 +109,53 @@ def matmul(spec: str, x: jax.Array, w) -> jax.Array:
     through a slow path, ~10x slower than the same product with 2 rows, and a bfloat16-output
     dot is slower than a float32-output one. So one-row products get a duplicate row, and the
     dot accumulates and returns float32 before the cast (what XLA does inside a bf16 dot anyway).
+    Quantized weights: `_quantized_product`, by the platform the program is compiled for.
     """
-    grouped = isinstance(w, QuantizedArray) and not _per_channel(spec, w.scale)
-    if grouped and _native_groups(spec, w):  # XLA:CPU would dequantize a copy every step
-        return _grouped_product(spec, x, w).astype(x.dtype)  # (no slow path for one row)
+    if isinstance(w, QuantizedArray):
+        return _quantized_product(spec, x, w).astype(x.dtype)
+    return _dot(spec, x, w).astype(x.dtype)
+
+
+def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """The float32 einsum, a one-row x given a duplicate row (`matmul`)."""
     single = x.shape[0] == 1 and int(np.prod(x.shape[1:-1])) == 1
     if single:
         x = jnp.concatenate([x, x], axis=0)
-    if grouped:  # dequantized in the program (XLA fuses it into the dot's operand off a CPU)
-        out = jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
-    elif isinstance(w, QuantizedArray):
-        # Each output channel's scale applied once to the float32 product of the codes.
-        if w.codes.dtype == jnp.int8 and jax.default_backend() == "cpu" and _leading(spec):
-            out = _int8_product(spec, x, w.codes)
-        else:  # the codes converted inside the program (exact in x's dtype)
-            out = jnp.einsum(spec, x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
-        out = out * _output_scale(spec, w.scale)
+    out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    return out[:1] if single else out
+
+
+def _quantized_product(spec: str, x: jax.Array, w: QuantizedArray) -> jax.Array:
+    """The float32 product of x with 8-bit codes and their scales, chosen by the platform the
+    program is compiled for (`lax.platform_dependent`: one trace serves all).
+
+    A scale per output channel, int8 codes (leading contraction): on CPU and TPU the codes
+    meet x's rows as int8 in one integer dot (`_int8_product`: XLA:CPU would convert the
+    whole weight to bfloat16 every step; a TPU runs it on the MXU's int8 path, reading the
+    weight as int8); elsewhere (GPU, fp8 codes) the codes are converted inside the program
+    (exact in x's dtype; XLA fuses the conversion into the dot's operand). The scale applies
+    once to the product. Grouped scales: on a CPU the native kernel (`_native_groups`);
+    elsewhere the weight dequantized in the program."""
+    if not _per_channel(spec, w.scale):
+        def dequantized(x, codes, scale):
+            return _dot(spec, x, QuantizedArray(codes, scale).dequantize(x.dtype))
+
+        if not _native_groups(spec, w):
+            return dequantized(x, w.codes, w.scale)
+        # (the kernel has no slow one-row path: a lone decode computes one row)
+        return lax.platform_dependent(
+            x, w.codes, w.scale, default=dequantized,
+            cpu=lambda x, codes, scale: _grouped_product(spec, x, QuantizedArray(codes, scale)))
+
+    def converted(x, codes):
+        return _dot(spec, x, codes.astype(x.dtype))
+
+    if w.codes.dtype == jnp.int8 and _leading(spec):
+        int8 = lambda x, codes: _int8_product(spec, x, codes)  # noqa: E731
+        out = lax.platform_dependent(x, w.codes, default=converted, cpu=int8, tpu=int8)
     else:
-        out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return (out[:1] if single else out).astype(x.dtype)
+        out = converted(x, w.codes)
+    return out * _output_scale(spec, w.scale)
 
 
 def _per_channel(spec: str, scale: jax.Array) -> bool:
@@ -177,12 +205,13 @@ _ROW_CODE_MAX = 127.0 * 128.0
 
 
 def _int8_product(spec: str, x: jax.Array, codes: jax.Array) -> jax.Array:
-    """The float32 product of x with int8 codes as two int8 x int8 -> int32 dots (XLA:CPU
+    """The float32 product of x with int8 codes as one int8 x int8 -> int32 dot (XLA:CPU
     converts a whole int8 weight to bfloat16 before a dot, every step, which made a decode
     step ~2x slower than with bfloat16 weights; its integer dots are about as fast as bfloat16
     ones). Each row of x (one token's values: no other token changes them) is scaled to 15-bit
-    integers split into high and low int8 halves, exactly; the rounding to that grid, at most
-    absmax / 32512 a value, is far below the weights' own quantization error."""
+    integers split into high and low int8 halves, exactly, which meet the codes as rows of one
+    dot; the rounding to that grid, at most absmax / 32512 a value, is far below the weights'
+    own quantization error. Integer sums are exact: a row's result is the same in any batch."""
     k = _contracted(spec)
     c = int(np.prod(codes.shape[:k]))
     x2 = x.reshape(-1, c).astype(jnp.float32)
@@ -193,11 +222,11 @@ def _int8_product(spec: str, x: jax.Array, codes: jax.Array) -> jax.Array:
     w2 = codes.reshape(c, -1)
     dims = (((1,), (0,)), ((), ()))
 
-    def dot(part):
-        return lax.dot_general(part.astype(jnp.int8), w2, dims,
-                               preferred_element_type=jnp.int32).astype(jnp.float32)
-
-    out = (dot(hi) * 128.0 + dot(lo)) * step
+    rows = x2.shape[0]
+    # Both halves in one dot: the weight is read once.
+    both = lax.dot_general(jnp.concatenate([hi, lo]).astype(jnp.int8), w2, dims,
+                           preferred_element_type=jnp.int32).astype(jnp.float32)
+    out = (both[:rows] * 128.0 + both[rows:]) * step
     return out.reshape(*x.shape[:x.ndim - k], *codes.shape[k:])
 
 

@@ -247,7 +247,8 @@ def test_quantized_embedding_serves_lookup_and_logits(group_size):
 
 def test_compiled_step_reads_int8_weights(tiny):
     """The program's weight arguments are the int8 codes (what stays on the devices), never a
-    dequantized copy; on a CPU the dots take them as int8 operands (int32 products)."""
+    dequantized copy; on a CPU the dots take them as int8 operands (int32 products), one dot
+    per weight."""
     import re
 
     from models.gemma3 import ProgramKey, StepShape
@@ -261,9 +262,9 @@ def test_compiled_step_reads_int8_weights(tiny):
     text = lowered.as_text()
     to_float = r"stablehlo.convert[^\n]*\(tensor<[0-9x]+x{}>\) -> tensor<[0-9x]+x(bf16|f32)>"
     int8_dots = re.findall(r"stablehlo.dot_general[^\n]*xi8>[^\n]*-> tensor<[0-9x]+xi32>", text)
-    assert len(int8_dots) == 2 * n_linear and not re.search(to_float.format("i8"), text)
+    assert len(int8_dots) == n_linear and not re.search(to_float.format("i8"), text)
     assert re.search(r"s32\[[^\]]*\]\S* dot\(", lowered.compile().as_text())
-    # fp8 codes (and int8 off a CPU) are converted inside the program, next to their dots.
+    # fp8 codes (and int8 on a GPU) are converted inside the program, next to their dots.
     fp8 = tiny["none"].with_allreduce(F32, quantization="fp8").programs.lower(key)
     assert sum(str(a.dtype) == "float8_e4m3fn"
                for a in jax.tree.leaves(fp8.args_info[0][0])) == n_linear
