@@ -302,7 +302,8 @@ def test_server_with_int8_weights_answers_and_reports_them(server):
     assert weights["bytes"] < load_model(TINY).weights_summary()["bytes"]  # bfloat16
     metrics = httpx.get(server.url + "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("gemma3:weights_bytes{"))
-    assert 'quantization="int8"' in line and float(line.split()[-1]) == weights["bytes"]
+    assert 'quantization="int8"' in line and 'group_size="8"' in line
+    assert float(line.split()[-1]) == weights["bytes"]
 
 
 def test_settings_take_quantization():
