@@ -1,13 +1,8 @@
 """Server settings from, in increasing precedence: defaults, a config file (TOML or JSON),
-`GEMMA3_<NAME>` environment variables and command-line flags.
-
-The AllReduce is one setting, `allreduce`: an `equarx.AllReduceConfig.label` (`bf16`,
-`int8-full`, `int8-semi-rs+hadamard`, ...); `allreduce_variant` / `_phases` / `_blocks` are
-aliases that rewrite the label given in the same source. Settings that vLLM also has carry
-vLLM's names (`max_num_seqs`, `max_num_batched_tokens`, `long_prefill_token_threshold`); the old
-names (`RENAMED`) still work from a flag, the environment or a file, with a deprecation warning.
-Nothing here starts JAX's backend.
-"""
+`GEMMA3_<NAME>` environment variables and command-line flags. The AllReduce is one setting,
+`allreduce` (an `equarx.AllReduceConfig.label`; `allreduce_variant` / `_phases` / `_blocks`
+rewrite it); vLLM's names where vLLM has the setting, the old ones (`RENAMED`) still read with
+a deprecation warning. Nothing here starts JAX's backend."""
 from __future__ import annotations
 
 import argparse

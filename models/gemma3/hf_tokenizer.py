@@ -1,13 +1,7 @@
-"""The tokenizer side of a Hugging Face checkpoint: tokenizer.model or tokenizer.json, the EOS ids
-and sampling defaults of generation_config.json and the chat template, read and written.
-
-`tokenizer.model` (SentencePiece) is preferred when a directory has both, with tokenizer.json's
-added tokens (the multimodal checkpoints' `<image_soft_token>` is only there); both give the same
-ids on Gemma's vocabulary (tests/models/test_hf_checkpoint.py). The chat template is only carried
-here (`ChatTemplate`); serving renders it. Tokens the checkpoint marks as not for generation
-(generation_config.json's `suppress_tokens`, tokenizer_config.json's image token names) are
-attached for `tokenizer.never_generate_ids`.
-"""
+"""The tokenizer side of a Hugging Face checkpoint, read and written: tokenizer.model (preferred;
+with tokenizer.json's added tokens) or tokenizer.json, generation_config.json's EOS ids and
+sampling defaults, the chat template (carried only: serving renders it), and the tokens not for
+generation (`suppress_tokens`, image token names) for `tokenizer.never_generate_ids`."""
 from __future__ import annotations
 
 import dataclasses

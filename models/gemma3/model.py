@@ -7,6 +7,7 @@ over pages is ragged.py's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -16,7 +17,7 @@ from jax import lax
 
 from equarx import AllReduceConfig, all_reduce, native_cpu
 from models.gemma3.config import Gemma3Config
-from models.gemma3.quantization import QuantizedArray, expand_scale
+from models.gemma3.quantization import QuantizedArray, expand_scale, tpu_grouped_matmul
 from models.gemma3.sharding import AXIS, kv_sharded
 from models.gemma3.weights import LayerWeights, Weights
 
@@ -126,26 +127,24 @@ def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _quantized_product(spec: str, x: jax.Array, w: QuantizedArray) -> jax.Array:
-    """The float32 product of x with 8-bit codes and their scales, chosen by the platform the
-    program is compiled for (`lax.platform_dependent`: one trace serves all).
-
-    A scale per output channel, int8 codes (leading contraction): on CPU and TPU the codes
-    meet x's rows as int8 in one integer dot (`_int8_product`: XLA:CPU would convert the
-    whole weight to bfloat16 every step; a TPU runs it on the MXU's int8 path, reading the
-    weight as int8); elsewhere (GPU, fp8 codes) the codes are converted inside the program
-    (exact in x's dtype; XLA fuses the conversion into the dot's operand). The scale applies
-    once to the product. Grouped scales: on a CPU the native kernel (`_native_groups`);
-    elsewhere the weight dequantized in the program."""
+    """The float32 product of x with 8-bit codes and scales, by the platform the program is
+    compiled for (`lax.platform_dependent`). Per channel, int8: one integer dot on CPU and TPU
+    (`_int8_product`; the TPU's MXU int8 path), elsewhere codes converted beside the dot, the
+    scale applied to the product. Grouped int8 (`_flat_groups`): a native CPU kernel and a
+    Pallas TPU one (`tpu_grouped_matmul`), elsewhere the weight dequantized in the program."""
     if not _per_channel(spec, w.scale):
         def dequantized(x, codes, scale):
             return _dot(spec, x, QuantizedArray(codes, scale).dequantize(x.dtype))
 
-        if not _native_groups(spec, w):
+        if not _flat_groups(spec, w):
             return dequantized(x, w.codes, w.scale)
-        # (the kernel has no slow one-row path: a lone decode computes one row)
-        return lax.platform_dependent(
-            x, w.codes, w.scale, default=dequantized,
-            cpu=lambda x, codes, scale: _grouped_product(spec, x, QuantizedArray(codes, scale)))
+        kernels = {"tpu": tpu_grouped_matmul}
+        if native_cpu.in_use():  # built (the kernel has no slow one-row path)
+            kernels["cpu"] = lambda x, codes, scale: native_cpu.grouped_matmul(
+                x.astype(jnp.float32), codes, scale)
+        flat = {p: functools.partial(_grouped_product, spec, kernel)
+                for p, kernel in kernels.items()}
+        return lax.platform_dependent(x, w.codes, w.scale, default=dequantized, **flat)
 
     def converted(x, codes):
         return _dot(spec, x, codes.astype(x.dtype))
@@ -172,13 +171,12 @@ def _leading(spec: str) -> bool:
     return bool(shared) and w_dims.startswith(shared) and x_dims.endswith(shared)
 
 
-def _native_groups(spec: str, w: QuantizedArray) -> bool:
-    """Whether the native CPU kernel takes this grouped product: int8 codes whose contracted
-    dims lead and whose groups are runs of the flattened contracted dim. At every row count,
-    so that a token's product is the same in a decode step as in a prefill piece (a token's
-    answer alone equals its answer among others; XLA's product is faster from ~32 rows)."""
+def _flat_groups(spec: str, w: QuantizedArray) -> bool:
+    """Whether a grouped product runs as x [R, C] times codes [C, N], scales [C / G, N] (the
+    kernels' form): int8 codes, contracted dims leading, groups runs of the flattened C. The
+    CPU kernel runs at every row count, so a token's product is the same in any step."""
     k = _contracted(spec)
-    if w.codes.dtype != jnp.int8 or not _leading(spec) or not native_cpu.in_use():
+    if w.codes.dtype != jnp.int8 or not _leading(spec):
         return False
     s, c = w.scale.shape, w.codes.shape
     return s[k:] == c[k:] and s[:k - 1] == c[:k - 1]
@@ -190,14 +188,14 @@ def _contracted(spec: str) -> int:
     return sum(1 for d in w_dims if d in x_dims and d not in out_dims)
 
 
-def _grouped_product(spec: str, x: jax.Array, w: QuantizedArray) -> jax.Array:
-    """The float32 product of x with grouped int8 weights through the native CPU kernel."""
+def _grouped_product(spec: str, kernel, x: jax.Array, codes: jax.Array,
+                     scale: jax.Array) -> jax.Array:
+    """The float32 product of x with grouped int8 weights (`_flat_groups`) through `kernel`
+    (x [R, C], codes [C, N], scales [C / G, N] -> float32 [R, N])."""
     k = _contracted(spec)
-    c = int(np.prod(w.codes.shape[:k]))
-    out = native_cpu.grouped_matmul(x.reshape(-1, c).astype(jnp.float32),
-                                    w.codes.reshape(c, -1),
-                                    w.scale.reshape(-1, w.codes.size // c))
-    return out.reshape(*x.shape[:x.ndim - k], *w.codes.shape[k:])
+    c = int(np.prod(codes.shape[:k]))
+    out = kernel(x.reshape(-1, c), codes.reshape(c, -1), scale.reshape(-1, codes.size // c))
+    return out.reshape(*x.shape[:x.ndim - k], *codes.shape[k:])
 
 
 # x's rows as integers of 15 bits, two int8 halves: q = 128 * hi + lo, |q| <= 127 * 128.

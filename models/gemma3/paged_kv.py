@@ -1,16 +1,10 @@
 """The paged KV cache: two page pools (global layers, sliding-window layers), shared page ids.
 
-A layer's pool is one array [num_pages, page_size, 2 * Kc, H], KV head i's keys at 2i and values at
-2i + 1: the layout the Pallas TPU ragged paged attention kernel reads in place. All layers of a kind
-share page ids, so a sequence has one block table per kind; page 0 is scratch (`SCRATCH`). See
-docs/engine.md, "The paged engine".
-
-`--kv-cache-dtype int8|fp8` (`KV_CACHE_DTYPES`): the pool holds codes of the EQuARX group codec
-(equarx.codec_spec) and a second array their scales: each token's key (or value) row of one head is
-cut into runs of `KV_GROUP`, each run scaled on the codec's grid (power-of-two-stepped scales of 5
-mantissa bits, all bfloat16 values) and rounded half to even (int8, of runs rotated by the codec's
-rotation: `rotates`) or to e4m3 (fp8). A token's codes depend on that token alone, so batch
-invariance holds. See docs/deployment.md, "KV cache dtype"."""
+A layer's pool is [num_pages, page_size, 2 * Kc, H] (head i's keys at 2i, values at 2i + 1: the
+layout the Pallas TPU kernel reads); page 0 is scratch (`SCRATCH`). `--kv-cache-dtype int8|fp8`:
+codes of the EQuARX group codec and a second array of their scales, a scale per run of
+`KV_GROUP` values of one token's row, so a token's codes depend on that token alone. See
+docs/engine.md, "The paged engine", and docs/deployment.md, "KV cache dtype"."""
 from __future__ import annotations
 
 import dataclasses

@@ -147,11 +147,6 @@ class ModelPrograms:
                          self.tp, group)
         self._weight_specs = quantized_specs(weight_specs(config, self.tp), quantization, group)
         self.platform = mesh.devices.flat[0].platform
-        if group and self.platform == "tpu":
-            log.warning("--quantization-group-size %d on TPU: each step dequantizes the grouped "
-                        "weights into a bfloat16 copy before its products (more bytes than "
-                        "bfloat16 weights); a scale per channel (group size 0) reads them as "
-                        "int8", group)
         check_kv_cache_dtype(kv_cache_dtype, self.platform)
         self.kv_cache_dtype = kv_cache_dtype
         self._pages_specs = paged_specs(config, kv_cache_dtype)

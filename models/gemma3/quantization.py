@@ -1,24 +1,12 @@
-"""Weight-only quantization (`--quantization int8|fp8`, vLLM's flag): the linear layers' weights
-stored as 8-bit codes with one scale per output channel, or per group of values along the
-contracted dim (`--quantization-group-size`), dequantized inside the matmuls.
-
-A `QuantizedArray` holds codes (int8, or float8_e4m3fn) in the weight's own shape and layout and
-a scale in the weight's dtype whose shape divides the codes' (each scale serves a block of
-codes). Per output channel (group size 0), the weight's shape with its contracted dims set to 1
-("keepdims" form): q [D, N, H] -> [1, N, H], kv [D, 2, K, H] -> [1, 2, K, H], o [N, H, D] ->
-[1, 1, D], gating [D, 2, F] -> [1, 2, F], linear [F, D] -> [1, D]; an embedding [V, D] would
-take [V, 1] (a row's scale serves the lookup and, vocabulary rows being the logits' output
-channels, the tied output projection). A product then reads 8-bit codes, converts them to the
-activations' dtype (exact: int8 and e4m3 values are bfloat16 values), accumulates in float32 and
-multiplies by the output channel's scale once (`model.matmul`). With a group size G, one scale
-per G values along the innermost contracted dim: q [D/G, N, H], kv [D/G, 2, K, H], o [N, H/G, D],
-gating [D/G, 2, F], linear [F/G, D]; the matmul dequantizes them in the program, then multiplies.
-Norms, the embedding and the vision tower stay unquantized (`QUANTIZED_FIELDS`).
-
-Symmetric scales: absmax / 127 with the codec's round-half-even (`equarx.codec_spec`) for int8,
-absmax / 448 and e4m3's own rounding for fp8. The scale is rounded to the weight's dtype first
-and the codes are of the stored scale, so dequantizing gives exactly codes * scale.
-"""
+"""Weight-only quantization (`--quantization int8|fp8`, vLLM's flag): each linear layer's weight
+as a `QuantizedArray`, 8-bit codes (int8 or float8_e4m3fn) in the weight's own shape and a scale
+in the weight's dtype whose shape divides the codes': per output channel (group size 0: the
+contracted dims set to 1, e.g. q [D, N, H] -> [1, N, H]) or per G values along the innermost
+contracted dim (`--quantization-group-size`, e.g. q [D/G, N, H]). Symmetric: absmax / 127 with
+the codec's round-half-even (`equarx.codec_spec`), or absmax / 448 and e4m3's rounding; the
+scale is rounded to the weight's dtype first, so dequantizing gives exactly codes * scale.
+`model.matmul` runs the products; norms, the embedding and the vision tower stay unquantized
+(`QUANTIZED_FIELDS`). See docs/deployment.md, "Quantized weights"."""
 from __future__ import annotations
 
 import dataclasses
@@ -201,3 +189,61 @@ def weights_summary(weights: Weights, quantization: str, group_size: int = 0) ->
              else jnp.dtype(weights.final_norm.dtype))
     return {"bytes": int(total), "dtype": dtype.name, "quantization": quantization,
             "group_size": group_size}
+
+
+def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
+                       interpret: bool = False) -> jax.Array:
+    """x [R, C] times grouped int8 codes [C, N] (scales [C / G, N]) -> float32 [R, N], a Pallas
+    TPU kernel: a column block of codes is read as int8 and dequantized in VMEM once (as
+    `QuantizedArray.dequantize`), then meets every block of x's rows on the MXU. XLA's form
+    writes and reads a dequantized copy of the weight in HBM at every step."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    (r, c), n = x.shape, codes.shape[1]
+    g = c // scale.shape[0]
+    fits = [d for d in range(128, n + 1, 128) if n % d == 0 and c * d <= 1 << 20]
+    bn = max(fits) if fits else (128 if n % 128 == 0 else n)  # codes a block: ~1M values
+    bm = min(256, max(16, (1 << 20) // c // 16 * 16), -(-r // 16) * 16)  # x a block: ~1M
+    rows = -(-r // bm) * bm
+    # Rows dequantized at once: all, or (large C) runs of whole 16-row tiles of scales.
+    chunk = c if c * bn <= 1 << 20 else max(
+        [d for d in range(16 * g, c, 16 * g) if c % d == 0 and d * bn <= 1 << 20] or [c])
+
+    def kernel(x_ref, codes_ref, scale_ref, out_ref, w_ref):
+        @pl.when(pl.program_id(1) == 0)  # the column block's weights, dequantized once
+        def _():
+            def part(k, carry):
+                runs = codes_ref[pl.ds(k * chunk, chunk), :].astype(jnp.float32)
+                runs = runs.reshape(chunk // g, g, bn)
+                w = runs * scale_ref[pl.ds(k * (chunk // g), chunk // g), :].astype(
+                    jnp.float32)[:, None, :]
+                w_ref[pl.ds(k * chunk, chunk), :] = w.reshape(chunk, bn).astype(w_ref.dtype)
+                return carry
+
+            jax.lax.fori_loop(0, c // chunk, part, 0)
+
+        out_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+    # Inside shard_map: operands and result vary over the same mesh axes (their union).
+    axes = [set(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", ()))
+            for a in (x, codes, scale)]
+    x, codes, scale = (jax.lax.pcast(a, tuple(sorted(set().union(*axes) - v)), to="varying")
+                       if set().union(*axes) - v else a for a, v in zip((x, codes, scale), axes))
+    like = getattr(jax.typeof(x), "manual_axis_type", None)
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32, manual_axis_type=like),
+        grid=(n // bn, rows // bm),
+        in_specs=[pl.BlockSpec((bm, c), lambda j, i: (i, 0)),
+                  pl.BlockSpec((c, bn), lambda j, i: (0, j)),
+                  pl.BlockSpec((c // g, bn), lambda j, i: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
+        scratch_shapes=[pltpu.VMEM((c, bn), x.dtype)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=64 << 20),
+        cost_estimate=pl.CostEstimate(flops=2 * rows * c * n, transcendentals=0,
+                                      bytes_accessed=x.nbytes + codes.nbytes + scale.nbytes
+                                      + 4 * rows * n),
+        interpret=interpret,
+    )(jnp.pad(x, ((0, rows - r), (0, 0))), codes, scale)
+    return out[:r]

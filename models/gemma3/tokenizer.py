@@ -1,12 +1,8 @@
-"""Gemma 3's SentencePiece tokenizer, from a `tokenizer.model` or rebuilt from GGUF metadata.
-
-The SentencePiece model proto is rebuilt from the GGUF's vocabulary arrays (`build_model_proto`
-says how llama.cpp's conventions are undone) and cached on disk, named by the GGUF file's and
-the vocabulary's hashes and its own checksum (a damaged file is rebuilt, a file's new entry
-replaces its stale ones). Tokens a checkpoint adds beside the model file (tokenizer.json's
-added tokens, e.g. `<image_soft_token>`, id 262,144) extend it (`AddedToken`).
-`never_generate_ids`: the ids a model is not meant to emit.
-"""
+"""Gemma 3's SentencePiece tokenizer, from a `tokenizer.model` or rebuilt from GGUF metadata
+(`build_model_proto` undoes llama.cpp's conventions; cached on disk by the GGUF's and the
+vocabulary's hashes, a damaged or stale file rebuilt). Tokens added beside the model file
+(tokenizer.json's, e.g. `<image_soft_token>`) extend it (`AddedToken`); `never_generate_ids`:
+the ids a model is not meant to emit."""
 from __future__ import annotations
 
 import contextlib

@@ -1,14 +1,8 @@
 """Decoded GGUF weights kept on disk, so that a restart memory-maps them instead of dequantizing
-the quantized blocks again (docs/deployment.md).
-
-An entry, `<cache_dir>/<key>/{weights.bin,index.json}`, is the official parameter tree in the
-model's dtype: raw arrays at 4096-byte boundaries and a JSON index. The key (`entry_key`) covers
-the GGUF file's identity and content, the dtype, the decoder's source and library versions, so a
-changed file or decoder never reuses an entry. A `variant` entry holds another form of the same
-file's weights (`load_model`'s quantized ones, in our layout), keyed by it too. Entries are
-written beside their place and renamed into it whole (a crash leaves no entry; the next store
-removes what it left); models over `max_bytes` decoded are not cached. Any failure here only costs the speed-up.
-"""
+again (docs/deployment.md). An entry, `<cache_dir>/<key>/{weights.bin,index.json}`, holds raw
+arrays at 4096-byte boundaries and a JSON index, keyed (`entry_key`) by the GGUF file's identity
+and content, the dtype, the decoder's versions and a `variant` (e.g. quantized weights). Written
+beside its place and renamed in whole; any failure only costs the speed-up."""
 from __future__ import annotations
 
 import contextlib

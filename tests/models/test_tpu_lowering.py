@@ -1,12 +1,13 @@
 """The ragged step compiled ahead of time for a TPU v5e by libtpu's own compiler, on this host
 (a TPU topology needs no TPU: `jax.experimental.topologies`): the programs a TPU server would
-run compile, Pallas attention and the int8 AllReduce included, and int8 weights reach the MXU
-as int8 (no dequantized copy of any weight in the compiled program)."""
+run compile, Pallas attention and the int8 AllReduce included, and int8 weights, per channel
+or grouped, are read as int8 (no dequantized copy of any weight in the compiled program)."""
 from __future__ import annotations
 
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import topologies
 
@@ -67,17 +68,43 @@ def test_bfloat16_step_compiles_for_tpu(v5e):
     assert not re.search(r"= s32\[[^\]]*\]\{[^}]*\} convolution\(", text)
 
 
-def test_grouped_int8_weights_on_tpu_warn(v5e, caplog):
-    with caplog.at_level("WARNING", logger="models.gemma3.programs"):
-        ModelPrograms(CONFIG, mesh=make_mesh(1, v5e), allreduce=AllReduceConfig(),
-                      dtype=jnp.bfloat16, quantization="int8", quantization_group_size=32)
-    assert "--quantization-group-size 32 on TPU" in caplog.text
-
-
-@pytest.mark.xfail(strict=True, reason="grouped scales on TPU: XLA dequantizes each weight into a "
-                   "bfloat16 copy every step (the loader warns); the way on is a Pallas "
-                   "product per group")
 def test_grouped_int8_weights_reach_the_tpu_as_int8(v5e):
-    programs, text = compiled(v5e, 1, quantization="int8", quantization_group_size=32)
+    """tp=2, int8 weights in groups of 32: each linear product is a Pallas kernel
+    (`quantization.tpu_grouped_matmul`, beside one attention kernel a layer), and no bfloat16
+    or float32 array of a weight shard's shape exists in the compiled program."""
+    programs, text = compiled(v5e, 2, quantization="int8", quantization_group_size=32)
+    kernels = len(re.findall(r'custom_call_target="tpu_custom_call"', text))
+    assert kernels == CONFIG.num_layers * (1 + 5)
     for shape in weight_shard_shapes(programs):
         assert not re.search(rf"= (bf16|f32)\[{shape}\]", text), shape
+
+
+def test_tpu_grouped_matmul_is_the_dequantized_product():
+    """The kernel in interpret mode (on this CPU) gives XLA's dequantized product bit for bit,
+    rows padded to its blocks and columns split into blocks, in bfloat16 and float32."""
+    from models.gemma3.quantization import QuantizedArray, tpu_grouped_matmul
+
+    rng = np.random.default_rng(0)
+    for rows, c, n, dtype in ((3, 640, 4096, jnp.bfloat16), (300, 1024, 640, jnp.float32)):
+        x = jnp.asarray(rng.standard_normal((rows, c)), dtype)
+        w = QuantizedArray(jnp.asarray(rng.integers(-127, 128, (c, n)), jnp.int8),
+                           jnp.asarray(rng.random((c // 32, n)) / 64, jnp.bfloat16))
+        want = jnp.dot(x, w.dequantize(dtype), preferred_element_type=jnp.float32)
+        got = tpu_grouped_matmul(x, w.codes, w.scale, interpret=True)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_tpu_grouped_matmul_compiles_at_the_27bs_sizes(v5e):
+    """The kernel's blocks fit VMEM for the 27B's widest products at tp 1 (a 21,504-wide
+    contraction: dequantized in chunks) and its decode rows."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from models.gemma3.quantization import tpu_grouped_matmul
+
+    one = NamedSharding(Mesh(np.array(v5e[:1]), ("x",)), P())
+    for rows, c, n in ((64, 21504, 5376), (8, 5376, 43008)):
+        args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in
+                (((rows, c), jnp.bfloat16), ((c, n), jnp.int8), ((c // 32, n), jnp.bfloat16))]
+        text = jax.jit(tpu_grouped_matmul).lower(*args).compile().as_text()
+        assert 'custom_call_target="tpu_custom_call"' in text
