@@ -17,7 +17,8 @@ from jax import lax
 
 from equarx import AllReduceConfig, all_reduce, native_cpu
 from models.gemma3.config import Gemma3Config
-from models.gemma3.quantization import QuantizedArray, expand_scale, tpu_grouped_matmul
+from models.gemma3.quantization import (QuantizedArray, TPU_GROUPED_MAX_C, expand_scale,
+                                        tpu_grouped_matmul)
 from models.gemma3.sharding import AXIS, kv_sharded
 from models.gemma3.weights import LayerWeights, Weights
 
@@ -138,7 +139,8 @@ def _quantized_product(spec: str, x: jax.Array, w: QuantizedArray) -> jax.Array:
 
         if not _flat_groups(spec, w):
             return dequantized(x, w.codes, w.scale)
-        kernels = {"tpu": tpu_grouped_matmul}
+        wide = np.prod(w.codes.shape[:_contracted(spec)]) > TPU_GROUPED_MAX_C
+        kernels = {} if wide else {"tpu": tpu_grouped_matmul}
         if native_cpu.in_use():  # built (the kernel has no slow one-row path)
             kernels["cpu"] = lambda x, codes, scale: native_cpu.grouped_matmul(
                 x.astype(jnp.float32), codes, scale)

@@ -191,6 +191,9 @@ def weights_summary(weights: Weights, quantization: str, group_size: int = 0) ->
             "group_size": group_size}
 
 
+TPU_GROUPED_MAX_C = 16384  # widest C the kernel takes (wider outgrows a TPU v4's VMEM)
+
+
 def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
                        interpret: bool = False) -> jax.Array:
     """x [R, C] times grouped int8 codes [C, N] (scales [C / G, N]) -> float32 [R, N], a Pallas
@@ -200,11 +203,10 @@ def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    (r, c), n = x.shape, codes.shape[1]
-    g = c // scale.shape[0]
+    (r, c), n, g = x.shape, codes.shape[1], x.shape[1] // scale.shape[0]
     fits = [d for d in range(128, n + 1, 128) if n % d == 0 and c * d <= 1 << 20]
     bn = max(fits) if fits else (128 if n % 128 == 0 else n)  # codes a block: ~1M values
-    bm = min(256, max(16, (1 << 20) // c // 16 * 16), -(-r // 16) * 16)  # x a block: ~1M
+    bm = min(256, max(16, (1 << 19) // c // 16 * 16), -(-r // 16) * 16)  # x a block: ~512K
     rows = -(-r // bm) * bm
     # Rows dequantized at once: all, or (large C) runs of whole 16-row tiles of scales.
     chunk = c if c * bn <= 1 << 20 else max(
@@ -215,9 +217,8 @@ def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
         def _():
             def part(k, carry):
                 runs = codes_ref[pl.ds(k * chunk, chunk), :].astype(jnp.float32)
-                runs = runs.reshape(chunk // g, g, bn)
-                w = runs * scale_ref[pl.ds(k * (chunk // g), chunk // g), :].astype(
-                    jnp.float32)[:, None, :]
+                scales = scale_ref[pl.ds(k * (chunk // g), chunk // g), :].astype(jnp.float32)
+                w = runs.reshape(chunk // g, g, bn) * scales[:, None, :]
                 w_ref[pl.ds(k * chunk, chunk), :] = w.reshape(chunk, bn).astype(w_ref.dtype)
                 return carry
 
@@ -230,9 +231,8 @@ def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
             for a in (x, codes, scale)]
     x, codes, scale = (jax.lax.pcast(a, tuple(sorted(set().union(*axes) - v)), to="varying")
                        if set().union(*axes) - v else a for a, v in zip((x, codes, scale), axes))
-    like = getattr(jax.typeof(x), "manual_axis_type", None)
-    out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32, manual_axis_type=like),
+    out = pl.pallas_call(kernel, jax.ShapeDtypeStruct(
+        (rows, n), jnp.float32, manual_axis_type=getattr(jax.typeof(x), "manual_axis_type", None)),
         grid=(n // bn, rows // bm),
         in_specs=[pl.BlockSpec((bm, c), lambda j, i: (i, 0)),
                   pl.BlockSpec((c, bn), lambda j, i: (0, j)),
@@ -240,10 +240,9 @@ def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
         out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
         scratch_shapes=[pltpu.VMEM((c, bn), x.dtype)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=64 << 20),
-        cost_estimate=pl.CostEstimate(flops=2 * rows * c * n, transcendentals=0,
-                                      bytes_accessed=x.nbytes + codes.nbytes + scale.nbytes
-                                      + 4 * rows * n),
+                                             vmem_limit_bytes=32 << 20),
+        cost_estimate=pl.CostEstimate(flops=2 * rows * c * n, transcendentals=0, bytes_accessed=(
+            x.nbytes + codes.nbytes + scale.nbytes + 4 * rows * n)),
         interpret=interpret,
     )(jnp.pad(x, ((0, rows - r), (0, 0))), codes, scale)
     return out[:r]

@@ -94,16 +94,18 @@ def test_tpu_grouped_matmul_is_the_dequantized_product():
         np.testing.assert_array_equal(got, want)
 
 
-def test_tpu_grouped_matmul_compiles_at_the_27bs_sizes(v5e):
-    """The kernel's blocks fit VMEM for the 27B's widest products at tp 1 (a 21,504-wide
-    contraction: dequantized in chunks) and its decode rows."""
+def test_tpu_grouped_matmul_fits_a_v4s_vmem():
+    """The kernel's blocks fit the 16 MiB of VMEM of a TPU v4 (the least of the generations) at
+    the widest contraction the model gives it (`TPU_GROUPED_MAX_C`, dequantized in chunks) and
+    at the 27B's widest output (its FFN's gate and up projections at tp 1), decode rows."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from models.gemma3.quantization import tpu_grouped_matmul
+    from models.gemma3.quantization import TPU_GROUPED_MAX_C, tpu_grouped_matmul
 
-    one = NamedSharding(Mesh(np.array(v5e[:1]), ("x",)), P())
-    for rows, c, n in ((64, 21504, 5376), (8, 5376, 43008)):
+    v4 = topologies.get_topology_desc("v4:2x2x1", "tpu").devices
+    one = NamedSharding(Mesh(np.array(v4[:1]), ("x",)), P())
+    for rows, c, n in ((64, TPU_GROUPED_MAX_C, 5376), (8, 5376, 43008)):
         args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in
                 (((rows, c), jnp.bfloat16), ((c, n), jnp.int8), ((c // 32, n), jnp.bfloat16))]
         text = jax.jit(tpu_grouped_matmul).lower(*args).compile().as_text()
