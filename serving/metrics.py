@@ -100,7 +100,7 @@ class Metrics(NullMetrics):
                    "by the linear layers' dtype, the quantization and its group size (0: a "
                    "scale per channel).", ("dtype", "quantization", "group_size")
                    ).labels(*self._values, weights["dtype"], weights["quantization"],
-                            str(weights.get("group_size", 0))).set(weights["bytes"])
+                            str(weights["group_size"])).set(weights["bytes"])
         if kv_cache:
             series(Gauge, "kv_cache_bytes", "Bytes of the KV cache's pools on all devices (codes "
                    "and scales), by what they hold (--kv-cache-dtype).", ("kv_cache_dtype",)

@@ -17,8 +17,7 @@ from jax import lax
 
 from equarx import AllReduceConfig, all_reduce, native_cpu
 from models.gemma3.config import Gemma3Config
-from models.gemma3.quantization import (QuantizedArray, TPU_GROUPED_MAX_C, expand_scale,
-                                        tpu_grouped_matmul)
+from models.gemma3.quantization import QuantizedArray, expand_scale, tpu_grouped_matmul
 from models.gemma3.sharding import AXIS, kv_sharded
 from models.gemma3.weights import LayerWeights, Weights
 
@@ -128,19 +127,17 @@ def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _quantized_product(spec: str, x: jax.Array, w: QuantizedArray) -> jax.Array:
-    """The float32 product of x with 8-bit codes and scales, by the platform the program is
-    compiled for (`lax.platform_dependent`). Per channel, int8: one integer dot on CPU and TPU
-    (`_int8_product`; the TPU's MXU int8 path), elsewhere codes converted beside the dot, the
-    scale applied to the product. Grouped int8 (`_flat_groups`): a native CPU kernel and a
-    Pallas TPU one (`tpu_grouped_matmul`), elsewhere the weight dequantized in the program."""
+    """The float32 product of x with 8-bit codes and scales, by the platform compiled for
+    (`lax.platform_dependent`). Per channel, int8: one integer dot on CPU and TPU (`_int8_product`,
+    the MXU's int8 path), else codes converted beside the dot; the scale on the product. Grouped
+    int8 (`_flat_groups`): native CPU and Pallas TPU kernels, else dequantized in the program."""
     if not _per_channel(spec, w.scale):
         def dequantized(x, codes, scale):
             return _dot(spec, x, QuantizedArray(codes, scale).dequantize(x.dtype))
 
         if not _flat_groups(spec, w):
             return dequantized(x, w.codes, w.scale)
-        wide = np.prod(w.codes.shape[:_contracted(spec)]) > TPU_GROUPED_MAX_C
-        kernels = {} if wide else {"tpu": tpu_grouped_matmul}
+        kernels = {"tpu": tpu_grouped_matmul}
         if native_cpu.in_use():  # built (the kernel has no slow one-row path)
             kernels["cpu"] = lambda x, codes, scale: native_cpu.grouped_matmul(
                 x.astype(jnp.float32), codes, scale)
@@ -152,7 +149,7 @@ def _quantized_product(spec: str, x: jax.Array, w: QuantizedArray) -> jax.Array:
         return _dot(spec, x, codes.astype(x.dtype))
 
     if w.codes.dtype == jnp.int8 and _leading(spec):
-        int8 = lambda x, codes: _int8_product(spec, x, codes)  # noqa: E731
+        int8 = functools.partial(_int8_product, spec)
         out = lax.platform_dependent(x, w.codes, default=converted, cpu=int8, tpu=int8)
     else:
         out = converted(x, w.codes)

@@ -197,13 +197,16 @@ TPU_GROUPED_MAX_C = 16384  # widest C the kernel takes (wider outgrows a TPU v4'
 def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
                        interpret: bool = False) -> jax.Array:
     """x [R, C] times grouped int8 codes [C, N] (scales [C / G, N]) -> float32 [R, N], a Pallas
-    TPU kernel: a column block of codes is read as int8 and dequantized in VMEM once (as
-    `QuantizedArray.dequantize`), then meets every block of x's rows on the MXU. XLA's form
-    writes and reads a dequantized copy of the weight in HBM at every step."""
+    TPU kernel: a column block of codes read as int8, dequantized in VMEM once (as
+    `QuantizedArray.dequantize`), meets every block of x's rows on the MXU. XLA's form (kept for
+    C over TPU_GROUPED_MAX_C) writes and reads a dequantized copy of the weight in HBM each step."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     (r, c), n, g = x.shape, codes.shape[1], x.shape[1] // scale.shape[0]
+    if c > TPU_GROUPED_MAX_C:
+        w = QuantizedArray(codes, scale).dequantize(x.dtype)
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
     fits = [d for d in range(128, n + 1, 128) if n % d == 0 and c * d <= 1 << 20]
     bn = max(fits) if fits else (128 if n % 128 == 0 else n)  # codes a block: ~1M values
     bm = min(256, max(16, (1 << 19) // c // 16 * 16), -(-r // 16) * 16)  # x a block: ~512K
@@ -223,14 +226,14 @@ def tpu_grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
                 return carry
 
             jax.lax.fori_loop(0, c // chunk, part, 0)
-
         out_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
 
     # Inside shard_map: operands and result vary over the same mesh axes (their union).
     axes = [set(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", ()))
             for a in (x, codes, scale)]
-    x, codes, scale = (jax.lax.pcast(a, tuple(sorted(set().union(*axes) - v)), to="varying")
-                       if set().union(*axes) - v else a for a, v in zip((x, codes, scale), axes))
+    missing = [tuple(sorted(set().union(*axes) - v)) for v in axes]
+    x, codes, scale = (jax.lax.pcast(a, m, to="varying") if m else a
+                       for a, m in zip((x, codes, scale), missing))
     out = pl.pallas_call(kernel, jax.ShapeDtypeStruct(
         (rows, n), jnp.float32, manual_axis_type=getattr(jax.typeof(x), "manual_axis_type", None)),
         grid=(n // bn, rows // bm),
