@@ -146,29 +146,24 @@ def paged_attention(q: jax.Array, pages: LayerPages, table: jax.Array, first: ja
 
 def _paged_attention(q, pages, table, first, batch, window, impl):
     if impl == "gather":
-        return _xla_attention(q, pages, table, first, batch, window, q.dtype)
+        return _xla_attention(q, pages, table, first, batch, window)
     if impl == "xla":
-        # Quantized pages are read as float32 (code x scale, exact) on a CPU: XLA:CPU rounds
-        # float32 to bfloat16 element by element, which costs more there than the float32
-        # dots' wider operands (docs/results.md, "int8 weights and KV cache").
-        dtype = jnp.float32
         if window is None and table.shape[1] % BLOCK_PAGES == 0:
-            return _xla_blocked_attention(q, pages, table, batch, dtype)
-        return _xla_attention(q, pages, table, first, batch, window, dtype)
+            return _xla_blocked_attention(q, pages, table, batch)
+        return _xla_attention(q, pages, table, first, batch, window)
     if impl != "pallas":
         raise ValueError(f"paged attention impl must be 'xla', 'gather' or 'pallas', got {impl!r}")
     causal = jnp.all(batch.visible == batch.positions)
     return lax.cond(causal,
                     lambda: _pallas_attention(q, pages, table, first, batch, window),
-                    lambda: _xla_attention(q, pages, table, first, batch, window, q.dtype))
+                    lambda: _xla_attention(q, pages, table, first, batch, window))
 
 
-def _xla_attention(q, pages, table, first, batch, window, dtype):
+def _xla_attention(q, pages, table, first, batch, window):
     """Gather each row's pages whole and its queries into [S, Q], dense masked attention
     (`attend_gathered`), then back to the flat tokens. Unused table entries point at the
-    scratch page, at logical positions the rule rejects (the engine's guarantee). `dtype`:
-    quantized pages' values (`gather`)."""
-    k, v = gather(pages, table, dtype)  # [S, L, Kl, H]
+    scratch page, at logical positions the rule rejects (the engine's guarantee)."""
+    k, v = gather(pages, table, q.dtype)  # [S, L, Kl, H]
     s, length = k.shape[:2]
     size = pages.page_size
     key_pos = first[:, None] * size + jnp.arange(length, dtype=first.dtype)[None, :]  # [S, L]
@@ -182,7 +177,7 @@ def _xla_attention(q, pages, table, first, batch, window, dtype):
 BLOCK_PAGES = 8
 
 
-def _xla_blocked_attention(q, pages, table, batch, dtype):
+def _xla_blocked_attention(q, pages, table, batch):
     """A global layer's attention: each row's pages a block of BLOCK_PAGES at a time, in a loop
     that stops after the block holding the farthest key any query sees, with a running softmax
     (max, sum and output rescaled per block, float32). So a step reads the pages its rows
@@ -206,7 +201,7 @@ def _xla_blocked_attention(q, pages, table, batch, dtype):
     def body(j, carry):
         top, total, acc = carry  # [S, Kl, G, Q], [S, Kl, G, Q], [S, Kl, G, Q, H]: float32
         k, v = gather(pages, lax.dynamic_slice_in_dim(table, j * BLOCK_PAGES, BLOCK_PAGES, 1),
-                      dtype)
+                      q.dtype)
         key_pos = j * span + jnp.arange(span, dtype=qvis.dtype)
         logits = jnp.einsum("sqkgh,slkh->skgql", qr, k, preferred_element_type=jnp.float32)
         mask = visible_keys(key_pos[None, None, :], qpos[..., None], qvis[..., None], None)

@@ -332,7 +332,7 @@ def test_rows_read_their_own_pages_a_block_at_a_time(dtype, pieces):
     first = jnp.zeros(4, jnp.int32)
     attend = jax.jit(lambda b: paged_attention(q, pages, b.global_table, first, b, None))
     got = np.asarray(attend(step(lengths, table)), np.float32)[:real]
-    dense = jax.jit(lambda b: _xla_attention(q, pages, b.global_table, first, b, None, q.dtype))
+    dense = jax.jit(lambda b: _xla_attention(q, pages, b.global_table, first, b, None))
     want = np.asarray(dense(step(lengths, table)), np.float32)[:real]
     # bfloat16: within one rounding of the output (the dense form rounds normalized weights,
     # this one running ones)
