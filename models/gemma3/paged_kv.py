@@ -266,9 +266,9 @@ def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> La
 def gather(pages: LayerPages, table: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
     """The pages of each row's block table table [S, Pn] as keys and values [S, Pn * page, Kl,
     H] (logical order: column j's page holds the row's j-th page of its table); a quantized
-    pool's dequantized to `dtype` (the activations') after
-    the gather, which then reads the codes and scales alone. Runs stored rotated (`rotates`)
-    come out rotated: the attention rotates its queries instead (`ragged.paged_attention`).
+    pool's dequantized to `dtype` (the activations') after the gather, which then reads the
+    codes and scales alone. Runs stored rotated (`rotates`) come out rotated: the attention
+    rotates its queries instead (`ragged.paged_attention`).
 
     Keys and values are each one gather of (position, head) pairs from the pool seen as
     [positions, 2 * Kl, H] (a free reshape): each comes out contiguous, in the layout the

@@ -56,18 +56,19 @@ def test_generate_refuses_an_image_it_cannot_take(capsys, tmp_path, model, conte
     assert e.value.code == 2 and message in err, err
 
 
-
 def _engine_text(prompt: str, params) -> str:
     """The prompt through the engine `gemma3-generate` builds (random:tiny in float32 at the
     default context, one sequence, no prefix cache), driven in this process."""
     import threading
 
     from models.gemma3 import load_model
+    from serving.config import ServerConfig
     from serving.engine_core import EngineCore
     from serving.paged_runner import PagedRunner
 
-    model = load_model("random:tiny", tp=1, dtype="float32", max_seq_len=2048)
-    core = EngineCore(PagedRunner(model, max_num_seqs=1, max_seq_len=2048,
+    context = ServerConfig().max_seq_len
+    model = load_model("random:tiny", tp=1, dtype="float32", max_seq_len=context)
+    core = EngineCore(PagedRunner(model, max_num_seqs=1, max_seq_len=context,
                                   prefix_caching=False)).start()
     text, done = [], threading.Event()
     try:
