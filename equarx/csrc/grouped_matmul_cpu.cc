@@ -5,7 +5,8 @@
 //
 // Why a kernel of its own: XLA:CPU cannot put a group's scale inside a dot, so the weight is
 // dequantized to a full bfloat16 copy every step (a decode step ~2x a bfloat16 one); here each
-// 32-column block of a group's codes is widened once into L1 and used by every row.
+// 32-column block of a group's codes is widened once into L1 and used by every row (with one
+// row tile's rows or fewer, a decode step's, widened in registers as they are read).
 //
 // A row's arithmetic does not depend on the other rows or on how the work is split: each
 // (row, column) sums its group's products in k order with fused multiply-adds, then adds the
@@ -93,13 +94,64 @@ void rows_from(const Problem& p, int64_t r0, const float* w, const float* s, int
   }
 }
 
+#if defined(__AVX512F__)
+// row_tile over a full block whose codes are widened in registers as they are read (a decode
+// step's few rows: staging the widened block in `w` cost more than the products). The same
+// values and the same multiply-adds in the same order as row_tile: the same bits.
+template <int RT>
+inline void row_tile_codes(const float* x, int64_t ldx, const int8_t* c, int64_t ldc, int64_t g,
+                           const float* s, float* acc) {
+  __m512 part[RT][2];
+  for (int r = 0; r < RT; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < g; ++k) {
+    const int8_t* ck = c + k * ldc;
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)ck)));
+    const __m512 w1 =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ck + 16))));
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
+      part[r][1] = _mm512_fmadd_ps(xv, w1, part[r][1]);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+  for (int r = 0; r < RT; ++r) {
+    float* a = acc + r * kCols;
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(part[r][0], s0, _mm512_loadu_ps(a)));
+    _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(part[r][1], s1, _mm512_loadu_ps(a + 16)));
+  }
+}
+
+template <int RT>
+void rows_from_codes(const Problem& p, int64_t r0, const int8_t* c, const float* s, int64_t kg,
+                     float* acc) {
+  for (; r0 + RT <= p.rows; r0 += RT)
+    row_tile_codes<RT>(p.x + r0 * p.k + kg, p.k, c, p.n, p.group, s, acc + r0 * kCols);
+  if constexpr (RT > 1) {
+    if (r0 < p.rows) rows_from_codes<RT - 1>(p, r0, c, s, kg, acc);
+  }
+}
+#endif
+
 // Columns [n0, n0 + kCols) (the last block may be short: padded with zero codes), every row.
-// w holds the block's codes of one group widened to float32, acc the rows' sums.
+// w holds the block's codes of one group widened to float32 (when several row tiles share
+// them), acc the rows' sums.
 template <typename S>
 void column_block(const Problem& p, const S* scale, int64_t n0, float* w, float* acc) {
   const int64_t width = std::min(kCols, p.n - n0);
   std::fill(acc, acc + p.rows * kCols, 0.0f);
   float s[kCols] = {};
+#if defined(__AVX512F__)
+  if (width == kCols && p.rows <= kRowTile) {  // one row tile: widen the codes in registers
+    for (int64_t kg = 0; kg < p.k; kg += p.group) {
+      for (int64_t i = 0; i < kCols; ++i) s[i] = scale_at(scale, (kg / p.group) * p.n + n0 + i);
+      rows_from_codes<kRowTile>(p, 0, p.codes + kg * p.n + n0, s, kg, acc);
+    }
+    for (int64_t r = 0; r < p.rows; ++r)
+      std::memcpy(p.out + r * p.n + n0, acc + r * kCols, width * sizeof(float));
+    return;
+  }
+#endif
   for (int64_t kg = 0; kg < p.k; kg += p.group) {
     for (int64_t k = 0; k < p.group; ++k) {
       const int8_t* c = p.codes + (kg + k) * p.n + n0;
