@@ -32,6 +32,11 @@ namespace {
 
 constexpr int64_t kCols = 32;  // columns a block: two 16-lane vectors
 constexpr int kRowTile = 8;    // rows whose partial sums stay in registers
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
 
 inline float bf16_to_float(uint16_t v) {
   const uint32_t bits = uint32_t(v) << 16;
@@ -50,15 +55,42 @@ struct Problem {
   float* out;
 };
 
+// A block's weights at contraction row k as float32: widened once into a buffer (`Staged`, for
+// several row tiles) or widened in registers as the codes are read (`Codes`, for one).
+struct Staged {
+  const float* w;
+#if defined(__AVX512F__)
+  void load(int64_t k, __m512& w0, __m512& w1) const {
+    w0 = _mm512_loadu_ps(w + k * kCols);
+    w1 = _mm512_loadu_ps(w + k * kCols + 16);
+  }
+#endif
+  float at(int64_t k, int64_t c) const { return w[k * kCols + c]; }
+};
+
+struct Codes {
+  const int8_t* codes;
+  int64_t ld;  // codes between contraction rows
+#if defined(__AVX512F__)
+  void load(int64_t k, __m512& w0, __m512& w1) const {
+    const int8_t* c = codes + k * ld;
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16))));
+  }
+#endif
+  float at(int64_t k, int64_t c) const { return float(codes[k * ld + c]); }
+};
+
 // Rows [r0, r0 + RT) of one block: acc[r][c] += scale[c] * sum_k x[r, k] * w[k][c].
-template <int RT>
-inline void row_tile(const float* x, int64_t ldx, const float* w, int64_t g, const float* s,
+template <int RT, typename W>
+inline void row_tile(const float* x, int64_t ldx, const W& w, int64_t g, const float* s,
                      float* acc) {
 #if defined(__AVX512F__)
   __m512 part[RT][2];
   for (int r = 0; r < RT; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < g; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * kCols), w1 = _mm512_loadu_ps(w + k * kCols + 16);
+    __m512 w0, w1;
+    w.load(k, w0, w1);
     for (int r = 0; r < RT; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
       part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
@@ -76,7 +108,7 @@ inline void row_tile(const float* x, int64_t ldx, const float* w, int64_t g, con
   for (int64_t k = 0; k < g; ++k)
     for (int r = 0; r < RT; ++r) {
       const float xv = x[r * ldx + k];
-      for (int64_t c = 0; c < kCols; ++c) part[r][c] = std::fma(xv, w[k * kCols + c], part[r][c]);
+      for (int64_t c = 0; c < kCols; ++c) part[r][c] = std::fma(xv, w.at(k, c), part[r][c]);
     }
   for (int r = 0; r < RT; ++r)
     for (int64_t c = 0; c < kCols; ++c)
@@ -84,9 +116,8 @@ inline void row_tile(const float* x, int64_t ldx, const float* w, int64_t g, con
 #endif
 }
 
-template <int RT>
-void rows_from(const Problem& p, int64_t r0, const float* w, const float* s, int64_t kg,
-               float* acc) {
+template <int RT, typename W>
+void rows_from(const Problem& p, int64_t r0, const W& w, const float* s, int64_t kg, float* acc) {
   for (; r0 + RT <= p.rows; r0 += RT)
     row_tile<RT>(p.x + r0 * p.k + kg, p.k, w, p.group, s, acc + r0 * kCols);
   if constexpr (RT > 1) {
@@ -94,73 +125,29 @@ void rows_from(const Problem& p, int64_t r0, const float* w, const float* s, int
   }
 }
 
-#if defined(__AVX512F__)
-// row_tile over a full block whose codes are widened in registers as they are read (a decode
-// step's few rows: staging the widened block in `w` cost more than the products). The same
-// values and the same multiply-adds in the same order as row_tile: the same bits.
-template <int RT>
-inline void row_tile_codes(const float* x, int64_t ldx, const int8_t* c, int64_t ldc, int64_t g,
-                           const float* s, float* acc) {
-  __m512 part[RT][2];
-  for (int r = 0; r < RT; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < g; ++k) {
-    const int8_t* ck = c + k * ldc;
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)ck)));
-    const __m512 w1 =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ck + 16))));
-    for (int r = 0; r < RT; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
-      part[r][1] = _mm512_fmadd_ps(xv, w1, part[r][1]);
-    }
-  }
-  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-  for (int r = 0; r < RT; ++r) {
-    float* a = acc + r * kCols;
-    _mm512_storeu_ps(a, _mm512_fmadd_ps(part[r][0], s0, _mm512_loadu_ps(a)));
-    _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(part[r][1], s1, _mm512_loadu_ps(a + 16)));
-  }
-}
-
-template <int RT>
-void rows_from_codes(const Problem& p, int64_t r0, const int8_t* c, const float* s, int64_t kg,
-                     float* acc) {
-  for (; r0 + RT <= p.rows; r0 += RT)
-    row_tile_codes<RT>(p.x + r0 * p.k + kg, p.k, c, p.n, p.group, s, acc + r0 * kCols);
-  if constexpr (RT > 1) {
-    if (r0 < p.rows) rows_from_codes<RT - 1>(p, r0, c, s, kg, acc);
-  }
-}
-#endif
-
 // Columns [n0, n0 + kCols) (the last block may be short: padded with zero codes), every row.
-// w holds the block's codes of one group widened to float32 (when several row tiles share
-// them), acc the rows' sums.
+// w holds the block's codes of one group widened to float32 when several row tiles share them;
+// one row tile (a decode step's rows) reads the codes straight, with AVX-512 (measured there).
+// acc holds the rows' sums.
 template <typename S>
 void column_block(const Problem& p, const S* scale, int64_t n0, float* w, float* acc) {
   const int64_t width = std::min(kCols, p.n - n0);
+  const bool straight = kAvx512 && width == kCols && p.rows <= kRowTile;
   std::fill(acc, acc + p.rows * kCols, 0.0f);
   float s[kCols] = {};
-#if defined(__AVX512F__)
-  if (width == kCols && p.rows <= kRowTile) {  // one row tile: widen the codes in registers
-    for (int64_t kg = 0; kg < p.k; kg += p.group) {
-      for (int64_t i = 0; i < kCols; ++i) s[i] = scale_at(scale, (kg / p.group) * p.n + n0 + i);
-      rows_from_codes<kRowTile>(p, 0, p.codes + kg * p.n + n0, s, kg, acc);
-    }
-    for (int64_t r = 0; r < p.rows; ++r)
-      std::memcpy(p.out + r * p.n + n0, acc + r * kCols, width * sizeof(float));
-    return;
-  }
-#endif
   for (int64_t kg = 0; kg < p.k; kg += p.group) {
+    for (int64_t i = 0; i < width; ++i) s[i] = scale_at(scale, (kg / p.group) * p.n + n0 + i);
+    if (straight) {
+      rows_from<kRowTile>(p, 0, Codes{p.codes + kg * p.n + n0, p.n}, s, kg, acc);
+      continue;
+    }
     for (int64_t k = 0; k < p.group; ++k) {
       const int8_t* c = p.codes + (kg + k) * p.n + n0;
       float* wk = w + k * kCols;
       for (int64_t i = 0; i < width; ++i) wk[i] = float(c[i]);
       for (int64_t i = width; i < kCols; ++i) wk[i] = 0.0f;
     }
-    for (int64_t i = 0; i < width; ++i) s[i] = scale_at(scale, (kg / p.group) * p.n + n0 + i);
-    rows_from<kRowTile>(p, 0, w, s, kg, acc);
+    rows_from<kRowTile>(p, 0, Staged{w}, s, kg, acc);
   }
   for (int64_t r = 0; r < p.rows; ++r)
     std::memcpy(p.out + r * p.n + n0, acc + r * kCols, width * sizeof(float));
