@@ -234,10 +234,12 @@ def code_values(codes: jax.Array, dtype) -> jax.Array:
 
 def dequantize(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """`quantize`'s codes [..., H] and (stored) scales [..., H / g] -> values [..., H] in
-    `dtype`. The product of a code and a scale is exact in float32; in bfloat16 it is rounded
-    once, as the float32 product cast to bfloat16 would be."""
-    runs = code_values(codes.reshape(*scale.shape, -1), dtype)
-    return (runs * as_values(scale).astype(dtype)[..., None]).reshape(codes.shape)
+    `dtype`: the float32 product of a code and a scale (exact), rounded once to `dtype`. The
+    scales are widened to [..., H] before the product (not broadcast over runs of codes):
+    XLA:CPU then runs the gathered pages' dequantization at about twice the speed."""
+    wide = jnp.repeat(as_values(scale).astype(jnp.float32), codes.shape[-1] // scale.shape[-1],
+                      axis=-1)
+    return (code_values(codes, jnp.float32) * wide).astype(dtype)
 
 
 def store(pages: LayerPages, slots: jax.Array, k: jax.Array, v: jax.Array) -> LayerPages:
