@@ -302,14 +302,13 @@ def test_a_groups_image_work_replays_on_another_process():
                                broadcast=lambda words: sent.append(words.copy()) or words)
     core = EngineCore(leader, overlap=True).start()
     try:
-        stream = Collector()
-        core.submit([([2] + list(range(10, 30)), SamplingParams(max_tokens=40, temperature=0.0,
-                                                                ignore_eos=True), stream)])
-        while len(stream.events) < 3:
-            time.sleep(0.01)
-        beside = Collector()
+        # Both in one submit: the image is beside the stream by its steps, not by how soon this
+        # thread sees the stream's tokens (a busy machine once let the stream end first).
+        stream, beside = Collector(), Collector()
         ids, params, images = request([1])
-        core.submit([(ids, params, beside, images)])
+        core.submit([([2] + list(range(10, 30)), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                ignore_eos=True), stream),
+                     (ids, params, beside, images)])
         for c in (beside.wait(120), stream.wait(120)):
             assert c.error is None and c.finish == "length"
         for ids, params, images in (request([1]), request([1, 2])):
