@@ -302,8 +302,8 @@ def test_a_groups_image_work_replays_on_another_process():
                                broadcast=lambda words: sent.append(words.copy()) or words)
     core = EngineCore(leader, overlap=True).start()
     try:
-        # Both in one submit: the image is beside the stream by its steps, not by how soon this
-        # thread sees the stream's tokens (a busy machine once let the stream end first).
+        # Both in one submit: the image is beside the stream by the engine's steps, whenever
+        # this thread runs (a span is staged only while other sequences run).
         stream, beside = Collector(), Collector()
         ids, params, images = request([1])
         core.submit([([2] + list(range(10, 30)), SamplingParams(max_tokens=40, temperature=0.0,
